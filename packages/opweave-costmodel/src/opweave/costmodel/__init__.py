@@ -1,0 +1,153 @@
+"""opweave.costmodel: schemas, catalogs and the analytical cost model of OpWeave.
+
+Import this from any scheduler: it depends on pydantic and numpy only.
+
+>>> from opweave.costmodel import load_model, default_catalog, estimate_step
+>>> spec = load_model("qwen3-32b")
+>>> est = estimate_step(spec, default_catalog().get("h100"), tp=2, batch=16, context=4096)
+>>> est.fits
+True
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from ._private.estimate import StepEstimate, estimate_step
+from ._private.families import SUPPORTED_FAMILIES, model_spec_from_config, partition_block
+from ._private.hardware import (
+    BUILTIN_GPUS,
+    HARDWARE_SCHEMA_VERSION,
+    HardwareCatalog,
+    HardwareSpec,
+    load_hardware_file,
+)
+from ._private.model import (
+    AttentionKind,
+    LayerSpec,
+    ModelSpec,
+    MoESpec,
+    OpClass,
+    OperatorName,
+    OperatorSpec,
+    PartitionBlock,
+    TPCollective,
+)
+from ._private.models import BUILTIN_MODELS, load_model, read_config
+from ._private.plan import (
+    PLAN_SCHEMA_VERSION,
+    TP_DEGREES,
+    Owner,
+    Plan,
+    PlanModel,
+    Prediction,
+    Segment,
+    StageTemplate,
+    afd_template,
+    cad_template,
+    canonical_plan,
+    check_template,
+    colocated_template,
+    plan_model,
+    segments,
+)
+from ._private.profile import (
+    PROFILE_SCHEMA_VERSION,
+    LatencyModel,
+    OpLatencyTable,
+    Profile,
+    Provenance,
+    TransferProfile,
+    profile_key,
+)
+from ._private.roofline import (
+    ProfiledLatency,
+    RooflineLatency,
+    max_batch,
+    memory_bytes_per_rank,
+    shard_fraction,
+    state_bytes_per_rank,
+    weight_bytes_per_rank,
+)
+from .errors import (
+    ConfigError,
+    InfeasibleError,
+    OpWeaveError,
+    UnknownGPUError,
+    UnknownModelError,
+    UnsupportedModelError,
+)
+
+
+@lru_cache(maxsize=1)
+def default_catalog() -> HardwareCatalog:
+    """The built-in GPU catalog."""
+    return HardwareCatalog(BUILTIN_GPUS)
+
+
+__all__ = [
+    # models
+    "BUILTIN_MODELS",
+    "SUPPORTED_FAMILIES",
+    "AttentionKind",
+    "LayerSpec",
+    "ModelSpec",
+    "MoESpec",
+    "OpClass",
+    "OperatorName",
+    "OperatorSpec",
+    "PartitionBlock",
+    "TPCollective",
+    "load_model",
+    "model_spec_from_config",
+    "partition_block",
+    "read_config",
+    # hardware
+    "BUILTIN_GPUS",
+    "HARDWARE_SCHEMA_VERSION",
+    "HardwareCatalog",
+    "HardwareSpec",
+    "default_catalog",
+    "load_hardware_file",
+    # profiles and latency
+    "PROFILE_SCHEMA_VERSION",
+    "LatencyModel",
+    "OpLatencyTable",
+    "ProfiledLatency",
+    "Profile",
+    "Provenance",
+    "RooflineLatency",
+    "TransferProfile",
+    "profile_key",
+    # plans
+    "PLAN_SCHEMA_VERSION",
+    "TP_DEGREES",
+    "Owner",
+    "Plan",
+    "PlanModel",
+    "Prediction",
+    "Segment",
+    "StageTemplate",
+    "afd_template",
+    "cad_template",
+    "canonical_plan",
+    "check_template",
+    "colocated_template",
+    "plan_model",
+    "segments",
+    # roofline and estimates
+    "StepEstimate",
+    "estimate_step",
+    "max_batch",
+    "memory_bytes_per_rank",
+    "shard_fraction",
+    "state_bytes_per_rank",
+    "weight_bytes_per_rank",
+    # errors
+    "ConfigError",
+    "InfeasibleError",
+    "OpWeaveError",
+    "UnknownGPUError",
+    "UnknownModelError",
+    "UnsupportedModelError",
+]

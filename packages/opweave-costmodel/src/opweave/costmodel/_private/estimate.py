@@ -1,0 +1,60 @@
+"""Colocated decode step estimate: ``opweave estimate``."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .base import Frozen
+from .hardware import HardwareSpec
+from .model import ModelSpec, OpClass
+from .profile import LatencyModel
+from .roofline import RooflineLatency, memory_bytes_per_rank
+
+
+class StepEstimate(Frozen):
+    """One colocated decode step of ``batch`` requests at context ``context_tokens``."""
+
+    model: str
+    gpu: str
+    tp: int
+    batch: int
+    context_tokens: int
+    step_latency_s: float
+    breakdown_s: dict[str, float] = Field(
+        description="Per op class (attention, gemm, small) plus TP communication."
+    )
+    memory_bytes_per_gpu: float
+    memory_capacity_bytes: float = Field(description="Usable memory per GPU.")
+    fits: bool
+    tokens_per_s: float
+    usd_per_million_tokens: float | None
+
+
+def estimate_step(model: ModelSpec, hardware: HardwareSpec, *, tp: int, batch: int,
+                  context: int, latency: LatencyModel | None = None) -> StepEstimate:
+    """Latency, memory and cost of one colocated decode step.
+
+    >>> from opweave.costmodel import load_model, default_catalog
+    >>> est = estimate_step(load_model("llama-3.3-70b"), default_catalog().get("h100"),
+    ...                     tp=4, batch=32, context=8192)
+    >>> est.fits, round(est.step_latency_s * 1e3, 1) > 10
+    (True, True)
+    """
+    lat = latency or RooflineLatency(hardware)
+    breakdown = {c.value: 0.0 for c in OpClass} | {"communication": 0.0}
+    layer_of = {op.key: layer for layer in model.layers for op in layer.ops}
+    for op in model.operators:
+        breakdown[op.op_class.value] += lat.op_latency_s(model, op, layer_of.get(op.key), tp,
+                                                         batch, context)
+        breakdown["communication"] += lat.collective_s(op, tp, batch)
+    step = sum(breakdown.values())
+    memory = memory_bytes_per_rank(model.operators, tp, batch, context)
+    price = hardware.usd_per_hour
+    usd = None if price is None else price * tp * step / batch / 3600 * 1e6
+    return StepEstimate(
+        model=model.name, gpu=hardware.id, tp=tp, batch=batch, context_tokens=context,
+        step_latency_s=step, breakdown_s=breakdown, memory_bytes_per_gpu=memory,
+        memory_capacity_bytes=hardware.usable_memory_bytes,
+        fits=memory <= hardware.usable_memory_bytes, tokens_per_s=batch / step,
+        usd_per_million_tokens=usd,
+    )

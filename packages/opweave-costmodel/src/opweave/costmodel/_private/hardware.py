@@ -1,0 +1,250 @@
+"""GPU catalog: datasheet figures, measured efficiency factors and dated prices.
+
+Sources, cited once here and by key below:
+  [DS-H100] NVIDIA H100 Tensor Core GPU Datasheet (SXM and PCIe columns); [DS-H200] NVIDIA H200
+  datasheet; [DS-A100] NVIDIA A100 datasheet; [DS-L40S] NVIDIA L40S datasheet; [DS-L4] NVIDIA L4
+  datasheet; [DS-B200] NVIDIA DGX/HGX B200 datasheet (8-GPU totals / 8, dense = sparse / 2);
+  [DS-MI300X] AMD Instinct MI300X data sheet.
+  [BABEL] BabelStream triad on Azure ND-series VMs, Azure/AI-benchmarking-guide Azure_Results
+  (A100 1.70, H100 2.97, H200 4.15, MI300X 4.09 TB/s): achievable/peak memory bandwidth.
+  [MAMF] stas00/ml-engineering, compute/accelerator "Maximum Achievable Matmul FLOPS" (BF16:
+  A100 271, H100 794, B200 1745, MI300X 668 TFLOPS): achievable/peak dense GEMM throughput.
+  [NCCL-P2P] NVIDIA/nccl#1264: H100 peer-to-peer copies reach 380 of 450 GB/s per direction.
+  [DEEPOPS] NVIDIA DeepOps multi-node all-reduce: 191 of 200 GB/s (HDR) per 8-GPU node.
+  [NIC] per-GPU NICs: DGX A100 8x ConnectX-6 HDR 200 Gb/s; HGX H100/H200 and DGX B200 8x
+  ConnectX-7 NDR 400 Gb/s (MLPerf system descriptions).
+  [PRICE] median of dated 2026 on-demand list offers per GPU-hour (provider pricing pages read
+  2026-08 to 2026-11: RunPod, Lambda, Nebius, Hyperstack, Akash, AWS, GCP, DigitalOcean).
+  [VLLM] vLLM EngineArgs default gpu_memory_utilization = 0.9 of device memory.
+Where no measurement was found the factor is marked ASSUMED; override any field with
+``--hardware FILE``.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field, ValidationError
+
+from ..errors import ConfigError, UnknownGPUError
+from .base import Frozen
+
+HARDWARE_SCHEMA_VERSION = 1
+GB = 1e9
+TB = 1e12
+TFLOPS = 1e12
+US = 1e-6
+
+
+class HardwareSpec(Frozen):
+    """One device type as the cost model sees it (per device; one direction for links)."""
+
+    id: str
+    name: str
+    memory_bytes: float = Field(gt=0)
+    mem_bandwidth_bytes_per_s: float = Field(gt=0, description="Datasheet peak.")
+    dense_flops_per_s: float = Field(gt=0, description="Datasheet dense BF16 tensor peak.")
+    intra_node_link: str = ""
+    intra_node_bandwidth_bytes_per_s: float = Field(gt=0, description="Per direction.")
+    intra_node_latency_s: float = Field(4 * US, ge=0)
+    network_bandwidth_bytes_per_s: float = Field(gt=0, description="Inter-node, per direction.")
+    network_latency_s: float = Field(8 * US, ge=0)
+    gpus_per_node: int = Field(8, ge=1)
+    usd_per_hour: float | None = Field(None, description="On-demand price per device-hour.")
+    price_source: str = ""
+    memory_efficiency: float = Field(0.85, gt=0, le=1)
+    compute_efficiency: float = Field(0.80, gt=0, le=1)
+    link_efficiency: float = Field(0.85, gt=0, le=1)
+    kernel_overhead_s: float = Field(1.5 * US, ge=0, description="Per kernel launch.")
+    allreduce_latency_s: float = Field(10 * US, ge=0)
+    usable_memory_fraction: float = Field(0.9, gt=0, le=1)
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def usable_memory_bytes(self) -> float:
+        return self.memory_bytes * self.usable_memory_fraction
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.mem_bandwidth_bytes_per_s * self.memory_efficiency
+
+    @property
+    def effective_flops(self) -> float:
+        return self.dense_flops_per_s * self.compute_efficiency
+
+    def require_price(self) -> float:
+        if self.usd_per_hour is None:
+            raise ConfigError(f"GPU {self.id} has no price; give usd_per_hour for it in a "
+                              "--hardware file")
+        return self.usd_per_hour
+
+
+def _gpu(**fields: Any) -> HardwareSpec:
+    return HardwareSpec(**fields)
+
+
+# ASSUMED latencies: one-way small-message NVLink/RDMA ~2-3 us plus NCCL launch; small-message
+# all-reduce 10 us sits between vLLM's custom all-reduce and NCCL's ~25 us NVLS floor.
+BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
+    _gpu(id="h100-sxm", name="NVIDIA H100 SXM5 80GB", aliases=("h100",),
+         memory_bytes=80 * GB, mem_bandwidth_bytes_per_s=3.35 * TB,   # [DS-H100]
+         dense_flops_per_s=989 * TFLOPS,                               # [DS-H100]
+         intra_node_link="NVLink 4", intra_node_bandwidth_bytes_per_s=450 * GB,
+         network_bandwidth_bytes_per_s=50 * GB,                         # [NIC] 400 Gb/s
+         memory_efficiency=0.89, compute_efficiency=0.80,               # [BABEL] [MAMF]
+         link_efficiency=0.84,                                          # [NCCL-P2P]
+         usd_per_hour=3.99, price_source="[PRICE] median of 7 offers 2.69-10.98, = Lambda "
+                                         "8x H100 SXM, 2026-09-20"),
+    _gpu(id="h200-sxm", name="NVIDIA H200 SXM 141GB", aliases=("h200",),
+         memory_bytes=141 * GB, mem_bandwidth_bytes_per_s=4.8 * TB,    # [DS-H200]
+         dense_flops_per_s=989 * TFLOPS,
+         intra_node_link="NVLink 4", intra_node_bandwidth_bytes_per_s=450 * GB,
+         network_bandwidth_bytes_per_s=50 * GB,                         # [NIC]
+         memory_efficiency=0.86, compute_efficiency=0.80,               # [BABEL] [MAMF: =H100]
+         link_efficiency=0.84,
+         usd_per_hour=4.45, price_source="[PRICE] median of 5 offers 3.59-4.59, 2026-08/09"),
+    _gpu(id="a100-sxm-80gb", name="NVIDIA A100 SXM4 80GB", aliases=("a100", "a100-80gb"),
+         memory_bytes=80 * GB, mem_bandwidth_bytes_per_s=2.039 * TB,   # [DS-A100]
+         dense_flops_per_s=312 * TFLOPS,
+         intra_node_link="NVLink 3", intra_node_bandwidth_bytes_per_s=300 * GB,
+         network_bandwidth_bytes_per_s=25 * GB,                         # [NIC] HDR 200 Gb/s
+         memory_efficiency=0.83, compute_efficiency=0.87,               # [BABEL] [MAMF]
+         link_efficiency=0.84,
+         usd_per_hour=1.71, price_source="[PRICE] median of 5 offers 1.39-3.43, = Akash, "
+                                         "2026-09-20"),
+    _gpu(id="a100-sxm-40gb", name="NVIDIA A100 SXM4 40GB", aliases=("a100-40gb",),
+         memory_bytes=40 * GB, mem_bandwidth_bytes_per_s=1.555 * TB,   # [DS-A100]
+         dense_flops_per_s=312 * TFLOPS,
+         intra_node_link="NVLink 3", intra_node_bandwidth_bytes_per_s=300 * GB,
+         network_bandwidth_bytes_per_s=25 * GB,
+         memory_efficiency=0.83, compute_efficiency=0.87, link_efficiency=0.84,
+         usd_per_hour=2.74, price_source="[PRICE] median of 3 offers 1.99-3.40, = AWS p4d, "
+                                         "2026-11-09"),
+    _gpu(id="h100-pcie", name="NVIDIA H100 PCIe 80GB",
+         memory_bytes=80 * GB, mem_bandwidth_bytes_per_s=2.0 * TB,     # [DS-H100] PCIe
+         dense_flops_per_s=756 * TFLOPS,
+         intra_node_link="PCIe Gen5 x16", intra_node_bandwidth_bytes_per_s=64 * GB,
+         network_bandwidth_bytes_per_s=25 * GB,                         # ASSUMED
+         memory_efficiency=0.85, compute_efficiency=0.80,               # ASSUMED (as SXM)
+         usd_per_hour=2.89, price_source="[PRICE] median of 3 offers 1.99-3.29, 2026-09-25"),
+    _gpu(id="l40s", name="NVIDIA L40S 48GB",
+         memory_bytes=48 * GB, mem_bandwidth_bytes_per_s=0.864 * TB,   # [DS-L40S]
+         dense_flops_per_s=362.05 * TFLOPS,
+         intra_node_link="PCIe Gen4 x16", intra_node_bandwidth_bytes_per_s=32 * GB,
+         # ASSUMED: 2x 200 GbE per 4-GPU PCIe server = 100 Gb/s per GPU.
+         network_bandwidth_bytes_per_s=12.5 * GB, network_latency_s=10 * US,
+         intra_node_latency_s=8 * US, allreduce_latency_s=20 * US,
+         memory_efficiency=0.80, compute_efficiency=0.70,               # ASSUMED
+         link_efficiency=0.80, gpus_per_node=8,
+         usd_per_hour=1.09, price_source="[PRICE] median of 3 offers 0.79-1.55, = RunPod "
+                                         "Secure, 2026-09-25"),
+    _gpu(id="l4", name="NVIDIA L4 24GB",
+         memory_bytes=24 * GB, mem_bandwidth_bytes_per_s=0.3 * TB,     # [DS-L4]
+         dense_flops_per_s=121 * TFLOPS,
+         intra_node_link="PCIe Gen4 x16", intra_node_bandwidth_bytes_per_s=32 * GB,
+         network_bandwidth_bytes_per_s=6.25 * GB, network_latency_s=10 * US,  # ASSUMED 50 Gb/s
+         intra_node_latency_s=8 * US, allreduce_latency_s=20 * US,
+         # Power-capped at 72 W: community torch matmul runs reach 59-71 of 121 TFLOPS.
+         memory_efficiency=0.80, compute_efficiency=0.50, link_efficiency=0.80,
+         usd_per_hour=None, price_source="no dated primary-source price found; set one with "
+                                         "--hardware"),
+    _gpu(id="b200", name="NVIDIA B200 (HGX, 1000 W)",
+         memory_bytes=180 * GB, mem_bandwidth_bytes_per_s=8.0 * TB,    # [DS-B200]
+         dense_flops_per_s=2250 * TFLOPS,
+         intra_node_link="NVLink 5", intra_node_bandwidth_bytes_per_s=900 * GB,
+         network_bandwidth_bytes_per_s=50 * GB,                         # [NIC]
+         memory_efficiency=0.80, compute_efficiency=0.78,               # ASSUMED mem; [MAMF]
+         link_efficiency=0.84,
+         usd_per_hour=6.69, price_source="[PRICE] median of 7 offers 5.00-7.15, = Lambda "
+                                         "8x B200, 2026-09-20"),
+    _gpu(id="mi300x", name="AMD Instinct MI300X 192GB",
+         memory_bytes=192 * GB, mem_bandwidth_bytes_per_s=5.3 * TB,    # [DS-MI300X]
+         dense_flops_per_s=1307.4 * TFLOPS,
+         # 7 xGMI links x 64 GB/s per direction.
+         intra_node_link="Infinity Fabric (xGMI)", intra_node_bandwidth_bytes_per_s=448 * GB,
+         network_bandwidth_bytes_per_s=50 * GB,                         # ASSUMED 400 Gb/s
+         memory_efficiency=0.77, compute_efficiency=0.51,               # [BABEL] [MAMF]
+         link_efficiency=0.80,
+         usd_per_hour=2.59, price_source="[PRICE] only dated list price: DigitalOcean, "
+                                         "2026-10-07"),
+)
+
+
+class HardwareCatalog:
+    """GPU lookup by id or alias, with user overrides layered on the built-ins."""
+
+    def __init__(self, gpus: Iterable[HardwareSpec] = BUILTIN_GPUS) -> None:
+        self._gpus: dict[str, HardwareSpec] = {}
+        for gpu in gpus:
+            self.add(gpu)
+
+    def add(self, gpu: HardwareSpec) -> None:
+        self._gpus[gpu.id] = gpu
+
+    @property
+    def ids(self) -> tuple[str, ...]:
+        return tuple(self._gpus)
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        return iter(self._gpus.values())
+
+    def resolve(self, name: str) -> str:
+        key = name.strip().lower()
+        if key in self._gpus:
+            return key
+        for gpu in self._gpus.values():
+            if key in gpu.aliases:
+                return gpu.id
+        raise UnknownGPUError(f"unknown GPU {name!r}; known: {', '.join(self.ids)} "
+                              "(or add one with --hardware FILE)")
+
+    def get(self, name: str) -> HardwareSpec:
+        return self._gpus[self.resolve(name)]
+
+    def with_overrides(self, entries: Iterable[Mapping[str, Any]], source: str) -> HardwareCatalog:
+        """A new catalog where each entry overrides fields of a GPU or adds a new one."""
+        out = HardwareCatalog(self._gpus.values())
+        for entry in entries:
+            if not isinstance(entry, Mapping) or "id" not in entry:
+                raise ConfigError(f"{source}: every GPU entry needs an 'id'")
+            try:
+                gpu_id = out.resolve(str(entry["id"]))
+                merged = {**out._gpus[gpu_id].model_dump(), **entry, "id": gpu_id}
+            except UnknownGPUError:
+                merged = {"name": str(entry["id"]), **entry}
+            try:
+                out.add(HardwareSpec.model_validate(merged))
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                where = ".".join(str(p) for p in err["loc"])
+                raise ConfigError(f"{source}: GPU {entry['id']!r} field {where!r}: "
+                                  f"{err['msg']}") from None
+        return out
+
+
+def load_hardware_file(path: str | Path, base: HardwareCatalog | None = None) -> HardwareCatalog:
+    """Layer a TOML or JSON hardware file (``[[gpus]]`` entries) over the catalog.
+
+    A file entry with a known id overrides only the fields it names; a new id must give every
+    required field (memory_bytes, mem_bandwidth_bytes_per_s, dense_flops_per_s,
+    intra_node_bandwidth_bytes_per_s, network_bandwidth_bytes_per_s).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"hardware file {path} does not exist")
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"hardware file {path} is malformed: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+        raise ConfigError(f"hardware file {path} needs a list 'gpus' of GPU entries")
+    version = data.get("schema_version", HARDWARE_SCHEMA_VERSION)
+    if version != HARDWARE_SCHEMA_VERSION:
+        raise ConfigError(f"hardware file {path} has schema_version {version}; this OpWeave "
+                          f"reads version {HARDWARE_SCHEMA_VERSION}")
+    return (base or HardwareCatalog()).with_overrides(data["gpus"], str(path))

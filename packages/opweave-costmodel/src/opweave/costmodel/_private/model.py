@@ -1,0 +1,263 @@
+"""ModelSpec: a decoder-only LLM as the sequence of operators one decode step runs.
+
+Every operator carries the four quantities the cost model needs, as functions of batch ``b`` and
+context ``s``: resident weight bytes, bytes moved, FLOPs, and per-request state (KV cache,
+sliding-window KV, recurrent state). Names follow the vocabulary of DESIGN.md.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from functools import cached_property
+from typing import Literal
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+from pydantic import Field
+
+from .base import Frozen
+
+OperatorName = Literal[
+    "embed",
+    "attn_norm",
+    "qkv_proj",
+    "rope",
+    "core_attn",
+    "o_proj",
+    "ffn_norm",
+    "gate_up_proj",
+    "down_proj",
+    "router",
+    "experts",
+    "shared_expert",
+    "final_norm",
+    "lm_head",
+    "sample",
+]
+
+
+class OpClass(StrEnum):
+    """Bottleneck class of an operator (DESIGN.md)."""
+
+    ATTENTION = "attention"
+    GEMM = "gemm"
+    SMALL = "small"
+
+
+class AttentionKind(StrEnum):
+    FULL = "full"
+    SLIDING = "sliding"
+    LINEAR = "linear"
+
+
+class TPCollective(StrEnum):
+    """Collective a tensor-parallel group runs after the operator."""
+
+    NONE = "none"
+    ALLREDUCE = "allreduce"
+    ALLGATHER = "allgather"
+
+
+class MoESpec(Frozen):
+    num_experts: int = Field(description="Routed experts per MoE layer.")
+    top_k: int = Field(description="Experts each token is routed to.")
+    expert_weight_bytes: int = Field(description="Weight bytes of one routed expert.")
+    shared_expert_intermediate_size: int = Field(0, description="0 when there is none.")
+
+
+class OperatorSpec(Frozen):
+    """One operator of one layer (or of the model's start/end), unsharded."""
+
+    name: OperatorName
+    op_class: OpClass
+    layer: int | None = Field(None, description="Decoder layer index; None for embed/head ops.")
+    weight_bytes: int = Field(0, description="Resident weight bytes (all experts for `experts`).")
+    weight_bytes_read_per_token: float | None = Field(
+        None, description="Set for gathers (embed): a step reads only the rows its tokens use."
+    )
+    flops_per_token: float = Field(0.0, description="Context-independent FLOPs per token.")
+    attn_flops_per_context_token: float = Field(
+        0.0, description="core_attn FLOPs per token per attended context position."
+    )
+    state_bytes_per_context_token: float = Field(
+        0.0, description="KV bytes a request holds per context token (full or sliding)."
+    )
+    state_window_tokens: int | None = Field(None, description="Sliding window; None = unbounded.")
+    state_bytes_fixed: float = Field(0.0, description="Context-independent state per request.")
+    activation_bytes_per_token: float = Field(
+        0.0, description="Activation bytes read and written per token (HBM traffic)."
+    )
+    boundary_bytes_per_token: float = Field(
+        0.0, description="Bytes per token that cross a stage cut placed right after this op."
+    )
+    shard_units: int | None = Field(
+        None,
+        description="Heads the op shards over under tensor parallelism (state/compute per rank "
+        "is ceil(units/tp)/units); None for finely divisible GEMMs.",
+    )
+    tp_sharded: bool = Field(True, description="False: replicated on every TP rank (norms).")
+    tp_collective: TPCollective = TPCollective.NONE
+    tp_collective_bytes_per_token: float = 0.0
+    kernels: int = Field(1, description="Kernel launches per execution (for launch overhead).")
+    moe: MoESpec | None = None
+    tied_to: str | None = Field(None, description="Key of a weight shared with another op.")
+
+    @property
+    def key(self) -> str:
+        """Stable identifier: ``"L12.core_attn"`` or ``"embed"``."""
+        return self.name if self.layer is None else f"L{self.layer}.{self.name}"
+
+    @property
+    def holds_state(self) -> bool:
+        return self.state_bytes_per_context_token > 0 or self.state_bytes_fixed > 0
+
+    def attended_tokens(self, context: ArrayLike) -> NDArray[np.float64]:
+        s = np.asarray(context, dtype=np.float64)
+        if self.state_window_tokens is None:
+            return s
+        return np.minimum(s, float(self.state_window_tokens))
+
+    def state_bytes(self, context: ArrayLike) -> NDArray[np.float64]:
+        """Per-request resident state at context length ``s``."""
+        return (
+            self.state_bytes_per_context_token * self.attended_tokens(context)
+            + self.state_bytes_fixed
+        )
+
+    def weight_bytes_read(self, batch: ArrayLike) -> NDArray[np.float64]:
+        """Weight bytes one step reads: routed experts only load the experts tokens hit.
+
+        With ``b`` tokens each picking ``k`` of ``E`` experts uniformly, the expected number of
+        distinct experts touched is ``E * (1 - (1 - k/E)^b)``.
+        """
+        b = np.asarray(batch, dtype=np.float64)
+        if self.weight_bytes_read_per_token is not None:
+            return np.minimum(b * self.weight_bytes_read_per_token, float(self.weight_bytes))
+        if self.moe is None:
+            return np.full_like(b, float(self.weight_bytes))
+        e, k = self.moe.num_experts, self.moe.top_k
+        touched = e * (1.0 - (1.0 - k / e) ** b)
+        return touched * self.moe.expert_weight_bytes
+
+    def state_bytes_read(self, context: ArrayLike) -> NDArray[np.float64]:
+        """State traffic per request per step: KV is read; recurrent state is read and written."""
+        kv = self.state_bytes_per_context_token * self.attended_tokens(context)
+        return kv + 2.0 * self.state_bytes_fixed
+
+    def bytes_moved(self, batch: ArrayLike, context: ArrayLike) -> NDArray[np.float64]:
+        b = np.asarray(batch, dtype=np.float64)
+        return (
+            self.weight_bytes_read(b)
+            + b * self.activation_bytes_per_token
+            + b * self.state_bytes_read(context)
+        )
+
+    def flops(self, batch: ArrayLike, context: ArrayLike) -> NDArray[np.float64]:
+        b = np.asarray(batch, dtype=np.float64)
+        return b * (
+            self.flops_per_token
+            + self.attn_flops_per_context_token * self.attended_tokens(context)
+        )
+
+
+class LayerSpec(Frozen):
+    index: int
+    attention: AttentionKind
+    window_tokens: int | None = None
+    moe: bool = False
+    ops: tuple[OperatorSpec, ...]
+
+    @property
+    def signature(self) -> tuple[object, ...]:
+        """What makes two layers interchangeable for planning (same ops, same costs)."""
+        return (
+            self.attention,
+            self.window_tokens,
+            tuple(
+                (o.name, o.weight_bytes, o.flops_per_token, o.state_bytes_per_context_token)
+                for o in self.ops
+            ),
+        )
+
+
+class PartitionBlock(Frozen):
+    """The smallest repeating, layer-aligned operator pattern (paper §4, appendix B.1)."""
+
+    period_layers: int = Field(description="Layers per block.")
+    num_full_blocks: int
+    remainder_layers: int = Field(description="Layers of a trailing partial block.")
+    op_names: tuple[OperatorName, ...] = Field(description="Operator sequence of one block.")
+    op_layers: tuple[int, ...] = Field(description="Layer offset (0..period-1) of each op.")
+
+
+class ModelSpec(Frozen):
+    """A model as the cost model, planner and runtime see it."""
+
+    name: str
+    family: str = Field(description="Hugging Face model_type of the text model.")
+    dtype: str
+    bytes_per_param: float
+    hidden_size: int
+    vocab_size: int
+    num_layers: int
+    max_context_tokens: int
+    pre_ops: tuple[OperatorSpec, ...]
+    layers: tuple[LayerSpec, ...]
+    post_ops: tuple[OperatorSpec, ...]
+    block: PartitionBlock
+    config_sha256: str = Field(description="Digest of the normalised source config.")
+
+    @cached_property
+    def operators(self) -> tuple[OperatorSpec, ...]:
+        """All operators of one decode step, in execution order."""
+        ops = list(self.pre_ops)
+        for layer in self.layers:
+            ops.extend(layer.ops)
+        ops.extend(self.post_ops)
+        return tuple(ops)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Resident weights; a tied embedding/head counts once."""
+        seen: set[str] = set()
+        total = 0
+        for op in self.operators:
+            if op.tied_to is not None:
+                if op.tied_to in seen:
+                    continue
+                seen.add(op.tied_to)
+            total += op.weight_bytes
+        return total
+
+    @property
+    def gemm_flops_per_token(self) -> float:
+        """FLOPs per token of every non-attention operator (active parameters only)."""
+        return float(sum(o.flops_per_token for o in self.operators if o.name != "core_attn"))
+
+    @property
+    def attention_ops(self) -> tuple[OperatorSpec, ...]:
+        return tuple(o for o in self.operators if o.holds_state)
+
+    def state_bytes_per_request(self, context: ArrayLike) -> NDArray[np.float64]:
+        """KV + recurrent state one request holds at context ``s`` (vectorised over ``s``)."""
+        s = np.asarray(context, dtype=np.float64)
+        total = np.zeros_like(s)
+        for op in self.attention_ops:
+            total = total + op.state_bytes(s)
+        return total
+
+    def attention_bytes_per_request(self, context: ArrayLike) -> NDArray[np.float64]:
+        """State traffic one request causes per decode step (the attention memory term)."""
+        s = np.asarray(context, dtype=np.float64)
+        total = np.zeros_like(s)
+        for op in self.attention_ops:
+            total = total + op.state_bytes_read(s)
+        return total
+
+    def attention_flops_per_request(self, context: ArrayLike) -> NDArray[np.float64]:
+        """FLOPs of the state-holding operators for one request per decode step."""
+        s = np.asarray(context, dtype=np.float64)
+        total = np.zeros_like(s)
+        for op in self.attention_ops:
+            total = total + op.flops(1.0, s)
+        return total

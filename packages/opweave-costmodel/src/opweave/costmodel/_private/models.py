@@ -1,0 +1,69 @@
+"""Model catalog: built-in configs shipped as package data, or any config on disk."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, UnknownModelError
+from .families import model_spec_from_config
+from .model import ModelSpec
+
+# name -> (data file, Hugging Face repo it was taken from)
+BUILTIN_MODELS: dict[str, tuple[str, str]] = {
+    "gemma-3-27b": ("gemma-3-27b.json", "google/gemma-3-27b-it"),
+    "qwen3-next-80b-a3b": ("qwen3-next-80b-a3b.json", "Qwen/Qwen3-Next-80B-A3B-Instruct"),
+    "llama-3.3-70b": ("llama-3.3-70b.json", "meta-llama/Llama-3.3-70B-Instruct"),
+    "qwen3-32b": ("qwen3-32b.json", "Qwen/Qwen3-32B"),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b.json", "Qwen/Qwen3-30B-A3B"),
+}
+
+
+def builtin_config(name: str) -> dict[str, Any]:
+    """The shipped ``config.json`` of a built-in model."""
+    file, _ = BUILTIN_MODELS[name]
+    text = (resources.files("opweave.costmodel") / "data" / "models" / file).read_text()
+    return json.loads(text)
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """Read a ``config.json`` (or the one inside a model folder)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UnknownModelError(f"no config.json at {path}; give a built-in model name "
+                                f"({', '.join(BUILTIN_MODELS)}) or a Hugging Face model folder")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return config
+
+
+def load_model(model: str | Path, *, dtype: str | None = None) -> ModelSpec:
+    """A :class:`ModelSpec` for a built-in name or a path to a config / model folder.
+
+    >>> load_model("qwen3-next-80b-a3b").block.period_layers
+    4
+    """
+    return _load_model(str(model), dtype)
+
+
+@lru_cache(maxsize=32)
+def _load_model(model: str, dtype: str | None) -> ModelSpec:
+    if model in BUILTIN_MODELS:
+        return model_spec_from_config(builtin_config(model), name=model, dtype=dtype)
+    path = Path(model)
+    if not path.exists():
+        raise UnknownModelError(
+            f"unknown model {model!r}; use a built-in ({', '.join(BUILTIN_MODELS)}) "
+            "or a path to a Hugging Face config.json or model folder"
+        )
+    name = path.name if path.is_dir() else path.parent.name or path.stem
+    return model_spec_from_config(read_config(path), name=name, dtype=dtype)

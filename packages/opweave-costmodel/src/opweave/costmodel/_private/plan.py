@@ -1,0 +1,239 @@
+"""Plan schema, stage templates and the canonical baselines (colocated, AFD, CAD).
+
+A plan is what the planner writes and the runtime installs; the two meet only here.
+A stage template cuts a partition block's operator sequence into contiguous stages and is tiled
+over every block; stage positions map round-robin onto an ordered list of owners (paper §4, B.2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from ..errors import ConfigError
+from .base import Frozen
+from .model import ModelSpec, OpClass, OperatorSpec
+
+PLAN_SCHEMA_VERSION = 1
+TP_DEGREES = (1, 2, 4, 8)
+Strategy = Literal["colocated", "afd", "cad", "opweave"]
+
+
+class StageTemplate(Frozen):
+    """Cut points into the partition block's operator sequence.
+
+    ``cuts`` are block-op indices where a stage begins. When the first cut is not 0, the last
+    stage wraps around the block boundary (stages may span layers).
+    """
+
+    cuts: tuple[int, ...] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _sorted(self) -> StageTemplate:
+        if list(self.cuts) != sorted(set(self.cuts)) or self.cuts[0] < 0:
+            raise ValueError("template cuts must be distinct, sorted and non-negative")
+        return self
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.cuts)
+
+
+class Owner(Frozen):
+    """A device-group type: GPU type x tensor-parallel degree, with its replicas."""
+
+    gpu: str = Field(description="GPU id from the catalog, or a profiled device name.")
+    tp: int = Field(description="Tensor-parallel degree of one replica.")
+    replicas: int = Field(ge=1, description="Replicas of this owner in the deployment.")
+    resident_batch: int = Field(ge=1, description="Requests each replica serves per iteration.")
+
+    @model_validator(mode="after")
+    def _tp(self) -> Owner:
+        if self.tp not in TP_DEGREES:
+            raise ValueError(f"tp must be one of {TP_DEGREES}, got {self.tp}")
+        return self
+
+
+class PlanModel(Frozen):
+    name: str
+    family: str
+    num_layers: int
+    period_layers: int
+    config_sha256: str
+
+
+class Prediction(Frozen):
+    tpot_s: float
+    usd_per_million_tokens: float | None = None
+    tokens_per_s_per_replica_set: float | None = None
+    stages_per_token: int
+    internode_bytes_per_token: float = 0.0
+    compute_occupancy: float | None = Field(None, description="Mean busy share of owners.")
+
+
+class Plan(Frozen):
+    """A serving plan: template + owners + batching + microbatching + prediction."""
+
+    schema_version: Literal[1] = PLAN_SCHEMA_VERSION
+    strategy: Strategy
+    model: PlanModel
+    context_tokens: int = Field(ge=1)
+    tpot_slo_s: float | None = None
+    template: StageTemplate
+    owners: tuple[Owner, ...] = Field(min_length=1)
+    microbatches: int = Field(ge=1)
+    prediction: Prediction | None = None
+    profiles: tuple[str, ...] = Field((), description="Provenance of the latency profiles used.")
+
+    @model_validator(mode="after")
+    def _balanced(self) -> Plan:
+        batches = {o.replicas * o.resident_batch for o in self.owners}
+        if len(batches) != 1:
+            raise ValueError(
+                "every owner must serve the same global batch (replicas x resident_batch)"
+            )
+        for owner in self.owners:
+            if owner.resident_batch < self.microbatches:
+                raise ValueError(
+                    f"resident_batch {owner.resident_batch} of owner {owner.gpu} is smaller "
+                    f"than microbatches {self.microbatches}"
+                )
+        return self
+
+    @property
+    def global_batch(self) -> int:
+        return self.owners[0].replicas * self.owners[0].resident_batch
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One stage instance along the model: consecutive operators run by one owner."""
+
+    position: int
+    template_stage: int
+    owner: int
+    ops: tuple[OperatorSpec, ...]
+
+    @property
+    def holds_state(self) -> bool:
+        return any(op.holds_state for op in self.ops)
+
+
+def check_template(model: ModelSpec, template: StageTemplate) -> None:
+    """Raise ConfigError unless every stage of the template is a legal cut (paper §5.1).
+
+    Stages are contiguous; each holds at least one non-small operator (small ops attach to a
+    neighbour); attention state never leaves its ``core_attn`` (an operator is indivisible).
+    """
+    n = len(model.block.op_names)
+    if template.cuts[-1] >= n:
+        raise ConfigError(f"template cut {template.cuts[-1]} is past the block's {n} operators")
+    layer0 = model.layers[: model.block.period_layers]
+    classes = [op.op_class for layer in layer0 for op in layer.ops]
+    cuts = template.cuts
+    for j, start in enumerate(cuts):
+        end = cuts[j + 1] if j + 1 < len(cuts) else cuts[0] + n
+        members = [classes[i % n] for i in range(start, end)]
+        if all(c is OpClass.SMALL for c in members):
+            names = [model.block.op_names[i % n] for i in range(start, end)]
+            raise ConfigError(f"template stage {j} holds only small operators {names}; "
+                              "attach them to a neighbouring stage")
+
+
+def segments(model: ModelSpec, template: StageTemplate, num_owners: int) -> list[Segment]:
+    """Tile ``template`` over the model: the ordered stage instances and their owners.
+
+    Stage ``j`` of block ``i`` has position ``i * k + j`` (``k`` stages per template; shifted
+    by one when the first stage wraps in from a previous block) and runs on owner
+    ``position % num_owners``. Consecutive instances on the same owner merge into one segment.
+    ``embed`` joins the first segment and ``final_norm``/``lm_head``/``sample`` the last.
+    """
+    check_template(model, template)
+    stage_of = {c: j for j, c in enumerate(template.cuts)}
+    k = template.num_stages
+    shift = 0 if template.cuts[0] == 0 else 1
+    period = model.block.period_layers
+    # Each op of the block sequence, tagged with its stage position.
+    tagged: list[tuple[int, int, OperatorSpec]] = []
+    stage, block = k - 1, -1  # ops before the first cut belong to the wrapped last stage
+    for layer in model.layers:
+        base = model.block.op_layers.index(layer.index % period)
+        for j, op in enumerate(layer.ops):
+            if base + j in stage_of:
+                stage, block = stage_of[base + j], layer.index // period
+            tagged.append((block * k + stage + shift, stage, op))
+    out: list[Segment] = []
+    ops: list[OperatorSpec] = list(model.pre_ops)
+    first_stage = tagged[0][1]
+    for i, (position, stage, op) in enumerate(tagged):
+        if not ops or (len(ops) == len(model.pre_ops) and not out):
+            first_stage = stage
+        ops.append(op)
+        last = i + 1 == len(tagged)
+        if last:
+            ops.extend(model.post_ops)
+        if last or tagged[i + 1][0] % num_owners != position % num_owners:
+            out.append(Segment(position=len(out), template_stage=first_stage,
+                               owner=position % num_owners, ops=tuple(ops)))
+            ops = []
+    return out
+
+
+# -- canonical templates --------------------------------------------------------------------
+def colocated_template(model: ModelSpec) -> StageTemplate:
+    """One stage: the whole model on one owner."""
+    del model
+    return StageTemplate(cuts=(0,))
+
+
+def afd_template(model: ModelSpec) -> StageTemplate:
+    """Attention-FFN disaggregation: attention module vs FFN/MoE, per layer."""
+    names = model.block.op_names
+    return StageTemplate(cuts=tuple(i for i, n in enumerate(names)
+                                    if n in ("attn_norm", "ffn_norm")))
+
+
+def cad_template(model: ModelSpec) -> StageTemplate:
+    """Core-attention disaggregation: each core_attn alone vs everything else."""
+    names = model.block.op_names
+    cuts: set[int] = set()
+    for i, n in enumerate(names):
+        if n == "core_attn":
+            cuts.update((i, (i + 1) % len(names)))
+    return StageTemplate(cuts=tuple(sorted(cuts)))
+
+
+TEMPLATES = {"colocated": colocated_template, "afd": afd_template, "cad": cad_template}
+
+
+def plan_model(model: ModelSpec) -> PlanModel:
+    return PlanModel(name=model.name, family=model.family, num_layers=model.num_layers,
+                     period_layers=model.block.period_layers,
+                     config_sha256=model.config_sha256)
+
+
+def canonical_plan(model: ModelSpec, strategy: Literal["colocated", "afd", "cad"], *,
+                   gpu: str, batch: int, microbatches: int = 1, context_tokens: int = 1,
+                   tp: int = 1) -> Plan:
+    """The canonical template of a baseline with one replica per owner.
+
+    Colocated has one owner; AFD and CAD have two, which alternate along the model
+    (``owners[0]`` runs the first segment: the attention module for AFD, the rest-of-model
+    stage for CAD, whose first core_attn comes after a projection).
+
+    >>> from opweave.costmodel import load_model
+    >>> plan = canonical_plan(load_model("qwen3-32b"), "cad", gpu="h100-sxm", batch=8,
+    ...                       microbatches=2)
+    >>> [o.gpu for o in plan.owners], plan.template.cuts
+    (['h100-sxm', 'h100-sxm'], (3, 4))
+    """
+    if strategy not in TEMPLATES:
+        raise ConfigError(f"unknown strategy {strategy!r}; use one of {', '.join(TEMPLATES)}")
+    template = TEMPLATES[strategy](model)
+    num_owners = 1 if strategy == "colocated" else 2
+    owners = tuple(Owner(gpu=gpu, tp=tp, replicas=1, resident_batch=batch)
+                   for _ in range(num_owners))
+    return Plan(strategy=strategy, model=plan_model(model), context_tokens=context_tokens,
+                template=template, owners=owners, microbatches=microbatches)

@@ -1,0 +1,133 @@
+"""Profile schema: operator and transfer latencies of one device type, and their lookup.
+
+A profile is measured by the profiler or synthesised from the roofline; either way the planner
+sees the same :class:`LatencyModel` interface. Lookups interpolate log-log between grid points
+and extrapolate linearly in batch and context from the last two points.
+"""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Literal, Protocol
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from ..errors import ConfigError
+from .base import Frozen
+from .hardware import HardwareSpec
+from .model import LayerSpec, ModelSpec, OperatorSpec
+
+PROFILE_SCHEMA_VERSION = 1
+LinkKind = Literal["intra_node", "network"]
+
+
+def profile_key(op: OperatorSpec, layer: LayerSpec | None) -> str:
+    """Name of a distinct operator: layers of one attention kind share weights' shapes."""
+    return op.name if layer is None else f"{op.name}@{layer.attention.value}"
+
+
+class OpLatencyTable(Frozen):
+    """Median latency of one operator at one TP degree over a batch x context grid."""
+
+    op: str = Field(description="profile_key, e.g. 'core_attn@full' or 'lm_head'.")
+    tp: int = 1
+    batches: tuple[int, ...] = Field(min_length=1)
+    contexts: tuple[int, ...] = Field(min_length=1)
+    latency_s: tuple[tuple[float, ...], ...] = Field(description="[batch][context] medians.")
+    spread_s: tuple[tuple[float, ...], ...] | None = Field(
+        None, description="[batch][context] interquartile range of the repeats."
+    )
+
+    @model_validator(mode="after")
+    def _shape(self) -> OpLatencyTable:
+        if list(self.batches) != sorted(set(self.batches)) or self.batches[0] < 1:
+            raise ValueError("batches must be distinct, increasing and >= 1")
+        if list(self.contexts) != sorted(set(self.contexts)) or self.contexts[0] < 1:
+            raise ValueError("contexts must be distinct, increasing and >= 1")
+        if len(self.latency_s) != len(self.batches) or any(
+            len(row) != len(self.contexts) for row in self.latency_s
+        ):
+            raise ValueError("latency_s must be a [batch][context] table")
+        if any(not (v > 0 and np.isfinite(v)) for row in self.latency_s for v in row):
+            raise ValueError("latencies must be positive and finite")
+        return self
+
+    def __call__(self, batch: float, context: float) -> float:
+        table = np.log(np.asarray(self.latency_s, dtype=np.float64))
+        per_context = np.array([_interp_log(self.batches, row, batch) for row in table.T])
+        return float(np.exp(_interp_log(self.contexts, per_context, context)))
+
+
+def _interp_log(xs: tuple[int, ...], log_ys: np.ndarray, x: float) -> float:
+    """Interpolate log(y) in log(x); beyond the grid, extrapolate from the last two points."""
+    if len(xs) == 1:
+        return float(log_ys[0])
+    lx = np.log(np.asarray(xs, dtype=np.float64))
+    t = np.log(max(float(x), 1e-9))
+    if t <= lx[0]:
+        i = 0
+    elif t >= lx[-1]:
+        i = len(xs) - 2
+    else:
+        return float(np.interp(t, lx, log_ys))
+    slope = (log_ys[i + 1] - log_ys[i]) / (lx[i + 1] - lx[i])
+    if t <= lx[0]:
+        slope = min(max(slope, 0.0), 1.0)  # never faster than flat, never superlinear
+        return float(log_ys[0] + slope * (t - lx[0]))
+    return float(log_ys[-1] + max(slope, 0.0) * (t - lx[-1]))
+
+
+class TransferProfile(Frozen):
+    """Point-to-point transfer: ``latency_s + bytes / bandwidth_bytes_per_s``."""
+
+    link: LinkKind
+    latency_s: float = Field(ge=0)
+    bandwidth_bytes_per_s: float = Field(gt=0)
+
+
+class Provenance(Frozen):
+    source: Literal["measured", "roofline"]
+    device_name: str
+    date: str = Field(default_factory=lambda: date.today().isoformat())
+    versions: dict[str, str] = Field(default_factory=dict)
+    settings: dict[str, str | int | float | list[int] | list[str]] = Field(default_factory=dict)
+    note: str = ""
+
+
+class Profile(Frozen):
+    """Latencies of one device type for the operators of one model."""
+
+    schema_version: Literal[1] = PROFILE_SCHEMA_VERSION
+    device: HardwareSpec
+    model: str
+    config_sha256: str
+    dtype: str
+    ops: tuple[OpLatencyTable, ...]
+    transfers: tuple[TransferProfile, ...] = ()
+    provenance: Provenance
+
+    def table(self, key: str, tp: int) -> OpLatencyTable:
+        for t in self.ops:
+            if t.op == key and t.tp == tp:
+                return t
+        have = sorted({f"{t.op} (tp={t.tp})" for t in self.ops})
+        raise ConfigError(f"profile for {self.device.id} has no latencies for {key} at tp={tp}; "
+                          f"it has {', '.join(have[:8])}{'...' if len(have) > 8 else ''}; "
+                          "re-profile with that --tp")
+
+    def transfer(self, link: LinkKind) -> TransferProfile | None:
+        return next((t for t in self.transfers if t.link == link), None)
+
+
+class LatencyModel(Protocol):
+    """What the planner and ``estimate`` need from a device type: latencies in seconds."""
+
+    hardware: HardwareSpec
+
+    def op_latency_s(self, model: ModelSpec, op: OperatorSpec, layer: LayerSpec | None,
+                     tp: int, batch: float, context: float) -> float: ...
+
+    def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float: ...
+
+    def transfer_s(self, link: LinkKind, num_bytes: float) -> float: ...

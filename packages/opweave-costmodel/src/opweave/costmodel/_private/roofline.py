@@ -1,0 +1,150 @@
+"""Roofline operator latencies, tensor parallelism and memory feasibility (paper §3, A.1).
+
+Operator latency on one tensor-parallel rank:
+``max(bytes / (peak_bw * eta_mem), flops / (peak_flops * eta_flop)) + kernels * t_launch``,
+where the efficiency factors are measured public figures (see ``hardware.py``). A TP group
+shards weights, heads and FLOPs and runs an all-reduce (or all-gather) over the intra-node link
+after row-parallel operators.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .hardware import HardwareSpec
+from .model import LayerSpec, ModelSpec, OperatorSpec, TPCollective
+from .profile import LinkKind, Profile, profile_key
+
+# Inter-node all-reduce reaches 191 of 200 GB/s per node in NVIDIA DeepOps' measurements.
+NETWORK_EFFICIENCY = 0.95
+
+
+def shard_fraction(op: OperatorSpec, tp: int) -> float:
+    """Share of an operator's weights, state and FLOPs one of ``tp`` ranks holds."""
+    if tp == 1 or not op.tp_sharded:
+        return 1.0
+    if op.shard_units:
+        return math.ceil(op.shard_units / tp) / op.shard_units
+    return 1.0 / tp
+
+
+def op_bytes_and_flops(op: OperatorSpec, tp: int, batch: float,
+                       context: float) -> tuple[float, float]:
+    """Bytes moved and FLOPs of one rank for one execution."""
+    frac = shard_fraction(op, tp)
+    return float(op.bytes_moved(batch, context)) * frac, float(op.flops(batch, context)) * frac
+
+
+@dataclass(frozen=True)
+class RooflineLatency:
+    """The default :class:`LatencyModel`: datasheet peaks scaled by measured efficiencies."""
+
+    hardware: HardwareSpec
+
+    def op_latency_s(self, model: ModelSpec, op: OperatorSpec, layer: LayerSpec | None,
+                     tp: int, batch: float, context: float) -> float:
+        del model, layer
+        if batch <= 0:
+            return 0.0
+        hw = self.hardware
+        num_bytes, flops = op_bytes_and_flops(op, tp, batch, context)
+        return max(num_bytes / hw.effective_bandwidth, flops / hw.effective_flops) + (
+            op.kernels * hw.kernel_overhead_s
+        )
+
+    def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float:
+        if tp == 1 or op.tp_collective is TPCollective.NONE or batch <= 0:
+            return 0.0
+        hw = self.hardware
+        bw = hw.intra_node_bandwidth_bytes_per_s * hw.link_efficiency
+        payload = batch * op.tp_collective_bytes_per_token
+        # Ring all-reduce moves 2(t-1)/t of the payload per rank; all-gather (t-1)/t.
+        factor = 2.0 if op.tp_collective is TPCollective.ALLREDUCE else 1.0
+        return hw.allreduce_latency_s + factor * (tp - 1) / tp * payload / bw
+
+    def transfer_s(self, link: LinkKind, num_bytes: float) -> float:
+        hw = self.hardware
+        if link == "intra_node":
+            bw = hw.intra_node_bandwidth_bytes_per_s * hw.link_efficiency
+            return hw.intra_node_latency_s + num_bytes / bw
+        bw = hw.network_bandwidth_bytes_per_s * NETWORK_EFFICIENCY
+        return hw.network_latency_s + num_bytes / bw
+
+
+@dataclass(frozen=True)
+class ProfiledLatency:
+    """A :class:`LatencyModel` backed by a measured (or synthesised) profile.
+
+    Collectives and transfers not in the profile fall back to the roofline of the profile's
+    device.
+    """
+
+    profile: Profile
+
+    @property
+    def hardware(self) -> HardwareSpec:
+        return self.profile.device
+
+    def op_latency_s(self, model: ModelSpec, op: OperatorSpec, layer: LayerSpec | None,
+                     tp: int, batch: float, context: float) -> float:
+        del model
+        if batch <= 0:
+            return 0.0
+        return self.profile.table(profile_key(op, layer), tp)(batch, context)
+
+    def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float:
+        return RooflineLatency(self.hardware).collective_s(op, tp, batch)
+
+    def transfer_s(self, link: LinkKind, num_bytes: float) -> float:
+        measured = self.profile.transfer(link)
+        if measured is None:
+            return RooflineLatency(self.hardware).transfer_s(link, num_bytes)
+        return measured.latency_s + num_bytes / measured.bandwidth_bytes_per_s
+
+
+def weight_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int) -> float:
+    """Resident weights one rank holds for these operators (tied weights once)."""
+    seen: set[str] = set()
+    total = 0.0
+    for op in ops:
+        if op.tied_to is not None:
+            if op.tied_to in seen:
+                continue
+            seen.add(op.tied_to)
+        total += op.weight_bytes * shard_fraction(op, tp)
+    return total
+
+
+def state_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int,
+                         batch: float, context: float) -> float:
+    """KV / recurrent state one rank holds for ``batch`` requests at context ``context``."""
+    return float(sum(batch * float(op.state_bytes(context)) * shard_fraction(op, tp)
+                     for op in ops if op.holds_state))
+
+
+def activation_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec],
+                              batch: float) -> float:
+    """Transient activation workspace: the two largest live tensors of the step."""
+    sizes = sorted((op.boundary_bytes_per_token for op in ops), reverse=True)
+    return float(batch * sum(sizes[:2]))
+
+
+def memory_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int,
+                          batch: float, context: float) -> float:
+    return (weight_bytes_per_rank(ops, tp) + state_bytes_per_rank(ops, tp, batch, context)
+            + activation_bytes_per_rank(ops, batch))
+
+
+def max_batch(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int,
+              hardware: HardwareSpec, context: float) -> int:
+    """Largest integer batch whose weights, state and activations fit on every rank."""
+    free = hardware.usable_memory_bytes - weight_bytes_per_rank(ops, tp)
+    if free <= 0:
+        return 0
+    per_request = state_bytes_per_rank(ops, tp, 1.0, context) + activation_bytes_per_rank(ops, 1.0)
+    if per_request <= 0:
+        return 1 << 30
+    return int(np.floor(free / per_request))
