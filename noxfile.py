@@ -1,0 +1,51 @@
+"""Developer sessions: tests, lint, typecheck, schemas, install isolation."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["tests", "lint", "typecheck", "schemas"]
+
+PACKAGES = ["packages/opweave-costmodel", "packages/opweave-planner", "packages/opweave-cli"]
+
+
+def _sync(session: nox.Session, *groups: str) -> None:
+    session.run_install(
+        "uv", "sync", "--all-packages", "--locked", *(f"--group={g}" for g in groups),
+        f"--python={session.virtualenv.location}",
+        env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
+    )
+
+
+@nox.session(python="3.11")
+def tests(session: nox.Session) -> None:
+    """The full test suite (the command CI runs)."""
+    _sync(session, "dev")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    _sync(session, "dev")
+    session.run("ruff", "check", "packages", "tests", "tools", "noxfile.py")
+
+
+@nox.session(python="3.11")
+def typecheck(session: nox.Session) -> None:
+    _sync(session, "dev")
+    session.run("pyright", "packages/opweave-costmodel/src", "packages/opweave-planner/src")
+
+
+@nox.session(python="3.11")
+def schemas(session: nox.Session) -> None:
+    """Export JSON Schemas and fail if the checked-in copies differ."""
+    _sync(session, "dev")
+    session.run("python", "tools/export_schemas.py", "--check")
+
+
+@nox.session(python="3.11", venv_backend="venv")
+def isolation(session: nox.Session) -> None:
+    """`pip install opweave-costmodel` into a clean venv must not pull torch."""
+    session.install("./packages/opweave-costmodel")
+    session.run("python", "tools/check_isolation.py", "opweave-costmodel")

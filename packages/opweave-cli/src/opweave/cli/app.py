@@ -1,0 +1,79 @@
+"""The ``opweave`` command: parse arguments, call a library, print the result.
+
+Errors a user can cause print one line (``error: ...``) and exit with status 2; a traceback only
+appears with ``OPWEAVE_DEBUG=1``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from . import catalog, costs
+
+app = typer.Typer(
+    name="opweave",
+    help="Plan and run operator-level disaggregated LLM decode on mixed GPU fleets.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+catalog.register(app)
+costs.register(app)
+
+
+def _register_optional() -> None:
+    """Commands whose libraries are optional installs register only when importable."""
+    from importlib.util import find_spec
+
+    if find_spec("opweave.planner") is not None:
+        from . import planning
+
+        planning.register(app)
+
+
+_register_optional()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run the app, mapping errors to one-line messages and exit codes."""
+    from opweave.costmodel.errors import OpWeaveError
+
+    debug = os.environ.get("OPWEAVE_DEBUG") == "1"
+    args = sys.argv[1:] if argv is None else argv
+    if not args:
+        args = ["--help"]
+    try:
+        app(args=args, standalone_mode=False)
+    except OpWeaveError as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except typer.Abort:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+    except typer.TyperException as exc:  # usage errors: bad or missing options
+        if debug:
+            raise
+        print(f"error: {exc.format_message()}", file=sys.stderr)
+        return 2
+    except typer.Exit as exc:
+        return exc.exit_code
+    except (OSError, MemoryError) as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _console_main() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    _console_main()

@@ -1,0 +1,98 @@
+"""``opweave estimate`` and ``opweave analyze``: the analytical cost model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from ._common import (
+    HardwareOpt,
+    JsonOpt,
+    ModelArg,
+    catalog,
+    emit_json,
+    human_bytes,
+    parse_list,
+    parse_size,
+    table,
+)
+
+DEFAULT_CONTEXTS = "1K,2K,4K,8K,16K,32K,64K,128K"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("estimate")(estimate)
+    app.command("analyze")(analyze)
+
+
+def estimate(
+    model: ModelArg,
+    gpu: Annotated[str, typer.Option("--gpu", help="GPU id, e.g. h100.")],
+    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (1, 2, 4, 8).")] = 1,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests per step.")] = 1,
+    context: Annotated[str, typer.Option("--context", help="Context tokens, e.g. 8192 or 8K.")]
+    = "4096",
+    json_out: JsonOpt = False,
+    hardware: HardwareOpt = None,
+) -> None:
+    """Colocated decode step: latency per op class, memory per GPU and whether it fits."""
+    from opweave.costmodel import TP_DEGREES, estimate_step, load_model
+
+    if tp not in TP_DEGREES:
+        raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
+    spec = load_model(model)
+    hw = catalog(hardware).get(gpu)
+    est = estimate_step(spec, hw, tp=tp, batch=batch, context=parse_size(context))
+    if json_out:
+        emit_json(est.model_dump())
+        return
+    fits = "yes" if est.fits else "NO (exceeds usable memory)"
+    typer.echo(f"{spec.name} on {tp} x {hw.id}, batch {batch}, context {est.context_tokens}")
+    typer.echo(table(
+        [[k, f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items()]
+        + [["step", f"{est.step_latency_s * 1e3:.3f}"]],
+        ["op class", "latency ms"],
+    ))
+    typer.echo(f"memory per GPU: {human_bytes(est.memory_bytes_per_gpu)} of "
+               f"{human_bytes(est.memory_capacity_bytes)} usable; fits: {fits}")
+    typer.echo(f"throughput: {est.tokens_per_s:,.0f} tokens/s"
+               + ("" if est.usd_per_million_tokens is None
+                  else f"; cost: ${est.usd_per_million_tokens:.3f} per million tokens"))
+
+
+def analyze(
+    model: ModelArg,
+    gpus: Annotated[str, typer.Option("--gpus", help="One GPU id, or two: G1,G2.")],
+    contexts: Annotated[str, typer.Option("--contexts", help="Comma-separated context lengths.")]
+    = DEFAULT_CONTEXTS,
+    tp: Annotated[int | None, typer.Option("--tp", help="TP degree of the analysed unit "
+                                           "(default: smallest that fits).")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of cost and gain "
+                                              "against context.")] = None,
+    json_out: JsonOpt = False,
+    hardware: HardwareOpt = None,
+) -> None:
+    """The paper's §3 quantities: colocated vs homogeneous vs heterogeneous cost per token."""
+    from opweave.costmodel import analyze as run_analysis
+    from opweave.costmodel import load_model
+
+    spec = load_model(model)
+    cat = catalog(hardware)
+    names = parse_list(gpus)
+    if len(names) > 2:
+        raise typer.BadParameter("--gpus takes one or two GPU ids")
+    devices = [cat.get(n) for n in names]
+    points = [parse_size(c) for c in parse_list(contexts)]
+    result = run_analysis(spec, devices, points, tp=tp)
+    if plot is not None:
+        from ._plots import plot_analysis
+
+        plot_analysis(result, plot)
+    if json_out:
+        emit_json(result.to_json())
+        return
+    typer.echo(result.summary())
+    if plot is not None:
+        typer.echo(f"plot written to {plot}")

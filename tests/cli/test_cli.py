@@ -1,0 +1,72 @@
+"""The CLI contract of DESIGN.md: --json documents and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import TINY_LLAMA, cli_json, run_cli
+
+
+def test_models_and_gpus_json() -> None:
+    models = {m["name"]: m for m in cli_json("models")["models"]}
+    assert set(models) == {"gemma-3-27b", "qwen3-next-80b-a3b", "llama-3.3-70b", "qwen3-32b",
+                           "qwen3-30b-a3b"}
+    assert models["gemma-3-27b"]["block_layers"] == 6
+    gpus = {g["id"]: g for g in cli_json("gpus")["gpus"]}
+    assert gpus["h100-sxm"]["mem_bandwidth_bytes_per_s"] == 3.35e12
+    assert gpus["l4"]["usd_per_hour"] is None
+
+
+def test_estimate_json_fields() -> None:
+    doc = cli_json("estimate", "llama-3.3-70b", "--gpu", "h100", "--tp", "4", "--batch", "32",
+                   "--context", "8K")
+    assert {"step_latency_s", "breakdown_s", "memory_bytes_per_gpu", "fits"} <= set(doc)
+    assert doc["context_tokens"] == 8192 and doc["fits"] is True
+    assert doc["step_latency_s"] == pytest.approx(sum(doc["breakdown_s"].values()))
+    # 70B in bf16 does not fit one 80 GB GPU.
+    assert cli_json("estimate", "llama-3.3-70b", "--gpu", "h100", "--tp", "1")["fits"] is False
+
+
+def test_estimate_any_config_path(write_config) -> None:
+    folder = write_config(TINY_LLAMA, "tiny-llama")
+    doc = cli_json("estimate", str(folder), "--gpu", "a100", "--batch", "4")
+    assert doc["model"] == "tiny-llama" and doc["fits"] is True
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["estimate", "nope", "--gpu", "h100"], "unknown model 'nope'"),
+        (["estimate", "qwen3-32b", "--gpu", "h900"], "unknown GPU 'h900'"),
+        (["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "3"], "--tp must be one of"),
+        (["estimate", "qwen3-32b", "--gpu", "h100", "--context", "lots"], "not a token count"),
+        (["estimate", "qwen3-32b"], "Missing option '--gpu'"),
+        (["analyze", "qwen3-32b", "--gpus", "h100,a100,l40s"], "one or two GPU ids"),
+        (["gpus", "--hardware", "/nonexistent.toml"], "does not exist"),
+    ],
+)
+def test_bad_input_gets_one_line_error(args: list[str], message: str) -> None:
+    proc = run_cli(*args, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+
+
+def test_unsupported_family_and_malformed_config(write_config, tmp_path) -> None:
+    folder = write_config({"model_type": "bert", "hidden_size": 8}, "bert")
+    proc = run_cli("estimate", str(folder), "--gpu", "h100", check=False)
+    assert proc.returncode == 2 and "model_type 'bert' is not supported" in proc.stderr
+    broken = tmp_path / "broken" / "config.json"
+    broken.parent.mkdir()
+    broken.write_text("{")
+    proc = run_cli("estimate", str(broken), "--gpu", "h100", check=False)
+    assert proc.returncode == 2 and "not valid JSON" in proc.stderr
+
+
+def test_json_output_is_only_json() -> None:
+    proc = run_cli("estimate", "gemma-3-27b", "--gpu", "h200", "--batch", "8", "--json")
+    json.loads(proc.stdout)
+    assert proc.stderr == ""
