@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+
 @pytest.fixture
 def write_config(tmp_path: Path):
     def write(config: dict[str, Any], name: str = "model") -> Path:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from tests.helpers import TINY_LLAMA, cli_json, run_cli
 
 

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import pytest
+from tests.helpers import TINY_LLAMA
 
 from opweave.costmodel import (
     ConfigError,
     HardwareSpec,
     RooflineLatency,
+    UnknownGPUError,
+    default_catalog,
     estimate_step,
     load_hardware_file,
     max_batch,
     model_spec_from_config,
-    default_catalog,
-    UnknownGPUError,
 )
-from tests.helpers import TINY_LLAMA
 
 GPU = HardwareSpec(id="toy", name="toy", memory_bytes=1e9, mem_bandwidth_bytes_per_s=1e12,
                    dense_flops_per_s=1e14, intra_node_bandwidth_bytes_per_s=1e11,

@@ -50,18 +50,18 @@ class HardwareSpec(Frozen):
     dense_flops_per_s: float = Field(gt=0, description="Datasheet dense BF16 tensor peak.")
     intra_node_link: str = ""
     intra_node_bandwidth_bytes_per_s: float = Field(gt=0, description="Per direction.")
-    intra_node_latency_s: float = Field(4 * US, ge=0)
+    intra_node_latency_s: float = Field(default=4 * US, ge=0)
     network_bandwidth_bytes_per_s: float = Field(gt=0, description="Inter-node, per direction.")
-    network_latency_s: float = Field(8 * US, ge=0)
-    gpus_per_node: int = Field(8, ge=1)
-    usd_per_hour: float | None = Field(None, description="On-demand price per device-hour.")
+    network_latency_s: float = Field(default=8 * US, ge=0)
+    gpus_per_node: int = Field(default=8, ge=1)
+    usd_per_hour: float | None = Field(default=None, description="On-demand price per device-hour.")
     price_source: str = ""
-    memory_efficiency: float = Field(0.85, gt=0, le=1)
-    compute_efficiency: float = Field(0.80, gt=0, le=1)
-    link_efficiency: float = Field(0.85, gt=0, le=1)
-    kernel_overhead_s: float = Field(1.5 * US, ge=0, description="Per kernel launch.")
-    allreduce_latency_s: float = Field(10 * US, ge=0)
-    usable_memory_fraction: float = Field(0.9, gt=0, le=1)
+    memory_efficiency: float = Field(default=0.85, gt=0, le=1)
+    compute_efficiency: float = Field(default=0.80, gt=0, le=1)
+    link_efficiency: float = Field(default=0.85, gt=0, le=1)
+    kernel_overhead_s: float = Field(default=1.5 * US, ge=0, description="Per kernel launch.")
+    allreduce_latency_s: float = Field(default=10 * US, ge=0)
+    usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)
     aliases: tuple[str, ...] = ()
 
     @property

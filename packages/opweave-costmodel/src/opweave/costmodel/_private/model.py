@@ -62,7 +62,7 @@ class MoESpec(Frozen):
     num_experts: int = Field(description="Routed experts per MoE layer.")
     top_k: int = Field(description="Experts each token is routed to.")
     expert_weight_bytes: int = Field(description="Weight bytes of one routed expert.")
-    shared_expert_intermediate_size: int = Field(0, description="0 when there is none.")
+    shared_expert_intermediate_size: int = Field(default=0, description="0 when there is none.")
 
 
 class OperatorSpec(Frozen):
@@ -70,37 +70,37 @@ class OperatorSpec(Frozen):
 
     name: OperatorName
     op_class: OpClass
-    layer: int | None = Field(None, description="Decoder layer index; None for embed/head ops.")
-    weight_bytes: int = Field(0, description="Resident weight bytes (all experts for `experts`).")
+    layer: int | None = Field(default=None, description="Decoder layer index; None for embed/head ops.")
+    weight_bytes: int = Field(default=0, description="Resident weight bytes (all experts for `experts`).")
     weight_bytes_read_per_token: float | None = Field(
-        None, description="Set for gathers (embed): a step reads only the rows its tokens use."
+        default=None, description="Set for gathers (embed): a step reads only the rows its tokens use."
     )
-    flops_per_token: float = Field(0.0, description="Context-independent FLOPs per token.")
+    flops_per_token: float = Field(default=0.0, description="Context-independent FLOPs per token.")
     attn_flops_per_context_token: float = Field(
-        0.0, description="core_attn FLOPs per token per attended context position."
+        default=0.0, description="core_attn FLOPs per token per attended context position."
     )
     state_bytes_per_context_token: float = Field(
-        0.0, description="KV bytes a request holds per context token (full or sliding)."
+        default=0.0, description="KV bytes a request holds per context token (full or sliding)."
     )
-    state_window_tokens: int | None = Field(None, description="Sliding window; None = unbounded.")
-    state_bytes_fixed: float = Field(0.0, description="Context-independent state per request.")
+    state_window_tokens: int | None = Field(default=None, description="Sliding window; None = unbounded.")
+    state_bytes_fixed: float = Field(default=0.0, description="Context-independent state per request.")
     activation_bytes_per_token: float = Field(
-        0.0, description="Activation bytes read and written per token (HBM traffic)."
+        default=0.0, description="Activation bytes read and written per token (HBM traffic)."
     )
     boundary_bytes_per_token: float = Field(
-        0.0, description="Bytes per token that cross a stage cut placed right after this op."
+        default=0.0, description="Bytes per token that cross a stage cut placed right after this op."
     )
     shard_units: int | None = Field(
-        None,
+        default=None,
         description="Heads the op shards over under tensor parallelism (state/compute per rank "
         "is ceil(units/tp)/units); None for finely divisible GEMMs.",
     )
-    tp_sharded: bool = Field(True, description="False: replicated on every TP rank (norms).")
+    tp_sharded: bool = Field(default=True, description="False: replicated on every TP rank (norms).")
     tp_collective: TPCollective = TPCollective.NONE
     tp_collective_bytes_per_token: float = 0.0
-    kernels: int = Field(1, description="Kernel launches per execution (for launch overhead).")
+    kernels: int = Field(default=1, description="Kernel launches per execution (for launch overhead).")
     moe: MoESpec | None = None
-    tied_to: str | None = Field(None, description="Key of a weight shared with another op.")
+    tied_to: str | None = Field(default=None, description="Key of a weight shared with another op.")
 
     @property
     def key(self) -> str:

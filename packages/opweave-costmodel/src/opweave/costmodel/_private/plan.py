@@ -70,7 +70,7 @@ class Prediction(Frozen):
     tokens_per_s_per_replica_set: float | None = None
     stages_per_token: int
     internode_bytes_per_token: float = 0.0
-    compute_occupancy: float | None = Field(None, description="Mean busy share of owners.")
+    compute_occupancy: float | None = Field(default=None, description="Mean busy share of owners.")
 
 
 class Plan(Frozen):
@@ -85,7 +85,7 @@ class Plan(Frozen):
     owners: tuple[Owner, ...] = Field(min_length=1)
     microbatches: int = Field(ge=1)
     prediction: Prediction | None = None
-    profiles: tuple[str, ...] = Field((), description="Provenance of the latency profiles used.")
+    profiles: tuple[str, ...] = Field(default=(), description="Provenance of the latency profiles used.")
 
     @model_validator(mode="after")
     def _balanced(self) -> Plan:

@@ -36,7 +36,7 @@ class OpLatencyTable(Frozen):
     contexts: tuple[int, ...] = Field(min_length=1)
     latency_s: tuple[tuple[float, ...], ...] = Field(description="[batch][context] medians.")
     spread_s: tuple[tuple[float, ...], ...] | None = Field(
-        None, description="[batch][context] interquartile range of the repeats."
+        default=None, description="[batch][context] interquartile range of the repeats."
     )
 
     @model_validator(mode="after")
