@@ -12,7 +12,11 @@ PACKAGES = ["packages/opweave-costmodel", "packages/opweave-planner", "packages/
 
 def _sync(session: nox.Session, *groups: str) -> None:
     session.run_install(
-        "uv", "sync", "--all-packages", "--locked", *(f"--group={g}" for g in groups),
+        "uv",
+        "sync",
+        "--all-packages",
+        "--locked",
+        *(f"--group={g}" for g in groups),
         f"--python={session.virtualenv.location}",
         env={"UV_PROJECT_ENVIRONMENT": session.virtualenv.location},
     )

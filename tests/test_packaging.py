@@ -13,8 +13,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_checked_in_schemas_match_the_code() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "tools/export_schemas.py"), "--check"],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools/export_schemas.py"), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
 
 
@@ -30,9 +33,14 @@ def test_costmodel_installs_without_torch(tmp_path: Path) -> None:
     venv = tmp_path / "venv"
     subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(venv)], check=True)
     python = venv / "bin/python"
-    subprocess.run(["uv", "pip", "install", "-q", "-p", str(python),
-                    str(ROOT / "packages/opweave-costmodel")], check=True)
-    proc = subprocess.run([str(python), str(ROOT / "tools/check_isolation.py"),
-                           "opweave-costmodel"], capture_output=True, text=True)
+    subprocess.run(
+        ["uv", "pip", "install", "-q", "-p", str(python), str(ROOT / "packages/opweave-costmodel")],
+        check=True,
+    )
+    proc = subprocess.run(
+        [str(python), str(ROOT / "tools/check_isolation.py"), "opweave-costmodel"],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 0, proc.stderr
     assert "none of" in proc.stdout

@@ -39,8 +39,10 @@ def main() -> int:
             ROOT.mkdir(exist_ok=True)
             path.write_text(text)
     if stale:
-        print(f"schemas out of date: {', '.join(stale)}; run python tools/export_schemas.py",
-              file=sys.stderr)
+        print(
+            f"schemas out of date: {', '.join(stale)}; run python tools/export_schemas.py",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -10,8 +10,13 @@ from tests.helpers import TINY_LLAMA, cli_json, run_cli
 
 def test_models_and_gpus_json() -> None:
     models = {m["name"]: m for m in cli_json("models")["models"]}
-    assert set(models) == {"gemma-3-27b", "qwen3-next-80b-a3b", "llama-3.3-70b", "qwen3-32b",
-                           "qwen3-30b-a3b"}
+    assert set(models) == {
+        "gemma-3-27b",
+        "qwen3-next-80b-a3b",
+        "llama-3.3-70b",
+        "qwen3-32b",
+        "qwen3-30b-a3b",
+    }
     assert models["gemma-3-27b"]["block_layers"] == 6
     gpus = {g["id"]: g for g in cli_json("gpus")["gpus"]}
     assert gpus["h100-sxm"]["mem_bandwidth_bytes_per_s"] == 3.35e12
@@ -19,8 +24,18 @@ def test_models_and_gpus_json() -> None:
 
 
 def test_estimate_json_fields() -> None:
-    doc = cli_json("estimate", "llama-3.3-70b", "--gpu", "h100", "--tp", "4", "--batch", "32",
-                   "--context", "8K")
+    doc = cli_json(
+        "estimate",
+        "llama-3.3-70b",
+        "--gpu",
+        "h100",
+        "--tp",
+        "4",
+        "--batch",
+        "32",
+        "--context",
+        "8K",
+    )
     assert {"step_latency_s", "breakdown_s", "memory_bytes_per_gpu", "fits"} <= set(doc)
     assert doc["context_tokens"] == 8192 and doc["fits"] is True
     assert doc["step_latency_s"] == pytest.approx(sum(doc["breakdown_s"].values()))

@@ -14,8 +14,12 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def test_plot_analysis_writes_png(tmp_path):
     cat = default_catalog()
     # Up to 1M tokens: the longest contexts do not fit colocated and must not break the plot.
-    result = analyze(load_model("llama-3.3-70b"), [cat.get("h100"), cat.get("a100")],
-                     np.geomspace(512, 1 << 20, 50), tp=4)
+    result = analyze(
+        load_model("llama-3.3-70b"),
+        [cat.get("h100"), cat.get("a100")],
+        np.geomspace(512, 1 << 20, 50),
+        tp=4,
+    )
     path = tmp_path / "analysis.png"
     assert plot_analysis(result, path) == path
     data = path.read_bytes()
@@ -25,8 +29,8 @@ def test_plot_analysis_writes_png(tmp_path):
 
 def test_plot_single_gpu_with_large_bound(tmp_path):
     cat = default_catalog()
-    # Default tp=2 leaves little room beside 141 GB of weights: bound ~50, log gain axis.
-    result = analyze(load_model("llama-3.3-70b"), [cat.get("h100")], [1024, 4096, 8192])
+    # tp=2 leaves little room beside 141 GB of weights: bound ~50, log gain axis.
+    result = analyze(load_model("llama-3.3-70b"), [cat.get("h100")], [1024, 4096, 8192], tp=2)
     assert result.gpus[0].bound > 5
     path = plot_analysis(result, tmp_path / "single.png")
     assert path.read_bytes()[:8] == PNG_MAGIC

@@ -25,8 +25,9 @@ def test_llama_70b_matches_hand_count() -> None:
     params = layers * per_layer + 2 * v * h + h
     spec = load_model("llama-3.3-70b")
     assert spec.weight_bytes == 2 * params
-    assert spec.gemm_flops_per_token == pytest.approx(2 * (params - v * h) + 4 * h * layers * 2
-                                                      + 4 * h + v, rel=1e-3)
+    assert spec.gemm_flops_per_token == pytest.approx(
+        2 * (params - v * h) + 4 * h * layers * 2 + 4 * h + v, rel=1e-3
+    )
     # KV: 2 (k, v) x 8 heads x 128 x 2 bytes x 80 layers per token.
     assert float(spec.state_bytes_per_request(1000)) == 2 * 8 * 128 * 2 * 80 * 1000
     assert spec.block.period_layers == 1 and spec.block.num_full_blocks == 80
@@ -52,7 +53,8 @@ def test_qwen3_next_hybrid_block_and_recurrent_state() -> None:
     spec = load_model("qwen3-next-80b-a3b")
     assert spec.block.period_layers == 4
     assert [layer.attention for layer in spec.layers[:4]] == [AttentionKind.LINEAR] * 3 + [
-        AttentionKind.FULL]
+        AttentionKind.FULL
+    ]
     linear = next(op for op in spec.layers[0].ops if op.name == "core_attn")
     # 32 value heads x 128 x 128 state + conv (2*16*128 + 32*128) x 3, bf16.
     assert linear.state_bytes_fixed == (32 * 128 * 128 + (4096 + 4096) * 3) * 2
@@ -70,8 +72,15 @@ def test_builtins_all_load() -> None:
 
 
 def test_moe_dense_layers_change_the_block(write_config) -> None:
-    cfg = dict(TINY_LLAMA, model_type="qwen3_moe", num_hidden_layers=4, num_experts=8,
-               num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[3])
+    cfg = dict(
+        TINY_LLAMA,
+        model_type="qwen3_moe",
+        num_hidden_layers=4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[3],
+    )
     spec = load_model(write_config(cfg))
     assert [layer.moe for layer in spec.layers] == [True, True, True, False]
     assert spec.block.period_layers == 4
@@ -85,23 +94,39 @@ def test_moe_dense_layers_change_the_block(write_config) -> None:
 def test_layer_types_and_sliding_window_families() -> None:
     mistral = model_spec_from_config(dict(TINY_LLAMA, model_type="mistral", sliding_window=16))
     assert {layer.window_tokens for layer in mistral.layers} == {16}
-    explicit = model_spec_from_config(dict(
-        TINY_LLAMA, model_type="qwen3", num_hidden_layers=4, sliding_window=8, head_dim=16,
-        layer_types=["sliding_attention", "full_attention"] * 2))
+    explicit = model_spec_from_config(
+        dict(
+            TINY_LLAMA,
+            model_type="qwen3",
+            num_hidden_layers=4,
+            sliding_window=8,
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+        )
+    )
     assert explicit.block.period_layers == 2
     assert float(explicit.state_bytes_per_request(100)) == 2 * 2 * 16 * 4 * (8 + 100) * 2
 
 
 def test_gpt_oss_mxfp4_experts_are_smaller() -> None:
-    base = dict(TINY_LLAMA, model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
-                head_dim=16, sliding_window=8, torch_dtype="bfloat16")
+    base = dict(
+        TINY_LLAMA,
+        model_type="gpt_oss",
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        head_dim=16,
+        sliding_window=8,
+        torch_dtype="bfloat16",
+    )
     plain = model_spec_from_config(base)
     quant = model_spec_from_config(dict(base, quantization_config={"quant_method": "mxfp4"}))
     e_plain = next(o for o in plain.layers[0].ops if o.name == "experts").weight_bytes
     e_quant = next(o for o in quant.layers[0].ops if o.name == "experts").weight_bytes
     assert e_quant == pytest.approx(e_plain * 4.25 / 16, rel=1e-3)
-    assert [layer.attention for layer in plain.layers] == [AttentionKind.SLIDING,
-                                                          AttentionKind.FULL]
+    assert [layer.attention for layer in plain.layers] == [
+        AttentionKind.SLIDING,
+        AttentionKind.FULL,
+    ]
 
 
 def test_unsupported_family_names_the_supported_ones() -> None:

@@ -17,17 +17,35 @@ from opweave.costmodel import (
     model_spec_from_config,
 )
 
-GPU = HardwareSpec(id="toy", name="toy", memory_bytes=1e9, mem_bandwidth_bytes_per_s=1e12,
-                   dense_flops_per_s=1e14, intra_node_bandwidth_bytes_per_s=1e11,
-                   network_bandwidth_bytes_per_s=1e10, memory_efficiency=0.5,
-                   compute_efficiency=0.5, kernel_overhead_s=0.0, usd_per_hour=3.6,
-                   usable_memory_fraction=1.0, link_efficiency=1.0, allreduce_latency_s=0.0)
+GPU = HardwareSpec(
+    id="toy",
+    name="toy",
+    memory_bytes=1e9,
+    mem_bandwidth_bytes_per_s=1e12,
+    dense_flops_per_s=1e14,
+    intra_node_bandwidth_bytes_per_s=1e11,
+    network_bandwidth_bytes_per_s=1e10,
+    memory_efficiency=0.5,
+    compute_efficiency=0.5,
+    kernel_overhead_s=0.0,
+    usd_per_hour=3.6,
+    usable_memory_fraction=1.0,
+    link_efficiency=1.0,
+    allreduce_latency_s=0.0,
+)
 
 
 def test_gemm_latency_is_weight_bound_then_compute_bound() -> None:
     h, inter = 4096, 16384
-    spec = model_spec_from_config(dict(TINY_LLAMA, hidden_size=h, intermediate_size=inter,
-                                       num_attention_heads=32, num_key_value_heads=8))
+    spec = model_spec_from_config(
+        dict(
+            TINY_LLAMA,
+            hidden_size=h,
+            intermediate_size=inter,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+        )
+    )
     op = next(o for o in spec.layers[0].ops if o.name == "gate_up_proj")
     lat = RooflineLatency(GPU)
     params = 2 * h * inter
@@ -37,7 +55,8 @@ def test_gemm_latency_is_weight_bound_then_compute_bound() -> None:
     # large batch: 2 * params FLOPs per token over 50 TFLOP/s dominates.
     b = 10**5
     assert lat.op_latency_s(spec, op, spec.layers[0], 1, b, 10) == pytest.approx(
-        2 * params * b / 0.5e14)
+        2 * params * b / 0.5e14
+    )
 
 
 def test_attention_reads_kv_and_tp_shards_heads() -> None:
@@ -65,7 +84,8 @@ def test_allreduce_cost_and_estimate_totals() -> None:
     est = estimate_step(spec, GPU, tp=2, batch=4, context=100)
     assert est.step_latency_s == pytest.approx(sum(est.breakdown_s.values()))
     assert est.usd_per_million_tokens == pytest.approx(
-        3.6 * 2 / 3600 * est.step_latency_s / 4 * 1e6)
+        3.6 * 2 / 3600 * est.step_latency_s / 4 * 1e6
+    )
 
 
 def test_memory_feasibility_flips_at_capacity() -> None:
@@ -82,10 +102,12 @@ def test_catalog_aliases_and_override_file(tmp_path) -> None:
     with pytest.raises(UnknownGPUError, match="unknown GPU 'h900'.*h100-sxm"):
         cat.get("h900")
     path = tmp_path / "hw.toml"
-    path.write_text('[[gpus]]\nid = "h100"\nusd_per_hour = 2.0\n\n[[gpus]]\nid = "my-gpu"\n'
-                    'memory_bytes = 32e9\nmem_bandwidth_bytes_per_s = 1e12\n'
-                    'dense_flops_per_s = 2e14\nintra_node_bandwidth_bytes_per_s = 5e10\n'
-                    'network_bandwidth_bytes_per_s = 1e10\nusd_per_hour = 0.5\n')
+    path.write_text(
+        '[[gpus]]\nid = "h100"\nusd_per_hour = 2.0\n\n[[gpus]]\nid = "my-gpu"\n'
+        "memory_bytes = 32e9\nmem_bandwidth_bytes_per_s = 1e12\n"
+        "dense_flops_per_s = 2e14\nintra_node_bandwidth_bytes_per_s = 5e10\n"
+        "network_bandwidth_bytes_per_s = 1e10\nusd_per_hour = 0.5\n"
+    )
     custom = load_hardware_file(path)
     assert custom.get("h100").usd_per_hour == 2.0
     assert custom.get("h100").memory_bytes == cat.get("h100").memory_bytes

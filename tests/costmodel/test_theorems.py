@@ -14,8 +14,11 @@ from opweave.costmodel._private.analysis import Analysis, analyze
 
 REL = 1e-9
 FAMILIES = ["llama", "qwen3", "gemma3_text", "qwen3_next"]
-SETTINGS = settings(max_examples=25, deadline=None,
-                    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow],
+)
 
 
 @st.composite
@@ -62,11 +65,13 @@ def configs(draw: st.DrawFn, family: str) -> dict[str, Any]:
 @st.composite
 def gpus(draw: st.DrawFn, gpu_id: str) -> HardwareSpec:
     return HardwareSpec(
-        id=gpu_id, name=gpu_id,
+        id=gpu_id,
+        name=gpu_id,
         memory_bytes=draw(st.floats(24e9, 192e9)),
         mem_bandwidth_bytes_per_s=draw(st.floats(0.3e12, 8e12)),
         dense_flops_per_s=draw(st.floats(50e12, 2500e12)),
-        intra_node_bandwidth_bytes_per_s=100e9, network_bandwidth_bytes_per_s=50e9,
+        intra_node_bandwidth_bytes_per_s=100e9,
+        network_bandwidth_bytes_per_s=50e9,
         usd_per_hour=draw(st.floats(0.3, 10.0)),
         memory_efficiency=draw(st.floats(0.5, 1.0)),
         compute_efficiency=draw(st.floats(0.4, 1.0)),
@@ -84,8 +89,9 @@ def _model(family: str, data: st.DataObject) -> ModelSpec:
     return model_spec_from_config(cfg, name=f"random-{family}")
 
 
-def _analyze(model: ModelSpec, devices: list[HardwareSpec], s: np.ndarray,
-             tp: int | None) -> Analysis:
+def _analyze(
+    model: ModelSpec, devices: list[HardwareSpec], s: np.ndarray, tp: int | None
+) -> Analysis:
     try:
         return analyze(model, devices, s, tp=tp)
     except InfeasibleError:
@@ -105,8 +111,7 @@ def _unimodal(values: np.ndarray) -> bool:
 
 @pytest.mark.parametrize("family", FAMILIES)
 @SETTINGS
-@given(data=st.data(), gpu=gpus("x"), s=contexts(),
-       tp=st.sampled_from([None, None, None, 2, 4, 8]))
+@given(data=st.data(), gpu=gpus("x"), s=contexts(), tp=st.sampled_from([None, None, None, 2, 4, 8]))
 def test_theorem_3_1_homogeneous_gain(family, data, gpu, s, tp):
     res = _analyze(_model(family, data), [gpu], s, tp)
     g = res.gpus[0]
@@ -115,8 +120,10 @@ def test_theorem_3_1_homogeneous_gain(family, data, gpu, s, tp):
     assert np.all(ok[: int(ok.sum())])
     assert np.all(np.isnan(g.gain_homogeneous[~ok]))
     gain, compute_bound = g.gain_homogeneous[ok], g.compute_bound[ok]
-    event(f"compute-bound contexts: {compute_bound.any()}, memory-bound: "
-          f"{(~compute_bound).any()}, infeasible: {(~ok).any()}")
+    event(
+        f"compute-bound contexts: {compute_bound.any()}, memory-bound: "
+        f"{(~compute_bound).any()}, infeasible: {(~ok).any()}"
+    )
     # Colocation already compute-bound: disaggregation gains nothing.
     np.testing.assert_allclose(gain[compute_bound], 1.0, rtol=REL)
     # Memory-bound: a strict gain, growing with context, below M / (M - W).
@@ -158,38 +165,59 @@ def test_theorem_3_2_heterogeneous_gain(family, data, x, y, s):
 
 @pytest.mark.parametrize("family", FAMILIES)
 @SETTINGS
-@given(data=st.data(), x=gpus("x"), s=contexts(), price=st.floats(1.0, 4.0),
-       bandwidth=st.floats(0.25, 0.99), flops=st.floats(0.25, 0.99),
-       memory=st.floats(24e9, 192e9))
-def test_theorem_3_2_no_gain_when_one_gpu_dominates(family, data, x, s, price, bandwidth,
-                                                     flops, memory):
+@given(
+    data=st.data(),
+    x=gpus("x"),
+    s=contexts(),
+    price=st.floats(1.0, 4.0),
+    bandwidth=st.floats(0.25, 0.99),
+    flops=st.floats(0.25, 0.99),
+    memory=st.floats(24e9, 192e9),
+)
+def test_theorem_3_2_no_gain_when_one_gpu_dominates(
+    family, data, x, s, price, bandwidth, flops, memory
+):
     # y costs more per byte/s and per FLOP/s than x: x takes both operator classes.
-    y = x.model_copy(update={
-        "id": "y", "name": "y", "memory_bytes": memory, "usd_per_hour": x.usd_per_hour * price,
-        "mem_bandwidth_bytes_per_s": x.mem_bandwidth_bytes_per_s * bandwidth,
-        "dense_flops_per_s": x.dense_flops_per_s * flops,
-    })
+    y = x.model_copy(
+        update={
+            "id": "y",
+            "name": "y",
+            "memory_bytes": memory,
+            "usd_per_hour": x.usd_per_hour * price,
+            "mem_bandwidth_bytes_per_s": x.mem_bandwidth_bytes_per_s * bandwidth,
+            "dense_flops_per_s": x.dense_flops_per_s * flops,
+        }
+    )
     res = _analyze(_model(family, data), [y, x], s, None)
     het = res.heterogeneous
     assert het is not None and het.dominated
     assert het.attention_gpu == het.gemm_gpu == "x"
     ok = het.feasible
     np.testing.assert_allclose(het.gain_heterogeneous[ok], 1.0, rtol=REL)
-    np.testing.assert_allclose(het.cost_heterogeneous[ok], res.gpu("x").cost_homogeneous[ok],
-                               rtol=REL)
+    np.testing.assert_allclose(
+        het.cost_heterogeneous[ok], res.gpu("x").cost_homogeneous[ok], rtol=REL
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @SETTINGS
-@given(data=st.data(), x=gpus("x"), s=contexts(), bandwidth=st.floats(1.2, 4.0),
-       flops=st.floats(0.1, 0.8))
+@given(
+    data=st.data(),
+    x=gpus("x"),
+    s=contexts(),
+    bandwidth=st.floats(1.2, 4.0),
+    flops=st.floats(0.1, 0.8),
+)
 def test_theorem_3_2_peak_at_the_crossing(family, data, x, s, bandwidth, flops):
     # y: same price, more bandwidth, fewer FLOP/s -- a genuine trade-off.
-    y = x.model_copy(update={
-        "id": "y", "name": "y",
-        "mem_bandwidth_bytes_per_s": x.mem_bandwidth_bytes_per_s * bandwidth,
-        "dense_flops_per_s": x.dense_flops_per_s * flops,
-    })
+    y = x.model_copy(
+        update={
+            "id": "y",
+            "name": "y",
+            "mem_bandwidth_bytes_per_s": x.mem_bandwidth_bytes_per_s * bandwidth,
+            "dense_flops_per_s": x.dense_flops_per_s * flops,
+        }
+    )
     res = _analyze(_model(family, data), [x, y], s, None)
     het = res.heterogeneous
     assert het is not None and not het.dominated

@@ -17,8 +17,22 @@ from opweave.costmodel import analyze, default_catalog, load_model
 
 
 def cold_start_s(repeats: int = 5) -> list[float]:
-    cmd = [sys.executable, "-m", "opweave.cli", "estimate", "gemma-3-27b", "--gpu", "h100",
-           "--tp", "1", "--batch", "32", "--context", "32K", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "opweave.cli",
+        "estimate",
+        "gemma-3-27b",
+        "--gpu",
+        "h100",
+        "--tp",
+        "1",
+        "--batch",
+        "32",
+        "--context",
+        "32K",
+        "--json",
+    ]
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -28,11 +42,12 @@ def cold_start_s(repeats: int = 5) -> list[float]:
 
 
 def torch_imported() -> bool:
-    code = ("import sys; from opweave.cli.app import main; "
-            "main(['estimate','qwen3-32b','--gpu','h100','--json']); "
-            "print('torch' in sys.modules, file=sys.stderr)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True)
+    code = (
+        "import sys; from opweave.cli.app import main; "
+        "main(['estimate','qwen3-32b','--gpu','h100','--json']); "
+        "print('torch' in sys.modules, file=sys.stderr)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return proc.stderr.strip().endswith("True")
 
 
@@ -56,14 +71,20 @@ def analyze_ms(repeats: int = 20) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     cold = cold_start_s()
-    print(f"opweave estimate cold start: median {statistics.median(cold):.3f} s, "
-          f"max {max(cold):.3f} s over {len(cold)} runs (target < 1.5 s)")
+    print(
+        f"opweave estimate cold start: median {statistics.median(cold):.3f} s, "
+        f"max {max(cold):.3f} s over {len(cold)} runs (target < 1.5 s)"
+    )
     print(f"torch imported by estimate: {torch_imported()} (target: False)")
     one, two = analyze_ms()
-    print(f"analyze, 1,000 contexts, one GPU:  median {statistics.median(one):.2f} ms, "
-          f"max {max(one):.2f} ms (target < 50 ms)")
-    print(f"analyze, 1,000 contexts, two GPUs: median {statistics.median(two):.2f} ms, "
-          f"max {max(two):.2f} ms (target < 50 ms)")
+    print(
+        f"analyze, 1,000 contexts, one GPU:  median {statistics.median(one):.2f} ms, "
+        f"max {max(one):.2f} ms (target < 50 ms)"
+    )
+    print(
+        f"analyze, 1,000 contexts, two GPUs: median {statistics.median(two):.2f} ms, "
+        f"max {max(two):.2f} ms (target < 50 ms)"
+    )
 
 
 if __name__ == "__main__":

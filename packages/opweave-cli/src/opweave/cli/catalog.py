@@ -20,22 +20,40 @@ def models(json_out: JsonOpt = False) -> None:
     for name, (_, repo) in BUILTIN_MODELS.items():
         spec = load_model(name)
         kinds = sorted({layer.attention.value for layer in spec.layers})
-        rows.append({
-            "name": name, "hf_repo": repo, "family": spec.family, "dtype": spec.dtype,
-            "layers": spec.num_layers, "weight_bytes": spec.weight_bytes,
-            "gemm_flops_per_token": spec.gemm_flops_per_token,
-            "block_layers": spec.block.period_layers, "attention_kinds": kinds,
-            "kv_bytes_per_request_at_32k": float(spec.state_bytes_per_request(32768)),
-        })
+        rows.append(
+            {
+                "name": name,
+                "hf_repo": repo,
+                "family": spec.family,
+                "dtype": spec.dtype,
+                "layers": spec.num_layers,
+                "weight_bytes": spec.weight_bytes,
+                "gemm_flops_per_token": spec.gemm_flops_per_token,
+                "block_layers": spec.block.period_layers,
+                "attention_kinds": kinds,
+                "kv_bytes_per_request_at_32k": float(spec.state_bytes_per_request(32768)),
+            }
+        )
     if json_out:
         emit_json({"models": rows})
         return
-    typer.echo(table(
-        [[r["name"], r["family"], str(r["layers"]), human_bytes(r["weight_bytes"]),
-          str(r["block_layers"]), "+".join(r["attention_kinds"]),
-          human_bytes(r["kv_bytes_per_request_at_32k"])] for r in rows],
-        ["model", "family", "layers", "weights", "block", "attention", "state@32K/req"],
-    ))
+    typer.echo(
+        table(
+            [
+                [
+                    r["name"],
+                    r["family"],
+                    str(r["layers"]),
+                    human_bytes(r["weight_bytes"]),
+                    str(r["block_layers"]),
+                    "+".join(r["attention_kinds"]),
+                    human_bytes(r["kv_bytes_per_request_at_32k"]),
+                ]
+                for r in rows
+            ],
+            ["model", "family", "layers", "weights", "block", "attention", "state@32K/req"],
+        )
+    )
 
 
 def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
@@ -45,10 +63,20 @@ def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
     if json_out:
         emit_json({"gpus": rows})
         return
-    typer.echo(table(
-        [[g.id, human_bytes(g.memory_bytes), f"{g.mem_bandwidth_bytes_per_s / 1e12:.2f}",
-          f"{g.dense_flops_per_s / 1e12:.0f}", g.intra_node_link,
-          f"{g.network_bandwidth_bytes_per_s * 8 / 1e9:.0f}",
-          "-" if g.usd_per_hour is None else f"{g.usd_per_hour:.2f}"] for g in cat],
-        ["gpu", "memory", "HBM TB/s", "BF16 TFLOPS", "intra-node", "net Gb/s", "USD/h"],
-    ))
+    typer.echo(
+        table(
+            [
+                [
+                    g.id,
+                    human_bytes(g.memory_bytes),
+                    f"{g.mem_bandwidth_bytes_per_s / 1e12:.2f}",
+                    f"{g.dense_flops_per_s / 1e12:.0f}",
+                    g.intra_node_link,
+                    f"{g.network_bandwidth_bytes_per_s * 8 / 1e9:.0f}",
+                    "-" if g.usd_per_hour is None else f"{g.usd_per_hour:.2f}",
+                ]
+                for g in cat
+            ],
+            ["gpu", "memory", "HBM TB/s", "BF16 TFLOPS", "intra-node", "net Gb/s", "USD/h"],
+        )
+    )

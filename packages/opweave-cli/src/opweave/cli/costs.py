@@ -32,8 +32,9 @@ def estimate(
     gpu: Annotated[str, typer.Option("--gpu", help="GPU id, e.g. h100.")],
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (1, 2, 4, 8).")] = 1,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Requests per step.")] = 1,
-    context: Annotated[str, typer.Option("--context", help="Context tokens, e.g. 8192 or 8K.")]
-    = "4096",
+    context: Annotated[
+        str, typer.Option("--context", help="Context tokens, e.g. 8192 or 8K.")
+    ] = "4096",
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
 ) -> None:
@@ -50,27 +51,40 @@ def estimate(
         return
     fits = "yes" if est.fits else "NO (exceeds usable memory)"
     typer.echo(f"{spec.name} on {tp} x {hw.id}, batch {batch}, context {est.context_tokens}")
-    typer.echo(table(
-        [[k, f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items()]
-        + [["step", f"{est.step_latency_s * 1e3:.3f}"]],
-        ["op class", "latency ms"],
-    ))
-    typer.echo(f"memory per GPU: {human_bytes(est.memory_bytes_per_gpu)} of "
-               f"{human_bytes(est.memory_capacity_bytes)} usable; fits: {fits}")
-    typer.echo(f"throughput: {est.tokens_per_s:,.0f} tokens/s"
-               + ("" if est.usd_per_million_tokens is None
-                  else f"; cost: ${est.usd_per_million_tokens:.3f} per million tokens"))
+    typer.echo(
+        table(
+            [[k, f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items()]
+            + [["step", f"{est.step_latency_s * 1e3:.3f}"]],
+            ["op class", "latency ms"],
+        )
+    )
+    typer.echo(
+        f"memory per GPU: {human_bytes(est.memory_bytes_per_gpu)} of "
+        f"{human_bytes(est.memory_capacity_bytes)} usable; fits: {fits}"
+    )
+    typer.echo(
+        f"throughput: {est.tokens_per_s:,.0f} tokens/s"
+        + (
+            ""
+            if est.usd_per_million_tokens is None
+            else f"; cost: ${est.usd_per_million_tokens:.3f} per million tokens"
+        )
+    )
 
 
 def analyze(
     model: ModelArg,
     gpus: Annotated[str, typer.Option("--gpus", help="One GPU id, or two: G1,G2.")],
-    contexts: Annotated[str, typer.Option("--contexts", help="Comma-separated context lengths.")]
-    = DEFAULT_CONTEXTS,
-    tp: Annotated[int | None, typer.Option("--tp", help="TP degree of the analysed unit "
-                                           "(default: smallest that fits).")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="Write a PNG of cost and gain "
-                                              "against context.")] = None,
+    contexts: Annotated[
+        str, typer.Option("--contexts", help="Comma-separated context lengths.")
+    ] = DEFAULT_CONTEXTS,
+    tp: Annotated[
+        int | None,
+        typer.Option("--tp", help="TP degree of the analysed unit (default: smallest that fits)."),
+    ] = None,
+    plot: Annotated[
+        Path | None, typer.Option("--plot", help="Write a PNG of cost and gain against context.")
+    ] = None,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
 ) -> None:

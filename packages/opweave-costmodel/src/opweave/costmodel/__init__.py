@@ -13,6 +13,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from ._private.analysis import (
+    Analysis,
+    CadFeasibility,
+    GpuAnalysis,
+    HeterogeneousAnalysis,
+    analyze,
+)
 from ._private.estimate import StepEstimate, estimate_step
 from ._private.families import SUPPORTED_FAMILIES, model_spec_from_config, partition_block
 from ._private.hardware import (
@@ -135,6 +142,12 @@ __all__ = [
     "colocated_template",
     "plan_model",
     "segments",
+    # analysis (paper §3)
+    "Analysis",
+    "CadFeasibility",
+    "GpuAnalysis",
+    "HeterogeneousAnalysis",
+    "analyze",
     # roofline and estimates
     "StepEstimate",
     "estimate_step",

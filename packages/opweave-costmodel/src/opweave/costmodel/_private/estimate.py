@@ -30,8 +30,15 @@ class StepEstimate(Frozen):
     usd_per_million_tokens: float | None
 
 
-def estimate_step(model: ModelSpec, hardware: HardwareSpec, *, tp: int, batch: int,
-                  context: int, latency: LatencyModel | None = None) -> StepEstimate:
+def estimate_step(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    *,
+    tp: int,
+    batch: int,
+    context: int,
+    latency: LatencyModel | None = None,
+) -> StepEstimate:
     """Latency, memory and cost of one colocated decode step.
 
     >>> from opweave.costmodel import load_model, default_catalog
@@ -44,17 +51,25 @@ def estimate_step(model: ModelSpec, hardware: HardwareSpec, *, tp: int, batch: i
     breakdown = {c.value: 0.0 for c in OpClass} | {"communication": 0.0}
     layer_of = {op.key: layer for layer in model.layers for op in layer.ops}
     for op in model.operators:
-        breakdown[op.op_class.value] += lat.op_latency_s(model, op, layer_of.get(op.key), tp,
-                                                         batch, context)
+        breakdown[op.op_class.value] += lat.op_latency_s(
+            model, op, layer_of.get(op.key), tp, batch, context
+        )
         breakdown["communication"] += lat.collective_s(op, tp, batch)
     step = sum(breakdown.values())
     memory = memory_bytes_per_rank(model.operators, tp, batch, context)
     price = hardware.usd_per_hour
     usd = None if price is None else price * tp * step / batch / 3600 * 1e6
     return StepEstimate(
-        model=model.name, gpu=hardware.id, tp=tp, batch=batch, context_tokens=context,
-        step_latency_s=step, breakdown_s=breakdown, memory_bytes_per_gpu=memory,
+        model=model.name,
+        gpu=hardware.id,
+        tp=tp,
+        batch=batch,
+        context_tokens=context,
+        step_latency_s=step,
+        breakdown_s=breakdown,
+        memory_bytes_per_gpu=memory,
         memory_capacity_bytes=hardware.usable_memory_bytes,
-        fits=memory <= hardware.usable_memory_bytes, tokens_per_s=batch / step,
+        fits=memory <= hardware.usable_memory_bytes,
+        tokens_per_s=batch / step,
         usd_per_million_tokens=usd,
     )

@@ -40,51 +40,141 @@ SUPPORTED_FAMILIES = (
 
 # Defaults of the transformers config classes for the keys the cost model reads.
 _DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                  num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=2048,
-                  attention_bias=False, mlp_bias=False, tie_word_embeddings=False),
-    "mistral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                    max_position_embeddings=131072, sliding_window=4096,
-                    tie_word_embeddings=False),
-    "qwen2": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
-                  num_hidden_layers=32, num_attention_heads=32, max_position_embeddings=32768,
-                  use_sliding_window=False, sliding_window=None, max_window_layers=28,
-                  attention_bias=True, tie_word_embeddings=False),
-    "qwen3": dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016,
-                  num_hidden_layers=32, num_attention_heads=32, head_dim=128,
-                  max_position_embeddings=32768, use_sliding_window=False, sliding_window=None,
-                  max_window_layers=28, attention_bias=False, tie_word_embeddings=False),
-    "qwen3_moe": dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                      num_hidden_layers=24, num_attention_heads=32, num_key_value_heads=4,
-                      max_position_embeddings=32768, use_sliding_window=False,
-                      sliding_window=None, max_window_layers=28, attention_bias=False,
-                      decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
-                      num_experts=128, norm_topk_prob=False, mlp_only_layers=[],
-                      tie_word_embeddings=False),
-    "mixtral": dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                    max_position_embeddings=131072, num_experts_per_tok=2,
-                    num_local_experts=8, sliding_window=None, tie_word_embeddings=False),
-    "gemma3_text": dict(vocab_size=262208, hidden_size=2304, intermediate_size=9216,
-                        num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                        head_dim=256, max_position_embeddings=131072, sliding_window=4096,
-                        sliding_window_pattern=6, attention_bias=False,
-                        tie_word_embeddings=True),
-    "qwen3_next": dict(vocab_size=151936, hidden_size=2048, intermediate_size=5632,
-                       num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
-                       head_dim=256, max_position_embeddings=32768, full_attention_interval=4,
-                       linear_conv_kernel_dim=4, linear_key_head_dim=128,
-                       linear_value_head_dim=128, linear_num_key_heads=16,
-                       linear_num_value_heads=32, decoder_sparse_step=1,
-                       moe_intermediate_size=512, shared_expert_intermediate_size=512,
-                       num_experts_per_tok=10, num_experts=512, mlp_only_layers=[],
-                       attention_bias=False, tie_word_embeddings=False),
-    "gpt_oss": dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
-                    num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
-                    head_dim=64, max_position_embeddings=131072, sliding_window=128,
-                    num_local_experts=128, num_experts_per_tok=4, attention_bias=True,
-                    tie_word_embeddings=False),
+    "llama": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=11008,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=2048,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        sliding_window=4096,
+        tie_word_embeddings=False,
+    ),
+    "qwen2": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        max_position_embeddings=32768,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=28,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    ),
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        head_dim=128,
+        max_position_embeddings=32768,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=28,
+        attention_bias=False,
+        tie_word_embeddings=False,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        max_position_embeddings=32768,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=28,
+        attention_bias=False,
+        decoder_sparse_step=1,
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,
+        num_experts=128,
+        norm_topk_prob=False,
+        mlp_only_layers=[],
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        num_experts_per_tok=2,
+        num_local_experts=8,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    ),
+    "gemma3_text": dict(
+        vocab_size=262208,
+        hidden_size=2304,
+        intermediate_size=9216,
+        num_hidden_layers=26,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        max_position_embeddings=131072,
+        sliding_window=4096,
+        sliding_window_pattern=6,
+        attention_bias=False,
+        tie_word_embeddings=True,
+    ),
+    "qwen3_next": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=48,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=256,
+        max_position_embeddings=32768,
+        full_attention_interval=4,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        decoder_sparse_step=1,
+        moe_intermediate_size=512,
+        shared_expert_intermediate_size=512,
+        num_experts_per_tok=10,
+        num_experts=512,
+        mlp_only_layers=[],
+        attention_bias=False,
+        tie_word_embeddings=False,
+    ),
+    "gpt_oss": dict(
+        vocab_size=201088,
+        hidden_size=2880,
+        intermediate_size=2880,
+        num_hidden_layers=36,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        sliding_window=128,
+        num_local_experts=128,
+        num_experts_per_tok=4,
+        attention_bias=True,
+        tie_word_embeddings=False,
+    ),
 }
 
 _DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
@@ -234,24 +324,39 @@ class _Builder:
         if types is not None:
             if len(types) != n:
                 raise ConfigError(f"layer_types has {len(types)} entries for {n} layers")
-            kinds = {"full_attention": AttentionKind.FULL, "sliding_attention":
-                     AttentionKind.SLIDING, "linear_attention": AttentionKind.LINEAR}
+            kinds = {
+                "full_attention": AttentionKind.FULL,
+                "sliding_attention": AttentionKind.SLIDING,
+                "linear_attention": AttentionKind.LINEAR,
+            }
             unknown = sorted(set(types) - set(kinds))
             if unknown:
                 raise ConfigError(f"unknown layer_types {unknown}; known: {sorted(kinds)}")
-            return [(kinds[t], int(window) if kinds[t] is AttentionKind.SLIDING else None)
-                    for t in types]
+            return [
+                (kinds[t], int(window) if kinds[t] is AttentionKind.SLIDING else None)
+                for t in types
+            ]
         if self.family == "gemma3_text":
             pattern = cfg.int("sliding_window_pattern")
-            return [(AttentionKind.SLIDING, int(window)) if (i + 1) % pattern
-                    else (AttentionKind.FULL, None) for i in range(n)]
+            return [
+                (AttentionKind.SLIDING, int(window))
+                if (i + 1) % pattern
+                else (AttentionKind.FULL, None)
+                for i in range(n)
+            ]
         if self.family == "qwen3_next":
             interval = cfg.int("full_attention_interval")
-            return [(AttentionKind.FULL, None) if (i + 1) % interval == 0
-                    else (AttentionKind.LINEAR, None) for i in range(n)]
+            return [
+                (AttentionKind.FULL, None)
+                if (i + 1) % interval == 0
+                else (AttentionKind.LINEAR, None)
+                for i in range(n)
+            ]
         if self.family == "gpt_oss":
-            return [(AttentionKind.SLIDING, int(window)) if i % 2 == 0
-                    else (AttentionKind.FULL, None) for i in range(n)]
+            return [
+                (AttentionKind.SLIDING, int(window)) if i % 2 == 0 else (AttentionKind.FULL, None)
+                for i in range(n)
+            ]
         if self.family in ("mistral", "mixtral"):
             if window:
                 return [(AttentionKind.SLIDING, int(window))] * n
@@ -259,8 +364,12 @@ class _Builder:
         if self.family in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window"):
             first = cfg.int("max_window_layers")
             if window:
-                return [(AttentionKind.SLIDING, int(window)) if i >= first
-                        else (AttentionKind.FULL, None) for i in range(n)]
+                return [
+                    (AttentionKind.SLIDING, int(window))
+                    if i >= first
+                    else (AttentionKind.FULL, None)
+                    for i in range(n)
+                ]
         return [(AttentionKind.FULL, None)] * n
 
     def _is_moe(self, i: int) -> bool:
@@ -281,14 +390,27 @@ class _Builder:
         return int(defaults.get("num_experts", defaults.get("num_local_experts", 0)))
 
     # -- operators -------------------------------------------------------------------------
-    def _op(self, name: OperatorName, op_class: OpClass, layer: int | None, *,
-            params: float = 0.0, flops: float | None = None, act: float = 0.0,
-            boundary: float = 0.0, collective: TPCollective = TPCollective.NONE,
-            collective_elems: float = 0.0, **extra: Any) -> OperatorSpec:
+    def _op(
+        self,
+        name: OperatorName,
+        op_class: OpClass,
+        layer: int | None,
+        *,
+        params: float = 0.0,
+        flops: float | None = None,
+        act: float = 0.0,
+        boundary: float = 0.0,
+        collective: TPCollective = TPCollective.NONE,
+        collective_elems: float = 0.0,
+        **extra: Any,
+    ) -> OperatorSpec:
         p = self.p
         return OperatorSpec(
-            name=name, op_class=op_class, layer=layer,
-            weight_bytes=round(params * p) if "weight_bytes" not in extra
+            name=name,
+            op_class=op_class,
+            layer=layer,
+            weight_bytes=round(params * p)
+            if "weight_bytes" not in extra
             else extra.pop("weight_bytes"),
             flops_per_token=2.0 * params if flops is None else flops,
             activation_bytes_per_token=act * p,
@@ -300,15 +422,32 @@ class _Builder:
 
     def _norm(self, name: OperatorName, layer: int | None, *, boundary: float) -> OperatorSpec:
         # Residual add fused in: read x and residual, write normed x and residual.
-        return self._op(name, OpClass.SMALL, layer, params=self.h, flops=4.0 * self.h,
-                        act=4.0 * self.h, boundary=boundary, tp_sharded=False)
+        return self._op(
+            name,
+            OpClass.SMALL,
+            layer,
+            params=self.h,
+            flops=4.0 * self.h,
+            act=4.0 * self.h,
+            boundary=boundary,
+            tp_sharded=False,
+        )
 
     def pre_ops(self) -> tuple[OperatorSpec, ...]:
         h = self.h
-        embed = self._op("embed", OpClass.SMALL, None, params=self.vocab * h, flops=0.0,
-                         act=h, boundary=h, collective=TPCollective.ALLREDUCE,
-                         collective_elems=h, weight_bytes_read_per_token=h * self.p,
-                         tied_to="embed_tokens" if self.cfg.get("tie_word_embeddings") else None)
+        embed = self._op(
+            "embed",
+            OpClass.SMALL,
+            None,
+            params=self.vocab * h,
+            flops=0.0,
+            act=h,
+            boundary=h,
+            collective=TPCollective.ALLREDUCE,
+            collective_elems=h,
+            weight_bytes_read_per_token=h * self.p,
+            tied_to="embed_tokens" if self.cfg.get("tie_word_embeddings") else None,
+        )
         return (embed,)
 
     def post_ops(self) -> tuple[OperatorSpec, ...]:
@@ -316,11 +455,27 @@ class _Builder:
         tied = "embed_tokens" if self.cfg.get("tie_word_embeddings") else None
         return (
             self._norm("final_norm", None, boundary=h),
-            self._op("lm_head", OpClass.GEMM, None, params=v * h, act=h + v, boundary=v,
-                     collective=TPCollective.ALLGATHER, collective_elems=v, tied_to=tied),
+            self._op(
+                "lm_head",
+                OpClass.GEMM,
+                None,
+                params=v * h,
+                act=h + v,
+                boundary=v,
+                collective=TPCollective.ALLGATHER,
+                collective_elems=v,
+                tied_to=tied,
+            ),
             # Greedy sampling reads the logits once and emits one int64 token id.
-            self._op("sample", OpClass.SMALL, None, flops=float(v), act=v,
-                     boundary=8.0 / self.p, tp_sharded=False),
+            self._op(
+                "sample",
+                OpClass.SMALL,
+                None,
+                flops=float(v),
+                act=v,
+                boundary=8.0 / self.p,
+                tp_sharded=False,
+            ),
         )
 
     def layer(self, i: int) -> LayerSpec:
@@ -331,17 +486,16 @@ class _Builder:
             attn = self._softmax_attention(i, kind, window)
         moe = self._is_moe(i)
         ffn = self._moe_ffn(i) if moe else self._dense_ffn(i)
-        return LayerSpec(index=i, attention=kind, window_tokens=window, moe=moe,
-                         ops=attn + ffn)
+        return LayerSpec(index=i, attention=kind, window_tokens=window, moe=moe, ops=attn + ffn)
 
-    def _softmax_attention(self, i: int, kind: AttentionKind,
-                           window: int | None) -> tuple[OperatorSpec, ...]:
+    def _softmax_attention(
+        self, i: int, kind: AttentionKind, window: int | None
+    ) -> tuple[OperatorSpec, ...]:
         h, nq, nkv, d = self.h, self.nq, self.nkv, self.d
         gated = self.family == "qwen3_next"  # output gate doubles q_proj (gated attention)
         q_out = nq * d * (2 if gated else 1)
         qkv_out = q_out + 2 * nkv * d
-        qk_norm = 2 * d if self.family in ("qwen3", "qwen3_moe", "gemma3_text",
-                                            "qwen3_next") else 0
+        qk_norm = 2 * d if self.family in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next") else 0
         qkv_params = h * qkv_out + (qkv_out if self.bias else 0) + qk_norm
         o_params = nq * d * h + (h if self.family == "gpt_oss" else 0)
         post_norm = h if self.family == "gemma3_text" else 0
@@ -349,21 +503,50 @@ class _Builder:
         extra_out = nq * d if gated else 0  # the gate travels with the attention output
         return (
             self._norm("attn_norm", i, boundary=2 * h),
-            self._op("qkv_proj", OpClass.GEMM, i, params=qkv_params, act=h + qkv_out,
-                     boundary=qkv_out + h, shard_units=nkv,
-                     kernels=3 if qk_norm else 1),
-            self._op("rope", OpClass.SMALL, i, flops=6.0 * (nq + nkv) * d,
-                     act=4.0 * (nq + nkv) * d, boundary=qkv_out + h, shard_units=nkv),
-            self._op("core_attn", OpClass.ATTENTION, i, params=sinks, flops=0.0,
-                     attn_flops_per_context_token=4.0 * nq * d,
-                     state_bytes_per_context_token=2.0 * nkv * d * self.p,
-                     state_window_tokens=window,
-                     act=2.0 * nq * d + 2.0 * nkv * d + extra_out,
-                     boundary=nq * d + h, shard_units=nkv,
-                     kernels=2 if gated else 1),
-            self._op("o_proj", OpClass.GEMM, i, params=o_params + post_norm, act=nq * d + 2 * h,
-                     boundary=h, collective=TPCollective.ALLREDUCE, collective_elems=h,
-                     kernels=2 if post_norm else 1),
+            self._op(
+                "qkv_proj",
+                OpClass.GEMM,
+                i,
+                params=qkv_params,
+                act=h + qkv_out,
+                boundary=qkv_out + h,
+                shard_units=nkv,
+                kernels=3 if qk_norm else 1,
+            ),
+            self._op(
+                "rope",
+                OpClass.SMALL,
+                i,
+                flops=6.0 * (nq + nkv) * d,
+                act=4.0 * (nq + nkv) * d,
+                boundary=qkv_out + h,
+                shard_units=nkv,
+            ),
+            self._op(
+                "core_attn",
+                OpClass.ATTENTION,
+                i,
+                params=sinks,
+                flops=0.0,
+                attn_flops_per_context_token=4.0 * nq * d,
+                state_bytes_per_context_token=2.0 * nkv * d * self.p,
+                state_window_tokens=window,
+                act=2.0 * nq * d + 2.0 * nkv * d + extra_out,
+                boundary=nq * d + h,
+                shard_units=nkv,
+                kernels=2 if gated else 1,
+            ),
+            self._op(
+                "o_proj",
+                OpClass.GEMM,
+                i,
+                params=o_params + post_norm,
+                act=nq * d + 2 * h,
+                boundary=h,
+                collective=TPCollective.ALLREDUCE,
+                collective_elems=h,
+                kernels=2 if post_norm else 1,
+            ),
         )
 
     def _linear_attention(self, i: int) -> tuple[OperatorSpec, ...]:
@@ -381,15 +564,38 @@ class _Builder:
         gdn_flops = 2.0 * conv_dim * kernel + 8.0 * nv * dk * dv
         return (
             self._norm("attn_norm", i, boundary=2 * h),
-            self._op("qkv_proj", OpClass.GEMM, i, params=h * (qkvz + 2 * nv), act=h + qkvz,
-                     boundary=qkvz + 2 * nv + h, shard_units=nk),
-            self._op("core_attn", OpClass.ATTENTION, i, params=conv_dim * kernel + 2 * nv,
-                     flops=gdn_flops, state_bytes_fixed=recurrent * self.p,
-                     act=conv_dim + 2 * nv * dv, boundary=2 * nv * dv + h, shard_units=nk,
-                     kernels=3),
-            self._op("o_proj", OpClass.GEMM, i, params=nv * dv * h + dv, act=2 * nv * dv + 2 * h,
-                     boundary=h, collective=TPCollective.ALLREDUCE, collective_elems=h,
-                     kernels=2),
+            self._op(
+                "qkv_proj",
+                OpClass.GEMM,
+                i,
+                params=h * (qkvz + 2 * nv),
+                act=h + qkvz,
+                boundary=qkvz + 2 * nv + h,
+                shard_units=nk,
+            ),
+            self._op(
+                "core_attn",
+                OpClass.ATTENTION,
+                i,
+                params=conv_dim * kernel + 2 * nv,
+                flops=gdn_flops,
+                state_bytes_fixed=recurrent * self.p,
+                act=conv_dim + 2 * nv * dv,
+                boundary=2 * nv * dv + h,
+                shard_units=nk,
+                kernels=3,
+            ),
+            self._op(
+                "o_proj",
+                OpClass.GEMM,
+                i,
+                params=nv * dv * h + dv,
+                act=2 * nv * dv + 2 * h,
+                boundary=h,
+                collective=TPCollective.ALLREDUCE,
+                collective_elems=h,
+                kernels=2,
+            ),
         )
 
     def _dense_ffn(self, i: int) -> tuple[OperatorSpec, ...]:
@@ -398,19 +604,37 @@ class _Builder:
         post_norm = h if self.family == "gemma3_text" else 0
         return (
             self._norm("ffn_norm", i, boundary=2 * h),
-            self._op("gate_up_proj", OpClass.GEMM, i, params=2 * h * inter + 2 * bias,
-                     act=h + 3 * inter, boundary=inter + h, kernels=2),
-            self._op("down_proj", OpClass.GEMM, i, params=inter * h + post_norm,
-                     act=inter + 2 * h, boundary=h, collective=TPCollective.ALLREDUCE,
-                     collective_elems=h, kernels=2 if post_norm else 1),
+            self._op(
+                "gate_up_proj",
+                OpClass.GEMM,
+                i,
+                params=2 * h * inter + 2 * bias,
+                act=h + 3 * inter,
+                boundary=inter + h,
+                kernels=2,
+            ),
+            self._op(
+                "down_proj",
+                OpClass.GEMM,
+                i,
+                params=inter * h + post_norm,
+                act=inter + 2 * h,
+                boundary=h,
+                collective=TPCollective.ALLREDUCE,
+                collective_elems=h,
+                kernels=2 if post_norm else 1,
+            ),
         )
 
     def _moe_ffn(self, i: int) -> tuple[OperatorSpec, ...]:
         cfg, h = self.cfg, self.h
         experts = self._num_experts()
         top_k = cfg.int("num_experts_per_tok")
-        inter = cfg.int("moe_intermediate_size") if self.family in (
-            "qwen3_moe", "qwen3_next") else self.inter
+        inter = (
+            cfg.int("moe_intermediate_size")
+            if self.family in ("qwen3_moe", "qwen3_next")
+            else self.inter
+        )
         shared = cfg.int("shared_expert_intermediate_size") if self.family == "qwen3_next" else 0
         biased = self.family == "gpt_oss"
         expert_params = 3 * h * inter + ((2 * inter + h) if biased else 0)
@@ -419,22 +643,47 @@ class _Builder:
         expert_bytes = round(expert_params * expert_bytes_per_param)
         ops = [
             self._norm("ffn_norm", i, boundary=2 * h),
-            self._op("router", OpClass.SMALL, i, params=experts * h + (experts if biased else 0),
-                     act=h + experts, boundary=2 * h + top_k * 8 / self.p, tp_sharded=False,
-                     kernels=2),
-            self._op("experts", OpClass.GEMM, i, flops=2.0 * expert_params * top_k,
-                     weight_bytes=experts * expert_bytes, act=h + 4 * inter * top_k,
-                     boundary=(2 * h) if shared else h,
-                     collective=TPCollective.NONE if shared else TPCollective.ALLREDUCE,
-                     collective_elems=0 if shared else h, kernels=3,
-                     moe=MoESpec(num_experts=experts, top_k=top_k,
-                                 expert_weight_bytes=expert_bytes,
-                                 shared_expert_intermediate_size=shared)),
+            self._op(
+                "router",
+                OpClass.SMALL,
+                i,
+                params=experts * h + (experts if biased else 0),
+                act=h + experts,
+                boundary=2 * h + top_k * 8 / self.p,
+                tp_sharded=False,
+                kernels=2,
+            ),
+            self._op(
+                "experts",
+                OpClass.GEMM,
+                i,
+                flops=2.0 * expert_params * top_k,
+                weight_bytes=experts * expert_bytes,
+                act=h + 4 * inter * top_k,
+                boundary=(2 * h) if shared else h,
+                collective=TPCollective.NONE if shared else TPCollective.ALLREDUCE,
+                collective_elems=0 if shared else h,
+                kernels=3,
+                moe=MoESpec(
+                    num_experts=experts,
+                    top_k=top_k,
+                    expert_weight_bytes=expert_bytes,
+                    shared_expert_intermediate_size=shared,
+                ),
+            ),
         ]
         if shared:
-            ops.append(self._op("shared_expert", OpClass.GEMM, i, params=3 * h * shared + h,
-                                act=2 * h + 3 * shared, boundary=h,
-                                collective=TPCollective.ALLREDUCE, collective_elems=h,
-                                kernels=4))
+            ops.append(
+                self._op(
+                    "shared_expert",
+                    OpClass.GEMM,
+                    i,
+                    params=3 * h * shared + h,
+                    act=2 * h + 3 * shared,
+                    boundary=h,
+                    collective=TPCollective.ALLREDUCE,
+                    collective_elems=h,
+                    kernels=4,
+                )
+            )
         return tuple(ops)
-

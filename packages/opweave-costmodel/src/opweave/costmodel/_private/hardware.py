@@ -78,8 +78,9 @@ class HardwareSpec(Frozen):
 
     def require_price(self) -> float:
         if self.usd_per_hour is None:
-            raise ConfigError(f"GPU {self.id} has no price; give usd_per_hour for it in a "
-                              "--hardware file")
+            raise ConfigError(
+                f"GPU {self.id} has no price; give usd_per_hour for it in a --hardware file"
+            )
         return self.usd_per_hour
 
 
@@ -90,87 +91,154 @@ def _gpu(**fields: Any) -> HardwareSpec:
 # ASSUMED latencies: one-way small-message NVLink/RDMA ~2-3 us plus NCCL launch; small-message
 # all-reduce 10 us sits between vLLM's custom all-reduce and NCCL's ~25 us NVLS floor.
 BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
-    _gpu(id="h100-sxm", name="NVIDIA H100 SXM5 80GB", aliases=("h100",),
-         memory_bytes=80 * GB, mem_bandwidth_bytes_per_s=3.35 * TB,   # [DS-H100]
-         dense_flops_per_s=989 * TFLOPS,                               # [DS-H100]
-         intra_node_link="NVLink 4", intra_node_bandwidth_bytes_per_s=450 * GB,
-         network_bandwidth_bytes_per_s=50 * GB,                         # [NIC] 400 Gb/s
-         memory_efficiency=0.89, compute_efficiency=0.80,               # [BABEL] [MAMF]
-         link_efficiency=0.84,                                          # [NCCL-P2P]
-         usd_per_hour=3.99, price_source="[PRICE] median of 7 offers 2.69-10.98, = Lambda "
-                                         "8x H100 SXM, 2026-09-20"),
-    _gpu(id="h200-sxm", name="NVIDIA H200 SXM 141GB", aliases=("h200",),
-         memory_bytes=141 * GB, mem_bandwidth_bytes_per_s=4.8 * TB,    # [DS-H200]
-         dense_flops_per_s=989 * TFLOPS,
-         intra_node_link="NVLink 4", intra_node_bandwidth_bytes_per_s=450 * GB,
-         network_bandwidth_bytes_per_s=50 * GB,                         # [NIC]
-         memory_efficiency=0.86, compute_efficiency=0.80,               # [BABEL] [MAMF: =H100]
-         link_efficiency=0.84,
-         usd_per_hour=4.45, price_source="[PRICE] median of 5 offers 3.59-4.59, 2026-08/09"),
-    _gpu(id="a100-sxm-80gb", name="NVIDIA A100 SXM4 80GB", aliases=("a100", "a100-80gb"),
-         memory_bytes=80 * GB, mem_bandwidth_bytes_per_s=2.039 * TB,   # [DS-A100]
-         dense_flops_per_s=312 * TFLOPS,
-         intra_node_link="NVLink 3", intra_node_bandwidth_bytes_per_s=300 * GB,
-         network_bandwidth_bytes_per_s=25 * GB,                         # [NIC] HDR 200 Gb/s
-         memory_efficiency=0.83, compute_efficiency=0.87,               # [BABEL] [MAMF]
-         link_efficiency=0.84,
-         usd_per_hour=1.71, price_source="[PRICE] median of 5 offers 1.39-3.43, = Akash, "
-                                         "2026-09-20"),
-    _gpu(id="a100-sxm-40gb", name="NVIDIA A100 SXM4 40GB", aliases=("a100-40gb",),
-         memory_bytes=40 * GB, mem_bandwidth_bytes_per_s=1.555 * TB,   # [DS-A100]
-         dense_flops_per_s=312 * TFLOPS,
-         intra_node_link="NVLink 3", intra_node_bandwidth_bytes_per_s=300 * GB,
-         network_bandwidth_bytes_per_s=25 * GB,
-         memory_efficiency=0.83, compute_efficiency=0.87, link_efficiency=0.84,
-         usd_per_hour=2.74, price_source="[PRICE] median of 3 offers 1.99-3.40, = AWS p4d, "
-                                         "2026-11-09"),
-    _gpu(id="h100-pcie", name="NVIDIA H100 PCIe 80GB",
-         memory_bytes=80 * GB, mem_bandwidth_bytes_per_s=2.0 * TB,     # [DS-H100] PCIe
-         dense_flops_per_s=756 * TFLOPS,
-         intra_node_link="PCIe Gen5 x16", intra_node_bandwidth_bytes_per_s=64 * GB,
-         network_bandwidth_bytes_per_s=25 * GB,                         # ASSUMED
-         memory_efficiency=0.85, compute_efficiency=0.80,               # ASSUMED (as SXM)
-         usd_per_hour=2.89, price_source="[PRICE] median of 3 offers 1.99-3.29, 2026-09-25"),
-    _gpu(id="l40s", name="NVIDIA L40S 48GB",
-         memory_bytes=48 * GB, mem_bandwidth_bytes_per_s=0.864 * TB,   # [DS-L40S]
-         dense_flops_per_s=362.05 * TFLOPS,
-         intra_node_link="PCIe Gen4 x16", intra_node_bandwidth_bytes_per_s=32 * GB,
-         # ASSUMED: 2x 200 GbE per 4-GPU PCIe server = 100 Gb/s per GPU.
-         network_bandwidth_bytes_per_s=12.5 * GB, network_latency_s=10 * US,
-         intra_node_latency_s=8 * US, allreduce_latency_s=20 * US,
-         memory_efficiency=0.80, compute_efficiency=0.70,               # ASSUMED
-         link_efficiency=0.80, gpus_per_node=8,
-         usd_per_hour=1.09, price_source="[PRICE] median of 3 offers 0.79-1.55, = RunPod "
-                                         "Secure, 2026-09-25"),
-    _gpu(id="l4", name="NVIDIA L4 24GB",
-         memory_bytes=24 * GB, mem_bandwidth_bytes_per_s=0.3 * TB,     # [DS-L4]
-         dense_flops_per_s=121 * TFLOPS,
-         intra_node_link="PCIe Gen4 x16", intra_node_bandwidth_bytes_per_s=32 * GB,
-         network_bandwidth_bytes_per_s=6.25 * GB, network_latency_s=10 * US,  # ASSUMED 50 Gb/s
-         intra_node_latency_s=8 * US, allreduce_latency_s=20 * US,
-         # Power-capped at 72 W: community torch matmul runs reach 59-71 of 121 TFLOPS.
-         memory_efficiency=0.80, compute_efficiency=0.50, link_efficiency=0.80,
-         usd_per_hour=None, price_source="no dated primary-source price found; set one with "
-                                         "--hardware"),
-    _gpu(id="b200", name="NVIDIA B200 (HGX, 1000 W)",
-         memory_bytes=180 * GB, mem_bandwidth_bytes_per_s=8.0 * TB,    # [DS-B200]
-         dense_flops_per_s=2250 * TFLOPS,
-         intra_node_link="NVLink 5", intra_node_bandwidth_bytes_per_s=900 * GB,
-         network_bandwidth_bytes_per_s=50 * GB,                         # [NIC]
-         memory_efficiency=0.80, compute_efficiency=0.78,               # ASSUMED mem; [MAMF]
-         link_efficiency=0.84,
-         usd_per_hour=6.69, price_source="[PRICE] median of 7 offers 5.00-7.15, = Lambda "
-                                         "8x B200, 2026-09-20"),
-    _gpu(id="mi300x", name="AMD Instinct MI300X 192GB",
-         memory_bytes=192 * GB, mem_bandwidth_bytes_per_s=5.3 * TB,    # [DS-MI300X]
-         dense_flops_per_s=1307.4 * TFLOPS,
-         # 7 xGMI links x 64 GB/s per direction.
-         intra_node_link="Infinity Fabric (xGMI)", intra_node_bandwidth_bytes_per_s=448 * GB,
-         network_bandwidth_bytes_per_s=50 * GB,                         # ASSUMED 400 Gb/s
-         memory_efficiency=0.77, compute_efficiency=0.51,               # [BABEL] [MAMF]
-         link_efficiency=0.80,
-         usd_per_hour=2.59, price_source="[PRICE] only dated list price: DigitalOcean, "
-                                         "2026-10-07"),
+    _gpu(
+        id="h100-sxm",
+        name="NVIDIA H100 SXM5 80GB",
+        aliases=("h100",),
+        memory_bytes=80 * GB,
+        mem_bandwidth_bytes_per_s=3.35 * TB,  # [DS-H100]
+        dense_flops_per_s=989 * TFLOPS,  # [DS-H100]
+        intra_node_link="NVLink 4",
+        intra_node_bandwidth_bytes_per_s=450 * GB,
+        network_bandwidth_bytes_per_s=50 * GB,  # [NIC] 400 Gb/s
+        memory_efficiency=0.89,
+        compute_efficiency=0.80,  # [BABEL] [MAMF]
+        link_efficiency=0.84,  # [NCCL-P2P]
+        usd_per_hour=3.99,
+        price_source="[PRICE] median of 7 offers 2.69-10.98, = Lambda 8x H100 SXM, 2026-09-20",
+    ),
+    _gpu(
+        id="h200-sxm",
+        name="NVIDIA H200 SXM 141GB",
+        aliases=("h200",),
+        memory_bytes=141 * GB,
+        mem_bandwidth_bytes_per_s=4.8 * TB,  # [DS-H200]
+        dense_flops_per_s=989 * TFLOPS,
+        intra_node_link="NVLink 4",
+        intra_node_bandwidth_bytes_per_s=450 * GB,
+        network_bandwidth_bytes_per_s=50 * GB,  # [NIC]
+        memory_efficiency=0.86,
+        compute_efficiency=0.80,  # [BABEL] [MAMF: =H100]
+        link_efficiency=0.84,
+        usd_per_hour=4.45,
+        price_source="[PRICE] median of 5 offers 3.59-4.59, 2026-08/09",
+    ),
+    _gpu(
+        id="a100-sxm-80gb",
+        name="NVIDIA A100 SXM4 80GB",
+        aliases=("a100", "a100-80gb"),
+        memory_bytes=80 * GB,
+        mem_bandwidth_bytes_per_s=2.039 * TB,  # [DS-A100]
+        dense_flops_per_s=312 * TFLOPS,
+        intra_node_link="NVLink 3",
+        intra_node_bandwidth_bytes_per_s=300 * GB,
+        network_bandwidth_bytes_per_s=25 * GB,  # [NIC] HDR 200 Gb/s
+        memory_efficiency=0.83,
+        compute_efficiency=0.87,  # [BABEL] [MAMF]
+        link_efficiency=0.84,
+        usd_per_hour=1.71,
+        price_source="[PRICE] median of 5 offers 1.39-3.43, = Akash, 2026-09-20",
+    ),
+    _gpu(
+        id="a100-sxm-40gb",
+        name="NVIDIA A100 SXM4 40GB",
+        aliases=("a100-40gb",),
+        memory_bytes=40 * GB,
+        mem_bandwidth_bytes_per_s=1.555 * TB,  # [DS-A100]
+        dense_flops_per_s=312 * TFLOPS,
+        intra_node_link="NVLink 3",
+        intra_node_bandwidth_bytes_per_s=300 * GB,
+        network_bandwidth_bytes_per_s=25 * GB,
+        memory_efficiency=0.83,
+        compute_efficiency=0.87,
+        link_efficiency=0.84,
+        usd_per_hour=2.74,
+        price_source="[PRICE] median of 3 offers 1.99-3.40, = AWS p4d, 2026-11-09",
+    ),
+    _gpu(
+        id="h100-pcie",
+        name="NVIDIA H100 PCIe 80GB",
+        memory_bytes=80 * GB,
+        mem_bandwidth_bytes_per_s=2.0 * TB,  # [DS-H100] PCIe
+        dense_flops_per_s=756 * TFLOPS,
+        intra_node_link="PCIe Gen5 x16",
+        intra_node_bandwidth_bytes_per_s=64 * GB,
+        network_bandwidth_bytes_per_s=25 * GB,  # ASSUMED
+        memory_efficiency=0.85,
+        compute_efficiency=0.80,  # ASSUMED (as SXM)
+        usd_per_hour=2.89,
+        price_source="[PRICE] median of 3 offers 1.99-3.29, 2026-09-25",
+    ),
+    _gpu(
+        id="l40s",
+        name="NVIDIA L40S 48GB",
+        memory_bytes=48 * GB,
+        mem_bandwidth_bytes_per_s=0.864 * TB,  # [DS-L40S]
+        dense_flops_per_s=362.05 * TFLOPS,
+        intra_node_link="PCIe Gen4 x16",
+        intra_node_bandwidth_bytes_per_s=32 * GB,
+        # ASSUMED: 2x 200 GbE per 4-GPU PCIe server = 100 Gb/s per GPU.
+        network_bandwidth_bytes_per_s=12.5 * GB,
+        network_latency_s=10 * US,
+        intra_node_latency_s=8 * US,
+        allreduce_latency_s=20 * US,
+        memory_efficiency=0.80,
+        compute_efficiency=0.70,  # ASSUMED
+        link_efficiency=0.80,
+        gpus_per_node=8,
+        usd_per_hour=1.09,
+        price_source="[PRICE] median of 3 offers 0.79-1.55, = RunPod Secure, 2026-09-25",
+    ),
+    _gpu(
+        id="l4",
+        name="NVIDIA L4 24GB",
+        memory_bytes=24 * GB,
+        mem_bandwidth_bytes_per_s=0.3 * TB,  # [DS-L4]
+        dense_flops_per_s=121 * TFLOPS,
+        intra_node_link="PCIe Gen4 x16",
+        intra_node_bandwidth_bytes_per_s=32 * GB,
+        network_bandwidth_bytes_per_s=6.25 * GB,
+        network_latency_s=10 * US,  # ASSUMED 50 Gb/s
+        intra_node_latency_s=8 * US,
+        allreduce_latency_s=20 * US,
+        # Power-capped at 72 W: community torch matmul runs reach 59-71 of 121 TFLOPS.
+        memory_efficiency=0.80,
+        compute_efficiency=0.50,
+        link_efficiency=0.80,
+        usd_per_hour=None,
+        price_source="no dated primary-source price found; set one with --hardware",
+    ),
+    _gpu(
+        id="b200",
+        name="NVIDIA B200 (HGX, 1000 W)",
+        memory_bytes=180 * GB,
+        mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-B200]
+        dense_flops_per_s=2250 * TFLOPS,
+        intra_node_link="NVLink 5",
+        intra_node_bandwidth_bytes_per_s=900 * GB,
+        network_bandwidth_bytes_per_s=50 * GB,  # [NIC]
+        memory_efficiency=0.80,
+        compute_efficiency=0.78,  # ASSUMED mem; [MAMF]
+        link_efficiency=0.84,
+        usd_per_hour=6.69,
+        price_source="[PRICE] median of 7 offers 5.00-7.15, = Lambda 8x B200, 2026-09-20",
+    ),
+    _gpu(
+        id="mi300x",
+        name="AMD Instinct MI300X 192GB",
+        memory_bytes=192 * GB,
+        mem_bandwidth_bytes_per_s=5.3 * TB,  # [DS-MI300X]
+        dense_flops_per_s=1307.4 * TFLOPS,
+        # 7 xGMI links x 64 GB/s per direction.
+        intra_node_link="Infinity Fabric (xGMI)",
+        intra_node_bandwidth_bytes_per_s=448 * GB,
+        network_bandwidth_bytes_per_s=50 * GB,  # ASSUMED 400 Gb/s
+        memory_efficiency=0.77,
+        compute_efficiency=0.51,  # [BABEL] [MAMF]
+        link_efficiency=0.80,
+        usd_per_hour=2.59,
+        price_source="[PRICE] only dated list price: DigitalOcean, 2026-10-07",
+    ),
 )
 
 
@@ -199,8 +267,9 @@ class HardwareCatalog:
         for gpu in self._gpus.values():
             if key in gpu.aliases:
                 return gpu.id
-        raise UnknownGPUError(f"unknown GPU {name!r}; known: {', '.join(self.ids)} "
-                              "(or add one with --hardware FILE)")
+        raise UnknownGPUError(
+            f"unknown GPU {name!r}; known: {', '.join(self.ids)} (or add one with --hardware FILE)"
+        )
 
     def get(self, name: str) -> HardwareSpec:
         return self._gpus[self.resolve(name)]
@@ -221,8 +290,9 @@ class HardwareCatalog:
             except ValidationError as exc:
                 err = exc.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])
-                raise ConfigError(f"{source}: GPU {entry['id']!r} field {where!r}: "
-                                  f"{err['msg']}") from None
+                raise ConfigError(
+                    f"{source}: GPU {entry['id']!r} field {where!r}: {err['msg']}"
+                ) from None
         return out
 
 
@@ -245,6 +315,8 @@ def load_hardware_file(path: str | Path, base: HardwareCatalog | None = None) ->
         raise ConfigError(f"hardware file {path} needs a list 'gpus' of GPU entries")
     version = data.get("schema_version", HARDWARE_SCHEMA_VERSION)
     if version != HARDWARE_SCHEMA_VERSION:
-        raise ConfigError(f"hardware file {path} has schema_version {version}; this OpWeave "
-                          f"reads version {HARDWARE_SCHEMA_VERSION}")
+        raise ConfigError(
+            f"hardware file {path} has schema_version {version}; this OpWeave "
+            f"reads version {HARDWARE_SCHEMA_VERSION}"
+        )
     return (base or HardwareCatalog()).with_overrides(data["gpus"], str(path))

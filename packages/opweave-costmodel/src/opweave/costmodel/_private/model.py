@@ -70,10 +70,15 @@ class OperatorSpec(Frozen):
 
     name: OperatorName
     op_class: OpClass
-    layer: int | None = Field(default=None, description="Decoder layer index; None for embed/head ops.")
-    weight_bytes: int = Field(default=0, description="Resident weight bytes (all experts for `experts`).")
+    layer: int | None = Field(
+        default=None, description="Decoder layer index; None for embed/head ops."
+    )
+    weight_bytes: int = Field(
+        default=0, description="Resident weight bytes (all experts for `experts`)."
+    )
     weight_bytes_read_per_token: float | None = Field(
-        default=None, description="Set for gathers (embed): a step reads only the rows its tokens use."
+        default=None,
+        description="Set for gathers (embed): a step reads only the rows its tokens use.",
     )
     flops_per_token: float = Field(default=0.0, description="Context-independent FLOPs per token.")
     attn_flops_per_context_token: float = Field(
@@ -82,23 +87,32 @@ class OperatorSpec(Frozen):
     state_bytes_per_context_token: float = Field(
         default=0.0, description="KV bytes a request holds per context token (full or sliding)."
     )
-    state_window_tokens: int | None = Field(default=None, description="Sliding window; None = unbounded.")
-    state_bytes_fixed: float = Field(default=0.0, description="Context-independent state per request.")
+    state_window_tokens: int | None = Field(
+        default=None, description="Sliding window; None = unbounded."
+    )
+    state_bytes_fixed: float = Field(
+        default=0.0, description="Context-independent state per request."
+    )
     activation_bytes_per_token: float = Field(
         default=0.0, description="Activation bytes read and written per token (HBM traffic)."
     )
     boundary_bytes_per_token: float = Field(
-        default=0.0, description="Bytes per token that cross a stage cut placed right after this op."
+        default=0.0,
+        description="Bytes per token that cross a stage cut placed right after this op.",
     )
     shard_units: int | None = Field(
         default=None,
         description="Heads the op shards over under tensor parallelism (state/compute per rank "
         "is ceil(units/tp)/units); None for finely divisible GEMMs.",
     )
-    tp_sharded: bool = Field(default=True, description="False: replicated on every TP rank (norms).")
+    tp_sharded: bool = Field(
+        default=True, description="False: replicated on every TP rank (norms)."
+    )
     tp_collective: TPCollective = TPCollective.NONE
     tp_collective_bytes_per_token: float = 0.0
-    kernels: int = Field(default=1, description="Kernel launches per execution (for launch overhead).")
+    kernels: int = Field(
+        default=1, description="Kernel launches per execution (for launch overhead)."
+    )
     moe: MoESpec | None = None
     tied_to: str | None = Field(default=None, description="Key of a weight shared with another op.")
 
@@ -155,8 +169,7 @@ class OperatorSpec(Frozen):
     def flops(self, batch: ArrayLike, context: ArrayLike) -> NDArray[np.float64]:
         b = np.asarray(batch, dtype=np.float64)
         return b * (
-            self.flops_per_token
-            + self.attn_flops_per_context_token * self.attended_tokens(context)
+            self.flops_per_token + self.attn_flops_per_context_token * self.attended_tokens(context)
         )
 
 

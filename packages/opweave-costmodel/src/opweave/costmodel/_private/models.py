@@ -35,8 +35,10 @@ def read_config(path: str | Path) -> dict[str, Any]:
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
-        raise UnknownModelError(f"no config.json at {path}; give a built-in model name "
-                                f"({', '.join(BUILTIN_MODELS)}) or a Hugging Face model folder")
+        raise UnknownModelError(
+            f"no config.json at {path}; give a built-in model name "
+            f"({', '.join(BUILTIN_MODELS)}) or a Hugging Face model folder"
+        )
     try:
         config = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

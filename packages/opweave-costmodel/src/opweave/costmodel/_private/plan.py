@@ -85,7 +85,9 @@ class Plan(Frozen):
     owners: tuple[Owner, ...] = Field(min_length=1)
     microbatches: int = Field(ge=1)
     prediction: Prediction | None = None
-    profiles: tuple[str, ...] = Field(default=(), description="Provenance of the latency profiles used.")
+    profiles: tuple[str, ...] = Field(
+        default=(), description="Provenance of the latency profiles used."
+    )
 
     @model_validator(mode="after")
     def _balanced(self) -> Plan:
@@ -138,8 +140,10 @@ def check_template(model: ModelSpec, template: StageTemplate) -> None:
         members = [classes[i % n] for i in range(start, end)]
         if all(c is OpClass.SMALL for c in members):
             names = [model.block.op_names[i % n] for i in range(start, end)]
-            raise ConfigError(f"template stage {j} holds only small operators {names}; "
-                              "attach them to a neighbouring stage")
+            raise ConfigError(
+                f"template stage {j} holds only small operators {names}; "
+                "attach them to a neighbouring stage"
+            )
 
 
 def segments(model: ModelSpec, template: StageTemplate, num_owners: int) -> list[Segment]:
@@ -175,8 +179,14 @@ def segments(model: ModelSpec, template: StageTemplate, num_owners: int) -> list
         if last:
             ops.extend(model.post_ops)
         if last or tagged[i + 1][0] % num_owners != position % num_owners:
-            out.append(Segment(position=len(out), template_stage=first_stage,
-                               owner=position % num_owners, ops=tuple(ops)))
+            out.append(
+                Segment(
+                    position=len(out),
+                    template_stage=first_stage,
+                    owner=position % num_owners,
+                    ops=tuple(ops),
+                )
+            )
             ops = []
     return out
 
@@ -191,8 +201,9 @@ def colocated_template(model: ModelSpec) -> StageTemplate:
 def afd_template(model: ModelSpec) -> StageTemplate:
     """Attention-FFN disaggregation: attention module vs FFN/MoE, per layer."""
     names = model.block.op_names
-    return StageTemplate(cuts=tuple(i for i, n in enumerate(names)
-                                    if n in ("attn_norm", "ffn_norm")))
+    return StageTemplate(
+        cuts=tuple(i for i, n in enumerate(names) if n in ("attn_norm", "ffn_norm"))
+    )
 
 
 def cad_template(model: ModelSpec) -> StageTemplate:
@@ -209,14 +220,25 @@ TEMPLATES = {"colocated": colocated_template, "afd": afd_template, "cad": cad_te
 
 
 def plan_model(model: ModelSpec) -> PlanModel:
-    return PlanModel(name=model.name, family=model.family, num_layers=model.num_layers,
-                     period_layers=model.block.period_layers,
-                     config_sha256=model.config_sha256)
+    return PlanModel(
+        name=model.name,
+        family=model.family,
+        num_layers=model.num_layers,
+        period_layers=model.block.period_layers,
+        config_sha256=model.config_sha256,
+    )
 
 
-def canonical_plan(model: ModelSpec, strategy: Literal["colocated", "afd", "cad"], *,
-                   gpu: str, batch: int, microbatches: int = 1, context_tokens: int = 1,
-                   tp: int = 1) -> Plan:
+def canonical_plan(
+    model: ModelSpec,
+    strategy: Literal["colocated", "afd", "cad"],
+    *,
+    gpu: str,
+    batch: int,
+    microbatches: int = 1,
+    context_tokens: int = 1,
+    tp: int = 1,
+) -> Plan:
     """The canonical template of a baseline with one replica per owner.
 
     Colocated has one owner; AFD and CAD have two, which alternate along the model
@@ -233,7 +255,14 @@ def canonical_plan(model: ModelSpec, strategy: Literal["colocated", "afd", "cad"
         raise ConfigError(f"unknown strategy {strategy!r}; use one of {', '.join(TEMPLATES)}")
     template = TEMPLATES[strategy](model)
     num_owners = 1 if strategy == "colocated" else 2
-    owners = tuple(Owner(gpu=gpu, tp=tp, replicas=1, resident_batch=batch)
-                   for _ in range(num_owners))
-    return Plan(strategy=strategy, model=plan_model(model), context_tokens=context_tokens,
-                template=template, owners=owners, microbatches=microbatches)
+    owners = tuple(
+        Owner(gpu=gpu, tp=tp, replicas=1, resident_batch=batch) for _ in range(num_owners)
+    )
+    return Plan(
+        strategy=strategy,
+        model=plan_model(model),
+        context_tokens=context_tokens,
+        template=template,
+        owners=owners,
+        microbatches=microbatches,
+    )

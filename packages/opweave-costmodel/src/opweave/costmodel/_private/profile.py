@@ -112,9 +112,11 @@ class Profile(Frozen):
             if t.op == key and t.tp == tp:
                 return t
         have = sorted({f"{t.op} (tp={t.tp})" for t in self.ops})
-        raise ConfigError(f"profile for {self.device.id} has no latencies for {key} at tp={tp}; "
-                          f"it has {', '.join(have[:8])}{'...' if len(have) > 8 else ''}; "
-                          "re-profile with that --tp")
+        raise ConfigError(
+            f"profile for {self.device.id} has no latencies for {key} at tp={tp}; "
+            f"it has {', '.join(have[:8])}{'...' if len(have) > 8 else ''}; "
+            "re-profile with that --tp"
+        )
 
     def transfer(self, link: LinkKind) -> TransferProfile | None:
         return next((t for t in self.transfers if t.link == link), None)
@@ -125,8 +127,15 @@ class LatencyModel(Protocol):
 
     hardware: HardwareSpec
 
-    def op_latency_s(self, model: ModelSpec, op: OperatorSpec, layer: LayerSpec | None,
-                     tp: int, batch: float, context: float) -> float: ...
+    def op_latency_s(
+        self,
+        model: ModelSpec,
+        op: OperatorSpec,
+        layer: LayerSpec | None,
+        tp: int,
+        batch: float,
+        context: float,
+    ) -> float: ...
 
     def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float: ...
 

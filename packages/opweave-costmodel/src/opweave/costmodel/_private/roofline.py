@@ -31,8 +31,9 @@ def shard_fraction(op: OperatorSpec, tp: int) -> float:
     return 1.0 / tp
 
 
-def op_bytes_and_flops(op: OperatorSpec, tp: int, batch: float,
-                       context: float) -> tuple[float, float]:
+def op_bytes_and_flops(
+    op: OperatorSpec, tp: int, batch: float, context: float
+) -> tuple[float, float]:
     """Bytes moved and FLOPs of one rank for one execution."""
     frac = shard_fraction(op, tp)
     return float(op.bytes_moved(batch, context)) * frac, float(op.flops(batch, context)) * frac
@@ -44,8 +45,15 @@ class RooflineLatency:
 
     hardware: HardwareSpec
 
-    def op_latency_s(self, model: ModelSpec, op: OperatorSpec, layer: LayerSpec | None,
-                     tp: int, batch: float, context: float) -> float:
+    def op_latency_s(
+        self,
+        model: ModelSpec,
+        op: OperatorSpec,
+        layer: LayerSpec | None,
+        tp: int,
+        batch: float,
+        context: float,
+    ) -> float:
         del model, layer
         if batch <= 0:
             return 0.0
@@ -88,8 +96,15 @@ class ProfiledLatency:
     def hardware(self) -> HardwareSpec:
         return self.profile.device
 
-    def op_latency_s(self, model: ModelSpec, op: OperatorSpec, layer: LayerSpec | None,
-                     tp: int, batch: float, context: float) -> float:
+    def op_latency_s(
+        self,
+        model: ModelSpec,
+        op: OperatorSpec,
+        layer: LayerSpec | None,
+        tp: int,
+        batch: float,
+        context: float,
+    ) -> float:
         del model
         if batch <= 0:
             return 0.0
@@ -118,28 +133,43 @@ def weight_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp
     return total
 
 
-def state_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int,
-                         batch: float, context: float) -> float:
+def state_bytes_per_rank(
+    ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int, batch: float, context: float
+) -> float:
     """KV / recurrent state one rank holds for ``batch`` requests at context ``context``."""
-    return float(sum(batch * float(op.state_bytes(context)) * shard_fraction(op, tp)
-                     for op in ops if op.holds_state))
+    return float(
+        sum(
+            batch * float(op.state_bytes(context)) * shard_fraction(op, tp)
+            for op in ops
+            if op.holds_state
+        )
+    )
 
 
-def activation_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec],
-                              batch: float) -> float:
+def activation_bytes_per_rank(
+    ops: tuple[OperatorSpec, ...] | list[OperatorSpec], batch: float
+) -> float:
     """Transient activation workspace: the two largest live tensors of the step."""
     sizes = sorted((op.boundary_bytes_per_token for op in ops), reverse=True)
     return float(batch * sum(sizes[:2]))
 
 
-def memory_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int,
-                          batch: float, context: float) -> float:
-    return (weight_bytes_per_rank(ops, tp) + state_bytes_per_rank(ops, tp, batch, context)
-            + activation_bytes_per_rank(ops, batch))
+def memory_bytes_per_rank(
+    ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int, batch: float, context: float
+) -> float:
+    return (
+        weight_bytes_per_rank(ops, tp)
+        + state_bytes_per_rank(ops, tp, batch, context)
+        + activation_bytes_per_rank(ops, batch)
+    )
 
 
-def max_batch(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int,
-              hardware: HardwareSpec, context: float) -> int:
+def max_batch(
+    ops: tuple[OperatorSpec, ...] | list[OperatorSpec],
+    tp: int,
+    hardware: HardwareSpec,
+    context: float,
+) -> int:
     """Largest integer batch whose weights, state and activations fit on every rank."""
     free = hardware.usable_memory_bytes - weight_bytes_per_rank(ops, tp)
     if free <= 0:

@@ -1,0 +1,205 @@
+"""``opweave plan`` and ``opweave simulate``: plan search and schedule simulation."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ._common import (
+    HardwareOpt,
+    JsonOpt,
+    ModelArg,
+    catalog,
+    emit_json,
+    parse_list,
+    parse_size,
+    table,
+)
+
+ProfileOpt = Annotated[
+    list[Path] | None,
+    typer.Option("--profile", help="Measured profile file; its device becomes usable in --gpus."),
+]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan")(plan)
+    app.command("simulate")(simulate)
+
+
+def load_profiles(paths: list[Path] | None) -> list[Any]:
+    from pydantic import ValidationError
+
+    from opweave.costmodel import ConfigError, Profile
+
+    profiles = []
+    for path in paths or []:
+        if not path.is_file():
+            raise ConfigError(f"profile file {path} does not exist")
+        try:
+            profiles.append(Profile.model_validate_json(path.read_text()))
+        except (ValidationError, UnicodeDecodeError) as exc:
+            first = (
+                exc.errors()[0]
+                if isinstance(exc, ValidationError)
+                else {"msg": str(exc), "loc": ()}
+            )
+            where = ".".join(str(p) for p in first["loc"])
+            raise ConfigError(
+                f"profile file {path} is not a valid profile ({where}: "
+                f"{first['msg']}); re-run opweave profile"
+            ) from None
+    return profiles
+
+
+def load_plan_file(path: Path):  # -> Plan
+    from pydantic import ValidationError
+
+    from opweave.costmodel import ConfigError, Plan
+
+    if not path.is_file():
+        raise ConfigError(f"plan file {path} does not exist")
+    try:
+        return Plan.model_validate_json(path.read_text())
+    except (ValidationError, UnicodeDecodeError) as exc:
+        first = (
+            exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
+        )
+        where = ".".join(str(p) for p in first["loc"]) or "file"
+        raise ConfigError(
+            f"plan file {path} is not a valid plan ({where}: {first['msg']}); "
+            "write one with opweave plan -o"
+        ) from None
+
+
+class _Progress:
+    """A one-line live progress display on stderr (only when it is a terminal)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+
+    def __call__(self, p: Any) -> None:
+        if not self.enabled:
+            return
+        best = (
+            "-"
+            if p.best_usd_per_million_tokens is None
+            else f"${p.best_usd_per_million_tokens:.3f}/Mtok"
+        )
+        sys.stderr.write(
+            f"\r{p.phase:<12} {p.done}/{p.total} candidates "
+            f"{p.simulator_calls} simulated, best {best}   "
+        )
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            sys.stderr.write("\r" + " " * 78 + "\r")
+
+
+def plan(
+    model: ModelArg,
+    gpus: Annotated[str, typer.Option("--gpus", help="GPU types of the cluster: G1 or G1,G2.")],
+    context: Annotated[str, typer.Option("--context", help="Context tokens, e.g. 32K.")],
+    tpot_slo_ms: Annotated[
+        float, typer.Option("--tpot-slo-ms", min=0.001, help="Time-per-output-token SLO in ms.")
+    ],
+    profile: ProfileOpt = None,
+    output: Annotated[
+        Path | None,
+        typer.Option("-o", "--output", help="Write the best plan (Plan schema) to this file."),
+    ] = None,
+    no_frontier_pruning: Annotated[bool, typer.Option("--no-frontier-pruning")] = False,
+    no_branch_and_bound: Annotated[bool, typer.Option("--no-branch-and-bound")] = False,
+    json_out: JsonOpt = False,
+    hardware: HardwareOpt = None,
+) -> None:
+    """Search operator partitions, GPU types, TP, batching and microbatching for the cheapest
+    plan that meets the TPOT SLO; compare with colocated, AFD and CAD."""
+    from opweave.planner import plan as search
+
+    from opweave.costmodel import InfeasibleError, load_model
+
+    spec = load_model(model)
+    names = parse_list(gpus)
+    if len(names) > 2:
+        raise typer.BadParameter("--gpus takes one or two GPU types")
+    progress = _Progress(not json_out)
+    try:
+        result = search(
+            spec,
+            names,
+            context=parse_size(context),
+            tpot_slo_s=tpot_slo_ms / 1e3,
+            catalog=catalog(hardware),
+            profiles=load_profiles(profile),
+            frontier_pruning=not no_frontier_pruning,
+            branch_and_bound=not no_branch_and_bound,
+            progress=progress,
+        )
+    finally:
+        progress.close()
+    if result.best is None:
+        raise InfeasibleError(result.infeasible_message())
+    if output is not None:
+        output.write_text(result.best.model_dump_json(indent=2) + "\n")
+    if json_out:
+        emit_json(result.to_json())
+        return
+    typer.echo(result.summary())
+    if output is not None:
+        typer.echo(f"plan written to {output}")
+
+
+def simulate(
+    plan_file: Annotated[
+        Path, typer.Argument(metavar="PLAN", help="A plan file (opweave plan -o).")
+    ],
+    model: Annotated[
+        str | None,
+        typer.Option("--model", help="Model name or config path (default: the plan's model)."),
+    ] = None,
+    gantt: Annotated[
+        Path | None, typer.Option("--gantt", help="Write a Gantt chart PNG of one iteration.")
+    ] = None,
+    profile: ProfileOpt = None,
+    json_out: JsonOpt = False,
+    hardware: HardwareOpt = None,
+) -> None:
+    """Re-simulate a plan: TPOT, cost and per-resource occupancy of one steady-state iteration."""
+    from opweave.planner import gantt as draw_gantt
+    from opweave.planner import simulate_plan
+
+    from opweave.costmodel import ConfigError, load_model
+
+    the_plan = load_plan_file(plan_file)
+    spec = load_model(model or the_plan.model.name)
+    if spec.config_sha256 != the_plan.model.config_sha256:
+        raise ConfigError(
+            f"plan {plan_file} was made for a different {the_plan.model.name} "
+            "config; pass --model with the config it was planned for"
+        )
+    sim = simulate_plan(the_plan, spec, catalog=catalog(hardware), profiles=load_profiles(profile))
+    if gantt is not None:
+        draw_gantt(sim, gantt)
+    if json_out:
+        emit_json(sim.to_json())
+        return
+    typer.echo(
+        f"{the_plan.strategy} plan for {spec.name} at context {the_plan.context_tokens}: "
+        f"TPOT {sim.tpot_s * 1e3:.3f} ms"
+        + (
+            ""
+            if sim.usd_per_million_tokens is None
+            else f", ${sim.usd_per_million_tokens:.3f} per million tokens"
+        )
+    )
+    rows = [
+        [name, f"{busy * 1e3:.3f}", f"{100 * occ:.1f}%"] for name, busy, occ in sim.resource_rows()
+    ]
+    typer.echo(table(rows, ["resource", "busy ms/iter", "occupancy"]))
+    if gantt is not None:
+        typer.echo(f"gantt chart written to {gantt}")
