@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from tests.helpers import TINY_LLAMA, cli_json, run_cli
 
 

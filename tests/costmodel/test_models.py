@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from tests.helpers import TINY_LLAMA
 
 from opweave.costmodel import (
     BUILTIN_MODELS,
@@ -16,6 +15,7 @@ from opweave.costmodel import (
     load_model,
     model_spec_from_config,
 )
+from tests.helpers import TINY_LLAMA
 
 
 def test_llama_70b_matches_hand_count() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from tests.helpers import TINY_LLAMA
 
 from opweave.costmodel import (
     ConfigError,
@@ -16,6 +15,7 @@ from opweave.costmodel import (
     max_batch,
     model_spec_from_config,
 )
+from tests.helpers import TINY_LLAMA
 
 GPU = HardwareSpec(
     id="toy",

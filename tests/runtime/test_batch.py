@@ -20,7 +20,9 @@ def _batch() -> TokenBatch:
             "topk_ids": torch.randint(0, 8, (7, 2), generator=g),
             "topk_weights": torch.rand(7, 2, generator=g, dtype=torch.float64),
             "mask": torch.rand(7, generator=g) > 0.5,
-            "odd": torch.arange(3, dtype=torch.int8),  # a size that is not a multiple of the alignment
+            "odd": torch.arange(
+                3, dtype=torch.int8
+            ),  # a size that is not a multiple of the alignment
             "empty": torch.empty(0, 5),
         },
     )

@@ -5,40 +5,98 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opweave.runtime import UnsupportedModelError, layer_operator_names, operator_sequence, parse_config
+from opweave.runtime import (
+    UnsupportedModelError,
+    layer_operator_names,
+    operator_sequence,
+    parse_config,
+)
 from opweave.runtime._private.rope import inverse_frequencies
 
 # Abridged released configs, in the key styles they ship with (transformers 4.x era).
 LLAMA_33_70B = {
-    "model_type": "llama", "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
-    "num_attention_heads": 64, "num_key_value_heads": 8, "vocab_size": 128256, "rms_norm_eps": 1e-05,
-    "max_position_embeddings": 131072, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "rms_norm_eps": 1e-05,
+    "max_position_embeddings": 131072,
+    "rope_theta": 500000.0,
+    "torch_dtype": "bfloat16",
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
     "eos_token_id": [128001, 128008, 128009],
 }
 GEMMA3_27B = {
-    "model_type": "gemma3", "eos_token_id": [1, 106], "torch_dtype": "bfloat16",
-    "text_config": {"model_type": "gemma3_text", "head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
-                    "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
-                    "query_pre_attn_scalar": 168, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
-                    "sliding_window": 1024, "vocab_size": 262208},
+    "model_type": "gemma3",
+    "eos_token_id": [1, 106],
+    "torch_dtype": "bfloat16",
+    "text_config": {
+        "model_type": "gemma3_text",
+        "head_dim": 128,
+        "hidden_size": 5376,
+        "intermediate_size": 21504,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 62,
+        "num_key_value_heads": 16,
+        "query_pre_attn_scalar": 168,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+        "sliding_window": 1024,
+        "vocab_size": 262208,
+    },
 }
 QWEN3_NEXT_80B = {
-    "model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 16,
-    "num_key_value_heads": 2, "head_dim": 256, "intermediate_size": 5120, "vocab_size": 151936,
-    "full_attention_interval": 4, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
-    "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_value_head_dim": 128,
-    "num_experts": 512, "num_experts_per_tok": 10, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "norm_topk_prob": True, "partial_rotary_factor": 0.25, "rope_theta": 10000000, "rope_scaling": None,
+    "model_type": "qwen3_next",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "intermediate_size": 5120,
+    "vocab_size": 151936,
+    "full_attention_interval": 4,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "num_experts": 512,
+    "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "partial_rotary_factor": 0.25,
+    "rope_theta": 10000000,
+    "rope_scaling": None,
     "torch_dtype": "bfloat16",
 }
 QWEN3_30B_A3B = {
-    "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": 768,
-    "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "norm_topk_prob": True, "vocab_size": 151936, "use_sliding_window": False, "sliding_window": None,
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "use_sliding_window": False,
+    "sliding_window": None,
     "rope_theta": 1000000.0,
 }
 
@@ -55,9 +113,15 @@ def test_gemma3_multimodal_config_uses_text_config():
     spec = parse_config(GEMMA3_27B)
     assert spec.family == "gemma3_text" and spec.num_layers == 62
     assert spec.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
-    assert spec.rope["full_attention"].rope_type == "linear" and spec.rope["full_attention"].factor == 8.0
+    assert (
+        spec.rope["full_attention"].rope_type == "linear"
+        and spec.rope["full_attention"].factor == 8.0
+    )
     assert spec.rope["full_attention"].theta == 1_000_000.0
-    assert spec.rope["sliding_attention"].theta == 10_000.0 and spec.rope["sliding_attention"].rope_type == "default"
+    assert (
+        spec.rope["sliding_attention"].theta == 10_000.0
+        and spec.rope["sliding_attention"].rope_type == "default"
+    )
     assert spec.attn_scale == pytest.approx(168**-0.5)
     assert spec.hidden_act == "gelu_pytorch_tanh" and spec.tie_word_embeddings
     assert spec.eos_token_ids == (1, 106)
@@ -70,15 +134,32 @@ def test_qwen3_next_layers_and_moe():
     assert spec.moe is not None and spec.moe.shared_intermediate_size == 512
     assert spec.linear_attn is not None and spec.linear_attn.conv_dim == 2 * 16 * 128 + 32 * 128
     assert layer_operator_names(spec, 0) == (
-        "attn_norm", "qkv_proj", "core_attn", "o_proj", "ffn_norm", "router", "experts", "shared_expert"
+        "attn_norm",
+        "qkv_proj",
+        "core_attn",
+        "o_proj",
+        "ffn_norm",
+        "router",
+        "experts",
+        "shared_expert",
     )
     assert layer_operator_names(spec, 3) == (
-        "attn_norm", "qkv_proj", "rope", "core_attn", "o_proj", "ffn_norm", "router", "experts", "shared_expert"
+        "attn_norm",
+        "qkv_proj",
+        "rope",
+        "core_attn",
+        "o_proj",
+        "ffn_norm",
+        "router",
+        "experts",
+        "shared_expert",
     )
 
 
 def test_qwen3_moe_dense_layers_from_mlp_only_and_sparse_step():
-    spec = parse_config({**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]})
+    spec = parse_config(
+        {**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    )
     assert sorted(spec.moe_layers) == [1, 5]
     assert layer_operator_names(spec, 0)[-2:] == ("gate_up_proj", "down_proj")
     assert layer_operator_names(spec, 1)[-2:] == ("router", "experts")
@@ -87,15 +168,27 @@ def test_qwen3_moe_dense_layers_from_mlp_only_and_sparse_step():
 
 def test_operator_sequence_brackets_layers_with_model_ops():
     seq = operator_sequence(QWEN3_30B_A3B)
-    assert seq[0] == (None, "embed") and [r.name for r in seq[-3:]] == ["final_norm", "lm_head", "sample"]
+    assert seq[0] == (None, "embed") and [r.name for r in seq[-3:]] == [
+        "final_norm",
+        "lm_head",
+        "sample",
+    ]
     assert len(seq) == 1 + 48 * 8 + 3
 
 
 @pytest.mark.parametrize(
     ("rope_scaling", "rope_theta"),
     [
-        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}, 500000.0),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            500000.0,
+        ),
         ({"rope_type": "linear", "factor": 4.0}, 10000.0),
         (None, 1000000.0),
     ],
@@ -108,7 +201,11 @@ def test_inverse_frequencies_match_transformers(rope_scaling, rope_theta):
     raw = {**LLAMA_33_70B, "rope_scaling": rope_scaling, "rope_theta": rope_theta}
     hf_config = LlamaConfig(**{k: v for k, v in raw.items() if k != "model_type"})
     rope_type = hf_config.rope_parameters["rope_type"]
-    init = LlamaRotaryEmbedding.compute_default_rope_parameters if rope_type == "default" else ROPE_INIT_FUNCTIONS[rope_type]
+    init = (
+        LlamaRotaryEmbedding.compute_default_rope_parameters
+        if rope_type == "default"
+        else ROPE_INIT_FUNCTIONS[rope_type]
+    )
     expected, _ = init(hf_config)
 
     spec = parse_config(raw)

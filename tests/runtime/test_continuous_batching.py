@@ -62,7 +62,7 @@ def test_stop_token_ends_request_and_frees_it(tiny_model, hf_greedy, prompts):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "mixtral", "qwen3_next"])
 def test_cut_at_every_operator_boundary_stays_exact(family, tiny_model, hf_greedy, prompts):
-    """One stage per operator: every boundary's activations cross a pack/unpack, as a pipeline send would."""
+    """One stage per operator: every boundary's activations cross pack/unpack, like a send."""
     model_dir = tiny_model(family)
     n_ops = len(operator_sequence(model_dir))
 

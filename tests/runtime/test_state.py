@@ -1,4 +1,4 @@
-"""Per-request state: admitted, advanced, bounded for sliding/linear layers, and released by free."""
+"""Per-request state: admitted, advanced, bounded for sliding/linear layers, released by free."""
 
 from __future__ import annotations
 
@@ -20,7 +20,9 @@ def _core_attn(stage: StageModule, layer: int):
     return next(op for op in stage.operators if op.name == "core_attn" and op.layer == layer)
 
 
-@pytest.mark.parametrize(("family", "layer"), [("llama", 0), ("gemma3_text", 0), ("qwen3_next", 0), ("qwen3_next", 3)])
+@pytest.mark.parametrize(
+    ("family", "layer"), [("llama", 0), ("gemma3_text", 0), ("qwen3_next", 0), ("qwen3_next", 3)]
+)
 def test_free_releases_state_memory(family, layer, tiny_model):
     stage = StageModule.whole_model(tiny_model(family))
     stage.admit(["keep", "drop"])
@@ -40,14 +42,16 @@ def test_free_releases_state_memory(family, layer, tiny_model):
 
 
 def test_sliding_layer_state_is_bounded_by_window(tiny_model):
-    stage = StageModule.whole_model(tiny_model("gemma3_text"))  # layers 0-1 sliding (window 8), 2 global
+    # layers 0-1 slide over a window of 8, layer 2 is global
+    stage = StageModule.whole_model(tiny_model("gemma3_text"))
     spec = stage.spec
     stage.admit(["short", "long"])
     _prefill(stage, "short", list(range(5, 8)))
     _prefill(stage, "long", list(range(5, 45)))
     per_token = 2 * spec.num_kv_heads * spec.head_dim * 4
     sliding, full = _core_attn(stage, 0), _core_attn(stage, 2)
-    assert sliding.state_bytes("long") == sliding.state_bytes("short") == spec.sliding_window * per_token
+    assert sliding.state_bytes("long") == spec.sliding_window * per_token
+    assert sliding.state_bytes("short") <= spec.sliding_window * per_token
     assert full.state_bytes("long") >= 40 * per_token > full.state_bytes("short")
 
 

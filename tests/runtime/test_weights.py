@@ -10,9 +10,8 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from opweave.runtime import LocalModel, StageModule, operator_sequence
+from opweave.runtime import LocalModel, StageModule, operator_sequence, write_tiny_model
 from opweave.runtime._private import weights as weights_module
-from opweave.runtime import write_tiny_model
 
 
 class _RecordingOpen:
@@ -88,15 +87,39 @@ def test_layer_stage_reads_only_its_layer(tiny_model, recording):
 @pytest.mark.parametrize(
     ("family", "ref", "expected_suffixes"),
     [
-        ("qwen3_next", (0, "core_attn"), {"linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.norm.weight"}),
+        (
+            "qwen3_next",
+            (0, "core_attn"),
+            {
+                "linear_attn.conv1d.weight",
+                "linear_attn.A_log",
+                "linear_attn.dt_bias",
+                "linear_attn.norm.weight",
+            },
+        ),
         ("qwen3_next", (3, "rope"), set()),
-        ("qwen3_next", (3, "shared_expert"), {"mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight", "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"}),
+        (
+            "qwen3_next",
+            (3, "shared_expert"),
+            {
+                "mlp.shared_expert.gate_proj.weight",
+                "mlp.shared_expert.up_proj.weight",
+                "mlp.shared_expert.down_proj.weight",
+                "mlp.shared_expert_gate.weight",
+            },
+        ),
         ("qwen3_moe", (1, "router"), {"mlp.gate.weight"}),
-        ("gemma3_text", (2, "o_proj"), {"self_attn.o_proj.weight", "post_attention_layernorm.weight"}),
+        (
+            "gemma3_text",
+            (2, "o_proj"),
+            {"self_attn.o_proj.weight", "post_attention_layernorm.weight"},
+        ),
         ("gemma3_text", (0, "ffn_norm"), {"pre_feedforward_layernorm.weight"}),
     ],
 )
-def test_single_operator_reads_exactly_its_tensors(family, ref, expected_suffixes, tiny_model, recording):
+def test_single_operator_reads_exactly_its_tensors(
+    family, ref, expected_suffixes, tiny_model, recording
+):
     model_dir = tiny_model(family)
     StageModule(model_dir, [ref])
     assert set(recording.tensors) == {f"model.layers.{ref[0]}.{s}" for s in expected_suffixes}
@@ -110,8 +133,9 @@ def test_experts_stage_reads_only_expert_tensors(tiny_model, recording):
     assert stage.weight_bytes == _tensor_bytes(model_dir, recording.tensors)
 
 
-def test_whole_model_reads_every_tensor_once(tiny_model, recording):
-    model_dir = tiny_model("qwen3_next")  # untied: embed and lm_head are distinct tensors
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3"])  # untied, and tied embeddings
+def test_whole_model_reads_every_tensor_once(family, tiny_model, recording):
+    model_dir = tiny_model(family)
     stage = StageModule.whole_model(model_dir)
     with safe_open(model_dir / "model.safetensors", framework="pt") as f:
         all_names = sorted(f.keys())
@@ -126,26 +150,34 @@ def test_sharded_checkpoint_opens_only_needed_shards(tmp_path, recording, hf_gre
 
     StageModule(model_dir, [(1, "gate_up_proj")])
 
-    needed = {index["model.layers.1.mlp.gate_proj.weight"], index["model.layers.1.mlp.up_proj.weight"]}
+    needed = {
+        index["model.layers.1.mlp.gate_proj.weight"],
+        index["model.layers.1.mlp.up_proj.weight"],
+    }
     assert recording.files == needed
     assert LocalModel(model_dir).generate(prompts, 8) == hf_greedy(model_dir, prompts, 8)
 
 
 def test_multimodal_gemma3_layout_loads(tiny_model, tmp_path, hf_greedy, prompts):
-    """Gemma 3 checkpoints wrap the text model (``model.language_model.*``, config ``text_config``)."""
+    """Gemma 3 checkpoints wrap the text model (``model.language_model.*``, ``text_config``)."""
     text_dir = tiny_model("gemma3_text")
     mm_dir = tmp_path / "gemma3_mm"
     mm_dir.mkdir()
     tensors = load_file(text_dir / "model.safetensors")
-    save_file({k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}, mm_dir / "model.safetensors")
+    save_file(
+        {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()},
+        mm_dir / "model.safetensors",
+    )
     text_config = json.loads((text_dir / "config.json").read_text())
-    (mm_dir / "config.json").write_text(json.dumps({"model_type": "gemma3", "text_config": text_config}))
+    (mm_dir / "config.json").write_text(
+        json.dumps({"model_type": "gemma3", "text_config": text_config})
+    )
 
     assert LocalModel(mm_dir).generate(prompts, 8) == hf_greedy(text_dir, prompts, 8)
 
 
 def test_fused_expert_layout_loads(tiny_model, tmp_path, hf_greedy, prompts):
-    """transformers 5's in-memory layout: ``experts.gate_up_proj [E, 2I, H]``, ``experts.down_proj [E, H, I]``."""
+    """transformers 5's in-memory layout: ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
     import torch
 
     src = tiny_model("qwen3_moe")
@@ -156,9 +188,19 @@ def test_fused_expert_layout_loads(tiny_model, tmp_path, hf_greedy, prompts):
     for layer in (1, 2):
         base = f"model.layers.{layer}.mlp.experts."
         fused[base + "gate_up_proj"] = torch.stack(
-            [torch.cat([tensors.pop(f"{base}{e}.gate_proj.weight"), tensors.pop(f"{base}{e}.up_proj.weight")]) for e in range(8)]
+            [
+                torch.cat(
+                    [
+                        tensors.pop(f"{base}{e}.gate_proj.weight"),
+                        tensors.pop(f"{base}{e}.up_proj.weight"),
+                    ]
+                )
+                for e in range(8)
+            ]
         )
-        fused[base + "down_proj"] = torch.stack([tensors.pop(f"{base}{e}.down_proj.weight") for e in range(8)])
+        fused[base + "down_proj"] = torch.stack(
+            [tensors.pop(f"{base}{e}.down_proj.weight") for e in range(8)]
+        )
     save_file({**tensors, **fused}, dst / "model.safetensors")
 
     assert LocalModel(dst).generate(prompts, 8) == hf_greedy(src, prompts, 8)

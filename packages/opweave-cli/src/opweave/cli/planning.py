@@ -119,9 +119,8 @@ def plan(
 ) -> None:
     """Search operator partitions, GPU types, TP, batching and microbatching for the cheapest
     plan that meets the TPOT SLO; compare with colocated, AFD and CAD."""
-    from opweave.planner import plan as search
-
     from opweave.costmodel import InfeasibleError, load_model
+    from opweave.planner import plan as search
 
     spec = load_model(model)
     names = parse_list(gpus)
@@ -170,10 +169,9 @@ def simulate(
     hardware: HardwareOpt = None,
 ) -> None:
     """Re-simulate a plan: TPOT, cost and per-resource occupancy of one steady-state iteration."""
+    from opweave.costmodel import ConfigError, load_model
     from opweave.planner import gantt as draw_gantt
     from opweave.planner import simulate_plan
-
-    from opweave.costmodel import ConfigError, load_model
 
     the_plan = load_plan_file(plan_file)
     spec = load_model(model or the_plan.model.name)

@@ -1,0 +1,248 @@
+"""Softmax attention layers: ``qkv_proj``, ``core_attn`` (full or sliding window) and ``o_proj``.
+
+``core_attn`` is the only operator here with per-request state. Full layers keep a growing KV cache;
+sliding layers keep a ring buffer of exactly ``sliding_window`` slots, since a query at position
+``p`` sees keys ``p - window < k <= p`` (transformers' sliding mask) and older slots are never read.
+Keys are stored after RoPE, so slot order within the ring does not matter to the softmax.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .batch import TokenBatch
+from .config import SLIDING, ModelSpec
+from .ops import Operator, RMSNorm, StatefulOperator
+from .weights import Checkpoint
+
+_MIN_CAPACITY = 16
+
+
+class QkvProj(Operator):
+    """Projects ``hidden`` to ``q``, ``k``, ``v`` ``[N, heads, head_dim]``, with per-head q/k norms.
+
+    Qwen3-Next's ``q_proj`` is twice as wide: each head's second half is the output gate, passed on
+    as ``attn_gate`` for ``core_attn``.
+    """
+
+    name, op_class = "qkv_proj", "gemm"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        self.wq, self.bq = self._linear("self_attn.q_proj")
+        self.wk, self.bk = self._linear("self_attn.k_proj")
+        self.wv, self.bv = self._linear("self_attn.v_proj")
+        self.q_norm = self.k_norm = None
+        if spec.qk_norm:
+            eps, gemma = spec.rms_norm_eps, spec.gemma_norms
+            self.q_norm = RMSNorm(self._layer_tensor("self_attn.q_norm.weight"), eps, gemma=gemma)
+            self.k_norm = RMSNorm(self._layer_tensor("self_attn.k_norm.weight"), eps, gemma=gemma)
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        x = batch["hidden"]
+        n, hd = x.shape[0], self.spec.head_dim
+        q = F.linear(x, self.wq, self.bq)
+        k = F.linear(x, self.wk, self.bk).view(n, -1, hd)
+        v = F.linear(x, self.wv, self.bv).view(n, -1, hd)
+        updates = {}
+        if self.spec.attn_output_gate:
+            q, gate = torch.chunk(q.view(n, -1, 2 * hd), 2, dim=-1)
+            updates["attn_gate"] = gate.reshape(n, -1)
+        q = q.reshape(n, -1, hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return batch.replace(drop=("hidden",), q=q, k=k, v=v, **updates)
+
+
+class _KvState:
+    """One request's keys/values ``[kv_heads, capacity, head_dim]``.
+
+    Capacity doubles as the context grows; with a ``window`` it stops at the window and position
+    ``p`` then lives in slot ``p % window`` (before the first wrap, slot ``p`` too, so growing
+    never reorders anything).
+    """
+
+    def __init__(
+        self,
+        kv_heads: int,
+        head_dim: int,
+        window: int | None,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        capacity = _MIN_CAPACITY if window is None else min(_MIN_CAPACITY, window)
+        self.k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.v = torch.empty_like(self.k)
+        self.window = window
+        self.length = 0  # tokens seen so far (positions 0..length-1)
+
+    def _reserve(self, needed: int) -> None:
+        capacity = self.k.shape[1]
+        if capacity >= needed:
+            return
+        capacity = max(needed, 2 * capacity)
+        if self.window is not None:
+            capacity = min(capacity, self.window)
+        for attr in ("k", "v"):
+            old = getattr(self, attr)
+            new = old.new_empty(old.shape[0], capacity, old.shape[2])
+            new[:, : self.length] = old[:, : self.length]
+            setattr(self, attr, new)
+
+    def ordered_window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached keys/values a new token may still see, oldest first (for multi-token steps)."""
+        if self.window is None or self.length < self.window:
+            return self.k[:, : self.length], self.v[:, : self.length]
+        first = self.length - self.window + 1
+        slots = torch.arange(first, self.length, device=self.k.device) % self.window
+        return self.k[:, slots], self.v[:, slots]
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store ``k``/``v`` ``[kv_heads, n, head_dim]`` for positions ``length .. length+n-1``."""
+        n = k.shape[1]
+        end = self.length + n
+        keep = n if self.window is None else min(n, self.window)
+        self._reserve(end if self.window is None else min(end, self.window))
+        if self.window is None or end <= self.window:
+            self.k[:, end - keep : end] = k[:, n - keep :]
+            self.v[:, end - keep : end] = v[:, n - keep :]
+        else:
+            slots = torch.arange(end - keep, end, device=k.device) % self.window
+            self.k[:, slots] = k[:, n - keep :]
+            self.v[:, slots] = v[:, n - keep :]
+        self.length = end
+
+    def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored keys/values (after an append, exactly what a single new query attends to)."""
+        used = min(self.length, self.k.shape[1])
+        return self.k[:, :used], self.v[:, :used]
+
+
+class CoreAttention(StatefulOperator):
+    """Softmax attention over each request's cached keys; the operator that holds the KV cache."""
+
+    name, op_class = "core_attn", "attention"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        assert layer is not None
+        self.window = spec.sliding_window if spec.layer_types[layer] == SLIDING else None
+        self.groups = spec.num_heads // spec.num_kv_heads
+        self._states: dict[str, _KvState] = {}
+
+    def _init_state(self, request_id: str) -> None:
+        spec = self.spec
+        self._states[request_id] = _KvState(
+            spec.num_kv_heads, spec.head_dim, self.window, self.dtype, self.device
+        )
+
+    def _drop_state(self, request_id: str) -> None:
+        del self._states[request_id]
+
+    def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
+        state = self._states[request_id]
+        return [state.k, state.v]
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        q, k, v = batch["q"], batch["k"], batch["v"]
+        meta = batch.meta
+        out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+        for i, rid in enumerate(meta.request_ids):
+            lo, hi = meta.row_offsets[i], meta.row_offsets[i + 1]
+            self._advance(rid, meta.context_lens[i], hi - lo)
+            state = self._states[rid]
+            # [n, heads, d] -> [heads, n, d]
+            q_r, k_r, v_r = (t[lo:hi].transpose(0, 1) for t in (q, k, v))
+            if hi - lo == 1:
+                state.append(k_r, v_r)
+                keys, values = state.visible()
+                o = self._attend(q_r, keys, values, mask=None)
+            else:
+                past_k, past_v = state.ordered_window()
+                keys, values = torch.cat((past_k, k_r), dim=1), torch.cat((past_v, v_r), dim=1)
+                mask = self._mask(state.length, past_k.shape[1], hi - lo)
+                state.append(k_r, v_r)
+                o = self._attend(q_r, keys, values, mask=mask)
+            out[lo:hi] = o.transpose(0, 1).reshape(hi - lo, -1)
+        if self.spec.attn_output_gate:
+            out = out * torch.sigmoid(batch["attn_gate"])
+        return batch.replace(drop=("q", "k", "v", "attn_gate"), hidden=out)
+
+    def _mask(self, start: int, num_past: int, n: int) -> torch.Tensor | None:
+        """Boolean ``[n, num_past + n]`` mask (True = attend) for ``n`` queries after ``start``."""
+        if num_past == 0 and (self.window is None or n <= self.window):
+            return None  # plain causal
+        q_pos = torch.arange(start, start + n, device=self.device)[:, None]
+        k_pos = torch.arange(start - num_past, start + n, device=self.device)[None, :]
+        mask = k_pos <= q_pos
+        if self.window is not None:
+            mask &= k_pos > q_pos - self.window
+        return mask
+
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``q [heads, n, d]`` against ``k``/``v`` ``[kv_heads, m, d]``."""
+        n = q.shape[1]
+        causal = mask is None and n > 1
+        if self.spec.attn_softcap is not None:
+            return self._attend_softcapped(q, k, v, mask, causal)
+        if mask is None:
+            return F.scaled_dot_product_attention(
+                q[None],
+                k[None],
+                v[None],
+                is_causal=causal,
+                scale=self.spec.attn_scale,
+                enable_gqa=self.groups > 1,
+            )[0]
+        k, v = (t.repeat_interleave(self.groups, dim=0) for t in (k, v))
+        return F.scaled_dot_product_attention(
+            q[None], k[None], v[None], attn_mask=mask, scale=self.spec.attn_scale
+        )[0]
+
+    def _attend_softcapped(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        """Explicit softmax path: tanh soft-capping of the scores has no fused kernel."""
+        cap = self.spec.attn_softcap
+        assert cap is not None
+        k, v = (t.repeat_interleave(self.groups, dim=0) for t in (k, v))
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * self.spec.attn_scale / cap) * cap
+        if causal:
+            mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+class OProj(Operator):
+    """Output projection, Gemma's post-attention norm, and the residual add ending attention."""
+
+    name, op_class = "o_proj", "gemm"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        self.weight, self.bias = self._linear("self_attn.o_proj")
+        self.post_norm = None
+        if spec.sandwich_norms:
+            weight = self._layer_tensor("post_attention_layernorm.weight")
+            self.post_norm = RMSNorm(weight, spec.rms_norm_eps, gemma=True)
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        out = F.linear(batch["hidden"], self.weight, self.bias)
+        if self.post_norm is not None:
+            out = self.post_norm(out)
+        return batch.replace(drop=("residual",), hidden=batch["residual"] + out)

@@ -1,0 +1,142 @@
+"""The data that flows between operators, and its one-tensor wire format.
+
+Tokens of all requests in an iteration are flattened into one ragged row dimension (request 0's
+tokens, then request 1's, ...), so every non-attention operator is a plain row-wise op and a decode
+step and a prefill are the same code. A pipeline may cut the operator sequence anywhere, so whatever
+sits in :attr:`TokenBatch.tensors` at a cut is shipped with :func:`pack`/:func:`unpack` as a single
+flat ``uint8`` tensor: one point-to-point send carries the schedule and every activation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+_HEADER_LEN_BYTES = 8
+_ALIGN = 16  # so each payload can be viewed as any dtype without a copy
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """The iteration's schedule: which requests, how many new tokens each, after how many cached."""
+
+    request_ids: tuple[str, ...]
+    query_lens: tuple[int, ...]
+    context_lens: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.request_ids) == len(self.query_lens) == len(self.context_lens):
+            raise ValueError("request_ids, query_lens and context_lens must have equal lengths")
+        if len(set(self.request_ids)) != len(self.request_ids):
+            raise ValueError("a request may appear once per batch")
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @cached_property
+    def row_offsets(self) -> tuple[int, ...]:
+        """Start row of each request's tokens in the flattened batch (plus the total at the end)."""
+        offsets = [0]
+        for n in self.query_lens:
+            offsets.append(offsets[-1] + n)
+        return tuple(offsets)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every row (CPU int64; operators move it to their device)."""
+        return torch.cat(
+            [
+                torch.arange(c, c + n, dtype=torch.int64)
+                for c, n in zip(self.context_lens, self.query_lens, strict=True)
+            ]
+            or [torch.empty(0, dtype=torch.int64)]
+        )
+
+    @cached_property
+    def last_rows(self) -> torch.Tensor:
+        """Row of each request's last token: the only row whose logits are needed."""
+        return torch.tensor([end - 1 for end in self.row_offsets[1:]], dtype=torch.int64)
+
+    def to_json(self) -> dict[str, list]:
+        return {
+            "r": list(self.request_ids),
+            "q": list(self.query_lens),
+            "c": list(self.context_lens),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Sequence]) -> BatchMeta:
+        return cls(tuple(data["r"]), tuple(data["q"]), tuple(data["c"]))
+
+
+@dataclass
+class TokenBatch:
+    """A batch at an operator boundary: the schedule plus named activations (``hidden``, ...)."""
+
+    meta: BatchMeta
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def replace(self, drop: Sequence[str] = (), **updates: torch.Tensor) -> TokenBatch:
+        """A new batch with ``drop`` removed and ``updates`` set; the input batch is unchanged."""
+        tensors = {k: v for k, v in self.tensors.items() if k not in drop}
+        tensors.update(updates)
+        return TokenBatch(self.meta, tensors)
+
+
+def pack(batch: TokenBatch) -> torch.Tensor:
+    """Flatten a batch into one contiguous ``uint8`` tensor on the activations' device.
+
+    Layout: 8-byte little-endian header length, a JSON header (schedule, and per tensor its name,
+    dtype, shape and byte offset), then each tensor's bytes at a 16-byte aligned offset.
+
+    >>> meta = BatchMeta(("a",), (2,), (0,))
+    >>> out = unpack(pack(TokenBatch(meta, {"hidden": torch.ones(2, 4)})))
+    >>> out.meta == meta, out["hidden"].shape
+    (True, torch.Size([2, 4]))
+    """
+    entries, offset = [], 0
+    for name, t in batch.tensors.items():
+        nbytes = t.numel() * t.element_size()
+        entries.append(
+            {"n": name, "d": str(t.dtype).removeprefix("torch."), "s": list(t.shape), "o": offset}
+        )
+        offset += -(-nbytes // _ALIGN) * _ALIGN
+    header = json.dumps({"m": batch.meta.to_json(), "t": entries}, separators=(",", ":")).encode()
+    start = -(-(_HEADER_LEN_BYTES + len(header)) // _ALIGN) * _ALIGN
+    device = next(iter(batch.tensors.values())).device if batch.tensors else torch.device("cpu")
+    buf = torch.zeros(start + offset, dtype=torch.uint8, device=device)
+    prefix = len(header).to_bytes(_HEADER_LEN_BYTES, "little") + header
+    buf[: len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8).to(device)
+    for entry, t in zip(entries, batch.tensors.values(), strict=True):
+        raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        begin = start + entry["o"]
+        buf[begin : begin + raw.numel()] = raw
+    return buf
+
+
+def unpack(buf: torch.Tensor) -> TokenBatch:
+    """Inverse of :func:`pack`; the tensors are views into ``buf`` (no copy), so keep it intact."""
+    header_len = int.from_bytes(buf[:_HEADER_LEN_BYTES].cpu().numpy().tobytes(), "little")
+    header = json.loads(
+        buf[_HEADER_LEN_BYTES : _HEADER_LEN_BYTES + header_len].cpu().numpy().tobytes()
+    )
+    start = -(-(_HEADER_LEN_BYTES + header_len) // _ALIGN) * _ALIGN
+    tensors = {}
+    for entry in header["t"]:
+        dtype = getattr(torch, entry["d"])
+        shape = entry["s"]
+        numel = 1
+        for dim in shape:
+            numel *= dim
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        begin = start + entry["o"]
+        tensors[entry["n"]] = buf[begin : begin + nbytes].view(dtype).reshape(shape)
+    return TokenBatch(BatchMeta.from_json(header["m"]), tensors)

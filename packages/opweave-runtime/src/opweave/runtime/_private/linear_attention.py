@@ -1,0 +1,247 @@
+"""Qwen3-Next linear-attention (gated DeltaNet) layers: ``qkv_proj``, ``core_attn``, ``o_proj``.
+
+Per request the layer keeps a short causal-conv window (``conv_kernel - 1`` inputs) and a recurrent
+state ``[v_heads, k_head_dim, v_head_dim]`` whose size does not grow with context: the reason these
+layers are cheap to hold and why plans may place them apart from full attention.
+
+Multi-token steps use the chunked (WY / UT-transform) form of the gated delta rule and single-token
+steps the recurrent form, as transformers does; the two agree up to float rounding only, so using
+the same form at the same step keeps tokens identical.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import UnsupportedModelError
+from .batch import TokenBatch
+from .config import LinearAttnSpec, ModelSpec
+from .ops import Operator, StatefulOperator, activation
+from .weights import Checkpoint
+
+_CHUNK = 64
+
+
+class LinearQkvProj(Operator):
+    """``in_proj_qkvz`` and ``in_proj_ba``, regrouped from per-key-head order to flat q | k | v."""
+
+    name, op_class = "qkv_proj", "gemm"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        self.w_qkvz = self._layer_tensor("linear_attn.in_proj_qkvz.weight")
+        self.w_ba = self._layer_tensor("linear_attn.in_proj_ba.weight")
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        la = self.spec.linear_attn
+        assert la is not None
+        x = batch["hidden"]
+        n, nk, r = x.shape[0], la.num_k_heads, la.num_v_heads // la.num_k_heads
+        qkvz = F.linear(x, self.w_qkvz).view(n, nk, 2 * la.k_head_dim + 2 * r * la.v_head_dim)
+        ba = F.linear(x, self.w_ba).view(n, nk, 2 * r)
+        q, k, v, z = torch.split(
+            qkvz, [la.k_head_dim, la.k_head_dim, r * la.v_head_dim, r * la.v_head_dim], dim=-1
+        )
+        b, a = torch.split(ba, [r, r], dim=-1)
+        mixed = torch.cat((q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)), dim=-1)
+        return batch.replace(
+            drop=("hidden",),
+            mixed_qkv=mixed,
+            z=z.reshape(n, la.num_v_heads, la.v_head_dim),
+            b=b.reshape(n, la.num_v_heads),
+            a=a.reshape(n, la.num_v_heads),
+        )
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def recurrent_step(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> torch.Tensor:
+    """One token of the gated delta rule: updates ``state [H, dk, dv]`` in place.
+
+    Decay the memory, read what it predicts for ``k``, write back ``beta`` of the error. ``q`` is
+    scaled by division here but by multiplication in the chunked form, as in transformers.
+    """
+    q = q / q.shape[-1] ** 0.5
+    state.mul_(g.exp()[:, None, None])
+    predicted = (state * k[:, :, None]).sum(dim=-2)
+    delta = (v - predicted) * beta[:, None]
+    state.add_(k[:, :, None] * delta[:, None, :])
+    return (state * q[:, :, None]).sum(dim=-2)
+
+
+def chunked_delta_rule(
+    state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+) -> torch.Tensor:
+    """The gated delta rule over ``T`` tokens.
+
+    Shapes: ``q``/``k`` ``[H, T, dk]``, ``v`` ``[H, T, dv]``, ``g``/``beta`` ``[H, T]``.
+
+    Within a chunk the sequential updates collapse into a unit lower-triangular solve, so the loop
+    runs over chunks instead of tokens. ``state`` ``[H, dk, dv]`` is updated in place.
+    """
+    q = q * q.shape[-1] ** -0.5
+    length = q.shape[1]
+    pad = (-length) % _CHUNK
+    q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
+    g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+    heads, chunks = q.shape[0], q.shape[1] // _CHUNK
+    q, k, v = (t.reshape(heads, chunks, _CHUNK, -1) for t in (q, k, v))
+    g = g.reshape(heads, chunks, _CHUNK).cumsum(dim=-1)
+    beta = beta.reshape(heads, chunks, _CHUNK, 1)
+    k_beta, v_beta = k * beta, v * beta
+
+    future = torch.ones(_CHUNK, _CHUNK, dtype=torch.bool, device=q.device).triu(1)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(future, float("-inf")).exp()
+    system = (k_beta @ k.transpose(-1, -2)) * decay
+    intra = (q @ k.transpose(-1, -2)) * decay
+    g_exp = g.exp()[..., None]
+    new_values = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(
+        system, k_beta * g_exp, upper=False, unitriangular=True
+    )
+
+    q_decayed = q * g_exp
+    k_to_end = k * (g[..., -1:] - g).exp()[..., None]
+    chunk_decay = g[..., -1].exp()[..., None, None]
+    out = torch.empty_like(new_values)
+    for c in range(chunks):
+        v_new = new_values[:, c] - k_cumdecay[:, c] @ state
+        out[:, c] = q_decayed[:, c] @ state + intra[:, c] @ v_new
+        state.copy_(state * chunk_decay[:, c] + k_to_end[:, c].transpose(-1, -2) @ v_new)
+    return out.reshape(heads, chunks * _CHUNK, -1)[:, :length]
+
+
+class LinearCoreAttention(StatefulOperator):
+    """Causal conv1d + gated delta rule + gated RMSNorm; holds the conv and recurrent state."""
+
+    name, op_class = "core_attn", "attention"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        la = spec.linear_attn
+        if la is None:
+            raise UnsupportedModelError(f"{spec.family} config has no linear-attention geometry")
+        self.la: LinearAttnSpec = la
+        self.conv_weight = self._layer_tensor("linear_attn.conv1d.weight")  # [conv_dim, 1, K]
+        self.conv_bias = self._optional_layer_tensor("linear_attn.conv1d.bias")
+        self.neg_a = -self._layer_tensor("linear_attn.A_log").float().exp()
+        self.dt_bias = self._layer_tensor("linear_attn.dt_bias")
+        self.norm_weight = self._layer_tensor("linear_attn.norm.weight")
+        self.act = activation(spec.hidden_act)
+        self._conv: dict[str, torch.Tensor] = {}
+        self._recurrent: dict[str, torch.Tensor] = {}
+        self._kv_repeat = la.num_v_heads // la.num_k_heads
+
+    def _init_state(self, request_id: str) -> None:
+        la = self.la
+        self._conv[request_id] = torch.zeros(
+            la.conv_dim, la.conv_kernel - 1, dtype=self.dtype, device=self.device
+        )
+        self._recurrent[request_id] = torch.zeros(
+            la.num_v_heads, la.k_head_dim, la.v_head_dim, dtype=torch.float32, device=self.device
+        )
+
+    def _drop_state(self, request_id: str) -> None:
+        del self._conv[request_id], self._recurrent[request_id]
+
+    def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
+        return [self._conv[request_id], self._recurrent[request_id]]
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        la, meta = self.la, batch.meta
+        beta = batch["b"].sigmoid()
+        g = self.neg_a * F.softplus(batch["a"].float() + self.dt_bias)
+        mixed = batch["mixed_qkv"]
+        core = torch.empty(
+            mixed.shape[0], la.num_v_heads, la.v_head_dim, dtype=self.dtype, device=self.device
+        )
+        for i, rid in enumerate(meta.request_ids):
+            rows = slice(meta.row_offsets[i], meta.row_offsets[i + 1])
+            self._advance(rid, meta.context_lens[i], rows.stop - rows.start)
+            first_step = meta.context_lens[i] == 0
+            core[rows] = self._mix(rid, mixed[rows], g[rows], beta[rows], first_step=first_step)
+        hidden = self._gated_norm(core, batch["z"]).reshape(core.shape[0], -1)
+        return batch.replace(drop=("mixed_qkv", "z", "b", "a"), hidden=hidden)
+
+    def _mix(
+        self,
+        request_id: str,
+        mixed: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        *,
+        first_step: bool,
+    ) -> torch.Tensor:
+        """Conv and delta rule over one request's rows; returns ``[n, v_heads, v_head_dim]``."""
+        la, n = self.la, mixed.shape[0]
+        q, k, v = torch.split(
+            self._conv_step(request_id, mixed), [la.key_dim, la.key_dim, la.value_dim], -1
+        )
+        # -> [heads, n, d] in float32; each key head serves `_kv_repeat` consecutive value heads
+        q, k = (
+            _l2norm(
+                t.reshape(n, la.num_k_heads, -1)
+                .repeat_interleave(self._kv_repeat, 1)
+                .transpose(0, 1)
+                .float()
+            )
+            for t in (q, k)
+        )
+        v = v.reshape(n, la.num_v_heads, -1).transpose(0, 1).float()
+        g, beta = g.T.contiguous(), beta.T.float()
+        state = self._recurrent[request_id]
+        if n == 1 and not first_step:
+            out = recurrent_step(state, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])[:, None]
+        else:
+            out = chunked_delta_rule(state, q, k, v, g, beta)
+        return out.transpose(0, 1).to(self.dtype)
+
+    def _conv_step(self, request_id: str, x: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv of ``x [n, conv_dim]``, continuing the request's last inputs."""
+        history = self._conv[request_id]
+        window = torch.cat((history, x.T.to(history.dtype)), dim=-1)
+        history.copy_(window[:, window.shape[1] - history.shape[1] :])
+        out = F.conv1d(window[None], self.conv_weight, self.conv_bias, groups=window.shape[0])[0]
+        return self.act(out).T.to(x.dtype)
+
+    def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """RMSNorm with a plain ``w`` scale, then ``* silu(gate)`` in float32 (RMSNormGated)."""
+        y = x.to(torch.float32)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        y = self.norm_weight * y.to(x.dtype)
+        return (y * F.silu(gate.to(torch.float32))).to(x.dtype)
+
+
+class LinearOProj(Operator):
+    """``out_proj`` and the residual add."""
+
+    name, op_class = "o_proj", "gemm"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        self.weight = self._layer_tensor("linear_attn.out_proj.weight")
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        out = F.linear(batch["hidden"], self.weight)
+        return batch.replace(drop=("residual",), hidden=batch["residual"] + out)

@@ -1,0 +1,263 @@
+"""Operator base classes and the model-level and normalisation operators.
+
+An operator owns exactly the tensors of its step (read by name from the checkpoint), maps one
+:class:`TokenBatch` to the next, and (for ``core_attn``) the per-request state of its layer. The
+numerics follow transformers step for step wherever rounding could differ (which products run in
+float32, when a result is cast back), because plans are checked token for token against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+from ..errors import RequestStateError, UnsupportedModelError
+from .batch import TokenBatch
+from .config import ModelSpec
+from .weights import Checkpoint
+
+OpClass = Literal["attention", "gemm", "small"]
+
+
+class Operator:
+    """One step of the decode sequence, holding only its own weights."""
+
+    name: ClassVar[str]
+    op_class: ClassVar[OpClass]
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        self.spec = spec
+        self.layer = layer
+        self.device = torch.device(device)
+        self.dtype = spec.dtype
+        # checkpoint name -> bytes this operator holds for it (in the compute dtype)
+        self.weight_sizes: dict[str, int] = {}
+        self._ckpt = ckpt
+
+    @property
+    def weight_bytes(self) -> int:
+        """Resident weight bytes of this operator."""
+        return sum(self.weight_sizes.values())
+
+    def _tensor(self, name: str, *, shared: bool = False) -> torch.Tensor:
+        tensor = self._ckpt.get(name, dtype=self.dtype, device=self.device, shared=shared)
+        self.weight_sizes[name] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _layer_tensor(self, suffix: str) -> torch.Tensor:
+        assert self.layer is not None
+        return self._tensor(self._ckpt.layer_name(self.layer, suffix))
+
+    def _optional_layer_tensor(self, suffix: str) -> torch.Tensor | None:
+        assert self.layer is not None
+        name = self._ckpt.layer_name(self.layer, suffix)
+        return self._tensor(name) if self._ckpt.has(name) else None
+
+    def _linear(self, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and (if the checkpoint has one) bias of a layer's linear ``module``."""
+        return self._layer_tensor(f"{module}.weight"), self._optional_layer_tensor(f"{module}.bias")
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        raise NotImplementedError
+
+    def __call__(self, batch: TokenBatch) -> TokenBatch:
+        return self.forward(batch)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(layer={self.layer}, name={self.name!r})"
+
+
+class StatefulOperator(Operator):
+    """An operator that keeps per-request state between iterations (KV cache, recurrent state)."""
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        self._context_lens: dict[str, int] = {}
+
+    def admit(self, request_id: str) -> None:
+        if request_id in self._context_lens:
+            raise RequestStateError(f"request {request_id!r} is already admitted")
+        self._context_lens[request_id] = 0
+        self._init_state(request_id)
+
+    def free(self, request_id: str) -> None:
+        if self._context_lens.pop(request_id, None) is None:
+            raise RequestStateError(f"request {request_id!r} is not admitted")
+        self._drop_state(request_id)
+
+    @property
+    def request_ids(self) -> tuple[str, ...]:
+        return tuple(self._context_lens)
+
+    def state_bytes(self, request_id: str | None = None) -> int:
+        """Bytes of per-request state held (for one request, or all)."""
+        ids = self._context_lens if request_id is None else (request_id,)
+        return sum(t.numel() * t.element_size() for rid in ids for t in self._state_tensors(rid))
+
+    def _advance(self, request_id: str, context_len: int, query_len: int) -> None:
+        """Check the schedule agrees with what this layer has cached, then count the new tokens."""
+        held = self._context_lens.get(request_id)
+        if held is None:
+            raise RequestStateError(f"request {request_id!r} is not admitted on layer {self.layer}")
+        if held != context_len:
+            raise RequestStateError(
+                f"request {request_id!r}: layer {self.layer} holds {held} tokens, "
+                f"batch says {context_len}"
+            )
+        self._context_lens[request_id] = held + query_len
+
+    def _init_state(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _drop_state(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name == "silu":
+        return F.silu
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise UnsupportedModelError(f"activation {name!r} is not implemented")
+
+
+class RMSNorm:
+    """RMSNorm in the two roundings transformers uses.
+
+    Llama style normalises in float32, casts back, then multiplies by ``w``; Gemma style
+    (also Qwen3-Next) multiplies by ``1 + w`` in float32 and casts last.
+    """
+
+    def __init__(self, weight: torch.Tensor, eps: float, *, gemma: bool) -> None:
+        self.eps = eps
+        self.gemma = gemma
+        self.weight = (1.0 + weight.float()) if gemma else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemma:
+            y = x.float()
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+            return (y * self.weight).type_as(x)
+        y = x.to(torch.float32)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+class Embed(Operator):
+    """Token ids -> hidden rows (Gemma: times sqrt(hidden), rounded to the model dtype first)."""
+
+    name, op_class = "embed", "small"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        self.weight = self._tensor(
+            ckpt.model_name("embed_tokens.weight"), shared=spec.tie_word_embeddings
+        )
+        scale = spec.embed_scale
+        self.scale = (
+            None if scale is None else torch.tensor(scale, dtype=torch.float32).to(self.dtype)
+        )
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        hidden = F.embedding(batch["token_ids"].to(self.device), self.weight)
+        if self.scale is not None:
+            hidden = hidden * self.scale
+        return batch.replace(drop=("token_ids",), hidden=hidden)
+
+
+class ResidualNorm(Operator):
+    """``attn_norm`` / ``ffn_norm``: keep the raw stream as ``residual``, normalise ``hidden``."""
+
+    op_class = "small"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        weight = self._layer_tensor(self._weight_suffix(spec))
+        self.norm = RMSNorm(weight, spec.rms_norm_eps, gemma=spec.gemma_norms)
+
+    def _weight_suffix(self, spec: ModelSpec) -> str:
+        raise NotImplementedError
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        hidden = batch["hidden"]
+        return batch.replace(hidden=self.norm(hidden), residual=hidden)
+
+
+class AttnNorm(ResidualNorm):
+    name = "attn_norm"
+
+    def _weight_suffix(self, spec: ModelSpec) -> str:
+        return "input_layernorm.weight"
+
+
+class FfnNorm(ResidualNorm):
+    name = "ffn_norm"
+
+    def _weight_suffix(self, spec: ModelSpec) -> str:
+        # Gemma's post_attention_layernorm normalises the attention output (see o_proj) instead.
+        if spec.sandwich_norms:
+            return "pre_feedforward_layernorm.weight"
+        return "post_attention_layernorm.weight"
+
+
+class FinalNorm(Operator):
+    """Keeps only each request's last row (the one sampled from), then normalises it."""
+
+    name, op_class = "final_norm", "small"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        self.norm = RMSNorm(
+            self._tensor(ckpt.model_name("norm.weight")), spec.rms_norm_eps, gemma=spec.gemma_norms
+        )
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        last = batch["hidden"][batch.meta.last_rows.to(self.device)]
+        return TokenBatch(batch.meta, {"hidden": self.norm(last)})
+
+
+class LmHead(Operator):
+    """Hidden -> vocabulary logits, with Gemma's final tanh soft-capping where configured."""
+
+    name, op_class = "lm_head", "gemm"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        self.weight = self._tensor(ckpt.lm_head_name(), shared=spec.tie_word_embeddings)
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        logits = F.linear(batch["hidden"], self.weight)
+        cap = self.spec.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return batch.replace(drop=("hidden",), logits=logits)
+
+
+class Sample(Operator):
+    """Greedy sampling: the first index of the largest logit (ties as transformers' argmax)."""
+
+    name, op_class = "sample", "small"
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        token_ids = torch.argmax(batch["logits"].float(), dim=-1)
+        return batch.replace(drop=("logits",), token_ids=token_ids)

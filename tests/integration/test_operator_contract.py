@@ -1,0 +1,32 @@
+"""Planner and runtime meet in the cost model's operator sequence: it must be the same."""
+
+from __future__ import annotations
+
+import pytest
+
+from opweave.costmodel import load_model
+from opweave.runtime import operator_sequence
+from opweave.runtime import parse_config as runtime_config
+
+FAMILIES = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma3_text",
+    "qwen3_next",
+]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_runtime_runs_the_operators_the_cost_model_plans(family, tiny_model) -> None:
+    model_dir = tiny_model(family)
+    spec = load_model(model_dir)
+    assert [(op.layer, op.name) for op in spec.operators] == [
+        (ref.layer, ref.name) for ref in operator_sequence(model_dir)
+    ]
+    runtime = runtime_config(model_dir)
+    kinds = {"full": "full_attention", "sliding": "sliding_attention", "linear": "linear_attention"}
+    assert [kinds[layer.attention.value] for layer in spec.layers] == list(runtime.layer_types)
