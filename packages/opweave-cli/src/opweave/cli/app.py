@@ -25,14 +25,22 @@ catalog.register(app)
 costs.register(app)
 
 
+# Command groups whose libraries are optional installs: (CLI module, library it needs).
+_OPTIONAL = (
+    ("opweave.cli.planning", "opweave.planner"),
+    ("opweave.cli.running", "opweave.runtime"),
+    ("opweave.cli.profiling", "opweave.profiler"),
+)
+
+
 def _register_optional() -> None:
-    """Commands whose libraries are optional installs register only when importable."""
+    """Register a command group only when its library is installed."""
+    from importlib import import_module
     from importlib.util import find_spec
 
-    if find_spec("opweave.planner") is not None:
-        from . import planning
-
-        planning.register(app)
+    for module, library in _OPTIONAL:
+        if find_spec(library) is not None and find_spec(module) is not None:
+            import_module(module).register(app)
 
 
 _register_optional()
