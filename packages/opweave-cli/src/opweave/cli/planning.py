@@ -97,7 +97,7 @@ class _Progress:
 
     def close(self) -> None:
         if self.enabled:
-            sys.stderr.write("\r" + " " * 78 + "\r")
+            sys.stderr.write("\r" + " " * 110 + "\r")
 
 
 def plan(
@@ -142,13 +142,13 @@ def plan(
     finally:
         progress.close()
     if result.best is None:
-        raise InfeasibleError(result.infeasible_message())
+        raise InfeasibleError(result.message())
     if output is not None:
         output.write_text(result.best.model_dump_json(indent=2) + "\n")
     if json_out:
         emit_json(result.to_json())
         return
-    typer.echo(result.summary())
+    typer.echo("\n".join(result.describe()))
     if output is not None:
         typer.echo(f"plan written to {output}")
 
@@ -196,7 +196,8 @@ def simulate(
         )
     )
     rows = [
-        [name, f"{busy * 1e3:.3f}", f"{100 * occ:.1f}%"] for name, busy, occ in sim.resource_rows()
+        [name, f"{busy * 1e3:.3f}", f"{100 * sim.occupancy[name]:.1f}%"]
+        for name, busy in sim.busy_s.items()
     ]
     typer.echo(table(rows, ["resource", "busy ms/iter", "occupancy"]))
     if gantt is not None:

@@ -1,0 +1,188 @@
+"""Device types the planner may use: latency model, price, TP degrees and link coefficients.
+
+A device type comes from the hardware catalog (roofline latencies, :class:`RooflineLatency`) or
+from a profile (:class:`ProfiledLatency`); a profile overrides the catalog entry of the same id
+and may add new ids (a ``cpu`` profile makes ``--gpus cpu`` valid).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from opweave.costmodel import (
+    TP_DEGREES,
+    HardwareCatalog,
+    HardwareSpec,
+    ModelSpec,
+    Profile,
+    ProfiledLatency,
+    RooflineLatency,
+    default_catalog,
+    profile_key,
+)
+from opweave.costmodel.errors import ConfigError, UnknownGPUError
+
+LinkKind = Literal["intra_node", "network"]
+
+LINKS = ("intra_node", "network")
+
+
+@dataclass(frozen=True)
+class Link:
+    """Affine transfer time ``latency_s + bytes * s_per_byte`` of one device over one link."""
+
+    latency_s: float
+    s_per_byte: float
+
+    def time_s(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes * self.s_per_byte
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device type as the planner uses it."""
+
+    id: str
+    hardware: HardwareSpec
+    latency: RooflineLatency | ProfiledLatency
+    usd_per_hour: float
+    tps: tuple[int, ...]
+    provenance: str
+    intra: Link
+    network: Link
+
+    def link(self, kind: str) -> Link:
+        return self.intra if kind == "intra_node" else self.network
+
+
+def _link(latency: RooflineLatency | ProfiledLatency, kind: str) -> Link:
+    # Every LatencyModel of the cost model is affine in bytes (latency + bytes / bandwidth);
+    # read its two coefficients once so scalar and vectorised code agree exactly.
+    link: LinkKind = "intra_node" if kind == "intra_node" else "network"
+    zero = latency.transfer_s(link, 0.0)
+    big = latency.transfer_s(link, 1e9)
+    return Link(latency_s=zero, s_per_byte=(big - zero) / 1e9)
+
+
+def _profiled_tps(profile: Profile, model: ModelSpec) -> tuple[int, ...]:
+    keys = {profile_key(op, None) for op in (*model.pre_ops, *model.post_ops)}
+    keys |= {profile_key(op, layer) for layer in model.layers for op in layer.ops}
+    have = {(t.op, t.tp) for t in profile.ops}
+    tps = tuple(tp for tp in TP_DEGREES if all((k, tp) in have for k in keys))
+    if not tps:
+        missing = sorted(k for k in keys if not any((k, tp) in have for tp in TP_DEGREES))
+        raise ConfigError(
+            f"profile for {profile.device.id} has no TP degree covering every operator of "
+            f"{model.name} (missing {', '.join(missing[:4]) or 'a common TP degree'}); "
+            "re-profile this model"
+        )
+    return tps
+
+
+def resolve_devices(
+    gpus: Sequence[str],
+    model: ModelSpec,
+    *,
+    catalog: HardwareCatalog | None = None,
+    profiles: Sequence[Profile] = (),
+) -> list[Device]:
+    """The device types named by ``gpus`` (ids or aliases), deduplicated, in order."""
+    cat = catalog or default_catalog()
+    by_id: dict[str, Profile] = {}
+    for prof in profiles:
+        if prof.config_sha256 != model.config_sha256:
+            raise ConfigError(
+                f"profile for {prof.device.id} was measured on model {prof.model!r}, not "
+                f"{model.name!r}; profile this model with `opweave profile --model`"
+            )
+        by_id[prof.device.id.lower()] = prof
+    if not gpus:
+        raise ConfigError("no GPU types given; pass at least one with --gpus")
+    out: list[Device] = []
+    for name in gpus:
+        key = name.strip().lower()
+        prof = by_id.get(key)
+        if prof is None:
+            try:
+                key = cat.resolve(key)
+            except UnknownGPUError:
+                known = ", ".join([*cat.ids, *by_id])
+                raise UnknownGPUError(
+                    f"unknown GPU {name!r}; known: {known} (or give a --profile or --hardware "
+                    "file for it)"
+                ) from None
+            prof = by_id.get(key)
+        if any(d.id == (prof.device.id if prof else key) for d in out):
+            continue
+        if prof is not None:
+            hw = prof.device
+            if hw.usd_per_hour is None and hw.id in cat.ids:
+                # price the profiled device from the catalog (e.g. a --hardware file entry)
+                hw = hw.model_copy(update={"usd_per_hour": cat.get(hw.id).usd_per_hour})
+            if hw.usd_per_hour is None:
+                raise ConfigError(
+                    f"device {hw.id} of a profile has no price; set usd_per_hour "
+                    "in the profile's device or give it in a --hardware file"
+                )
+            prof = prof.model_copy(update={"device": hw})
+            latency: RooflineLatency | ProfiledLatency = ProfiledLatency(prof)
+            tps = _profiled_tps(prof, model)
+            src = f"{hw.id}:{prof.provenance.source}:{prof.provenance.date}"
+        else:
+            hw = cat.get(key)
+            latency = RooflineLatency(hw)
+            tps = tuple(tp for tp in TP_DEGREES if tp <= hw.gpus_per_node)
+            src = f"{hw.id}:roofline"
+        out.append(
+            Device(
+                id=hw.id,
+                hardware=hw,
+                latency=latency,
+                usd_per_hour=hw.require_price(),
+                tps=tps,
+                provenance=src,
+                intra=_link(latency, "intra_node"),
+                network=_link(latency, "network"),
+            )
+        )
+    return out
+
+
+def link_kind(a: Device, tp_a: int, b_a: int, b: Device, tp_b: int, b_b: int) -> str:
+    """Link between two owners' replicas.
+
+    Replicas pair up in pods of ``lcm(b_a, b_b)`` requests (``lcm/b_a`` replicas of one owner and
+    ``lcm/b_b`` of the other). Same GPU type and a pod that fits in one node -> the intra-node
+    link; otherwise the network.
+    """
+    if a.id != b.id:
+        return "network"
+    pod = math.lcm(b_a, b_b)
+    gpus = tp_a * (pod // b_a) + tp_b * (pod // b_b)
+    return "intra_node" if gpus <= a.hardware.gpus_per_node else "network"
+
+
+def transfer_s(
+    beta: float,
+    src: Device,
+    tp_src: int,
+    u_src: float,
+    dst: Device,
+    tp_dst: int,
+    u_dst: float,
+    kind: str,
+) -> float:
+    """One microbatch's activations across one boundary.
+
+    ``beta`` bytes per token; a source replica sends ``u_src`` tokens, a destination replica
+    receives ``u_dst`` tokens (fan-in or fan-out when the two differ serialises on the side with
+    more tokens). A tensor-parallel destination receives once at its leader, which fans the
+    activations out to its ``tp - 1`` peers over the intra-node link.
+    """
+    send = src.link(kind).time_s(beta * u_src)
+    recv = dst.link(kind).time_s(beta * u_dst)
+    fan = dst.intra.time_s(beta * u_dst * (tp_dst - 1)) if tp_dst > 1 else 0.0
+    return max(send, recv) + fan

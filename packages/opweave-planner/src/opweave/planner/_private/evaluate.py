@@ -1,0 +1,313 @@
+"""From owner choices to a schedule, a cost per token and a Plan (paper §4, appendix B.4-B.5).
+
+Cost per token. Owner ``o`` runs ``replicas_o`` replicas of ``tp_o`` GPUs, each holding
+``b_o`` requests; every owner serves the same global batch ``G = replicas_o * b_o``, which
+produces ``G`` tokens per iteration (TPOT). So
+
+    USD per token = TPOT * sum_o replicas_o * tp_o * price_o / 3600 / G
+                  = TPOT * sum_o tp_o * price_o / b_o / 3600,
+
+in which ``G`` cancels (scale invariance, B.5). Replica counts are the smallest integers that
+balance the owners: ``G = lcm(b_o)`` and ``replicas_o = G / b_o``.
+
+Microbatches. Each replica splits its resident batch into ``M`` equal microbatches of ``b_o / M``
+requests. Plans from the planner always have ``b_o`` divisible by ``M``; a hand-written plan
+whose batch is not divisible is simulated with fractional microbatches (the mean size).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from opweave.costmodel import (
+    HardwareCatalog,
+    ModelSpec,
+    Owner,
+    Plan,
+    Prediction,
+    Profile,
+    afd_template,
+    cad_template,
+    memory_bytes_per_rank,
+    plan_model,
+)
+from opweave.costmodel.errors import ConfigError, InfeasibleError
+
+from .devices import Device, link_kind, resolve_devices, transfer_s
+from .simulator import Pipeline, TraceEvent, cycle_time, simulate_events, steady_window
+from .structure import OpTables, Structure, build_structure, slot_compute
+
+
+@dataclass(frozen=True)
+class OwnerChoice:
+    """One owner slot's configuration."""
+
+    device: Device
+    tp: int
+    resident_batch: int
+
+
+def owner_name(j: int, ch: OwnerChoice) -> str:
+    return f"o{j} {ch.device.id} tp{ch.tp}"
+
+
+def build_pipeline(
+    st: Structure, tables: OpTables, owners: Sequence[OwnerChoice], microbatches: int
+) -> tuple[Pipeline, tuple[str, ...]]:
+    """The schedule of a plan, and the link kind of every boundary (``""`` when not crossing)."""
+    m = microbatches
+    us = [ch.resident_batch / m for ch in owners]
+    compute = np.zeros(st.num_segments)
+    for j, ch in enumerate(owners):
+        col = slot_compute(st, tables, j, ch.device, ch.tp, [us[j]])[:, 0]
+        compute[list(st.slot_segs[j])] = col
+    transfer = [0.0] * st.num_segments
+    kinds = [""] * st.num_segments
+    total = st.num_segments
+    pair_kind: dict[tuple[int, int], str] = {}
+    memo: dict[tuple[int, int, float], float] = {}
+    for s in range(total):
+        a, b = st.seg_owner[s], st.seg_owner[(s + 1) % total]
+        if a == b:
+            continue
+        src, dst = owners[a], owners[b]
+        kind = pair_kind.get((a, b))
+        if kind is None:
+            kind = pair_kind[(a, b)] = link_kind(
+                src.device, src.tp, src.resident_batch, dst.device, dst.tp, dst.resident_batch
+            )
+        kinds[s] = kind
+        key = (a, b, st.beta[s])
+        if key not in memo:
+            memo[key] = transfer_s(
+                st.beta[s], src.device, src.tp, us[a], dst.device, dst.tp, us[b], kind
+            )
+        transfer[s] = memo[key]
+    names = tuple(owner_name(j, ch) for j, ch in enumerate(owners))
+    pipe = Pipeline(
+        owner_names=names,
+        seg_owner=st.seg_owner,
+        compute_s=tuple(compute.tolist()),
+        transfer_s=tuple(transfer),
+        microbatches=m,
+        seg_labels=st.labels,
+        period_hint=st.period_hint,
+    )
+    return pipe, tuple(kinds)
+
+
+def usd_per_million_tokens(tpot_s: float, owners: Sequence[OwnerChoice]) -> float:
+    rate = sum(ch.tp * ch.device.usd_per_hour / ch.resident_batch for ch in owners)
+    return tpot_s * rate / 3600.0 * 1e6
+
+
+def replicas(batches: Sequence[int]) -> list[int]:
+    g = math.lcm(*batches)
+    return [g // b for b in batches]
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Predicted figures of one plan."""
+
+    tpot_s: float
+    usd_per_million_tokens: float
+    stages_per_token: int
+    internode_bytes_per_token: float
+    compute_occupancy: float
+    busy_s: dict[str, float]
+    pipeline: Pipeline = field(repr=False)
+    link_kinds: tuple[str, ...] = field(repr=False, default=())
+
+    def prediction(self, global_batch: int) -> Prediction:
+        return Prediction(
+            tpot_s=self.tpot_s,
+            usd_per_million_tokens=self.usd_per_million_tokens,
+            tokens_per_s_per_replica_set=global_batch / self.tpot_s,
+            stages_per_token=self.stages_per_token,
+            internode_bytes_per_token=self.internode_bytes_per_token,
+            compute_occupancy=self.compute_occupancy,
+        )
+
+
+def evaluate(
+    st: Structure, tables: OpTables, owners: Sequence[OwnerChoice], microbatches: int
+) -> Evaluation:
+    pipe, kinds = build_pipeline(st, tables, owners, microbatches)
+    tpot = cycle_time(pipe)
+    busy = pipe.busy_s()
+    names = pipe.resource_names()
+    weights = [ch.tp / ch.resident_batch for ch in owners]  # GPUs per request of each owner
+    occ = float(sum(w * busy[j] / tpot for j, w in enumerate(weights)) / sum(weights))
+    internode = float(sum(st.beta[s] for s, k in enumerate(kinds) if k == "network"))
+    return Evaluation(
+        tpot_s=tpot,
+        usd_per_million_tokens=usd_per_million_tokens(tpot, owners),
+        stages_per_token=st.num_segments,
+        internode_bytes_per_token=internode,
+        compute_occupancy=occ,
+        busy_s=dict(zip(names, busy.tolist(), strict=True)),
+        pipeline=pipe,
+        link_kinds=kinds,
+    )
+
+
+def strategy_of(model: ModelSpec, st: Structure) -> str:
+    """The plan's strategy label: a baseline's name when its template is that baseline's."""
+    if st.n == 1:
+        return "colocated"
+    if st.n == 2 and st.template == afd_template(model):
+        return "afd"
+    if st.n == 2 and st.template == cad_template(model):
+        return "cad"
+    return "opweave"
+
+
+def make_plan(
+    model: ModelSpec,
+    st: Structure,
+    tables: OpTables,
+    owners: Sequence[OwnerChoice],
+    microbatches: int,
+    *,
+    tpot_slo_s: float | None,
+    evaluation: Evaluation | None = None,
+) -> Plan:
+    ev = evaluation or evaluate(st, tables, owners, microbatches)
+    reps = replicas([ch.resident_batch for ch in owners])
+    plan_owners = tuple(
+        Owner(gpu=ch.device.id, tp=ch.tp, replicas=r, resident_batch=ch.resident_batch)
+        for ch, r in zip(owners, reps, strict=True)
+    )
+    provenance = tuple(dict.fromkeys(ch.device.provenance for ch in owners))
+    return Plan(
+        strategy=strategy_of(model, st),  # type: ignore[arg-type]
+        model=plan_model(model),
+        context_tokens=tables.context,
+        tpot_slo_s=tpot_slo_s,
+        template=st.template,
+        owners=plan_owners,
+        microbatches=microbatches,
+        prediction=ev.prediction(reps[0] * owners[0].resident_batch),
+        profiles=provenance,
+    )
+
+
+# -- re-simulating a plan --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SimResult:
+    """A plan re-simulated: steady-state TPOT, cost, occupancy and one iteration's trace."""
+
+    plan: Plan
+    tpot_s: float
+    usd_per_million_tokens: float
+    stages_per_token: int
+    internode_bytes_per_token: float
+    compute_occupancy: float
+    busy_s: dict[str, float]
+    occupancy: dict[str, float]
+    trace: tuple[TraceEvent, ...]
+    window_s: tuple[float, float]
+    memory_bytes_per_gpu: tuple[float, ...]
+    memory_capacity_bytes: tuple[float, ...]
+    event_periods_s: tuple[float, ...]
+    pipeline: Pipeline = field(repr=False)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "tpot_s": self.tpot_s,
+            "usd_per_million_tokens": self.usd_per_million_tokens,
+            "stages_per_token": self.stages_per_token,
+            "internode_bytes_per_token": self.internode_bytes_per_token,
+            "compute_occupancy": self.compute_occupancy,
+            "busy_s": self.busy_s,
+            "occupancy": self.occupancy,
+            "memory_bytes_per_gpu": list(self.memory_bytes_per_gpu),
+            "memory_capacity_bytes": list(self.memory_capacity_bytes),
+            "trace": [
+                {
+                    "resource": e.resource,
+                    "start_s": e.start_s - self.window_s[0],
+                    "end_s": e.end_s - self.window_s[0],
+                    "label": e.label,
+                }
+                for e in self.trace
+            ],
+        }
+
+
+def _owner_choices(
+    plan: Plan, model: ModelSpec, catalog: HardwareCatalog | None, profiles: Sequence[Profile]
+) -> list[OwnerChoice]:
+    if plan.model.config_sha256 != model.config_sha256:
+        raise ConfigError(
+            f"plan was made for model {plan.model.name!r}, not {model.name!r}; "
+            "pass the model the plan was made for"
+        )
+    by_name = {
+        name: resolve_devices([name], model, catalog=catalog, profiles=profiles)[0]
+        for name in dict.fromkeys(o.gpu for o in plan.owners)
+    }
+    for o in plan.owners:
+        if o.tp not in by_name[o.gpu].tps:
+            raise ConfigError(
+                f"owner {o.gpu} has tp={o.tp}, which its latency profile does "
+                f"not cover ({by_name[o.gpu].tps}); re-profile with that TP"
+            )
+    return [OwnerChoice(by_name[o.gpu], o.tp, o.resident_batch) for o in plan.owners]
+
+
+def simulate_plan(
+    plan: Plan,
+    model: ModelSpec,
+    *,
+    catalog: HardwareCatalog | None = None,
+    profiles: Sequence[Profile] = (),
+    check_memory: bool = True,
+    iterations: int = 6,
+) -> SimResult:
+    """Re-simulate a plan: exact steady-state TPOT, cost, occupancy, one iteration's trace.
+
+    Raises :class:`InfeasibleError` when an owner's replica does not fit in memory (pass
+    ``check_memory=False`` to simulate it anyway).
+    """
+    owners = _owner_choices(plan, model, catalog, profiles)
+    tables = OpTables(model, plan.context_tokens)
+    st = build_structure(model, tables, plan.template, len(owners))
+    mem, cap = [], []
+    for j, ch in enumerate(owners):
+        need = memory_bytes_per_rank(
+            list(st.slot_ops[j]), ch.tp, ch.resident_batch, plan.context_tokens
+        )
+        mem.append(need)
+        cap.append(ch.device.hardware.usable_memory_bytes)
+        if check_memory and need > cap[-1]:
+            raise InfeasibleError(
+                f"owner {j} ({ch.device.id} tp{ch.tp}, resident batch {ch.resident_batch}) needs "
+                f"{need / 1e9:.1f} GB per GPU but has {cap[-1] / 1e9:.1f} GB usable; lower its "
+                "resident_batch or raise its tp"
+            )
+    ev = evaluate(st, tables, owners, plan.microbatches)
+    run = simulate_events(ev.pipeline, iterations)
+    t0, t1, window = steady_window(run, ev.tpot_s)
+    occ = {k: v / ev.tpot_s for k, v in ev.busy_s.items()}
+    return SimResult(
+        plan=plan,
+        tpot_s=ev.tpot_s,
+        usd_per_million_tokens=ev.usd_per_million_tokens,
+        stages_per_token=ev.stages_per_token,
+        internode_bytes_per_token=ev.internode_bytes_per_token,
+        compute_occupancy=ev.compute_occupancy,
+        busy_s=ev.busy_s,
+        occupancy=occ,
+        trace=tuple(window),
+        window_s=(t0, t1),
+        memory_bytes_per_gpu=tuple(mem),
+        memory_capacity_bytes=tuple(cap),
+        event_periods_s=tuple(run.periods_s()),
+        pipeline=ev.pipeline,
+    )

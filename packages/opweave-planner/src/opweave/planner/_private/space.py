@@ -1,0 +1,134 @@
+"""The finite plan space the planner searches exactly (paper §4, §5.1).
+
+* Templates: regularity-aware sub-block templates. Each attention kind present in the partition
+  block (full, sliding, linear) gets one per-layer cut pattern, applied to every layer of that
+  kind in the block, optionally with a cut at the block start:
+
+  ``none``   no cut in the layer (it joins its neighbours: stages span layers)
+  ``layer``  cut before ``attn_norm`` (layer-aligned stages)
+  ``afd``    cuts before ``attn_norm`` and ``ffn_norm`` (attention module | FFN/MoE)
+  ``ffn``    cut before ``ffn_norm`` only (FFN of one layer + attention of the next)
+  ``cad``    cuts around ``core_attn`` (core attention alone, with its state)
+  ``attn``   cuts before ``qkv_proj`` and ``o_proj`` (core attention with its QKV projection)
+
+  Every cut is legal: stages are contiguous, ``core_attn`` keeps its KV/recurrent state, no stage
+  holds only small operators (checked with :func:`check_template`). Colocated, AFD and CAD are
+  members of this family (and are searched as the baselines).
+* Owners: 1 or 2 owner slots; each slot takes one GPU type (homogeneous: all slots one type;
+  heterogeneous: two types), a TP degree in {1, 2, 4, 8} (those the device supports), and a
+  per-replica microbatch size ``u`` on a geometric grid; the resident batch is ``M * u``.
+* Microbatches ``M`` in {1, 2, 3, 4}, shared by all owners.
+
+Resident batches are ``M * u`` with ``u`` in {1, 2, 3, 4, 6, 8, ...} (powers of two and three
+times powers of two), so the balancing global batch ``lcm(b_o)`` stays within ``3 * max(b_o)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from opweave.costmodel import (
+    ModelSpec,
+    StageTemplate,
+    afd_template,
+    cad_template,
+    check_template,
+    colocated_template,
+)
+from opweave.costmodel.errors import ConfigError
+
+U_GRID: tuple[int, ...] = (
+    1,
+    2,
+    3,
+    4,
+    6,
+    8,
+    12,
+    16,
+    24,
+    32,
+    48,
+    64,
+    96,
+    128,
+    192,
+    256,
+    384,
+    512,
+    768,
+    1024,
+)
+MICROBATCHES: tuple[int, ...] = (1, 2, 3, 4)
+
+PATTERNS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "layer": ("attn_norm",),
+    "afd": ("attn_norm", "ffn_norm"),
+    "ffn": ("ffn_norm",),
+    "cad": ("core_attn", "o_proj"),
+    "attn": ("qkv_proj", "o_proj"),
+}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (template, owner count) of the space, with a readable name."""
+
+    name: str
+    template: StageTemplate
+    num_owners: int
+    baseline: str | None = None
+
+
+def _layer_kinds(model: ModelSpec) -> list[str]:
+    return [model.layers[i].attention.value for i in range(model.block.period_layers)]
+
+
+def pattern_template(
+    model: ModelSpec, patterns: dict[str, str], block_start: bool
+) -> StageTemplate | None:
+    """The template of one per-kind pattern assignment (``None`` when it has no cut)."""
+    names = model.block.op_names
+    kinds = _layer_kinds(model)
+    cuts: set[int] = {0} if block_start else set()
+    for i, (name, offset) in enumerate(zip(names, model.block.op_layers, strict=True)):
+        if name in PATTERNS[patterns[kinds[offset]]]:
+            cuts.add(i)
+    if not cuts:
+        return None
+    return StageTemplate(cuts=tuple(sorted(cuts)))
+
+
+def candidate_templates(
+    model: ModelSpec, *, patterns: Sequence[str] = tuple(PATTERNS), max_stages_per_layer: int = 2
+) -> list[Candidate]:
+    """The baselines first (colocated, AFD, CAD), then every other structured template."""
+    out = [
+        Candidate("colocated", colocated_template(model), 1, "colocated"),
+        Candidate("afd", afd_template(model), 2, "afd"),
+        Candidate("cad", cad_template(model), 2, "cad"),
+    ]
+    seen = {c.template.cuts for c in out[1:]}
+    kinds = sorted(set(_layer_kinds(model)))
+    period = model.block.period_layers
+    for combo in itertools.product(patterns, repeat=len(kinds)):
+        assign = dict(zip(kinds, combo, strict=True))
+        for block_start in (False, True):
+            tpl = pattern_template(model, assign, block_start)
+            if tpl is None or tpl.cuts in seen or tpl.num_stages > max_stages_per_layer * period:
+                continue
+            try:
+                check_template(model, tpl)
+            except ConfigError:
+                continue
+            seen.add(tpl.cuts)
+            label = ",".join(f"{k}:{v}" for k, v in assign.items())
+            out.append(Candidate(label + ("+block" if block_start else ""), tpl, 2))
+    return out
+
+
+def u_grid_for(max_resident: int, microbatches: int) -> list[int]:
+    return [u for u in U_GRID if u * microbatches <= max_resident]

@@ -1,0 +1,234 @@
+"""Planner benchmark: the paper's evaluation grid (§7.2, §7.4) and search ablation (Table 3).
+
+Grid: models gemma-3-27b and qwen3-next-80b-a3b; contexts 8K, 32K, 128K; a strict and a relaxed
+TPOT SLO; clusters H100, H100+L40S, H100+A100. Per setting it prints the USD per million tokens
+of colocated, AFD, CAD, OpWeave homogeneous and heterogeneous (the optimum of the whole space
+when mixing GPU types is allowed), OpWeave's gain over the best feasible baseline, the best
+plan's stages per token, inter-node bytes per token and compute occupancy, and the planner's
+wall time; then means per strategy and the ablation table. Prints figures; asserts nothing.
+
+SLOs. Relaxed = 50 ms (20 tokens/s per request: a common interactive-chat TPOT target, several
+times reading speed). Strict = 20 ms (50 tokens/s: agentic/streaming use). Every strategy can
+reach 3-7 ms at batch 1 on these models, so neither SLO is infeasible outright; they decide how
+far batching may go, and at 20 ms the per-stage transfer latency and bubbles of 100+-stage
+fine-grained plans take a real share of the budget.
+
+Targets on 2 cores: one setting planned in <= 10 s, the whole grid in <= 10 minutes, peak
+memory < 2 GB.
+
+    python tools/bench/paper_grid.py            # full grid + ablation
+    python tools/bench/paper_grid.py --quick    # one setting + ablation on it
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from typing import Any
+
+from opweave.costmodel import load_model
+from opweave.planner import plan
+
+MODELS = ("gemma-3-27b", "qwen3-next-80b-a3b")
+CONTEXTS = {"8K": 8192, "32K": 32768, "128K": 131072}
+SLOS = {"strict": 0.020, "relaxed": 0.050}
+CLUSTERS = {"H100": ("h100",), "H100+L40S": ("h100", "l40s"), "H100+A100": ("h100", "a100")}
+STRATEGIES = ("colocated", "afd", "cad", "opweave_homogeneous", "opweave_heterogeneous")
+SHORT = {
+    "colocated": "coloc",
+    "afd": "AFD",
+    "cad": "CAD",
+    "opweave_homogeneous": "OW-hom",
+    "opweave_heterogeneous": "OW-het",
+}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_setting(model_name: str, ctx: str, slo: str, cluster: str) -> dict[str, Any]:
+    model = load_model(model_name)
+    start, cpu = time.perf_counter(), time.process_time()
+    result = plan(model, CLUSTERS[cluster], context=CONTEXTS[ctx], tpot_slo_s=SLOS[slo])
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    doc = result.to_json()
+    row: dict[str, Any] = {
+        "model": model_name,
+        "context": ctx,
+        "slo": slo,
+        "cluster": cluster,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "search": doc["search"],
+        "plans": {},
+    }
+    for name in STRATEGIES:
+        entry = doc["baselines"].get(name)
+        row["plans"][name] = entry if entry and entry.get("strategy") else None
+    base = [
+        row["plans"][b]["usd_per_million_tokens"]
+        for b in ("colocated", "afd", "cad")
+        if row["plans"][b]
+    ]
+    best = doc["best"]
+    row["best"] = best
+    row["gain"] = (min(base) / best["usd_per_million_tokens"]) if base and best else None
+    return row
+
+
+def fmt_usd(entry: dict[str, Any] | None) -> str:
+    return f"{entry['usd_per_million_tokens']:.3f}" if entry else "infeas"
+
+
+def print_grid(rows: list[dict[str, Any]]) -> None:
+    head = (
+        f"{'model':<19}{'ctx':>5} {'SLO':<8}{'cluster':<10}"
+        + "".join(f"{SHORT[s]:>8}" for s in STRATEGIES)
+        + f"{'gain':>7}{'stages':>7}{'kB/tok':>8}{'occ':>6}{'sims':>6}{'wall_s':>8}"
+        + f"{'cpu_s':>7}"
+    )
+    print(
+        "USD per million tokens (gain = best feasible baseline / OpWeave; stages, inter-node "
+        "kB per token and compute occupancy of OpWeave's plan)"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        best = r["best"]
+        shown = [
+            fmt_usd(r["plans"][s]) if s != "opweave_heterogeneous" or "+" in r["cluster"] else "-"
+            for s in STRATEGIES
+        ]
+        cells = "".join(f"{c:>8}" for c in shown)
+        gain = f"{r['gain']:.2f}x" if r["gain"] else "-"
+        extra = f"{'-':>7}{'-':>8}{'-':>6}"
+        if best:
+            extra = (
+                f"{best['stages_per_token']:>7}"
+                f"{best['internode_bytes_per_token'] / 1e3:>8.1f}"
+                f"{100 * best['compute_occupancy']:>5.0f}%"
+            )
+        print(
+            f"{r['model']:<19}{r['context']:>5} {r['slo']:<8}{r['cluster']:<10}{cells}"
+            f"{gain:>7}{extra}{r['search']['simulator_calls']:>6}{r['wall_s']:>8.2f}"
+            f"{r['cpu_s']:>7.2f}"
+        )
+
+
+def print_means(rows: list[dict[str, Any]]) -> None:
+    print("\nMeans over the settings where each strategy is feasible")
+    head = (
+        f"{'strategy':<24}{'feasible':>9}{'stages/token':>14}{'inter-node kB/tok':>19}"
+        f"{'compute occ.':>14}{'mean batch/GPU':>16}"
+    )
+    print(head)
+    print("-" * len(head))
+    for s in STRATEGIES:
+        entries = [r["plans"][s] for r in rows if r["plans"].get(s)]
+        total = sum(1 for r in rows if s != "opweave_heterogeneous" or "+" in r["cluster"])
+        if not entries:
+            print(f"{s:<24}{0:>4}/{total:<4}")
+            continue
+        stages = statistics.mean(e["stages_per_token"] for e in entries)
+        kb = statistics.mean(e["internode_bytes_per_token"] for e in entries) / 1e3
+        occ = statistics.mean(e["compute_occupancy"] for e in entries)
+        batch = statistics.mean(
+            sum(o["replicas"] * o["resident_batch"] for o in e["owners"])
+            / sum(o["replicas"] * o["tp"] for o in e["owners"])
+            for e in entries
+        )
+        print(
+            f"{s:<24}{len(entries):>4}/{total:<4}{stages:>14.1f}{kb:>19.1f}{100 * occ:>13.0f}%"
+            f"{batch:>16.1f}"
+        )
+    gains = [r["gain"] for r in rows if r["gain"]]
+    if gains:
+        print(
+            f"\nOpWeave vs best feasible baseline: mean {statistics.mean(gains):.2f}x, "
+            f"max {max(gains):.2f}x, min {min(gains):.2f}x over {len(gains)} settings"
+        )
+    het = [
+        r["plans"]["opweave_homogeneous"]["usd_per_million_tokens"]
+        / r["plans"]["opweave_heterogeneous"]["usd_per_million_tokens"]
+        for r in rows
+        if "+" in r["cluster"]
+        and r["plans"].get("opweave_heterogeneous")
+        and r["plans"].get("opweave_homogeneous")
+    ]
+    if het:
+        print(
+            f"OpWeave heterogeneous vs homogeneous: mean {statistics.mean(het):.3f}x, "
+            f"max {max(het):.3f}x over {len(het)} settings"
+        )
+
+
+def ablation(model_name: str, ctx: str, slo: str) -> None:
+    print(f"\nAblation (Table 3): {model_name}, context {ctx}, {slo} SLO ({SLOS[slo] * 1e3:g} ms)")
+    head = (
+        f"{'cluster':<11}{'frontier':>9}{'B&B':>5}{'sim calls':>11}{'candidates':>12}"
+        f"{'frontier cut':>14}{'wall_s':>8}{'cpu_s':>7}{'same optimum':>14}"
+    )
+    print(head)
+    print("-" * len(head))
+    model = load_model(model_name)
+    for cluster in ("H100", "H100+A100"):
+        ref = None
+        for frontier, bnb in ((True, True), (False, True), (True, False), (False, False)):
+            start, cpu = time.perf_counter(), time.process_time()
+            res = plan(
+                model,
+                CLUSTERS[cluster],
+                context=CONTEXTS[ctx],
+                tpot_slo_s=SLOS[slo],
+                frontier_pruning=frontier,
+                branch_and_bound=bnb,
+            )
+            wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+            doc = {k: v for k, v in res.to_json().items() if k != "search"}
+            ref = ref or doc
+            print(
+                f"{cluster:<11}{'on' if frontier else 'off':>9}{'on' if bnb else 'off':>5}"
+                f"{res.search.simulator_calls:>11}{res.search.candidates:>12}"
+                f"{res.search.frontier_removed:>14}{wall:>8.2f}{cpu:>7.2f}"
+                f"{'yes' if doc == ref else 'NO':>14}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one setting + its ablation")
+    parser.add_argument("--no-ablation", action="store_true")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args()
+    settings = (
+        [("gemma-3-27b", "32K", "relaxed", "H100+A100")]
+        if args.quick
+        else [(m, c, s, k) for m in MODELS for c in CONTEXTS for s in SLOS for k in CLUSTERS]
+    )
+    start = time.perf_counter()
+    rows = [run_setting(*setting) for setting in settings]
+    grid_s = time.perf_counter() - start
+    print_grid(rows)
+    print_means(rows)
+    walls = [r["wall_s"] for r in rows]
+    cpus = [r["cpu_s"] for r in rows]
+    print(
+        f"\nPlanner time per setting: wall mean {statistics.mean(walls):.2f} s, max "
+        f"{max(walls):.2f} s (CPU mean {statistics.mean(cpus):.2f} s, max {max(cpus):.2f} s); "
+        f"whole grid ({len(rows)} settings) {grid_s:.1f} s; peak RSS {peak_rss_mb():.0f} MB"
+    )
+    if not args.no_ablation:
+        start = time.perf_counter()
+        ablation("gemma-3-27b", "32K", "relaxed")
+        print(f"ablation {time.perf_counter() - start:.1f} s; peak RSS {peak_rss_mb():.0f} MB")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rows, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
