@@ -12,7 +12,9 @@ from opweave.costmodel.errors import UnsupportedModelError as _UnsupportedFamily
 __all__ = [
     "CheckpointError",
     "OpWeaveRuntimeError",
+    "PlanMismatchError",
     "RequestStateError",
+    "RunFailedError",
     "UnsupportedModelError",
 ]
 
@@ -31,3 +33,11 @@ class CheckpointError(OpWeaveRuntimeError):
 
 class RequestStateError(OpWeaveRuntimeError):
     """A request id used out of order: unknown, admitted twice, or at the wrong context length."""
+
+
+class PlanMismatchError(OpWeaveRuntimeError):
+    """A plan cannot be installed here: made for another model, or for another number of ranks."""
+
+
+class RunFailedError(OpWeaveRuntimeError):
+    """A multi-process run failed: a rank died, hung or raised; the message names the rank."""

@@ -13,6 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 
@@ -22,15 +23,27 @@ _ALIGN = 16  # so each payload can be viewed as any dtype without a copy
 
 @dataclass(frozen=True)
 class BatchMeta:
-    """The iteration's schedule: which requests, how many new tokens each, after how many cached."""
+    """The iteration's schedule: which requests, how many new tokens each, after how many cached.
+
+    A multi-process pipeline needs three more facts per message, all optional so a single-process
+    batch never mentions them: ``slots`` (each request's batch slot, which routes its rows to the
+    replica that holds its state), ``free`` (requests that finished since the last iteration: every
+    stage holding their state drops it on sight) and ``final`` (no iteration of this microbatch
+    follows, so the workers on its path may stop).
+    """
 
     request_ids: tuple[str, ...]
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
+    slots: tuple[int, ...] = ()
+    free: tuple[str, ...] = ()
+    final: bool = False
 
     def __post_init__(self) -> None:
         if not len(self.request_ids) == len(self.query_lens) == len(self.context_lens):
             raise ValueError("request_ids, query_lens and context_lens must have equal lengths")
+        if self.slots and len(self.slots) != len(self.request_ids):
+            raise ValueError("slots, when given, must name one slot per request")
         if len(set(self.request_ids)) != len(self.request_ids):
             raise ValueError("a request may appear once per batch")
 
@@ -62,16 +75,30 @@ class BatchMeta:
         """Row of each request's last token: the only row whose logits are needed."""
         return torch.tensor([end - 1 for end in self.row_offsets[1:]], dtype=torch.int64)
 
-    def to_json(self) -> dict[str, list]:
-        return {
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
             "r": list(self.request_ids),
             "q": list(self.query_lens),
             "c": list(self.context_lens),
         }
+        if self.slots:
+            out["s"] = list(self.slots)
+        if self.free:
+            out["f"] = list(self.free)
+        if self.final:
+            out["e"] = True
+        return out
 
     @classmethod
-    def from_json(cls, data: Mapping[str, Sequence]) -> BatchMeta:
-        return cls(tuple(data["r"]), tuple(data["q"]), tuple(data["c"]))
+    def from_json(cls, data: Mapping[str, Any]) -> BatchMeta:
+        return cls(
+            tuple(data["r"]),
+            tuple(data["q"]),
+            tuple(data["c"]),
+            slots=tuple(data.get("s", ())),
+            free=tuple(data.get("f", ())),
+            final=bool(data.get("e", False)),
+        )
 
 
 @dataclass

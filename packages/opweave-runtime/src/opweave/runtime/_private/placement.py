@@ -1,0 +1,160 @@
+"""Where a plan's pieces run: owners, replicas and tensor-parallel ranks mapped to process ranks.
+
+The plan says *what* runs (a stage template tiled over the model, owners round-robin over its
+positions); this module fixes *where* and *for whom*, identically on every rank, so that no rank
+ever has to ask another:
+
+- ranks enumerate owners ``o``, then replicas ``j``, then TP ranks ``t``; the first TP rank of a
+  replica is its **leader** (it receives and sends the replica's messages) and global rank 0, the
+  leader of owner 0's first replica, which runs the first segment, is also the **driver** that
+  talks to the caller;
+- the global batch is ``B = replicas_o * resident_batch_o`` slots (equal for every owner); replica
+  ``j`` of owner ``o`` serves slots ``[j * b_o, (j + 1) * b_o)`` and keeps the per-request state of
+  exactly those slots; microbatch ``k`` is slots ``[k * B // m, (k + 1) * B // m)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments
+
+from ..errors import PlanMismatchError
+
+DRIVER_RANK = 0
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """One process of the deployment: which owner replica it belongs to, and its TP position."""
+
+    rank: int
+    owner: int
+    replica: int
+    tp_rank: int
+    tp_size: int
+    leader: int
+    group: tuple[int, ...]
+
+    @property
+    def is_leader(self) -> bool:
+        return self.tp_rank == 0
+
+
+def op_label(op: OperatorSpec) -> str:
+    return op.name if op.layer is None else f"L{op.layer}.{op.name}"
+
+
+def segment_label(seg: Segment) -> str:
+    """``L0.ffn_norm..L0.down_proj``: a segment's first and last operator."""
+    first, last = op_label(seg.ops[0]), op_label(seg.ops[-1])
+    return first if len(seg.ops) == 1 else f"{first}..{last}"
+
+
+class Placement:
+    """A plan installed on ``world_size`` ranks: rank layout, slot ranges and segments."""
+
+    def __init__(self, plan: Plan, model: ModelSpec) -> None:
+        self.plan = plan
+        self.model = model
+        self.segments: list[Segment] = segments(model, plan.template, len(plan.owners))
+        self.global_batch = plan.global_batch
+        self.microbatches = plan.microbatches
+        ranks: list[RankInfo] = []
+        for o, owner in enumerate(plan.owners):
+            for j in range(owner.replicas):
+                base = len(ranks)
+                group = tuple(range(base, base + owner.tp))
+                ranks += [
+                    RankInfo(base + t, o, j, t, owner.tp, base, group) for t in range(owner.tp)
+                ]
+        self.ranks = tuple(ranks)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    def leader(self, owner: int, replica: int) -> int:
+        return next(
+            r.rank for r in self.ranks if (r.owner, r.replica, r.tp_rank) == (owner, replica, 0)
+        )
+
+    def replica_slots(self, owner: int, replica: int) -> range:
+        b = self.plan.owners[owner].resident_batch
+        return range(replica * b, (replica + 1) * b)
+
+    def microbatch_slots(self, k: int) -> range:
+        b, m = self.global_batch, self.microbatches
+        return range(k * b // m, (k + 1) * b // m)
+
+    def segments_of(self, owner: int) -> list[Segment]:
+        return [s for s in self.segments if s.owner == owner]
+
+    def replicas_serving(self, owner: int, slots: range) -> list[tuple[int, range]]:
+        """Replicas of ``owner`` holding any of ``slots``, with the overlap each holds."""
+        out = []
+        for j in range(self.plan.owners[owner].replicas):
+            part = overlap(self.replica_slots(owner, j), slots)
+            if part:
+                out.append((j, part))
+        return out
+
+    @cached_property
+    def tp_groups(self) -> list[tuple[int, ...]]:
+        """Every replica's rank group with more than one member, in rank order."""
+        return sorted({r.group for r in self.ranks if r.tp_size > 1})
+
+    def describe(self, rank: int) -> str:
+        """``owner 1, replica 0: stages L0.ffn_norm..L0.down_proj, ...`` (for errors)."""
+        info = self.ranks[rank]
+        where = f"owner {info.owner}, replica {info.replica}"
+        if info.tp_size > 1:
+            where += f", tp rank {info.tp_rank} of {info.tp_size}"
+        stages = ", ".join(segment_label(s) for s in self.segments_of(info.owner)) or "none"
+        return f"{where}: stages {stages}"
+
+    def stage_labels(self, rank: int) -> list[str]:
+        return [segment_label(s) for s in self.segments_of(self.ranks[rank].owner)]
+
+
+def overlap(a: range, b: range) -> range:
+    """The slots two contiguous slot ranges share (empty when disjoint)."""
+    return range(max(a.start, b.start), min(a.stop, b.stop)) if a.stop > b.start else range(0)
+
+
+def total_ranks(plan: Plan) -> int:
+    """Processes (GPUs) a plan needs: replicas x TP degree, summed over its owners."""
+    return sum(o.replicas * o.tp for o in plan.owners)
+
+
+def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> None:
+    """Refuse a plan made for another model, or a launch with the wrong number of ranks."""
+    pm = plan.model
+    facts = (
+        ("family", pm.family, model.family),
+        ("layers", pm.num_layers, model.num_layers),
+        ("partition block layers", pm.period_layers, model.block.period_layers),
+    )
+    for what, planned, actual in facts:
+        if planned != actual:
+            raise PlanMismatchError(
+                f"the plan is for model {pm.name!r} ({what} {planned}), but the model folder has "
+                f"{what} {actual}; re-plan for this model (opweave plan <model dir> ...)"
+            )
+    if pm.config_sha256 != model.config_sha256:
+        raise PlanMismatchError(
+            f"the plan is for model {pm.name!r} with config sha256 {pm.config_sha256[:12]}..., "
+            f"but this model folder's config hashes to {model.config_sha256[:12]}...; "
+            "re-plan for this model (opweave plan <model dir> ...)"
+        )
+    needed = total_ranks(plan)
+    if world_size is not None and world_size != needed:
+        raise PlanMismatchError(
+            f"the plan needs {needed} ranks (sum of replicas x tp over its owners), "
+            f"got {world_size}; launch with --ranks {needed}"
+        )

@@ -1,0 +1,217 @@
+"""Point-to-point messages between ranks, the TP leader fan-out, and batch routing by slot.
+
+One message per boundary per microbatch: the sender packs the whole :class:`TokenBatch` (schedule
+header and every activation) into one flat ``uint8`` tensor (:func:`pack`) and sends it with
+``isend``. A receiver must post a buffer of the exact size, and the size depends on who joined the
+batch, so every message travels as a fixed-size *eager chunk* (an 8-byte length, then the first
+bytes of the payload); only a payload longer than the chunk sends its tail as a second transfer,
+straight from the packed tensor. Decode-sized messages thus cost one transfer, not a length word
+plus a payload. Receives are bounded: a peer that died fails the wait at once, one that hangs
+fails it after ``timeout_s``, and either way the error names the peer.
+
+A tensor-parallel destination receives once, at its leader, which broadcasts the raw bytes to its
+group (one length vector + one payload), rather than every TP rank receiving its own copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..errors import OpWeaveRuntimeError
+from .batch import BatchMeta, TokenBatch, pack, unpack
+from .schedule import Link
+
+
+class PeerError(OpWeaveRuntimeError):
+    """A message to or from ``peer`` failed or timed out: the peer died, hung, or disconnected."""
+
+    def __init__(self, peer: int | None, message: str) -> None:
+        super().__init__(message)
+        self.peer = peer
+
+
+Part = TokenBatch | torch.Tensor  # a batch handed over in-process, or packed bytes off the wire
+EAGER_BYTES = 4096  # fixed size of a message's first transfer: length word + payload head
+_LEN = 16  # length word padded so the payload keeps pack()'s 16-byte alignment
+
+
+class Transport:
+    """This rank's message endpoint; accumulates the time it spends blocked in ``comm_s``."""
+
+    def __init__(self, rank: int, device: torch.device, timeout_s: float) -> None:
+        self.rank = rank
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
+        self._local: dict[int, deque[TokenBatch]] = defaultdict(deque)
+        self._pending: deque[tuple[int, object, torch.Tensor, int]] = deque()
+        self.comm_s = 0.0
+        self.bytes_sent = 0
+        self.messages_sent = 0
+
+    # -- point to point ----------------------------------------------------------------------
+    def send(self, link: Link, batch: TokenBatch, epoch: int) -> None:
+        """Queue ``batch`` for ``link.peer`` without blocking (the driver's own stay local)."""
+        if link.peer == self.rank:
+            self._local[link.tag].append(batch)
+            return
+        start = time.perf_counter()
+        buf = pack(batch).to(self.device)
+        head = EAGER_BYTES - _LEN
+        chunk = torch.zeros(EAGER_BYTES, dtype=torch.uint8, device=self.device)
+        chunk[:8] = torch.tensor([buf.numel()], dtype=torch.int64).view(torch.uint8)
+        chunk[_LEN : _LEN + min(head, buf.numel())] = buf[:head]
+        transfers = [chunk] if buf.numel() <= head else [chunk, buf[head:]]
+        try:
+            for tensor in transfers:
+                work = dist.isend(tensor, dst=link.peer, tag=link.tag)
+                self._pending.append((epoch, work, tensor, link.peer))
+        except RuntimeError as exc:
+            raise PeerError(link.peer, f"sending to rank {link.peer} failed: {exc}") from None
+        self.bytes_sent += buf.numel()
+        self.messages_sent += 1
+        self.comm_s += time.perf_counter() - start
+
+    def recv(self, link: Link, what: str) -> Part:
+        """The next message from ``link.peer`` under ``link.tag`` (blocking, bounded)."""
+        if link.peer == self.rank:
+            return self._local[link.tag].popleft()
+        start = time.perf_counter()
+        chunk = torch.empty(EAGER_BYTES, dtype=torch.uint8, device=self.device)
+        self._wait(dist.irecv(chunk, src=link.peer, tag=link.tag), link.peer, what)
+        size = int(chunk[:8].cpu().view(torch.int64).item())
+        head = EAGER_BYTES - _LEN
+        if size <= head:
+            buf = chunk[_LEN : _LEN + size]
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, device=self.device)
+            buf[:head] = chunk[_LEN:]
+            self._wait(dist.irecv(buf[head:], src=link.peer, tag=link.tag), link.peer, what)
+        self.comm_s += time.perf_counter() - start
+        return buf
+
+    def _wait(self, work: object, peer: int | None, what: str) -> None:
+        try:
+            ok = work.wait(self.timeout)  # type: ignore[attr-defined]
+        except RuntimeError as exc:
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if "timed out" in detail.lower() or "timeout" in detail.lower():
+                raise PeerError(
+                    peer, f"timed out after {self.timeout_s:g} s {what} (rank {peer})"
+                ) from None
+            raise PeerError(peer, f"lost rank {peer} while {what}: {detail}") from None
+        if ok is False:
+            raise PeerError(peer, f"timed out after {self.timeout_s:g} s {what} (rank {peer})")
+
+    def reap(self, before_epoch: int) -> None:
+        """Wait for sends queued before ``before_epoch``: bounds memory, never the pipeline."""
+        start = time.perf_counter()
+        while self._pending and self._pending[0][0] < before_epoch:
+            _, work, _, peer = self._pending.popleft()
+            self._wait(work, peer, f"sending to rank {peer}")
+        self.comm_s += time.perf_counter() - start
+
+    def flush(self) -> None:
+        self.reap(before_epoch=1 << 62)
+
+    # -- tensor-parallel fan-out -------------------------------------------------------------
+    def fanout(
+        self, parts: Sequence[Part] | None, count: int, leader: int, group: object
+    ) -> list[torch.Tensor]:
+        """Broadcast the leader's received ``parts`` to its TP group; every member gets bytes."""
+        start = time.perf_counter()
+        if parts is not None:
+            bufs = [
+                p.to(self.device) if isinstance(p, torch.Tensor) else pack(p).to(self.device)
+                for p in parts
+            ]
+            lengths = torch.tensor([b.numel() for b in bufs], dtype=torch.int64, device=self.device)
+        else:
+            lengths = torch.empty(count, dtype=torch.int64, device=self.device)
+        try:
+            dist.broadcast(lengths, src=leader, group=group)  # type: ignore[arg-type]
+            if parts is not None:
+                payload = (
+                    torch.cat(bufs)
+                    if bufs
+                    else torch.empty(0, dtype=torch.uint8, device=self.device)
+                )
+            else:
+                payload = torch.empty(int(lengths.sum()), dtype=torch.uint8, device=self.device)
+            dist.broadcast(payload, src=leader, group=group)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            raise PeerError(
+                leader, f"tensor-parallel fan-out from rank {leader} failed: {exc}"
+            ) from None
+        self.comm_s += time.perf_counter() - start
+        return list(torch.split(payload, lengths.tolist()))
+
+
+def as_batch(part: Part) -> TokenBatch:
+    return unpack(part) if isinstance(part, torch.Tensor) else part
+
+
+def select(batch: TokenBatch, slots: range) -> TokenBatch:
+    """The requests of ``batch`` whose slot lies in ``slots`` (rows are ordered by slot).
+
+    A tensor with one row per token is cut at the requests' row offsets, one with a row per request
+    (after ``final_norm``) at their indices; when the two counts agree every request has one row
+    and both cuts coincide.
+    """
+    meta = batch.meta
+    idx = [i for i, s in enumerate(meta.slots) if s in slots]
+    if len(idx) == len(meta.request_ids):
+        return batch
+    lo, hi = (idx[0], idx[-1] + 1) if idx else (0, 0)
+    if idx and hi - lo != len(idx):
+        raise OpWeaveRuntimeError("requests of a batch must be ordered by slot")
+    sub = BatchMeta(
+        meta.request_ids[lo:hi],
+        meta.query_lens[lo:hi],
+        meta.context_lens[lo:hi],
+        slots=meta.slots[lo:hi],
+        free=meta.free,
+        final=meta.final,
+    )
+    if not idx:
+        return TokenBatch(sub, {})
+    n_req, n_tok = len(meta.request_ids), meta.num_tokens
+    r0, r1 = meta.row_offsets[lo], meta.row_offsets[hi]
+    tensors = {}
+    for name, t in batch.tensors.items():
+        if t.shape[0] == n_tok:
+            tensors[name] = t[r0:r1]
+        elif t.shape[0] == n_req:
+            tensors[name] = t[lo:hi]
+        else:
+            raise OpWeaveRuntimeError(
+                f"tensor {name!r} has {t.shape[0]} rows: not per token/request"
+            )
+    return TokenBatch(sub, tensors)
+
+
+def merge(parts: Sequence[TokenBatch]) -> TokenBatch:
+    """Concatenate the parts of one microbatch (given in slot order) into one ragged batch."""
+    if len(parts) == 1:
+        return parts[0]
+    full = [p for p in parts if p.meta.request_ids]
+    free = tuple(dict.fromkeys(rid for p in parts for rid in p.meta.free))
+    meta = BatchMeta(
+        tuple(r for p in full for r in p.meta.request_ids),
+        tuple(q for p in full for q in p.meta.query_lens),
+        tuple(c for p in full for c in p.meta.context_lens),
+        slots=tuple(s for p in full for s in p.meta.slots),
+        free=free,
+        final=any(p.meta.final for p in parts),
+    )
+    if not full:
+        return TokenBatch(meta, {})
+    if len(full) == 1:
+        return TokenBatch(meta, full[0].tensors)
+    return TokenBatch(meta, {n: torch.cat([p[n] for p in full]) for n in full[0].tensors})

@@ -1,0 +1,240 @@
+"""``opweave run``: the CLI contract, plan files, two nodes on one machine, torchrun, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from opweave.cli.app import main
+from opweave.costmodel import canonical_plan, load_model
+
+MAX_TOKENS = 16  # shares hf_greedy's cache with the runtime tests
+
+
+def _opweave(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def _prompts_file(tmp_path: Path, prompts) -> Path:
+    """Token-id prompts, one of them given as text through the model's tokenizer."""
+    lines = [{"prompt": " ".join(f"t{t}" for t in prompts[0])}]
+    lines += [{"prompt_token_ids": list(p)} for p in prompts[1:]]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    return path
+
+
+def test_run_strategy_json_document(tmp_path, capsys, tiny_model, hf_greedy, prompts):
+    model_dir = tiny_model("llama")
+    code, out, err = _opweave(
+        capsys,
+        "run",
+        "--strategy",
+        "afd",
+        "--model-path",
+        str(model_dir),
+        "--prompts-file",
+        str(_prompts_file(tmp_path, prompts)),
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--json",
+    )
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [o["prompt_token_ids"] for o in doc["outputs"]] == [list(p) for p in prompts]
+    assert [o["token_ids"] for o in doc["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert doc["outputs"][0]["text"].split() == [f"t{t}" for t in doc["outputs"][0]["token_ids"]]
+    assert doc["tpot_s"] > 0 and doc["strategy"] == "afd"
+    assert [r["stages"] for r in doc["ranks"]] == [
+        ["embed..L0.o_proj", "L1.attn_norm..L1.o_proj"],
+        ["L0.ffn_norm..L0.down_proj", "L1.ffn_norm..sample"],
+    ]
+    for r in doc["ranks"]:
+        assert r["weight_bytes_read"] > 0 and r["busy_s"] > 0
+
+
+def test_run_plan_file_with_text_prompts_prints_a_table(tmp_path, capsys, tiny_model):
+    model_dir = tiny_model("qwen3_moe")
+    plan = canonical_plan(load_model(model_dir), "cad", gpu="cpu", batch=2, microbatches=2)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.model_dump_json())
+    code, out, err = _opweave(
+        capsys,
+        "run",
+        str(plan_path),
+        "--model-path",
+        str(model_dir),
+        "--prompt",
+        "t5 t6 t7",
+        "--prompt",
+        "t9 t10",
+        "--max-tokens",
+        "3",
+    )
+    assert code == 0, err
+    assert out.startswith("[req-0] t")
+    assert "TPOT" in out and "weights read" in out and "L0.core_attn" in out
+
+
+def test_bad_input_is_one_line_errors(tmp_path, capsys, tiny_model):
+    model_dir = str(tiny_model("llama"))
+    plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=2)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.model_dump_json())
+    common = ("--model-path", model_dir, "--max-tokens", "2")
+    bad_file = tmp_path / "bad.jsonl"
+    bad_file.write_text('{"prompt_token_ids": [5, 6]}\n{"prompt_token_ids": "oops"}\n')
+    cases = [
+        (
+            ("run", str(plan_path), "--ranks", "3", "--prompt", "t5", *common),
+            "the plan needs 2 ranks",
+        ),
+        (("run", str(plan_path), "--prompts-file", str(bad_file), *common), "bad.jsonl line 2"),
+        (("run", "--prompt", "t5", *common), "give either a PLAN file or --strategy"),
+        (
+            ("run", "--strategy", "afd", "--ranks", "3", "--prompt", "t5", *common),
+            "--ranks must be one of 2, 4",
+        ),
+        (
+            (
+                "run",
+                str(plan_path),
+                "--model-path",
+                str(tmp_path),
+                "--prompt",
+                "t5",
+                "--max-tokens",
+                "2",
+            ),
+            "not a model folder",
+        ),
+    ]
+    for args, message in cases:
+        code, out, err = _opweave(capsys, *args)
+        assert code == 2, args
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert message in err, err
+        assert out == ""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_two_nodes_on_one_machine(tmp_path, capsys, tiny_model, hf_greedy, prompts):
+    """One ``opweave run`` per node (--nnodes 2): node 0 hosts the rendezvous and rank 0."""
+    model_dir = tiny_model("llama")
+    port = str(_free_port())
+    prompts_file = str(_prompts_file(tmp_path, prompts))
+    args = [
+        "run",
+        "--strategy",
+        "cad",
+        "--ranks",
+        "2",
+        "--model-path",
+        str(model_dir),
+        "--prompts-file",
+        prompts_file,
+        "--max-tokens",
+        str(MAX_TOKENS),
+        "--nnodes",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "--timeout-s",
+        "60",
+        "--json",
+    ]
+    node0 = subprocess.Popen(
+        [sys.executable, "-m", "opweave.cli", *args, "--node-rank", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        code, out, err = _opweave(capsys, *args, "--node-rank", "1")
+        stdout, stderr = node0.communicate(timeout=120)
+    finally:
+        node0.kill()
+    assert code == 0, err
+    assert json.loads(out) == {"node_rank": 1, "outputs": None}
+    assert node0.returncode == 0, stderr
+    doc = json.loads(stdout)
+    assert [o["token_ids"] for o in doc["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+
+
+def test_torchrun_style_launch(tmp_path, tiny_model, hf_greedy, prompts):
+    """Ranks started by an outside launcher (torchrun's RANK/WORLD_SIZE/... variables) each run
+    ``opweave run`` themselves; rank 0 prints the document."""
+    model_dir = tiny_model("llama")
+    prompts_file = str(_prompts_file(tmp_path, prompts))
+    port = str(_free_port())
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover -- child
+            code = 1
+            try:
+                import torch
+
+                torch.set_num_threads(1)
+                sys.stdout = open(tmp_path / f"rank{rank}.out", "w")  # noqa: SIM115
+                os.environ.update(
+                    RANK=str(rank),
+                    WORLD_SIZE="2",
+                    LOCAL_RANK=str(rank),
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                    GLOO_SOCKET_IFNAME="lo",
+                )
+                code = main(
+                    [
+                        "run",
+                        "--strategy",
+                        "afd",
+                        "--model-path",
+                        str(model_dir),
+                        "--prompts-file",
+                        prompts_file,
+                        "--max-tokens",
+                        str(MAX_TOKENS),
+                        "--timeout-s",
+                        "30",
+                        "--json",
+                    ]
+                )
+                sys.stdout.flush()
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    assert codes == [0, 0]
+    doc = json.loads((tmp_path / "rank0.out").read_text())
+    assert [o["token_ids"] for o in doc["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert (tmp_path / "rank1.out").read_text() == ""
+
+
+@pytest.mark.slow
+def test_spawned_workers(tiny_model, hf_greedy, prompts):
+    """The start method CUDA uses (fresh interpreters), exercised on CPU."""
+    from opweave.runtime import Request, run_plan
+
+    model_dir = tiny_model("llama")
+    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=4)
+    requests = [Request(tuple(p), MAX_TOKENS) for p in prompts]
+    result = run_plan(plan, model_dir, requests, start_method="spawn", timeout_s=60)
+    assert [o["token_ids"] for o in result["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)

@@ -1,0 +1,308 @@
+"""The multi-process runtime: every plan kind generates transformers' greedy tokens.
+
+Each run forks one process per rank (gloo on 127.0.0.1). Runs cost about a second, so each
+test checks several things of one run: tokens, per-rank stages, weights, timings.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from opweave.costmodel import Owner, Plan, StageTemplate, canonical_plan, load_model
+from opweave.runtime import (
+    Placement,
+    PlanMismatchError,
+    Request,
+    RunFailedError,
+    StageModule,
+    compile_schedule,
+    run_plan,
+)
+from opweave.runtime._private.schedule import Compute, Drive
+
+MAX_NEW_TOKENS = 16  # the same as the single-process tests, so hf_greedy's cache is shared
+TIMEOUT_S = 10.0
+
+
+def _plan(model_dir: Path, strategy: str = "afd", *, batch: int = 4, mb: int = 2, **kw) -> Plan:
+    plan = canonical_plan(load_model(model_dir), strategy, gpu="cpu", batch=batch, microbatches=mb)
+    return Plan.model_validate(plan.model_dump() | kw) if kw else plan
+
+
+def _owners(*specs: tuple[int, int, int]) -> list[dict]:
+    """``(tp, replicas, resident_batch)`` per owner."""
+    return [Owner(gpu="cpu", tp=t, replicas=r, resident_batch=b).model_dump() for t, r, b in specs]
+
+
+def _run(model_dir: Path, plan: Plan, prompts, limits=None, **kw) -> dict:
+    limits = limits or [MAX_NEW_TOKENS] * len(prompts)
+    requests = [Request(tuple(p), n) for p, n in zip(prompts, limits, strict=True)]
+    return run_plan(plan, model_dir, requests, timeout_s=TIMEOUT_S, **kw)
+
+
+def _tokens(result: dict) -> list[list[int]]:
+    return [out["token_ids"] for out in result["outputs"]]
+
+
+def _split_block_template(model_dir: Path) -> StageTemplate:
+    """Two stages cutting a multi-layer partition block mid-layer (both wrap layer boundaries)."""
+    n = len(load_model(model_dir).block.op_names)
+    return StageTemplate(cuts=(3, n // 2 + 2))
+
+
+CASES = [
+    ("llama", "colocated", {}),
+    ("llama", "afd", {}),
+    ("llama", "cad", {}),
+    ("qwen3_moe", "afd", {}),
+    ("qwen3_moe", "cad", {}),
+    ("gemma3_text", "split", {}),
+    ("gemma3_text", "cad", {}),
+    ("qwen3_next", "afd", {}),
+    ("qwen3_next", "split", {"microbatches": 3, "batch": 6}),
+]
+
+
+@pytest.mark.parametrize(("family", "kind", "extra"), CASES, ids=[f"{f}-{k}" for f, k, _ in CASES])
+def test_plan_kinds_generate_transformers_greedy_tokens(
+    family, kind, extra, tiny_model, hf_greedy, prompts
+):
+    model_dir = tiny_model(family)
+    expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    mb, batch = extra.get("microbatches", 2), extra.get("batch", 4)
+    if kind == "split":
+        plan = _plan(
+            model_dir,
+            "afd",
+            batch=batch,
+            mb=mb,
+            template=_split_block_template(model_dir).model_dump(),
+        )
+    else:
+        plan = _plan(model_dir, kind, batch=batch, mb=1 if kind == "colocated" else mb)
+
+    result = _run(model_dir, plan, prompts)
+
+    assert _tokens(result) == expected
+    assert [o["prompt_token_ids"] for o in result["outputs"]] == [list(p) for p in prompts]
+    placement = Placement(plan, load_model(model_dir))
+    ranks = result["ranks"]
+    assert len(ranks) == placement.world_size
+    for r in ranks:
+        assert r["stages"] == placement.stage_labels(r["rank"])
+        assert r["compute_s"] > 0 and r["loop_s"] >= r["compute_s"]
+    # Each operator's weights were read by exactly one rank: together, the model once.
+    whole = StageModule.whole_model(model_dir).checkpoint.bytes_read
+    assert sum(r["weight_bytes_read"] for r in ranks) == whole
+    assert result["tpot_s"] > 0
+
+
+def test_requests_join_as_slots_free_up(tiny_model, hf_greedy, prompts):
+    """Six requests, two slots (one per microbatch), different lengths and budgets: requests
+    join mid-run as others leave, prefill mixing with decode; every finished request is freed."""
+    model_dir = tiny_model("llama")
+    more = [*prompts, (9, 8, 7, 6), tuple(range(200, 230))]
+    limits = [16, 4, 9, 2, 16, 7]
+    expected = hf_greedy(model_dir, more, MAX_NEW_TOKENS)
+    plan = _plan(model_dir, "afd", batch=2, mb=2)
+
+    result = _run(model_dir, plan, more, limits)
+
+    assert _tokens(result) == [e[:n] for e, n in zip(expected, limits, strict=True)]
+    assert result["max_active"] == 2  # never more than the plan's slots
+    assert result["iterations"] > max(limits)  # later requests waited for a slot
+    for r in result["ranks"]:  # finished requests' KV caches were freed on every stage
+        assert r["requests_held_at_end"] == 0 and r["state_bytes_at_end"] == 0
+
+
+def test_two_replicas_and_a_tensor_parallel_owner(tiny_model, hf_greedy, prompts):
+    """Owner 0 as two replicas (each holding half the slots), owner 1 sharded over TP 2."""
+    model_dir = tiny_model("qwen3_moe")
+    expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    plan = _plan(model_dir, "afd", owners=_owners((1, 2, 2), (2, 1, 4)))
+
+    result = _run(model_dir, plan, prompts)
+
+    assert _tokens(result) == expected
+    ranks = {r["rank"]: r for r in result["ranks"]}
+    assert [(r["owner"], r["replica"], r["tp_rank"]) for r in ranks.values()] == [
+        (0, 0, 0),
+        (0, 1, 0),
+        (1, 0, 0),
+        (1, 0, 1),
+    ]
+    assert ranks[2]["tp_compute"] == ranks[3]["tp_compute"] == "sharded"
+    assert ranks[3]["messages_sent"] == 0  # only the TP leader sends; it received once too
+    # Each TP rank keeps half of the sharded weights.
+    full = _run_single_owner_weight(model_dir, plan)
+    assert ranks[2]["weight_bytes"] < full
+
+
+def _run_single_owner_weight(model_dir: Path, plan: Plan) -> int:
+    from opweave.runtime._private.schedule import rank_ops
+
+    placement = Placement(plan, load_model(model_dir))
+    return StageModule(model_dir, rank_ops(placement, 2)).weight_bytes
+
+
+@pytest.mark.parametrize("tp_mode", ["auto", "replicated"])
+def test_tensor_parallel_core_attention_owner(tp_mode, tiny_model, hf_greedy, prompts):
+    """CAD with the core-attention owner on TP 2: heads (and KV caches) split, or replicated."""
+    model_dir = tiny_model("gemma3_text")
+    expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    plan = _plan(model_dir, "cad", owners=_owners((1, 1, 4), (2, 1, 4)))
+
+    result = _run(model_dir, plan, prompts, tp_mode=tp_mode)
+
+    assert _tokens(result) == expected
+    want = "sharded" if tp_mode == "auto" else "replicated"
+    assert [r["tp_compute"] for r in result["ranks"]] == ["none", want, want]
+
+
+# -- the schedule, without processes ---------------------------------------------------------
+SCHEDULE_PLANS = {
+    "afd-replicas": dict(owners=_owners((1, 2, 2), (1, 1, 4)), microbatches=2),
+    "cad-tp": dict(owners=_owners((2, 1, 6), (1, 3, 2)), microbatches=2),
+    "afd-3mb": dict(owners=_owners((1, 1, 6), (1, 2, 3)), microbatches=3),
+    "afd-uneven": dict(owners=_owners((1, 3, 2), (1, 2, 3)), microbatches=2),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULE_PLANS)
+def test_every_send_has_exactly_one_matching_receive(name, tiny_model):
+    model_dir = tiny_model("llama")
+    plan = _plan(model_dir, name.split("-")[0], batch=6, **SCHEDULE_PLANS[name])
+    placement = Placement(plan, load_model(model_dir))
+    sends, recvs = Counter(), Counter()
+    for rank in range(placement.world_size):
+        leader = placement.ranks[rank].is_leader
+        for action in compile_schedule(placement, rank):
+            if isinstance(action, Drive):
+                recvs.update((link.peer, rank, link.tag, link.slots) for link in action.tokens_from)
+                sends.update((rank, link.peer, link.tag, link.slots) for link in action.inputs_to)
+            elif leader:
+                assert isinstance(action, Compute)
+                recvs.update((link.peer, rank, link.tag, link.slots) for link in action.sources)
+                sends.update((rank, link.peer, link.tag, link.slots) for link in action.dests)
+    assert sends == recvs
+    # Every slot of every microbatch reaches the first segment and comes back as a token.
+    first = [s for (src, _, tag, s) in sends if src == 0 and tag < plan.microbatches]
+    assert sorted(slot for r in first for slot in r) == list(range(plan.global_batch))
+
+
+def test_select_and_merge_route_rows_by_slot():
+    import torch
+
+    from opweave.runtime import BatchMeta, TokenBatch, pack, unpack
+    from opweave.runtime._private.transport import merge, select
+
+    meta = BatchMeta(("a", "b", "c"), (3, 1, 2), (0, 7, 0), slots=(4, 5, 7), free=("z",))
+    per_token = torch.arange(24.0).view(6, 4)
+    batch = TokenBatch(meta, {"hidden": per_token, "logits": torch.arange(3.0)[:, None]})
+    low, high, whole = (
+        select(batch, range(4, 6)),
+        select(batch, range(6, 8)),
+        select(batch, range(9)),
+    )
+    assert low.meta.request_ids == ("a", "b") and high.meta.slots == (7,)
+    assert torch.equal(low["hidden"], per_token[:4]) and torch.equal(
+        high["logits"], batch["logits"][2:]
+    )
+    assert low.meta.free == high.meta.free == ("z",)
+    empty = select(batch, range(0, 4))
+    assert empty.meta.request_ids == () and empty.tensors == {}
+    back = merge([unpack(pack(low)), empty, unpack(pack(high))])
+    assert back.meta == meta
+    assert all(torch.equal(back[n], batch[n]) for n in batch.tensors)
+    final = BatchMeta((), (), (), free=("a",), final=True)
+    assert unpack(pack(TokenBatch(final, {}))).meta == final
+    assert whole is batch
+
+
+# -- faults ----------------------------------------------------------------------------------
+def _child_pids() -> set[int]:
+    """Live children of this process (from /proc; no psutil)."""
+    me, out = os.getpid(), set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == me and fields[0] != "Z":
+                out.add(int(entry.name))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("fault", "expect"),
+    [
+        ("1:3:exit", "exited with status 1"),
+        ("1:3:kill", "killed by signal 9"),
+        ("1:3:hang", "stopped responding"),
+    ],
+)
+def test_a_dying_or_hanging_worker_fails_the_run_naming_it(fault, expect, tiny_model, monkeypatch):
+    model_dir = tiny_model("llama")
+    plan = _plan(model_dir, "afd")
+    monkeypatch.setenv("OPWEAVE_FAULT", fault)
+    before = _child_pids()
+    start = time.monotonic()
+
+    with pytest.raises(RunFailedError) as info:
+        run_plan(plan, model_dir, [Request((5, 6, 7), 12)] * 1, timeout_s=3)
+
+    elapsed = time.monotonic() - start
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("rank 1 (owner 1, replica 0: stages L0.ffn_norm..L0.down_proj")
+    assert expect in message
+    assert elapsed < 3 + 6  # bounded by the timeout plus start-up and grace
+    assert _child_pids() <= before  # every worker process is gone
+
+
+# -- bad input -------------------------------------------------------------------------------
+def test_wrong_rank_count_and_wrong_model_are_refused(tiny_model, write_config):
+    model_dir = tiny_model("llama")
+    plan = _plan(model_dir, "cad")
+    request = [Request((5, 6), 2)]
+    with pytest.raises(PlanMismatchError, match=r"needs 2 ranks .* got 3; launch with --ranks 2"):
+        run_plan(plan, model_dir, request, ranks=3)
+    config = json.loads((model_dir / "config.json").read_text())
+    deeper = write_config(config | {"num_hidden_layers": 3}, "deeper")
+    with pytest.raises(PlanMismatchError, match="layers 2.* has layers 3; re-plan for this model"):
+        run_plan(plan, deeper, request)
+    other = write_config(config | {"rope_theta": 1234.0}, "other-llama")
+    with pytest.raises(PlanMismatchError, match="config sha256 .* re-plan for this model"):
+        run_plan(plan, other, request)
+
+
+# -- CUDA / NCCL (skipped without a GPU) -----------------------------------------------------
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() == 0, reason="needs a CUDA device")
+def test_cuda_ranks_with_nccl(tiny_model, prompts):
+    """One spawned process per GPU, NCCL transfers; tokens equal the single-process runtime's
+    on the same device (CUDA kernels round differently from transformers on CPU)."""
+    from opweave.runtime import LocalModel
+
+    model_dir = tiny_model("qwen3_moe")
+    strategy = "afd" if _cuda_devices() >= 2 else "colocated"
+    plan = _plan(model_dir, strategy, mb=2 if strategy == "afd" else 1)
+    expected = LocalModel(model_dir, device="cuda").generate(prompts, MAX_NEW_TOKENS)
+
+    result = _run(model_dir, plan, prompts, device="cuda")
+
+    assert _tokens(result) == expected
+    assert all(r["device"].startswith("cuda") for r in result["ranks"])
