@@ -22,6 +22,13 @@ from ._private.analysis import (
 )
 from ._private.estimate import StepEstimate, estimate_step
 from ._private.families import SUPPORTED_FAMILIES, model_spec_from_config, partition_block
+from ._private.fit import (
+    EfficiencyFit,
+    fit_efficiency,
+    fit_efficiency_report,
+    profile_operators,
+    synthesize_profile,
+)
 from ._private.hardware import (
     BUILTIN_GPUS,
     HARDWARE_SCHEMA_VERSION,
@@ -126,6 +133,12 @@ __all__ = [
     "RooflineLatency",
     "TransferProfile",
     "profile_key",
+    "profile_operators",
+    # fitting and synthesising profiles
+    "EfficiencyFit",
+    "fit_efficiency",
+    "fit_efficiency_report",
+    "synthesize_profile",
     # plans
     "PLAN_SCHEMA_VERSION",
     "TP_DEGREES",

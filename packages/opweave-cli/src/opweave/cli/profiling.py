@@ -1,0 +1,181 @@
+"""``opweave profile``: measure the runtime's operators and transport into a profile file.
+
+Registered only when ``opweave.profiler`` is installed; torch is imported inside the command so
+``opweave --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ._common import JsonOpt, emit_json, parse_list
+
+
+def register(app: typer.Typer) -> None:
+    app.command("profile")(profile)
+
+
+def _device(value: str) -> str:
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value.strip().lower()):
+        raise typer.BadParameter(f"--device must be cpu or cuda (or cuda:N), got {value!r}")
+    return value.strip().lower()
+
+
+def _summary(run: Any, path: Path) -> dict[str, Any]:
+    profile, fit, link = run.profile, run.fit, run.transfer
+    return {
+        "path": str(path),
+        "model": profile.model,
+        "dtype": profile.dtype,
+        "device": {"id": profile.device.id, "name": profile.provenance.device_name},
+        "tables": len(profile.ops),
+        "cells": run.cells,
+        "wall_s": run.wall_s,
+        "grid": {
+            "batches": profile.provenance.settings.get("batches"),
+            "contexts": profile.provenance.settings.get("contexts"),
+        },
+        "transfer": None
+        if link is None
+        else {
+            "backend": link.backend,
+            "latency_s": link.latency_s,
+            "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
+        },
+        "fit": None
+        if fit is None
+        else {
+            "memory_efficiency": fit.hardware.memory_efficiency,
+            "compute_efficiency": fit.hardware.compute_efficiency,
+            "kernel_overhead_s": fit.hardware.kernel_overhead_s,
+            "points": fit.points,
+            "median_error_factor": fit.median_error_factor,
+            "p90_error_factor": fit.p90_error_factor,
+            "max_error_factor": fit.max_error_factor,
+            "rms_log_error": fit.rms_log_error,
+            "worst_op": fit.worst_op,
+        },
+    }
+
+
+def profile(
+    model: Annotated[
+        str,
+        typer.Option(
+            "--model",
+            "-m",
+            help="Built-in model name, config.json, or model folder (its weights are used when "
+            "present; otherwise random weights of the right shapes).",
+        ),
+    ],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Write the profile (Profile schema JSON) here.")
+    ],
+    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
+    tp: Annotated[str, typer.Option("--tp", help="TP degrees to measure, e.g. 1.")] = "1",
+    batches: Annotated[
+        str | None,
+        typer.Option("--batches", help="Batch sizes, e.g. 1,4,16 (default: log-spaced grid)."),
+    ] = None,
+    contexts: Annotated[
+        str | None,
+        typer.Option("--contexts", help="Context lengths, e.g. 1K,8K (default: log-spaced)."),
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option("--dtype", help="Compute dtype (default: the config's).")
+    ] = None,
+    ops: Annotated[
+        str | None,
+        typer.Option("--ops", help="Only these operators, e.g. core_attn@full,lm_head."),
+    ] = None,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed calls per cell.")] = 2,
+    repeats: Annotated[
+        int, typer.Option("--repeats", min=1, help="Minimum timed calls per cell.")
+    ] = 5,
+    passes: Annotated[
+        int | None,
+        typer.Option(
+            "--passes",
+            min=1,
+            help="Grid passes, keeping each cell's lowest median (default: 2 on CPU, 1 on CUDA).",
+        ),
+    ] = None,
+    threads: Annotated[
+        int | None, typer.Option("--threads", min=1, help="CPU threads (default: all cores).")
+    ] = None,
+    usd_per_hour: Annotated[
+        float | None,
+        typer.Option(
+            "--usd-per-hour",
+            min=0.0,
+            help="Device price (default: catalog, or an assumed $0.0425 per vCPU-hour on CPU).",
+        ),
+    ] = None,
+    random_weights: Annotated[
+        bool, typer.Option("--random-weights", help="Ignore weights in the model folder.")
+    ] = False,
+    no_transfer: Annotated[
+        bool, typer.Option("--no-transfer", help="Skip the two-process transfer measurement.")
+    ] = False,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of random weights and inputs.")] = 0,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Time the runtime's own operators of MODEL (one partition block, plus embed and head)
+    over batch and context grids, and point-to-point transfers, into a profile file."""
+    dev = _device(device)
+    tps = parse_list(tp, int)
+    grid_b = parse_list(batches, int) if batches else None
+    grid_s = parse_list(contexts, int) if contexts else None
+    only = parse_list(ops) if ops else None
+
+    from opweave.profiler import TimingSettings, profile_model, save_profile
+
+    timing = TimingSettings(
+        warmup=warmup,
+        repeats=repeats,
+        cell_budget_s=0.02 if dev.startswith("cuda") else 0.03,
+        passes=passes or (1 if dev.startswith("cuda") else 2),
+    )
+    run = profile_model(
+        model,
+        device=dev,
+        dtype=dtype,
+        tp=tps,
+        batches=grid_b,
+        contexts=grid_s,
+        ops=only,
+        timing=timing,
+        threads=threads,
+        transfer=not no_transfer,
+        usd_per_hour=usd_per_hour,
+        random_weights=random_weights,
+        seed=seed,
+        progress=not quiet,
+    )
+    path = save_profile(run.profile, output)
+    doc = _summary(run, path)
+    if json_out:
+        emit_json(doc)
+        return
+    typer.echo(
+        f"wrote {path}: {doc['tables']} operator tables of {doc['model']} ({doc['dtype']}) on "
+        f"{doc['device']['name']}, {doc['cells']} cells in {doc['wall_s']:.1f} s"
+    )
+    if doc["transfer"]:
+        t = doc["transfer"]
+        typer.echo(
+            f"transfer ({t['backend']}): {t['latency_s'] * 1e6:.1f} us + bytes / "
+            f"{t['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s"
+        )
+    if doc["fit"]:
+        f = doc["fit"]
+        typer.echo(
+            f"roofline fit: memory efficiency {f['memory_efficiency']:.3f}, compute efficiency "
+            f"{f['compute_efficiency']:.3f}, {f['kernel_overhead_s'] * 1e6:.1f} us per kernel; "
+            f"median error x{f['median_error_factor']:.2f}, p90 x{f['p90_error_factor']:.2f}"
+        )

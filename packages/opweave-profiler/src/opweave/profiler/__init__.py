@@ -1,0 +1,67 @@
+"""opweave.profiler: measure the OpWeave runtime's own operators and transport into profiles.
+
+A profile (the cost model's :class:`~opweave.costmodel.Profile` schema) holds, for one device
+type and one model, the median latency of every distinct decode operator over a batch x context
+grid, plus point-to-point transfer latency and bandwidth. The operators timed are built by the
+runtime's own factory, so the planner's predictions and the runtime's measurements describe the
+same code. Models need no weights: a config alone gives random weights of the right shapes.
+
+>>> from opweave.profiler import profile_model, save_profile          # doctest: +SKIP
+>>> run = profile_model("gemma-3-27b", device="cuda")                 # doctest: +SKIP
+>>> save_profile(run.profile, "gemma-3-27b.h200.json")                # doctest: +SKIP
+"""
+
+from ._private.device import CPU_PRICE_SOURCE, CPU_USD_PER_VCPU_HOUR, measure_peaks, resolve_device
+from ._private.operators import ModelSource, OpTarget, resolve_model, select_targets
+from ._private.profile import (
+    CPU_BATCHES,
+    CPU_CONTEXTS,
+    CUDA_BATCHES,
+    CUDA_CONTEXTS,
+    ProfileRun,
+    default_grid,
+    load_profile,
+    profile_model,
+    save_profile,
+)
+from ._private.random_weights import RandomCheckpoint, tensor_shapes
+from ._private.timing import Measurement, TimingSettings, make_timer, pinned_cpu
+from ._private.transfer import TransferFit, fit_line, measure_transfer
+from .errors import DeviceUnavailableError, ProfilerError
+
+__all__ = [
+    # profiling a model
+    "ProfileRun",
+    "profile_model",
+    "default_grid",
+    "CPU_BATCHES",
+    "CPU_CONTEXTS",
+    "CUDA_BATCHES",
+    "CUDA_CONTEXTS",
+    # profile files
+    "load_profile",
+    "save_profile",
+    # operators and weights
+    "ModelSource",
+    "OpTarget",
+    "resolve_model",
+    "select_targets",
+    "RandomCheckpoint",
+    "tensor_shapes",
+    # timing and devices
+    "Measurement",
+    "TimingSettings",
+    "make_timer",
+    "pinned_cpu",
+    "resolve_device",
+    "measure_peaks",
+    "CPU_USD_PER_VCPU_HOUR",
+    "CPU_PRICE_SOURCE",
+    # transfers
+    "TransferFit",
+    "fit_line",
+    "measure_transfer",
+    # errors
+    "ProfilerError",
+    "DeviceUnavailableError",
+]

@@ -1,0 +1,251 @@
+"""Which operators to time, built by the runtime's own factory, and inputs for them.
+
+The cost model names a distinct operator by ``profile_key`` (``core_attn@sliding``,
+``lm_head``, ...). For each key this module picks the first layer that has it, builds that
+layer's runtime operators with :func:`opweave.runtime.build_operator` (from a checkpoint, or from
+random weights when there is none) and feeds them inputs produced by their own predecessors, so
+every tensor an operator sees has the shape, dtype and device the runtime would give it.
+
+Keys whose runtime operator is the same class with the same weight shapes are timed once: the
+feed-forward and norm operators do not depend on the layer's attention kind, so on Gemma 3
+``gate_up_proj@full`` shares the measurement of ``gate_up_proj@sliding``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opweave.costmodel import (
+    BUILTIN_MODELS,
+    ModelSpec,
+    OperatorSpec,
+    load_model,
+    profile_operators,
+    read_config,
+)
+from opweave.costmodel.errors import OpWeaveError
+from opweave.runtime import (
+    BatchMeta,
+    Checkpoint,
+    Operator,
+    OpRef,
+    TokenBatch,
+    build_operator,
+    layer_operator_names,
+    operator_sequence,
+    parse_config,
+)
+from opweave.runtime import ModelSpec as RuntimeSpec
+
+from ..errors import ProfilerError
+from .random_weights import RandomCheckpoint
+
+# Same runtime class and weight shapes in every layer, whatever its attention kind.
+LAYER_KIND_FREE = frozenset(
+    {"attn_norm", "ffn_norm", "gate_up_proj", "down_proj", "router", "experts", "shared_expert"}
+)
+MODEL_END = ("final_norm", "lm_head", "sample")
+COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """One model as both the cost model and the runtime see it, and where its weights are."""
+
+    name: str
+    raw: dict[str, Any]
+    cost: ModelSpec
+    runtime: RuntimeSpec
+    weights_dir: Path | None  # None: random weights from the config
+
+    @property
+    def dtype(self) -> str:
+        return self.cost.dtype
+
+
+def resolve_model(
+    model: str | Path, *, dtype: str | None = None, random_weights: bool = False
+) -> ModelSource:
+    """A built-in name, a ``config.json`` or a model folder (weights used when present)."""
+    arg = str(model)
+    if dtype is not None and dtype not in COMPUTE_DTYPES:
+        raise ProfilerError(
+            f"--dtype {dtype}: the runtime computes in {', '.join(COMPUTE_DTYPES)} only"
+        )
+    cost = load_model(arg, dtype=dtype)  # clear errors for unknown names and bad configs
+    if cost.dtype not in COMPUTE_DTYPES:
+        raise ProfilerError(
+            f"{cost.name} is stored as {cost.dtype}, which the runtime cannot compute in; "
+            f"pass --dtype ({', '.join(COMPUTE_DTYPES)})"
+        )
+    if arg in BUILTIN_MODELS:
+        file = BUILTIN_MODELS[arg][0]
+        text = (resources.files("opweave.costmodel") / "data" / "models" / file).read_text()
+        raw = json.loads(text)
+        folder = None
+    else:
+        raw = read_config(arg)
+        folder = Path(arg) if Path(arg).is_dir() else None
+    raw = _with_cost_model_defaults(raw, cost)
+    try:
+        runtime = parse_config(raw)
+    except OpWeaveError as exc:
+        raise ProfilerError(f"the runtime cannot run {cost.name}: {exc}") from None
+    runtime = dataclasses.replace(runtime, dtype=getattr(torch, cost.dtype))
+    has_weights = folder is not None and any(folder.glob("*.safetensors"))
+    return ModelSource(
+        name=cost.name,
+        raw=raw,
+        cost=cost,
+        runtime=runtime,
+        weights_dir=folder if has_weights and not random_weights else None,
+    )
+
+
+def _with_cost_model_defaults(raw: dict[str, Any], cost: ModelSpec) -> dict[str, Any]:
+    """Fill keys a config may omit (transformers class defaults) that the runtime indexes.
+
+    Released configs leave out keys equal to their class default (Gemma 3 27B has no
+    ``vocab_size``); the cost model resolves those defaults, the runtime's parser does not.
+    """
+    raw = json.loads(json.dumps(raw))
+    text = raw.get("text_config") if raw.get("model_type") == "gemma3" else None
+    target = text if isinstance(text, dict) else raw
+    for key, value in (
+        ("hidden_size", cost.hidden_size),
+        ("vocab_size", cost.vocab_size),
+        ("num_hidden_layers", cost.num_layers),
+    ):
+        if target.get(key) is None:
+            target[key] = value
+    return raw
+
+
+@dataclass(frozen=True)
+class OpTarget:
+    """One profile table to fill: a cost-model key and the runtime operator that runs it."""
+
+    key: str
+    ref: OpRef
+    spec: OperatorSpec
+    same_as: str | None = None  # measured under this key (same class and shapes)
+
+    @property
+    def context_dependent(self) -> bool:
+        return self.spec.attn_flops_per_context_token > 0 or (
+            self.spec.state_bytes_per_context_token > 0
+        )
+
+
+def select_targets(source: ModelSource, only: Sequence[str] | None = None) -> list[OpTarget]:
+    """Every distinct operator of the model (or those in ``only``), mapped to the runtime."""
+    entries = profile_operators(source.cost)
+    keys = [key for key, _, _ in entries]
+    if only:
+        unknown = [k for k in only if k not in keys]
+        if unknown:
+            raise ProfilerError(
+                f"{source.name} has no operator {', '.join(map(repr, unknown))}; "
+                f"its operators are {', '.join(keys)}"
+            )
+    runtime_refs = set(operator_sequence(source.runtime))
+    measured: dict[tuple[object, ...], str] = {}
+    targets = []
+    for key, op, layer in entries:
+        if only and key not in only:
+            continue
+        ref = OpRef(op.layer, op.name)
+        if ref not in runtime_refs:
+            raise ProfilerError(
+                f"the runtime has no operator {key} (layer {op.layer}) for {source.name}, "
+                "so it cannot be timed; the runtime's operators are "
+                + ", ".join(sorted({r.name for r in runtime_refs}))
+            )
+        sig: tuple[object, ...] = (op.name,)
+        if layer is not None and op.name not in LAYER_KIND_FREE:
+            sig = (op.name, layer.attention, layer.window_tokens)
+        targets.append(OpTarget(key, ref, op, same_as=measured.get(sig)))
+        measured.setdefault(sig, key)
+    return targets
+
+
+@dataclass
+class Chain:
+    """Consecutive runtime operators; those in ``timed`` are measured, the rest make inputs."""
+
+    label: str
+    refs: list[OpRef]
+    ops: list[Operator] = field(default_factory=list)
+    timed: dict[int, OpTarget] = field(default_factory=dict)
+
+    @property
+    def starts_with_tokens(self) -> bool:
+        return self.refs[0].name == "embed"
+
+
+def plan_chains(source: ModelSource, targets: Sequence[OpTarget]) -> list[Chain]:
+    """The shortest operator runs that reach every measured target from a chain input."""
+    chains: list[Chain] = []
+    measured = [t for t in targets if t.same_as is None]
+    by_layer: dict[int | None, list[OpTarget]] = {}
+    for t in measured:
+        if t.ref.name == "embed":
+            chains.append(Chain("embed", [t.ref], timed={0: t}))
+        else:
+            by_layer.setdefault(t.ref.layer, []).append(t)
+    for layer, group in by_layer.items():
+        names = MODEL_END if layer is None else layer_operator_names(source.runtime, layer)
+        index = {name: i for i, name in enumerate(names)}
+        last = max(index[t.ref.name] for t in group)
+        label = "head" if layer is None else f"layer {layer}"
+        chain = Chain(label, [OpRef(layer, n) for n in names[: last + 1]])
+        chain.timed = {index[t.ref.name]: t for t in group}
+        chains.append(chain)
+    return chains
+
+
+def build_chains(
+    source: ModelSource, chains: Sequence[Chain], device: torch.device, *, seed: int = 0
+) -> str:
+    """Build every chain's operators in place; returns ``"checkpoint"`` or ``"random"``."""
+    if source.weights_dir is not None:
+        ckpt: Any = Checkpoint(source.weights_dir)
+        kind = "checkpoint"
+    else:
+        ckpt = RandomCheckpoint(source.runtime, source.raw, seed=seed, name=source.name)
+        kind = "random"
+    try:
+        for chain in chains:
+            chain.ops = [build_operator(source.runtime, ckpt, ref, device) for ref in chain.refs]
+    except OpWeaveError as exc:
+        raise ProfilerError(
+            f"cannot build the runtime's operators of {source.name}: {exc}"
+        ) from None
+    finally:
+        ckpt.close()
+    return kind
+
+
+def request_ids(batch: int) -> tuple[str, ...]:
+    return tuple(f"r{i}" for i in range(batch))
+
+
+def decode_batch(
+    chain: Chain, source: ModelSource, batch: int, context: int, device: torch.device, gen: Any
+) -> TokenBatch:
+    """The input of a chain's first operator for ``batch`` decode tokens at ``context``."""
+    meta = BatchMeta(request_ids(batch), (1,) * batch, (context,) * batch)
+    spec = source.runtime
+    if chain.starts_with_tokens:
+        ids = torch.randint(0, spec.vocab_size, (batch,), generator=gen, device=device)
+        return TokenBatch(meta, {"token_ids": ids})
+    hidden = torch.randn(batch, spec.hidden_size, generator=gen, device=device)
+    return TokenBatch(meta, {"hidden": hidden.to(spec.dtype)})

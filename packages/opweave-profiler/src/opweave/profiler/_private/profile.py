@@ -1,0 +1,371 @@
+"""Measure a profile: every distinct operator over a batch x context grid, plus transfers.
+
+The flow: resolve the device and model, pick one runtime operator per profile key, build the
+layers that hold them, walk each layer once per batch size (timing each operator on the input
+its predecessor produced), then time ``core_attn`` over the context grid with synthetic state,
+measure point-to-point transfers in two processes, describe the device, and fit the roofline's
+efficiency factors to the result. Everything lands in one :class:`Profile` with provenance.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+import torch
+from pydantic import ValidationError
+
+from opweave.costmodel import (
+    EfficiencyFit,
+    OpLatencyTable,
+    Profile,
+    Provenance,
+    fit_efficiency_report,
+)
+from opweave.costmodel.errors import ConfigError
+from opweave.runtime import BatchMeta, Operator, StatefulOperator, TokenBatch
+
+from ..errors import ProfilerError
+from .device import describe_device, device_name, resolve_device, state_budget_bytes
+from .operators import (
+    Chain,
+    ModelSource,
+    OpTarget,
+    build_chains,
+    decode_batch,
+    plan_chains,
+    request_ids,
+    resolve_model,
+    select_targets,
+)
+from .progress import Progress
+from .state import StateWriter
+from .timing import Measurement, Timer, TimingSettings, make_timer, pinned_cpu
+from .transfer import TransferFit, measure_transfer, unavailable_reason
+
+CPU_BATCHES = (1, 2, 4, 8, 16, 32, 64)
+CPU_CONTEXTS = (64, 256, 1024, 4096)
+CUDA_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CUDA_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+
+Grid = dict[int, dict[int, Measurement]]  # batch -> context column -> measurement
+
+
+@dataclass(frozen=True)
+class ProfileRun:
+    """A measured profile and what it took."""
+
+    profile: Profile
+    fit: EfficiencyFit | None
+    transfer: TransferFit | None
+    cells: int
+    wall_s: float
+
+
+def default_grid(device: str | torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Log-spaced (batches, contexts): decode-sized on CPU, 1-256 x 1K-128K on CUDA."""
+    if torch.device(device).type == "cuda":
+        return CUDA_BATCHES, CUDA_CONTEXTS
+    return CPU_BATCHES, CPU_CONTEXTS
+
+
+def _grid(values: Sequence[int], what: str) -> tuple[int, ...]:
+    out = tuple(sorted({int(v) for v in values}))
+    if not out or out[0] < 1:
+        raise ProfilerError(f"{what} must be positive integers, got {list(values)}")
+    return out
+
+
+def _versions(device: torch.device) -> dict[str, str]:
+    out = {"python": platform.python_version(), "torch": torch.__version__}
+    if device.type == "cuda" and torch.version.cuda:
+        out["cuda"] = torch.version.cuda
+    for dist in ("opweave-profiler", "opweave-runtime", "opweave-costmodel"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "source"
+    return out
+
+
+class _Runner:
+    """Walks the chains of one model and fills ``grids`` (profile key -> batch -> columns)."""
+
+    def __init__(
+        self,
+        source: ModelSource,
+        device: torch.device,
+        timer: Timer,
+        batches: tuple[int, ...],
+        contexts: tuple[int, ...],
+        progress: Progress,
+        seed: int,
+    ) -> None:
+        self.source, self.device, self.timer = source, device, timer
+        self.batches, self.contexts = batches, contexts
+        self.progress = progress
+        self.seed = seed
+        self.gen = torch.Generator(device=device)
+        self.gen.manual_seed(seed)
+        self.grids: dict[str, Grid] = {}
+        self.aliased: set[tuple[str, int]] = set()  # (key, context) with shared KV buffers
+        self.state_fill = "direct"
+
+    def _time(self, op: Operator, batch: TokenBatch) -> Measurement:
+        return self.timer.measure(lambda _: op(batch))
+
+    def _time_stateful(
+        self, writer: StateWriter, rids: tuple[str, ...], tensors: dict, context: int
+    ) -> Measurement:
+        op = writer.op
+        if writer.direct:
+            meta = BatchMeta(rids, (1,) * len(rids), (context,) * len(rids))
+            batch = TokenBatch(meta, tensors)
+            return self.timer.measure(
+                lambda _: op(batch), setup=lambda _: writer.rewind(rids, context)
+            )
+        make = writer.step_batch(rids, tensors)
+        holder: list[TokenBatch] = []
+
+        def setup(i: int) -> None:
+            if holder:
+                writer.advanced(rids)
+                holder.clear()
+            holder.append(make())
+
+        result = self.timer.measure(lambda _: op(holder[0]), setup=setup)
+        writer.advanced(rids)
+        return result
+
+    def run(self, chain: Chain) -> None:
+        c0 = self.contexts[0]
+        writers: dict[int, StateWriter] = {}
+        budget = state_budget_bytes(self.device)
+        for idx, op in enumerate(chain.ops):
+            if isinstance(op, StatefulOperator):
+                writers[idx] = StateWriter(op, chain.ops[:idx], budget_bytes=budget, seed=self.seed)
+                if not writers[idx].direct:
+                    self.state_fill = "prefill (runtime state layout not recognised)"
+        saved: dict[int, dict[int, dict[str, torch.Tensor]]] = {i: {} for i in writers}
+        for b in self.batches:
+            batch = decode_batch(chain, self.source, b, c0, self.device, self.gen)
+            for idx, op in enumerate(chain.ops):
+                target = chain.timed.get(idx)
+                writer = writers.get(idx)
+                label = f"{target.key if target else op.name} b={b}"
+                if writer is None:
+                    if target is not None:
+                        self._record(target.key, b, 0, self._time(op, batch), label)
+                    batch = op(batch)
+                    continue
+                rids = request_ids(b)
+                writer.fill(rids, c0)
+                if target is not None and target.context_dependent:
+                    saved[idx][b] = dict(batch.tensors)
+                elif target is not None:
+                    m = self._time_stateful(writer, rids, batch.tensors, c0)
+                    self._record(target.key, b, 0, m, label)
+                    writer.fill(rids, c0)
+                batch = op(writer.step_batch(rids, batch.tensors)())
+                writer.release()
+        for idx, writer in writers.items():
+            target = chain.timed.get(idx)
+            if target is None or not target.context_dependent:
+                continue
+            for col, s in enumerate(self.contexts):
+                writer.fill(request_ids(self.batches[-1]), s)
+                if writer.aliased:
+                    self.aliased.add((target.key, s))
+                for b in self.batches:
+                    m = self._time_stateful(writer, request_ids(b), saved[idx][b], s)
+                    self._record(target.key, b, col, m, f"{target.key} b={b} s={s}")
+                writer.release()
+
+    def _record(self, key: str, batch: int, col: int, m: Measurement, label: str) -> None:
+        """Keep the pass with the lower median (a stalled pass only ever reads high)."""
+        cells = self.grids.setdefault(key, {}).setdefault(batch, {})
+        if col not in cells or m.median_s < cells[col].median_s:
+            cells[col] = m
+        self.progress.update(label)
+
+
+def _tables(
+    targets: Sequence[OpTarget],
+    grids: dict[str, Grid],
+    batches: tuple[int, ...],
+    contexts: tuple[int, ...],
+) -> tuple[OpLatencyTable, ...]:
+    """One table per target; a target timed under another key copies that key's grid."""
+    tables = []
+    for t in targets:
+        grid = grids[t.same_as or t.key]
+        cols = range(len(contexts) if t.context_dependent else 1)
+        tables.append(
+            OpLatencyTable(
+                op=t.key,
+                tp=1,
+                batches=batches,
+                contexts=contexts[: len(cols)],
+                latency_s=tuple(tuple(grid[b][c].median_s for c in cols) for b in batches),
+                spread_s=tuple(tuple(grid[b][c].iqr_s for c in cols) for b in batches),
+            )
+        )
+    return tuple(tables)
+
+
+def profile_model(
+    model: str | Path,
+    *,
+    device: str = "cpu",
+    dtype: str | None = None,
+    tp: Sequence[int] = (1,),
+    batches: Sequence[int] | None = None,
+    contexts: Sequence[int] | None = None,
+    ops: Sequence[str] | None = None,
+    timing: TimingSettings | None = None,
+    threads: int | None = None,
+    transfer: bool = True,
+    fit: bool = True,
+    usd_per_hour: float | None = None,
+    random_weights: bool = False,
+    seed: int = 0,
+    progress: bool = True,
+) -> ProfileRun:
+    """Time the runtime's operators of ``model`` on ``device`` and return the profile.
+
+    ``model`` is a built-in name, a ``config.json`` or a model folder; without weights in it
+    (or with ``random_weights``), operators get random weights of the right shapes.
+    """
+    started = time.perf_counter()
+    dev = resolve_device(device)
+    if sorted(set(tp)) != [1]:
+        raise ProfilerError(
+            f"--tp {','.join(map(str, tp))}: the profiler measures the runtime's operators on "
+            f"one {dev.type} rank only, so only --tp 1 can be measured for now"
+        )
+    default_b, default_s = default_grid(dev)
+    grid_b = _grid(batches or default_b, "batches")
+    grid_s = _grid(contexts or default_s, "contexts")
+    if threads is not None and threads < 1:
+        raise ProfilerError(f"--threads must be at least 1, got {threads}")
+    settings = timing or (
+        TimingSettings(cell_budget_s=0.02, passes=1) if dev.type == "cuda" else TimingSettings()
+    )
+    source = resolve_model(model, dtype=dtype, random_weights=random_weights)
+    targets = select_targets(source, ops)
+    chains = plan_chains(source, targets)
+    measured = [t for t in targets if t.same_as is None]
+    cells = sum(len(grid_b) * (len(grid_s) if t.context_dependent else 1) for t in measured)
+    total = cells * settings.passes
+    bar = Progress(total, enabled=progress)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    name = device_name(dev)
+    bar.note(
+        f"{source.name} ({source.dtype}) on {name}: {len(targets)} operators, "
+        f"{len(measured)} timed, {cells} cells"
+    )
+    with pinned_cpu(threads) as cores, torch.inference_mode():
+        n_threads = torch.get_num_threads()
+        weights = build_chains(source, chains, dev, seed=seed)
+        runner = _Runner(source, dev, make_timer(dev, settings), grid_b, grid_s, bar, seed)
+        for _ in range(settings.passes):
+            for chain in chains:
+                runner.run(chain)
+        del chains
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    bar.close()
+    link: TransferFit | None = None
+    why_not = unavailable_reason(dev) if transfer else "skipped (--no-transfer)"
+    if why_not is None:
+        bar.note("measuring point-to-point transfers between two processes")
+        link = measure_transfer(dev)
+    with pinned_cpu(threads):
+        hardware, peaks_measured = describe_device(
+            dev,
+            source.runtime.dtype,
+            threads=n_threads,
+            usd_per_hour=usd_per_hour,
+            link=(link.latency_s, link.bandwidth_bytes_per_s) if link else None,
+        )
+    tables = _tables(targets, runner.grids, grid_b, grid_s)
+    settings_doc: dict[str, str | int | float | list[int] | list[str]] = {
+        "device": str(dev),
+        "timer": runner.timer.name,
+        "threads": n_threads,
+        "cores": list(cores),
+        "warmup": settings.warmup,
+        "repeats": settings.repeats,
+        "cell_budget_s": settings.cell_budget_s,
+        "passes": settings.passes,
+        "batches": list(grid_b),
+        "contexts": list(grid_s),
+        "tp": [1],
+        "weights": weights,
+        "seed": seed,
+        "state_fill": runner.state_fill,
+        "aliased_state": sorted(f"{k} s={c}" for k, c in runner.aliased),
+        "shared_tables": [f"{t.key}={t.same_as}" for t in targets if t.same_as],
+        "load_average_at_start": round(load, 2),
+        "transfer": f"{link.backend} ping-pong: {link.protocol}" if link else str(why_not),
+    }
+    if link is not None:
+        settings_doc["transfer_points"] = [f"{n}B:{s:.3e}s" for n, s in link.points]
+    draft = Profile(
+        device=hardware,
+        model=source.name,
+        config_sha256=source.cost.config_sha256,
+        dtype=source.dtype,
+        ops=tables,
+        transfers=(link.profile(),) if link else (),
+        provenance=Provenance(
+            source="measured",
+            device_name=name,
+            versions=_versions(dev),
+            settings=settings_doc,
+        ),
+    )
+    report = fit_efficiency_report(draft, source.cost) if fit else None
+    profile = draft
+    if report is not None and peaks_measured:
+        note = (
+            "device peaks measured by the profiler; efficiencies fitted to these tables "
+            f"(median error x{report.median_error_factor:.2f})"
+        )
+        profile = draft.model_copy(
+            update={
+                "device": report.hardware,
+                "provenance": draft.provenance.model_copy(update={"note": note}),
+            }
+        )
+    profile = Profile.model_validate(profile.model_dump())
+    return ProfileRun(profile, report, link, cells, time.perf_counter() - started)
+
+
+def save_profile(profile: Profile, path: str | Path) -> Path:
+    """Write ``profile`` as JSON (the cost model's Profile schema)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.model_dump_json(indent=2) + "\n")
+    return path
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile file, with one-line errors for a missing, corrupt or foreign file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"profile file {path} does not exist")
+    try:
+        return Profile.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "file"
+        raise ConfigError(
+            f"profile file {path} is not a valid profile ({where}: {err['msg']}); "
+            "re-run opweave profile"
+        ) from None

@@ -1,0 +1,203 @@
+"""Random weights of the right shapes, served under a checkpoint's tensor names.
+
+Profiling a 27B or 80B model must not need its weights: timing depends on shapes and dtype, not
+values. The runtime's operators read their tensors by Hugging Face name through a checkpoint
+object (``get``, ``has``, ``layer_name``, ...). :class:`RandomCheckpoint` answers the same calls
+from a config alone, creating each tensor only when an operator asks for it, so building one
+partition block (plus embed and head) allocates only that block's weights, directly on the
+target device and in the requested dtype.
+
+Values are uniform with variance ``1 / fan_in`` (norm vectors near 1), so activations stay O(1)
+and no timing is distorted by NaNs, infinities or denormals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opweave.runtime import ModelSpec as RuntimeSpec
+from opweave.runtime.errors import CheckpointError
+
+_PREFIX = "model."
+_LINEAR = "linear_attention"
+
+
+def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """The text model's keys (multimodal Gemma 3 nests them under ``text_config``)."""
+    if raw.get("model_type") == "gemma3" and isinstance(raw.get("text_config"), Mapping):
+        return {**raw["text_config"], "model_type": "gemma3_text"}
+    return dict(raw)
+
+
+def tensor_shapes(
+    spec: RuntimeSpec, raw: Mapping[str, Any], layers: range | list[int] | None = None
+) -> dict[str, tuple[int, ...]]:
+    """Hugging Face tensor names and shapes of ``layers`` (default all) plus embed and head.
+
+    Experts use transformers 5's fused layout (``experts.gate_up_proj [E, 2I, H]``), which the
+    runtime reads directly.
+    """
+    cfg = text_config(raw)
+    h, nq, nkv, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{_PREFIX}embed_tokens.weight": (spec.vocab_size, h),
+        f"{_PREFIX}norm.weight": (h,),
+    }
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    qkv_bias = spec.family == "qwen2" or bool(cfg.get("attention_bias", False))
+    o_bias = spec.family != "qwen2" and bool(cfg.get("attention_bias", False))
+    mlp_bias = bool(cfg.get("mlp_bias", False))
+    for i in range(spec.num_layers) if layers is None else layers:
+        p = f"{_PREFIX}layers.{i}."
+        norms = ["input_layernorm", "post_attention_layernorm"]
+        if spec.sandwich_norms:
+            norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        shapes.update({f"{p}{n}.weight": (h,) for n in norms})
+        if spec.layer_types[i] == _LINEAR:
+            la = spec.linear_attn
+            assert la is not None
+            a = f"{p}linear_attn."
+            shapes[f"{a}in_proj_qkvz.weight"] = (2 * la.key_dim + 2 * la.value_dim, h)
+            shapes[f"{a}in_proj_ba.weight"] = (2 * la.num_v_heads, h)
+            shapes[f"{a}conv1d.weight"] = (la.conv_dim, 1, la.conv_kernel)
+            shapes[f"{a}A_log"] = (la.num_v_heads,)
+            shapes[f"{a}dt_bias"] = (la.num_v_heads,)
+            shapes[f"{a}norm.weight"] = (la.v_head_dim,)
+            shapes[f"{a}out_proj.weight"] = (h, la.value_dim)
+        else:
+            a = f"{p}self_attn."
+            q_out = nq * d * (2 if spec.attn_output_gate else 1)
+            for name, rows in (("q_proj", q_out), ("k_proj", nkv * d), ("v_proj", nkv * d)):
+                shapes[f"{a}{name}.weight"] = (rows, h)
+                if qkv_bias:
+                    shapes[f"{a}{name}.bias"] = (rows,)
+            shapes[f"{a}o_proj.weight"] = (h, nq * d)
+            if o_bias:
+                shapes[f"{a}o_proj.bias"] = (h,)
+            if spec.qk_norm:
+                shapes[f"{a}q_norm.weight"] = (d,)
+                shapes[f"{a}k_norm.weight"] = (d,)
+        if spec.is_moe_layer(i):
+            moe = spec.moe
+            assert moe is not None
+            m, inter = f"{p}mlp.", moe.intermediate_size
+            shapes[f"{m}gate.weight"] = (moe.num_experts, h)
+            shapes[f"{m}experts.gate_up_proj"] = (moe.num_experts, 2 * inter, h)
+            shapes[f"{m}experts.down_proj"] = (moe.num_experts, h, inter)
+            if moe.shared_intermediate_size:
+                si = moe.shared_intermediate_size
+                shapes[f"{m}shared_expert.gate_proj.weight"] = (si, h)
+                shapes[f"{m}shared_expert.up_proj.weight"] = (si, h)
+                shapes[f"{m}shared_expert.down_proj.weight"] = (h, si)
+                shapes[f"{m}shared_expert_gate.weight"] = (1, h)
+        else:
+            m, inter = f"{p}mlp.", spec.intermediate_size
+            for name, shape in (
+                ("gate_proj", (inter, h)),
+                ("up_proj", (inter, h)),
+                ("down_proj", (h, inter)),
+            ):
+                shapes[f"{m}{name}.weight"] = shape
+                if mlp_bias:
+                    shapes[f"{m}{name}.bias"] = (shape[0],)
+    return shapes
+
+
+class RandomCheckpoint:
+    """Drop-in for the runtime's ``Checkpoint`` that invents every tensor it is asked for.
+
+    Only the public methods operators call are provided. ``shared=True`` tensors (a tied
+    embedding used by both ``embed`` and ``lm_head``) are created once and reused, as the real
+    checkpoint does.
+    """
+
+    def __init__(
+        self, spec: RuntimeSpec, raw: Mapping[str, Any], *, seed: int = 0, name: str = "random"
+    ) -> None:
+        self.model_dir = Path(name)
+        self.prefix = _PREFIX
+        self._shapes = tensor_shapes(spec, raw)
+        self._seed = seed
+        self._generators: dict[str, torch.Generator] = {}
+        self._loaded: dict[tuple[str, torch.dtype | None, str], torch.Tensor] = {}
+        self.names_read: list[str] = []
+        self.bytes_read = 0
+
+    def has(self, name: str) -> bool:
+        return name in self._shapes
+
+    def get(
+        self,
+        name: str,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        shared: bool = False,
+    ) -> torch.Tensor:
+        device = torch.device(device)
+        key = (name, dtype, str(device))
+        if shared and key in self._loaded:
+            return self._loaded[key]
+        shape = self._shapes.get(name)
+        if shape is None:
+            raise CheckpointError(
+                f"random weights: no shape known for tensor {name!r}; the runtime reads a "
+                "tensor this profiler does not know how to invent (update tensor_shapes)"
+            )
+        tensor = torch.empty(shape, dtype=dtype or torch.float32, device=device)
+        gen = self._generator(device)
+        with torch.no_grad():
+            if len(shape) == 1:
+                tensor.uniform_(0.5, 1.5, generator=gen)
+            else:
+                bound = (3.0 / shape[-1]) ** 0.5
+                tensor.uniform_(-bound, bound, generator=gen)
+        self.names_read.append(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        if shared:
+            self._loaded[key] = tensor
+        return tensor
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(str(device))
+        if gen is None:
+            gen = self._generators[str(device)] = torch.Generator(device=device)
+            gen.manual_seed(self._seed)
+        return gen
+
+    def close(self) -> None:
+        self._loaded.clear()
+
+    # --- the runtime Checkpoint's name mapping ---------------------------------------------
+
+    def model_name(self, suffix: str) -> str:
+        return f"{self.prefix}{suffix}"
+
+    def layer_name(self, layer: int, suffix: str) -> str:
+        return f"{self.prefix}layers.{layer}.{suffix}"
+
+    def lm_head_name(self) -> str:
+        return (
+            "lm_head.weight"
+            if self.has("lm_head.weight")
+            else self.model_name("embed_tokens.weight")
+        )
+
+    def moe_module(self, layer: int) -> str:
+        del layer
+        return "mlp."
+
+    def load_experts(
+        self, layer: int, num_experts: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        del num_experts
+        base = self.layer_name(layer, "mlp.experts.")
+        return (
+            self.get(f"{base}gate_up_proj", dtype=dtype, device=device),
+            self.get(f"{base}down_proj", dtype=dtype, device=device),
+        )

@@ -1,0 +1,170 @@
+"""Per-request state for timing ``core_attn`` at batch ``b`` and context ``s``.
+
+A decode step of ``core_attn`` reads each request's cached keys and values (or recurrent state),
+so timing it at context ``s`` needs ``b`` requests that already hold ``s`` tokens. Prefilling
+them through the model would cost far more than the measurement (128K tokens x 256 requests), so
+the state is written directly, the way the runtime stores it:
+
+* softmax attention (full or sliding): each request's ``_KvState`` gets random keys/values of
+  ``s`` tokens (a ring of ``window`` slots for sliding layers) and its length is set to ``s``;
+* linear attention: the fixed-size conv/recurrent state is admitted as the runtime does, and
+  only the request's context counter is moved (its cost does not depend on ``s``).
+
+Every timed call appends one token; the state is rewound to ``s`` before each repeat, outside
+the clock, so every repeat reads exactly ``s + 1`` tokens.
+
+When the state would not fit the memory budget (e.g. 256 x 128K tokens of a global layer),
+requests share key/value buffers round-robin. Each request still reads its own full-length
+buffer, far larger than any cache at such sizes, so the reads cost what distinct ones would; the
+number of such cells is recorded in the profile's provenance.
+
+If the runtime's internals ever change shape, :class:`StateWriter` falls back to the public API:
+it prefills the requests through the layer's own operators (small grids only) and lets contexts
+advance by one per call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from opweave.runtime import BatchMeta, Operator, StatefulOperator, TokenBatch
+
+from ..errors import ProfilerError
+
+# The fallback prefills b * s tokens through the layer at once; beyond this it is refused.
+_MAX_PREFILL_TOKENS = 1 << 20
+
+
+class StateWriter:
+    """Gives one stateful operator ``b`` requests at context ``s``, and rewinds them."""
+
+    def __init__(
+        self,
+        op: StatefulOperator,
+        prefix: Sequence[Operator],
+        *,
+        budget_bytes: float,
+        seed: int = 0,
+    ) -> None:
+        self.op = op
+        self.prefix = list(prefix)  # operators before core_attn in its layer (for prefill)
+        self.budget_bytes = budget_bytes
+        self.context: dict[str, int] = {}  # tokens each admitted request holds now
+        self.aliased = False
+        self._gen = torch.Generator(device=op.device)
+        self._gen.manual_seed(seed)
+        self.direct = self._probe()
+
+    def _probe(self) -> bool:
+        """Whether the runtime stores state the way this module writes it."""
+        op = self.op
+        if not isinstance(getattr(op, "_context_lens", None), dict):
+            return False
+        if op.name == "core_attn" and not hasattr(op, "_states"):
+            return hasattr(op, "_recurrent")  # linear attention: only the counter moves
+        probe = "__opweave_probe__"
+        op.admit(probe)
+        try:
+            state = op._states[probe]  # type: ignore[attr-defined]
+            return all(hasattr(state, a) for a in ("k", "v", "length")) and state.k.dim() == 3
+        finally:
+            op.free(probe)
+
+    @property
+    def kv(self) -> bool:
+        return hasattr(self.op, "_states")
+
+    def fill(self, request_ids: Sequence[str], context: int) -> None:
+        """Admit ``request_ids`` (if needed) and give each ``context`` tokens of state."""
+        self.release()
+        op = self.op
+        if not self.direct:
+            self._prefill(request_ids, context)
+            return
+        for rid in request_ids:
+            op.admit(rid)
+        if self.kv:
+            self._write_kv(request_ids, context)
+        self.rewind(request_ids, context)
+
+    def _write_kv(self, request_ids: Sequence[str], context: int) -> None:
+        op = self.op
+        states = op._states  # type: ignore[attr-defined]
+        template = states[request_ids[0]].k  # [kv_heads, capacity, head_dim]
+        window = getattr(op, "window", None)
+        capacity = context + 1 if window is None else min(context + 1, window)
+        heads, dim = template.shape[0], template.shape[2]
+        per_request = 2 * heads * capacity * dim * template.element_size()
+        slots = int(max(1, min(len(request_ids), self.budget_bytes // max(per_request, 1))))
+        self.aliased = slots < len(request_ids)
+        shape = (slots, heads, capacity, dim)
+        keys = torch.empty(shape, dtype=template.dtype, device=template.device)
+        values = torch.empty_like(keys)
+        for pool in (keys, values):
+            if pool.dtype.is_floating_point:
+                pool.normal_(generator=self._gen)
+        for i, rid in enumerate(request_ids):
+            state = states[rid]
+            state.k, state.v = keys[i % slots], values[i % slots]
+
+    def rewind(self, request_ids: Sequence[str], context: int) -> None:
+        """Make every request hold ``context`` tokens again (direct mode only)."""
+        lens = self.op._context_lens
+        states = getattr(self.op, "_states", None)
+        for rid in request_ids:
+            lens[rid] = context
+            self.context[rid] = context
+            if states is not None:
+                states[rid].length = context
+
+    def _prefill(self, request_ids: Sequence[str], context: int) -> None:
+        """Public-API fallback: run the layer's operators on ``context`` tokens per request."""
+        b = len(request_ids)
+        if b * context > _MAX_PREFILL_TOKENS:
+            raise ProfilerError(
+                f"cannot prefill {b} x {context} tokens to time {self.op.name} (layer "
+                f"{self.op.layer}); the runtime's state layout is not the one this profiler "
+                "writes directly, so use smaller --batches/--contexts or update the profiler"
+            )
+        op = self.op
+        for rid in request_ids:
+            op.admit(rid)
+            self.context[rid] = 0
+        if context == 0:
+            return
+        meta = BatchMeta(tuple(request_ids), (context,) * b, (0,) * b)
+        h = op.spec.hidden_size
+        hidden = torch.randn(b * context, h, generator=self._gen, device=op.device)
+        batch = TokenBatch(meta, {"hidden": hidden.to(op.dtype)})
+        with torch.inference_mode():
+            for pre in self.prefix:
+                batch = pre(batch)
+            op(batch)
+        for rid in request_ids:
+            self.context[rid] = context
+
+    def step_batch(
+        self, request_ids: Sequence[str], tensors: dict[str, torch.Tensor]
+    ) -> Callable[[], TokenBatch]:
+        """A callable building the decode batch for the requests' current contexts."""
+
+        def make() -> TokenBatch:
+            ctx = tuple(self.context[rid] for rid in request_ids)
+            return TokenBatch(BatchMeta(tuple(request_ids), (1,) * len(request_ids), ctx), tensors)
+
+        return make
+
+    def advanced(self, request_ids: Sequence[str]) -> None:
+        """Record that one decode step appended a token to each request."""
+        for rid in request_ids:
+            self.context[rid] += 1
+
+    def release(self) -> None:
+        """Free every request this writer admitted (and with them their state)."""
+        for rid in list(self.context):
+            self.op.free(rid)
+        self.context.clear()
+        if self.op.device.type == "cuda":
+            torch.cuda.empty_cache()  # next context's buffers may be larger than these

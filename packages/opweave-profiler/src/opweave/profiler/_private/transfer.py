@@ -1,0 +1,232 @@
+"""Point-to-point transfer latency and bandwidth between two processes.
+
+A pipeline stage hands its activations to the next as one buffer made by the runtime's
+:func:`~opweave.runtime.pack`, sent by the runtime's transport with ``torch.distributed``
+point-to-point calls (gloo between CPU processes, NCCL between GPUs). Two spawned processes play
+ping-pong through that same transport with batches of several sizes; half the median round trip
+is the one-way time, and a least-squares line through those points (weighted by 1/time, so
+small messages count as much as large ones) gives ``latency_s + bytes / bandwidth``, the
+:class:`TransferProfile` the planner uses.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import socket
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from opweave.costmodel import TransferProfile
+from opweave.runtime import BatchMeta, TokenBatch, pack
+
+from ..errors import ProfilerError
+
+DEFAULT_SIZES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
+_WARMUP = 5
+
+
+@dataclass(frozen=True)
+class TransferFit:
+    """Measured one-way times and the fitted ``latency + bytes / bandwidth`` line."""
+
+    backend: str
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    points: tuple[tuple[int, float], ...]  # (packed bytes, median one-way seconds)
+    protocol: str = ""
+
+    def profile(self) -> TransferProfile:
+        """As a profile entry: two processes on one machine use the intra-node link."""
+        return TransferProfile(
+            link="intra_node",
+            latency_s=self.latency_s,
+            bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+        )
+
+
+def fit_line(
+    points: list[tuple[int, float]] | tuple[tuple[int, float], ...],
+) -> tuple[float, float]:
+    """``(latency_s, bandwidth)`` minimising the relative error of ``a + bytes / bw``."""
+    x = np.asarray([p[0] for p in points], dtype=np.float64)
+    t = np.asarray([p[1] for p in points], dtype=np.float64)
+    design = np.stack([1.0 / t, x / t], axis=1)
+    (a, c), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if c <= 0:  # noise swamped the slope: use the largest message's throughput
+        c = float(t[-1] / x[-1])
+    return max(float(a), 0.0), 1.0 / float(c)
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why point-to-point transfers cannot be measured here, or None."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return "torch.distributed is not available in this torch build"
+    if device.type == "cuda":
+        if torch.cuda.device_count() < 2:
+            return "NCCL needs two GPUs for a point-to-point transfer; this machine has one"
+        if not dist.is_nccl_available():
+            return "torch was built without NCCL"
+    elif not dist.is_gloo_available():
+        return "torch was built without gloo"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _batch(num_bytes: int, device: torch.device) -> TokenBatch:
+    """One request's activations, about ``num_bytes`` once packed."""
+    hidden = torch.zeros(max(num_bytes // 2, 1), dtype=torch.bfloat16, device=device)
+    return TokenBatch(BatchMeta(("r0",), (1,), (0,)), {"hidden": hidden})
+
+
+class _Endpoint:
+    """Send/receive one batch the way the runtime's workers do.
+
+    Uses the runtime's own ``Transport`` (eager fixed-size first chunk carrying the length, the
+    tail as a second transfer) when this runtime has one; otherwise ``pack`` and a plain
+    ``isend``/``irecv`` of a buffer of known size.
+    """
+
+    def __init__(self, rank: int, device: torch.device) -> None:
+        self.rank, self.device = rank, device
+        self.peer = 1 - rank
+        try:
+            from opweave.runtime._private.schedule import Link
+            from opweave.runtime._private.transport import Transport
+
+            self.transport = Transport(rank, device, timeout_s=60.0)
+            self.out, self.inp = Link(self.peer, range(1), 1), Link(self.peer, range(1), 1)
+            self.protocol = "opweave.runtime Transport (pack, eager chunk + tail, isend/irecv)"
+        except ImportError:  # an older runtime without multi-process transport
+            self.transport = None
+            self.protocol = "pack + torch.distributed isend/irecv"
+
+    def send(self, batch: TokenBatch, i: int) -> None:
+        import torch.distributed as dist
+
+        if self.transport is not None:
+            self.transport.send(self.out, batch, epoch=i)
+            self.transport.flush()
+        else:
+            work = dist.isend(pack(batch), dst=self.peer, tag=1)
+            assert work is not None
+            work.wait()
+
+    def recv(self, like: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        if self.transport is not None:
+            self.transport.recv(self.inp, "profiling transfers")
+        else:
+            work = dist.irecv(torch.empty_like(like), src=self.peer, tag=1)
+            assert work is not None
+            work.wait()
+
+
+def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, out: str) -> None:
+    """One side of the ping-pong; rank 0 writes the results to ``out``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    cuda = backend == "nccl"
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        end = _Endpoint(rank, device)
+        results = []
+        for size in sizes:
+            batch = _batch(size, device)
+            packed = pack(batch)
+            reps = repeats if size < 8 * 2**20 else max(3, repeats // 3)
+            times = []
+            for i in range(_WARMUP + reps):
+                if cuda:
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                if rank == 0:
+                    end.send(batch, i)
+                    end.recv(packed)
+                else:
+                    end.recv(packed)
+                    end.send(batch, i)
+                if cuda:
+                    torch.cuda.synchronize(device)
+                if i >= _WARMUP:
+                    times.append((time.perf_counter() - t0) / 2)
+            results.append((packed.numel(), float(np.median(times))))
+        if rank == 0:
+            Path(out).write_text(json.dumps({"protocol": end.protocol, "points": results}))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_transfer(
+    device: torch.device | str = "cpu",
+    *,
+    sizes: tuple[int, ...] = DEFAULT_SIZES,
+    repeats: int = 10,
+    timeout_s: float = 180.0,
+) -> TransferFit:
+    """Ping-pong packed buffers between two spawned processes and fit latency + bandwidth."""
+    device = torch.device(device)
+    reason = unavailable_reason(device)
+    if reason is not None:
+        raise ProfilerError(f"cannot measure transfers on {device}: {reason}")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="opweave-transfer-") as tmp:
+        out = Path(tmp) / "transfer.json"
+        port = _free_port()
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, port, backend, sorted(sizes), repeats, str(out)),
+                daemon=True,
+            )
+            for rank in range(2)
+        ]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout_s
+        for proc in procs:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if any(proc.is_alive() for proc in procs):
+            for proc in procs:
+                if proc.is_alive():
+                    proc.terminate()
+                    proc.join(5)
+            raise ProfilerError(
+                f"transfer measurement ({backend}) did not finish in {timeout_s:.0f} s; "
+                "re-run with --no-transfer to skip it"
+            )
+        codes = [proc.exitcode for proc in procs]
+        if any(code != 0 for code in codes) or not out.is_file():
+            raise ProfilerError(
+                f"transfer measurement ({backend}) failed (worker exit codes {codes}); "
+                "re-run with --no-transfer to skip it"
+            )
+        result = json.loads(out.read_text())
+    points = tuple((int(n), float(t)) for n, t in result["points"])
+    latency, bandwidth = fit_line(points)
+    return TransferFit(backend, latency, bandwidth, points, result["protocol"])

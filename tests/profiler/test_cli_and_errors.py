@@ -1,0 +1,144 @@
+"""``opweave profile`` end to end, transfers, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from opweave.costmodel import ConfigError
+from tests.helpers import run_cli
+
+
+def _main(capsys, *args: str) -> tuple[int, str, str]:
+    from opweave.cli.app import main
+
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_profiles_a_tiny_model_end_to_end(tiny_model, tmp_path) -> None:
+    """The documented command, in a fresh process, including the two-process transfer."""
+    out = tmp_path / "p.json"
+    proc = run_cli(
+        "profile",
+        "--model",
+        str(tiny_model("llama")),
+        "--device",
+        "cpu",
+        "--batches",
+        "1,4",
+        "--contexts",
+        "16,64",
+        "--threads",
+        "1",
+        "-o",
+        str(out),
+        "--json",
+    )
+    doc = json.loads(proc.stdout)
+    assert doc["path"] == str(out) and out.is_file()
+    assert doc["device"]["id"] == "cpu" and doc["tables"] == 12 and doc["wall_s"] > 0
+    assert doc["grid"] == {"batches": [1, 4], "contexts": [16, 64]}
+    link = doc["transfer"]
+    assert link["backend"] == "gloo"
+    assert link["latency_s"] > 0 and link["bandwidth_bytes_per_s"] > 0
+    assert 0 < doc["fit"]["memory_efficiency"] <= 1 and 0 < doc["fit"]["compute_efficiency"] <= 1
+    from opweave.profiler import load_profile
+
+    profile = load_profile(out)
+    assert profile.transfers[0].link == "intra_node"
+    assert profile.transfers[0].latency_s == pytest.approx(link["latency_s"])
+
+
+def test_transfer_line_fit_recovers_latency_and_bandwidth() -> None:
+    from opweave.profiler import fit_line
+
+    points = [(n, 20e-6 + n / 5e9) for n in (1024, 65536, 1 << 20, 1 << 24)]
+    latency, bandwidth = fit_line(points)
+    assert latency == pytest.approx(20e-6, rel=1e-6)
+    assert bandwidth == pytest.approx(5e9, rel=1e-6)
+    # noise that hides the slope still yields a positive bandwidth
+    assert fit_line([(1024, 1e-4), (2048, 0.9e-4)])[1] > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_a_gpu_is_one_line(tiny_model, tmp_path) -> None:
+    proc = run_cli(
+        "profile",
+        "--model",
+        str(tiny_model("llama")),
+        "--device",
+        "cuda",
+        "-o",
+        str(tmp_path / "p.json"),
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0
+    assert "no CUDA device is visible" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "nope"], "unknown model 'nope'"),
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+        (["--tp", "2"], "only --tp 1 can be measured"),
+        (["--ops", "core_attn@sliding"], "has no operator 'core_attn@sliding'"),
+        (["--batches", "0"], "batches must be positive"),
+        (["--batches", "lots"], "is not a list of ints"),
+    ],
+)
+def test_bad_input_is_one_line(args, message, tiny_model, tmp_path, capsys) -> None:
+    base = {"--model": str(tiny_model("llama")), "-o": str(tmp_path / "p.json")}
+    given = dict(zip(args[::2], args[1::2], strict=True))
+    argv = ["profile", *[x for k, v in {**base, **given}.items() for x in (k, v)], "-q"]
+    code, out, err = _main(capsys, *argv)
+    assert code == 2 and out == ""
+    assert message in err and err.strip().count("\n") == 0
+
+
+def test_a_model_the_runtime_cannot_run(write_config, capsys, tmp_path) -> None:
+    from opweave.profiler import ProfilerError, profile_model
+
+    config = {
+        "model_type": "gpt_oss", "hidden_size": 64, "intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "vocab_size": 128, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "sliding_window": 8, "max_position_embeddings": 256,
+    }  # fmt: skip
+    folder = write_config(config, "gpt-oss-tiny")
+    with pytest.raises(ProfilerError, match="the runtime cannot run gpt-oss-tiny"):
+        profile_model(folder, progress=False, transfer=False)
+
+
+def test_corrupt_profile_files_are_one_line(tiny_model, quick_profile, tmp_path) -> None:
+    from opweave.cli.planning import load_profiles
+    from opweave.profiler import load_profile, save_profile
+
+    good = save_profile(quick_profile(tiny_model("llama")).profile, tmp_path / "good.json")
+    broken = tmp_path / "broken.json"
+    broken.write_text(good.read_text()[:200])
+    wrong = tmp_path / "wrong.json"
+    doc = json.loads(good.read_text())
+    doc["ops"][0]["latency_s"][0][0] = -1.0
+    wrong.write_text(json.dumps(doc))
+    for path, what in ((broken, "json_invalid|Invalid JSON|EOF"), (wrong, "positive")):
+        for loader in (load_profile, lambda p: load_profiles([p])):
+            with pytest.raises(ConfigError, match="is not a valid profile") as info:
+                loader(path)
+            assert "\n" not in str(info.value)
+            assert any(w in str(info.value) for w in what.split("|")), str(info.value)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_a_table_the_profile_lacks_is_a_clear_error(tiny_model, quick_profile) -> None:
+    profile = quick_profile(tiny_model("llama")).profile
+    with pytest.raises(ConfigError, match="no latencies for experts@full at tp=1"):
+        profile.table("experts@full", 1)
+    with pytest.raises(ConfigError, match="re-profile with that --tp"):
+        profile.table("lm_head", 2)
