@@ -217,3 +217,20 @@ def test_unsupported_inputs_raise_user_errors():
         parse_config({"model_type": "gpt2"})
     with pytest.raises(UnsupportedModelError, match="RoPE type 'yarn'"):
         parse_config({**LLAMA_33_70B, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_shipped_configs_that_omit_default_keys_parse() -> None:
+    """Released gemma-3 configs omit vocab_size & co. (equal to transformers' defaults)."""
+    from opweave.costmodel import BUILTIN_MODELS, load_model
+    from opweave.costmodel._private.models import builtin_config
+
+    for name in BUILTIN_MODELS:
+        raw = builtin_config(name)
+        spec = parse_config(raw)
+        cost = load_model(name)
+        assert (spec.vocab_size, spec.num_layers, spec.hidden_size) == (
+            cost.vocab_size,
+            cost.num_layers,
+            cost.hidden_size,
+        )
+    assert parse_config(builtin_config("gemma-3-27b")).vocab_size == 262208

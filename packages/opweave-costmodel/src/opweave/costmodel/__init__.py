@@ -21,7 +21,13 @@ from ._private.analysis import (
     analyze,
 )
 from ._private.estimate import StepEstimate, estimate_step
-from ._private.families import SUPPORTED_FAMILIES, model_spec_from_config, partition_block
+from ._private.families import (
+    SUPPORTED_FAMILIES,
+    family_defaults,
+    model_spec_from_config,
+    partition_block,
+    text_config,
+)
 from ._private.fit import (
     EfficiencyFit,
     fit_efficiency,
@@ -112,8 +118,10 @@ __all__ = [
     "OperatorSpec",
     "PartitionBlock",
     "TPCollective",
+    "family_defaults",
     "load_model",
     "model_spec_from_config",
+    "text_config",
     "partition_block",
     "read_config",
     # hardware

@@ -222,6 +222,32 @@ def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
     return dict(config)
 
 
+# Keys that name the same thing in different transformers versions: a default for one must not
+# shadow a value given under the other.
+_ALIASES = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
+
+
+def family_defaults(family: str, present: Mapping[str, Any]) -> dict[str, Any]:
+    """The transformers defaults of ``family`` for the keys absent from ``present``.
+
+    Hugging Face omits keys equal to a config class's defaults when saving, so readers of a
+    ``config.json`` (the cost model here, the runtime's operator builder) fill them the same way.
+
+    >>> family_defaults("gemma3_text", {"hidden_size": 5376})["vocab_size"]
+    262208
+    """
+    if family not in _DEFAULTS:
+        raise UnsupportedModelError(
+            f"model_type {family!r} is not supported; supported families: "
+            + ", ".join(SUPPORTED_FAMILIES)
+        )
+    return {
+        k: v
+        for k, v in _DEFAULTS[family].items()
+        if k not in present and _ALIASES.get(k) not in present
+    }
+
+
 def model_spec_from_config(
     config: Mapping[str, Any], *, name: str | None = None, dtype: str | None = None
 ) -> ModelSpec:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from opweave.costmodel import family_defaults
+
 from ..errors import UnsupportedModelError
 
 FAMILIES = (
@@ -170,6 +172,8 @@ def parse_config(model: str | Path | Mapping[str, Any]) -> ModelSpec:
         raise UnsupportedModelError(
             f"unsupported model_type {family!r}; supported: {', '.join(FAMILIES)}"
         )
+    # A saved config omits keys equal to transformers' defaults: fill them as the cost model does.
+    raw = {**family_defaults(family, raw), **raw}
 
     hidden = int(raw["hidden_size"])
     heads = int(raw["num_attention_heads"])
