@@ -62,3 +62,28 @@ def test_bfloat16_model_computes_in_bfloat16_and_stays_exact(family, tmp_path, h
     model = LocalModel(model_dir)
     assert model.spec.dtype == torch.bfloat16
     assert model.generate(prompts, 12) == hf_greedy(model_dir, prompts, 12)
+
+
+def test_tool_writes_a_loadable_model(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from opweave.runtime import LocalModel
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "tiny"
+    subprocess.run(
+        [
+            sys.executable,
+            str(root / "tools/write_tiny_model.py"),
+            "llama",
+            str(out),
+            "--set",
+            "num_hidden_layers=3",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 3
+    assert len(LocalModel(out).generate([[1, 2, 3]], 4)[0]) == 4
