@@ -5,19 +5,10 @@ from __future__ import annotations
 import pytest
 
 from opweave.costmodel import load_model
-from opweave.runtime import operator_sequence
+from opweave.runtime import TINY_CONFIGS, operator_sequence
 from opweave.runtime import parse_config as runtime_config
 
-FAMILIES = [
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "gemma3_text",
-    "qwen3_next",
-]
+FAMILIES = list(TINY_CONFIGS)  # every family the runtime implements
 
 
 @pytest.mark.parametrize("family", FAMILIES)

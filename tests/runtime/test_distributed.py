@@ -16,6 +16,7 @@ import pytest
 
 from opweave.costmodel import Owner, Plan, StageTemplate, canonical_plan, load_model, segments
 from opweave.runtime import (
+    TINY_CONFIGS,
     Placement,
     PlanMismatchError,
     Request,
@@ -56,16 +57,7 @@ def _split_block_template(model_dir: Path) -> StageTemplate:
     return StageTemplate(cuts=(3, n // 2 + 2))
 
 
-FAMILIES = [
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "gemma3_text",
-    "qwen3_next",
-]
+FAMILIES = list(TINY_CONFIGS)  # every family the runtime implements
 # Every family under every plan kind; "split" cuts a partition block mid-layer across two owners.
 CASES = [(family, kind, {}) for family in FAMILIES for kind in ("colocated", "afd", "cad", "split")]
 CASES.append(("qwen3_next", "split", {"microbatches": 3, "batch": 6}))
