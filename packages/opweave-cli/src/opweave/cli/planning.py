@@ -112,6 +112,23 @@ def plan(
         Path | None,
         typer.Option("-o", "--output", help="Write the best plan (Plan schema) to this file."),
     ] = None,
+    batch: Annotated[
+        int | None,
+        typer.Option(
+            "--batch",
+            min=1,
+            help="Resident batch of every owner replica (requests); with one --microbatches "
+            "count M every owner holds B requests in M microbatches of B/M, one replica each.",
+        ),
+    ] = None,
+    microbatches: Annotated[
+        str | None,
+        typer.Option("--microbatches", help="Microbatch counts to search, e.g. 2 or 1,2,4."),
+    ] = None,
+    max_owners: Annotated[
+        int,
+        typer.Option("--max-owners", help="Most owners (device groups) a plan may map to: 1-3."),
+    ] = 2,
     no_frontier_pruning: Annotated[bool, typer.Option("--no-frontier-pruning")] = False,
     no_branch_and_bound: Annotated[bool, typer.Option("--no-branch-and-bound")] = False,
     json_out: JsonOpt = False,
@@ -122,10 +139,13 @@ def plan(
     from opweave.costmodel import InfeasibleError, load_model
     from opweave.planner import plan as search
 
-    spec = load_model(model)
     names = parse_list(gpus)
     if len(names) > 2:
         raise typer.BadParameter("--gpus takes one or two GPU types")
+    if max_owners not in (1, 2, 3):
+        raise typer.BadParameter(f"--max-owners must be 1, 2 or 3, got {max_owners}")
+    shape = _batching(batch, microbatches)
+    spec = load_model(model)
     progress = _Progress(not json_out)
     try:
         result = search(
@@ -138,6 +158,8 @@ def plan(
             frontier_pruning=not no_frontier_pruning,
             branch_and_bound=not no_branch_and_bound,
             progress=progress,
+            max_owners=max_owners,
+            **shape,
         )
     finally:
         progress.close()
@@ -150,7 +172,39 @@ def plan(
         return
     typer.echo("\n".join(result.describe()))
     if output is not None:
-        typer.echo(f"plan written to {output}")
+        ranks = sum(o.replicas * o.tp for o in result.best.owners)
+        typer.echo(
+            f"plan written to {output} (runs on {ranks} rank{'s' if ranks > 1 else ''}: "
+            f"opweave run {output} --ranks {ranks} ...)"
+        )
+
+
+def _batching(batch: int | None, microbatches: str | None) -> dict[str, Any]:
+    """``plan()``'s ``microbatches`` / ``u_grid`` from ``--batch`` and ``--microbatches``.
+
+    A fixed resident batch ``B`` needs one microbatch count ``M``: the planner searches the
+    microbatch size ``u`` per owner (resident batch ``M * u``), so fixing ``u = B / M`` gives
+    every owner ``B`` requests and therefore one replica each.
+    """
+    counts = None
+    if microbatches is not None:
+        counts = sorted(set(parse_list(microbatches, int)))
+        if counts[0] < 1:
+            raise typer.BadParameter(f"--microbatches takes positive counts, got {microbatches!r}")
+    if batch is None:
+        return {} if counts is None else {"microbatches": tuple(counts)}
+    if counts is None or len(counts) != 1:
+        raise typer.BadParameter(
+            "--batch needs exactly one --microbatches count M (each owner holds B requests "
+            "in M microbatches of B/M)"
+        )
+    (m,) = counts
+    if batch % m:
+        raise typer.BadParameter(
+            f"--batch {batch} is not divisible by --microbatches {m}; pick a batch that splits "
+            "into equal microbatches"
+        )
+    return {"microbatches": (m,), "u_grid": (batch // m,)}
 
 
 def simulate(

@@ -210,7 +210,11 @@ def describe_device(
         intra_node_latency_s=latency,
         network_bandwidth_bytes_per_s=_CPU_NETWORK_BYTES_PER_S,
         network_latency_s=_CPU_NETWORK_LATENCY_S,
-        gpus_per_node=torch.cuda.device_count() if device.type == "cuda" else 1,
+        # A CPU "device" is one rank of ``threads`` cores: this host holds that many side by
+        # side, linked by the loopback transfers measured above (not the network).
+        gpus_per_node=torch.cuda.device_count()
+        if device.type == "cuda"
+        else max(1, (os.cpu_count() or 1) // max(threads, 1)),
         usd_per_hour=price,
         price_source=source,
         link_efficiency=1.0,

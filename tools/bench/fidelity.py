@@ -1,0 +1,661 @@
+"""Simulator fidelity on CPU (paper §7.3, Figure 12): simulated vs measured TPOT.
+
+For two tiny model families the loop the paper closes on GPUs is closed here on CPU:
+
+1. profile the runtime's own operators and transport on this machine (one thread, as a rank
+   runs), for the batch and context grid the plans use;
+2. plan with that profile for context ``S`` and a resident batch ``B`` in ``M`` microbatches
+   (so every owner has one replica and a plan needs one rank per owner, at most two); take the
+   colocated, AFD and CAD baselines and the planner's best plan under an SLO that colocated
+   cannot meet (so the best plan is a disaggregated one);
+3. simulate each plan with the profile (predicted steady-state TPOT);
+4. run each plan with the runtime on local processes: ``B`` requests whose prompts keep the
+   context around ``S`` while they decode, all slots full, and measure the steady-state TPOT;
+5. print simulated and measured TPOT and the signed error ``(sim - meas) / meas``, with the
+   mean absolute error per family and overall (target: under 10%; the paper reports 5.8% and
+   4.3% on GPUs), and per rank where the time went (operators, transfers, orchestration).
+
+Steady state. The runtime's ``tpot_s`` is the mean over requests of (last token time - first
+token time) / (tokens - 1): it excludes the prefill but includes the first decode iterations,
+while pipelines fill and torch warms its decode shapes. Each plan therefore runs twice per
+repeat, generating ``N1`` and ``N2`` tokens, and the measured TPOT is the difference of the two
+decode spans over ``N2 - N1`` iterations, which removes the start-up iterations exactly (the
+same differencing gives per-iteration compute, transfer-wait and orchestration time per rank).
+The prompts are ``S - (N1 + N2) / 2`` tokens long, so the differenced iterations run at a mean
+context of ``S``, the context the plans were made and simulated for. Runs of the different plans
+are interleaved and each figure is the median over ``--repeats`` rounds.
+
+Noise. Each measurement notes how many cores' worth of CPU time *other* processes used while
+it ran (``/proc/stat`` minus this benchmark's own process tree) and is repeated, up to
+``--tries`` times, while that exceeds ``--max-foreign``; the quietest try is kept. A fixed
+one-thread GEMM is timed before every measurement: on a shared VM the machine's speed itself
+drifts (noisy neighbours), and the spread of that probe bounds how closely any two timings
+taken seconds apart can agree.
+
+Diagnostics. Two extra simulations of the same plans separate the causes of error:
+``sim*`` takes every operator's latency from a single-process decode loop over the whole model
+(operators one after another, as a stage runs them) instead of the profiler's back-to-back
+repeats of one operator with hot caches; ``sim**`` further charges each message to the sender's
+and the receiver's compute stream, at the cost the runtime's Transport has while both ranks
+compute (a probe of two forked ranks exchanging messages between bursts of work), instead of
+the profiler's idle ping-pong on separate links. Neither is a planner feature: they show which
+measurement the profile would need for the simulator to match.
+
+Local ranks. A CPU profile describes one single-threaded rank as the "device"; the profiler
+records ``gpus_per_node = 1`` for a CPU, so the planner would price a link between two local
+ranks as the network link (a roofline default), not the loopback transfer the profiler measured
+as the intra-node link. This benchmark sets ``gpus_per_node`` to the ranks this machine hosts
+(its cores), which is what the runtime does with a two-rank plan.
+
+Run: ``uv run python tools/bench/fidelity.py [--families llama,qwen3_next] [--repeats 3]``.
+It takes a few minutes on two cores. Other processes on the machine inflate measured times
+(see the load average printed); run it on an otherwise idle machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Tiny models whose operators cost hundreds of microseconds on one core (not only Python
+# dispatch), with every family's distinctive layers kept (see opweave.runtime.TINY_CONFIGS).
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": {
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "vocab_size": 4096,
+        "max_position_embeddings": 2048,
+    },
+    "qwen3_next": {  # 3 gated-DeltaNet linear layers + 1 full-attention layer, MoE feed-forward
+        "hidden_size": 512,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "num_experts": 8,
+        "moe_intermediate_size": 256,
+        "shared_expert_intermediate_size": 512,
+        "vocab_size": 4096,
+        "max_position_embeddings": 2048,
+    },
+    "gemma3_text": {  # 2 sliding-window layers + 1 global layer
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 64,
+        "query_pre_attn_scalar": 64,
+        "sliding_window": 128,
+        "vocab_size": 4096,
+        "max_position_embeddings": 2048,
+    },
+}
+STRATEGIES = ("colocated", "afd", "cad", "best")
+SPEED: list[float] = []  # speed probe before every measured pair
+HOPS: list[Any] = []  # hop probe of every family
+
+
+class ForeignLoad:
+    """Cores' worth of CPU time that *other* processes used while the block ran.
+
+    Machine-wide busy time (``/proc/stat``) minus this process's and its reaped children's
+    (``os.times``): the ranks are forked and reaped by the runtime, the transfer probe's
+    processes by the profiler, so everything this benchmark starts counts as its own.
+    """
+
+    def __enter__(self) -> ForeignLoad:
+        self._start = (time.monotonic(), _machine_busy_s(), _own_cpu_s())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall, busy, own = (
+            b - a
+            for a, b in zip(
+                self._start, (time.monotonic(), _machine_busy_s(), _own_cpu_s()), strict=True
+            )
+        )
+        self.cores = max(busy - own, 0.0) / max(wall, 1e-9)
+
+
+def _machine_busy_s() -> float:
+    try:
+        fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+@dataclass
+class Case:
+    """One plan of one family: its simulation and its measured runs."""
+
+    family: str
+    name: str
+    plan: Any
+    sim: Any
+    sim_seq: Any = None  # simulated with operator times measured in decode order
+    tpot_host_s: float = 0.0  # ... and busy-rank transfer costs on the ranks' own threads
+    runs: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    foreign: list[float] = field(default_factory=list)  # other processes' cores, per repeat
+
+    @property
+    def ranks(self) -> int:
+        return sum(o.replicas * o.tp for o in self.plan.owners)
+
+    def steady(self, n1: int, n2: int) -> dict[str, Any]:
+        """Median over repeats of the differenced (steady-state) figures."""
+        tpots, plain, per_rank = [], [], []
+        for short, long in self.runs:
+            span = long["tpot_s"] * (n2 - 1) - short["tpot_s"] * (n1 - 1)
+            tpots.append(span / (n2 - n1))
+            plain.append(long["tpot_s"])
+            per_rank.append(
+                [
+                    {
+                        key: (b[key] - a[key]) / (n2 - n1)
+                        for key in ("compute_s", "comm_s", "overhead_s", "loop_s")
+                    }
+                    for a, b in zip(short["ranks"], long["ranks"], strict=True)
+                ]
+            )
+        ranks = [
+            {key: statistics.median(r[i][key] for r in per_rank) for key in per_rank[0][i]}
+            for i in range(len(per_rank[0]))
+        ]
+        return {
+            "tpot_s": statistics.median(tpots),
+            "tpot_spread_s": (min(tpots), max(tpots)),
+            "runtime_tpot_s": statistics.median(plain),
+            "ranks": ranks,
+        }
+
+
+def local_profile(profile: Any) -> Any:
+    """The profile with ``gpus_per_node`` = ranks this machine hosts (one per core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    device = profile.device.model_copy(update={"gpus_per_node": max(int(cores or 1), 2)})
+    return profile.model_copy(update={"device": device})
+
+
+def sequence_profile(model_dir: Path, profile: Any, batch: int, context: int, steps: int) -> Any:
+    """``profile`` with each operator's latency at (``batch``, ``context``) replaced by its median
+    when the runtime's operators run one after another in decode order, as a stage runs them.
+
+    A diagnostic, not a profile to plan with: one grid point, taken from a single-process decode
+    loop over the whole model (real KV / recurrent state, ``batch`` requests at a mean context of
+    ``context``). The profiler times each operator back to back, with its weights, inputs and
+    code hot in the caches; in decode order every other operator runs in between.
+    """
+    import torch
+
+    from opweave.costmodel import OpLatencyTable, load_model
+    from opweave.runtime import BatchMeta, StageModule, TokenBatch
+
+    spec = load_model(model_dir)
+    stage = StageModule.whole_model(model_dir)
+    keys = [
+        op.name if op.layer is None else f"{op.name}@{spec.layers[op.layer].attention.value}"
+        for op in stage.operators
+    ]
+    rids = tuple(f"s{i}" for i in range(batch))
+    stage.admit(rids)
+    rng = random.Random(0)
+    prompt = context - steps // 2
+    samples: dict[str, list[float]] = {k: [] for k in keys}
+    with torch.inference_mode():
+        ids = torch.tensor([rng.randrange(4, spec.vocab_size) for _ in range(prompt * batch)])
+        tokens = stage(
+            TokenBatch(BatchMeta(rids, (prompt,) * batch, (0,) * batch), {"token_ids": ids})
+        )["token_ids"]
+        for step in range(steps):
+            out = TokenBatch(
+                BatchMeta(rids, (1,) * batch, (prompt + step,) * batch), {"token_ids": tokens}
+            )
+            row: dict[str, float] = dict.fromkeys(keys, 0.0)
+            counts: dict[str, int] = dict.fromkeys(keys, 0)
+            for key, op in zip(keys, stage.operators, strict=True):
+                start = time.perf_counter()
+                out = op(out)
+                row[key] += time.perf_counter() - start
+                counts[key] += 1
+            tokens = out["token_ids"]
+            if step >= 2:  # warm-up steps
+                for key in keys:
+                    samples[key].append(row[key] / counts[key])
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    tables = tuple(
+        OpLatencyTable(
+            op=t.op,
+            tp=t.tp,
+            batches=(batch,),
+            contexts=(context,),
+            latency_s=((medians[t.op],),),
+        )
+        for t in profile.ops
+    )
+    return profile.model_copy(update={"ops": tables})
+
+
+@dataclass(frozen=True)
+class Hops:
+    """Per-message costs through the runtime's Transport between two forked ranks."""
+
+    idle_s: float  # half an exchange's round trip when neither rank computes
+    send_s: float  # time in Transport.send on the sender's thread, both ranks computing
+    recv_s: float  # time in Transport.recv on the receiver's thread, both ranks computing
+
+
+def hop_probe(work_s: float = 1e-3, rounds: int = 200) -> Hops:
+    """Two forked ranks exchange one decode-sized message per round through the runtime's
+    ``Transport``: first idle (a ping-pong), then each computing ``work_s`` before every
+    exchange, as two pipeline stages do. Busy costs are means (a stalled message costs the
+    pipeline its full stall); the first rounds are warm-up."""
+    import pickle
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    from opweave.runtime import BatchMeta, TokenBatch
+    from opweave.runtime._private.schedule import Link
+    from opweave.runtime._private.transport import Transport
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    read, write = os.pipe()
+    pids = []
+    for rank in range(2):
+        pid = os.fork()
+        if pid:
+            pids.append(pid)
+            continue
+        code = 1
+        try:  # child: never returns into the caller
+            torch.set_num_threads(1)
+            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+            client = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
+            dist.init_process_group(
+                "gloo", store=client, rank=rank, world_size=2, timeout=timedelta(seconds=60)
+            )
+            transport = Transport(rank, torch.device("cpu"), 60.0)
+            link = Link(1 - rank, range(1), 1)
+            batch = TokenBatch(BatchMeta(("r0",), (1,), (0,)), {"hidden": torch.zeros(4, 512)})
+            a, w = torch.randn(8, 512), torch.randn(1536, 512)
+            idle, sends, recvs = [], [], []
+            for i in range(2 * rounds):
+                busy = i >= rounds
+                if busy:
+                    start = time.perf_counter()
+                    while time.perf_counter() - start < work_s:
+                        torch.nn.functional.linear(a, w)
+                t0 = time.perf_counter()
+                if busy or rank == 0:
+                    transport.send(link, batch, i)
+                t1 = time.perf_counter()
+                transport.recv(link, "probing hops")
+                if not busy and rank == 1:
+                    transport.send(link, batch, i)
+                t2 = time.perf_counter()
+                transport.reap(before_epoch=i)
+                if i % rounds >= 20:
+                    if busy:
+                        sends.append(t1 - t0)
+                        recvs.append(t2 - t1)
+                    else:
+                        idle.append((t2 - t0) / 2)
+            if rank == 0:
+                figures = (statistics.median(idle), statistics.mean(sends), statistics.mean(recvs))
+                os.write(write, pickle.dumps(figures))
+            dist.barrier()
+            code = 0
+        finally:
+            os._exit(code)
+    # hosted after the forks, so no child inherits the store's server thread
+    store = dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False)
+    for pid in pids:
+        os.waitpid(pid, 0)
+    os.close(write)
+    data = os.read(read, 4096)
+    os.close(read)
+    del store
+    return Hops(*pickle.loads(data))
+
+
+def host_driven_tpot(sim: Any, profile: Any, hops: Hops) -> float:
+    """Steady-state TPOT of ``sim``'s schedule when every message costs its sender ``send_s``
+    and its receiver ``recv_s`` (plus the bytes term) on their compute streams, as on a CPU
+    rank, whose one thread packs, posts, waits for and unpacks every message."""
+    import dataclasses
+
+    from opweave.planner._private.simulator import cycle_time
+
+    pipe = sim.pipeline
+    link = profile.transfer("intra_node")
+    latency = link.latency_s if link is not None else 0.0
+    compute, transfer = list(pipe.compute_s), list(pipe.transfer_s)
+    count = pipe.num_segments
+    for seg in range(count):
+        if pipe.crosses(seg):
+            compute[seg] += hops.send_s
+            compute[(seg + 1) % count] += hops.recv_s + max(transfer[seg] - latency, 0.0)
+            transfer[seg] = 0.0
+    return cycle_time(
+        dataclasses.replace(pipe, compute_s=tuple(compute), transfer_s=tuple(transfer))
+    )
+
+
+def speed_probe() -> float:
+    """Seconds per call of a fixed one-thread GEMM (the machine's momentary speed)."""
+    import torch
+
+    a, w = torch.randn(8, 512), torch.randn(1536, 512)
+    times = []
+    for _ in range(40):
+        start = time.perf_counter()
+        torch.nn.functional.linear(a, w)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[10:])
+
+
+def make_cases(family: str, model_dir: Path, profile: Any, args: argparse.Namespace) -> list[Case]:
+    from opweave.costmodel import load_model
+    from opweave.planner import plan, simulate_plan
+
+    spec = load_model(model_dir)
+    shape = {
+        "microbatches": (args.microbatches,),
+        "u_grid": (args.batch // args.microbatches,),
+        "max_owners": 2,
+    }
+    loose = plan(spec, ["cpu"], context=args.context, tpot_slo_s=10.0, profiles=[profile], **shape)
+    chosen = {name: loose.baselines[name] for name in ("colocated", "afd", "cad")}
+    colocated = chosen["colocated"]
+    assert colocated is not None and colocated.prediction is not None
+    slo = args.slo_ms / 1e3 if args.slo_ms else args.slo_fraction * colocated.prediction.tpot_s
+    tight = plan(spec, ["cpu"], context=args.context, tpot_slo_s=slo, profiles=[profile], **shape)
+    chosen["best"] = tight.best if tight.best is not None else loose.best
+    cases = []
+    for name in STRATEGIES:
+        p = chosen[name]
+        if p is None:
+            print(f"  {family} {name}: infeasible ({loose.reasons.get(name, '')})")
+            continue
+        sim = simulate_plan(p, spec, profiles=[profile])
+        cases.append(Case(family, name, p, sim))
+    return cases
+
+
+def label(case: Case, cases: list[Case]) -> str:
+    """``best`` names the baseline it coincides with, or its template's cuts."""
+    if case.name != "best":
+        return case.name
+    for other in cases:
+        if other.name != "best" and (other.plan.template, len(other.plan.owners)) == (
+            case.plan.template,
+            len(case.plan.owners),
+        ):
+            return f"best (={other.name})"
+    cuts = ",".join(map(str, case.plan.template.cuts))
+    return f"best: cuts {cuts}, {case.sim.stages_per_token} stages"
+
+
+def requests(spec_vocab: int, count: int, prompt_len: int, tokens: int, seed: int) -> list[Any]:
+    from opweave.runtime import Request
+
+    rng = random.Random(seed)
+    return [
+        Request(
+            tuple(rng.randrange(4, spec_vocab) for _ in range(prompt_len)),
+            tokens,
+            request_id=f"r{i}",
+            stop_token_ids=(),  # no early stop: every slot stays full for all tokens
+        )
+        for i in range(count)
+    ]
+
+
+def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
+    import json
+
+    from opweave.profiler import profile_model
+    from opweave.runtime import run_plan, write_tiny_model
+
+    model_dir = write_tiny_model(family, root / family, **FAMILIES[family])
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    u = args.batch // args.microbatches
+    batches = sorted({1, u, args.batch, 2 * args.batch})
+    contexts = sorted({args.context // 4, args.context, 4 * args.context})
+    started = time.perf_counter()
+    best = None
+    for _ in range(args.tries):
+        with ForeignLoad() as load:
+            prof = profile_model(
+                model_dir,
+                device="cpu",
+                threads=1,
+                batches=batches,
+                contexts=contexts,
+                progress=False,
+            )
+        if best is None or load.cores < best[0]:
+            best = (load.cores, prof)
+        if load.cores <= args.max_foreign:
+            break
+        time.sleep(args.backoff_s)
+    assert best is not None
+    foreign, prof = best
+    profile = local_profile(prof.profile)
+    link = prof.transfer
+    print(
+        f"\n{family}: profiled in {time.perf_counter() - started:.0f} s "
+        f"(batches {batches}, contexts {contexts}; other processes used {foreign:.2f} cores); "
+        "transfer fit "
+        + (
+            "none"
+            if link is None
+            else f"{link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth_bytes_per_s / 1e9:.2f} "
+            "GB/s"
+        )
+    )
+    cases = make_cases(family, model_dir, profile, args)
+    from opweave.costmodel import load_model
+    from opweave.planner import simulate_plan
+
+    spec = load_model(model_dir)
+    in_order = sequence_profile(model_dir, profile, u, args.context, steps=args.tokens[1])
+    hops = hop_probe()
+    HOPS.append(hops)
+    for case in cases:
+        case.sim_seq = simulate_plan(case.plan, spec, profiles=[in_order])
+        case.tpot_host_s = host_driven_tpot(case.sim_seq, in_order, hops)
+    n1, n2 = args.tokens
+    prompt_len = args.context - (n1 + n2) // 2
+    for r in range(args.repeats):
+        for case in cases:
+            # Rerun a pair while other processes took more than --max-foreign cores; keep the
+            # quietest try (their load only ever inflates the measured time).
+            tries = []
+            for _ in range(args.tries):
+                SPEED.append(speed_probe())
+                with ForeignLoad() as load:
+                    pair = [
+                        run_plan(
+                            case.plan,
+                            model_dir,
+                            requests(vocab, args.batch, prompt_len, n, seed=r),
+                            device="cpu",
+                            timeout_s=120,
+                        )
+                        for n in (n1, n2)
+                    ]
+                tries.append((load.cores, pair))
+                if load.cores <= args.max_foreign:
+                    break
+                time.sleep(args.backoff_s)
+            cores, pair = min(tries, key=lambda t: t[0])
+            case.runs.append((pair[0], pair[1]))
+            case.foreign.append(cores)
+    return cases
+
+
+def report(cases: list[Case], args: argparse.Namespace) -> None:
+    n1, n2 = args.tokens
+    print(
+        f"\nTPOT at context {args.context}, batch {args.batch} in {args.microbatches} "
+        f"microbatches; measured: steady state of tokens {n1}..{n2}, median of {args.repeats} "
+        "rounds (range over rounds; foreign: most cores other processes used during a round)"
+    )
+    head = (
+        f"{'model':<11} {'strategy':<24} {'ranks':>5} {'sim ms':>7} {'meas ms':>7} "
+        f"{'error':>7} {'meas range ms':>13} {'foreign':>7} {'sim*':>6} {'error*':>7} "
+        f"{'sim**':>6} {'error**':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    errors: dict[str, dict[str, list[float]]] = {}
+    for case in cases:
+        st = case.steady(n1, n2)
+        meas = st["tpot_s"]
+        sims = {
+            "profile": case.sim.tpot_s,
+            "in order": case.sim_seq.tpot_s,
+            "in order + busy hops": case.tpot_host_s,
+        }
+        errs = {k: (v - meas) / meas for k, v in sims.items()}
+        for k, e in errs.items():
+            errors.setdefault(k, {}).setdefault(case.family, []).append(e)
+        lo, hi = st["tpot_spread_s"]
+        print(
+            f"{case.family:<11} {label(case, cases):<24} {case.ranks:>5} "
+            f"{case.sim.tpot_s * 1e3:7.2f} {meas * 1e3:7.2f} {100 * errs['profile']:+6.1f}% "
+            f"{lo * 1e3:6.2f}..{hi * 1e3:<5.2f} {max(case.foreign):7.2f} "
+            f"{case.sim_seq.tpot_s * 1e3:6.2f} {100 * errs['in order']:+6.1f}% "
+            f"{case.tpot_host_s * 1e3:6.2f} {100 * errs['in order + busy hops']:+6.1f}%"
+        )
+    print()
+    for kind, by_family in errors.items():
+        parts = [
+            f"{family} {100 * statistics.mean(abs(e) for e in errs):.1f}%"
+            for family, errs in by_family.items()
+        ]
+        overall = statistics.mean(abs(e) for errs in by_family.values() for e in errs)
+        verdict = " (meets the < 10% target)" if overall < 0.10 else " (misses the < 10% target)"
+        print(
+            f"mean absolute error, {kind + ':':<21} {', '.join(parts)}; overall "
+            f"{100 * overall:.1f}%" + (verdict if kind == "profile" else "")
+        )
+    print(
+        "\nsim:   the plans simulated with the measured profile (opweave.profiler), the figure"
+        "\n       of paper Figure 12.  Diagnostics of what the profile misses:"
+        "\nsim*:  every operator's latency taken instead from a single-process decode loop over"
+        "\n       the whole model at the plans' microbatch size and context: operators run one"
+        "\n       after another, as a stage runs them, not back to back with hot caches;"
+        "\nsim**: sim*, and each message costs its sender and its receiver the time the runtime's"
+        "\n       Transport takes on their own threads while both ranks compute (hop probe below),"
+        "\n       on their compute streams instead of on separate links."
+    )
+    for family, hops in zip(dict.fromkeys(c.family for c in cases), HOPS, strict=False):
+        print(
+            f"hop probe ({family} run): idle one-way {hops.idle_s * 1e6:.0f} us; ranks computing: "
+            f"send {hops.send_s * 1e6:.0f} us + receive {hops.recv_s * 1e6:.0f} us per message"
+        )
+    if SPEED:
+        fast, slow = min(SPEED), max(SPEED)
+        print(
+            f"machine speed probe (fixed one-thread GEMM) before each measurement: "
+            f"{fast * 1e6:.0f}..{slow * 1e6:.0f} us, median {statistics.median(SPEED) * 1e6:.0f} us"
+            f" ({slow / fast:.2f}x between fastest and slowest)"
+        )
+
+    print(
+        "\nper rank and iteration (ms): simulated operator time of its owner (profile, and in "
+        "decode order*)\nvs measured time in operators, blocked in transfers (sends, receives, "
+        "waiting for upstream)\nand the rest of the loop (orchestration)"
+    )
+    print(
+        f"{'model':<11} {'strategy':<10} {'rank':>4} {'sim ops':>8} {'sim* ops':>8} {'ops':>8} "
+        f"{'comm':>8} {'orch':>8} {'loop':>8}"
+    )
+    for case in cases:
+        st = case.steady(n1, n2)
+        owners = list(case.sim.pipeline.owner_names)
+        for rank, r in enumerate(st["ranks"]):
+            key = f"{owners[rank]} compute"
+            print(
+                f"{case.family:<11} {case.name:<10} {rank:>4} {case.sim.busy_s[key] * 1e3:8.2f} "
+                f"{case.sim_seq.busy_s[key] * 1e3:8.2f} {r['compute_s'] * 1e3:8.2f} "
+                f"{r['comm_s'] * 1e3:8.2f} {r['overhead_s'] * 1e3:8.2f} {r['loop_s'] * 1e3:8.2f}"
+            )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", default="llama,qwen3_next", help="of " + ", ".join(FAMILIES))
+    parser.add_argument("--context", type=int, default=256, help="context S (mean while decoding)")
+    parser.add_argument("--batch", type=int, default=8, help="resident batch B per owner")
+    parser.add_argument("--microbatches", type=int, default=2, help="microbatches M")
+    parser.add_argument("--tokens", default="8,40", help="N1,N2 tokens of the two runs")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--slo-fraction",
+        type=float,
+        default=0.9,
+        help="the best plan's TPOT SLO as a fraction of colocated's simulated TPOT",
+    )
+    parser.add_argument("--slo-ms", type=float, default=None, help="explicit SLO instead")
+    parser.add_argument(
+        "--max-foreign",
+        type=float,
+        default=0.15,
+        help="rerun a measurement while other processes used more than this many cores",
+    )
+    parser.add_argument("--tries", type=int, default=4, help="most tries per measurement")
+    parser.add_argument("--backoff-s", type=float, default=5.0, help="pause between tries")
+    args = parser.parse_args()
+    args.tokens = tuple(int(t) for t in args.tokens.split(","))
+    if len(args.tokens) != 2 or not 1 < args.tokens[0] < args.tokens[1]:
+        parser.error("--tokens takes N1,N2 with 1 < N1 < N2")
+    if args.batch % args.microbatches:
+        parser.error("--batch must be divisible by --microbatches")
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    unknown = [f for f in families if f not in FAMILIES]
+    if unknown:
+        parser.error(f"unknown families {unknown}; choose from {', '.join(FAMILIES)}")
+
+    import torch
+
+    torch.set_num_threads(1)  # as every rank runs; profiling then keeps this thread count
+    print(
+        f"{os.cpu_count()} cores; load average {os.getloadavg()[0]:.2f} at start; torch "
+        f"{torch.__version__}, 1 thread per rank"
+    )
+    cases: list[Case] = []
+    with tempfile.TemporaryDirectory(prefix="opweave-fidelity-") as tmp:
+        for family in families:
+            cases += run_family(family, Path(tmp), args)
+    report(cases, args)
+    print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+
+
+if __name__ == "__main__":
+    main()
