@@ -90,6 +90,7 @@ def test_cuda_without_a_gpu_is_one_line(tiny_model, tmp_path) -> None:
         (["--ops", "core_attn@sliding"], "has no operator 'core_attn@sliding'"),
         (["--batches", "0"], "batches must be positive"),
         (["--batches", "lots"], "is not a list of ints"),
+        (["--timing", "sometimes"], "--timing sometimes: choose one of chain, isolated"),
     ],
 )
 def test_bad_input_is_one_line(args, message, tiny_model, tmp_path, capsys) -> None:

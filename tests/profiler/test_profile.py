@@ -68,6 +68,28 @@ def test_provenance_names_device_versions_and_settings(tiny_model, quick_profile
     assert settings["weights"] == "checkpoint" and settings["threads"] >= 1
     assert settings["state_fill"] == "direct" and settings["aliased_state"] == []
     assert "perf_counter" in str(settings["timer"])
+    assert settings["timing"] == "chain"  # the CPU default: decode order
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_isolated_timing_covers_the_same_tables(family, tiny_model, quick_profile) -> None:
+    folder = tiny_model(family)
+    chain = quick_profile(folder).profile
+    isolated = quick_profile(folder, timing_mode="isolated").profile
+    assert isolated.provenance.settings["timing"] == "isolated"
+    assert [(t.op, t.batches, t.contexts) for t in chain.ops] == [
+        (t.op, t.batches, t.contexts) for t in isolated.ops
+    ]
+    for table in isolated.ops:
+        assert all(v > 0 and math.isfinite(v) for row in table.latency_s for v in row)
+
+
+def test_chain_timing_of_selected_operators(tiny_model, quick_profile) -> None:
+    folder = tiny_model("qwen3_next")
+    ops = ("core_attn@full", "lm_head")
+    profile = quick_profile(folder, ops=ops).profile
+    assert {t.op for t in profile.ops} == set(ops)
+    assert profile.provenance.settings["timing"] == "chain"
 
 
 def test_profile_drives_the_planner_latency_model(tiny_model, quick_profile) -> None:

@@ -104,6 +104,14 @@ def profile(
             help="Grid passes, keeping each cell's lowest median (default: 2 on CPU, 1 on CUDA).",
         ),
     ] = None,
+    timing_mode: Annotated[
+        str | None,
+        typer.Option(
+            "--timing",
+            help="chain: time each operator inside the block's operator chain in decode order "
+            "(default on CPU); isolated: one operator back to back (default on CUDA).",
+        ),
+    ] = None,
     threads: Annotated[
         int | None, typer.Option("--threads", min=1, help="CPU threads (default: all cores).")
     ] = None,
@@ -150,6 +158,7 @@ def profile(
         contexts=grid_s,
         ops=only,
         timing=timing,
+        timing_mode=timing_mode,
         threads=threads,
         transfer=not no_transfer,
         usd_per_hour=usd_per_hour,

@@ -212,6 +212,21 @@ def plan_chains(source: ModelSource, targets: Sequence[OpTarget]) -> list[Chain]
     return chains
 
 
+def plan_block(source: ModelSource, targets: Sequence[OpTarget]) -> list[Chain]:
+    """One chain in decode order: embed, every layer holding a measured target (whole layers,
+    ascending) and the model's end, so each operator runs between the others as in a stage."""
+    measured = [t for t in targets if t.same_as is None]
+    layers = sorted({t.ref.layer for t in measured if t.ref.layer is not None})
+    refs = [OpRef(None, "embed")]
+    for layer in layers:
+        refs += [OpRef(layer, n) for n in layer_operator_names(source.runtime, layer)]
+    refs += [OpRef(None, n) for n in MODEL_END]
+    chain = Chain("block", refs)
+    index = {ref: i for i, ref in enumerate(refs)}
+    chain.timed = {index[t.ref]: t for t in measured}
+    return [chain]
+
+
 def build_chains(
     source: ModelSource, chains: Sequence[Chain], device: torch.device, *, seed: int = 0
 ) -> str:

@@ -9,6 +9,8 @@ efficiency factors to the result. Everything lands in one :class:`Profile` with 
 
 from __future__ import annotations
 
+import gc
+import math
 import os
 import platform
 import time
@@ -38,6 +40,7 @@ from .operators import (
     OpTarget,
     build_chains,
     decode_batch,
+    plan_block,
     plan_chains,
     request_ids,
     resolve_model,
@@ -45,7 +48,7 @@ from .operators import (
 )
 from .progress import Progress
 from .state import StateWriter
-from .timing import Measurement, Timer, TimingSettings, make_timer, pinned_cpu
+from .timing import Measurement, Timer, TimingSettings, make_timer, pinned_cpu, summarize
 from .transfer import TransferFit, measure_transfer, unavailable_reason
 
 CPU_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -54,6 +57,7 @@ CUDA_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CUDA_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
 Grid = dict[int, dict[int, Measurement]]  # batch -> context column -> measurement
+TIMING_MODES = ("chain", "isolated")
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,109 @@ class _Runner:
                     self._record(target.key, b, col, m, f"{target.key} b={b} s={s}")
                 writer.release()
 
+    def run_in_order(self, chain: Chain) -> None:
+        """Decode-order timing: per (batch, context) cell the whole chain runs, each operator on
+        its predecessor's output, with a clock around every call; per-op medians over repeats.
+
+        Context-free operators are recorded from the first context's runs only (their tables
+        have one column); stateful ones get state as in :meth:`run`, rewound before each repeat.
+        """
+        s = self.timer.settings
+        stateful = [i for i, op in enumerate(chain.ops) if isinstance(op, StatefulOperator)]
+        budget = state_budget_bytes(self.device) / max(len(stateful), 1)
+        writers: dict[int, StateWriter] = {}
+        for idx in stateful:
+            start = idx
+            while start > 0 and chain.refs[start - 1].layer == chain.refs[idx].layer:
+                start -= 1
+            op = chain.ops[idx]
+            assert isinstance(op, StatefulOperator)
+            writers[idx] = StateWriter(
+                op, chain.ops[start:idx], budget_bytes=budget, seed=self.seed
+            )
+            if not writers[idx].direct:
+                self.state_fill = "prefill (runtime state layout not recognised)"
+        has_context = any(t.context_dependent for t in chain.timed.values())
+        n_timed = max(len(chain.timed), 1)
+        for b in self.batches:
+            rids = request_ids(b)
+            for col, ctx in enumerate(self.contexts):
+                if col > 0 and not has_context:
+                    break
+                for idx, writer in writers.items():
+                    writer.fill(rids, ctx)
+                    if writer.aliased and idx in chain.timed:
+                        self.aliased.add((chain.timed[idx].key, ctx))
+                first = decode_batch(chain, self.source, b, ctx, self.device, self.gen)
+
+                def step(
+                    rows: dict[int, list[float]] | None,
+                    first: TokenBatch = first,
+                    rids: tuple[str, ...] = rids,
+                    ctx: int = ctx,
+                ) -> None:
+                    self._chain_step(chain, writers, first, rids, ctx, rows)
+
+                gc_was_enabled = gc.isenabled()
+                gc.disable()
+                try:
+                    started = time.perf_counter()
+                    for _ in range(s.warmup):
+                        step(None)
+                    per_run = (time.perf_counter() - started) / max(s.warmup, 1)
+                    extra = (
+                        math.floor(s.cell_budget_s * n_timed / per_run)
+                        if per_run > 0
+                        else s.max_repeats
+                    )
+                    repeats = max(s.repeats, min(s.max_repeats, extra))
+                    rows: dict[int, list[float]] = {i: [] for i in chain.timed}
+                    for _ in range(repeats):
+                        step(rows)
+                finally:
+                    if gc_was_enabled:
+                        gc.enable()
+                for idx, target in chain.timed.items():
+                    if col > 0 and not target.context_dependent:
+                        continue
+                    label = f"{target.key} b={b}" + (
+                        f" s={ctx}" if target.context_dependent else ""
+                    )
+                    self._record(target.key, b, col, summarize(rows[idx]), label)
+                for writer in writers.values():
+                    writer.release()
+
+    def _chain_step(
+        self,
+        chain: Chain,
+        writers: dict[int, StateWriter],
+        first: TokenBatch,
+        rids: tuple[str, ...],
+        ctx: int,
+        rows: dict[int, list[float]] | None,
+    ) -> None:
+        """One decode step through ``chain``; appends each timed operator's latency to ``rows``."""
+        cuda = self.device.type == "cuda"
+        batch = first
+        for idx, op in enumerate(chain.ops):
+            writer = writers.get(idx)
+            if writer is not None:
+                if writer.direct:
+                    writer.rewind(rids, ctx)
+                else:
+                    batch = writer.step_batch(rids, batch.tensors)()
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter_ns()
+            batch = op(batch)
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            dt = (time.perf_counter_ns() - t0) * 1e-9
+            if writer is not None and not writer.direct:
+                writer.advanced(rids)
+            if rows is not None and idx in chain.timed:
+                rows[idx].append(dt)
+
     def _record(self, key: str, batch: int, col: int, m: Measurement, label: str) -> None:
         """Keep the pass with the lower median (a stalled pass only ever reads high)."""
         cells = self.grids.setdefault(key, {}).setdefault(batch, {})
@@ -228,6 +335,7 @@ def profile_model(
     contexts: Sequence[int] | None = None,
     ops: Sequence[str] | None = None,
     timing: TimingSettings | None = None,
+    timing_mode: str | None = None,
     threads: int | None = None,
     transfer: bool = True,
     fit: bool = True,
@@ -240,6 +348,10 @@ def profile_model(
 
     ``model`` is a built-in name, a ``config.json`` or a model folder; without weights in it
     (or with ``random_weights``), operators get random weights of the right shapes.
+
+    ``timing_mode`` is ``"chain"`` (each operator timed inside the block's operator chain, run
+    in decode order; the default on CPU) or ``"isolated"`` (one operator called back to back
+    with hot caches; the default on CUDA, timed with CUDA events).
     """
     started = time.perf_counter()
     dev = resolve_device(device)
@@ -253,12 +365,15 @@ def profile_model(
     grid_s = _grid(contexts or default_s, "contexts")
     if threads is not None and threads < 1:
         raise ProfilerError(f"--threads must be at least 1, got {threads}")
+    mode = timing_mode or ("isolated" if dev.type == "cuda" else "chain")
+    if mode not in TIMING_MODES:
+        raise ProfilerError(f"--timing {mode}: choose one of {', '.join(TIMING_MODES)}")
     settings = timing or (
         TimingSettings(cell_budget_s=0.02, passes=1) if dev.type == "cuda" else TimingSettings()
     )
     source = resolve_model(model, dtype=dtype, random_weights=random_weights)
     targets = select_targets(source, ops)
-    chains = plan_chains(source, targets)
+    chains = plan_block(source, targets) if mode == "chain" else plan_chains(source, targets)
     measured = [t for t in targets if t.same_as is None]
     cells = sum(len(grid_b) * (len(grid_s) if t.context_dependent else 1) for t in measured)
     total = cells * settings.passes
@@ -275,7 +390,10 @@ def profile_model(
         runner = _Runner(source, dev, make_timer(dev, settings), grid_b, grid_s, bar, seed)
         for _ in range(settings.passes):
             for chain in chains:
-                runner.run(chain)
+                if mode == "chain":
+                    runner.run_in_order(chain)
+                else:
+                    runner.run(chain)
         del chains
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -296,7 +414,13 @@ def profile_model(
     tables = _tables(targets, runner.grids, grid_b, grid_s)
     settings_doc: dict[str, str | int | float | list[int] | list[str]] = {
         "device": str(dev),
-        "timer": runner.timer.name,
+        "timing": mode,
+        "timer": (
+            "decode-order chain: time.perf_counter_ns around each operator"
+            + (" (synchronised)" if dev.type == "cuda" else ", pinned threads")
+            if mode == "chain"
+            else runner.timer.name
+        ),
         "threads": n_threads,
         "cores": list(cores),
         "warmup": settings.warmup,
