@@ -163,11 +163,7 @@ def _shard(op: Operator, g: TPGroup) -> TPOp | None:
         op.spec = dataclasses.replace(spec, num_heads=heads // size, num_kv_heads=kv // size)
         return TPOp(op, needs=_attn_layouts(spec), makes={"hidden": Layout(1, (heads * hd,))})
     if isinstance(op, OProj):
-        if heads % size:
-            return None
-        n = heads * hd // size
-        _resize(op, weight=op.weight[:, t * n : (t + 1) * n].clone(), bias=op.bias)
-        return TPOp(op, needs={"hidden": Layout(1, (heads * hd,))}, forward=_row_parallel(op, g))
+        return None if heads % size else _split_input_columns(op, heads * hd, t, size, g)
     if isinstance(op, GateUpProj):
         inter = op.w_gate.shape[0]
         if inter % size:
@@ -183,11 +179,7 @@ def _shard(op: Operator, g: TPGroup) -> TPOp | None:
         return TPOp(op, makes={"hidden": Layout(1, (inter,))})
     if isinstance(op, DownProj):
         inter = op.weight.shape[1]
-        if inter % size:
-            return None
-        n = inter // size
-        _resize(op, weight=op.weight[:, t * n : (t + 1) * n].clone(), bias=op.bias)
-        return TPOp(op, needs={"hidden": Layout(1, (inter,))}, forward=_row_parallel(op, g))
+        return None if inter % size else _split_input_columns(op, inter, t, size, g)
     if isinstance(op, Experts):
         inter = op.down.shape[2]
         if inter % size:
@@ -278,6 +270,14 @@ def _shard_linear(op: Operator, g: TPGroup) -> TPOp | None:
     n = la.value_dim // size
     _resize(op, weight=op.weight[:, t * n : (t + 1) * n].clone())
     return TPOp(op, needs={"hidden": Layout(1, (la.value_dim,))}, forward=_row_parallel(op, g))
+
+
+def _split_input_columns(op: Operator, width: int, t: int, size: int, g: TPGroup) -> TPOp:
+    """Row-parallel projection: rank ``t`` keeps its ``width / size`` input columns, and the
+    partial outputs are summed across the group (o_proj, down_proj)."""
+    n = width // size
+    _resize(op, weight=op.weight[:, t * n : (t + 1) * n].clone(), bias=op.bias)
+    return TPOp(op, needs={"hidden": Layout(1, (width,))}, forward=_row_parallel(op, g))
 
 
 def _row_parallel(op: Operator, g: TPGroup) -> Callable[[TokenBatch], TokenBatch]:
