@@ -32,20 +32,16 @@ one-thread GEMM is timed before every measurement: on a shared VM the machine's 
 drifts (noisy neighbours), and the spread of that probe bounds how closely any two timings
 taken seconds apart can agree.
 
-Diagnostics. Two extra simulations of the same plans separate the causes of error:
-``sim*`` takes every operator's latency from a single-process decode loop over the whole model
-(operators one after another, as a stage runs them) instead of the profiler's back-to-back
-repeats of one operator with hot caches; ``sim**`` further charges each message to the sender's
-and the receiver's compute stream, at the cost the runtime's Transport has while both ranks
-compute (a probe of two forked ranks exchanging messages between bursts of work), instead of
-the profiler's idle ping-pong on separate links. Neither is a planner feature: they show which
-measurement the profile would need for the simulator to match.
+Host-driven transfers. On CPU a rank's one thread packs, posts, waits for and unpacks every
+message, and gloo's I/O threads compete with the compute threads for the cores; the profiler
+measures what a message costs the sender's and the receiver's compute streams while both ranks
+compute (``host_send_s``, ``host_recv_s`` of the profile's transfer entry) and the planner
+charges them there, beside the idle one-way time on the link.
 
-Local ranks. A CPU profile describes one single-threaded rank as the "device"; the profiler
-records ``gpus_per_node = 1`` for a CPU, so the planner would price a link between two local
-ranks as the network link (a roofline default), not the loopback transfer the profiler measured
-as the intra-node link. This benchmark sets ``gpus_per_node`` to the ranks this machine hosts
-(its cores), which is what the runtime does with a two-rank plan.
+Diagnostic. ``sim*`` simulates the same plans with every operator's latency taken from a
+single-process decode loop over the whole model (operators one after another, as a stage runs
+them) at the plans' microbatch size and context, instead of the profile's grid: the gap between
+``sim`` and ``sim*`` is what the profile's operator timings miss.
 
 Run: ``uv run python tools/bench/fidelity.py [--families llama,qwen3_next] [--repeats 3]``.
 It takes a few minutes on two cores. Other processes on the machine inflate measured times
@@ -57,7 +53,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import socket
 import statistics
 import tempfile
 import time
@@ -105,7 +100,6 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 STRATEGIES = ("colocated", "afd", "cad", "best")
 SPEED: list[float] = []  # speed probe before every measured pair
-HOPS: list[Any] = []  # hop probe of every family
 
 
 class ForeignLoad:
@@ -152,8 +146,7 @@ class Case:
     name: str
     plan: Any
     sim: Any
-    sim_seq: Any = None  # simulated with operator times measured in decode order
-    tpot_host_s: float = 0.0  # ... and busy-rank transfer costs on the ranks' own threads
+    sim_seq: Any = None  # simulated with operator times measured in a decode loop
     runs: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     foreign: list[float] = field(default_factory=list)  # other processes' cores, per repeat
 
@@ -187,13 +180,6 @@ class Case:
             "runtime_tpot_s": statistics.median(plain),
             "ranks": ranks,
         }
-
-
-def local_profile(profile: Any) -> Any:
-    """The profile with ``gpus_per_node`` = ranks this machine hosts (one per core)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    device = profile.device.model_copy(update={"gpus_per_node": max(int(cores or 1), 2)})
-    return profile.model_copy(update={"device": device})
 
 
 def sequence_profile(model_dir: Path, profile: Any, batch: int, context: int, steps: int) -> Any:
@@ -253,115 +239,6 @@ def sequence_profile(model_dir: Path, profile: Any, batch: int, context: int, st
         for t in profile.ops
     )
     return profile.model_copy(update={"ops": tables})
-
-
-@dataclass(frozen=True)
-class Hops:
-    """Per-message costs through the runtime's Transport between two forked ranks."""
-
-    idle_s: float  # half an exchange's round trip when neither rank computes
-    send_s: float  # time in Transport.send on the sender's thread, both ranks computing
-    recv_s: float  # time in Transport.recv on the receiver's thread, both ranks computing
-
-
-def hop_probe(work_s: float = 1e-3, rounds: int = 200) -> Hops:
-    """Two forked ranks exchange one decode-sized message per round through the runtime's
-    ``Transport``: first idle (a ping-pong), then each computing ``work_s`` before every
-    exchange, as two pipeline stages do. Busy costs are means (a stalled message costs the
-    pipeline its full stall); the first rounds are warm-up."""
-    import pickle
-    from datetime import timedelta
-
-    import torch
-    import torch.distributed as dist
-
-    from opweave.runtime import BatchMeta, TokenBatch
-    from opweave.runtime._private.schedule import Link
-    from opweave.runtime._private.transport import Transport
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    read, write = os.pipe()
-    pids = []
-    for rank in range(2):
-        pid = os.fork()
-        if pid:
-            pids.append(pid)
-            continue
-        code = 1
-        try:  # child: never returns into the caller
-            torch.set_num_threads(1)
-            os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-            client = dist.TCPStore("127.0.0.1", port, 2, is_master=False)
-            dist.init_process_group(
-                "gloo", store=client, rank=rank, world_size=2, timeout=timedelta(seconds=60)
-            )
-            transport = Transport(rank, torch.device("cpu"), 60.0)
-            link = Link(1 - rank, range(1), 1)
-            batch = TokenBatch(BatchMeta(("r0",), (1,), (0,)), {"hidden": torch.zeros(4, 512)})
-            a, w = torch.randn(8, 512), torch.randn(1536, 512)
-            idle, sends, recvs = [], [], []
-            for i in range(2 * rounds):
-                busy = i >= rounds
-                if busy:
-                    start = time.perf_counter()
-                    while time.perf_counter() - start < work_s:
-                        torch.nn.functional.linear(a, w)
-                t0 = time.perf_counter()
-                if busy or rank == 0:
-                    transport.send(link, batch, i)
-                t1 = time.perf_counter()
-                transport.recv(link, "probing hops")
-                if not busy and rank == 1:
-                    transport.send(link, batch, i)
-                t2 = time.perf_counter()
-                transport.reap(before_epoch=i)
-                if i % rounds >= 20:
-                    if busy:
-                        sends.append(t1 - t0)
-                        recvs.append(t2 - t1)
-                    else:
-                        idle.append((t2 - t0) / 2)
-            if rank == 0:
-                figures = (statistics.median(idle), statistics.mean(sends), statistics.mean(recvs))
-                os.write(write, pickle.dumps(figures))
-            dist.barrier()
-            code = 0
-        finally:
-            os._exit(code)
-    # hosted after the forks, so no child inherits the store's server thread
-    store = dist.TCPStore("127.0.0.1", port, None, is_master=True, wait_for_workers=False)
-    for pid in pids:
-        os.waitpid(pid, 0)
-    os.close(write)
-    data = os.read(read, 4096)
-    os.close(read)
-    del store
-    return Hops(*pickle.loads(data))
-
-
-def host_driven_tpot(sim: Any, profile: Any, hops: Hops) -> float:
-    """Steady-state TPOT of ``sim``'s schedule when every message costs its sender ``send_s``
-    and its receiver ``recv_s`` (plus the bytes term) on their compute streams, as on a CPU
-    rank, whose one thread packs, posts, waits for and unpacks every message."""
-    import dataclasses
-
-    from opweave.planner._private.simulator import cycle_time
-
-    pipe = sim.pipeline
-    link = profile.transfer("intra_node")
-    latency = link.latency_s if link is not None else 0.0
-    compute, transfer = list(pipe.compute_s), list(pipe.transfer_s)
-    count = pipe.num_segments
-    for seg in range(count):
-        if pipe.crosses(seg):
-            compute[seg] += hops.send_s
-            compute[(seg + 1) % count] += hops.recv_s + max(transfer[seg] - latency, 0.0)
-            transfer[seg] = 0.0
-    return cycle_time(
-        dataclasses.replace(pipe, compute_s=tuple(compute), transfer_s=tuple(transfer))
-    )
 
 
 def speed_probe() -> float:
@@ -464,7 +341,7 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
         time.sleep(args.backoff_s)
     assert best is not None
     foreign, prof = best
-    profile = local_profile(prof.profile)
+    profile = prof.profile
     link = prof.transfer
     print(
         f"\n{family}: profiled in {time.perf_counter() - started:.0f} s "
@@ -474,7 +351,8 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
             "none"
             if link is None
             else f"{link.latency_s * 1e6:.0f} us + bytes / {link.bandwidth_bytes_per_s / 1e9:.2f} "
-            "GB/s"
+            f"GB/s on the link; host-driven: sender {link.host_send_s * 1e6:.0f} us, receiver "
+            f"{link.host_recv_s * 1e6:.0f} us of compute per message"
         )
     )
     cases = make_cases(family, model_dir, profile, args)
@@ -483,11 +361,8 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
 
     spec = load_model(model_dir)
     in_order = sequence_profile(model_dir, profile, u, args.context, steps=args.tokens[1])
-    hops = hop_probe()
-    HOPS.append(hops)
     for case in cases:
         case.sim_seq = simulate_plan(case.plan, spec, profiles=[in_order])
-        case.tpot_host_s = host_driven_tpot(case.sim_seq, in_order, hops)
     n1, n2 = args.tokens
     prompt_len = args.context - (n1 + n2) // 2
     for r in range(args.repeats):
@@ -527,8 +402,7 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
     )
     head = (
         f"{'model':<11} {'strategy':<24} {'ranks':>5} {'sim ms':>7} {'meas ms':>7} "
-        f"{'error':>7} {'meas range ms':>13} {'foreign':>7} {'sim*':>6} {'error*':>7} "
-        f"{'sim**':>6} {'error**':>7}"
+        f"{'error':>7} {'meas range ms':>13} {'foreign':>7} {'sim*':>6} {'error*':>7}"
     )
     print(head)
     print("-" * len(head))
@@ -538,8 +412,7 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
         meas = st["tpot_s"]
         sims = {
             "profile": case.sim.tpot_s,
-            "in order": case.sim_seq.tpot_s,
-            "in order + busy hops": case.tpot_host_s,
+            "decode loop": case.sim_seq.tpot_s,
         }
         errs = {k: (v - meas) / meas for k, v in sims.items()}
         for k, e in errs.items():
@@ -549,8 +422,7 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
             f"{case.family:<11} {label(case, cases):<24} {case.ranks:>5} "
             f"{case.sim.tpot_s * 1e3:7.2f} {meas * 1e3:7.2f} {100 * errs['profile']:+6.1f}% "
             f"{lo * 1e3:6.2f}..{hi * 1e3:<5.2f} {max(case.foreign):7.2f} "
-            f"{case.sim_seq.tpot_s * 1e3:6.2f} {100 * errs['in order']:+6.1f}% "
-            f"{case.tpot_host_s * 1e3:6.2f} {100 * errs['in order + busy hops']:+6.1f}%"
+            f"{case.sim_seq.tpot_s * 1e3:6.2f} {100 * errs['decode loop']:+6.1f}%"
         )
     print()
     for kind, by_family in errors.items():
@@ -565,20 +437,11 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
             f"{100 * overall:.1f}%" + (verdict if kind == "profile" else "")
         )
     print(
-        "\nsim:   the plans simulated with the measured profile (opweave.profiler), the figure"
-        "\n       of paper Figure 12.  Diagnostics of what the profile misses:"
-        "\nsim*:  every operator's latency taken instead from a single-process decode loop over"
-        "\n       the whole model at the plans' microbatch size and context: operators run one"
-        "\n       after another, as a stage runs them, not back to back with hot caches;"
-        "\nsim**: sim*, and each message costs its sender and its receiver the time the runtime's"
-        "\n       Transport takes on their own threads while both ranks compute (hop probe below),"
-        "\n       on their compute streams instead of on separate links."
+        "\nsim:  the plans simulated with the measured profile (opweave.profiler), the figure"
+        "\n      of paper Figure 12."
+        "\nsim*: diagnostic: every operator's latency taken instead from a single-process decode"
+        "\n      loop over the whole model at the plans' microbatch size and context."
     )
-    for family, hops in zip(dict.fromkeys(c.family for c in cases), HOPS, strict=False):
-        print(
-            f"hop probe ({family} run): idle one-way {hops.idle_s * 1e6:.0f} us; ranks computing: "
-            f"send {hops.send_s * 1e6:.0f} us + receive {hops.recv_s * 1e6:.0f} us per message"
-        )
     if SPEED:
         fast, slow = min(SPEED), max(SPEED)
         print(

@@ -45,6 +45,8 @@ def _summary(run: Any, path: Path) -> dict[str, Any]:
             "backend": link.backend,
             "latency_s": link.latency_s,
             "bandwidth_bytes_per_s": link.bandwidth_bytes_per_s,
+            "host_send_s": link.host_send_s,
+            "host_recv_s": link.host_recv_s,
         },
         "fit": None
         if fit is None
@@ -180,6 +182,12 @@ def profile(
         typer.echo(
             f"transfer ({t['backend']}): {t['latency_s'] * 1e6:.1f} us + bytes / "
             f"{t['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s"
+            + (
+                f"; while both ranks compute a message also costs the sender "
+                f"{t['host_send_s'] * 1e6:.0f} us and the receiver {t['host_recv_s'] * 1e6:.0f} us"
+                if t["host_send_s"] or t["host_recv_s"]
+                else ""
+            )
         )
     if doc["fit"]:
         f = doc["fit"]

@@ -79,11 +79,24 @@ def _interp_log(xs: tuple[int, ...], log_ys: np.ndarray, x: float) -> float:
 
 
 class TransferProfile(Frozen):
-    """Point-to-point transfer: ``latency_s + bytes / bandwidth_bytes_per_s``."""
+    """Point-to-point transfer: ``latency_s + bytes / bandwidth_bytes_per_s`` on the link.
+
+    ``host_send_s`` / ``host_recv_s`` are what one message costs the sending / receiving rank's
+    *compute stream* on top of that. They are zero where a copy engine or a communication kernel
+    moves the bytes alongside compute (GPUs); they are not where the rank's one thread packs,
+    posts, waits for and unpacks every message and the transport's I/O threads compete with it
+    for cores (CPU ranks). The profiler measures them while both ranks compute.
+    """
 
     link: LinkKind
     latency_s: float = Field(ge=0)
     bandwidth_bytes_per_s: float = Field(gt=0)
+    host_send_s: float = Field(
+        default=0.0, ge=0, description="Compute-stream time a message costs its sender."
+    )
+    host_recv_s: float = Field(
+        default=0.0, ge=0, description="Compute-stream time a message costs its receiver."
+    )
 
 
 class Provenance(Frozen):
@@ -140,3 +153,7 @@ class LatencyModel(Protocol):
     def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float: ...
 
     def transfer_s(self, link: LinkKind, num_bytes: float) -> float: ...
+
+    def host_transfer_s(self, link: LinkKind) -> tuple[float, float]:
+        """Compute-stream time one message costs its (sender, receiver); see TransferProfile."""
+        ...

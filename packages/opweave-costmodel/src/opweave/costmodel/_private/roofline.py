@@ -81,6 +81,10 @@ class RooflineLatency:
         bw = hw.network_bandwidth_bytes_per_s * NETWORK_EFFICIENCY
         return hw.network_latency_s + num_bytes / bw
 
+    def host_transfer_s(self, link: LinkKind) -> tuple[float, float]:
+        del link  # GPUs move activations with copy engines / NCCL kernels beside compute
+        return (0.0, 0.0)
+
 
 @dataclass(frozen=True)
 class ProfiledLatency:
@@ -118,6 +122,12 @@ class ProfiledLatency:
         if measured is None:
             return RooflineLatency(self.hardware).transfer_s(link, num_bytes)
         return measured.latency_s + num_bytes / measured.bandwidth_bytes_per_s
+
+    def host_transfer_s(self, link: LinkKind) -> tuple[float, float]:
+        measured = self.profile.transfer(link)
+        if measured is None:
+            return RooflineLatency(self.hardware).host_transfer_s(link)
+        return (measured.host_send_s, measured.host_recv_s)
 
 
 def weight_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int) -> float:

@@ -53,9 +53,17 @@ class Device:
     provenance: str
     intra: Link
     network: Link
+    # Compute-stream time of one message (sender, receiver) over the intra-node link and the
+    # network; zero unless the profile measured a host-driven transport (CPU ranks), see
+    # TransferProfile.
+    host_intra: tuple[float, float] = (0.0, 0.0)
+    host_network: tuple[float, float] = (0.0, 0.0)
 
     def link(self, kind: str) -> Link:
         return self.intra if kind == "intra_node" else self.network
+
+    def host(self, kind: str) -> tuple[float, float]:
+        return self.host_intra if kind == "intra_node" else self.host_network
 
 
 def _link(latency: RooflineLatency | ProfiledLatency, kind: str) -> Link:
@@ -146,6 +154,8 @@ def resolve_devices(
                 provenance=src,
                 intra=_link(latency, "intra_node"),
                 network=_link(latency, "network"),
+                host_intra=latency.host_transfer_s("intra_node"),
+                host_network=latency.host_transfer_s("network"),
             )
         )
     return out

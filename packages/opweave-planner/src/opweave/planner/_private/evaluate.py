@@ -87,6 +87,9 @@ def build_pipeline(
                 st.beta[s], src.device, src.tp, us[a], dst.device, dst.tp, us[b], kind
             )
         transfer[s] = memo[key]
+        # a host-driven transport also occupies both ranks' compute streams (CPU ranks)
+        compute[s] += src.device.host(kind)[0]
+        compute[(s + 1) % total] += dst.device.host(kind)[1]
     names = tuple(owner_name(j, ch) for j, ch in enumerate(owners))
     pipe = Pipeline(
         owner_names=names,

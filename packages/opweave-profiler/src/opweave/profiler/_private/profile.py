@@ -440,6 +440,13 @@ def profile_model(
     }
     if link is not None:
         settings_doc["transfer_points"] = [f"{n}B:{s:.3e}s" for n, s in link.points]
+    if link is not None and link.busy is not None:
+        settings_doc["transfer_busy"] = (
+            f"{link.busy['bytes']:.0f} B per round after {link.busy['work_alone_s'] * 1e3:.2f} ms "
+            f"of GEMMs on both ranks: round {link.busy['round_s'] * 1e3:.3f} ms, send call "
+            f"{link.busy['send_s'] * 1e6:.0f} us -> host_send {link.host_send_s * 1e6:.0f} us, "
+            f"host_recv {link.host_recv_s * 1e6:.0f} us"
+        )
     draft = Profile(
         device=hardware,
         model=source.name,

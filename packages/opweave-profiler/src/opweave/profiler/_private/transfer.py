@@ -7,10 +7,23 @@ ping-pong through that same transport with batches of several sizes; half the me
 is the one-way time, and a least-squares line through those points (weighted by 1/time, so
 small messages count as much as large ones) gives ``latency_s + bytes / bandwidth``, the
 :class:`TransferProfile` the planner uses.
+
+Between CPU processes the transport is *host-driven*: a rank's one compute thread packs, posts,
+waits for and unpacks every message, and gloo's I/O threads compete with the compute threads for
+the cores, so a message also costs both ranks compute time that an idle ping-pong does not show.
+A second phase measures it as a pipeline sees it: both ranks run a fixed amount of GEMM work
+(about a stage's worth) and then exchange one decode-sized message, round after round. Under the
+planner's model (the sender's compute stream pays ``host_send_s``, the message spends the idle
+one-way time ``L`` on the link, the receiver's compute stream pays ``host_recv_s``) one round
+takes ``W + host_send_s + L + host_recv_s``, with ``W`` the work's time on an otherwise idle
+machine (a third phase: one rank works, the other waits). ``host_send_s`` is the time spent in
+the send call; ``host_recv_s`` is the rest of a round's excess. GPUs (NCCL) move bytes with
+their own engines beside compute: both are zero there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing as mp
 import socket
@@ -30,6 +43,8 @@ from ..errors import ProfilerError
 
 DEFAULT_SIZES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
 _WARMUP = 5
+BUSY_BYTES = 16 * 1024  # the busy phase's message: a decode microbatch's activations
+BUSY_ROUNDS = 150
 
 
 @dataclass(frozen=True)
@@ -41,6 +56,9 @@ class TransferFit:
     bandwidth_bytes_per_s: float
     points: tuple[tuple[int, float], ...]  # (packed bytes, median one-way seconds)
     protocol: str = ""
+    host_send_s: float = 0.0  # compute-stream cost of a message to its sender (CPU ranks)
+    host_recv_s: float = 0.0  # ... and to its receiver
+    busy: dict[str, float] | None = None  # the busy phase's raw figures, for provenance
 
     def profile(self) -> TransferProfile:
         """As a profile entry: two processes on one machine use the intra-node link."""
@@ -48,6 +66,8 @@ class TransferFit:
             link="intra_node",
             latency_s=self.latency_s,
             bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            host_send_s=self.host_send_s,
+            host_recv_s=self.host_recv_s,
         )
 
 
@@ -114,16 +134,29 @@ class _Endpoint:
             self.transport = None
             self.protocol = "pack + torch.distributed isend/irecv"
 
-    def send(self, batch: TokenBatch, i: int) -> None:
+    def send(self, batch: TokenBatch, i: int, *, wait: bool = True) -> None:
+        """Send ``batch``; unless ``wait``, completion is awaited by the next :meth:`reap`
+        (as a pipeline stage posts its send and moves on to receive)."""
         import torch.distributed as dist
 
         if self.transport is not None:
             self.transport.send(self.out, batch, epoch=i)
-            self.transport.flush()
+            if wait:
+                self.transport.flush()
         else:
             work = dist.isend(pack(batch), dst=self.peer, tag=1)
             assert work is not None
-            work.wait()
+            if wait:
+                work.wait()
+            else:
+                self._pending = work
+
+    def reap(self) -> None:
+        if self.transport is not None:
+            self.transport.flush()
+        elif getattr(self, "_pending", None) is not None:
+            self._pending.wait()
+            self._pending = None
 
     def recv(self, like: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -175,10 +208,64 @@ def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, 
                 if i >= _WARMUP:
                     times.append((time.perf_counter() - t0) / 2)
             results.append((packed.numel(), float(np.median(times))))
+        busy = None if cuda else _busy_phase(end, rank, device)
         if rank == 0:
-            Path(out).write_text(json.dumps({"protocol": end.protocol, "points": results}))
+            Path(out).write_text(
+                json.dumps({"protocol": end.protocol, "points": results, "busy": busy})
+            )
     finally:
         dist.destroy_process_group()
+
+
+def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, float] | None:
+    """Both ranks compute a fixed GEMM workload, then exchange one message, every round; then
+    rank 0 times the same workload while rank 1 waits. Rank 0 returns the figures."""
+    a = torch.randn(8, 512, device=device)
+    w = torch.randn(1536, 512, device=device)
+    iters = _calibrate(a, w, target_s=1e-3)
+    batch = _batch(BUSY_BYTES, device)
+    rounds, sends = [], []
+    for i in range(_WARMUP + BUSY_ROUNDS):
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.nn.functional.linear(a, w)
+        t1 = time.perf_counter()
+        end.send(batch, i, wait=False)
+        t2 = time.perf_counter()
+        end.recv(batch["hidden"])
+        end.reap()
+        t3 = time.perf_counter()
+        if i >= _WARMUP:
+            rounds.append(t3 - t0)
+            sends.append(t2 - t1)
+    alone = []
+    if rank == 0:
+        for _ in range(_WARMUP + BUSY_ROUNDS):
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                torch.nn.functional.linear(a, w)
+            alone.append(time.perf_counter() - t0)
+        end.send(batch, 0)  # release rank 1
+        return {
+            "round_s": float(np.median(rounds)),
+            "send_s": float(np.median(sends)),
+            "work_alone_s": float(np.median(alone[_WARMUP:])),
+            "bytes": float(pack(batch).numel()),
+        }
+    end.recv(batch["hidden"])
+    return None
+
+
+def _calibrate(a: torch.Tensor, w: torch.Tensor, target_s: float) -> int:
+    """GEMM calls that take about ``target_s`` on this rank (both ranks then agree on a count
+    only approximately, which the median round absorbs)."""
+    for _ in range(20):
+        torch.nn.functional.linear(a, w)
+    start = time.perf_counter()
+    for _ in range(50):
+        torch.nn.functional.linear(a, w)
+    per_call = (time.perf_counter() - start) / 50
+    return max(1, round(target_s / max(per_call, 1e-7)))
 
 
 def measure_transfer(
@@ -229,4 +316,19 @@ def measure_transfer(
         result = json.loads(out.read_text())
     points = tuple((int(n), float(t)) for n, t in result["points"])
     latency, bandwidth = fit_line(points)
-    return TransferFit(backend, latency, bandwidth, points, result["protocol"])
+    fit = TransferFit(backend, latency, bandwidth, points, result["protocol"])
+    busy = result.get("busy")
+    if busy is None:
+        return fit
+    host_send, host_recv = host_costs(busy, latency, bandwidth)
+    return dataclasses.replace(fit, host_send_s=host_send, host_recv_s=host_recv, busy=busy)
+
+
+def host_costs(busy: dict[str, float], latency_s: float, bandwidth: float) -> tuple[float, float]:
+    """``(host_send_s, host_recv_s)`` from the busy phase: a round's time beyond the work on an
+    idle machine and the message's idle one-way time is charged to the two compute streams;
+    the sender's share is what its send call took."""
+    link = latency_s + busy["bytes"] / bandwidth
+    excess = max(busy["round_s"] - busy["work_alone_s"] - link, 0.0)
+    send = min(busy["send_s"], excess)
+    return send, excess - send
