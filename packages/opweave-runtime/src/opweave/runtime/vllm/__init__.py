@@ -13,6 +13,9 @@ cut by a plan's segments::
         additional_config={"opweave_plan": "plan.json"},  # or Plan.model_dump(mode="json")
     )
 
+With a plan, each plan owner runs in its own stage worker process (this process drives them step
+by step; ``additional_config={"opweave_workers": "inprocess"}`` runs every stage here instead).
+
 Importing this package does not import vLLM; ``OpWeaveExecutor`` is built on first access.
 """
 
@@ -20,9 +23,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._executor import DEVICE_KEY, PLAN_KEY, executor_class
+from ._executor import DEVICE_KEY, PLAN_KEY, TIMEOUT_KEY, WORKERS_KEY, executor_class
 
-__all__ = ["OpWeaveExecutor", "PLAN_KEY", "DEVICE_KEY", "executor_class"]
+__all__ = [
+    "OpWeaveExecutor",
+    "PLAN_KEY",
+    "DEVICE_KEY",
+    "WORKERS_KEY",
+    "TIMEOUT_KEY",
+    "executor_class",
+]
 
 
 def __getattr__(name: str) -> Any:

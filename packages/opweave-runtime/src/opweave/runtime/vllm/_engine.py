@@ -5,9 +5,13 @@ scheduler outputs into calls on :class:`StepEngine` -- forget finished requests,
 ones, run one ragged forward over ``(request, first token, token count)`` items -- and samples the
 returned logits with each request's sampling parameters.
 
-Every segment of the plan is one :class:`~opweave.runtime.StageModule`; activations cross every
-segment boundary through :func:`~opweave.runtime.pack` / :func:`~opweave.runtime.unpack`, exactly
-as they would between the stage workers of a multi-process run.
+Two pipelines implement the same small interface (:class:`Pipeline`): :class:`PlanPipeline`
+runs every segment of the plan as one :class:`~opweave.runtime.StageModule` in this process,
+crossing each segment boundary through :func:`~opweave.runtime.pack` /
+:func:`~opweave.runtime.unpack` (the ``inprocess`` mode, and the colocated default without a
+plan), and
+:class:`~._workers.WorkerPool` runs each plan owner in its own worker process (the default for a
+plan).
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .._private.batch import BatchMeta, TokenBatch, pack, unpack
+from .._private.config import ModelSpec
 from .._private.graph import OpRef, operator_sequence
 from .._private.stage import StageModule
 from ..errors import PlanMismatchError, RequestStateError
@@ -39,6 +44,78 @@ def load_plan(plan: Any) -> Any:  # -> opweave.costmodel.Plan | None
     return Plan.model_validate_json(path.read_text())
 
 
+@dataclass(frozen=True)
+class PlanLayout:
+    """A plan cut into its segments, in model order: each segment's operators and owner."""
+
+    plan: Any  # opweave.costmodel.Plan | None
+    groups: list[list[OpRef]]
+    owners: list[int]
+    labels: list[str]  # "L0.embed..L0.o_proj" per segment, for messages
+
+    def owner_stages(self, owner: int) -> str:
+        """``L0.attn_norm..L0.o_proj, L1.attn_norm..L1.o_proj``: what one owner runs."""
+        return ", ".join(lbl for lbl, o in zip(self.labels, self.owners, strict=True) if o == owner)
+
+
+def plan_layout(model_dir: str | Path, plan: Any = None) -> PlanLayout:
+    """The plan's segments over the model in ``model_dir`` (one colocated segment without one)."""
+    seq = operator_sequence(model_dir)
+    plan = load_plan(plan)
+    if plan is None:
+        return PlanLayout(None, [list(seq)], [0], [_label(list(seq))])
+    from opweave.costmodel import load_model
+
+    from .._private.placement import Placement, check_plan
+
+    model = load_model(model_dir)
+    check_plan(plan, model)
+    placement = Placement(plan, model)
+    groups = [[OpRef(op.layer, op.name) for op in s.ops] for s in placement.segments]
+    flat = [ref for g in groups for ref in g]
+    if flat != list(seq):
+        raise PlanMismatchError(
+            "the plan's segments do not cover the model's operator sequence in order"
+        )
+    if groups[-1][-1].name != "sample":
+        raise PlanMismatchError("the last segment must end with the sample operator")
+    owners = [s.owner for s in placement.segments]
+    return PlanLayout(plan, groups, owners, [_label(g) for g in groups])
+
+
+def _label(group: list[OpRef]) -> str:
+    def one(ref: OpRef) -> str:
+        return ref.name if ref.layer is None else f"L{ref.layer}.{ref.name}"
+
+    return one(group[0]) if len(group) == 1 else f"{one(group[0])}..{one(group[-1])}"
+
+
+class Pipeline(Protocol):
+    """What :class:`StepEngine` and the executor need from the stages, wherever they run."""
+
+    spec: ModelSpec
+
+    @property
+    def global_batch(self) -> int | None: ...
+
+    @property
+    def num_segments(self) -> int: ...
+
+    def admit(self, request_id: str) -> None: ...
+
+    def free(self, request_id: str) -> None: ...
+
+    def logits(self, batch: TokenBatch) -> torch.Tensor: ...
+
+    def flush(self) -> None:
+        """Push pending state changes (frees) to the stages now, with no forward to carry them."""
+
+    def check(self) -> None:
+        """Raise if the stages can no longer serve (a worker died)."""
+
+    def close(self) -> None: ...
+
+
 class PlanPipeline:
     """The plan's segments, in model order, as consecutive stages of one process.
 
@@ -53,31 +130,29 @@ class PlanPipeline:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
-        seq = operator_sequence(model_dir)
-        self.plan = load_plan(plan)
-        if self.plan is None:
-            groups, self.owners = [list(seq)], [0]
-        else:
-            from opweave.costmodel import load_model
-
-            from .._private.placement import Placement, check_plan
-
-            model = load_model(model_dir)
-            check_plan(self.plan, model)
-            placement = Placement(self.plan, model)
-            groups = [[OpRef(op.layer, op.name) for op in s.ops] for s in placement.segments]
-            self.owners = [s.owner for s in placement.segments]
-            flat = [ref for g in groups for ref in g]
-            if flat != list(seq):
-                raise PlanMismatchError(
-                    "the plan's segments do not cover the model's operator sequence in order"
-                )
-        self.stages = [StageModule(model_dir, g, dtype=dtype, device=device) for g in groups]
+        self.layout = plan_layout(model_dir, plan)
+        self.plan = self.layout.plan
+        self.owners = self.layout.owners
+        self.stages = [
+            StageModule(model_dir, g, dtype=dtype, device=device) for g in self.layout.groups
+        ]
         self.spec = self.stages[0].spec
         self.device = torch.device(device)
-        last = self.stages[-1].operators
-        if not last or last[-1].name != "sample":
-            raise PlanMismatchError("the last segment must end with the sample operator")
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.stages)
+
+    def flush(self) -> None:
+        pass  # frees took effect at once
+
+    def check(self) -> None:
+        pass  # nothing here can die on its own
+
+    def close(self) -> None:
+        for stage in self.stages:
+            for rid in stage.request_ids:
+                stage.free(rid)
 
     @property
     def global_batch(self) -> int | None:
@@ -95,6 +170,7 @@ class PlanPipeline:
     @torch.inference_mode()
     def logits(self, batch: TokenBatch) -> torch.Tensor:
         """Run every segment up to (not including) ``sample``; logits of each request's last row."""
+        batch = batch.replace(token_ids=batch["token_ids"].to(self.device))
         for i, stage in enumerate(self.stages):
             if i:
                 batch = unpack(pack(batch))  # a segment boundary: one message on the wire
@@ -130,7 +206,7 @@ class StepEngine:
     what the stages hold (a preempted request restarted from scratch) drop the state first.
     """
 
-    def __init__(self, pipeline: PlanPipeline) -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         self.pipeline = pipeline
         self.requests: dict[str, _Request] = {}
 
@@ -161,6 +237,7 @@ class StepEngine:
         """One ragged forward; returns the ids that reached their last known token, and their
         logits ``[len(ids), vocab]`` (rows for requests still mid-prompt are dropped)."""
         if not items:
+            self.pipeline.flush()
             return [], None
         rids, qlens, clens, feed, sampling = [], [], [], [], []
         for item in items:
@@ -183,7 +260,7 @@ class StepEngine:
             req.computed = end
             sampling.append(end == len(req.token_ids))
         meta = BatchMeta(tuple(rids), tuple(qlens), tuple(clens))
-        ids = torch.tensor(feed, dtype=torch.int64, device=self.pipeline.device)
+        ids = torch.tensor(feed, dtype=torch.int64)
         logits = self.pipeline.logits(TokenBatch(meta, {"token_ids": ids}))
         keep = [i for i, s in enumerate(sampling) if s]
         return [rids[i] for i in keep], logits[keep]

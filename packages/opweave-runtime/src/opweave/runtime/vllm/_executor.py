@@ -8,6 +8,7 @@ vLLM's engine-core process, both find it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -18,6 +19,9 @@ import torch
 
 PLAN_KEY = "opweave_plan"  # additional_config key: plan file path, or the plan as a JSON dict
 DEVICE_KEY = "opweave_device"  # additional_config key: torch device of the stages (default cpu)
+WORKERS_KEY = "opweave_workers"  # "processes" (default with a plan) or "inprocess"
+TIMEOUT_KEY = "opweave_timeout_s"  # stage workers: longest wait for a step's messages (120 s)
+WORKER_MODES = ("processes", "inprocess")
 
 _log = logging.getLogger("opweave.runtime.vllm")
 _lock = threading.Lock()
@@ -38,7 +42,8 @@ def _build() -> type:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from ._engine import PlanPipeline, StepEngine, WorkItem, sample
+    from ..errors import OpWeaveRuntimeError
+    from ._engine import Pipeline, PlanPipeline, StepEngine, WorkItem, sample
 
     class OpWeaveExecutor(Executor):
         """Runs each engine step through OpWeave's stages, cut by the plan's segments.
@@ -48,6 +53,17 @@ def _build() -> type:
         model is one stage. The scheduler is capped at the plan's global batch
         (``max_num_seqs``), and the KV capacity reported to it covers that many requests of
         ``max_model_len`` tokens, so vLLM never admits more requests than the plan holds.
+
+        Where the stages run (``additional_config["opweave_workers"]``):
+
+        - ``"processes"`` (the default with a plan): one stage worker process per plan owner
+          (:class:`~._workers.WorkerPool`); this process is the driver, which feeds each step's
+          tokens to the first segment's worker, gets the last segment's logits back and samples.
+          A worker that dies fails the in-flight step, makes :meth:`check_health` raise and tells
+          vLLM's engine through its failure callback; :meth:`shutdown` reaps the workers.
+        - ``"inprocess"`` (the default without a plan): every segment runs in this process, with
+          pack/unpack at segment boundaries (:class:`~._engine.PlanPipeline`); no process to
+          lose, useful to debug a plan or where extra processes are unwelcome.
         """
 
         uses_ray = False
@@ -66,27 +82,52 @@ def _build() -> type:
             # us a request whose first tokens no stage holds (they would be recomputed, but
             # there is nothing to gain), so switch it off.
             self.cache_config.enable_prefix_caching = False
-            self.pipeline = PlanPipeline(
-                mc.model,
-                extra.get(PLAN_KEY),
-                dtype=mc.dtype,
-                device=extra.get(DEVICE_KEY, "cpu"),
-            )
+            self._failure_callbacks: list[Any] = []
+            self.pipeline = self._make_pipeline(extra)
             gb = self.pipeline.global_batch
             if gb is not None and self.scheduler_config.max_num_seqs > gb:
                 self.scheduler_config.max_num_seqs = gb
             self.engine = StepEngine(self.pipeline)
             self._pending: tuple[list[str], list[str], torch.Tensor | None] | None = None
-            self._failure_callbacks: list[Any] = []
-            self._failed: BaseException | None = None
             self._warned: set[str] = set()
             self.num_blocks: int | None = None
             _log.info(
-                "OpWeave executor: %d stage(s) over %s%s",
-                len(self.pipeline.stages),
+                "OpWeave executor: %d segment(s) over %s, %s%s",
+                self.pipeline.num_segments,
                 mc.model,
+                self.workers_mode,
                 "" if gb is None else f", global batch {gb}",
             )
+
+        def _make_pipeline(self, extra: dict[str, Any]) -> Pipeline:
+            plan = extra.get(PLAN_KEY)
+            mode = extra.get(WORKERS_KEY) or ("processes" if plan is not None else "inprocess")
+            if mode not in WORKER_MODES:
+                raise ValueError(
+                    f"additional_config {WORKERS_KEY}={mode!r}: expected one of "
+                    + ", ".join(WORKER_MODES)
+                )
+            if mode == "processes" and plan is None:
+                raise ValueError(
+                    f'{WORKERS_KEY}="processes" needs a plan ({PLAN_KEY}); without one, '
+                    'the colocated model runs "inprocess"'
+                )
+            self.workers_mode: str = mode
+            device = str(extra.get(DEVICE_KEY, "cpu"))
+            dtype = self.model_config.dtype
+            if mode == "inprocess":
+                return PlanPipeline(self.model_config.model, plan, dtype=dtype, device=device)
+            from ._workers import WorkerPool
+
+            pool = WorkerPool(
+                self.model_config.model,
+                plan,
+                dtype=dtype,
+                device=device,
+                timeout_s=float(extra.get(TIMEOUT_KEY, 120.0)),
+            )
+            pool.on_failure = self._failure_callbacks  # filled by register_failure_callback
+            return pool
 
         def _block_size(self) -> int:
             return int(self.cache_config.block_size or 16)
@@ -97,7 +138,7 @@ def _build() -> type:
                 block_size=self._block_size(),
                 num_kv_heads=spec.num_kv_heads,
                 head_size=spec.head_dim,
-                dtype=self.pipeline.stages[0].spec.dtype,
+                dtype=self.pipeline.spec.dtype,
             )
             return [{f"model.layers.{i}.self_attn.attn": one for i in range(spec.num_layers)}]
 
@@ -133,8 +174,7 @@ def _build() -> type:
             return self._call(self._sample, grammar_output, non_block=non_block)
 
         def _call(self, fn: Any, arg: Any, *, non_block: bool) -> Any:
-            if self._failed is not None:
-                raise RuntimeError(f"the OpWeave executor has failed: {self._failed}")
+            self.pipeline.check()
             if not non_block:
                 return fn(arg)
             future: Future[Any] = Future()
@@ -253,14 +293,19 @@ def _build() -> type:
             return None
 
         def check_health(self) -> None:
-            if self._failed is not None:
-                raise RuntimeError(f"the OpWeave executor has failed: {self._failed}")
+            """Raises :class:`~opweave.runtime.RunFailedError` once a stage worker has died."""
+            self.pipeline.check()
+
+        @property
+        def worker_pids(self) -> list[int]:
+            """Process ids of the stage workers (empty in-process)."""
+            return list(getattr(self.pipeline, "pids", ()))
 
         def shutdown(self) -> None:
-            engine = getattr(self, "engine", None)
-            if engine is not None:
-                for rid in list(engine.requests):
-                    engine.drop(rid)
+            pipeline = getattr(self, "pipeline", None)
+            if pipeline is not None:
+                with contextlib.suppress(OpWeaveRuntimeError):
+                    pipeline.close()
 
         @classmethod
         def supports_async_scheduling(cls) -> bool:
