@@ -46,12 +46,16 @@ class StageModule:
             build_operator(spec, self.checkpoint, ref, device) for ref in self.refs
         ]
         self.checkpoint.close()
-        self._stateful = [op for op in self.operators if isinstance(op, StatefulOperator)]
 
     @classmethod
     def whole_model(cls, model_dir: str | Path, **kwargs: object) -> StageModule:
         """All operators of the model in one stage (the colocated plan)."""
         return cls(model_dir, operator_sequence(model_dir), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def _stateful(self) -> list[StatefulOperator]:
+        # Derived on use: an operator may be swapped for an equivalent one (e.g. kernel-backed).
+        return [op for op in self.operators if isinstance(op, StatefulOperator)]
 
     @property
     def weight_bytes(self) -> int:

