@@ -55,22 +55,23 @@ def plain_vllm(model_dir) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "extra"),
+    ("strategy", "workers", "extra"),
     [
-        ("afd", {}),
+        ("afd", "processes", {}),
         # chunked prefill: the 19-token prompt is split over several steps
-        ("cad", {"max_num_batched_tokens": 8}),
+        ("cad", "processes", {"max_num_batched_tokens": 8}),
+        ("afd", "inprocess", {}),
     ],
 )
-def test_greedy_tokens_equal_plain_vllm(model_dir, plain_vllm, strategy, extra) -> None:
+def test_greedy_tokens_equal_plain_vllm(model_dir, plain_vllm, strategy, workers, extra) -> None:
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime.vllm import PLAN_KEY, OpWeaveExecutor
+    from opweave.runtime.vllm import PLAN_KEY, WORKERS_KEY, OpWeaveExecutor
 
     plan = canonical_plan(load_model(model_dir), strategy, gpu="cpu", batch=4, microbatches=2)
     tokens = _generate(
         model_dir,
         distributed_executor_backend=OpWeaveExecutor,
-        additional_config={PLAN_KEY: plan.model_dump(mode="json")},
+        additional_config={PLAN_KEY: plan.model_dump(mode="json"), WORKERS_KEY: workers},
         **extra,
     )
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
