@@ -1,11 +1,14 @@
 """Multi-process runtime on CPU: TPOT of colocated vs AFD vs CAD, and orchestration overhead.
 
 For each strategy a tiny random Llama serves several requests of different prompt lengths on
-local gloo ranks (one process per rank, one thread each). Per rank the decode loop's wall time is
-split into time inside operators (compute), time blocked in transfers and TP collectives
-(communication wait, which includes waiting for the upstream stage) and the remainder: the
-runtime's own orchestration (batch merge/split, admission, packing headers, Python dispatch
-between actions). Target: orchestration under 10% of the loop. Prints figures; asserts nothing.
+local CPU ranks (one process per rank, one thread each). AFD and CAD run twice, side by side:
+with the runtime's CPU point-to-point transport (sockets read and written by the ranks' own
+threads, the default) and with gloo's ``isend``/``irecv`` (``OPWEAVE_P2P=torch``). Per rank
+the decode loop's wall time is split into time inside operators (compute), time blocked in
+transfers and TP collectives (communication wait, which includes waiting for the upstream
+stage) and the remainder: the runtime's own orchestration (batch merge/split, admission,
+packing headers, Python dispatch between actions). Target: orchestration under 10% of the
+loop. Prints figures; asserts nothing.
 
 Run: ``uv run python tools/bench/runtime.py [--hidden 64] [--layers 2] [--tokens 32]``.
 On a machine shared with other jobs, TPOT is noisy; the overhead share is the stable figure.
@@ -14,6 +17,7 @@ On a machine shared with other jobs, TPOT is noisy; the overhead share is the st
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 from typing import Any
@@ -109,24 +113,38 @@ def main() -> None:
     local.generate([list(p) for p in prompts], args.tokens)  # warm-up
     reference = None
     rows = []
-    for strategy in ("colocated", "afd", "cad"):
-        runs = [
-            bench(model_dir, strategy, requests, args.microbatches) for _ in range(args.repeats)
-        ]
+    cases = [("colocated", "socket")] + [
+        (s, p2p) for s in ("afd", "cad") for p2p in ("socket", "torch")
+    ]
+    results: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in cases}
+    for _ in range(args.repeats):  # interleaved, so machine-speed drift hits every case alike
+        for strategy, p2p in cases:
+            os.environ["OPWEAVE_P2P"] = p2p
+            results[(strategy, p2p)].append(bench(model_dir, strategy, requests, args.microbatches))
+    os.environ.pop("OPWEAVE_P2P", None)
+    for (strategy, p2p), runs in results.items():
         runs.sort(key=lambda r: r["tpot_s"])
         result = runs[len(runs) // 2]
         tokens = [o["token_ids"] for o in result["outputs"]]
         reference = reference or tokens
         assert tokens == reference, f"{strategy} tokens differ from colocated"
-        rows.append((strategy, result, statistics.median(r["tpot_s"] for r in runs)))
+        label = (
+            strategy
+            if strategy == "colocated"
+            else f"{strategy} ({'gloo' if p2p == 'torch' else p2p})"
+        )
+        rows.append((label, result, statistics.median(r["tpot_s"] for r in runs)))
 
-    print(f"\n{'strategy':<10} {'TPOT ms':>9} {'iterations':>10} {'ranks':>5}")
+    print(f"\n{'strategy':<14} {'TPOT ms':>9} {'iterations':>10} {'ranks':>5}")
     for strategy, result, tpot in rows:
         print(
-            f"{strategy:<10} {tpot * 1e3:9.3f} {result['iterations']:10d} {len(result['ranks']):5d}"
+            f"{strategy:<14} {tpot * 1e3:9.3f} {result['iterations']:10d} {len(result['ranks']):5d}"
         )
+    by = {label: tpot for label, _, tpot in rows}
+    for s in ("afd", "cad"):
+        print(f"{s}: gloo p2p / socket p2p TPOT = {by[f'{s} (gloo)'] / by[f'{s} (socket)']:.2f}x")
     print(
-        f"\n{'strategy':<10} {'rank':>4} {'stages':<28} {'loop ms':>8} {'compute':>8} "
+        f"\n{'strategy':<14} {'rank':>4} {'stages':<28} {'loop ms':>8} {'compute':>8} "
         f"{'comm wait':>9} {'orchestration':>13}"
     )
     worst = 0.0
@@ -138,7 +156,7 @@ def main() -> None:
             stages = ", ".join(r["stages"])
             stages = stages if len(stages) <= 28 else stages[:25] + "..."
             print(
-                f"{strategy:<10} {r['rank']:>4} {stages:<28} {loop * 1e3:8.1f} "
+                f"{strategy:<14} {r['rank']:>4} {stages:<28} {loop * 1e3:8.1f} "
                 f"{100 * r['compute_s'] / loop:7.1f}% {100 * r['comm_s'] / loop:8.1f}% "
                 f"{100 * share:12.1f}%"
             )
@@ -147,8 +165,8 @@ def main() -> None:
     rtt = gloo_round_trip_us()
     hops = rows[1][1]["ranks"][0]["messages_sent"] / rows[1][1]["iterations"]
     print(
-        f"gloo loopback round trip (4 KB): {rtt:.0f} us; AFD sends {hops:.1f} messages per "
-        "iteration per rank, so its TPOT here is bounded by transfer latency, not compute"
+        f"idle gloo loopback round trip (4 KB): {rtt:.0f} us; AFD sends {hops:.1f} messages per "
+        "iteration per rank"
     )
 
 

@@ -1,13 +1,19 @@
 """Point-to-point messages between ranks, the TP leader fan-out, and batch routing by slot.
 
 One message per boundary per microbatch: the sender packs the whole :class:`TokenBatch` (schedule
-header and every activation) into one flat ``uint8`` tensor (:func:`pack`) and sends it with
-``isend``. A receiver must post a buffer of the exact size, and the size depends on who joined the
-batch, so every message travels as a fixed-size *eager chunk* (an 8-byte length, then the first
-bytes of the payload); only a payload longer than the chunk sends its tail as a second transfer,
-straight from the packed tensor. Decode-sized messages thus cost one transfer, not a length word
-plus a payload. Receives are bounded: a peer that died fails the wait at once, one that hangs
-fails it after ``timeout_s``, and either way the error names the peer.
+header and every activation) into one flat ``uint8`` tensor (:func:`pack`) and sends it.
+
+Between CPU ranks the bytes travel over :class:`~.wire.SocketWire`: one TCP connection per pair
+of ranks, read and written by the ranks' own threads (gloo's I/O threads cost a pipeline about
+2 ms per message on a busy CPU; see that module). Elsewhere (NCCL between GPUs, or gloo when
+``OPWEAVE_P2P=torch``) they go through ``torch.distributed`` ``isend``/``irecv``: a receiver must
+post a buffer of the exact size, and the size depends on who joined the batch, so every message
+travels as a fixed-size *eager chunk* (an 8-byte length, then the first bytes of the payload);
+only a payload longer than the chunk sends its tail as a second transfer, straight from the
+packed tensor. Decode-sized messages thus cost one transfer, not a length word plus a payload.
+
+Receives are bounded: a peer that died fails the wait at once, one that hangs fails it after
+``timeout_s``, and either way the error names the peer.
 
 A tensor-parallel destination receives once, at its leader, which broadcasts the raw bytes to its
 group (one length vector + one payload), rather than every TP rank receiving its own copy.
@@ -15,6 +21,7 @@ group (one length vector + one payload), rather than every TP rank receiving its
 
 from __future__ import annotations
 
+import os
 import time
 from collections import defaultdict, deque
 from collections.abc import Sequence
@@ -26,6 +33,9 @@ import torch.distributed as dist
 from ..errors import OpWeaveRuntimeError
 from .batch import BatchMeta, TokenBatch, pack, unpack
 from .schedule import Link
+from .wire import SocketWire, WireError
+
+P2P_ENV = "OPWEAVE_P2P"  # "socket" (default on CPU) or "torch" (torch.distributed isend/irecv)
 
 
 class PeerError(OpWeaveRuntimeError):
@@ -44,7 +54,15 @@ _LEN = 16  # length word padded so the payload keeps pack()'s 16-byte alignment
 class Transport:
     """This rank's message endpoint; accumulates the time it spends blocked in ``comm_s``."""
 
-    def __init__(self, rank: int, device: torch.device, timeout_s: float) -> None:
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        timeout_s: float,
+        *,
+        p2p: str | None = None,
+        master_addr: str | None = None,
+    ) -> None:
         self.rank = rank
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
@@ -54,6 +72,17 @@ class Transport:
         self.comm_s = 0.0
         self.bytes_sent = 0
         self.messages_sent = 0
+        p2p = p2p or os.environ.get(P2P_ENV) or ("socket" if device.type == "cpu" else "torch")
+        if p2p not in ("socket", "torch"):
+            raise OpWeaveRuntimeError(f"{P2P_ENV}={p2p!r}: expected socket or torch")
+        if p2p == "socket" and device.type != "cpu":
+            raise OpWeaveRuntimeError(f"{P2P_ENV}=socket moves CPU tensors; {device} needs torch")
+        self.p2p = p2p
+        self._wire = (
+            SocketWire(rank, dist.get_world_size(), timeout_s, master_addr)
+            if p2p == "socket"
+            else None
+        )
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, link: Link, batch: TokenBatch, epoch: int) -> None:
@@ -63,6 +92,16 @@ class Transport:
             return
         start = time.perf_counter()
         buf = pack(batch).to(self.device)
+        if self._wire is not None:
+            try:
+                self._wire.post(link.peer, link.tag, buf)
+            except WireError as exc:
+                raise PeerError(exc.peer, str(exc)) from None
+            self._pending.append((epoch, None, buf, link.peer))
+            self.bytes_sent += buf.numel()
+            self.messages_sent += 1
+            self.comm_s += time.perf_counter() - start
+            return
         head = EAGER_BYTES - _LEN
         chunk = torch.zeros(EAGER_BYTES, dtype=torch.uint8, device=self.device)
         chunk[:8] = torch.tensor([buf.numel()], dtype=torch.int64).view(torch.uint8)
@@ -83,6 +122,13 @@ class Transport:
         if link.peer == self.rank:
             return self._local[link.tag].popleft()
         start = time.perf_counter()
+        if self._wire is not None:
+            try:
+                buf = self._wire.take(link.peer, link.tag, what)
+            except WireError as exc:
+                raise PeerError(exc.peer, str(exc)) from None
+            self.comm_s += time.perf_counter() - start
+            return buf
         chunk = torch.empty(EAGER_BYTES, dtype=torch.uint8, device=self.device)
         self._wait(dist.irecv(chunk, src=link.peer, tag=link.tag), link.peer, what)
         size = int(chunk[:8].cpu().view(torch.int64).item())
@@ -112,6 +158,15 @@ class Transport:
     def reap(self, before_epoch: int) -> None:
         """Wait for sends queued before ``before_epoch``: bounds memory, never the pipeline."""
         start = time.perf_counter()
+        if self._wire is not None:
+            if any(e < before_epoch for e, *_ in self._pending):
+                try:
+                    self._wire.drain("sending queued messages")
+                except WireError as exc:
+                    raise PeerError(exc.peer, str(exc)) from None
+                self._pending.clear()
+            self.comm_s += time.perf_counter() - start
+            return
         while self._pending and self._pending[0][0] < before_epoch:
             _, work, _, peer = self._pending.popleft()
             self._wait(work, peer, f"sending to rank {peer}")
