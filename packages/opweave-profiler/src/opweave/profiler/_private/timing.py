@@ -40,9 +40,8 @@ class TimingSettings:
     warmup: int = 2
     repeats: int = 5
     cell_budget_s: float = 0.03
-    # Whole-grid passes; each cell keeps the pass with the lower median. On a shared CPU the
-    # scheduler can stall every repeat of a cell (a busy core delays one of torch's threads at
-    # each parallel region); a second pass seconds later rarely hits the same stall.
+    # Whole-grid passes, seconds apart; each cell is the median of its passes' medians (two:
+    # their mean), so a stall or a slow spell of the machine in one pass counts for half.
     passes: int = 2
 
     @property

@@ -10,20 +10,23 @@ small messages count as much as large ones) gives ``latency_s + bytes / bandwidt
 
 Between CPU processes the transport is *host-driven*: a rank's one compute thread packs, posts,
 waits for and unpacks every message, and gloo's I/O threads compete with the compute threads for
-the cores, so a message also costs both ranks compute time that an idle ping-pong does not show.
-A second phase measures it as a pipeline sees it: both ranks run a fixed amount of GEMM work
-(about a stage's worth) and then exchange one decode-sized message, round after round. Under the
-planner's model (the sender's compute stream pays ``host_send_s``, the message spends the idle
-one-way time ``L`` on the link, the receiver's compute stream pays ``host_recv_s``) one round
-takes ``W + host_send_s + L + host_recv_s``, with ``W`` the work's time on an otherwise idle
-machine (a third phase: one rank works, the other waits). ``host_send_s`` is the time spent in
-the send call; ``host_recv_s`` is the rest of a round's excess. GPUs (NCCL) move bytes with
-their own engines beside compute: both are zero there.
+the cores (on a VM, a rank that blocked must also have its virtual CPU woken), so in a pipeline a
+message costs both ranks far more than an idle ping-pong shows. A second phase measures it in the
+regime of a pipelined plan: two microbatches circulate around a ring of the two processes, and
+each rank, per microbatch, receives, runs a fixed amount of GEMM work (about a stage's worth) and
+sends, so messages arrive while the receiver computes the other microbatch. Under the planner's
+model (the sender's compute stream pays ``host_send_s`` after its work, the message takes the
+idle one-way time ``L`` on the link, the receiver's compute stream pays ``host_recv_s`` before its
+work) a round of the ring takes ``2 (W + host_send_s + L + host_recv_s)``, with ``W`` the work's
+time on an otherwise idle machine (a third phase: one rank works, the other waits).
+``host_send_s`` is the time spent in the send call; ``host_recv_s`` is the rest of the round's
+excess. GPUs (NCCL) move bytes with their own engines beside compute: both are zero there.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import multiprocessing as mp
 import socket
@@ -130,7 +133,11 @@ class _Endpoint:
 
             self.transport = Transport(rank, device, timeout_s=60.0)
             self.out, self.inp = Link(self.peer, range(1), 1), Link(self.peer, range(1), 1)
-            self.protocol = "opweave.runtime Transport (pack, eager chunk + tail, isend/irecv)"
+            self.protocol = (
+                "opweave.runtime Transport (pack; sockets progressed by the ranks' threads)"
+                if getattr(self.transport, "p2p", "torch") == "socket"
+                else "opweave.runtime Transport (pack, eager chunk + tail, isend/irecv)"
+            )
         except ImportError:  # an older runtime without multi-process transport
             self.transport = None
             self.protocol = "pack + torch.distributed isend/irecv"
@@ -219,8 +226,8 @@ def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, 
 
 
 def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, float] | None:
-    """Both ranks compute a fixed GEMM workload, then exchange one message, every round; then
-    rank 0 times the same workload while rank 1 waits. Rank 0 returns the figures.
+    """Two microbatches circulate around the two ranks (receive, work, send, per microbatch),
+    then rank 0 times the work alone while rank 1 waits. Rank 0 returns the figures.
 
     Each figure is the lowest of the medians of ``BUSY_CHUNKS`` consecutive chunks of rounds,
     as the operator grid keeps the lower of two passes: another process that takes a core for
@@ -234,35 +241,41 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
     dist.broadcast(count, src=0)  # both ranks run the same work
     iters = int(count.item())
     batch = _batch(BUSY_BYTES, device)
-    rounds, sends = [], []
-    for i in range(_WARMUP + BUSY_ROUNDS):
-        t0 = time.perf_counter()
+
+    def work() -> None:
         for _ in range(iters):
             torch.nn.functional.linear(a, w)
-        t1 = time.perf_counter()
-        end.send(batch, i, wait=False)
-        t2 = time.perf_counter()
-        end.recv(batch["hidden"])
-        end.reap()
-        t3 = time.perf_counter()
-        if i >= _WARMUP:
-            rounds.append(t3 - t0)
-            sends.append(t2 - t1)
+
+    marks, sends = [], []
+    epoch = 0
+    for i in range(_WARMUP + BUSY_ROUNDS):
+        marks.append(time.perf_counter())
+        for _ in range(2):  # microbatches; rank 0 starts the first round without input
+            if rank == 1 or i > 0:
+                end.recv(batch["hidden"])
+            work()
+            t0 = time.perf_counter()
+            end.send(batch, epoch, wait=False)
+            sends.append(time.perf_counter() - t0)
+            epoch += 1
+    if rank == 0:
+        for _ in range(2):
+            end.recv(batch["hidden"])
+    end.reap()
     if rank != 0:
         end.recv(batch["hidden"])  # rank 0 times the work alone meanwhile
         return None
+    rounds = [b - a for a, b in itertools.pairwise(marks[_WARMUP:])]
     alone = []
     for i in range(_WARMUP + BUSY_ROUNDS):
         t0 = time.perf_counter()
-        for _ in range(iters):
-            torch.nn.functional.linear(a, w)
+        work()
         if i >= _WARMUP:
             alone.append(time.perf_counter() - t0)
-    end.send(batch, 0)  # release rank 1
-    best = int(np.argmin(_chunk_medians(rounds)))
+    end.send(batch, epoch)  # release rank 1
     return {
-        "round_s": _chunk_medians(rounds)[best],
-        "send_s": _chunk_medians(sends)[best],
+        "round_s": min(_chunk_medians(rounds)),
+        "send_s": min(_chunk_medians(sends[2 * _WARMUP :])),
         "work_alone_s": min(_chunk_medians(alone)),
         "bytes": float(pack(batch).numel()),
     }
@@ -341,10 +354,11 @@ def measure_transfer(
 
 
 def host_costs(busy: dict[str, float], latency_s: float, bandwidth: float) -> tuple[float, float]:
-    """``(host_send_s, host_recv_s)`` from the busy phase: a round's time beyond the work on an
-    idle machine and the message's idle one-way time is charged to the two compute streams;
-    the sender's share is what its send call took."""
+    """``(host_send_s, host_recv_s)`` from the busy ring: a round is two hops of ``work + send
+    + link + receive``; per hop, the time beyond the work on an idle machine and the message's
+    idle one-way time goes to the two compute streams, the sender's share being its send
+    call."""
     link = latency_s + busy["bytes"] / bandwidth
-    excess = max(busy["round_s"] - busy["work_alone_s"] - link, 0.0)
+    excess = max(busy["round_s"] / 2 - busy["work_alone_s"] - link, 0.0)
     send = min(busy["send_s"], excess)
     return send, excess - send

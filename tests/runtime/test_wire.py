@@ -1,0 +1,102 @@
+"""The CPU point-to-point wire: ordering, big messages both ways at once, a peer that dies."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank(rank: int, port: int, scenario: str, out: mp.Queue) -> None:
+    import torch.distributed as dist
+
+    from opweave.runtime._private.batch import BatchMeta, TokenBatch, unpack
+    from opweave.runtime._private.schedule import Link
+    from opweave.runtime._private.transport import PeerError, Transport
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=30),
+    )
+    tr = Transport(rank, torch.device("cpu"), timeout_s=10.0)
+    assert tr.p2p == "socket"
+    peer = 1 - rank
+    if scenario == "both_ways":
+        # 32 MB each way before either side receives: far beyond the sockets' buffers, so a
+        # transport that blocked in send would deadlock here
+        big = torch.arange(8 << 20, dtype=torch.float32) + rank
+        for i in range(3):
+            batch = TokenBatch(BatchMeta((f"r{i}",), (1,), (0,)), {"hidden": big + i})
+            tr.send(Link(peer, range(1), 7), batch, epoch=i)
+        got = [unpack(tr.recv(Link(peer, range(1), 7), "receiving")) for _ in range(3)]
+        tr.flush()
+        ok = all(
+            g.meta.request_ids == (f"r{i}",) and torch.equal(g["hidden"], big - rank + peer + i)
+            for i, g in enumerate(got)
+        )
+        out.put((rank, ok))
+    elif scenario == "peer_dies":
+        if rank == 1:
+            os._exit(0)  # without a word
+        start = time.monotonic()
+        try:
+            tr.recv(Link(peer, range(1), 1), "waiting for rank 1")
+            out.put((rank, "no error"))
+        except PeerError as exc:
+            out.put((rank, f"{exc.peer}|{exc}|{time.monotonic() - start:.1f}"))
+    out.close()
+    out.join_thread()  # flush the queue's feeder thread before the hard exit
+    os._exit(0)
+
+
+def _run(scenario: str) -> dict[int, object]:
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, scenario, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = {}
+    expected = 2 if scenario == "both_ways" else 1
+    for _ in range(expected):
+        rank, value = out.get(timeout=60)
+        results[rank] = value
+    for p in procs:
+        p.join(30)
+        assert not p.is_alive()
+    return results
+
+
+def test_big_messages_both_ways_arrive_whole_and_in_order() -> None:
+    assert _run("both_ways") == {0: True, 1: True}
+
+
+def test_a_peer_that_exits_fails_the_wait_at_once_naming_it() -> None:
+    peer, message, seconds = str(_run("peer_dies")[0]).split("|")
+    assert peer == "1"
+    assert "lost rank 1 while waiting for rank 1" in message
+    assert float(seconds) < 5  # not the 10 s timeout
+
+
+@pytest.mark.parametrize("value", ["gloo", "nccl"])
+def test_an_unknown_p2p_setting_is_one_line(value, monkeypatch) -> None:
+    from opweave.runtime._private.transport import Transport
+    from opweave.runtime.errors import OpWeaveRuntimeError
+
+    monkeypatch.setenv("OPWEAVE_P2P", value)
+    with pytest.raises(OpWeaveRuntimeError, match="expected socket or torch"):
+        Transport(0, torch.device("cpu"), timeout_s=1.0)
