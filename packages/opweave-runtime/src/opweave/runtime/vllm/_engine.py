@@ -94,6 +94,7 @@ class Pipeline(Protocol):
     """What :class:`StepEngine` and the executor need from the stages, wherever they run."""
 
     spec: ModelSpec
+    kernels: list[list[str]]  # per stage or worker: operators switched to vLLM kernels
 
     @property
     def global_batch(self) -> int | None: ...
@@ -129,13 +130,18 @@ class PlanPipeline:
         *,
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
+        kernels: str = "opweave",
     ) -> None:
+        from ._kernels import KERNELS_KEY, apply_kernel_choice
+
         self.layout = plan_layout(model_dir, plan)
         self.plan = self.layout.plan
         self.owners = self.layout.owners
         self.stages = [
             StageModule(model_dir, g, dtype=dtype, device=device) for g in self.layout.groups
         ]
+        # operators switched to vLLM kernels ("<layer>.<op>:<kernel>"), per stage
+        self.kernels = [apply_kernel_choice(st, {KERNELS_KEY: kernels}) for st in self.stages]
         self.spec = self.stages[0].spec
         self.device = torch.device(device)
 

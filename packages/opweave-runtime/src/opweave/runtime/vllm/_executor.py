@@ -44,6 +44,7 @@ def _build() -> type:
 
     from ..errors import OpWeaveRuntimeError
     from ._engine import Pipeline, PlanPipeline, StepEngine, WorkItem, sample
+    from ._kernels import kernel_choice
 
     class OpWeaveExecutor(Executor):
         """Runs each engine step through OpWeave's stages, cut by the plan's segments.
@@ -92,11 +93,12 @@ def _build() -> type:
             self._warned: set[str] = set()
             self.num_blocks: int | None = None
             _log.info(
-                "OpWeave executor: %d segment(s) over %s, %s%s",
+                "OpWeave executor: %d segment(s) over %s, %s%s; vLLM kernels: %s",
                 self.pipeline.num_segments,
                 mc.model,
                 self.workers_mode,
                 "" if gb is None else f", global batch {gb}",
+                ", ".join(k for ks in self.pipeline.kernels for k in ks) or "none",
             )
 
         def _make_pipeline(self, extra: dict[str, Any]) -> Pipeline:
@@ -115,8 +117,11 @@ def _build() -> type:
             self.workers_mode: str = mode
             device = str(extra.get(DEVICE_KEY, "cpu"))
             dtype = self.model_config.dtype
+            kernels = kernel_choice(extra)  # resolved here: a bad value fails before any worker
             if mode == "inprocess":
-                return PlanPipeline(self.model_config.model, plan, dtype=dtype, device=device)
+                return PlanPipeline(
+                    self.model_config.model, plan, dtype=dtype, device=device, kernels=kernels
+                )
             from ._workers import WorkerPool
 
             pool = WorkerPool(
@@ -125,6 +130,7 @@ def _build() -> type:
                 dtype=dtype,
                 device=device,
                 timeout_s=float(extra.get(TIMEOUT_KEY, 120.0)),
+                kernels=kernels,
             )
             pool.on_failure = self._failure_callbacks  # filled by register_failure_callback
             return pool

@@ -53,6 +53,7 @@ from .._private.batch import TokenBatch, pack, unpack
 from .._private.graph import OpRef
 from .._private.stage import StageModule
 from ..errors import RequestStateError
+from ._kernels import KERNELS_KEY, apply_kernel_choice
 
 _JSON = ord("J")
 _BATCH = ord("B")
@@ -138,6 +139,9 @@ class StageWorker:
         ops = [OpRef(layer, name) for layer, name in spec["ops"]]
         dtype = getattr(torch, spec["dtype"]) if spec.get("dtype") else None
         self.module = StageModule(spec["model_dir"], ops, dtype=dtype, device=spec["device"])
+        self.kernels = apply_kernel_choice(
+            self.module, {KERNELS_KEY: spec.get("kernels", "opweave")}
+        )
         self.device = torch.device(spec["device"])
         # (segment index, first op, end op) of this owner's segments within self.module
         self.segments: list[tuple[int, int, int]] = [tuple(s) for s in spec["segments"]]
@@ -153,7 +157,12 @@ class StageWorker:
         """Run steps until the driver says stop or goes away."""
         self.reply.put(
             encode_json(
-                {"ready": True, "pid": os.getpid(), "weight_bytes": self.module.weight_bytes}
+                {
+                    "ready": True,
+                    "pid": os.getpid(),
+                    "weight_bytes": self.module.weight_bytes,
+                    "kernels": self.kernels,
+                }
             )
         )
         while True:

@@ -95,6 +95,7 @@ class WorkerPool:
         device: str = "cpu",
         timeout_s: float = 120.0,
         threads: int | None = None,
+        kernels: str = "opweave",
     ) -> None:
         self.layout = plan_layout(model_dir, plan)
         self.plan = self.layout.plan
@@ -122,8 +123,10 @@ class WorkerPool:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
             threads = max(1, cores // n_owners)
         self.workers: list[_Worker] = []
+        # operators each owner's worker switched to vLLM kernels (reported when it is ready)
+        self.kernels: list[list[str]] = [[] for _ in range(n_owners)]
         try:
-            self._start(str(model_dir), dtype, device, threads)
+            self._start(str(model_dir), dtype, device, threads, kernels)
         except BaseException:
             self._kill_all()
             raise
@@ -131,7 +134,9 @@ class WorkerPool:
         self._monitor.start()
 
     # -- start-up --------------------------------------------------------------------------
-    def _start(self, model_dir: str, dtype: torch.dtype | None, device: str, threads: int) -> None:
+    def _start(
+        self, model_dir: str, dtype: torch.dtype | None, device: str, threads: int, kernels: str
+    ) -> None:
         layout = self.layout
         n_owners = len(self.plan.owners)
         # one data link per ordered pair of owners whose segments meet: (sender, receiver)
@@ -174,6 +179,7 @@ class WorkerPool:
                             "device": device,
                             "timeout_s": self.timeout_s,
                             "threads": threads,
+                            "kernels": kernels,
                             "inbound": inbound,
                             "outbound": outbound,
                         }
@@ -192,6 +198,7 @@ class WorkerPool:
             if not isinstance(msg, dict) or not msg.get("ready"):
                 raise self._fail(f"{w.describe()} sent {msg!r} instead of ready", culprit=w)
             waiting.remove(w)
+            self.kernels[w.owner] = list(msg.get("kernels", ()))
 
     # -- the Pipeline interface ------------------------------------------------------------
     @property
