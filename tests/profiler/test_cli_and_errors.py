@@ -73,11 +73,12 @@ def test_transfer_line_fit_recovers_latency_and_bandwidth() -> None:
 def test_host_costs_split_a_busy_round_between_sender_and_receiver() -> None:
     from opweave.profiler import host_costs
 
-    busy = {"round_s": 3.0e-3, "send_s": 0.2e-3, "work_alone_s": 1.0e-3, "bytes": 1e5}
-    send, recv = host_costs(busy, latency_s=0.3e-3, bandwidth=1e9)  # link: 0.4 ms
+    # a hop: 1 ms of work, 0.4 ms on the link (0.3 ms + 1e5 B at 1 GB/s), and 1.6 ms more
+    busy = {"round_s": 6.0e-3, "send_s": 0.2e-3, "work_alone_s": 1.0e-3, "bytes": 1e5}
+    send, recv = host_costs(busy, latency_s=0.3e-3, bandwidth=1e9)
     assert send == pytest.approx(0.2e-3) and recv == pytest.approx(1.4e-3)
     # a round no slower than the work and the idle link costs compute nothing
-    assert host_costs({**busy, "round_s": 1.2e-3}, latency_s=0.3e-3, bandwidth=1e9) == (0, 0)
+    assert host_costs({**busy, "round_s": 2.6e-3}, latency_s=0.3e-3, bandwidth=1e9) == (0, 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
