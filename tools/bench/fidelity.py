@@ -25,6 +25,12 @@ The prompts are ``S - (N1 + N2) / 2`` tokens long, so the differenced iterations
 context of ``S``, the context the plans were made and simulated for. Runs of the different plans
 are interleaved and each figure is the median over ``--repeats`` rounds.
 
+Rounds. The plans are made once, from the first profile; every round then profiles the model
+again and simulates the plans with that profile right before running them, and the error
+reported is the median over rounds of each round's ``(sim - meas) / meas``. On a VM whose own
+speed drifts by 2x over minutes, a profile describes the machine of its moment; this is the
+error of the simulator, not of the drift between a profile and runs minutes later.
+
 Noise. Each measurement notes how many cores' worth of CPU time *other* processes used while
 it ran (``/proc/stat`` minus this benchmark's own process tree) and is repeated, up to
 ``--tries`` times, while that exceeds ``--max-foreign``; the quietest try is kept. A fixed
@@ -147,6 +153,7 @@ class Case:
     plan: Any
     sim: Any
     sim_seq: Any = None  # simulated with operator times measured in a decode loop
+    sims: list[float] = field(default_factory=list)  # TPOT simulated with each round's profile
     runs: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     foreign: list[float] = field(default_factory=list)  # other processes' cores, per repeat
 
@@ -176,6 +183,9 @@ class Case:
         ]
         return {
             "tpot_s": statistics.median(tpots),
+            "sim_s": statistics.median(self.sims),
+            # each round's simulation against that round's measurement, then the median
+            "error": statistics.median((s - t) / t for s, t in zip(self.sims, tpots, strict=True)),
             "tpot_spread_s": (min(tpots), max(tpots)),
             "runtime_tpot_s": statistics.median(plain),
             "ranks": ranks,
@@ -311,17 +321,12 @@ def requests(spec_vocab: int, count: int, prompt_len: int, tokens: int, seed: in
     ]
 
 
-def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
-    import json
-
+def measure_profile(
+    family: str, model_dir: Path, batches: list[int], contexts: list[int], args: argparse.Namespace
+) -> Any:
+    """A fresh CPU profile of the model (the quietest of up to ``--tries``), with a summary."""
     from opweave.profiler import profile_model
-    from opweave.runtime import run_plan, write_tiny_model
 
-    model_dir = write_tiny_model(family, root / family, **FAMILIES[family])
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    u = args.batch // args.microbatches
-    batches = sorted({1, u, args.batch, 2 * args.batch})
-    contexts = sorted({args.context // 4, args.context, 4 * args.context})
     started = time.perf_counter()
     best = None
     for _ in range(args.tries):
@@ -341,10 +346,9 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
         time.sleep(args.backoff_s)
     assert best is not None
     foreign, prof = best
-    profile = prof.profile
     link = prof.transfer
     print(
-        f"\n{family}: profiled in {time.perf_counter() - started:.0f} s "
+        f"{family}: profiled in {time.perf_counter() - started:.0f} s "
         f"(batches {batches}, contexts {contexts}; other processes used {foreign:.2f} cores); "
         "transfer fit "
         + (
@@ -355,6 +359,20 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
             f"{link.host_recv_s * 1e6:.0f} us of compute per message"
         )
     )
+    return prof.profile
+
+
+def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
+    import json
+
+    from opweave.runtime import run_plan, write_tiny_model
+
+    model_dir = write_tiny_model(family, root / family, **FAMILIES[family])
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    u = args.batch // args.microbatches
+    batches = sorted({1, u, args.batch, 2 * args.batch})
+    contexts = sorted({args.context // 4, args.context, 4 * args.context})
+    profile = measure_profile(family, model_dir, batches, contexts, args)
     cases = make_cases(family, model_dir, profile, args)
     from opweave.costmodel import load_model
     from opweave.planner import simulate_plan
@@ -365,7 +383,12 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
         case.sim_seq = simulate_plan(case.plan, spec, profiles=[in_order])
     n1, n2 = args.tokens
     prompt_len = args.context - (n1 + n2) // 2
+    print()
     for r in range(args.repeats):
+        if r > 0:  # the profile each round's runs are predicted from is taken just before them
+            profile = measure_profile(family, model_dir, batches, contexts, args)
+        for case in cases:
+            case.sims.append(simulate_plan(case.plan, spec, profiles=[profile]).tpot_s)
         for case in cases:
             # Rerun a pair while other processes took more than --max-foreign cores; keep the
             # quietest try (their load only ever inflates the measured time).
@@ -411,16 +434,17 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
         st = case.steady(n1, n2)
         meas = st["tpot_s"]
         sims = {
-            "profile": case.sim.tpot_s,
+            "profile": st["sim_s"],
             "decode loop": case.sim_seq.tpot_s,
         }
         errs = {k: (v - meas) / meas for k, v in sims.items()}
+        errs["profile"] = st["error"]
         for k, e in errs.items():
             errors.setdefault(k, {}).setdefault(case.family, []).append(e)
         lo, hi = st["tpot_spread_s"]
         print(
             f"{case.family:<11} {label(case, cases):<24} {case.ranks:>5} "
-            f"{case.sim.tpot_s * 1e3:7.2f} {meas * 1e3:7.2f} {100 * errs['profile']:+6.1f}% "
+            f"{st['sim_s'] * 1e3:7.2f} {meas * 1e3:7.2f} {100 * errs['profile']:+6.1f}% "
             f"{lo * 1e3:6.2f}..{hi * 1e3:<5.2f} {max(case.foreign):7.2f} "
             f"{case.sim_seq.tpot_s * 1e3:6.2f} {100 * errs['decode loop']:+6.1f}%"
         )

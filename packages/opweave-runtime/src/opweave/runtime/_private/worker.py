@@ -305,7 +305,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any] | None:
     plan = Plan.model_validate(spec.plan)
     placement = Placement(plan, load_model(spec.model_dir))
     device = resolve_device(spec.device, spec.local_rank)
-    if device.type == "cpu":
+    if device.type == "cpu" and spec.world_size > 1:  # a lone rank may use any idle core
         pin_to_core(spec.local_rank)
     timeout = timedelta(seconds=spec.timeout_s)
     if spec.env_init:
