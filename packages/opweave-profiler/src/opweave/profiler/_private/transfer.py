@@ -40,13 +40,13 @@ import numpy as np
 import torch
 
 from opweave.costmodel import TransferProfile
-from opweave.runtime import BatchMeta, TokenBatch, pack
+from opweave.runtime import BatchMeta, TokenBatch, pack, unpack
 
 from ..errors import ProfilerError
 
 DEFAULT_SIZES = tuple(1024 * 4**k for k in range(9))  # 1 KiB .. 64 MiB
 _WARMUP = 5
-BUSY_BYTES = 16 * 1024  # the busy phase's message: a decode microbatch's activations
+BUSY_REQUESTS, BUSY_HIDDEN = 4, 1024  # the busy phase's message: a decode microbatch of 4
 BUSY_ROUNDS = 150
 BUSY_CHUNKS = 5
 
@@ -166,15 +166,18 @@ class _Endpoint:
             self._pending.wait()
             self._pending = None
 
-    def recv(self, like: torch.Tensor) -> None:
+    def recv(self, like: torch.Tensor) -> torch.Tensor:
+        """The next message's packed bytes (``like``: a packed message of the same size)."""
         import torch.distributed as dist
 
         if self.transport is not None:
-            self.transport.recv(self.inp, "profiling transfers")
-        else:
-            work = dist.irecv(torch.empty_like(like), src=self.peer, tag=1)
-            assert work is not None
-            work.wait()
+            part = self.transport.recv(self.inp, "profiling transfers")
+            return part if isinstance(part, torch.Tensor) else pack(part)
+        buf = torch.empty_like(like)
+        work = dist.irecv(buf, src=self.peer, tag=1)
+        assert work is not None
+        work.wait()
+        return buf
 
 
 def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, out: str) -> None:
@@ -240,7 +243,17 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
     count = torch.tensor([_calibrate(a, w, target_s=1e-3)])
     dist.broadcast(count, src=0)  # both ranks run the same work
     iters = int(count.item())
-    batch = _batch(BUSY_BYTES, device)
+    # what a stage boundary carries in decode: a few requests' schedule and two activations,
+    # packed by the sender and unpacked by the receiver as the runtime's workers do
+    rids = tuple(f"r{i}" for i in range(BUSY_REQUESTS))
+    meta = BatchMeta(rids, (1,) * BUSY_REQUESTS, (256,) * BUSY_REQUESTS)
+    rows = torch.zeros(BUSY_REQUESTS, BUSY_HIDDEN, dtype=torch.float32, device=device)
+    batch = TokenBatch(meta, {"hidden": rows, "residual": rows.clone()})
+
+    packed = pack(batch)
+
+    def receive() -> None:
+        unpack(end.recv(packed))
 
     def work() -> None:
         for _ in range(iters):
@@ -252,7 +265,7 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
         marks.append(time.perf_counter())
         for _ in range(2):  # microbatches; rank 0 starts the first round without input
             if rank == 1 or i > 0:
-                end.recv(batch["hidden"])
+                receive()
             work()
             t0 = time.perf_counter()
             end.send(batch, epoch, wait=False)
@@ -260,10 +273,10 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
             epoch += 1
     if rank == 0:
         for _ in range(2):
-            end.recv(batch["hidden"])
+            receive()
     end.reap()
     if rank != 0:
-        end.recv(batch["hidden"])  # rank 0 times the work alone meanwhile
+        end.recv(packed)  # rank 0 times the work alone meanwhile
         return None
     rounds = [b - a for a, b in itertools.pairwise(marks[_WARMUP:])]
     alone = []
@@ -277,7 +290,7 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
         "round_s": min(_chunk_medians(rounds)),
         "send_s": min(_chunk_medians(sends[2 * _WARMUP :])),
         "work_alone_s": min(_chunk_medians(alone)),
-        "bytes": float(pack(batch).numel()),
+        "bytes": float(packed.numel()),
     }
 
 
