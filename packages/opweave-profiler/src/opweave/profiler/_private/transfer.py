@@ -1,26 +1,26 @@
 """Point-to-point transfer latency and bandwidth between two processes.
 
 A pipeline stage hands its activations to the next as one buffer made by the runtime's
-:func:`~opweave.runtime.pack`, sent by the runtime's transport with ``torch.distributed``
-point-to-point calls (gloo between CPU processes, NCCL between GPUs). Two spawned processes play
-ping-pong through that same transport with batches of several sizes; half the median round trip
-is the one-way time, and a least-squares line through those points (weighted by 1/time, so
-small messages count as much as large ones) gives ``latency_s + bytes / bandwidth``, the
+:func:`~opweave.runtime.pack`, sent by the runtime's transport (between CPU processes its socket
+wire, driven by the ranks' own threads; between GPUs NCCL). Two spawned processes play ping-pong
+through that same transport with batches of several sizes; half the median round trip is the
+one-way time, and a least-squares line through those points (weighted by 1/time, so small
+messages count as much as large ones) gives ``latency_s + bytes / bandwidth``, the
 :class:`TransferProfile` the planner uses.
 
-Between CPU processes the transport is *host-driven*: a rank's one compute thread packs, posts,
-waits for and unpacks every message, and gloo's I/O threads compete with the compute threads for
-the cores (on a VM, a rank that blocked must also have its virtual CPU woken), so in a pipeline a
-message costs both ranks far more than an idle ping-pong shows. A second phase measures it in the
-regime of a pipelined plan: two microbatches circulate around a ring of the two processes, and
-each rank, per microbatch, receives, runs a fixed amount of GEMM work (about a stage's worth) and
-sends, so messages arrive while the receiver computes the other microbatch. Under the planner's
-model (the sender's compute stream pays ``host_send_s`` after its work, the message takes the
-idle one-way time ``L`` on the link, the receiver's compute stream pays ``host_recv_s`` before its
-work) a round of the ring takes ``2 (W + host_send_s + L + host_recv_s)``, with ``W`` the work's
-time on an otherwise idle machine (a third phase: one rank works, the other waits).
-``host_send_s`` is the time spent in the send call; ``host_recv_s`` is the rest of the round's
-excess. GPUs (NCCL) move bytes with their own engines beside compute: both are zero there.
+Between CPU processes the transport is *host-driven*: a rank's one compute thread packs, sends,
+waits for and unpacks every message (on a VM, a rank that blocked must also have its virtual CPU
+woken), so in a pipeline a message costs both ranks more than an idle ping-pong shows. A second
+phase measures it in the regime of a pipelined plan: two microbatches circulate around a ring of
+the two processes, and each rank, per microbatch, receives and unpacks a packed multi-request
+batch, runs a fixed amount of GEMM work (about a stage's worth) and packs and sends it, so
+messages arrive while the receiver computes the other microbatch. Under the planner's model (the
+sender's compute stream pays ``host_send_s`` after its work, the message takes the idle one-way
+time ``L`` on the link, the receiver's compute stream pays ``host_recv_s`` before its work) a
+round of the ring takes ``2 (W + host_send_s + L + host_recv_s)``, with ``W`` the work's time on
+an otherwise idle machine (a third phase: one rank works, the other waits). ``host_send_s`` is
+the time spent in the send call; ``host_recv_s`` is the rest of the round's excess. GPUs (NCCL)
+move bytes with their own engines beside compute: both are zero there.
 """
 
 from __future__ import annotations
