@@ -33,17 +33,9 @@ import torch.distributed as dist
 from ..errors import OpWeaveRuntimeError
 from .batch import BatchMeta, TokenBatch, pack, unpack
 from .schedule import Link
-from .wire import SocketWire, WireError
+from .wire import PeerError, SocketWire
 
 P2P_ENV = "OPWEAVE_P2P"  # "socket" (default on CPU) or "torch" (torch.distributed isend/irecv)
-
-
-class PeerError(OpWeaveRuntimeError):
-    """A message to or from ``peer`` failed or timed out: the peer died, hung, or disconnected."""
-
-    def __init__(self, peer: int | None, message: str) -> None:
-        super().__init__(message)
-        self.peer = peer
 
 
 Part = TokenBatch | torch.Tensor  # a batch handed over in-process, or packed bytes off the wire
@@ -83,6 +75,7 @@ class Transport:
             if p2p == "socket"
             else None
         )
+        self._wire_oldest: int | None = None  # epoch of the oldest send posted since a drain
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, link: Link, batch: TokenBatch, epoch: int) -> None:
@@ -93,11 +86,9 @@ class Transport:
         start = time.perf_counter()
         buf = pack(batch).to(self.device)
         if self._wire is not None:
-            try:
-                self._wire.post(link.peer, link.tag, buf)
-            except WireError as exc:
-                raise PeerError(exc.peer, str(exc)) from None
-            self._pending.append((epoch, None, buf, link.peer))
+            self._wire.post(link.peer, link.tag, buf)
+            if self._wire_oldest is None:
+                self._wire_oldest = epoch
             self.bytes_sent += buf.numel()
             self.messages_sent += 1
             self.comm_s += time.perf_counter() - start
@@ -123,10 +114,7 @@ class Transport:
             return self._local[link.tag].popleft()
         start = time.perf_counter()
         if self._wire is not None:
-            try:
-                buf = self._wire.take(link.peer, link.tag, what)
-            except WireError as exc:
-                raise PeerError(exc.peer, str(exc)) from None
+            buf = self._wire.take(link.peer, link.tag, what)
             self.comm_s += time.perf_counter() - start
             return buf
         chunk = torch.empty(EAGER_BYTES, dtype=torch.uint8, device=self.device)
@@ -159,12 +147,9 @@ class Transport:
         """Wait for sends queued before ``before_epoch``: bounds memory, never the pipeline."""
         start = time.perf_counter()
         if self._wire is not None:
-            if any(e < before_epoch for e, *_ in self._pending):
-                try:
-                    self._wire.drain("sending queued messages")
-                except WireError as exc:
-                    raise PeerError(exc.peer, str(exc)) from None
-                self._pending.clear()
+            if self._wire_oldest is not None and self._wire_oldest < before_epoch:
+                self._wire.drain("sending queued messages")
+                self._wire_oldest = None
             self.comm_s += time.perf_counter() - start
             return
         while self._pending and self._pending[0][0] < before_epoch:

@@ -19,12 +19,13 @@ message queues. Since no rank can block while another one waits for it to read, 
 deadlock whatever the message sizes, and messages between two ranks arrive in the order they
 were sent (which the compiled schedule relies on; the tag is checked against it).
 
-A peer that exits closes its connection: the wait fails at once with :class:`WireError` naming
+A peer that exits closes its connection: the wait fails at once with :class:`PeerError` naming
 it; one that hangs fails the wait after ``timeout_s``.
 """
 
 from __future__ import annotations
 
+import os
 import selectors
 import socket
 import struct
@@ -33,14 +34,16 @@ from collections import deque
 
 import torch
 
+from ..errors import OpWeaveRuntimeError
+
 _HEADER = struct.Struct("<qq")  # payload length, tag
 _CHUNK = 1 << 20
 
 
-class WireError(RuntimeError):
-    """A peer closed its connection, or did not answer in time."""
+class PeerError(OpWeaveRuntimeError):
+    """A message to or from ``peer`` failed or timed out: the peer died, hung, or disconnected."""
 
-    def __init__(self, peer: int, message: str) -> None:
+    def __init__(self, peer: int | None, message: str) -> None:
         super().__init__(message)
         self.peer = peer
 
@@ -116,11 +119,11 @@ class SocketWire:
         deadline = time.monotonic() + self.timeout_s
         while not p.inbox:
             if p.closed:
-                raise WireError(peer, f"lost rank {peer} while {what}: it closed its connection")
+                raise PeerError(peer, f"lost rank {peer} while {what}: it closed its connection")
             self._progress(deadline, f"{what} (rank {peer})", peer)
         got, payload = p.inbox.popleft()
         if got != tag:
-            raise WireError(
+            raise PeerError(
                 peer, f"rank {peer} sent tag {got} while {what} expected {tag}: schedules differ"
             )
         return payload
@@ -147,10 +150,12 @@ class SocketWire:
                 self.selector.modify(p.sock, events, p)
         left = deadline - time.monotonic()
         if left <= 0:
-            who = peer if peer is not None else next(
-                (p.rank for p in self.peers.values() if p.out), -1
+            who = (
+                peer
+                if peer is not None
+                else next((p.rank for p in self.peers.values() if p.out), -1)
             )
-            raise WireError(who, f"timed out after {self.timeout_s:g} s {what}")
+            raise PeerError(who, f"timed out after {self.timeout_s:g} s {what}")
         for key, mask in self.selector.select(timeout=min(left, 1.0)):
             p = key.data
             if mask & selectors.EVENT_WRITE:
@@ -166,7 +171,7 @@ class SocketWire:
             except BlockingIOError:
                 return
             except OSError as exc:
-                raise WireError(p.rank, f"sending to rank {p.rank} failed: {exc}") from None
+                raise PeerError(p.rank, f"sending to rank {p.rank} failed: {exc}") from None
             if sent == len(head):
                 p.out.popleft()
             else:
@@ -220,8 +225,6 @@ def _read_exactly(sock: socket.socket, n: int) -> bytes:
 
 def _local_address(master: str | None) -> str:
     """This host's address as other ranks reach it: the one on its route to the master."""
-    import os
-
     master = master or os.environ.get("MASTER_ADDR", "127.0.0.1")
     if master in ("127.0.0.1", "localhost"):
         return "127.0.0.1"

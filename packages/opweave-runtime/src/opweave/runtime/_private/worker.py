@@ -79,9 +79,7 @@ class Worker:
         self.info = placement.ranks[spec.rank]
         self.device = device
         self.actions = compile_schedule(placement, spec.rank)
-        self.transport = Transport(
-            spec.rank, device, spec.timeout_s, master_addr=spec.master_addr
-        )
+        self.transport = Transport(spec.rank, device, spec.timeout_s, master_addr=spec.master_addr)
         self.group = None
         for ranks in placement.tp_groups:  # every rank creates every group, in the same order
             g = dist.new_group(list(ranks))
