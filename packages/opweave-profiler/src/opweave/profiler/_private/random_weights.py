@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from opweave.runtime import ModelSpec as RuntimeSpec
+from opweave.runtime._private.weights import TensorSource
 from opweave.runtime.errors import CheckpointError
 
 _PREFIX = "model."
@@ -108,41 +109,29 @@ def tensor_shapes(
     return shapes
 
 
-class RandomCheckpoint:
+class RandomCheckpoint(TensorSource):
     """Drop-in for the runtime's ``Checkpoint`` that invents every tensor it is asked for.
 
-    Only the public methods operators call are provided. ``shared=True`` tensors (a tied
-    embedding used by both ``embed`` and ``lm_head``) are created once and reused, as the real
-    checkpoint does.
+    The runtime's :class:`TensorSource` supplies ``get`` (with the accounting, and ``shared=True``
+    tensors such as a tied embedding created once and reused, as the real checkpoint does) and
+    the name mapping; this class says how a tensor is made.
     """
 
     def __init__(
         self, spec: RuntimeSpec, raw: Mapping[str, Any], *, seed: int = 0, name: str = "random"
     ) -> None:
+        super().__init__()
         self.model_dir = Path(name)
         self.prefix = _PREFIX
         self._shapes = tensor_shapes(spec, raw)
         self._seed = seed
         self._generators: dict[str, torch.Generator] = {}
-        self._loaded: dict[tuple[str, torch.dtype | None, str], torch.Tensor] = {}
-        self.names_read: list[str] = []
-        self.bytes_read = 0
 
     def has(self, name: str) -> bool:
         return name in self._shapes
 
-    def get(
-        self,
-        name: str,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str = "cpu",
-        shared: bool = False,
-    ) -> torch.Tensor:
-        device = torch.device(device)
-        key = (name, dtype, str(device))
-        if shared and key in self._loaded:
-            return self._loaded[key]
+    def _fetch(self, name: str, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+        """A new tensor of the name's shape, made directly on ``device`` in ``dtype``."""
         shape = self._shapes.get(name)
         if shape is None:
             raise CheckpointError(
@@ -157,10 +146,7 @@ class RandomCheckpoint:
             else:
                 bound = (3.0 / shape[-1]) ** 0.5
                 tensor.uniform_(-bound, bound, generator=gen)
-        self.names_read.append(name)
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        if shared:
-            self._loaded[key] = tensor
+        self._account(name, tensor)
         return tensor
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -170,16 +156,7 @@ class RandomCheckpoint:
             gen.manual_seed(self._seed)
         return gen
 
-    def close(self) -> None:
-        self._loaded.clear()
-
     # --- the runtime Checkpoint's name mapping ---------------------------------------------
-
-    def model_name(self, suffix: str) -> str:
-        return f"{self.prefix}{suffix}"
-
-    def layer_name(self, layer: int, suffix: str) -> str:
-        return f"{self.prefix}layers.{layer}.{suffix}"
 
     def lm_head_name(self) -> str:
         return (

@@ -21,30 +21,80 @@ from ..errors import CheckpointError
 _MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 
 
-class Checkpoint:
-    """Named-tensor access to a model folder (single ``model.safetensors`` or a sharded index).
+class TensorSource:
+    """Tensors by checkpoint name, as operators fetch them; subclasses say where they come from.
 
     ``bytes_read`` and ``names_read`` account for every tensor fetched, so callers can show that a
     stage loaded only its own weights. Tensors fetched with ``shared=True`` (a tied embedding, used
-    by both ``embed`` and ``lm_head``) are read once per dtype and device, and reused until
-    :meth:`close`.
+    by both ``embed`` and ``lm_head``) are fetched once per dtype and device, and reused until
+    :meth:`close`. ``prefix`` is where the decoder's tensors live (``model.``, ...).
     """
 
-    def __init__(self, model_dir: str | Path) -> None:
-        self.model_dir = Path(model_dir)
-        self._file_of = self._index()
-        self._handles: dict[Path, Any] = {}
+    prefix: str
+
+    def __init__(self) -> None:
         self._loaded: dict[tuple[str, torch.dtype | None, str], torch.Tensor] = {}
         self.names_read: list[str] = []
         self.bytes_read = 0
-        self.prefix = next(
+
+    def has(self, name: str) -> bool:
+        raise NotImplementedError
+
+    def _fetch(self, name: str, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+        """One tensor on ``device`` in ``dtype`` (``None``: as stored); accounts for it."""
+        raise NotImplementedError
+
+    def _account(self, name: str, tensor: torch.Tensor) -> None:
+        self.names_read.append(name)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+
+    def get(
+        self,
+        name: str,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        shared: bool = False,
+    ) -> torch.Tensor:
+        """One tensor by its checkpoint name, on ``device`` in ``dtype``."""
+        device = torch.device(device)
+        key = (name, dtype, str(device))
+        if shared and key in self._loaded:
+            return self._loaded[key]
+        tensor = self._fetch(name, dtype, device)
+        if shared:
+            self._loaded[key] = tensor
+        return tensor
+
+    def close(self) -> None:
+        """Drop the sharing cache (loaded tensors stay with their operators)."""
+        self._loaded.clear()
+
+    def model_name(self, suffix: str) -> str:
+        """Name of a non-layer tensor, e.g. ``embed_tokens.weight``, under the detected prefix."""
+        return f"{self.prefix}{suffix}"
+
+    def layer_name(self, layer: int, suffix: str) -> str:
+        return f"{self.prefix}layers.{layer}.{suffix}"
+
+
+class Checkpoint(TensorSource):
+    """Named-tensor access to a model folder (single ``model.safetensors`` or a sharded index)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        super().__init__()
+        self.model_dir = Path(model_dir)
+        self._file_of = self._index()
+        self._handles: dict[Path, Any] = {}
+        prefix = next(
             (p for p in _MODEL_PREFIXES if f"{p}layers.0.input_layernorm.weight" in self._file_of),
             None,
         )
-        if self.prefix is None:
+        if prefix is None:
             raise CheckpointError(
                 f"{self.model_dir}: no decoder layers found under {', '.join(_MODEL_PREFIXES)}"
             )
+        self.prefix = prefix
 
     def _index(self) -> dict[str, Path]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -63,18 +113,8 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._file_of
 
-    def get(
-        self,
-        name: str,
-        *,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str = "cpu",
-        shared: bool = False,
-    ) -> torch.Tensor:
-        """Read one tensor by its checkpoint name and move it to ``device``/``dtype``."""
-        key = (name, dtype, str(torch.device(device)))
-        if shared and key in self._loaded:
-            return self._loaded[key]
+    def _fetch(self, name: str, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
+        """Read one tensor (the bytes stored are what counts) and move it to device/dtype."""
         file = self._file_of.get(name)
         if file is None:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} not in checkpoint")
@@ -82,26 +122,15 @@ class Checkpoint:
         if handle is None:
             handle = self._handles[file] = safe_open(file, framework="pt")
         tensor = handle.get_tensor(name)
-        self.names_read.append(name)
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        tensor = tensor.to(device=device, dtype=dtype or tensor.dtype)
-        if shared:
-            self._loaded[key] = tensor
-        return tensor
+        self._account(name, tensor)
+        return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
     def close(self) -> None:
         """Drop file handles and the sharing cache (loaded tensors stay with their operators)."""
         self._handles.clear()
-        self._loaded.clear()
+        super().close()
 
     # --- name mapping -------------------------------------------------------------------------
-
-    def model_name(self, suffix: str) -> str:
-        """Name of a non-layer tensor, e.g. ``embed_tokens.weight``, under the detected prefix."""
-        return f"{self.prefix}{suffix}"
-
-    def layer_name(self, layer: int, suffix: str) -> str:
-        return f"{self.prefix}layers.{layer}.{suffix}"
 
     def lm_head_name(self) -> str:
         """The output projection; tied models store only the input embedding."""
