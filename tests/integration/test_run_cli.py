@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import pytest
 
 from opweave.cli.app import main
 from opweave.costmodel import canonical_plan, load_model
+from tests.helpers import free_port
 
 MAX_TOKENS = 16  # shares hf_greedy's cache with the runtime tests
 
@@ -125,16 +125,10 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, tiny_model):
         assert out == ""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_nodes_on_one_machine(tmp_path, capsys, tiny_model, hf_greedy, prompts):
     """One ``opweave run`` per node (--nnodes 2): node 0 hosts the rendezvous and rank 0."""
     model_dir = tiny_model("llama")
-    port = str(_free_port())
+    port = str(free_port())
     prompts_file = str(_prompts_file(tmp_path, prompts))
     args = [
         "run",
@@ -182,7 +176,7 @@ def test_torchrun_style_launch(tmp_path, tiny_model, hf_greedy, prompts):
     ``opweave run`` themselves; rank 0 prints the document."""
     model_dir = tiny_model("llama")
     prompts_file = str(_prompts_file(tmp_path, prompts))
-    port = str(_free_port())
+    port = str(free_port())
     pids = []
     for rank in range(2):
         pid = os.fork()

