@@ -34,6 +34,8 @@ def test_cli_profiles_a_tiny_model_end_to_end(tiny_model, tmp_path) -> None:
         "16,64",
         "--threads",
         "1",
+        "--working-set-mib",
+        "0",
         "-o",
         str(out),
         "--json",
@@ -57,6 +59,8 @@ def test_cli_profiles_a_tiny_model_end_to_end(tiny_model, tmp_path) -> None:
     assert profile.transfers[0].host_send_s == pytest.approx(link["host_send_s"])
     assert profile.transfers[0].host_recv_s == pytest.approx(link["host_recv_s"])
     assert "host_send" in str(profile.provenance.settings["transfer_busy"])
+    # --working-set-mib 0: the chain holds only the first layer
+    assert profile.provenance.settings["chain_layers"] == [0]
 
 
 def test_transfer_line_fit_recovers_latency_and_bandwidth() -> None:

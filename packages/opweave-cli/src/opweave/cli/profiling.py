@@ -103,7 +103,8 @@ def profile(
         typer.Option(
             "--passes",
             min=1,
-            help="Grid passes, keeping each cell's lowest median (default: 2 on CPU, 1 on CUDA).",
+            help="Grid passes; a cell is the median of its passes' medians "
+            "(default: 2 on CPU, 1 on CUDA).",
         ),
     ] = None,
     timing_mode: Annotated[
@@ -112,6 +113,15 @@ def profile(
             "--timing",
             help="chain: time each operator inside the block's operator chain in decode order "
             "(default on CPU); isolated: one operator back to back (default on CUDA).",
+        ),
+    ] = None,
+    working_set_mib: Annotated[
+        float | None,
+        typer.Option(
+            "--working-set-mib",
+            min=0.0,
+            help="chain timing: add layers until their weights reach this many MiB, so no "
+            "operator finds its weights cached (default: twice the largest cache).",
         ),
     ] = None,
     threads: Annotated[
@@ -161,6 +171,7 @@ def profile(
         ops=only,
         timing=timing,
         timing_mode=timing_mode,
+        working_set_bytes=None if working_set_mib is None else working_set_mib * 2**20,
         threads=threads,
         transfer=not no_transfer,
         usd_per_hour=usd_per_hour,

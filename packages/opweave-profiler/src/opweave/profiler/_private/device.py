@@ -103,6 +103,22 @@ def memory_bytes(device: torch.device) -> float:
     return total
 
 
+def cache_bytes(device: torch.device) -> int | None:
+    """The largest cache in front of ``device``'s memory: the GPU's L2, or the CPU's last level
+    (the largest ``/sys/devices/system/cpu/cpu0/cache/index*/size``); None when not reported."""
+    if device.type == "cuda":
+        size = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0))
+        return size or None
+    sizes = []
+    for entry in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        match = re.fullmatch(r"(\d+)([KMG]?)", entry.read_text().strip())
+        if match:
+            sizes.append(int(match[1]) * 1024 ** " KMG".index(match[2] or " "))
+    if not sizes and hasattr(os, "sysconf_names") and "SC_LEVEL3_CACHE_SIZE" in os.sysconf_names:
+        sizes.append(max(os.sysconf("SC_LEVEL3_CACHE_SIZE"), 0))
+    return max(sizes, default=0) or None
+
+
 def state_budget_bytes(device: torch.device) -> float:
     """Memory the profiler may fill with synthetic KV state for one cell."""
     if device.type == "cuda":

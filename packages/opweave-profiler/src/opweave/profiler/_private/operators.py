@@ -28,6 +28,7 @@ from opweave.costmodel import (
     ModelSpec,
     OperatorSpec,
     load_model,
+    profile_key,
     profile_operators,
     read_config,
 )
@@ -212,18 +213,44 @@ def plan_chains(source: ModelSource, targets: Sequence[OpTarget]) -> list[Chain]
     return chains
 
 
-def plan_block(source: ModelSource, targets: Sequence[OpTarget]) -> list[Chain]:
-    """One chain in decode order: embed, every layer holding a measured target (whole layers,
-    ascending) and the model's end, so each operator runs between the others as in a stage."""
-    measured = [t for t in targets if t.same_as is None]
-    layers = sorted({t.ref.layer for t in measured if t.ref.layer is not None})
+def plan_block(
+    source: ModelSource, targets: Sequence[OpTarget], working_set_bytes: float = 0.0
+) -> list[Chain]:
+    """One chain in decode order: embed, whole layers (ascending) and the model's end, so each
+    operator runs between the others as in a stage.
+
+    The layers are the first one holding each measured target, then further layers in model
+    order until their weights reach ``working_set_bytes`` (or the model runs out). Between two
+    calls of one operator a stage streams every other weight it holds through the caches; a
+    chain of one small layer would leave that operator's weights, and the interpreter's own
+    data, hot in them, and time it faster than any stage of the model runs it. Every layer's
+    operator whose profile key is measured is timed, so a key pools samples over its layers.
+    """
+    measured = {t.key: t for t in targets if t.same_as is None}
+    timed_as = {t.key: measured[t.same_as or t.key] for t in targets}
+    keys = {
+        (op.layer, op.name): profile_key(op, layer)
+        for layer in source.cost.layers
+        for op in layer.ops
+    }
+    layer_bytes: dict[int, float] = {}
+    for op in source.cost.operators:
+        if op.layer is not None:
+            layer_bytes[op.layer] = layer_bytes.get(op.layer, 0.0) + op.weight_bytes
+    layers = {t.ref.layer for t in measured.values() if t.ref.layer is not None}
+    for layer in range(source.runtime.num_layers):
+        if sum(layer_bytes.get(i, 0.0) for i in layers) >= working_set_bytes:
+            break
+        layers.add(layer)
     refs = [OpRef(None, "embed")]
-    for layer in layers:
+    for layer in sorted(layers):
         refs += [OpRef(layer, n) for n in layer_operator_names(source.runtime, layer)]
     refs += [OpRef(None, n) for n in MODEL_END]
     chain = Chain("block", refs)
-    index = {ref: i for i, ref in enumerate(refs)}
-    chain.timed = {index[t.ref]: t for t in measured}
+    for i, ref in enumerate(refs):
+        key = ref.name if ref.layer is None else keys.get((ref.layer, ref.name))
+        if key in timed_as:
+            chain.timed[i] = timed_as[key]
     return [chain]
 
 

@@ -1,10 +1,10 @@
 """Measure a profile: every distinct operator over a batch x context grid, plus transfers.
 
 The flow: resolve the device and model, pick one runtime operator per profile key, build the
-layers that hold them, walk each layer once per batch size (timing each operator on the input
-its predecessor produced), then time ``core_attn`` over the context grid with synthetic state,
-measure point-to-point transfers in two processes, describe the device, and fit the roofline's
-efficiency factors to the result. Everything lands in one :class:`Profile` with provenance.
+layers that hold them (in chain mode, more layers, up to a stage-sized working set), time every
+operator on the input its predecessor produced over the batch grid, and ``core_attn`` over the
+context grid too with synthetic state, measure point-to-point transfers in two processes,
+describe the device, and fit the roofline's efficiency factors to the result. Everything lands in one :class:`Profile` with provenance.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ from opweave.costmodel.errors import ConfigError
 from opweave.runtime import BatchMeta, Operator, StatefulOperator, TokenBatch
 
 from ..errors import ProfilerError
-from .device import describe_device, device_name, resolve_device, state_budget_bytes
+from .device import (
+    cache_bytes,
+    describe_device,
+    device_name,
+    resolve_device,
+    state_budget_bytes,
+)
 from .operators import (
     Chain,
     ModelSource,
@@ -57,6 +63,8 @@ CPU_CONTEXTS = (64, 256, 1024, 4096)
 CUDA_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CUDA_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 
+# Assumed when the device reports no cache size: a large server CPU's last-level cache.
+DEFAULT_CACHE_BYTES = 128 * 2**20
 Grid = dict[int, dict[int, list[Measurement]]]  # batch -> context column -> one per pass
 TIMING_MODES = ("chain", "isolated")
 
@@ -193,28 +201,17 @@ class _Runner:
 
     def run_in_order(self, chain: Chain) -> None:
         """Decode-order timing: per (batch, context) cell the whole chain runs, each operator on
-        its predecessor's output, with a clock around every call; per-op medians over repeats.
+        its predecessor's output, with a clock around every call; per key, the median over
+        repeats and over the chain's layers that hold it.
 
         Context-free operators are recorded from the first context's runs only (their tables
         have one column); stateful ones get state as in :meth:`run`, rewound before each repeat.
         """
         s = self.timer.settings
-        stateful = [i for i, op in enumerate(chain.ops) if isinstance(op, StatefulOperator)]
-        budget = state_budget_bytes(self.device) / max(len(stateful), 1)
-        writers: dict[int, StateWriter] = {}
-        for idx in stateful:
-            start = idx
-            while start > 0 and chain.refs[start - 1].layer == chain.refs[idx].layer:
-                start -= 1
-            op = chain.ops[idx]
-            assert isinstance(op, StatefulOperator)
-            writers[idx] = StateWriter(
-                op, chain.ops[start:idx], budget_bytes=budget, seed=self.seed
-            )
-            if not writers[idx].direct:
-                self.state_fill = "prefill (runtime state layout not recognised)"
-        has_context = any(t.context_dependent for t in chain.timed.values())
-        n_timed = max(len(chain.timed), 1)
+        writers = self._writers(chain)
+        targets = {t.key: t for t in chain.timed.values()}
+        has_context = any(t.context_dependent for t in targets.values())
+        n_timed = max(len(targets), 1)
         for b in self.batches:
             rids = request_ids(b)
             for col, ctx in enumerate(self.contexts):
@@ -227,7 +224,7 @@ class _Runner:
                 first = decode_batch(chain, self.source, b, ctx, self.device, self.gen)
 
                 def step(
-                    rows: dict[int, list[float]] | None,
+                    rows: dict[str, list[float]] | None,
                     first: TokenBatch = first,
                     rids: tuple[str, ...] = rids,
                     ctx: int = ctx,
@@ -247,21 +244,37 @@ class _Runner:
                         else s.max_repeats
                     )
                     repeats = max(s.repeats, min(s.max_repeats, extra))
-                    rows: dict[int, list[float]] = {i: [] for i in chain.timed}
+                    rows: dict[str, list[float]] = {key: [] for key in targets}
                     for _ in range(repeats):
                         step(rows)
                 finally:
                     if gc_was_enabled:
                         gc.enable()
-                for idx, target in chain.timed.items():
+                for key, target in targets.items():
                     if col > 0 and not target.context_dependent:
                         continue
-                    label = f"{target.key} b={b}" + (
-                        f" s={ctx}" if target.context_dependent else ""
-                    )
-                    self._record(target.key, b, col, summarize(rows[idx]), label)
+                    label = f"{key} b={b}" + (f" s={ctx}" if target.context_dependent else "")
+                    self._record(key, b, col, summarize(rows[key]), label)
                 for writer in writers.values():
                     writer.release()
+
+    def _writers(self, chain: Chain) -> dict[int, StateWriter]:
+        """A state writer for every stateful operator of ``chain``, sharing the state budget."""
+        stateful = [i for i, op in enumerate(chain.ops) if isinstance(op, StatefulOperator)]
+        budget = state_budget_bytes(self.device) / max(len(stateful), 1)
+        writers: dict[int, StateWriter] = {}
+        for idx in stateful:
+            start = idx
+            while start > 0 and chain.refs[start - 1].layer == chain.refs[idx].layer:
+                start -= 1
+            op = chain.ops[idx]
+            assert isinstance(op, StatefulOperator)
+            writers[idx] = StateWriter(
+                op, chain.ops[start:idx], budget_bytes=budget, seed=self.seed
+            )
+            if not writers[idx].direct:
+                self.state_fill = "prefill (runtime state layout not recognised)"
+        return writers
 
     def _chain_step(
         self,
@@ -270,9 +283,10 @@ class _Runner:
         first: TokenBatch,
         rids: tuple[str, ...],
         ctx: int,
-        rows: dict[int, list[float]] | None,
+        rows: dict[str, list[float]] | None,
     ) -> None:
-        """One decode step through ``chain``; appends each timed operator's latency to ``rows``."""
+        """One decode step through ``chain``; appends each timed operator's latency to ``rows``
+        under its key."""
         cuda = self.device.type == "cuda"
         batch = first
         for idx, op in enumerate(chain.ops):
@@ -292,7 +306,7 @@ class _Runner:
             if writer is not None and not writer.direct:
                 writer.advanced(rids)
             if rows is not None and idx in chain.timed:
-                rows[idx].append(dt)
+                rows[chain.timed[idx].key].append(dt)
 
     def _record(self, key: str, batch: int, col: int, m: Measurement, label: str) -> None:
         self.grids.setdefault(key, {}).setdefault(batch, {}).setdefault(col, []).append(m)
@@ -345,6 +359,7 @@ def profile_model(
     ops: Sequence[str] | None = None,
     timing: TimingSettings | None = None,
     timing_mode: str | None = None,
+    working_set_bytes: float | None = None,
     threads: int | None = None,
     transfer: bool = True,
     fit: bool = True,
@@ -361,6 +376,10 @@ def profile_model(
     ``timing_mode`` is ``"chain"`` (each operator timed inside the block's operator chain, run
     in decode order; the default on CPU) or ``"isolated"`` (one operator called back to back
     with hot caches; the default on CUDA, timed with CUDA events).
+
+    In the chain, layers are added until their weights reach ``working_set_bytes`` (default:
+    twice the device's largest cache, so that no operator finds its weights still cached, as
+    in a stage of the model; see :func:`plan_block`).
     """
     started = time.perf_counter()
     dev = resolve_device(device)
@@ -382,7 +401,16 @@ def profile_model(
     )
     source = resolve_model(model, dtype=dtype, random_weights=random_weights)
     targets = select_targets(source, ops)
-    chains = plan_block(source, targets) if mode == "chain" else plan_chains(source, targets)
+    if working_set_bytes is None:
+        working_set_bytes = 2.0 * (cache_bytes(dev) or DEFAULT_CACHE_BYTES)
+    if working_set_bytes < 0:
+        raise ProfilerError(f"the working set must not be negative, got {working_set_bytes}")
+    chains = (
+        plan_block(source, targets, working_set_bytes)
+        if mode == "chain"
+        else plan_chains(source, targets)
+    )
+    chain_layers = sorted({r.layer for c in chains for r in c.refs if r.layer is not None})
     measured = [t for t in targets if t.same_as is None]
     cells = sum(len(grid_b) * (len(grid_s) if t.context_dependent else 1) for t in measured)
     total = cells * settings.passes
@@ -424,6 +452,8 @@ def profile_model(
     settings_doc: dict[str, str | int | float | list[int] | list[str]] = {
         "device": str(dev),
         "timing": mode,
+        "chain_layers": chain_layers,
+        "working_set_bytes": round(working_set_bytes),
         "timer": (
             "decode-order chain: time.perf_counter_ns around each operator"
             + (" (synchronised)" if dev.type == "cuda" else ", pinned threads")
