@@ -90,6 +90,10 @@ def test_plan_kinds_generate_transformers_greedy_tokens(
 
     assert _tokens(result) == expected
     assert [o["prompt_token_ids"] for o in result["outputs"]] == [list(p) for p in prompts]
+    for out in result["outputs"]:  # one arrival time per token, in order, within the run
+        times = out["token_times_s"]
+        assert len(times) == len(out["token_ids"]) and times[0] >= 0
+        assert times == sorted(times) and times[-1] <= result["wall_s"]
     placement = Placement(plan, load_model(model_dir))
     ranks = result["ranks"]
     assert len(ranks) == placement.world_size

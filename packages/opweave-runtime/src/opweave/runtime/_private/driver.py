@@ -95,11 +95,14 @@ class Driver:
         self.slots: list[Generation | None] = [None] * placement.global_batch
         self._free: dict[int, list[str]] = {}
         self.token_times: dict[str, list[float]] = {g.request_id: [] for g in self.generations}
+        self.started: float | None = None  # when the first iteration began
         self.max_active = 0
 
     def drive(self, action: Drive, iteration: int, transport: Transport) -> bool:
         """Run one :class:`Drive`; returns whether the microbatch went final."""
         k = action.microbatch
+        if self.started is None:
+            self.started = time.perf_counter()
         if iteration > 0:
             self._collect(k, action, transport)
         mb = self.placement.microbatch_slots(k)
@@ -163,6 +166,8 @@ class Driver:
                 "prompt_token_ids": g.prompt_token_ids,
                 "token_ids": g.token_ids,
                 "finish_reason": g.finish_reason,
+                # when each token reached the driver, in seconds since the first iteration began
+                "token_times_s": [t - (self.started or t) for t in self.token_times[g.request_id]],
             }
             for g in self.generations
         ]
