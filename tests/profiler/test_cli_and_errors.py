@@ -55,7 +55,7 @@ def test_cli_profiles_a_tiny_model_end_to_end(tiny_model, tmp_path) -> None:
     assert profile.transfers[0].latency_s == pytest.approx(link["latency_s"])
     # gloo between CPU processes is host-driven: the busy phase's costs are in the profile,
     # with the raw figures behind them in its provenance
-    assert link["host_send_s"] > 0 and link["host_recv_s"] >= 0
+    assert link["host_send_s"] > 0 and link["host_recv_s"] > 0
     assert profile.transfers[0].host_send_s == pytest.approx(link["host_send_s"])
     assert profile.transfers[0].host_recv_s == pytest.approx(link["host_recv_s"])
     assert "host_send" in str(profile.provenance.settings["transfer_busy"])
@@ -72,17 +72,6 @@ def test_transfer_line_fit_recovers_latency_and_bandwidth() -> None:
     assert bandwidth == pytest.approx(5e9, rel=1e-6)
     # noise that hides the slope still yields a positive bandwidth
     assert fit_line([(1024, 1e-4), (2048, 0.9e-4)])[1] > 0
-
-
-def test_host_costs_split_a_busy_round_between_sender_and_receiver() -> None:
-    from opweave.profiler import host_costs
-
-    # a hop: 1 ms of work, 0.4 ms on the link (0.3 ms + 1e5 B at 1 GB/s), and 1.6 ms more
-    busy = {"round_s": 6.0e-3, "send_s": 0.2e-3, "work_alone_s": 1.0e-3, "bytes": 1e5}
-    send, recv = host_costs(busy, latency_s=0.3e-3, bandwidth=1e9)
-    assert send == pytest.approx(0.2e-3) and recv == pytest.approx(1.4e-3)
-    # a round no slower than the work and the idle link costs compute nothing
-    assert host_costs({**busy, "round_s": 2.6e-3}, latency_s=0.3e-3, bandwidth=1e9) == (0, 0)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -15,21 +15,23 @@ For two tiny model families the loop the paper closes on GPUs is closed here on 
    mean absolute error per family and overall (target: under 10%; the paper reports 5.8% and
    4.3% on GPUs), and per rank where the time went (operators, transfers, orchestration).
 
-Steady state. The runtime's ``tpot_s`` is the mean over requests of (last token time - first
-token time) / (tokens - 1): it excludes the prefill but includes the first decode iterations,
-while pipelines fill and torch warms its decode shapes. Each plan therefore runs twice per
-repeat, generating ``N1`` and ``N2`` tokens, and the measured TPOT is the difference of the two
-decode spans over ``N2 - N1`` iterations, which removes the start-up iterations exactly (the
-same differencing gives per-iteration compute, transfer-wait and orchestration time per rank).
-The prompts are ``S - (N1 + N2) / 2`` tokens long, so the differenced iterations run at a mean
-context of ``S``, the context the plans were made and simulated for. Runs of the different plans
-are interleaved and each figure is the median over ``--repeats`` rounds.
+Steady state. Each run generates ``N2`` tokens per request, and the measured TPOT is the mean
+over requests of the time between their tokens ``N1`` and ``N2`` (the runtime reports every
+token's arrival, ``token_times_s``), which leaves out the prefill and the first decode iterations
+while pipelines fill and torch warms its decode shapes. The prompts are ``S - (N1 + N2) / 2``
+tokens long, so those iterations run at a mean context of ``S``, the context the plans were
+made and simulated for. A second, ``N1``-token run of each plan gives per-rank time in
+operators, blocked in transfers and in orchestration per iteration, by differencing the two
+runs' totals (a diagnostic).
 
-Rounds. The plans are made once, from the first profile; every round then profiles the model
-again and simulates the plans with that profile right before running them, and the error
-reported is the median over rounds of each round's ``(sim - meas) / meas``. On a VM whose own
-speed drifts by 2x over minutes, a profile describes the machine of its moment; this is the
-error of the simulator, not of the drift between a profile and runs minutes later.
+Rounds and drift. The plans are made once, from a full profile (its transfer entry the median
+of ``--transfers`` measurements). Then, ``--repeats`` times, every plan (in an order rotated
+each round) gets its operators re-timed at the plans' one (microbatch, context) cell, about a
+second, right before it runs, and is simulated with those tables: on a VM whose own speed drifts
+by 2x within minutes, a profile describes the machine of its moment, and the error should be
+the simulator's, not the drift's. The table prints the medians over rounds of the simulated and
+the measured TPOT and the error between them (also: the median of each round's paired error,
+and the error with the full planning profile, ``sim~``).
 
 Noise. Each measurement notes how many cores' worth of CPU time *other* processes used while
 it ran (``/proc/stat`` minus this benchmark's own process tree) and is repeated, up to
@@ -39,18 +41,17 @@ drifts (noisy neighbours), and the spread of that probe bounds how closely any t
 taken seconds apart can agree.
 
 Host-driven transfers. On CPU a rank's one thread packs, posts, waits for and unpacks every
-message, and gloo's I/O threads compete with the compute threads for the cores; the profiler
-measures what a message costs the sender's and the receiver's compute streams while both ranks
-compute (``host_send_s``, ``host_recv_s`` of the profile's transfer entry) and the planner
-charges them there, beside the idle one-way time on the link.
+message; the profiler times what a message costs the sender's and the receiver's compute
+streams while both ranks compute (``host_send_s``, ``host_recv_s`` of the profile's transfer
+entry) and the planner charges them there, beside the idle one-way time on the link.
 
 Diagnostic. ``sim*`` simulates the same plans with every operator's latency taken from a
 single-process decode loop over the whole model (operators one after another, as a stage runs
 them) at the plans' microbatch size and context, instead of the profile's grid: the gap between
 ``sim`` and ``sim*`` is what the profile's operator timings miss.
 
-Run: ``uv run python tools/bench/fidelity.py [--families llama,qwen3_next] [--repeats 3]``.
-It takes a few minutes on two cores. Other processes on the machine inflate measured times
+Run: ``uv run python tools/bench/fidelity.py [--families llama,qwen3_next] [--repeats 6]``.
+It takes about six minutes on two cores. Other processes on the machine inflate measured times
 (see the load average printed); run it on an otherwise idle machine.
 """
 
@@ -146,14 +147,16 @@ def _own_cpu_s() -> float:
 
 @dataclass
 class Case:
-    """One plan of one family: its simulation and its measured runs."""
+    """One plan of one family: its simulations and its measured runs."""
 
     family: str
     name: str
     plan: Any
     sim: Any
     sim_seq: Any = None  # simulated with operator times measured in a decode loop
-    sims: list[float] = field(default_factory=list)  # TPOT simulated with each round's profile
+    sims_now: list[float] = field(default_factory=list)  # with ops timed just before the run
+    sims_round: list[float] = field(default_factory=list)  # with the planning profile
+    tpots: list[float] = field(default_factory=list)  # steady-state TPOT of each round's run
     runs: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
     foreign: list[float] = field(default_factory=list)  # other processes' cores, per repeat
 
@@ -162,34 +165,46 @@ class Case:
         return sum(o.replicas * o.tp for o in self.plan.owners)
 
     def steady(self, n1: int, n2: int) -> dict[str, Any]:
-        """Median over repeats of the differenced (steady-state) figures."""
-        tpots, plain, per_rank = [], [], []
-        for short, long in self.runs:
-            span = long["tpot_s"] * (n2 - 1) - short["tpot_s"] * (n1 - 1)
-            tpots.append(span / (n2 - n1))
-            plain.append(long["tpot_s"])
-            per_rank.append(
-                [
-                    {
-                        key: (b[key] - a[key]) / (n2 - n1)
-                        for key in ("compute_s", "comm_s", "overhead_s", "loop_s")
-                    }
-                    for a, b in zip(short["ranks"], long["ranks"], strict=True)
-                ]
-            )
+        """Medians over rounds: TPOT, simulations, each round's signed errors, per-rank split."""
+        per_rank = [
+            [
+                {
+                    key: (b[key] - a[key]) / (n2 - n1)
+                    for key in ("compute_s", "comm_s", "overhead_s", "loop_s")
+                }
+                for a, b in zip(short["ranks"], long["ranks"], strict=True)
+            ]
+            for short, long in self.runs
+        ]
         ranks = [
             {key: statistics.median(r[i][key] for r in per_rank) for key in per_rank[0][i]}
             for i in range(len(per_rank[0]))
         ]
+
+        meas = statistics.median(self.tpots)
         return {
-            "tpot_s": statistics.median(tpots),
-            "sim_s": statistics.median(self.sims),
-            # each round's simulation against that round's measurement, then the median
-            "error": statistics.median((s - t) / t for s, t in zip(self.sims, tpots, strict=True)),
-            "tpot_spread_s": (min(tpots), max(tpots)),
-            "runtime_tpot_s": statistics.median(plain),
+            "tpot_s": meas,
+            "sim_s": statistics.median(self.sims_now),
+            # the median simulation against the median measurement, as the table shows them
+            "error": statistics.median(self.sims_now) / meas - 1,
+            # each round's simulation against that round's run, then the median (a check)
+            "error_paired": statistics.median(
+                (s - t) / t for s, t in zip(self.sims_now, self.tpots, strict=True)
+            ),
+            "sim_round_s": statistics.median(self.sims_round),
+            "error_round": statistics.median(self.sims_round) / meas - 1,
+            "tpot_spread_s": (min(self.tpots), max(self.tpots)),
             "ranks": ranks,
         }
+
+
+def steady_tpot(result: dict[str, Any], n1: int, n2: int) -> float:
+    """Mean over requests of the time between their tokens ``n1`` and ``n2`` per token."""
+    spans = [
+        (out["token_times_s"][n2 - 1] - out["token_times_s"][n1 - 1]) / (n2 - n1)
+        for out in result["outputs"]
+    ]
+    return statistics.mean(spans)
 
 
 def sequence_profile(model_dir: Path, profile: Any, batch: int, context: int, steps: int) -> Any:
@@ -378,25 +393,25 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
     from opweave.planner import simulate_plan
 
     spec = load_model(model_dir)
+    profile = with_median_transfer(profile, args.transfers)
     in_order = sequence_profile(model_dir, profile, u, args.context, steps=args.tokens[1])
     for case in cases:
         case.sim_seq = simulate_plan(case.plan, spec, profiles=[in_order])
+        case.sims_round.append(simulate_plan(case.plan, spec, profiles=[profile]).tpot_s)
     n1, n2 = args.tokens
     prompt_len = args.context - (n1 + n2) // 2
     print()
     for r in range(args.repeats):
-        if r > 0:  # the profile each round's runs are predicted from is taken just before them
-            profile = measure_profile(family, model_dir, batches, contexts, args)
-        for case in cases:
-            case.sims.append(simulate_plan(case.plan, spec, profiles=[profile]).tpot_s)
-        for case in cases:
-            # Rerun a pair while other processes took more than --max-foreign cores; keep the
-            # quietest try (their load only ever inflates the measured time).
+        # rotate the order, so no plan always runs right after the same one
+        for case in cases[r % len(cases) :] + cases[: r % len(cases)]:
+            # Rerun while other processes took more than --max-foreign cores; keep the quietest
+            # try (their load only ever inflates the measured time).
             tries = []
             for _ in range(args.tries):
                 SPEED.append(speed_probe())
                 with ForeignLoad() as load:
-                    pair = [
+                    now = operators_now(model_dir, profile, u, args.context)
+                    long, short = (
                         run_plan(
                             case.plan,
                             model_dir,
@@ -404,16 +419,57 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
                             device="cpu",
                             timeout_s=120,
                         )
-                        for n in (n1, n2)
-                    ]
-                tries.append((load.cores, pair))
+                        for n in (n2, n1)
+                    )
+                tries.append((load.cores, now, long, short))
                 if load.cores <= args.max_foreign:
                     break
                 time.sleep(args.backoff_s)
-            cores, pair = min(tries, key=lambda t: t[0])
-            case.runs.append((pair[0], pair[1]))
+            cores, now, long, short = min(tries, key=lambda t: t[0])
+            case.sims_now.append(simulate_plan(case.plan, spec, profiles=[now]).tpot_s)
+            case.tpots.append(steady_tpot(long, n1, n2))
+            case.runs.append((short, long))
             case.foreign.append(cores)
     return cases
+
+
+def with_median_transfer(profile: Any, count: int) -> Any:
+    """``profile`` with its transfer entry replaced by the field-wise median of its own and
+    ``count - 1`` more measurements (one varies by 2x on this VM, its receive cost more)."""
+    from opweave.profiler import measure_transfer
+
+    links = [profile.transfers[0]] + [measure_transfer("cpu").profile() for _ in range(count - 1)]
+    fields = ("latency_s", "bandwidth_bytes_per_s", "host_send_s", "host_recv_s")
+    link = links[0].model_copy(
+        update={f: statistics.median(getattr(x, f) for x in links) for f in fields}
+    )
+    print(
+        f"transfer, median of {count}: {link.latency_s * 1e6:.0f} us + bytes / "
+        f"{link.bandwidth_bytes_per_s / 1e9:.2f} GB/s; host-driven: sender "
+        f"{link.host_send_s * 1e6:.0f} us, receiver {link.host_recv_s * 1e6:.0f} us "
+        f"(receiver over the {count}: "
+        + ", ".join(f"{x.host_recv_s * 1e6:.0f}" for x in links)
+        + " us)"
+    )
+    return profile.model_copy(update={"transfers": (link,)})
+
+
+def operators_now(model_dir: Path, profile: Any, batch: int, context: int) -> Any:
+    """``profile`` with its operator tables replaced by ones timed now, at the one (batch,
+    context) cell the plans run at (about a second), for the run that follows."""
+    from opweave.profiler import profile_model
+
+    cell = profile_model(
+        model_dir,
+        device="cpu",
+        threads=1,
+        batches=[batch],
+        contexts=[context],
+        transfer=False,
+        fit=False,
+        progress=False,
+    ).profile
+    return profile.model_copy(update={"ops": cell.ops})
 
 
 def report(cases: list[Case], args: argparse.Namespace) -> None:
@@ -425,7 +481,8 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
     )
     head = (
         f"{'model':<11} {'strategy':<24} {'ranks':>5} {'sim ms':>7} {'meas ms':>7} "
-        f"{'error':>7} {'meas range ms':>13} {'foreign':>7} {'sim*':>6} {'error*':>7}"
+        f"{'error':>7} {'meas range ms':>13} {'foreign':>7} {'sim~':>6} {'error~':>7} "
+        f"{'sim*':>6} {'error*':>7}"
     )
     print(head)
     print("-" * len(head))
@@ -433,19 +490,20 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
     for case in cases:
         st = case.steady(n1, n2)
         meas = st["tpot_s"]
-        sims = {
-            "profile": st["sim_s"],
-            "decode loop": case.sim_seq.tpot_s,
+        errs = {
+            "profile of the moment": st["error"],
+            "same, paired per round": st["error_paired"],
+            "planning profile": st["error_round"],
+            "decode loop": (case.sim_seq.tpot_s - meas) / meas,
         }
-        errs = {k: (v - meas) / meas for k, v in sims.items()}
-        errs["profile"] = st["error"]
         for k, e in errs.items():
             errors.setdefault(k, {}).setdefault(case.family, []).append(e)
         lo, hi = st["tpot_spread_s"]
         print(
             f"{case.family:<11} {label(case, cases):<24} {case.ranks:>5} "
-            f"{st['sim_s'] * 1e3:7.2f} {meas * 1e3:7.2f} {100 * errs['profile']:+6.1f}% "
+            f"{st['sim_s'] * 1e3:7.2f} {meas * 1e3:7.2f} {100 * st['error']:+6.1f}% "
             f"{lo * 1e3:6.2f}..{hi * 1e3:<5.2f} {max(case.foreign):7.2f} "
+            f"{st['sim_round_s'] * 1e3:6.2f} {100 * st['error_round']:+6.1f}% "
             f"{case.sim_seq.tpot_s * 1e3:6.2f} {100 * errs['decode loop']:+6.1f}%"
         )
     print()
@@ -457,12 +515,13 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
         overall = statistics.mean(abs(e) for errs in by_family.values() for e in errs)
         verdict = " (meets the < 10% target)" if overall < 0.10 else " (misses the < 10% target)"
         print(
-            f"mean absolute error, {kind + ':':<21} {', '.join(parts)}; overall "
-            f"{100 * overall:.1f}%" + (verdict if kind == "profile" else "")
+            f"mean absolute error, {kind + ':':<23} {', '.join(parts)}; overall "
+            f"{100 * overall:.1f}%" + (verdict if kind == "profile of the moment" else "")
         )
     print(
-        "\nsim:  the plans simulated with the measured profile (opweave.profiler), the figure"
-        "\n      of paper Figure 12."
+        "\nsim:  each plan simulated with the round's profile, its operator tables re-timed at the"
+        "\n      plans' (microbatch, context) cell right before the run (paper Figure 12's figure)."
+        "\nsim~: simulated with the full profile the plans were made with (before all runs)."
         "\nsim*: diagnostic: every operator's latency taken instead from a single-process decode"
         "\n      loop over the whole model at the plans' microbatch size and context."
     )
@@ -502,7 +561,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="resident batch B per owner")
     parser.add_argument("--microbatches", type=int, default=2, help="microbatches M")
     parser.add_argument("--tokens", default="8,40", help="N1,N2 tokens of the two runs")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=6, help="rounds of runs per plan")
+    parser.add_argument(
+        "--transfers", type=int, default=3, help="transfer measurements, median taken"
+    )
     parser.add_argument(
         "--slo-fraction",
         type=float,

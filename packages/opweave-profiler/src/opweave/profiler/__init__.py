@@ -26,7 +26,7 @@ from ._private.profile import (
 )
 from ._private.random_weights import RandomCheckpoint, tensor_shapes
 from ._private.timing import Measurement, TimingSettings, make_timer, pinned_cpu
-from ._private.transfer import TransferFit, fit_line, host_costs, measure_transfer
+from ._private.transfer import TransferFit, fit_line, measure_transfer
 from .errors import DeviceUnavailableError, ProfilerError
 
 __all__ = [
@@ -60,7 +60,6 @@ __all__ = [
     # transfers
     "TransferFit",
     "fit_line",
-    "host_costs",
     "measure_transfer",
     # errors
     "ProfilerError",

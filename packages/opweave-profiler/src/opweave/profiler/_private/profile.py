@@ -4,7 +4,8 @@ The flow: resolve the device and model, pick one runtime operator per profile ke
 layers that hold them (in chain mode, more layers, up to a stage-sized working set), time every
 operator on the input its predecessor produced over the batch grid, and ``core_attn`` over the
 context grid too with synthetic state, measure point-to-point transfers in two processes,
-describe the device, and fit the roofline's efficiency factors to the result. Everything lands in one :class:`Profile` with provenance.
+describe the device, and fit the roofline's efficiency factors to the result. Everything lands
+in one :class:`Profile` with provenance.
 """
 
 from __future__ import annotations
@@ -481,10 +482,10 @@ def profile_model(
         settings_doc["transfer_points"] = [f"{n}B:{s:.3e}s" for n, s in link.points]
     if link is not None and link.busy is not None:
         settings_doc["transfer_busy"] = (
-            f"{link.busy['bytes']:.0f} B per round after {link.busy['work_alone_s'] * 1e3:.2f} ms "
-            f"of GEMMs on both ranks: round {link.busy['round_s'] * 1e3:.3f} ms, send call "
-            f"{link.busy['send_s'] * 1e6:.0f} us -> host_send {link.host_send_s * 1e6:.0f} us, "
-            f"host_recv {link.host_recv_s * 1e6:.0f} us"
+            f"{link.busy['bytes']:.0f} B messages after {link.busy['work_alone_s'] * 1e3:.2f} ms "
+            f"of GEMMs on both ranks: round {link.busy['round_s'] * 1e3:.3f} ms; send call "
+            f"(host_send) {link.host_send_s * 1e6:.0f} us, arrived message to operators "
+            f"(host_recv) {link.host_recv_s * 1e6:.0f} us"
         )
     draft = Profile(
         device=hardware,

@@ -9,18 +9,18 @@ messages count as much as large ones) gives ``latency_s + bytes / bandwidth``, t
 :class:`TransferProfile` the planner uses.
 
 Between CPU processes the transport is *host-driven*: a rank's one compute thread packs, sends,
-waits for and unpacks every message (on a VM, a rank that blocked must also have its virtual CPU
-woken), so in a pipeline a message costs both ranks more than an idle ping-pong shows. A second
-phase measures it in the regime of a pipelined plan: two microbatches circulate around a ring of
-the two processes, and each rank, per microbatch, receives and unpacks a packed multi-request
-batch, runs a fixed amount of GEMM work (about a stage's worth) and packs and sends it, so
-messages arrive while the receiver computes the other microbatch. Under the planner's model (the
-sender's compute stream pays ``host_send_s`` after its work, the message takes the idle one-way
-time ``L`` on the link, the receiver's compute stream pays ``host_recv_s`` before its work) a
-round of the ring takes ``2 (W + host_send_s + L + host_recv_s)``, with ``W`` the work's time on
-an otherwise idle machine (a third phase: one rank works, the other waits). ``host_send_s`` is
-the time spent in the send call; ``host_recv_s`` is the rest of the round's excess. GPUs (NCCL)
-move bytes with their own engines beside compute: both are zero there.
+waits for and unpacks every message (on a VM, sending to a rank that blocked also wakes its
+virtual CPU), so a message costs both ranks compute time. A second phase measures that in the
+regime of a pipelined plan: two microbatches circulate around a ring of the two processes, and
+each rank, per microbatch, receives and unpacks a packed multi-request batch, runs a fixed
+amount of GEMM work (about a stage's worth) and packs and sends it, so messages arrive while
+the receiver computes the other microbatch. Both costs are timed directly with the clock around
+the runtime's own calls: ``host_send_s`` is the send call (pack and post); ``host_recv_s`` is
+what a rank does with an arrived message before its operators run (unpack it and derive the
+schedule's positions and row offsets, which every fresh batch computes once). The planner adds
+them to the sending and receiving ranks' compute streams, beside the idle one-way time on the
+link. The ring's round time is kept in the provenance as a cross-check. GPUs (NCCL) move bytes
+with their own engines beside compute: both are zero there.
 """
 
 from __future__ import annotations
@@ -232,9 +232,10 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
     """Two microbatches circulate around the two ranks (receive, work, send, per microbatch),
     then rank 0 times the work alone while rank 1 waits. Rank 0 returns the figures.
 
-    Each figure is the lowest of the medians of ``BUSY_CHUNKS`` consecutive chunks of rounds,
-    as the operator grid keeps the lower of two passes: another process that takes a core for
-    a while inflates the rounds of some chunks, rarely of all of them.
+    The send and receive costs are medians over every timed message; the round and the work
+    alone (a cross-check, in the provenance) are the lowest of the medians of ``BUSY_CHUNKS``
+    consecutive chunks, since another process that takes a core for a while inflates the
+    rounds of some chunks, rarely of all of them.
     """
     import torch.distributed as dist
 
@@ -253,13 +254,19 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
     packed = pack(batch)
 
     def receive() -> None:
-        unpack(end.recv(packed))
+        buf = end.recv(packed)  # waiting for the peer is the link's time, not the receiver's
+        t0 = time.perf_counter()
+        meta = unpack(buf).meta  # what a stage does with an arrived batch before its operators
+        _ = meta.positions, meta.row_offsets
+        recvs.append(time.perf_counter() - t0)
 
     def work() -> None:
         for _ in range(iters):
             torch.nn.functional.linear(a, w)
 
-    marks, sends = [], []
+    marks: list[float] = []
+    sends: list[float] = []
+    recvs: list[float] = []
     epoch = 0
     for i in range(_WARMUP + BUSY_ROUNDS):
         marks.append(time.perf_counter())
@@ -288,7 +295,8 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
     end.send(batch, epoch)  # release rank 1
     return {
         "round_s": min(_chunk_medians(rounds)),
-        "send_s": min(_chunk_medians(sends[2 * _WARMUP :])),
+        "send_s": float(np.median(sends[2 * _WARMUP :])),
+        "recv_s": float(np.median(recvs[2 * _WARMUP :])),
         "work_alone_s": min(_chunk_medians(alone)),
         "bytes": float(packed.numel()),
     }
@@ -362,16 +370,6 @@ def measure_transfer(
     busy = result.get("busy")
     if busy is None:
         return fit
-    host_send, host_recv = host_costs(busy, latency, bandwidth)
-    return dataclasses.replace(fit, host_send_s=host_send, host_recv_s=host_recv, busy=busy)
-
-
-def host_costs(busy: dict[str, float], latency_s: float, bandwidth: float) -> tuple[float, float]:
-    """``(host_send_s, host_recv_s)`` from the busy ring: a round is two hops of ``work + send
-    + link + receive``; per hop, the time beyond the work on an idle machine and the message's
-    idle one-way time goes to the two compute streams, the sender's share being its send
-    call."""
-    link = latency_s + busy["bytes"] / bandwidth
-    excess = max(busy["round_s"] / 2 - busy["work_alone_s"] - link, 0.0)
-    send = min(busy["send_s"], excess)
-    return send, excess - send
+    return dataclasses.replace(
+        fit, host_send_s=busy["send_s"], host_recv_s=busy["recv_s"], busy=busy
+    )
