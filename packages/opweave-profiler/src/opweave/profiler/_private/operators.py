@@ -238,10 +238,13 @@ def plan_block(
         if op.layer is not None:
             layer_bytes[op.layer] = layer_bytes.get(op.layer, 0.0) + op.weight_bytes
     layers = {t.ref.layer for t in measured.values() if t.ref.layer is not None}
+    held = sum(layer_bytes.get(i, 0.0) for i in layers)
     for layer in range(source.runtime.num_layers):
-        if sum(layer_bytes.get(i, 0.0) for i in layers) >= working_set_bytes:
+        if held >= working_set_bytes:
             break
-        layers.add(layer)
+        if layer not in layers:
+            layers.add(layer)
+            held += layer_bytes.get(layer, 0.0)
     refs = [OpRef(None, "embed")]
     for layer in sorted(layers):
         refs += [OpRef(layer, n) for n in layer_operator_names(source.runtime, layer)]
