@@ -100,6 +100,19 @@ def test_plan_kinds_generate_transformers_greedy_tokens(
     for r in ranks:
         assert r["stages"] == placement.stage_labels(r["rank"])
         assert r["compute_s"] > 0 and r["loop_s"] >= r["compute_s"]
+        # the timeline: cumulative times at every iteration's end, ending at the totals
+        line = r["timeline"]
+        assert all(len(v) == r["iterations"] for v in line.values())
+        for key, values in line.items():
+            assert values == sorted(values), key
+        assert line["end_s"][-1] <= r["loop_s"]
+        assert line["compute_s"][-1] == r["compute_s"] and line["drive_s"][-1] == r["drive_s"]
+        actions = r["actions_per_iteration"]
+        assert actions["drive"] == (plan.microbatches if r["rank"] == 0 else 0)
+        assert (r["drive_s"] > 0) == (r["rank"] == 0)
+        assert actions["compute"] == plan.microbatches * sum(
+            1 for seg in placement.segments if seg.owner == placement.ranks[r["rank"]].owner
+        )
     # Each operator's weights were read by exactly one rank: together, the model once, except
     # that a tied embedding is read by both the embed rank and the lm_head rank when they differ.
     spec = load_model(model_dir)

@@ -3,7 +3,9 @@
 The loop is the compiled per-iteration action list (:mod:`.schedule`) run again and again; the
 only decisions taken at run time are which requests a message carries, and those arrive inside
 the messages. Per rank it measures time spent in operators (``compute_s``), blocked in transfers
-(``comm_s``) and the rest of the loop (orchestration).
+(``comm_s``), in the driver's bookkeeping (``drive_s``, rank 0) and the rest of the loop
+(orchestration), in total and, cumulatively, at the end of every iteration (``timeline``), so a
+steady-state window can be read from one run.
 
 Tensor parallelism: a TP group receives once at its leader, which broadcasts the bytes to the group
 (:meth:`Transport.fanout`); the operators are sharded when :mod:`.tensor_parallel` can shard them,
@@ -98,7 +100,11 @@ class Worker:
             requests = [Request.from_json(r) for r in spec.requests]
             self.driver = Driver(placement, requests, self.module.spec.eos_token_ids, device)
         self.compute_s = 0.0
+        self.drive_s = 0.0  # in Driver.drive, less its time blocked in the transport
         self.loop_s = 0.0
+        self.timeline: dict[str, list[float]] = {
+            key: [] for key in ("end_s", "compute_s", "comm_s", "drive_s")
+        }
         self.iterations = 0
         self._fault = _parse_fault(spec.rank)
 
@@ -115,8 +121,7 @@ class Worker:
                 if action.microbatch in done:
                     continue
                 if isinstance(action, Drive):
-                    assert self.driver is not None
-                    final = self.driver.drive(action, iteration, self.transport)
+                    final = self._drive(action, iteration)
                 else:
                     final = self._compute(action, iteration)
                 if final:
@@ -125,9 +130,25 @@ class Worker:
             self.transport.reap(before_epoch=iteration)
             iteration += 1
             heartbeat.beat()
+            self._mark(time.perf_counter() - start)
         self.transport.flush()
         self.loop_s = time.perf_counter() - start
         self.iterations = iteration
+
+    def _drive(self, action: Drive, iteration: int) -> bool:
+        assert self.driver is not None
+        start, comm = time.perf_counter(), self.transport.comm_s
+        final = self.driver.drive(action, iteration, self.transport)
+        self.drive_s += time.perf_counter() - start - (self.transport.comm_s - comm)
+        return final
+
+    def _mark(self, elapsed_s: float) -> None:
+        """Cumulative times at the end of an iteration (``timeline``)."""
+        line = self.timeline
+        line["end_s"].append(elapsed_s)
+        line["compute_s"].append(self.compute_s)
+        line["comm_s"].append(self.transport.comm_s)
+        line["drive_s"].append(self.drive_s)
 
     def _compute(self, action: Compute, iteration: int) -> bool:
         what = f"receiving segment {action.segment} microbatch {action.microbatch}"
@@ -207,8 +228,14 @@ class Worker:
             "compute_s": self.compute_s,
             "comm_s": comm,
             "loop_s": self.loop_s,
+            "drive_s": self.drive_s,
             "overhead_s": max(self.loop_s - self.compute_s - comm, 0.0),
             "iterations": self.iterations,
+            "actions_per_iteration": {
+                "compute": sum(isinstance(a, Compute) for a in self.actions),
+                "drive": sum(isinstance(a, Drive) for a in self.actions),
+            },
+            "timeline": self.timeline,
             "requests_held_at_end": len(self.held),
             "state_bytes_at_end": self.module.state_bytes(),
             "bytes_sent": self.transport.bytes_sent,
