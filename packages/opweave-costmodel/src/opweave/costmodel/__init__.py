@@ -73,8 +73,10 @@ from ._private.plan import (
 )
 from ._private.profile import (
     PROFILE_SCHEMA_VERSION,
+    IdleSlowdown,
     LatencyModel,
     OpLatencyTable,
+    OrchestrationProfile,
     Profile,
     Provenance,
     TransferProfile,
@@ -133,8 +135,10 @@ __all__ = [
     "load_hardware_file",
     # profiles and latency
     "PROFILE_SCHEMA_VERSION",
+    "IdleSlowdown",
     "LatencyModel",
     "OpLatencyTable",
+    "OrchestrationProfile",
     "ProfiledLatency",
     "Profile",
     "Provenance",

@@ -7,6 +7,7 @@ and extrapolate linearly in batch and context from the last two points.
 
 from __future__ import annotations
 
+import math
 from datetime import date
 from typing import Literal, Protocol
 
@@ -99,6 +100,54 @@ class TransferProfile(Frozen):
     )
 
 
+class OrchestrationProfile(Frozen):
+    """Host time a rank's loop spends around the operators, beside transfers (CPU ranks).
+
+    The runtime's ranks run a compiled schedule in Python: per stage and microbatch a rank
+    takes its input, admits new requests and drops finished ones, routes the output by slot and
+    posts it (``stage_s``); the driver on rank 0, per microbatch, collects the sampled tokens,
+    retires and admits requests and builds the next batch (``drive_s``). Each is affine in the
+    requests it handles. The planner charges them to the compute stream of the rank that does
+    them. The profiler measures them from the runtime's own loop on CPU; they are zero where
+    none was measured.
+    """
+
+    stage_s: float = Field(default=0.0, ge=0, description="Per stage and microbatch.")
+    stage_per_request_s: float = Field(default=0.0, ge=0, description="... and per request.")
+    drive_s: float = Field(default=0.0, ge=0, description="Driver, per microbatch.")
+    drive_per_request_s: float = Field(default=0.0, ge=0, description="... and per request.")
+
+    def stage(self, requests: float) -> float:
+        """One stage's loop work for a microbatch of ``requests``."""
+        return self.stage_s + self.stage_per_request_s * requests
+
+    def drive(self, requests: float) -> float:
+        """The driver's work for a microbatch of ``requests`` (all replicas' slots)."""
+        return self.drive_s + self.drive_per_request_s * requests
+
+
+NO_ORCHESTRATION = OrchestrationProfile()
+
+
+class IdleSlowdown(Frozen):
+    """Operators run slower after their rank sat idle: its caches went cold meanwhile.
+
+    A rank that waits for a message leaves its weights and state in caches that other work
+    (other processes, other tenants of a VM's host) evicts. An operator that touches ``bytes``
+    the rank last touched ``idle_s`` seconds of idling ago takes
+    ``extra_s(bytes, idle_s) = bytes * s_per_byte * (1 - exp(-idle_s / time_constant_s))``
+    longer than the profile says (it times operators back to back, hot). The profiler measures
+    it on CPU, where the profiled working set fits in the caches; where none was measured there
+    is no slowdown.
+    """
+
+    s_per_byte: float = Field(ge=0, description="Extra seconds per byte after a long idle.")
+    time_constant_s: float = Field(gt=0, description="Idle time over which caches go cold.")
+
+    def extra_s(self, num_bytes: float, idle_s: float) -> float:
+        return num_bytes * self.s_per_byte * -math.expm1(-max(idle_s, 0.0) / self.time_constant_s)
+
+
 class Provenance(Frozen):
     source: Literal["measured", "roofline"]
     device_name: str
@@ -118,6 +167,12 @@ class Profile(Frozen):
     dtype: str
     ops: tuple[OpLatencyTable, ...]
     transfers: tuple[TransferProfile, ...] = ()
+    orchestration: OrchestrationProfile | None = Field(
+        default=None, description="The runtime loop's host time per stage and per microbatch."
+    )
+    idle_slowdown: IdleSlowdown | None = Field(
+        default=None, description="How much slower operators run after their rank idled."
+    )
     provenance: Provenance
 
     def table(self, key: str, tp: int) -> OpLatencyTable:
@@ -156,4 +211,12 @@ class LatencyModel(Protocol):
 
     def host_transfer_s(self, link: LinkKind) -> tuple[float, float]:
         """Compute-stream time one message costs its (sender, receiver); see TransferProfile."""
+        ...
+
+    def orchestration(self) -> OrchestrationProfile:
+        """The serving loop's host time per stage and per microbatch; see OrchestrationProfile."""
+        ...
+
+    def idle_slowdown(self) -> IdleSlowdown | None:
+        """How much slower operators run after their rank idled (None: not at all)."""
         ...

@@ -16,7 +16,14 @@ import numpy as np
 
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec, TPCollective
-from .profile import LinkKind, Profile, profile_key
+from .profile import (
+    NO_ORCHESTRATION,
+    IdleSlowdown,
+    LinkKind,
+    OrchestrationProfile,
+    Profile,
+    profile_key,
+)
 
 # Inter-node all-reduce reaches 191 of 200 GB/s per node in NVIDIA DeepOps' measurements.
 NETWORK_EFFICIENCY = 0.95
@@ -85,6 +92,12 @@ class RooflineLatency:
         del link  # GPUs move activations with copy engines / NCCL kernels beside compute
         return (0.0, 0.0)
 
+    def orchestration(self) -> OrchestrationProfile:
+        return NO_ORCHESTRATION  # not modelled from a datasheet; measured by the profiler
+
+    def idle_slowdown(self) -> IdleSlowdown | None:
+        return None  # not modelled from a datasheet; measured by the profiler
+
 
 @dataclass(frozen=True)
 class ProfiledLatency:
@@ -128,6 +141,12 @@ class ProfiledLatency:
         if measured is None:
             return RooflineLatency(self.hardware).host_transfer_s(link)
         return (measured.host_send_s, measured.host_recv_s)
+
+    def orchestration(self) -> OrchestrationProfile:
+        return self.profile.orchestration or NO_ORCHESTRATION
+
+    def idle_slowdown(self) -> IdleSlowdown | None:
+        return self.profile.idle_slowdown
 
 
 def weight_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int) -> float:

@@ -16,7 +16,9 @@ from opweave.costmodel import (
     TP_DEGREES,
     HardwareCatalog,
     HardwareSpec,
+    IdleSlowdown,
     ModelSpec,
+    OrchestrationProfile,
     Profile,
     ProfiledLatency,
     RooflineLatency,
@@ -24,6 +26,8 @@ from opweave.costmodel import (
     profile_key,
 )
 from opweave.costmodel.errors import ConfigError, UnknownGPUError
+
+NO_ORCHESTRATION = OrchestrationProfile()  # immutable, so one shared default
 
 LinkKind = Literal["intra_node", "network"]
 
@@ -58,6 +62,11 @@ class Device:
     # TransferProfile.
     host_intra: tuple[float, float] = (0.0, 0.0)
     host_network: tuple[float, float] = (0.0, 0.0)
+    # The serving loop's host time per stage and per driven microbatch (CPU ranks; zero
+    # unless the profile measured it), see OrchestrationProfile.
+    orchestration: OrchestrationProfile = NO_ORCHESTRATION
+    # how much slower operators run after the rank idled (CPU ranks; None: not measured)
+    idle_slowdown: IdleSlowdown | None = None
 
     def link(self, kind: str) -> Link:
         return self.intra if kind == "intra_node" else self.network
@@ -156,6 +165,8 @@ def resolve_devices(
                 network=_link(latency, "network"),
                 host_intra=latency.host_transfer_s("intra_node"),
                 host_network=latency.host_transfer_s("network"),
+                orchestration=latency.orchestration(),
+                idle_slowdown=latency.idle_slowdown(),
             )
         )
     return out

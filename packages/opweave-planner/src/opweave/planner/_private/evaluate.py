@@ -13,10 +13,19 @@ balance the owners: ``G = lcm(b_o)`` and ``replicas_o = G / b_o``.
 Microbatches. Each replica splits its resident batch into ``M`` equal microbatches of ``b_o / M``
 requests. Plans from the planner always have ``b_o`` divisible by ``M``; a hand-written plan
 whose batch is not divisible is simulated with fractional microbatches (the mean size).
+
+Host work. Where a device's profile measured them (CPU ranks), a segment's compute also holds
+the host work of its rank: the send and receive of every message that crosses owners
+(``TransferProfile.host_send_s`` / ``host_recv_s``), the serving loop around each stage, and,
+before segment 0, the driver's per-microbatch bookkeeping (``OrchestrationProfile``). And
+where a profile measured an :class:`~opweave.costmodel.IdleSlowdown`, a segment's operators run
+slower by the bytes they touch that went cold while their rank idled since it last ran them,
+which the schedule decides: the durations and the schedule are iterated to a fixed point.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -25,6 +34,7 @@ import numpy as np
 
 from opweave.costmodel import (
     HardwareCatalog,
+    IdleSlowdown,
     ModelSpec,
     Owner,
     Plan,
@@ -39,7 +49,7 @@ from opweave.costmodel.errors import ConfigError, InfeasibleError
 
 from .devices import Device, link_kind, resolve_devices, transfer_s
 from .simulator import Pipeline, TraceEvent, cycle_time, simulate_events, steady_window
-from .structure import OpTables, Structure, build_structure, slot_compute
+from .structure import OpTables, Structure, build_structure, slot_ops
 
 
 @dataclass(frozen=True)
@@ -56,15 +66,29 @@ def owner_name(j: int, ch: OwnerChoice) -> str:
 
 
 def build_pipeline(
-    st: Structure, tables: OpTables, owners: Sequence[OwnerChoice], microbatches: int
+    st: Structure,
+    tables: OpTables,
+    owners: Sequence[OwnerChoice],
+    microbatches: int,
+    *,
+    cold_caches: bool = True,
 ) -> tuple[Pipeline, tuple[str, ...]]:
-    """The schedule of a plan, and the link kind of every boundary (``""`` when not crossing)."""
+    """The schedule of a plan, and the link kind of every boundary (``""`` when not crossing).
+
+    ``cold_caches=False`` leaves out the slowdown after idling (a lower bound on the period:
+    the slowdown only lengthens durations)."""
     m = microbatches
     us = [ch.resident_batch / m for ch in owners]
-    compute = np.zeros(st.num_segments)
+    ops = np.zeros(st.num_segments)  # operators, per microbatch
+    host = np.zeros(st.num_segments)  # the rank's host work around them
+    slowdowns = [ch.device.idle_slowdown for ch in owners]
+    touched = np.zeros(st.num_segments)  # bytes the operators touch (for cold caches)
     for j, ch in enumerate(owners):
-        col = slot_compute(st, tables, j, ch.device, ch.tp, [us[j]])[:, 0]
-        compute[list(st.slot_segs[j])] = col
+        segs = list(st.slot_segs[j])
+        ops[segs] = slot_ops(st, tables, j, ch.device, ch.tp, [us[j]])[:, 0]
+        host[segs] = ch.device.orchestration.stage(us[j])
+        if slowdowns[j] is not None:
+            touched[segs] = (st.counts[j] @ tables.bytes_moved(ch.tp, [us[j]]))[:, 0]
     transfer = [0.0] * st.num_segments
     kinds = [""] * st.num_segments
     total = st.num_segments
@@ -88,19 +112,92 @@ def build_pipeline(
             )
         transfer[s] = memo[key]
         # a host-driven transport also occupies both ranks' compute streams (CPU ranks)
-        compute[s] += src.device.host(kind)[0]
-        compute[(s + 1) % total] += dst.device.host(kind)[1]
+        host[s] += src.device.host(kind)[0]
+        host[(s + 1) % total] += dst.device.host(kind)[1]
+    # the driver (on owner 0's first rank) collects and feeds every request of the microbatch
+    # before segment 0 runs it: G / M requests, G the global batch
+    global_batch = math.lcm(*(ch.resident_batch for ch in owners))
+    host[0] += owners[0].device.orchestration.drive(global_batch / m)
     names = tuple(owner_name(j, ch) for j, ch in enumerate(owners))
     pipe = Pipeline(
         owner_names=names,
         seg_owner=st.seg_owner,
-        compute_s=tuple(compute.tolist()),
+        compute_s=tuple((ops + host).tolist()),
         transfer_s=tuple(transfer),
         microbatches=m,
         seg_labels=st.labels,
         period_hint=st.period_hint,
+        host_s=tuple(host.tolist()),
     )
+    if cold_caches and any(x is not None for x in slowdowns):
+        pipe = with_idle_slowdown(pipe, ops + host, touched, slowdowns)
     return pipe, tuple(kinds)
+
+
+def with_idle_slowdown(
+    pipe: Pipeline,
+    hot: np.ndarray,
+    touched: np.ndarray,
+    slowdowns: Sequence[IdleSlowdown | None],
+    *,
+    rounds: int = 16,
+    tolerance: float = 1e-4,
+) -> Pipeline:
+    """``pipe`` with every segment's operators slowed by the bytes they touch that went cold
+    while their rank idled since it last ran that segment (:class:`IdleSlowdown`). The idle
+    times come from the schedule and the schedule from the durations, so the two are iterated
+    to a fixed point (damped once they oscillate), until no segment moves by more than
+    ``tolerance`` of the total hot compute. ``hot``: each segment's compute without it."""
+    extra = np.zeros(len(hot))
+    current = pipe
+    damping = 1.0
+    previous: np.ndarray | None = None
+    limit = tolerance * float(np.sum(hot))
+    for _ in range(rounds):
+        idle = idle_since_last_run(current)
+        target = np.array(
+            [
+                0.0
+                if (slow := slowdowns[o]) is None
+                else np.mean([slow.extra_s(b, x) for x in row])
+                for o, b, row in zip(pipe.seg_owner, touched, idle, strict=True)
+            ]
+        )
+        step = target - extra
+        if previous is not None and float(step @ previous) < 0:
+            damping = 0.5  # the last step overshot: from now on go half way
+        step = damping * step
+        extra = extra + step
+        previous = step
+        current = dataclasses.replace(pipe, compute_s=tuple((hot + extra).tolist()))
+        if float(np.max(np.abs(step))) <= limit:
+            break
+    return current
+
+
+def idle_since_last_run(pipe: Pipeline, iterations: int = 4) -> np.ndarray:
+    """``S x M``: how long each segment's rank sat idle between its previous run of that segment
+    (the previous microbatch, or the previous iteration) and its run for each microbatch, in a
+    steady-state iteration of the event simulation."""
+    run = simulate_events(pipe, iterations)
+    steady = iterations - 2
+    idle = np.zeros((pipe.num_segments, pipe.microbatches))
+    streams: dict[str, list[TraceEvent]] = {}
+    for ev in run.events:
+        if ev.kind == "compute":
+            streams.setdefault(ev.resource, []).append(ev)
+    for events in streams.values():
+        events.sort(key=lambda e: e.start_s)
+        waited = 0.0  # idle time on this stream so far
+        last_end = events[0].start_s
+        seen: dict[int, float] = {}  # segment -> idle time so far when it last ended
+        for ev in events:
+            waited += max(ev.start_s - last_end, 0.0)
+            if ev.iteration == steady and ev.segment in seen:
+                idle[ev.segment, ev.microbatch] = waited - seen[ev.segment]
+            seen[ev.segment] = waited
+            last_end = ev.end_s
+    return idle
 
 
 def usd_per_million_tokens(tpot_s: float, owners: Sequence[OwnerChoice]) -> float:

@@ -419,7 +419,7 @@ class Searcher:
             picks = [(s, c) for s, c in prefix] + [(a, ia)]
             if b is not None:
                 picks.append((b, ib))
-            leaf = self._simulate(job, picks)
+            leaf = self._simulate(job, picks, inc)
             if leaf.tpot_s <= self.slo and (inc is None or leaf.order() < inc.order()):
                 inc = leaf
         return inc
@@ -444,14 +444,12 @@ class Searcher:
             ok &= np.asarray(self._value(tpot, rate, own)) <= inc.value * (1 + EPS)
         return ok
 
-    def _simulate(self, job: Job, picks: list[tuple[Slot, int]]) -> Leaf:
+    def _simulate(self, job: Job, picks: list[tuple[Slot, int]], inc: Leaf | None) -> Leaf:
+        """The candidate simulated. Where a device's operators slow down after idling (cold
+        caches, a fixed point of several event simulations), the hot schedule is simulated
+        first: its period is a lower bound, so a candidate it already rules out stays out."""
         m = job.microbatches
         owners = [OwnerChoice(s.device, int(s.tp[c]), int(s.u[c]) * m) for s, c in picks]
-        pipe, _ = build_pipeline(job.st, self.tables, owners, m)
-        tpot = cycle_time(pipe)
-        self.stats.simulator_calls += 1
-        rate = sum(ch.tp * ch.device.usd_per_hour / ch.resident_batch for ch in owners)
-        value = tpot if self.objective == "tpot" else tpot * rate
         configs = tuple((int(s.tp[c]), int(s.u[c])) for s, c in picks)
         key = (
             job.rank,
@@ -459,7 +457,21 @@ class Searcher:
             m,
             tuple((d, tp, -u) for d, (tp, u) in zip(job.assign, configs, strict=True)),
         )
-        return Leaf(value=value, tpot_s=tpot, key=key, job=job, configs=configs)
+        rate = sum(ch.tp * ch.device.usd_per_hour / ch.resident_batch for ch in owners)
+
+        def leaf(cold: bool) -> Leaf:
+            pipe, _ = build_pipeline(job.st, self.tables, owners, m, cold_caches=cold)
+            tpot = cycle_time(pipe)
+            self.stats.simulator_calls += 1
+            value = tpot if self.objective == "tpot" else tpot * rate
+            return Leaf(value=value, tpot_s=tpot, key=key, job=job, configs=configs)
+
+        if all(ch.device.idle_slowdown is None for ch in owners):
+            return leaf(cold=True)
+        hot = leaf(cold=False)
+        if hot.tpot_s > self.slo or (inc is not None and not hot.order() < inc.order()):
+            return hot  # rejected either way
+        return leaf(cold=True)
 
 
 def make_jobs(

@@ -58,11 +58,14 @@ class Pipeline:
     microbatches: int
     seg_labels: tuple[str, ...] = ()
     period_hint: int | None = field(default=None, compare=False)
+    host_s: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         s = len(self.seg_owner)
         if s == 0 or len(self.compute_s) != s or len(self.transfer_s) != s:
             raise ValueError("seg_owner, compute_s and transfer_s must have one entry per segment")
+        if self.host_s and len(self.host_s) != s:
+            raise ValueError("host_s must be empty or have one entry per segment")
         if self.microbatches < 1:
             raise ValueError("microbatches must be >= 1")
         if min(self.seg_owner) < 0 or max(self.seg_owner) >= len(self.owner_names):

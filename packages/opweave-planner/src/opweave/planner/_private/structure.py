@@ -23,6 +23,7 @@ from opweave.costmodel import (
     StageTemplate,
     memory_bytes_per_rank,
     segments,
+    shard_fraction,
     weight_bytes_per_rank,
 )
 
@@ -55,6 +56,7 @@ class OpTables:
             add(("post", op.name), op, None)
         self._cache: dict[tuple[str, int, float], np.ndarray] = {}
         self._mem: dict[tuple[int, tuple[str, ...]], tuple[float, float]] = {}
+        self._bytes: dict[tuple[str, int, tuple[float, ...]], np.ndarray] = {}
 
     @property
     def num_classes(self) -> int:
@@ -78,6 +80,25 @@ class OpTables:
                 self._cache[key] = col
             cols.append(col)
         return np.stack(cols, axis=1)
+
+    def bytes_moved(self, tp: int, batches: Sequence[float]) -> np.ndarray:
+        """``K x len(batches)`` bytes every distinct operator touches per microbatch on one rank
+        (weights, state and activations, sharded by ``tp``)."""
+        key = ("bytes", tp, tuple(float(b) for b in batches))
+        cached = self._bytes.get(key)
+        if cached is None:
+            cached = np.array(
+                [
+                    [
+                        float(op.bytes_moved(float(b), float(self.context)))
+                        * shard_fraction(op, tp)
+                        for b in batches
+                    ]
+                    for op, _ in self.reps
+                ]
+            ).reshape(len(self.reps), len(batches))
+            self._bytes[key] = cached
+        return cached
 
     def max_resident_batch(
         self, ops: Sequence[OperatorSpec], device: Device, tp: int, cache_key: tuple[str, ...]
@@ -189,8 +210,23 @@ def build_structure(
     )
 
 
+def slot_ops(
+    st: Structure, tables: OpTables, j: int, device: Device, tp: int, batches: Sequence[float]
+) -> np.ndarray:
+    """``S_j x len(batches)``: operator latency of each segment slot ``j`` runs, per microbatch."""
+    return st.counts[j] @ tables.latency(device, tp, batches)
+
+
 def slot_compute(
     st: Structure, tables: OpTables, j: int, device: Device, tp: int, batches: Sequence[float]
 ) -> np.ndarray:
-    """``S_j x len(batches)``: per-microbatch latency of each segment slot ``j`` runs."""
-    return st.counts[j] @ tables.latency(device, tp, batches)
+    """``S_j x len(batches)``: per-microbatch latency of each segment slot ``j`` runs.
+
+    A segment costs its operators plus the rank loop's host work around them (zero unless the
+    device's profile measured it), which grows with the microbatch's requests.
+    """
+    ops = slot_ops(st, tables, j, device, tp, batches)
+    loop = device.orchestration
+    if loop.stage_s == 0 and loop.stage_per_request_s == 0:
+        return ops
+    return ops + np.array([loop.stage(u) for u in batches])[None, :]
