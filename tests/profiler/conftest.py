@@ -2,7 +2,8 @@
 
 Timing runs keep torch's thread settings as they are (re-setting them changes how later tests
 in the same process run), take two passes so a busy machine stalls few cells, and skip the
-two-process transfer except where a test is about it.
+two-process transfer, the serving-loop runs and the idle-gap timing except where a test is about
+them.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def quick_profile() -> Callable[..., Any]:
                 "batches": (1, 4),
                 "contexts": (16, 64),
                 "transfer": False,
+                "orchestration": False,
+                "idle": False,
                 "progress": False,
                 "timing": TimingSettings(**FAST),
             }

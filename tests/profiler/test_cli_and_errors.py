@@ -58,6 +58,11 @@ def test_cli_profiles_a_tiny_model_end_to_end(tiny_model, tmp_path) -> None:
     assert link["host_send_s"] > 0 and link["host_recv_s"] > 0
     assert profile.transfers[0].host_send_s == pytest.approx(link["host_send_s"])
     assert profile.transfers[0].host_recv_s == pytest.approx(link["host_recv_s"])
+    # the model's weights are at hand on CPU: the serving loop's host time was measured too
+    loop = doc["orchestration"]
+    assert loop["stage_s"] > 0 and loop["drive_s"] > 0 and len(loop["points"]) == 2
+    assert profile.orchestration is not None
+    assert profile.orchestration.drive_s == pytest.approx(loop["drive_s"])
     assert "host_send" in str(profile.provenance.settings["transfer_busy"])
     # --working-set-mib 0: the chain holds only the first layer
     assert profile.provenance.settings["chain_layers"] == [0]

@@ -26,7 +26,8 @@ def _device(value: str) -> str:
 
 
 def _summary(run: Any, path: Path) -> dict[str, Any]:
-    profile, fit, link = run.profile, run.fit, run.transfer
+    profile, fit, link, loop = run.profile, run.fit, run.transfer, run.orchestration
+    idle = run.idle
     return {
         "path": str(path),
         "model": profile.model,
@@ -48,6 +49,12 @@ def _summary(run: Any, path: Path) -> dict[str, Any]:
             "host_send_s": link.host_send_s,
             "host_recv_s": link.host_recv_s,
         },
+        "orchestration": None
+        if loop is None
+        else loop.profile.model_dump() | {"points": [list(p) for p in loop.points]},
+        "idle_slowdown": None
+        if idle is None
+        else idle.slowdown.model_dump() | {"points": [list(p) for p in idle.points]},
         "fit": None
         if fit is None
         else {
@@ -141,6 +148,19 @@ def profile(
     no_transfer: Annotated[
         bool, typer.Option("--no-transfer", help="Skip the two-process transfer measurement.")
     ] = False,
+    no_orchestration: Annotated[
+        bool,
+        typer.Option(
+            "--no-orchestration",
+            help="CPU: skip measuring the serving loop's host time (two short colocated runs).",
+        ),
+    ] = False,
+    no_idle: Annotated[
+        bool,
+        typer.Option(
+            "--no-idle", help="CPU: skip timing the operator chain after idle gaps (a few s)."
+        ),
+    ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of random weights and inputs.")] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
     json_out: JsonOpt = False,
@@ -174,6 +194,8 @@ def profile(
         working_set_bytes=None if working_set_mib is None else working_set_mib * 2**20,
         threads=threads,
         transfer=not no_transfer,
+        orchestration=not no_orchestration,
+        idle=not no_idle,
         usd_per_hour=usd_per_hour,
         random_weights=random_weights,
         seed=seed,
@@ -200,6 +222,10 @@ def profile(
                 else ""
             )
         )
+    if run.orchestration is not None:
+        typer.echo(run.orchestration.describe())
+    if run.idle is not None:
+        typer.echo(run.idle.describe())
     if doc["fit"]:
         f = doc["fit"]
         typer.echo(

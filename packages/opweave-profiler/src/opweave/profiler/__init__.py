@@ -2,9 +2,11 @@
 
 A profile (the cost model's :class:`~opweave.costmodel.Profile` schema) holds, for one device
 type and one model, the median latency of every distinct decode operator over a batch x context
-grid, plus point-to-point transfer latency and bandwidth. The operators timed are built by the
-runtime's own factory, so the planner's predictions and the runtime's measurements describe the
-same code. Models need no weights: a config alone gives random weights of the right shapes.
+grid, plus point-to-point transfer latency and bandwidth and, on CPU, the serving loop's host
+time per stage and per microbatch and how much slower operators run after their rank idled. The
+operators timed are built by the runtime's own factory, so the planner's predictions and the
+runtime's measurements describe the same code. Models need no weights: a config alone gives
+random weights of the right shapes.
 
 >>> from opweave.profiler import profile_model, save_profile          # doctest: +SKIP
 >>> run = profile_model("gemma-3-27b", device="cuda")                 # doctest: +SKIP
@@ -12,7 +14,9 @@ same code. Models need no weights: a config alone gives random weights of the ri
 """
 
 from ._private.device import CPU_PRICE_SOURCE, CPU_USD_PER_VCPU_HOUR, measure_peaks, resolve_device
+from ._private.idle import IdleFit, fit_idle_slowdown, measure_idle_slowdown
 from ._private.operators import ModelSource, OpTarget, resolve_model, select_targets
+from ._private.orchestration import OrchestrationFit, measure_orchestration
 from ._private.profile import (
     CPU_BATCHES,
     CPU_CONTEXTS,
@@ -61,6 +65,13 @@ __all__ = [
     "TransferFit",
     "fit_line",
     "measure_transfer",
+    # slowdown after idling
+    "IdleFit",
+    "fit_idle_slowdown",
+    "measure_idle_slowdown",
+    # the serving loop's host time
+    "OrchestrationFit",
+    "measure_orchestration",
     # errors
     "ProfilerError",
     "DeviceUnavailableError",

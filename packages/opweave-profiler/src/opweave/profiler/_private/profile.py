@@ -42,6 +42,7 @@ from .device import (
     resolve_device,
     state_budget_bytes,
 )
+from .idle import PROBE_BYTES, IdleFit, measure_idle_slowdown
 from .operators import (
     Chain,
     ModelSource,
@@ -54,6 +55,7 @@ from .operators import (
     resolve_model,
     select_targets,
 )
+from .orchestration import OrchestrationFit, measure_orchestration
 from .progress import Progress
 from .state import StateWriter
 from .timing import Measurement, Timer, TimingSettings, make_timer, pinned_cpu, summarize
@@ -79,6 +81,8 @@ class ProfileRun:
     transfer: TransferFit | None
     cells: int
     wall_s: float
+    orchestration: OrchestrationFit | None = None
+    idle: IdleFit | None = None
 
 
 def default_grid(device: str | torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -363,6 +367,8 @@ def profile_model(
     working_set_bytes: float | None = None,
     threads: int | None = None,
     transfer: bool = True,
+    orchestration: bool = True,
+    idle: bool = True,
     fit: bool = True,
     usd_per_hour: float | None = None,
     random_weights: bool = False,
@@ -381,6 +387,11 @@ def profile_model(
     In the chain, layers are added until their weights reach ``working_set_bytes`` (default:
     twice the device's largest cache, so that no operator finds its weights still cached, as
     in a stage of the model; see :func:`plan_block`).
+
+    On CPU, with the model's weights at hand, ``orchestration`` also measures the serving loop's
+    host time per stage and per driven microbatch in two short colocated runs of the runtime
+    (see :mod:`.orchestration`), and ``idle`` how much slower data the caches held is read
+    after idling, as a waiting pipeline stage does (see :mod:`.idle`).
     """
     started = time.perf_counter()
     dev = resolve_device(device)
@@ -432,6 +443,16 @@ def profile_model(
                     runner.run_in_order(chain)
                 else:
                     runner.run(chain)
+        chain_bytes = sum(
+            op.weight_bytes
+            for op in source.cost.operators
+            if op.layer is None or op.layer in chain_layers
+        )
+        idle_fit: IdleFit | None = None
+        why_no_idle = _idle_unavailable(dev, chain_bytes) if idle else "skipped"
+        if why_no_idle is None:
+            bar.note("timing reads of a buffer after idle gaps")
+            idle_fit = measure_idle_slowdown(int(min(chain_bytes, PROBE_BYTES)))
         del chains
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -441,6 +462,12 @@ def profile_model(
     if why_not is None:
         bar.note("measuring point-to-point transfers between two processes")
         link = measure_transfer(dev)
+    loop: OrchestrationFit | None = None
+    why_no_loop = _orchestration_unavailable(dev, source) if orchestration else "skipped"
+    if why_no_loop is None:
+        assert source.weights_dir is not None
+        bar.note("measuring the serving loop's host time (two short colocated runs)")
+        loop = measure_orchestration(source.weights_dir, seed=seed)
     with pinned_cpu(threads):
         hardware, peaks_measured = describe_device(
             dev,
@@ -480,6 +507,10 @@ def profile_model(
     }
     if link is not None:
         settings_doc["transfer_points"] = [f"{n}B:{s:.3e}s" for n, s in link.points]
+    settings_doc["orchestration"] = loop.describe() if loop else f"not measured ({why_no_loop})"
+    settings_doc["idle_slowdown"] = (
+        idle_fit.describe() if idle_fit else f"not measured ({why_no_idle})"
+    )
     if link is not None and link.busy is not None:
         settings_doc["transfer_busy"] = (
             f"{link.busy['bytes']:.0f} B messages after {link.busy['work_alone_s'] * 1e3:.2f} ms "
@@ -494,6 +525,8 @@ def profile_model(
         dtype=source.dtype,
         ops=tables,
         transfers=(link.profile(),) if link else (),
+        orchestration=loop.profile if loop else None,
+        idle_slowdown=idle_fit.slowdown if idle_fit else None,
         provenance=Provenance(
             source="measured",
             device_name=name,
@@ -515,7 +548,32 @@ def profile_model(
             }
         )
     profile = Profile.model_validate(profile.model_dump())
-    return ProfileRun(profile, report, link, cells, time.perf_counter() - started)
+    return ProfileRun(profile, report, link, cells, time.perf_counter() - started, loop, idle_fit)
+
+
+def _idle_unavailable(dev: torch.device, chain_bytes: float) -> str | None:
+    """Why the slowdown after idling cannot be measured here, or None."""
+    if dev.type != "cpu":
+        return "measured on CPU ranks only, whose caches other work shares"
+    cache = cache_bytes(dev) or DEFAULT_CACHE_BYTES
+    if chain_bytes > cache:
+        return (
+            f"the profiled operators' weights ({chain_bytes / 2**20:.0f} MiB) exceed the caches "
+            f"({cache / 2**20:.0f} MiB): they were timed cold already"
+        )
+    return None
+
+
+def _orchestration_unavailable(dev: torch.device, source: ModelSource) -> str | None:
+    """Why the serving loop's host time cannot be measured here, or None."""
+    if dev.type != "cpu":
+        return "measured on CPU ranks only, whose one thread runs both loop and operators"
+    if source.weights_dir is None:
+        return (
+            "the runtime's loop runs the model, which needs its weights: a model folder with "
+            "safetensors, without --random-weights"
+        )
+    return None
 
 
 def save_profile(profile: Profile, path: str | Path) -> Path:

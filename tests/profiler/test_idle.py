@@ -1,0 +1,54 @@
+"""The slowdown after idling: its fit, its measurement, and its place in the profile."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+
+def _curve(per_byte: float, tau: float, gaps: tuple[float, ...]) -> tuple[tuple[float, float], ...]:
+    return tuple((g, per_byte * (1 - math.exp(-g / tau))) for g in gaps)
+
+
+def test_fit_recovers_a_known_curve() -> None:
+    from opweave.profiler import fit_idle_slowdown
+    from opweave.profiler._private.idle import GAPS_S
+
+    got = fit_idle_slowdown(_curve(50e-12, 8e-3, GAPS_S))
+    assert got.s_per_byte == pytest.approx(50e-12, rel=0.05)
+    assert got.time_constant_s == pytest.approx(8e-3, rel=0.08)
+    assert fit_idle_slowdown(tuple((g, 0.0) for g in GAPS_S)).s_per_byte == 0.0
+    faster = fit_idle_slowdown(tuple((g, -1e-12) for g in GAPS_S))  # noise: never a speed-up
+    assert faster.s_per_byte == 0.0
+
+
+def test_measurement_reads_the_probe_hot_and_after_each_gap() -> None:
+    from opweave.profiler import measure_idle_slowdown
+
+    fit = measure_idle_slowdown(8 * 2**20, gaps_s=(1e-3, 20e-3), samples=5)
+    assert fit.probe_bytes == 8 * 2**20
+    assert [g for g, _ in fit.points] == [1e-3, 20e-3]
+    assert 0.2e9 < fit.probe_bytes / fit.hot_s < 1e12  # a plausible read bandwidth
+    assert all(abs(e) < 1e-9 for _, e in fit.points)  # seconds per byte, not per read
+    assert fit.slowdown.s_per_byte >= 0 and "ps per byte" in fit.describe()
+
+
+def test_profile_carries_it_with_provenance(tiny_model, quick_profile) -> None:
+    run = quick_profile(tiny_model("llama"), idle=True)
+    assert run.idle is not None
+    assert run.profile.idle_slowdown == run.idle.slowdown
+    assert run.profile.provenance.settings["idle_slowdown"] == run.idle.describe()
+    off = quick_profile(tiny_model("llama"))
+    assert off.profile.idle_slowdown is None
+    assert off.profile.provenance.settings["idle_slowdown"] == "not measured (skipped)"
+
+
+def test_not_measured_where_operators_were_timed_cold() -> None:
+    import torch
+
+    from opweave.profiler._private.profile import _idle_unavailable
+
+    why = _idle_unavailable(torch.device("cpu"), 1e13)
+    assert why is not None and "exceed the caches" in why and "timed cold" in why
+    assert _idle_unavailable(torch.device("cpu"), 1e6) is None
