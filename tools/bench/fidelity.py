@@ -20,18 +20,19 @@ over requests of the time between their tokens ``N1`` and ``N2`` (the runtime re
 token's arrival, ``token_times_s``), which leaves out the prefill and the first decode iterations
 while pipelines fill and torch warms its decode shapes. The prompts are ``S - (N1 + N2) / 2``
 tokens long, so those iterations run at a mean context of ``S``, the context the plans were
-made and simulated for. A second, ``N1``-token run of each plan gives per-rank time in
-operators, blocked in transfers and in orchestration per iteration, by differencing the two
-runs' totals (a diagnostic).
+made and simulated for. Every rank's timeline (cumulative times at each iteration's end) gives,
+over the same iterations, its time per iteration in operators, blocked in transfers, in the
+driver's bookkeeping and in the rest of the loop (a diagnostic).
 
 Rounds and drift. The plans are made once, from a full profile (its transfer entry the median
 of ``--transfers`` measurements). Then, ``--repeats`` times, every plan (in an order rotated
 each round) gets its operators re-timed at the plans' one (microbatch, context) cell, about a
-second, right before it runs, and is simulated with those tables: on a VM whose own speed drifts
-by 2x within minutes, a profile describes the machine of its moment, and the error should be
-the simulator's, not the drift's. The table prints the medians over rounds of the simulated and
-the measured TPOT and the error between them (also: the median of each round's paired error,
-and the error with the full planning profile, ``sim~``).
+second each, right before and right after it runs, and is simulated with the mean of the two
+tables: on a VM whose own speed drifts by 2x within minutes, a profile describes the machine of
+its moment, and the error should be the simulator's, not the drift's. The table prints the
+medians over rounds of the simulated and the measured TPOT and the error between them (also:
+the median of each round's paired error, and the error with the full planning profile,
+``sim~``).
 
 Noise. Each measurement notes how many cores' worth of CPU time *other* processes used while
 it ran (``/proc/stat`` minus this benchmark's own process tree) and is repeated, up to
@@ -40,18 +41,18 @@ one-thread GEMM is timed before every measurement: on a shared VM the machine's 
 drifts (noisy neighbours), and the spread of that probe bounds how closely any two timings
 taken seconds apart can agree.
 
-Host-driven transfers. On CPU a rank's one thread packs, posts, waits for and unpacks every
-message; the profiler times what a message costs the sender's and the receiver's compute
-streams while both ranks compute (``host_send_s``, ``host_recv_s`` of the profile's transfer
-entry) and the planner charges them there, beside the idle one-way time on the link.
+Host work. On CPU a rank's one thread packs, posts, waits for and unpacks every message; the
+profiler times what a message costs the sender's and the receiver's compute streams while both
+ranks compute (``host_send_s``, ``host_recv_s`` of the profile's transfer entry), and the
+serving loop's own host time per stage and per driven microbatch in two short colocated runs
+(the profile's ``orchestration``). The planner charges all of it to the ranks' compute streams.
 
-Diagnostic. ``sim*`` simulates the same plans with every operator's latency taken from a
-single-process decode loop over the whole model (operators one after another, as a stage runs
-them) at the plans' microbatch size and context, instead of the profile's grid: the gap between
-``sim`` and ``sim*`` is what the profile's operator timings miss.
+Diagnostic. ``sim|run`` simulates each round's plan with every rank's operator time scaled to
+what that rank measured in operators during the run, host work as profiled: its error is the
+schedule model's own, with the profile's operator timings and the machine's drift taken out.
 
 Run: ``uv run python tools/bench/fidelity.py [--families llama,qwen3_next] [--repeats 6]``.
-It takes about six minutes on two cores. Other processes on the machine inflate measured times
+It takes about twenty minutes on two cores. Other processes on the machine inflate measured times
 (see the load average printed); run it on an otherwise idle machine.
 """
 
@@ -153,10 +154,11 @@ class Case:
     name: str
     plan: Any
     sim: Any  # with the planning profile (the median transfer): sim~
-    sim_seq: Any = None  # simulated with operator times measured in a decode loop
-    sims_now: list[float] = field(default_factory=list)  # with ops timed just before the run
+    sims_now: list[float] = field(default_factory=list)  # ops timed around the run
+    closures: list[float] = field(default_factory=list)  # ... scaled to the run's own ops time
+    sim_ops: list[list[float]] = field(default_factory=list)  # per owner, ops per iteration
     tpots: list[float] = field(default_factory=list)  # steady-state TPOT of each round's run
-    runs: list[tuple[dict[str, Any], dict[str, Any]]] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
     foreign: list[float] = field(default_factory=list)  # other processes' cores, per repeat
 
     @property
@@ -165,21 +167,11 @@ class Case:
 
     def steady(self, n1: int, n2: int) -> dict[str, Any]:
         """Medians over rounds: TPOT, simulations, each round's signed errors, per-rank split."""
-        per_rank = [
-            [
-                {
-                    key: (b[key] - a[key]) / (n2 - n1)
-                    for key in ("compute_s", "comm_s", "overhead_s", "loop_s")
-                }
-                for a, b in zip(short["ranks"], long["ranks"], strict=True)
-            ]
-            for short, long in self.runs
-        ]
+        per_rank = [[window(rank, n1, n2) for rank in run["ranks"]] for run in self.runs]
         ranks = [
             {key: statistics.median(r[i][key] for r in per_rank) for key in per_rank[0][i]}
             for i in range(len(per_rank[0]))
         ]
-
         meas = statistics.median(self.tpots)
         return {
             "tpot_s": meas,
@@ -191,9 +183,28 @@ class Case:
                 (s - t) / t for s, t in zip(self.sims_now, self.tpots, strict=True)
             ),
             "error_planning": self.sim.tpot_s / meas - 1,
+            "closure_s": statistics.median(self.closures),
+            "error_closure": statistics.median(
+                (s - t) / t for s, t in zip(self.closures, self.tpots, strict=True)
+            ),
+            "sim_ops_s": [statistics.median(r[o] for r in self.sim_ops) for o in range(self.ranks)],
             "tpot_spread_s": (min(self.tpots), max(self.tpots)),
             "ranks": ranks,
         }
+
+
+def window(rank: dict[str, Any], n1: int, n2: int) -> dict[str, float]:
+    """A rank's time per iteration between tokens ``n1`` and ``n2``: token ``k`` leaves
+    iteration ``k - 1``, so iterations ``n1 .. n2 - 1``, from its cumulative timeline."""
+    line = rank["timeline"]
+    d = {key: (v[n2 - 1] - v[n1 - 1]) / (n2 - n1) for key, v in line.items()}
+    return {
+        "compute_s": d["compute_s"],
+        "comm_s": d["comm_s"],
+        "drive_s": d["drive_s"],
+        "overhead_s": d["end_s"] - d["compute_s"] - d["comm_s"],
+        "loop_s": d["end_s"],
+    }
 
 
 def steady_tpot(result: dict[str, Any], n1: int, n2: int) -> float:
@@ -203,65 +214,6 @@ def steady_tpot(result: dict[str, Any], n1: int, n2: int) -> float:
         for out in result["outputs"]
     ]
     return statistics.mean(spans)
-
-
-def sequence_profile(model_dir: Path, profile: Any, batch: int, context: int, steps: int) -> Any:
-    """``profile`` with each operator's latency at (``batch``, ``context``) replaced by its median
-    when the runtime's operators run one after another in decode order, as a stage runs them.
-
-    A diagnostic, not a profile to plan with: one grid point, taken from a single-process decode
-    loop over the whole model (real KV / recurrent state, ``batch`` requests at a mean context of
-    ``context``). The profiler times each operator back to back, with its weights, inputs and
-    code hot in the caches; in decode order every other operator runs in between.
-    """
-    import torch
-
-    from opweave.costmodel import OpLatencyTable, load_model
-    from opweave.runtime import BatchMeta, StageModule, TokenBatch
-
-    spec = load_model(model_dir)
-    stage = StageModule.whole_model(model_dir)
-    keys = [
-        op.name if op.layer is None else f"{op.name}@{spec.layers[op.layer].attention.value}"
-        for op in stage.operators
-    ]
-    rids = tuple(f"s{i}" for i in range(batch))
-    stage.admit(rids)
-    rng = random.Random(0)
-    prompt = context - steps // 2
-    samples: dict[str, list[float]] = {k: [] for k in keys}
-    with torch.inference_mode():
-        ids = torch.tensor([rng.randrange(4, spec.vocab_size) for _ in range(prompt * batch)])
-        tokens = stage(
-            TokenBatch(BatchMeta(rids, (prompt,) * batch, (0,) * batch), {"token_ids": ids})
-        )["token_ids"]
-        for step in range(steps):
-            out = TokenBatch(
-                BatchMeta(rids, (1,) * batch, (prompt + step,) * batch), {"token_ids": tokens}
-            )
-            row: dict[str, float] = dict.fromkeys(keys, 0.0)
-            counts: dict[str, int] = dict.fromkeys(keys, 0)
-            for key, op in zip(keys, stage.operators, strict=True):
-                start = time.perf_counter()
-                out = op(out)
-                row[key] += time.perf_counter() - start
-                counts[key] += 1
-            tokens = out["token_ids"]
-            if step >= 2:  # warm-up steps
-                for key in keys:
-                    samples[key].append(row[key] / counts[key])
-    medians = {k: statistics.median(v) for k, v in samples.items()}
-    tables = tuple(
-        OpLatencyTable(
-            op=t.op,
-            tp=t.tp,
-            batches=(batch,),
-            contexts=(context,),
-            latency_s=((medians[t.op],),),
-        )
-        for t in profile.ops
-    )
-    return profile.model_copy(update={"ops": tables})
 
 
 def speed_probe() -> float:
@@ -359,6 +311,9 @@ def measure_profile(
         time.sleep(args.backoff_s)
     assert best is not None
     foreign, prof = best
+    for part in (prof.orchestration, prof.idle):
+        if part is not None:
+            print(f"{family}: {part.describe()}")
     link = prof.transfer
     print(
         f"{family}: profiled in {time.perf_counter() - started:.0f} s "
@@ -392,9 +347,7 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
 
     spec = load_model(model_dir)
     profile = with_median_transfer(profile, args.transfers)
-    in_order = sequence_profile(model_dir, profile, u, args.context, steps=args.tokens[1])
     for case in cases:
-        case.sim_seq = simulate_plan(case.plan, spec, profiles=[in_order])
         case.sim = simulate_plan(case.plan, spec, profiles=[profile])
     n1, n2 = args.tokens
     prompt_len = args.context - (n1 + n2) // 2
@@ -408,27 +361,70 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
             for _ in range(args.tries):
                 SPEED.append(speed_probe())
                 with ForeignLoad() as load:
-                    now = operators_now(model_dir, profile, u, args.context)
-                    long, short = (
-                        run_plan(
-                            case.plan,
-                            model_dir,
-                            requests(vocab, args.batch, prompt_len, n, seed=r),
-                            device="cpu",
-                            timeout_s=120,
-                        )
-                        for n in (n2, n1)
+                    before = operators_now(model_dir, profile, u, args.context)
+                    run = run_plan(
+                        case.plan,
+                        model_dir,
+                        requests(vocab, args.batch, prompt_len, n2, seed=r),
+                        device="cpu",
+                        timeout_s=120,
                     )
-                tries.append((load.cores, now, long, short))
+                    after = operators_now(model_dir, profile, u, args.context)
+                tries.append((load.cores, bracket(before, after), run))
                 if load.cores <= args.max_foreign:
                     break
                 time.sleep(args.backoff_s)
-            cores, now, long, short = min(tries, key=lambda t: t[0])
+            cores, now, run = min(tries, key=lambda t: t[0])
             case.sims_now.append(simulate_plan(case.plan, spec, profiles=[now]).tpot_s)
-            case.tpots.append(steady_tpot(long, n1, n2))
-            case.runs.append((short, long))
+            closure, ops = closed_loop(case.plan, spec, now, run, n1, n2)
+            case.closures.append(closure)
+            case.sim_ops.append(ops)
+            case.tpots.append(steady_tpot(run, n1, n2))
+            case.runs.append(run)
             case.foreign.append(cores)
     return cases
+
+
+def bracket(before: Any, after: Any) -> Any:
+    """One profile whose operator tables are the mean of two timings of the same cell, taken
+    right before and right after a run (the machine's speed drifts while it runs)."""
+    from opweave.costmodel import OpLatencyTable
+
+    tables = []
+    for a, b in zip(before.ops, after.ops, strict=True):
+        assert (a.op, a.tp, a.batches, a.contexts) == (b.op, b.tp, b.batches, b.contexts)
+        mean = tuple(
+            tuple((x + y) / 2 for x, y in zip(ra, rb, strict=True))
+            for ra, rb in zip(a.latency_s, b.latency_s, strict=True)
+        )
+        tables.append(OpLatencyTable(**{**a.model_dump(), "latency_s": mean, "spread_s": None}))
+    return before.model_copy(update={"ops": tuple(tables)})
+
+
+def closed_loop(
+    plan: Any, spec: Any, profile: Any, run: dict[str, Any], n1: int, n2: int
+) -> tuple[float, list[float]]:
+    """The simulator fed the run's own operator speed: every owner's operator time scaled to
+    what its rank measured in operators over the window, host work (transfers' and the loop's)
+    as the profile has it. Returns that TPOT and the simulated operator time per owner and
+    iteration. Its error is the schedule model's alone, not the profile's or the machine's
+    drift. (Every bench plan runs one rank per owner, rank ``o`` for owner ``o``.)"""
+    import dataclasses
+
+    from opweave.planner import cycle_time, simulate_plan
+
+    pipe = simulate_plan(plan, spec, profiles=[profile]).pipeline
+    host = pipe.host_s
+    ops = [c - h for c, h in zip(pipe.compute_s, host, strict=True)]
+    m = plan.microbatches
+    sim_ops = [
+        m * sum(c for c, o in zip(ops, pipe.seg_owner, strict=True) if o == owner)
+        for owner in range(pipe.num_owners)
+    ]
+    measured = [window(rank, n1, n2)["compute_s"] for rank in run["ranks"]]
+    scale = [meas / sim for meas, sim in zip(measured, sim_ops, strict=True)]
+    compute = tuple(c * scale[o] + h for c, h, o in zip(ops, host, pipe.seg_owner, strict=True))
+    return cycle_time(dataclasses.replace(pipe, compute_s=compute)), sim_ops
 
 
 def with_median_transfer(profile: Any, count: int) -> Any:
@@ -480,7 +476,7 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
     head = (
         f"{'model':<11} {'strategy':<24} {'ranks':>5} {'sim ms':>7} {'meas ms':>7} "
         f"{'error':>7} {'meas range ms':>13} {'foreign':>7} {'sim~':>6} {'error~':>7} "
-        f"{'sim*':>6} {'error*':>7}"
+        f"{'sim|run':>7} {'error|':>7}"
     )
     print(head)
     print("-" * len(head))
@@ -492,7 +488,7 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
             "profile of the moment": st["error"],
             "same, paired per round": st["error_paired"],
             "planning profile": st["error_planning"],
-            "decode loop": (case.sim_seq.tpot_s - meas) / meas,
+            "run's own operator time": st["error_closure"],
         }
         for k, e in errs.items():
             errors.setdefault(k, {}).setdefault(case.family, []).append(e)
@@ -502,7 +498,7 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
             f"{st['sim_s'] * 1e3:7.2f} {meas * 1e3:7.2f} {100 * st['error']:+6.1f}% "
             f"{lo * 1e3:6.2f}..{hi * 1e3:<5.2f} {max(case.foreign):7.2f} "
             f"{case.sim.tpot_s * 1e3:6.2f} {100 * st['error_planning']:+6.1f}% "
-            f"{case.sim_seq.tpot_s * 1e3:6.2f} {100 * errs['decode loop']:+6.1f}%"
+            f"{st['closure_s'] * 1e3:7.2f} {100 * st['error_closure']:+6.1f}%"
         )
     print()
     for kind, by_family in errors.items():
@@ -513,15 +509,15 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
         overall = statistics.mean(abs(e) for errs in by_family.values() for e in errs)
         verdict = " (meets the < 10% target)" if overall < 0.10 else " (misses the < 10% target)"
         print(
-            f"mean absolute error, {kind + ':':<23} {', '.join(parts)}; overall "
+            f"mean absolute error, {kind + ':':<25} {', '.join(parts)}; overall "
             f"{100 * overall:.1f}%" + (verdict if kind == "profile of the moment" else "")
         )
     print(
-        "\nsim:  each plan simulated with the planning profile, its operator tables re-timed at"
-        "\n      the plans' (microbatch, context) cell right before the run (paper Figure 12)."
-        "\nsim~: simulated with the full profile the plans were made with (before all runs)."
-        "\nsim*: diagnostic: every operator's latency taken instead from a single-process decode"
-        "\n      loop over the whole model at the plans' microbatch size and context."
+        "\nsim:     each plan simulated with the planning profile, its operator tables re-timed"
+        "\n         at the plans' (microbatch, context) cell around the run (paper Figure 12)."
+        "\nsim~:    simulated with the full profile the plans were made with (before all runs)."
+        "\nsim|run: diagnostic: each rank's operator time scaled to what it measured in the run"
+        "\n         (the schedule model's own error, without the profile's or the drift's)."
     )
     if SPEED:
         fast, slow = min(SPEED), max(SPEED)
@@ -532,23 +528,22 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
         )
 
     print(
-        "\nper rank and iteration (ms): simulated operator time of its owner (profile, and in "
-        "decode order*)\nvs measured time in operators, blocked in transfers (sends, receives, "
-        "waiting for upstream)\nand the rest of the loop (orchestration)"
+        "\nper rank and iteration over the same tokens (ms, medians over rounds): operator time "
+        "simulated\n(profile around the run) and measured, then blocked in transfers, the "
+        "driver's bookkeeping,\nthe rest of the loop (orchestration, driver included) and "
+        "the whole iteration"
     )
     print(
-        f"{'model':<11} {'strategy':<10} {'rank':>4} {'sim ops':>8} {'sim* ops':>8} {'ops':>8} "
-        f"{'comm':>8} {'orch':>8} {'loop':>8}"
+        f"{'model':<11} {'strategy':<10} {'rank':>4} {'sim ops':>8} {'ops':>8} "
+        f"{'comm':>8} {'driver':>8} {'orch':>8} {'loop':>8}"
     )
     for case in cases:
         st = case.steady(n1, n2)
-        owners = list(case.sim.pipeline.owner_names)
         for rank, r in enumerate(st["ranks"]):
-            key = f"{owners[rank]} compute"
             print(
-                f"{case.family:<11} {case.name:<10} {rank:>4} {case.sim.busy_s[key] * 1e3:8.2f} "
-                f"{case.sim_seq.busy_s[key] * 1e3:8.2f} {r['compute_s'] * 1e3:8.2f} "
-                f"{r['comm_s'] * 1e3:8.2f} {r['overhead_s'] * 1e3:8.2f} {r['loop_s'] * 1e3:8.2f}"
+                f"{case.family:<11} {case.name:<10} {rank:>4} {st['sim_ops_s'][rank] * 1e3:8.2f} "
+                f"{r['compute_s'] * 1e3:8.2f} {r['comm_s'] * 1e3:8.2f} "
+                f"{r['drive_s'] * 1e3:8.2f} {r['overhead_s'] * 1e3:8.2f} {r['loop_s'] * 1e3:8.2f}"
             )
 
 
@@ -558,7 +553,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256, help="context S (mean while decoding)")
     parser.add_argument("--batch", type=int, default=8, help="resident batch B per owner")
     parser.add_argument("--microbatches", type=int, default=2, help="microbatches M")
-    parser.add_argument("--tokens", default="8,40", help="N1,N2 tokens of the two runs")
+    parser.add_argument("--tokens", default="8,40", help="steady window: tokens N1..N2")
     parser.add_argument("--repeats", type=int, default=6, help="rounds of runs per plan")
     parser.add_argument(
         "--transfers", type=int, default=3, help="transfer measurements, median taken"
