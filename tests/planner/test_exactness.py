@@ -14,7 +14,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opweave.costmodel import HardwareCatalog, ModelSpec, memory_bytes_per_rank
+from opweave.costmodel import (
+    HardwareCatalog,
+    IdleSlowdown,
+    ModelSpec,
+    OrchestrationProfile,
+    memory_bytes_per_rank,
+)
 from opweave.planner import candidate_templates, plan, plan_summary, resolve_devices
 from opweave.planner._private.evaluate import OwnerChoice, evaluate
 from opweave.planner._private.structure import OpTables, build_structure
@@ -39,7 +45,24 @@ def random_space(seed: int, model: ModelSpec):
             network_latency_s=float(rng.uniform(1e-6, 3e-5)),
             gpus_per_node=int(rng.choice([2, 4])),
         )
-        devices.append(random_profile(rng, model, hw))
+        profile = random_profile(rng, model, hw)
+        # host work and cold caches as CPU profiles carry them, scaled to the toy latencies
+        scale = float(np.median([t.latency_s[0][0] for t in profile.ops]))
+        loop = OrchestrationProfile(
+            stage_s=scale * float(rng.uniform(0.1, 1.0)),
+            stage_per_request_s=scale * float(rng.uniform(0.0, 0.2)),
+            drive_s=scale * float(rng.uniform(0.1, 2.0)),
+            drive_per_request_s=scale * float(rng.uniform(0.0, 0.5)),
+        )
+        cold = IdleSlowdown(
+            s_per_byte=scale / 1e5 * float(rng.uniform(0.0, 1.0)),
+            time_constant_s=scale * float(rng.uniform(1.0, 20.0)),
+        )
+        devices.append(
+            profile.model_copy(
+                update={"orchestration": loop, "idle_slowdown": cold if i == 0 else None}
+            )
+        )
     return rng, devices
 
 

@@ -64,8 +64,10 @@ def test_one_microbatch_pays_every_stage_and_the_driver(tiny_llama, strategy) ->
 
 def test_gpus_and_old_profiles_have_no_loop_cost(tiny_llama) -> None:
     plain, _ = _profiles(tiny_llama, 3)
-    old = Profile.model_validate_json(plain.model_dump_json(exclude={"orchestration"}))
-    assert old.orchestration is None
+    old = Profile.model_validate_json(
+        plain.model_dump_json(exclude={"orchestration", "idle_slowdown"})
+    )
+    assert old.orchestration is None and old.idle_slowdown is None
     assert ProfiledLatency(old).orchestration() == OrchestrationProfile()
     assert RooflineLatency(plain.device).orchestration() == OrchestrationProfile()
     restored = Profile.model_validate_json(_profiles(tiny_llama, 3)[1].model_dump_json())

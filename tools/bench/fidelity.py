@@ -187,7 +187,10 @@ class Case:
             "error_closure": statistics.median(
                 (s - t) / t for s, t in zip(self.closures, self.tpots, strict=True)
             ),
-            "sim_ops_s": [statistics.median(r[o] for r in self.sim_ops) for o in range(self.ranks)],
+            "sim_ops_s": [
+                statistics.median(r[o] for r in self.sim_ops) for o in range(len(self.sim_ops[0]))
+            ],
+            "owners": [rank["owner"] for rank in self.runs[0]["ranks"]],
             "tpot_spread_s": (min(self.tpots), max(self.tpots)),
             "ranks": ranks,
         }
@@ -408,7 +411,9 @@ def closed_loop(
     what its rank measured in operators over the window, host work (transfers' and the loop's)
     as the profile has it. Returns that TPOT and the simulated operator time per owner and
     iteration. Its error is the schedule model's alone, not the profile's or the machine's
-    drift. (Every bench plan runs one rank per owner, rank ``o`` for owner ``o``.)"""
+    drift. An owner's measured time is the mean over its ranks (replicas run in lock step).
+    The simulated operator time is the compute less its host share, the slowdown after idling
+    included."""
     import dataclasses
 
     from opweave.planner import cycle_time, simulate_plan
@@ -421,7 +426,12 @@ def closed_loop(
         m * sum(c for c, o in zip(ops, pipe.seg_owner, strict=True) if o == owner)
         for owner in range(pipe.num_owners)
     ]
-    measured = [window(rank, n1, n2)["compute_s"] for rank in run["ranks"]]
+    measured = [
+        statistics.mean(
+            window(rank, n1, n2)["compute_s"] for rank in run["ranks"] if rank["owner"] == owner
+        )
+        for owner in range(pipe.num_owners)
+    ]
     scale = [meas / sim for meas, sim in zip(measured, sim_ops, strict=True)]
     compute = tuple(c * scale[o] + h for c, h, o in zip(ops, host, pipe.seg_owner, strict=True))
     return cycle_time(dataclasses.replace(pipe, compute_s=compute)), sim_ops
@@ -541,7 +551,8 @@ def report(cases: list[Case], args: argparse.Namespace) -> None:
         st = case.steady(n1, n2)
         for rank, r in enumerate(st["ranks"]):
             print(
-                f"{case.family:<11} {case.name:<10} {rank:>4} {st['sim_ops_s'][rank] * 1e3:8.2f} "
+                f"{case.family:<11} {case.name:<10} {rank:>4} "
+                f"{st['sim_ops_s'][st['owners'][rank]] * 1e3:8.2f} "
                 f"{r['compute_s'] * 1e3:8.2f} {r['comm_s'] * 1e3:8.2f} "
                 f"{r['drive_s'] * 1e3:8.2f} {r['overhead_s'] * 1e3:8.2f} {r['loop_s'] * 1e3:8.2f}"
             )

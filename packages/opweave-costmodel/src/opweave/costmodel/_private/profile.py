@@ -136,16 +136,23 @@ class IdleSlowdown(Frozen):
     (other processes, other tenants of a VM's host) evicts. An operator that touches ``bytes``
     the rank last touched ``idle_s`` seconds of idling ago takes
     ``extra_s(bytes, idle_s) = bytes * s_per_byte * (1 - exp(-idle_s / time_constant_s))``
-    longer than the profile says (it times operators back to back, hot). The profiler measures
-    it on CPU, where the profiled working set fits in the caches; where none was measured there
-    is no slowdown.
+    longer than the profile says (it times operators back to back, hot), ``bytes`` counted up
+    to ``max_bytes`` (what the profiler measured with: beyond the caches, data is cold whether
+    the rank waited or not). The profiler measures it on CPU, where the profiled working set
+    fits in the caches; where none was measured there is no slowdown.
     """
 
     s_per_byte: float = Field(ge=0, description="Extra seconds per byte after a long idle.")
     time_constant_s: float = Field(gt=0, description="Idle time over which caches go cold.")
+    max_bytes: float | None = Field(
+        default=None,
+        gt=0,
+        description="Bytes measured (the probe); an operator run is charged for at most these.",
+    )
 
     def extra_s(self, num_bytes: float, idle_s: float) -> float:
-        return num_bytes * self.s_per_byte * -math.expm1(-max(idle_s, 0.0) / self.time_constant_s)
+        cold = num_bytes if self.max_bytes is None else min(num_bytes, self.max_bytes)
+        return cold * self.s_per_byte * -math.expm1(-max(idle_s, 0.0) / self.time_constant_s)
 
 
 class Provenance(Frozen):

@@ -72,11 +72,13 @@ def build_pipeline(
     microbatches: int,
     *,
     cold_caches: bool = True,
+    global_batch: int | None = None,
 ) -> tuple[Pipeline, tuple[str, ...]]:
     """The schedule of a plan, and the link kind of every boundary (``""`` when not crossing).
 
     ``cold_caches=False`` leaves out the slowdown after idling (a lower bound on the period:
-    the slowdown only lengthens durations)."""
+    the slowdown only lengthens durations). ``global_batch`` (default: the smallest that
+    balances the owners, ``lcm`` of their resident batches) sizes the driver's work."""
     m = microbatches
     us = [ch.resident_batch / m for ch in owners]
     ops = np.zeros(st.num_segments)  # operators, per microbatch
@@ -116,8 +118,8 @@ def build_pipeline(
         host[(s + 1) % total] += dst.device.host(kind)[1]
     # the driver (on owner 0's first rank) collects and feeds every request of the microbatch
     # before segment 0 runs it: G / M requests, G the global batch
-    global_batch = math.lcm(*(ch.resident_batch for ch in owners))
-    host[0] += owners[0].device.orchestration.drive(global_batch / m)
+    batch = global_batch or math.lcm(*(ch.resident_batch for ch in owners))
+    host[0] += owners[st.seg_owner[0]].device.orchestration.drive(batch / m)
     names = tuple(owner_name(j, ch) for j, ch in enumerate(owners))
     pipe = Pipeline(
         owner_names=names,
@@ -140,42 +142,41 @@ def with_idle_slowdown(
     touched: np.ndarray,
     slowdowns: Sequence[IdleSlowdown | None],
     *,
-    rounds: int = 16,
+    rounds: int = 24,
     tolerance: float = 1e-4,
 ) -> Pipeline:
     """``pipe`` with every segment's operators slowed by the bytes they touch that went cold
     while their rank idled since it last ran that segment (:class:`IdleSlowdown`). The idle
     times come from the schedule and the schedule from the durations, so the two are iterated
-    to a fixed point (damped once they oscillate), until no segment moves by more than
-    ``tolerance`` of the total hot compute. ``hot``: each segment's compute without it."""
+    to a fixed point: each segment steps to its new target, by half as much again every time
+    its step changes direction, until no segment's target is further than ``tolerance`` of the
+    total hot compute. ``hot``: each segment's compute without the slowdown."""
     extra = np.zeros(len(hot))
     current = pipe
-    damping = 1.0
-    previous: np.ndarray | None = None
+    damping = np.ones(len(hot))
+    previous = np.zeros(len(hot))
     limit = tolerance * float(np.sum(hot))
     for _ in range(rounds):
         idle = idle_since_last_run(current)
         target = np.array(
             [
                 0.0
-                if (slow := slowdowns[o]) is None
-                else np.mean([slow.extra_s(b, x) for x in row])
+                if (cold := slowdowns[o]) is None
+                else np.mean([cold.extra_s(b, x) for x in row])
                 for o, b, row in zip(pipe.seg_owner, touched, idle, strict=True)
             ]
         )
-        step = target - extra
-        if previous is not None and float(step @ previous) < 0:
-            damping = 0.5  # the last step overshot: from now on go half way
-        step = damping * step
-        extra = extra + step
-        previous = step
-        current = dataclasses.replace(pipe, compute_s=tuple((hot + extra).tolist()))
-        if float(np.max(np.abs(step))) <= limit:
+        residual = target - extra
+        if float(np.max(np.abs(residual))) <= limit:
             break
+        damping[residual * previous < 0] *= 0.5  # overshot: go half as far from now on
+        previous = damping * residual
+        extra = np.maximum(extra + previous, 0.0)
+        current = dataclasses.replace(pipe, compute_s=tuple((hot + extra).tolist()))
     return current
 
 
-def idle_since_last_run(pipe: Pipeline, iterations: int = 4) -> np.ndarray:
+def idle_since_last_run(pipe: Pipeline, iterations: int = 6) -> np.ndarray:
     """``S x M``: how long each segment's rank sat idle between its previous run of that segment
     (the previous microbatch, or the previous iteration) and its run for each microbatch, in a
     steady-state iteration of the event simulation."""
@@ -235,9 +236,14 @@ class Evaluation:
 
 
 def evaluate(
-    st: Structure, tables: OpTables, owners: Sequence[OwnerChoice], microbatches: int
+    st: Structure,
+    tables: OpTables,
+    owners: Sequence[OwnerChoice],
+    microbatches: int,
+    *,
+    global_batch: int | None = None,
 ) -> Evaluation:
-    pipe, kinds = build_pipeline(st, tables, owners, microbatches)
+    pipe, kinds = build_pipeline(st, tables, owners, microbatches, global_batch=global_batch)
     tpot = cycle_time(pipe)
     busy = pipe.busy_s()
     names = pipe.resource_names()
@@ -391,7 +397,7 @@ def simulate_plan(
                 f"{need / 1e9:.1f} GB per GPU but has {cap[-1] / 1e9:.1f} GB usable; lower its "
                 "resident_batch or raise its tp"
             )
-    ev = evaluate(st, tables, owners, plan.microbatches)
+    ev = evaluate(st, tables, owners, plan.microbatches, global_batch=plan.global_batch)
     run = simulate_events(ev.pipeline, iterations)
     t0, t1, window = steady_window(run, ev.tpot_s)
     occ = {k: v / ev.tpot_s for k, v in ev.busy_s.items()}

@@ -27,7 +27,7 @@ from opweave.costmodel import (
     weight_bytes_per_rank,
 )
 
-from .devices import Device
+from .devices import NO_ORCHESTRATION, Device
 
 
 class OpTables:
@@ -223,10 +223,15 @@ def slot_compute(
     """``S_j x len(batches)``: per-microbatch latency of each segment slot ``j`` runs.
 
     A segment costs its operators plus the rank loop's host work around them (zero unless the
-    device's profile measured it), which grows with the microbatch's requests.
+    device's profile measured it), which grows with the microbatch's requests; segment 0 also
+    the driver's bookkeeping for the slot's own requests (exact with one owner, a lower bound
+    otherwise: the driver handles the whole global batch's microbatch).
     """
-    ops = slot_ops(st, tables, j, device, tp, batches)
+    out = slot_ops(st, tables, j, device, tp, batches)
     loop = device.orchestration
-    if loop.stage_s == 0 and loop.stage_per_request_s == 0:
-        return ops
-    return ops + np.array([loop.stage(u) for u in batches])[None, :]
+    if loop != NO_ORCHESTRATION:
+        out = out + np.array([loop.stage(u) for u in batches])[None, :]
+        if 0 in st.slot_segs[j]:  # the driver feeds segment 0: at least this slot's requests
+            row = st.slot_segs[j].index(0)
+            out[row] += np.array([loop.drive(u) for u in batches])
+    return out

@@ -88,7 +88,8 @@ def measure_idle_slowdown(
         if gc_was_enabled:
             gc.enable()
     points = tuple((g, statistics.median(e)) for g, e in extra.items())
-    return IdleFit(fit_idle_slowdown(points), points, size, statistics.median(hot))
+    fit = fit_idle_slowdown(points).model_copy(update={"max_bytes": float(size)})
+    return IdleFit(fit, points, size, statistics.median(hot))
 
 
 def fit_idle_slowdown(points: tuple[tuple[float, float], ...]) -> IdleSlowdown:

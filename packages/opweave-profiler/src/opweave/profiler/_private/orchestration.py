@@ -117,8 +117,8 @@ def measure_orchestration(
             result = run_plan(plan, model_dir, reqs, device="cpu", timeout_s=timeout_s)
         except OpWeaveRuntimeError as exc:
             raise ProfilerError(
-                f"measuring the serving loop failed: {exc}; re-run with --no-orchestration "
-                "to skip it"
+                f"measuring the serving loop failed: {exc}; skip it with --no-orchestration "
+                "(profile_model(orchestration=False))"
             ) from None
         assert result is not None
         stage, drive = _steady_per_action(result["ranks"][0], WARMUP_TOKENS)

@@ -443,11 +443,12 @@ def profile_model(
                     runner.run_in_order(chain)
                 else:
                     runner.run(chain)
-        chain_bytes = sum(
-            op.weight_bytes
-            for op in source.cost.operators
-            if op.layer is None or op.layer in chain_layers
-        )
+        held = [
+            op for op in source.cost.operators if op.layer is None or op.layer in chain_layers
+        ]
+        chain_bytes = sum(op.weight_bytes for op in held if op.tied_to is None) + sum(
+            {op.tied_to: op.weight_bytes for op in held if op.tied_to is not None}.values()
+        )  # a tied weight once
         idle_fit: IdleFit | None = None
         why_no_idle = _idle_unavailable(dev, chain_bytes) if idle else "skipped"
         if why_no_idle is None:
