@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from opweave.costmodel import (
@@ -26,8 +26,6 @@ from opweave.costmodel import (
     profile_key,
 )
 from opweave.costmodel.errors import ConfigError, UnknownGPUError
-
-NO_ORCHESTRATION = OrchestrationProfile()  # immutable, so one shared default
 
 LinkKind = Literal["intra_node", "network"]
 
@@ -64,7 +62,7 @@ class Device:
     host_network: tuple[float, float] = (0.0, 0.0)
     # The serving loop's host time per stage and per driven microbatch (CPU ranks; zero
     # unless the profile measured it), see OrchestrationProfile.
-    orchestration: OrchestrationProfile = NO_ORCHESTRATION
+    orchestration: OrchestrationProfile = field(default_factory=OrchestrationProfile)
     # how much slower operators run after the rank idled (CPU ranks; None: not measured)
     idle_slowdown: IdleSlowdown | None = None
 

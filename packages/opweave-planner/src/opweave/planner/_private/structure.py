@@ -19,6 +19,7 @@ from opweave.costmodel import (
     LayerSpec,
     ModelSpec,
     OperatorSpec,
+    OrchestrationProfile,
     Segment,
     StageTemplate,
     memory_bytes_per_rank,
@@ -27,7 +28,7 @@ from opweave.costmodel import (
     weight_bytes_per_rank,
 )
 
-from .devices import NO_ORCHESTRATION, Device
+from .devices import Device
 
 
 class OpTables:
@@ -229,7 +230,7 @@ def slot_compute(
     """
     out = slot_ops(st, tables, j, device, tp, batches)
     loop = device.orchestration
-    if loop != NO_ORCHESTRATION:
+    if loop != OrchestrationProfile():  # measured (CPU ranks)
         out = out + np.array([loop.stage(u) for u in batches])[None, :]
         if 0 in st.slot_segs[j]:  # the driver feeds segment 0: at least this slot's requests
             row = st.slot_segs[j].index(0)

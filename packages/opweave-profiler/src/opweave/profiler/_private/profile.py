@@ -30,6 +30,7 @@ from opweave.costmodel import (
     Profile,
     Provenance,
     fit_efficiency_report,
+    weight_bytes_per_rank,
 )
 from opweave.costmodel.errors import ConfigError
 from opweave.runtime import BatchMeta, Operator, StatefulOperator, TokenBatch
@@ -443,12 +444,10 @@ def profile_model(
                     runner.run_in_order(chain)
                 else:
                     runner.run(chain)
-        held = [
-            op for op in source.cost.operators if op.layer is None or op.layer in chain_layers
-        ]
-        chain_bytes = sum(op.weight_bytes for op in held if op.tied_to is None) + sum(
-            {op.tied_to: op.weight_bytes for op in held if op.tied_to is not None}.values()
-        )  # a tied weight once
+        chain_bytes = weight_bytes_per_rank(
+            [op for op in source.cost.operators if op.layer is None or op.layer in chain_layers],
+            1,
+        )
         idle_fit: IdleFit | None = None
         why_no_idle = _idle_unavailable(dev, chain_bytes) if idle else "skipped"
         if why_no_idle is None:
