@@ -32,6 +32,9 @@ def test_measurement_reads_the_probe_hot_and_after_each_gap() -> None:
     assert 0.2e9 < fit.probe_bytes / fit.hot_s < 1e12  # a plausible read bandwidth
     assert all(abs(e) < 1e-9 for _, e in fit.points)  # seconds per byte, not per read
     assert fit.slowdown.s_per_byte >= 0 and "ps per byte" in fit.describe()
+    assert fit.wait == "block" and "blocked in select" in fit.describe()
+    spun = measure_idle_slowdown(8 * 2**20, gaps_s=(1e-3,), samples=3, spin=True)
+    assert spun.wait == "spin" and "spinning" in spun.describe()
 
 
 def test_profile_carries_it_with_provenance(tiny_model, quick_profile) -> None:
@@ -52,3 +55,34 @@ def test_not_measured_where_operators_were_timed_cold() -> None:
     why = _idle_unavailable(torch.device("cpu"), 1e13)
     assert why is not None and "exceed the caches" in why and "timed cold" in why
     assert _idle_unavailable(torch.device("cpu"), 1e6) is None
+
+
+def test_the_probe_idles_as_ranks_wait() -> None:
+    """Spinning keeps the core busy for the gap (CPU time about the wall time); blocking
+    leaves it idle (no CPU time to speak of)."""
+    import time
+
+    from opweave.profiler._private.idle import IdleWait
+
+    for spin in (True, False):
+        with IdleWait(spin) as idle:
+            wall, cpu = time.perf_counter(), time.process_time()
+            idle(0.2)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        assert 0.2 <= wall < 1.0
+        if spin:
+            assert cpu > 0.5 * wall
+        else:
+            assert cpu < 0.05
+
+
+def test_profile_says_how_the_gaps_were_spent(monkeypatch) -> None:
+    import torch
+
+    from opweave.profiler._private.profile import ranks_spin
+
+    monkeypatch.setenv("OPWEAVE_WAIT", "block")
+    assert not ranks_spin(torch.device("cpu"))
+    monkeypatch.setenv("OPWEAVE_WAIT", "spin")
+    assert ranks_spin(torch.device("cpu"))
+    assert not ranks_spin(torch.device("meta"))  # only CPU ranks spin on sockets

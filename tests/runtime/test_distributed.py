@@ -97,6 +97,10 @@ def test_plan_kinds_generate_transformers_greedy_tokens(
     placement = Placement(plan, load_model(model_dir))
     ranks = result["ranks"]
     assert len(ranks) == placement.world_size
+    # ranks with a core each busy-poll while they wait; a lone rank never waits for a peer
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    own_core = 1 < placement.world_size <= cores and hasattr(os, "sched_setaffinity")
+    assert {r["wait"] for r in ranks} == {"spin" if own_core else "block"}
     for r in ranks:
         assert r["stages"] == placement.stage_labels(r["rank"])
         assert r["compute_s"] > 0 and r["loop_s"] >= r["compute_s"]

@@ -1,4 +1,5 @@
-"""The CPU point-to-point wire: ordering, big messages both ways at once, a peer that dies."""
+"""The CPU point-to-point wire: ordering, big messages both ways at once, a peer that dies,
+waiting spinning or blocked."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from tests.helpers import free_port
 
 
-def _rank(rank: int, port: int, scenario: str, out: mp.Queue) -> None:
+def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> None:
     import torch.distributed as dist
 
     from opweave.runtime._private.batch import BatchMeta, TokenBatch, unpack
@@ -27,8 +28,8 @@ def _rank(rank: int, port: int, scenario: str, out: mp.Queue) -> None:
         world_size=2,
         timeout=timedelta(seconds=30),
     )
-    tr = Transport(rank, torch.device("cpu"), timeout_s=10.0)
-    assert tr.p2p == "socket"
+    tr = Transport(rank, torch.device("cpu"), timeout_s=10.0, spin_s=spin_s)
+    assert tr.p2p == "socket" and tr.spin_s == spin_s
     peer = 1 - rank
     if scenario == "both_ways":
         # 32 MB each way before either side receives: far beyond the sockets' buffers, so a
@@ -58,11 +59,11 @@ def _rank(rank: int, port: int, scenario: str, out: mp.Queue) -> None:
     os._exit(0)
 
 
-def _run(scenario: str) -> dict[int, object]:
+def _run(scenario: str, spin_s: float = 0.0) -> dict[int, object]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, scenario, out)) for r in range(2)]
+    procs = [ctx.Process(target=_rank, args=(r, port, scenario, spin_s, out)) for r in range(2)]
     for p in procs:
         p.start()
     results = {}
@@ -76,12 +77,14 @@ def _run(scenario: str) -> dict[int, object]:
     return results
 
 
-def test_big_messages_both_ways_arrive_whole_and_in_order() -> None:
-    assert _run("both_ways") == {0: True, 1: True}
+@pytest.mark.parametrize("spin_s", [0.0, 0.5], ids=["blocking", "spinning"])
+def test_big_messages_both_ways_arrive_whole_and_in_order(spin_s) -> None:
+    assert _run("both_ways", spin_s) == {0: True, 1: True}
 
 
-def test_a_peer_that_exits_fails_the_wait_at_once_naming_it() -> None:
-    peer, message, seconds = str(_run("peer_dies")[0]).split("|")
+@pytest.mark.parametrize("spin_s", [0.0, 30.0], ids=["blocking", "spinning"])
+def test_a_peer_that_exits_fails_the_wait_at_once_naming_it(spin_s) -> None:
+    peer, message, seconds = str(_run("peer_dies", spin_s)[0]).split("|")
     assert peer == "1"
     assert "lost rank 1 while waiting for rank 1" in message
     assert float(seconds) < 5  # not the 10 s timeout
@@ -95,3 +98,19 @@ def test_an_unknown_p2p_setting_is_one_line(value, monkeypatch) -> None:
     monkeypatch.setenv("OPWEAVE_P2P", value)
     with pytest.raises(OpWeaveRuntimeError, match="expected socket or torch"):
         Transport(0, torch.device("cpu"), timeout_s=1.0)
+
+
+def test_ranks_spin_only_on_a_core_of_their_own_unless_told(monkeypatch) -> None:
+    from opweave.runtime._private.wire import SPIN_S, WAIT_ENV, spin_budget
+    from opweave.runtime.errors import OpWeaveRuntimeError
+
+    monkeypatch.delenv(WAIT_ENV, raising=False)
+    assert spin_budget(own_core=True) == SPIN_S > 0
+    assert spin_budget(own_core=False) == 0.0
+    monkeypatch.setenv(WAIT_ENV, "block")
+    assert spin_budget(own_core=True) == 0.0
+    monkeypatch.setenv(WAIT_ENV, "Spin")
+    assert spin_budget(own_core=False) == SPIN_S
+    monkeypatch.setenv(WAIT_ENV, "poll")
+    with pytest.raises(OpWeaveRuntimeError, match=r"OPWEAVE_WAIT='poll': expected spin or block"):
+        spin_budget(own_core=True)

@@ -12,14 +12,20 @@ and 64 MB), the same as a 37 MB chain of decode GEMMs (48 ps per weight byte); a
 past what the VM keeps cached, read at 12.5 GB/s hot and lost only 11 ps per byte.
 
 So the profiler reads a buffer (the operator chain's weight bytes, at most ``PROBE_BYTES``)
-hot and, right after, again after sleeping ``g`` (a waiting rank sleeps in ``select``), and
-fits the median extra time per byte with ``s_per_byte * (1 - exp(-g / time_constant))``
-(:class:`~opweave.costmodel.IdleSlowdown`).
+hot and, right after, again after waiting ``g`` the way a waiting rank waits, and fits the
+median extra time per byte with ``s_per_byte * (1 - exp(-g / time_constant))``
+(:class:`~opweave.costmodel.IdleSlowdown`). A rank with a core of its own busy-polls its
+sockets (``select`` with a zero timeout) and one that shares cores blocks in ``select`` (see
+``opweave.runtime``'s wire); the probe does the same on a socket pair that stays silent. The
+numbers above were taken while ranks still blocked; a spinning wait keeps the core awake, and
+what it loses is only what the other cores evict meanwhile.
 """
 
 from __future__ import annotations
 
 import gc
+import selectors
+import socket
 import statistics
 import time
 from dataclasses import dataclass
@@ -42,6 +48,7 @@ class IdleFit:
     points: tuple[tuple[float, float], ...]  # (idle seconds, median extra seconds per byte)
     probe_bytes: int
     hot_s: float  # one hot read of the probe
+    wait: str = "block"  # how the gaps were spent: "spin" or "block", as ranks wait
 
     def describe(self) -> str:
         s = self.slowdown
@@ -49,20 +56,51 @@ class IdleFit:
         return (
             f"after idling: {s.s_per_byte * 1e12:.1f} ps per byte touched x (1 - exp(-idle / "
             f"{s.time_constant_s * 1e3:.2f} ms)); reading {self.probe_bytes / 2**20:.0f} MiB "
-            f"({self.hot_s * 1e3:.2f} ms hot) cost extra ps per byte after {pts}"
+            f"({self.hot_s * 1e3:.2f} ms hot) cost extra ps per byte after {pts} "
+            f"({'spinning' if self.wait == 'spin' else 'blocked'} in select, as ranks wait)"
         )
+
+
+class IdleWait:
+    """Idles as a waiting rank does, on a socket pair that stays silent: polling it with zero
+    timeouts (``spin``) or blocked in ``select`` on it. A context manager (it owns the pair)."""
+
+    def __init__(self, spin: bool) -> None:
+        self.spin = spin
+        self._quiet, self._other = socket.socketpair()
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self._quiet, selectors.EVENT_READ)
+
+    def __call__(self, gap_s: float) -> None:
+        if not self.spin:
+            self._selector.select(timeout=gap_s)
+            return
+        end = time.perf_counter() + gap_s
+        while time.perf_counter() < end:
+            self._selector.select(timeout=0.0)
+
+    def __enter__(self) -> IdleWait:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._selector.close()
+        self._quiet.close()
+        self._other.close()
 
 
 def measure_idle_slowdown(
     num_bytes: int = PROBE_BYTES,
     gaps_s: tuple[float, ...] = GAPS_S,
     samples: int = SAMPLES,
+    *,
+    spin: bool = False,
 ) -> IdleFit:
     """Read ``num_bytes`` hot and after each idle gap; fit the extra time per byte.
 
     Every sample is a pair taken back to back (a hot read right after another read, then a
-    read after sleeping the gap), so the machine's own drift, which moves a hot read by 2x
-    within minutes on a shared VM, cancels in the pair's difference; the gaps take turns."""
+    read after idling the gap, spinning or blocked as ``spin`` says), so the machine's own
+    drift, which moves a hot read by 2x within minutes on a shared VM, cancels in the pair's
+    difference; the gaps take turns."""
     probe = torch.ones(max(num_bytes // 4, 1), dtype=torch.float32)
     size = probe.numel() * 4
 
@@ -76,20 +114,21 @@ def measure_idle_slowdown(
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        read()  # first touch
-        for _ in range(samples):
-            for gap in gaps_s:
-                read()
-                warm = read()
-                time.sleep(gap)
-                extra[gap].append((read() - warm) / size)
-                hot.append(warm)
+        with IdleWait(spin) as idle:
+            read()  # first touch
+            for _ in range(samples):
+                for gap in gaps_s:
+                    read()
+                    warm = read()
+                    idle(gap)
+                    extra[gap].append((read() - warm) / size)
+                    hot.append(warm)
     finally:
         if gc_was_enabled:
             gc.enable()
     points = tuple((g, statistics.median(e)) for g, e in extra.items())
     fit = fit_idle_slowdown(points).model_copy(update={"max_bytes": float(size)})
-    return IdleFit(fit, points, size, statistics.median(hot))
+    return IdleFit(fit, points, size, statistics.median(hot), "spin" if spin else "block")
 
 
 def fit_idle_slowdown(points: tuple[tuple[float, float], ...]) -> IdleSlowdown:

@@ -59,7 +59,15 @@ from .operators import (
 from .orchestration import OrchestrationFit, measure_orchestration
 from .progress import Progress
 from .state import StateWriter
-from .timing import Measurement, Timer, TimingSettings, make_timer, pinned_cpu, summarize
+from .timing import (
+    Measurement,
+    Timer,
+    TimingSettings,
+    available_cores,
+    make_timer,
+    pinned_cpu,
+    summarize,
+)
 from .transfer import TransferFit, measure_transfer, unavailable_reason
 
 CPU_BATCHES = (1, 2, 4, 8, 16, 32, 64)
@@ -452,7 +460,9 @@ def profile_model(
         why_no_idle = _idle_unavailable(dev, chain_bytes) if idle else "skipped"
         if why_no_idle is None:
             bar.note("timing reads of a buffer after idle gaps")
-            idle_fit = measure_idle_slowdown(int(min(chain_bytes, PROBE_BYTES)))
+            idle_fit = measure_idle_slowdown(
+                int(min(chain_bytes, PROBE_BYTES)), spin=ranks_spin(dev)
+            )
         del chains
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -549,6 +559,15 @@ def profile_model(
         )
     profile = Profile.model_validate(profile.model_dump())
     return ProfileRun(profile, report, link, cells, time.perf_counter() - started, loop, idle_fit)
+
+
+def ranks_spin(dev: torch.device) -> bool:
+    """Whether the runtime's ranks busy-poll while they wait on this machine: CPU ranks with a
+    core each (a plan's ranks here get one per core when there are enough), unless
+    ``OPWEAVE_WAIT`` says otherwise (see ``opweave.runtime``'s wire)."""
+    from opweave.runtime._private.wire import spin_budget
+
+    return dev.type == "cpu" and spin_budget(len(available_cores()) >= 2) > 0
 
 
 def _idle_unavailable(dev: torch.device, chain_bytes: float) -> str | None:

@@ -124,17 +124,19 @@ class _Endpoint:
     ``isend``/``irecv`` of a buffer of known size.
     """
 
-    def __init__(self, rank: int, device: torch.device) -> None:
+    def __init__(self, rank: int, device: torch.device, *, spin_s: float = 0.0) -> None:
         self.rank, self.device = rank, device
         self.peer = 1 - rank
         try:
             from opweave.runtime._private.schedule import Link
             from opweave.runtime._private.transport import Transport
 
-            self.transport = Transport(rank, device, timeout_s=60.0)
+            self.transport = Transport(rank, device, timeout_s=60.0, spin_s=spin_s)
             self.out, self.inp = Link(self.peer, range(1), 1), Link(self.peer, range(1), 1)
             self.protocol = (
-                "opweave.runtime Transport (pack; sockets progressed by the ranks' threads)"
+                "opweave.runtime Transport (pack; sockets progressed by the ranks' threads, "
+                + ("spinning" if spin_s > 0 else "blocking")
+                + " while they wait)"
                 if getattr(self.transport, "p2p", "torch") == "socket"
                 else "opweave.runtime Transport (pack, eager chunk + tail, isend/irecv)"
             )
@@ -196,8 +198,14 @@ def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, 
         world_size=2,
         timeout=timedelta(seconds=60),
     )
+    spin_s = 0.0
+    if not cuda:  # each side on a core of its own, waiting as a rank there waits
+        from opweave.runtime._private.wire import spin_budget
+        from opweave.runtime._private.worker import pin_to_core
+
+        spin_s = spin_budget(pin_to_core(rank, 2))
     try:
-        end = _Endpoint(rank, device)
+        end = _Endpoint(rank, device, spin_s=spin_s)
         results = []
         for size in sizes:
             batch = _batch(size, device)

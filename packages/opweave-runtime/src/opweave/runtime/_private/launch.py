@@ -146,6 +146,7 @@ def run_plan(
                 run_dir=str(run_dir),
                 requests=[r.to_json() for r in requests] if rank == 0 else [],
                 tp_mode=tp_mode,
+                local_world_size=per_node,
             )
             children.append(_start(spec, run_dir, start_method, extra_env))
         # The store is hosted only after every fork, so no child inherits its server thread;
@@ -357,6 +358,7 @@ def run_from_env(
         requests=[r.to_json() for r in requests] if env["RANK"] == "0" else [],
         tp_mode=tp_mode,
         env_init=True,
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", world)),
     )
     if device == "cpu":
         import torch

@@ -44,7 +44,10 @@ _LEN = 16  # length word padded so the payload keeps pack()'s 16-byte alignment
 
 
 class Transport:
-    """This rank's message endpoint; accumulates the time it spends blocked in ``comm_s``."""
+    """This rank's message endpoint; accumulates the time it spends blocked in ``comm_s``.
+
+    ``spin_s``: how long each wait on the socket wire busy-polls before it blocks (see
+    :mod:`.wire`; :func:`~.wire.spin_budget` picks it)."""
 
     def __init__(
         self,
@@ -54,6 +57,7 @@ class Transport:
         *,
         p2p: str | None = None,
         master_addr: str | None = None,
+        spin_s: float = 0.0,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -70,8 +74,9 @@ class Transport:
         if p2p == "socket" and device.type != "cpu":
             raise OpWeaveRuntimeError(f"{P2P_ENV}=socket moves CPU tensors; {device} needs torch")
         self.p2p = p2p
+        self.spin_s = spin_s if self.p2p == "socket" else 0.0
         self._wire = (
-            SocketWire(rank, dist.get_world_size(), timeout_s, master_addr)
+            SocketWire(rank, dist.get_world_size(), timeout_s, master_addr, spin_s=spin_s)
             if p2p == "socket"
             else None
         )

@@ -40,6 +40,7 @@ from .schedule import Compute, Drive, compile_schedule, microbatches_of, rank_op
 from .stage import StageModule
 from .tensor_parallel import TPGroup, TPOp, run_sharded, shard_operators
 from .transport import PeerError, Transport, as_batch, merge, select
+from .wire import spin_budget
 
 FAULT_ENV = "OPWEAVE_FAULT"  # "RANK:ITERATION:exit|hang|kill" -- test hook for fault handling
 
@@ -62,6 +63,7 @@ class WorkerSpec:
     requests: list[dict[str, Any]] = field(default_factory=list)
     tp_mode: str = "auto"
     env_init: bool = False  # torchrun: rendezvous through its store (init_method="env://")
+    local_world_size: int = 1  # ranks on this node (they share its cores)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -74,14 +76,23 @@ class WorkerSpec:
 class Worker:
     """Executes one rank's schedule until every microbatch it serves has gone final."""
 
-    def __init__(self, spec: WorkerSpec, placement: Placement, device: torch.device) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        placement: Placement,
+        device: torch.device,
+        *,
+        spin_s: float = 0.0,
+    ) -> None:
         self.spec = spec
         self.rank = spec.rank
         self.placement = placement
         self.info = placement.ranks[spec.rank]
         self.device = device
         self.actions = compile_schedule(placement, spec.rank)
-        self.transport = Transport(spec.rank, device, spec.timeout_s, master_addr=spec.master_addr)
+        self.transport = Transport(
+            spec.rank, device, spec.timeout_s, master_addr=spec.master_addr, spin_s=spin_s
+        )
         self.group = None
         for ranks in placement.tp_groups:  # every rank creates every group, in the same order
             g = dist.new_group(list(ranks))
@@ -230,6 +241,7 @@ class Worker:
             "loop_s": self.loop_s,
             "drive_s": self.drive_s,
             "overhead_s": max(self.loop_s - self.compute_s - comm, 0.0),
+            "wait": "spin" if self.transport.spin_s > 0 else "block",
             "iterations": self.iterations,
             "actions_per_iteration": {
                 "compute": sum(isinstance(a, Compute) for a in self.actions),
@@ -313,16 +325,18 @@ def resolve_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def pin_to_core(local_rank: int) -> None:
+def pin_to_core(local_rank: int, local_ranks: int) -> bool:
     """Bind a single-threaded CPU rank to one core of those this process may use, as a GPU
     rank is bound to its device: the scheduler then never migrates it (its caches stay warm)
     and two ranks never share a core while another one idles. More ranks than cores share
-    them round-robin."""
+    them round-robin. Returns whether the rank has a core of its own (then it may spin while
+    it waits, see :mod:`.wire`)."""
     if not hasattr(os, "sched_setaffinity") or torch.get_num_threads() != 1:
-        return
+        return False
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
         os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
+    return local_ranks <= len(cores)
 
 
 def run_worker(spec: WorkerSpec) -> dict[str, Any] | None:
@@ -330,8 +344,9 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any] | None:
     plan = Plan.model_validate(spec.plan)
     placement = Placement(plan, load_model(spec.model_dir))
     device = resolve_device(spec.device, spec.local_rank)
+    own_core = False
     if device.type == "cpu" and spec.world_size > 1:  # a lone rank may use any idle core
-        pin_to_core(spec.local_rank)
+        own_core = pin_to_core(spec.local_rank, spec.local_world_size)
     timeout = timedelta(seconds=spec.timeout_s)
     if spec.env_init:
         dist.init_process_group(
@@ -353,7 +368,7 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any] | None:
         control = dist.new_group(backend="gloo") if spec.backend != "gloo" else None
         load_start = time.perf_counter()
         with Heartbeat(spec.run_dir, spec.rank).background():
-            worker = Worker(spec, placement, device)
+            worker = Worker(spec, placement, device, spin_s=spin_budget(own_core))
         load_s = time.perf_counter() - load_start
         _collective(lambda: dist.barrier(group=control), "waiting for every rank to load")
         worker.run()
