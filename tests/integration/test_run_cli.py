@@ -84,7 +84,7 @@ def test_run_plan_file_with_text_prompts_prints_a_table(tmp_path, capsys, tiny_m
     assert "TPOT" in out and "weights read" in out and "L0.core_attn" in out
 
 
-def test_bad_input_is_one_line_errors(tmp_path, capsys, tiny_model):
+def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model):
     model_dir = str(tiny_model("llama"))
     plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=2)
     plan_path = tmp_path / "plan.json"
@@ -123,6 +123,10 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, tiny_model):
         assert err.startswith("error: ") and err.count("\n") == 1, err
         assert message in err, err
         assert out == ""
+    monkeypatch.setenv("OPWEAVE_WAIT", "sometimes")
+    code, out, err = _opweave(capsys, "run", str(plan_path), "--prompt", "t5", *common)
+    assert (code, out) == (2, "")
+    assert err == "error: OPWEAVE_WAIT='sometimes': expected spin or block\n", err
 
 
 def test_two_nodes_on_one_machine(tmp_path, capsys, tiny_model, hf_greedy, prompts):

@@ -442,6 +442,7 @@ def profile_model(
         f"{source.name} ({source.dtype}) on {name}: {len(targets)} operators, "
         f"{len(measured)} timed, {cells} cells"
     )
+    spin = ranks_spin(dev)  # before pinning: ranks get the machine's cores, one each
     with pinned_cpu(threads) as cores, torch.inference_mode():
         n_threads = torch.get_num_threads()
         weights = build_chains(source, chains, dev, seed=seed)
@@ -460,9 +461,7 @@ def profile_model(
         why_no_idle = _idle_unavailable(dev, chain_bytes) if idle else "skipped"
         if why_no_idle is None:
             bar.note("timing reads of a buffer after idle gaps")
-            idle_fit = measure_idle_slowdown(
-                int(min(chain_bytes, PROBE_BYTES)), spin=ranks_spin(dev)
-            )
+            idle_fit = measure_idle_slowdown(int(min(chain_bytes, PROBE_BYTES)), spin=spin)
         del chains
         if dev.type == "cuda":
             torch.cuda.empty_cache()

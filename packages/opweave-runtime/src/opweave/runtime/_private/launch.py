@@ -38,6 +38,7 @@ from opweave.costmodel import Plan, load_model
 from ..errors import OpWeaveRuntimeError, RunFailedError
 from .driver import Request, check_requests
 from .placement import Placement, check_plan, total_ranks
+from .wire import spin_budget
 from .worker import WorkerSpec, run_worker
 
 _GRACE_S = 1.0  # after a first failure, how long the others get to report before being killed
@@ -121,6 +122,7 @@ def run_plan(
     if node_rank > 0 and master_port is None:
         raise OpWeaveRuntimeError("nodes other than 0 need --master-port of node 0")
     device, backend = resolve_backend(device)
+    spin_budget(own_core=False)  # a malformed OPWEAVE_WAIT fails here, before any rank starts
     if start_method == "auto":
         start_method = "fork" if device == "cpu" else "spawn"
     per_node = world // nnodes
@@ -344,6 +346,7 @@ def run_from_env(
     check_plan(plan, load_model(model_dir), world)
     check_requests(requests)
     device, backend = resolve_backend(device)
+    spin_budget(own_core=False)
     spec = WorkerSpec(
         plan=plan.model_dump(mode="json"),
         model_dir=str(model_dir),
