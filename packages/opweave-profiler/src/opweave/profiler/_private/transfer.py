@@ -117,69 +117,40 @@ def _batch(num_bytes: int, device: torch.device) -> TokenBatch:
 
 
 class _Endpoint:
-    """Send/receive one batch the way the runtime's workers do.
-
-    Uses the runtime's own ``Transport`` (eager fixed-size first chunk carrying the length, the
-    tail as a second transfer) when this runtime has one; otherwise ``pack`` and a plain
-    ``isend``/``irecv`` of a buffer of known size.
-    """
+    """Send/receive one batch the way the runtime's workers do: through the runtime's own
+    ``Transport`` (its socket wire between CPU ranks; between GPUs an eager fixed-size first
+    chunk carrying the length, the tail as a second transfer)."""
 
     def __init__(self, rank: int, device: torch.device, *, spin_s: float = 0.0) -> None:
+        from opweave.runtime._private.schedule import Link
+        from opweave.runtime._private.transport import Transport
+
         self.rank, self.device = rank, device
         self.peer = 1 - rank
-        try:
-            from opweave.runtime._private.schedule import Link
-            from opweave.runtime._private.transport import Transport
-
-            self.transport = Transport(rank, device, timeout_s=60.0, spin_s=spin_s)
-            self.out, self.inp = Link(self.peer, range(1), 1), Link(self.peer, range(1), 1)
-            self.protocol = (
-                "opweave.runtime Transport (pack; sockets progressed by the ranks' threads, "
-                + ("spinning" if spin_s > 0 else "blocking")
-                + " while they wait)"
-                if getattr(self.transport, "p2p", "torch") == "socket"
-                else "opweave.runtime Transport (pack, eager chunk + tail, isend/irecv)"
-            )
-        except ImportError:  # an older runtime without multi-process transport
-            self.transport = None
-            self.protocol = "pack + torch.distributed isend/irecv"
+        self.transport = Transport(rank, device, timeout_s=60.0, spin_s=spin_s)
+        self.out, self.inp = Link(self.peer, range(1), 1), Link(self.peer, range(1), 1)
+        self.protocol = (
+            "opweave.runtime Transport (pack; sockets progressed by the ranks' threads, "
+            + ("spinning" if self.transport.spin_s > 0 else "blocking")
+            + " while they wait)"
+            if self.transport.p2p == "socket"
+            else "opweave.runtime Transport (pack, eager chunk + tail, isend/irecv)"
+        )
 
     def send(self, batch: TokenBatch, i: int, *, wait: bool = True) -> None:
         """Send ``batch``; unless ``wait``, completion is awaited by the next :meth:`reap`
         (as a pipeline stage posts its send and moves on to receive)."""
-        import torch.distributed as dist
-
-        if self.transport is not None:
-            self.transport.send(self.out, batch, epoch=i)
-            if wait:
-                self.transport.flush()
-        else:
-            work = dist.isend(pack(batch), dst=self.peer, tag=1)
-            assert work is not None
-            if wait:
-                work.wait()
-            else:
-                self._pending = work
+        self.transport.send(self.out, batch, epoch=i)
+        if wait:
+            self.transport.flush()
 
     def reap(self) -> None:
-        if self.transport is not None:
-            self.transport.flush()
-        elif getattr(self, "_pending", None) is not None:
-            self._pending.wait()
-            self._pending = None
+        self.transport.flush()
 
-    def recv(self, like: torch.Tensor) -> torch.Tensor:
-        """The next message's packed bytes (``like``: a packed message of the same size)."""
-        import torch.distributed as dist
-
-        if self.transport is not None:
-            part = self.transport.recv(self.inp, "profiling transfers")
-            return part if isinstance(part, torch.Tensor) else pack(part)
-        buf = torch.empty_like(like)
-        work = dist.irecv(buf, src=self.peer, tag=1)
-        assert work is not None
-        work.wait()
-        return buf
+    def recv(self) -> torch.Tensor:
+        """The next message's packed bytes."""
+        part = self.transport.recv(self.inp, "profiling transfers")
+        return part if isinstance(part, torch.Tensor) else pack(part)
 
 
 def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, out: str) -> None:
@@ -218,9 +189,9 @@ def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, 
                 t0 = time.perf_counter()
                 if rank == 0:
                     end.send(batch, i)
-                    end.recv(packed)
+                    end.recv()
                 else:
-                    end.recv(packed)
+                    end.recv()
                     end.send(batch, i)
                 if cuda:
                     torch.cuda.synchronize(device)
@@ -262,7 +233,7 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
     packed = pack(batch)
 
     def receive() -> None:
-        buf = end.recv(packed)  # waiting for the peer is the link's time, not the receiver's
+        buf = end.recv()  # waiting for the peer is the link's time, not the receiver's
         t0 = time.perf_counter()
         meta = unpack(buf).meta  # what a stage does with an arrived batch before its operators
         _ = meta.positions, meta.row_offsets
@@ -291,7 +262,7 @@ def _busy_phase(end: _Endpoint, rank: int, device: torch.device) -> dict[str, fl
             receive()
     end.reap()
     if rank != 0:
-        end.recv(packed)  # rank 0 times the work alone meanwhile
+        end.recv()  # rank 0 times the work alone meanwhile
         return None
     rounds = [b - a for a, b in itertools.pairwise(marks[_WARMUP:])]
     alone = []

@@ -74,13 +74,17 @@ class Transport:
         if p2p == "socket" and device.type != "cpu":
             raise OpWeaveRuntimeError(f"{P2P_ENV}=socket moves CPU tensors; {device} needs torch")
         self.p2p = p2p
-        self.spin_s = spin_s if self.p2p == "socket" else 0.0
         self._wire = (
             SocketWire(rank, dist.get_world_size(), timeout_s, master_addr, spin_s=spin_s)
             if p2p == "socket"
             else None
         )
         self._wire_oldest: int | None = None  # epoch of the oldest send posted since a drain
+
+    @property
+    def spin_s(self) -> float:
+        """How long each wait busy-polls before it blocks (0 off the socket wire)."""
+        return self._wire.spin_s if self._wire is not None else 0.0
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, link: Link, batch: TokenBatch, epoch: int) -> None:

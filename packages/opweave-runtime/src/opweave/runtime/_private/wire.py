@@ -55,9 +55,10 @@ SPIN_S = 1.0  # a spinning rank blocks once one wait has lasted this long
 def spin_budget(own_core: bool) -> float:
     """Seconds of every wait a rank busy-polls before it blocks: ``SPIN_S`` for a rank with a
     core of its own, else 0; ``OPWEAVE_WAIT`` overrides."""
-    mode = os.environ.get(WAIT_ENV, "").strip().lower()
+    raw = os.environ.get(WAIT_ENV, "").strip()
+    mode = raw.lower()
     if mode not in ("", "spin", "block"):
-        raise OpWeaveRuntimeError(f"{WAIT_ENV}={mode!r}: expected spin or block")
+        raise OpWeaveRuntimeError(f"{WAIT_ENV}={raw!r}: expected spin or block")
     if mode:
         return SPIN_S if mode == "spin" else 0.0
     return SPIN_S if own_core else 0.0
