@@ -132,7 +132,12 @@ def profile(
         ),
     ] = None,
     threads: Annotated[
-        int | None, typer.Option("--threads", min=1, help="CPU threads (default: all cores).")
+        int | None,
+        typer.Option(
+            "--threads",
+            min=1,
+            help="torch threads while timing (default: 1 on CPU, as each CPU rank runs).",
+        ),
     ] = None,
     usd_per_hour: Annotated[
         float | None,
@@ -158,7 +163,8 @@ def profile(
     no_idle: Annotated[
         bool,
         typer.Option(
-            "--no-idle", help="CPU: skip timing the operator chain after idle gaps (a few s)."
+            "--no-idle",
+            help="CPU: skip timing reads of a buffer after idle gaps (a few s).",
         ),
     ] = False,
     seed: Annotated[int, typer.Option("--seed", help="Seed of random weights and inputs.")] = 0,

@@ -94,6 +94,10 @@ class ProfileRun:
     idle: IdleFit | None = None
 
 
+# A CPU rank of the runtime runs one torch thread on a core of its own (see opweave.runtime).
+CPU_RANK_THREADS = 1
+
+
 def default_grid(device: str | torch.device) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Log-spaced (batches, contexts): decode-sized on CPU, 1-256 x 1K-128K on CUDA."""
     if torch.device(device).type == "cuda":
@@ -393,6 +397,9 @@ def profile_model(
     in decode order; the default on CPU) or ``"isolated"`` (one operator called back to back
     with hot caches; the default on CUDA, timed with CUDA events).
 
+    ``threads``: torch's intra-op threads while timing. On CPU it defaults to one, as every CPU
+    rank of the runtime runs (one thread, pinned to a core); elsewhere to every core.
+
     In the chain, layers are added until their weights reach ``working_set_bytes`` (default:
     twice the device's largest cache, so that no operator finds its weights still cached, as
     in a stage of the model; see :func:`plan_block`).
@@ -414,6 +421,8 @@ def profile_model(
     grid_s = _grid(contexts or default_s, "contexts")
     if threads is not None and threads < 1:
         raise ProfilerError(f"--threads must be at least 1, got {threads}")
+    if threads is None and dev.type == "cpu":
+        threads = CPU_RANK_THREADS
     mode = timing_mode or ("isolated" if dev.type == "cuda" else "chain")
     if mode not in TIMING_MODES:
         raise ProfilerError(f"--timing {mode}: choose one of {', '.join(TIMING_MODES)}")
