@@ -23,6 +23,19 @@ def test_fit_recovers_a_known_curve() -> None:
     assert faster.s_per_byte == 0.0
 
 
+def test_fit_does_not_reach_past_the_longest_gap() -> None:
+    """Points still rising at the longest gap fit the steepest curve that levels off there,
+    not a near-straight line that charges a second of idling ten times what was measured."""
+    from opweave.profiler import fit_idle_slowdown
+    from opweave.profiler._private.idle import GAPS_S
+
+    rising = _curve(500e-12, 0.5, GAPS_S)  # 48 ps per byte at 50 ms and still climbing
+    got = fit_idle_slowdown(rising)
+    assert got.time_constant_s <= max(GAPS_S)
+    assert got.extra_s(1.0, 1.0) < 2 * rising[-1][1]
+    assert got.extra_s(1.0, max(GAPS_S)) == pytest.approx(rising[-1][1], rel=0.25)
+
+
 def test_measurement_reads_the_probe_hot_and_after_each_gap() -> None:
     from opweave.profiler import measure_idle_slowdown
 

@@ -133,11 +133,15 @@ def measure_idle_slowdown(
 
 def fit_idle_slowdown(points: tuple[tuple[float, float], ...]) -> IdleSlowdown:
     """Least squares of ``extra = s_per_byte (1 - exp(-g / tau))`` over a log grid of ``tau``
-    (for each, ``s_per_byte`` in closed form, clipped at zero: idling never speeds up)."""
+    (for each, ``s_per_byte`` in closed form, clipped at zero: idling never speeds up).
+
+    ``tau`` is at most the longest gap measured: the curve is known only that far, and points
+    still rising there would otherwise fit a near-straight line (500 ps per byte over 470 ms,
+    in one profile) that charges idles past the probe's far more than it ever measured."""
     gaps = np.asarray([g for g, _ in points], dtype=np.float64)
     extra = np.asarray([e for _, e in points], dtype=np.float64)
     best: tuple[float, float, float] | None = None
-    for tau in np.geomspace(0.2e-3, 1.0, 160):
+    for tau in np.geomspace(0.2e-3, float(np.max(gaps)), 160):
         shape = -np.expm1(-gaps / tau)
         per_byte = max(float(shape @ extra / (shape @ shape)), 0.0)
         err = float(np.sum((per_byte * shape - extra) ** 2))
