@@ -470,6 +470,8 @@ def operators_now(model_dir: Path, profile: Any, batch: int, context: int) -> An
         batches=[batch],
         contexts=[context],
         transfer=False,
+        orchestration=False,
+        idle=False,
         fit=False,
         progress=False,
     ).profile
