@@ -51,6 +51,7 @@ def test_cli_profiles_a_tiny_model_end_to_end(tiny_model, tmp_path) -> None:
     from opweave.profiler import load_profile
 
     profile = load_profile(out)
+    assert doc["stall_overhead"] == profile.stall_overhead >= 0
     assert profile.transfers[0].link == "intra_node"
     assert profile.transfers[0].latency_s == pytest.approx(link["latency_s"])
     # gloo between CPU processes is host-driven: the busy phase's costs are in the profile,

@@ -389,8 +389,9 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
 
 
 def bracket(before: Any, after: Any) -> Any:
-    """One profile whose operator tables are the mean of two timings of the same cell, taken
-    right before and right after a run (the machine's speed drifts while it runs)."""
+    """One profile whose operator tables (and stall overhead) are the mean of two timings of
+    the same cell, taken right before and right after a run (the machine's speed drifts while
+    it runs)."""
     from opweave.costmodel import OpLatencyTable
 
     tables = []
@@ -401,7 +402,8 @@ def bracket(before: Any, after: Any) -> Any:
             for ra, rb in zip(a.latency_s, b.latency_s, strict=True)
         )
         tables.append(OpLatencyTable(**{**a.model_dump(), "latency_s": mean, "spread_s": None}))
-    return before.model_copy(update={"ops": tuple(tables)})
+    stalls = (before.stall_overhead + after.stall_overhead) / 2
+    return before.model_copy(update={"ops": tuple(tables), "stall_overhead": stalls})
 
 
 def closed_loop(
@@ -459,8 +461,9 @@ def with_median_transfer(profile: Any, count: int) -> Any:
 
 
 def operators_now(model_dir: Path, profile: Any, batch: int, context: int) -> Any:
-    """``profile`` with its operator tables replaced by ones timed now, at the one (batch,
-    context) cell the plans run at (about a second), for the run that follows."""
+    """``profile`` with its operator tables (and what stalls add to them) replaced by ones
+    timed now, at the one (batch, context) cell the plans run at (about a second), for the run
+    that follows."""
     from opweave.profiler import profile_model
 
     cell = profile_model(
@@ -475,7 +478,7 @@ def operators_now(model_dir: Path, profile: Any, batch: int, context: int) -> An
         fit=False,
         progress=False,
     ).profile
-    return profile.model_copy(update={"ops": cell.ops})
+    return profile.model_copy(update={"ops": cell.ops, "stall_overhead": cell.stall_overhead})
 
 
 def report(cases: list[Case], args: argparse.Namespace) -> None:

@@ -36,6 +36,7 @@ def _summary(run: Any, path: Path) -> dict[str, Any]:
         "tables": len(profile.ops),
         "cells": run.cells,
         "wall_s": run.wall_s,
+        "stall_overhead": profile.stall_overhead,
         "grid": {
             "batches": profile.provenance.settings.get("batches"),
             "contexts": profile.provenance.settings.get("contexts"),
@@ -228,6 +229,10 @@ def profile(
                 else ""
             )
         )
+    typer.echo(
+        f"stalls: timed calls average {run.profile.stall_overhead:.1%} above their median "
+        "(operator latencies from this profile are scaled by that)"
+    )
     if run.orchestration is not None:
         typer.echo(run.orchestration.describe())
     if run.idle is not None:

@@ -29,7 +29,13 @@ from ._private.profile import (
     save_profile,
 )
 from ._private.random_weights import RandomCheckpoint, tensor_shapes
-from ._private.timing import Measurement, TimingSettings, make_timer, pinned_cpu
+from ._private.timing import (
+    Measurement,
+    TimingSettings,
+    make_timer,
+    pinned_cpu,
+    stall_overhead,
+)
 from ._private.transfer import TransferFit, fit_line, measure_transfer
 from .errors import DeviceUnavailableError, ProfilerError
 
@@ -57,6 +63,7 @@ __all__ = [
     "TimingSettings",
     "make_timer",
     "pinned_cpu",
+    "stall_overhead",
     "resolve_device",
     "measure_peaks",
     "CPU_USD_PER_VCPU_HOUR",

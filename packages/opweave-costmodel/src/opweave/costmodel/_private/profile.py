@@ -165,7 +165,13 @@ class Provenance(Frozen):
 
 
 class Profile(Frozen):
-    """Latencies of one device type for the operators of one model."""
+    """Latencies of one device type for the operators of one model.
+
+    The tables hold medians, robust for interpolating a grid, but a decode iteration takes the
+    sum of its operators' *mean* times, which stalls (a shared VM's preemptions, interrupts)
+    pull above the medians; ``stall_overhead`` (measured pooled over every timed call) puts
+    them back: every operator latency looked up is ``median * (1 + stall_overhead)``.
+    """
 
     schema_version: Literal[1] = PROFILE_SCHEMA_VERSION
     device: HardwareSpec
@@ -179,6 +185,12 @@ class Profile(Frozen):
     )
     idle_slowdown: IdleSlowdown | None = Field(
         default=None, description="How much slower operators run after their rank idled."
+    )
+    stall_overhead: float = Field(
+        default=0.0,
+        ge=0,
+        description="The mean of timed operator calls over their median, less one: what stalls "
+        "add to the tables' medians in expectation (operator latencies are scaled by 1 + this).",
     )
     provenance: Provenance
 

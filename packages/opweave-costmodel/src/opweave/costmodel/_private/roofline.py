@@ -125,7 +125,8 @@ class ProfiledLatency:
         del model
         if batch <= 0:
             return 0.0
-        return self.profile.table(profile_key(op, layer), tp)(batch, context)
+        median = self.profile.table(profile_key(op, layer), tp)(batch, context)
+        return median * (1.0 + self.profile.stall_overhead)
 
     def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float:
         return RooflineLatency(self.hardware).collective_s(op, tp, batch)

@@ -66,6 +66,7 @@ from .timing import (
     available_cores,
     make_timer,
     pinned_cpu,
+    stall_overhead,
     summarize,
 )
 from .transfer import TransferFit, measure_transfer, unavailable_reason
@@ -331,6 +332,11 @@ class _Runner:
         self.progress.update(label)
 
 
+def _flat(cells: dict[int, list[Measurement]]) -> list[Measurement]:
+    """Every pass's measurement of a batch's cells."""
+    return [m for passes in cells.values() for m in passes]
+
+
 def _passes(ms: list[Measurement]) -> tuple[float, float]:
     """A cell's latency and spread over its passes: the median of the passes' medians (two
     passes: their mean). Not the lower one: on a shared VM the machine's own speed drifts by up
@@ -495,6 +501,8 @@ def profile_model(
             link=(link.latency_s, link.bandwidth_bytes_per_s) if link else None,
         )
     tables = _tables(targets, runner.grids, grid_b, grid_s)
+    timed = [m for grid in runner.grids.values() for cells in grid.values() for m in _flat(cells)]
+    stalls = stall_overhead(timed)
     settings_doc: dict[str, str | int | float | list[int] | list[str]] = {
         "device": str(dev),
         "timing": mode,
@@ -526,6 +534,11 @@ def profile_model(
     if link is not None:
         settings_doc["transfer_points"] = [f"{n}B:{s:.3e}s" for n, s in link.points]
     settings_doc["orchestration"] = loop.describe() if loop else f"not measured ({why_no_loop})"
+    settings_doc["stalls"] = (
+        f"the mean of the timed calls is {stalls:.1%} above their median, pooled over "
+        f"{len(timed)} cells and passes (sum of means / sum of medians): operator latencies "
+        "from this profile are scaled by that (stall_overhead; the tables hold medians)"
+    )
     settings_doc["idle_slowdown"] = (
         idle_fit.describe() if idle_fit else f"not measured ({why_no_idle})"
     )
@@ -545,6 +558,7 @@ def profile_model(
         transfers=(link.profile(),) if link else (),
         orchestration=loop.profile if loop else None,
         idle_slowdown=idle_fit.slowdown if idle_fit else None,
+        stall_overhead=stalls,
         provenance=Provenance(
             source="measured",
             device_name=name,

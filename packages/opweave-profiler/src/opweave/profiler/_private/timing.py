@@ -23,7 +23,7 @@ import gc
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -51,18 +51,36 @@ class TimingSettings:
 
 @dataclass(frozen=True)
 class Measurement:
-    """Median and interquartile range of the timed repeats of one cell, in seconds."""
+    """Median, interquartile range and mean of the timed repeats of one cell, in seconds."""
 
     median_s: float
     iqr_s: float
     repeats: int
+    mean_s: float | None = None  # None: not known (the median stands in)
 
 
 def summarize(samples: list[float]) -> Measurement:
-    """Median and IQR; both robust to the odd preempted repeat."""
+    """Median and IQR, both robust to the odd preempted repeat, and the mean, which is not
+    (what the stalls add in expectation: see :func:`stall_overhead`)."""
     values = np.asarray(samples, dtype=np.float64)
     q1, med, q3 = np.percentile(values, [25, 50, 75])
-    return Measurement(median_s=float(med), iqr_s=float(q3 - q1), repeats=len(samples))
+    return Measurement(
+        median_s=float(med),
+        iqr_s=float(q3 - q1),
+        repeats=len(samples),
+        mean_s=float(values.mean()),
+    )
+
+
+def stall_overhead(measurements: Iterable[Measurement]) -> float:
+    """The summed means of ``measurements`` over their summed medians, less one (at least 0):
+    how much longer, in expectation, calls take than the medians say. Pooled over many cells,
+    so one stall weighs by its length, as it does in a serving run's mean time per token."""
+    pairs = [(m.mean_s, m.median_s) for m in measurements if m.mean_s is not None]
+    medians = sum(med for _, med in pairs)
+    if medians <= 0:
+        return 0.0
+    return max(sum(mean for mean, _ in pairs) / medians - 1.0, 0.0)
 
 
 class Timer:
