@@ -104,30 +104,3 @@ def test_profile_says_how_the_gaps_were_spent(monkeypatch) -> None:
     monkeypatch.setenv("OPWEAVE_WAIT", "spin")
     assert ranks_spin(torch.device("cpu"))
     assert not ranks_spin(torch.device("meta"))  # only CPU ranks spin on sockets
-
-
-def test_stall_overhead_pools_means_over_medians() -> None:
-    """Sum of means over sum of medians, less one: a stall weighs by its length."""
-    import statistics
-
-    from opweave.profiler import Measurement, stall_overhead
-    from opweave.profiler._private.timing import summarize
-
-    samples = [1e-3] * 9 + [11e-3]  # one 10 ms stall among ten 1 ms calls
-    m = summarize(samples)
-    assert m.median_s == pytest.approx(1e-3)
-    assert m.mean_s == pytest.approx(statistics.fmean(samples))
-    quiet = summarize([4e-3] * 10)
-    assert stall_overhead([m, quiet]) == pytest.approx((2e-3 + 4e-3) / (1e-3 + 4e-3) - 1)
-    # never below zero (means under medians are noise), unknown means left out, none: zero
-    low = Measurement(median_s=2e-3, iqr_s=0.0, repeats=5, mean_s=1.5e-3)
-    assert stall_overhead([low]) == 0.0
-    assert stall_overhead([Measurement(1e-3, 0.0, 5), quiet]) == pytest.approx(0.0, abs=1e-12)
-    assert stall_overhead([]) == 0.0
-
-
-def test_profile_records_what_stalls_add(tiny_model, quick_profile) -> None:
-    run = quick_profile(tiny_model("llama"))
-    assert 0 <= run.profile.stall_overhead < 1
-    note = run.profile.provenance.settings["stalls"]
-    assert f"{run.profile.stall_overhead:.1%}" in note and "above their median" in note
