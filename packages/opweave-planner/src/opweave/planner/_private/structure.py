@@ -19,7 +19,6 @@ from opweave.costmodel import (
     LayerSpec,
     ModelSpec,
     OperatorSpec,
-    OrchestrationProfile,
     Segment,
     StageTemplate,
     memory_bytes_per_rank,
@@ -228,11 +227,11 @@ def slot_compute(
     the driver's bookkeeping for the slot's own requests (exact with one owner, a lower bound
     otherwise: the driver handles the whole global batch's microbatch).
     """
-    out = slot_ops(st, tables, j, device, tp, batches)
-    loop = device.orchestration
-    if loop != OrchestrationProfile():  # measured (CPU ranks)
-        out = out + np.array([loop.stage(u) for u in batches])[None, :]
-        if 0 in st.slot_segs[j]:  # the driver feeds segment 0: at least this slot's requests
-            row = st.slot_segs[j].index(0)
-            out[row] += np.array([loop.drive(u) for u in batches])
+    loop = device.orchestration  # all zeros where not measured: adding it changes nothing
+    out = (
+        slot_ops(st, tables, j, device, tp, batches)
+        + np.array([loop.stage(u) for u in batches])[None, :]
+    )
+    if 0 in st.slot_segs[j]:  # the driver feeds segment 0: at least this slot's requests
+        out[st.slot_segs[j].index(0)] += np.array([loop.drive(u) for u in batches])
     return out
