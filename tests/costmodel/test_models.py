@@ -94,18 +94,22 @@ def test_moe_dense_layers_change_the_block(write_config) -> None:
 def test_layer_types_and_sliding_window_families() -> None:
     mistral = model_spec_from_config(dict(TINY_LLAMA, model_type="mistral", sliding_window=16))
     assert {layer.window_tokens for layer in mistral.layers} == {16}
-    explicit = model_spec_from_config(
-        dict(
-            TINY_LLAMA,
-            model_type="qwen3",
-            num_hidden_layers=4,
-            sliding_window=8,
-            head_dim=16,
-            layer_types=["sliding_attention", "full_attention"] * 2,
-        )
+    config = dict(
+        TINY_LLAMA,
+        model_type="qwen3",
+        num_hidden_layers=4,
+        sliding_window=8,
+        use_sliding_window=True,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention"] * 2,
     )
+    explicit = model_spec_from_config(config)
     assert explicit.block.period_layers == 2
     assert float(explicit.state_bytes_per_request(100)) == 2 * 2 * 16 * 4 * (8 + 100) * 2
+    # transformers' Qwen3 drops the window unless use_sliding_window: every layer attends fully
+    unwindowed = model_spec_from_config(dict(config, use_sliding_window=False))
+    assert unwindowed.block.period_layers == 1
+    assert {layer.window_tokens for layer in unwindowed.layers} == {None}
 
 
 def test_gpt_oss_mxfp4_experts_are_smaller() -> None:
@@ -143,12 +147,23 @@ def test_bad_configs_get_clear_errors(write_config, tmp_path) -> None:
         load_model(bad)
     with pytest.raises(ConfigError, match="multiple of num_key_value_heads"):
         model_spec_from_config(dict(TINY_LLAMA, num_key_value_heads=3))
-    with pytest.raises(ConfigError, match="'hidden_size' must be a non-negative integer"):
+    with pytest.raises(ConfigError, match="^hidden_size: expected an integer, got 'big'$"):
         model_spec_from_config(dict(TINY_LLAMA, hidden_size="big"))
-    with pytest.raises(ConfigError, match="layer_types has 1 entries for 2 layers"):
+    with pytest.raises(ConfigError, match="^layer_types: 1 entries for 2 layers$"):
         model_spec_from_config(dict(TINY_LLAMA, layer_types=["full_attention"]))
-    with pytest.raises(ConfigError, match="dtype 'int3' is not supported"):
+    with pytest.raises(ConfigError, match="^dtype: 'int3' is not supported"):
         model_spec_from_config(dict(TINY_LLAMA, torch_dtype="int3"))
+    with pytest.raises(ConfigError, match="^num_experts_per_tok: 9 is more than the 8 experts$"):
+        model_spec_from_config(
+            dict(TINY_LLAMA, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=9)
+        )
+    with pytest.raises(ConfigError, match=r"^num_hidden_layers: 10000000 is out of range"):
+        model_spec_from_config(dict(TINY_LLAMA, num_hidden_layers=10**7))
+    with pytest.raises(ConfigError, match="^text_config: expected an object, got 3$"):
+        model_spec_from_config({"model_type": "gemma3", "text_config": 3})
+    broken = write_config(dict(TINY_LLAMA, rms_norm_eps=float("inf")), "broken")
+    with pytest.raises(ConfigError, match=r"config\.json: rms_norm_eps: expected a finite"):
+        load_model(broken)
     folder = write_config(TINY_LLAMA, "tiny")
     assert load_model(folder).name == "tiny"
     assert load_model(folder / "config.json").num_layers == 2

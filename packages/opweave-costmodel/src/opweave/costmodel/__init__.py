@@ -21,13 +21,21 @@ from ._private.analysis import (
     analyze,
 )
 from ._private.estimate import StepEstimate, estimate_step
-from ._private.families import (
+from ._private.architecture import FULL as FULL_ATTENTION
+from ._private.architecture import LINEAR as LINEAR_ATTENTION
+from ._private.architecture import SLIDING as SLIDING_ATTENTION
+from ._private.architecture import (
     SUPPORTED_FAMILIES,
+    Architecture,
+    ExpertsSpec,
+    LinearAttentionSpec,
+    RopeSpec,
     family_defaults,
-    model_spec_from_config,
-    partition_block,
+    resolve_architecture,
     text_config,
 )
+from ._private.families import model_spec_from_config, partition_block
+from ._private.sharding import tp_problem
 from ._private.fit import (
     EfficiencyFit,
     fit_efficiency,
@@ -111,6 +119,15 @@ __all__ = [
     # models
     "BUILTIN_MODELS",
     "SUPPORTED_FAMILIES",
+    "Architecture",
+    "FULL_ATTENTION",
+    "SLIDING_ATTENTION",
+    "LINEAR_ATTENTION",
+    "ExpertsSpec",
+    "LinearAttentionSpec",
+    "RopeSpec",
+    "resolve_architecture",
+    "tp_problem",
     "AttentionKind",
     "LayerSpec",
     "ModelSpec",

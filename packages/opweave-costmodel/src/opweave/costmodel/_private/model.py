@@ -15,6 +15,7 @@ import numpy as np
 from numpy.typing import ArrayLike, NDArray
 from pydantic import Field
 
+from .architecture import Architecture
 from .base import Frozen
 
 OperatorName = Literal[
@@ -219,6 +220,7 @@ class ModelSpec(Frozen):
     post_ops: tuple[OperatorSpec, ...]
     block: PartitionBlock
     config_sha256: str = Field(description="Digest of the normalised source config.")
+    arch: Architecture = Field(description="What the operators compute (the runtime's numerics).")
 
     @cached_property
     def operators(self) -> tuple[OperatorSpec, ...]:

@@ -68,4 +68,8 @@ def _load_model(model: str, dtype: str | None) -> ModelSpec:
             "or a path to a Hugging Face config.json or model folder"
         )
     name = path.name if path.is_dir() else path.parent.name or path.stem
-    return model_spec_from_config(read_config(path), name=name, dtype=dtype)
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        return model_spec_from_config(read_config(path), name=name, dtype=dtype)
+    except ConfigError as exc:
+        raise ConfigError(f"{file}: {exc}") from None

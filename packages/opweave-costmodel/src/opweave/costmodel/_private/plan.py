@@ -238,8 +238,9 @@ def canonical_plan(
     microbatches: int = 1,
     context_tokens: int = 1,
     tp: int = 1,
+    replicas: int = 1,
 ) -> Plan:
-    """The canonical template of a baseline with one replica per owner.
+    """The canonical template of a baseline; every owner gets ``tp`` and ``replicas``.
 
     Colocated has one owner; AFD and CAD have two, which alternate along the model
     (``owners[0]`` runs the first segment: the attention module for AFD, the rest-of-model
@@ -256,7 +257,7 @@ def canonical_plan(
     template = TEMPLATES[strategy](model)
     num_owners = 1 if strategy == "colocated" else 2
     owners = tuple(
-        Owner(gpu=gpu, tp=tp, replicas=1, resident_batch=batch) for _ in range(num_owners)
+        Owner(gpu=gpu, tp=tp, replicas=replicas, resident_batch=batch) for _ in range(num_owners)
     )
     return Plan(
         strategy=strategy,
