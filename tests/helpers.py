@@ -79,3 +79,100 @@ def tiny_llama_with_plan(root: Path, strategy: str) -> tuple[Path, Path]:
         ).model_dump_json()
     )
     return model, plan
+
+
+def tiny_llama(root: Path) -> Path:
+    """A tiny llama vLLM's CPU attention accepts (head dim 32), shardable over TP 2."""
+    from opweave.runtime import write_tiny_model
+
+    return write_tiny_model(
+        "llama", root / "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2
+    )
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Live descendants of ``pid`` and their process names (from /proc)."""
+    parent: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        name, rest = text.split("(", 1)[1].rsplit(")", 1)
+        fields = rest.split()
+        if fields[0] != "Z":  # zombies are dead
+            parent[int(stat.parent.name)] = int(fields[1])
+            names[int(stat.parent.name)] = name
+    found: dict[int, str] = {}
+    frontier = [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, pp in parent.items():
+            if pp == p and child not in found:
+                found[child] = names[child]
+                frontier.append(child)
+    return found
+
+
+def rank_pids(pid: int) -> dict[int, int]:
+    """Rank number -> pid of the ranks under process ``pid`` (they name themselves)."""
+    return {
+        int(name.removeprefix("opweave-rank")): child
+        for child, name in descendants(pid).items()
+        if name.startswith("opweave-rank")
+    }
+
+
+def http(url: str, body: Any = None, key: str | None = None, timeout: float = 120):
+    """``(status, body bytes)``; HTTP errors are answers here, not exceptions."""
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="GET" if body is None else "POST")
+    req.add_header("Content-Type", "application/json")
+    if key is not None:
+        req.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def health(base: str) -> int | None:
+    """``/health``'s status, or ``None`` when nothing answers."""
+    try:
+        return http(base + "/health", timeout=5)[0]
+    except OSError:
+        return None
+
+
+def start_server(
+    args: list[str], log: Path, *, timeout_s: float = 240, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """``opweave run ARGS --port P`` in a session of its own; returns once ``/health`` is 200."""
+    import time
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    environ |= {"HF_HUB_OFFLINE": "1", **(env or {})}
+    out = open(log, "wb")  # noqa: SIM115 -- the server's process keeps it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opweave.cli", "run", *args, "--port", str(port)],
+        env=environ,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout_s
+    while health(base) != 200:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {log.read_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            stop_server(proc)
+            raise AssertionError(f"server not healthy in {timeout_s} s: {log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return proc, base

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from opweave.costmodel import load_model
-from opweave.runtime import TINY_CONFIGS, operator_sequence
-from opweave.runtime import parse_config as runtime_config
+from opweave.runtime import TINY_CONFIGS, StageModule, operator_sequence
 
 FAMILIES = list(TINY_CONFIGS)  # every family the runtime implements
 
@@ -18,6 +17,11 @@ def test_runtime_runs_the_operators_the_cost_model_plans(family, tiny_model) -> 
     assert [(op.layer, op.name) for op in spec.operators] == [
         (ref.layer, ref.name) for ref in operator_sequence(model_dir)
     ]
-    runtime = runtime_config(model_dir)
     kinds = {"full": "full_attention", "sliding": "sliding_attention", "linear": "linear_attention"}
-    assert [kinds[layer.attention.value] for layer in spec.layers] == list(runtime.layer_types)
+    assert [kinds[layer.attention.value] for layer in spec.layers] == list(spec.arch.layer_types)
+    # the runtime builds exactly these operators, each holding the weights the cost model counts
+    stage = StageModule.whole_model(model_dir)
+    assert [(op.layer, op.name) for op in stage.operators] == [
+        (op.layer, op.name) for op in spec.operators
+    ]
+    assert stage.weight_bytes == spec.weight_bytes

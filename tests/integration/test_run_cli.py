@@ -98,10 +98,17 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
             "the plan needs 2 ranks",
         ),
         (("run", str(plan_path), "--prompts-file", str(bad_file), *common), "bad.jsonl line 2"),
-        (("run", "--prompt", "t5", *common), "give either a PLAN file or --strategy"),
         (
-            ("run", "--strategy", "afd", "--ranks", "3", "--prompt", "t5", *common),
-            "--ranks must be one of 2, 4",
+            ("run", str(plan_path), "--strategy", "cad", "--prompt", "t5", *common),
+            "give either a PLAN file or --strategy",
+        ),
+        (
+            ("run", "--strategy", "afd", "--tp", "2", "--ranks", "3", "--prompt", "t5", *common),
+            "the plan needs 4 ranks (replicas x tp, summed over its owners), got 3",
+        ),
+        (
+            ("run", "--strategy", "afd", "--tp", "8", "--prompt", "t5", *common),
+            "cannot shard L0.qkv_proj: attention heads of 4 does not split over tp 8",
         ),
         (
             (
@@ -129,8 +136,10 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
     assert err == "error: OPWEAVE_WAIT='sometimes': expected spin or block\n", err
 
 
-def test_two_nodes_on_one_machine(tmp_path, capsys, tiny_model, hf_greedy, prompts):
-    """One ``opweave run`` per node (--nnodes 2): node 0 hosts the rendezvous and rank 0."""
+def test_two_nodes_on_one_machine(tmp_path, capsys, monkeypatch, tiny_model, hf_greedy, prompts):
+    """One ``opweave run`` per node (--nnodes 2): node 0 hosts the rendezvous and rank 0; the
+    nodes share the run's secret."""
+    monkeypatch.setenv("OPWEAVE_RUN_SECRET", "a secret both nodes know")
     model_dir = tiny_model("llama")
     port = str(free_port())
     prompts_file = str(_prompts_file(tmp_path, prompts))
@@ -198,6 +207,7 @@ def test_torchrun_style_launch(tmp_path, tiny_model, hf_greedy, prompts):
                     MASTER_ADDR="127.0.0.1",
                     MASTER_PORT=port,
                     GLOO_SOCKET_IFNAME="lo",
+                    OPWEAVE_RUN_SECRET="shared by torchrun's ranks",
                 )
                 code = main(
                     [

@@ -27,7 +27,7 @@ def test_chain_grows_by_whole_layers_until_the_working_set(tiny_model) -> None:
     _, two = _chain(folder, 1.5 * one)  # one layer is not enough, two are
     assert {r.layer for r in two.refs} == {None, 0, 1}
     _, whole = _chain(folder, 1e15)  # more than the model: every layer, once
-    layers = source.runtime.num_layers
+    layers = source.cost.num_layers
     assert {r.layer for r in whole.refs} == {None, *range(layers)}
     assert whole.refs[0].name == "embed"
     assert [r.name for r in whole.refs][-3:] == ["final_norm", "lm_head", "sample"]
@@ -42,7 +42,7 @@ def test_every_layer_of_the_chain_is_timed_under_its_key(tiny_model) -> None:
         per_key[target.key] = per_key.get(target.key, 0) + 1
         if ref.layer is not None:
             assert target.key == f"{ref.name}@full"
-    layers = source.runtime.num_layers
+    layers = source.cost.num_layers
     assert per_key["qkv_proj@full"] == layers and per_key["core_attn@full"] == layers
     assert per_key["lm_head"] == 1 and per_key["embed"] == 1
     # every call of the chain is timed: the tiny llama has no operator without a table
@@ -70,7 +70,7 @@ def test_profile_records_its_chain_and_working_set(tiny_model, quick_profile) ->
     settings = quick_profile(folder, working_set_bytes=0.0).profile.provenance.settings
     assert settings["chain_layers"] == [0] and settings["working_set_bytes"] == 0
     settings = quick_profile(folder).profile.provenance.settings  # default: twice the cache
-    assert settings["chain_layers"] == list(range(source.runtime.num_layers))
+    assert settings["chain_layers"] == list(range(source.cost.num_layers))
     assert settings["working_set_bytes"] > 0
 
 

@@ -10,10 +10,9 @@ from opweave.runtime import (
     Checkpoint,
     TokenBatch,
     build_operator,
+    model_spec,
     operator_sequence,
-    parse_config,
 )
-from opweave.runtime._private.config import load_config
 
 FAMILIES = ["llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gemma3_text", "qwen3_next"]
 
@@ -24,17 +23,17 @@ def test_random_weights_have_the_checkpoint_shapes(family, tiny_model) -> None:
     from opweave.profiler import RandomCheckpoint, tensor_shapes
 
     folder = tiny_model(family)
-    spec, raw = parse_config(folder), load_config(folder)
+    spec = model_spec(folder)
     real = Checkpoint(folder)
     ops = [build_operator(spec, real, ref) for ref in operator_sequence(spec)]
-    shapes = tensor_shapes(spec, raw)
+    shapes = tensor_shapes(spec.arch)
     for name in list(real.names_read):
         if ".experts." in name and name not in shapes:  # per-expert files, stacked on load
             continue
         tensor = real.get(name)
         # Random weights use one module name for MoE (the runtime asks the checkpoint which).
         assert shapes[name.replace("block_sparse_moe.", "mlp.")] == tuple(tensor.shape), name
-    fake = RandomCheckpoint(spec, raw, seed=1)
+    fake = RandomCheckpoint(spec.arch, seed=1)
     built = [build_operator(spec, fake, ref) for ref in operator_sequence(spec)]
 
     def names(operators) -> list[list[str]]:
@@ -50,8 +49,8 @@ def test_random_weights_are_finite_reproducible_and_shared_when_tied(tiny_model)
     from opweave.profiler import RandomCheckpoint
 
     folder = tiny_model("qwen3")  # tied embeddings
-    spec, raw = parse_config(folder), load_config(folder)
-    a, b = RandomCheckpoint(spec, raw, seed=3), RandomCheckpoint(spec, raw, seed=3)
+    arch = model_spec(folder).arch
+    a, b = RandomCheckpoint(arch, seed=3), RandomCheckpoint(arch, seed=3)
     name = a.layer_name(0, "mlp.gate_proj.weight")
     assert torch.equal(a.get(name), b.get(name)) and torch.isfinite(a.get(name)).all()
     embed = a.get(a.model_name("embed_tokens.weight"), shared=True)
@@ -61,14 +60,14 @@ def test_random_weights_are_finite_reproducible_and_shared_when_tied(tiny_model)
 
 
 def _attention(folder, layer: int):
-    spec = parse_config(folder)
+    spec = model_spec(folder)
     from opweave.profiler import RandomCheckpoint
 
-    ckpt = RandomCheckpoint(spec, load_config(folder))
+    ckpt = RandomCheckpoint(spec.arch)
     refs = [r for r in operator_sequence(spec) if r.layer == layer]
     ops = [build_operator(spec, ckpt, r) for r in refs]
     idx = next(i for i, r in enumerate(refs) if r.name == "core_attn")
-    return spec, ops[:idx], ops[idx]
+    return spec.arch, ops[:idx], ops[idx]
 
 
 @pytest.mark.parametrize(("family", "layer", "window"), [("llama", 0, None), ("mistral", 0, 8)])

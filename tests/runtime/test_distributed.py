@@ -1,7 +1,8 @@
 """The multi-process runtime: every plan kind generates transformers' greedy tokens.
 
-Each run forks one process per rank (gloo on 127.0.0.1). Runs cost about a second, so each
-test checks several things of one run: tokens, per-rank stages, weights, timings.
+Each run forks one process per rank (gloo on 127.0.0.1) under the offline driver. Runs cost
+about a second, so each test checks several things of one run: tokens, per-rank stages,
+weights, timings.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from opweave.runtime import (
     PlanMismatchError,
     Request,
     RunFailedError,
+    ShardingError,
     StageModule,
     compile_schedule,
     run_plan,
 )
-from opweave.runtime._private.schedule import Compute, Drive
+from opweave.runtime._private.schedule import Compute
 
 MAX_NEW_TOKENS = 16  # the same as the single-process tests, so hf_greedy's cache is shared
 TIMEOUT_S = 10.0
@@ -110,13 +112,14 @@ def test_plan_kinds_generate_transformers_greedy_tokens(
         for key, values in line.items():
             assert values == sorted(values), key
         assert line["end_s"][-1] <= r["loop_s"]
-        assert line["compute_s"][-1] == r["compute_s"] and line["drive_s"][-1] == r["drive_s"]
-        actions = r["actions_per_iteration"]
-        assert actions["drive"] == (plan.microbatches if r["rank"] == 0 else 0)
-        assert (r["drive_s"] > 0) == (r["rank"] == 0)
-        assert actions["compute"] == plan.microbatches * sum(
+        assert line["compute_s"][-1] == r["compute_s"]
+        assert r["actions_per_iteration"]["compute"] == plan.microbatches * sum(
             1 for seg in placement.segments if seg.owner == placement.ranks[r["rank"]].owner
         )
+    # the driver's own bookkeeping: one entry per microbatch it drove, cumulative
+    driver = result["driver"]
+    assert driver["actions_per_iteration"] == plan.microbatches and driver["drive_s"] > 0
+    assert driver["timeline"]["drive_s"] == sorted(driver["timeline"]["drive_s"])
     # Each operator's weights were read by exactly one rank: together, the model once, except
     # that a tied embedding is read by both the embed rank and the lm_head rank when they differ.
     spec = load_model(model_dir)
@@ -162,32 +165,46 @@ def test_two_replicas_and_a_tensor_parallel_owner(tiny_model, hf_greedy, prompts
         (1, 0, 0),
         (1, 0, 1),
     ]
-    assert ranks[2]["tp_compute"] == ranks[3]["tp_compute"] == "sharded"
     assert ranks[3]["messages_sent"] == 0  # only the TP leader sends; it received once too
-    # Each TP rank keeps half of the sharded weights.
-    full = _run_single_owner_weight(model_dir, plan)
-    assert ranks[2]["weight_bytes"] < full
+    # Each TP rank reads and keeps about half of the owner's weights (norms and the router
+    # are replicated).
+    full = _single_owner_bytes(model_dir, plan, 2)
+    for r in (ranks[2], ranks[3]):
+        assert r["weight_bytes"] == r["weight_bytes_read"]
+        assert 0.5 * full <= r["weight_bytes_read"] <= 0.55 * full
 
 
-def _run_single_owner_weight(model_dir: Path, plan: Plan) -> int:
+def _single_owner_bytes(model_dir: Path, plan: Plan, rank: int) -> int:
+    """What ``rank``'s operators read unsharded."""
     from opweave.runtime._private.schedule import rank_ops
 
     placement = Placement(plan, load_model(model_dir))
-    return StageModule(model_dir, rank_ops(placement, 2)).weight_bytes
+    return StageModule(model_dir, rank_ops(placement, rank)).checkpoint.bytes_read
 
 
-@pytest.mark.parametrize("tp_mode", ["auto", "replicated"])
-def test_tensor_parallel_core_attention_owner(tp_mode, tiny_model, hf_greedy, prompts):
-    """CAD with the core-attention owner on TP 2: heads (and KV caches) split, or replicated."""
-    model_dir = tiny_model("gemma3_text")
+@pytest.mark.parametrize("family", ["gemma3_text", "qwen3_next"])
+def test_tensor_parallel_core_attention_owner(family, tiny_model, hf_greedy, prompts):
+    """CAD with the core-attention owner on TP 2: its heads (and KV / recurrent state) split."""
+    model_dir = tiny_model(family)
     expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     plan = _plan(model_dir, "cad", owners=_owners((1, 1, 4), (2, 1, 4)))
 
-    result = _run(model_dir, plan, prompts, tp_mode=tp_mode)
+    result = _run(model_dir, plan, prompts)
 
     assert _tokens(result) == expected
-    want = "sharded" if tp_mode == "auto" else "replicated"
-    assert [r["tp_compute"] for r in result["ranks"]] == ["none", want, want]
+
+
+def test_operators_that_do_not_split_are_refused_before_any_rank_starts(tiny_model):
+    """4 attention heads do not split over TP 8: an error naming the operator, no processes."""
+    model_dir = tiny_model("llama")
+    plan = _plan(model_dir, "afd", owners=_owners((8, 1, 4), (1, 1, 4)))
+    before = _child_pids()
+    with pytest.raises(ShardingError, match=r"owner 0 \(cpu x tp 8\) cannot shard L0.qkv_proj"):
+        run_plan(plan, model_dir, [Request((5, 6), 2)])
+    heads = _plan(model_dir, "cad", owners=_owners((1, 1, 4), (8, 1, 4)))
+    with pytest.raises(ShardingError, match=r"L0.core_attn: attention heads of 4 .* tp 8"):
+        run_plan(heads, model_dir, [Request((5, 6), 2)])
+    assert _child_pids() == before
 
 
 # -- the schedule, without processes ---------------------------------------------------------
@@ -205,20 +222,24 @@ def test_every_send_has_exactly_one_matching_receive(name, tiny_model):
     plan = _plan(model_dir, name.split("-")[0], batch=6, **SCHEDULE_PLANS[name])
     placement = Placement(plan, load_model(model_dir))
     sends, recvs = Counter(), Counter()
+    firsts: list[range] = []
+    lasts: list[range] = []
     for rank in range(placement.world_size):
         leader = placement.ranks[rank].is_leader
         for action in compile_schedule(placement, rank):
-            if isinstance(action, Drive):
-                recvs.update((link.peer, rank, link.tag, link.slots) for link in action.tokens_from)
-                sends.update((rank, link.peer, link.tag, link.slots) for link in action.inputs_to)
-            elif leader:
-                assert isinstance(action, Compute)
+            assert isinstance(action, Compute)
+            if leader:
                 recvs.update((link.peer, rank, link.tag, link.slots) for link in action.sources)
                 sends.update((rank, link.peer, link.tag, link.slots) for link in action.dests)
+            if action.first and leader:
+                firsts.append(action.slots)
+            if action.last and leader:
+                lasts.append(action.slots)
     assert sends == recvs
-    # Every slot of every microbatch reaches the first segment and comes back as a token.
-    first = [s for (src, _, tag, s) in sends if src == 0 and tag < plan.microbatches]
-    assert sorted(slot for r in first for slot in r) == list(range(plan.global_batch))
+    # Every slot of every microbatch is fed to the first segment by exactly one replica, and
+    # comes back as a token from exactly one replica of the last.
+    for parts in (firsts, lasts):
+        assert sorted(slot for r in parts for slot in r) == list(range(plan.global_batch))
 
 
 def test_select_and_merge_route_rows_by_slot():
@@ -227,7 +248,7 @@ def test_select_and_merge_route_rows_by_slot():
     from opweave.runtime import BatchMeta, TokenBatch, pack, unpack
     from opweave.runtime._private.transport import merge, select
 
-    meta = BatchMeta(("a", "b", "c"), (3, 1, 2), (0, 7, 0), slots=(4, 5, 7), free=("z",))
+    meta = BatchMeta(("a", "b", "c"), (3, 1, 2), (0, 7, 0), slots=(4, 5, 7))
     per_token = torch.arange(24.0).view(6, 4)
     batch = TokenBatch(meta, {"hidden": per_token, "logits": torch.arange(3.0)[:, None]})
     low, high, whole = (
@@ -239,14 +260,13 @@ def test_select_and_merge_route_rows_by_slot():
     assert torch.equal(low["hidden"], per_token[:4]) and torch.equal(
         high["logits"], batch["logits"][2:]
     )
-    assert low.meta.free == high.meta.free == ("z",)
     empty = select(batch, range(0, 4))
     assert empty.meta.request_ids == () and empty.tensors == {}
     back = merge([unpack(pack(low)), empty, unpack(pack(high))])
     assert back.meta == meta
     assert all(torch.equal(back[n], batch[n]) for n in batch.tensors)
-    final = BatchMeta((), (), (), free=("a",), final=True)
-    assert unpack(pack(TokenBatch(final, {}))).meta == final
+    nothing = BatchMeta((), (), ())
+    assert unpack(pack(TokenBatch(nothing, {}))).meta == nothing
     assert whole is batch
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import opweave.runtime as runtime
 
-MODULES = ["batch", "config", "graph"]
+MODULES = ["batch", "graph"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -62,7 +62,7 @@ def test_softcapped_attention_path_matches_with_a_loose_cap(tmp_path, hf_greedy,
     """
     model_dir = write_tiny_model("gemma3_text", tmp_path / "softcap", attn_logit_softcapping=1e4)
     model = LocalModel(model_dir)
-    assert model.spec.attn_softcap == 1e4
+    assert model.arch.attn_softcap == 1e4
     assert model.generate(prompts, MAX_NEW_TOKENS) == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
 
 

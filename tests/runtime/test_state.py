@@ -44,7 +44,7 @@ def test_free_releases_state_memory(family, layer, tiny_model):
 def test_sliding_layer_state_is_bounded_by_window(tiny_model):
     # layers 0-1 slide over a window of 8, layer 2 is global
     stage = StageModule.whole_model(tiny_model("gemma3_text"))
-    spec = stage.spec
+    spec = stage.arch
     stage.admit(["short", "long"])
     _prefill(stage, "short", list(range(5, 8)))
     _prefill(stage, "long", list(range(5, 45)))

@@ -8,7 +8,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from opweave.runtime import TINY_CONFIGS, LocalModel, parse_config, write_tiny_model
+from opweave.runtime import TINY_CONFIGS, LocalModel, model_spec, write_tiny_model
+
+
+def parse_config(folder):
+    return model_spec(folder).arch
 
 
 def test_tokenizer_loads_offline(tiny_model):
@@ -60,7 +64,7 @@ def test_bfloat16_model_computes_in_bfloat16_and_stays_exact(family, tmp_path, h
     model_dir = write_tiny_model(family, tmp_path / "bf16", dtype="bfloat16")
     assert json.loads((model_dir / "config.json").read_text())["dtype"] == "bfloat16"
     model = LocalModel(model_dir)
-    assert model.spec.dtype == torch.bfloat16
+    assert all(op.dtype == torch.bfloat16 for st in model.stages for op in st.operators)
     assert model.generate(prompts, 12) == hf_greedy(model_dir, prompts, 12)
 
 

@@ -1,5 +1,5 @@
 """The CPU point-to-point wire: ordering, big messages both ways at once, a peer that dies,
-waiting spinning or blocked."""
+a peer without the run's secret, waiting spinning or blocked."""
 
 from __future__ import annotations
 
@@ -13,13 +13,14 @@ import torch
 
 from tests.helpers import free_port
 
+KEY = bytes(range(32))
+
 
 def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> None:
     import torch.distributed as dist
 
-    from opweave.runtime._private.batch import BatchMeta, TokenBatch, unpack
-    from opweave.runtime._private.schedule import Link
-    from opweave.runtime._private.transport import PeerError, Transport
+    from opweave.runtime import BatchMeta, TokenBatch, unpack
+    from opweave.runtime.transport import Link, PeerError, Transport
 
     dist.init_process_group(
         "gloo",
@@ -28,9 +29,20 @@ def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> 
         world_size=2,
         timeout=timedelta(seconds=30),
     )
-    tr = Transport(rank, torch.device("cpu"), timeout_s=10.0, spin_s=spin_s)
-    assert tr.p2p == "socket" and tr.spin_s == spin_s
+    key = KEY if scenario != "impostor" or rank == 0 else b"not the run's secret"
     peer = 1 - rank
+    if scenario == "impostor":
+        start = time.monotonic()
+        try:
+            Transport(rank, torch.device("cpu"), timeout_s=3.0, key=key)
+            out.put((rank, "connected"))
+        except PeerError as exc:
+            out.put((rank, f"{exc.peer}|{exc}|{time.monotonic() - start:.1f}"))
+        out.close()
+        out.join_thread()
+        os._exit(0)
+    tr = Transport(rank, torch.device("cpu"), timeout_s=10.0, key=key, spin_s=spin_s)
+    assert tr.p2p == "socket" and tr.spin_s == spin_s
     if scenario == "both_ways":
         # 32 MB each way before either side receives: far beyond the sockets' buffers, so a
         # transport that blocked in send would deadlock here
@@ -67,7 +79,7 @@ def _run(scenario: str, spin_s: float = 0.0) -> dict[int, object]:
     for p in procs:
         p.start()
     results = {}
-    expected = 2 if scenario == "both_ways" else 1
+    expected = 1 if scenario == "peer_dies" else 2
     for _ in range(expected):
         rank, value = out.get(timeout=60)
         results[rank] = value
@@ -90,10 +102,19 @@ def test_a_peer_that_exits_fails_the_wait_at_once_naming_it(spin_s) -> None:
     assert float(seconds) < 5  # not the 10 s timeout
 
 
+def test_a_peer_without_the_runs_secret_is_refused() -> None:
+    results = _run("impostor")
+    peer, message, _ = str(results[1]).split("|")
+    assert peer == "0" and "refused the connection" in message  # the impostor learns nothing
+    peer, message, seconds = str(results[0]).split("|")
+    assert peer == "1" and "timed out waiting for ranks [1] to connect" in message
+    assert float(seconds) < 10
+
+
 @pytest.mark.parametrize("value", ["gloo", "nccl"])
 def test_an_unknown_p2p_setting_is_one_line(value, monkeypatch) -> None:
-    from opweave.runtime._private.transport import Transport
     from opweave.runtime.errors import OpWeaveRuntimeError
+    from opweave.runtime.transport import Transport
 
     monkeypatch.setenv("OPWEAVE_P2P", value)
     with pytest.raises(OpWeaveRuntimeError, match="expected socket or torch"):
@@ -101,8 +122,9 @@ def test_an_unknown_p2p_setting_is_one_line(value, monkeypatch) -> None:
 
 
 def test_ranks_spin_only_on_a_core_of_their_own_unless_told(monkeypatch) -> None:
-    from opweave.runtime._private.wire import SPIN_S, WAIT_ENV, spin_budget
+    from opweave.runtime._private.wire import SPIN_S, WAIT_ENV
     from opweave.runtime.errors import OpWeaveRuntimeError
+    from opweave.runtime.transport import spin_budget
 
     monkeypatch.delenv(WAIT_ENV, raising=False)
     assert spin_budget(own_core=True) == SPIN_S > 0

@@ -55,23 +55,24 @@ def plain_vllm(model_dir) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "workers", "extra"),
+    ("strategy", "tp", "extra"),
     [
-        ("afd", "processes", {}),
+        ("afd", 1, {}),
         # chunked prefill: the 19-token prompt is split over several steps
-        ("cad", "processes", {"max_num_batched_tokens": 8}),
-        ("afd", "inprocess", {}),
+        ("cad", 2, {"max_num_batched_tokens": 8}),
     ],
 )
-def test_greedy_tokens_equal_plain_vllm(model_dir, plain_vllm, strategy, workers, extra) -> None:
+def test_greedy_tokens_equal_plain_vllm(model_dir, plain_vllm, strategy, tp, extra) -> None:
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime.vllm import PLAN_KEY, WORKERS_KEY, OpWeaveExecutor
+    from opweave.runtime.vllm import PLAN_KEY, OpWeaveExecutor
 
-    plan = canonical_plan(load_model(model_dir), strategy, gpu="cpu", batch=4, microbatches=2)
+    plan = canonical_plan(
+        load_model(model_dir), strategy, gpu="cpu", batch=4, microbatches=2, tp=tp
+    )
     tokens = _generate(
         model_dir,
         distributed_executor_backend=OpWeaveExecutor,
-        additional_config={PLAN_KEY: plan.model_dump(mode="json"), WORKERS_KEY: workers},
+        additional_config={PLAN_KEY: plan.model_dump(mode="json")},
         **extra,
     )
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)

@@ -224,44 +224,22 @@ def test_fallbacks_and_switch(model_dir, tiny_model):
     assert any("paged_attention" in s for s in kernels.apply_kernel_choice(plain, {}))
 
 
-@pytest.mark.parametrize("workers", ["inprocess", "processes"])
-def test_the_executor_pipelines_run_the_kernels_they_are_asked_for(model_dir, workers):
-    """What ``additional_config={"opweave_kernels": ...}`` reaches: the in-process stages and
-    every stage worker switch their operators, and the tokens stay the runtime's."""
+def test_ranks_run_the_kernels_they_are_asked_for(model_dir):
+    """What ``--kernels`` (``additional_config={"opweave_kernels": ...}``) reaches: every rank
+    switches its operators, and the tokens stay the runtime's."""
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime.vllm._engine import PlanPipeline, StepEngine, WorkItem
-    from opweave.runtime.vllm._workers import WorkerPool
+    from opweave.runtime import Request, run_plan
 
     path = model_dir("qwen3")
-    plan = canonical_plan(load_model(path), "afd", gpu="cpu", batch=4, microbatches=2)
-
-    def build(choice: str):
-        if workers == "inprocess":
-            return PlanPipeline(path, plan, kernels=choice)
-        return WorkerPool(path, plan, timeout_s=60, kernels=choice)
-
-    def greedy(pipe) -> list[int]:
-        engine = StepEngine(pipe)
-        engine.add("a", [5, 6, 7, 8])
-        out, item = [], WorkItem("a", 0, 4)
-        for _ in range(6):
-            _, logits = engine.run([item])
-            assert logits is not None
-            token = int(torch.argmax(logits[0]))
-            engine.append_token("a", token)
-            out.append(token)
-            item = WorkItem("a", len(engine.requests["a"].token_ids) - 1, 1)
-        return out
-
-    runs = {}
-    for choice in ("vllm", "opweave"):
-        pipe = build(choice)
-        try:
-            runs[choice] = (pipe.kernels, greedy(pipe))
-        finally:
-            pipe.close()
-    switched = {k.split(":")[1] for ks in runs["vllm"][0] for k in ks}
+    plan = canonical_plan(load_model(path), "afd", gpu="cpu", batch=4, microbatches=2, tp=2)
+    requests = [Request((5, 6, 7, 8), 6), Request(LONG_PROMPT, 6)]
+    runs = {
+        choice: run_plan(plan, path, requests, kernels=choice, timeout_s=120)
+        for choice in ("vllm", "opweave")
+    }
+    switched = {k.split(":")[1] for r in runs["vllm"]["ranks"] for k in r["kernels"]}
     assert {"rms_norm", "paged_attention"} <= switched
-    assert all(runs["vllm"][0])  # every stage (in-process) or worker (one per owner) switched
-    assert not any(runs["opweave"][0])
-    assert runs["vllm"][1] == runs["opweave"][1]
+    assert all(r["kernels"] for r in runs["vllm"]["ranks"])  # every rank switched
+    assert not any(r["kernels"] for r in runs["opweave"]["ranks"])
+    tokens = {c: [o["token_ids"] for o in run["outputs"]] for c, run in runs.items()}
+    assert tokens["vllm"] == tokens["opweave"]

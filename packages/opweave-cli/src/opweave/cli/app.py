@@ -30,7 +30,6 @@ _OPTIONAL = (
     ("opweave.cli.planning", "opweave.planner"),
     ("opweave.cli.running", "opweave.runtime"),
     ("opweave.cli.profiling", "opweave.profiler"),
-    ("opweave.cli.serving", "vllm"),
 )
 
 

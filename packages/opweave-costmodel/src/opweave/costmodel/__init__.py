@@ -20,7 +20,6 @@ from ._private.analysis import (
     HeterogeneousAnalysis,
     analyze,
 )
-from ._private.estimate import StepEstimate, estimate_step
 from ._private.architecture import FULL as FULL_ATTENTION
 from ._private.architecture import LINEAR as LINEAR_ATTENTION
 from ._private.architecture import SLIDING as SLIDING_ATTENTION
@@ -34,8 +33,8 @@ from ._private.architecture import (
     resolve_architecture,
     text_config,
 )
+from ._private.estimate import StepEstimate, estimate_step
 from ._private.families import model_spec_from_config, partition_block
-from ._private.sharding import tp_problem
 from ._private.fit import (
     EfficiencyFit,
     fit_efficiency,
@@ -99,6 +98,7 @@ from ._private.roofline import (
     state_bytes_per_rank,
     weight_bytes_per_rank,
 )
+from ._private.sharding import tp_problem
 from .errors import (
     ConfigError,
     InfeasibleError,

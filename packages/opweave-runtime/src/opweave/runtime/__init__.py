@@ -1,38 +1,50 @@
-"""OpWeave runtime: the decode operators of a model, stages built from them, and local execution.
+"""OpWeave runtime: the decode operators of a model, stages built from them, and plan execution.
 
-A model's decode is a fixed sequence of operators (:func:`operator_sequence`); a plan cuts it into
-contiguous stages (:class:`StageModule`) that each load only their own weights and pass a
-:class:`TokenBatch` on, packed into one tensor (:func:`pack` / :func:`unpack`) at a cut.
-:class:`LocalModel` runs every operator in one process with continuous batching, and is the
-token-exact reference the multi-process runtime is checked against. :func:`run_plan` installs a
-plan (from ``opweave-costmodel``'s schema) on one process per rank and serves requests with it.
+A model's decode is a fixed sequence of operators (:func:`operator_sequence`, the cost model's
+order); a plan cuts it into contiguous stages (:class:`StageModule`) that each load only their
+own weights (under tensor parallelism, only their shard) and pass a :class:`TokenBatch` on,
+packed into one tensor (:func:`pack` / :func:`unpack`) at a cut. :class:`LocalModel` runs every
+operator in one process with continuous batching and is the token-exact reference.
+
+A plan runs on one process per rank (:class:`Cluster`): the same stage-worker program under two
+drivers, offline generation (:func:`run_plan`) and vLLM's engine
+(:mod:`opweave.runtime.vllm`).
 """
 
 from ._private.batch import BatchMeta, TokenBatch, pack, unpack
-from ._private.config import ModelSpec, parse_config
-from ._private.driver import Request
+from ._private.cluster import Cluster, node_layout
+from ._private.driver import OfflineDriver, Request, run_plan
 from ._private.engine import Generation, LocalModel
-from ._private.graph import OpRef, build_operator, layer_operator_names, operator_sequence
-from ._private.launch import run_from_env, run_plan
+from ._private.graph import (
+    OpRef,
+    build_operator,
+    check_runtime_support,
+    layer_operator_names,
+    model_spec,
+    operator_sequence,
+)
 from ._private.ops import Operator, StatefulOperator
 from ._private.placement import Placement, check_plan, total_ranks
 from ._private.schedule import compile_schedule
 from ._private.stage import StageModule
+from ._private.tensor_parallel import Shard
 from ._private.tiny import TINY_CONFIGS, write_tiny_model
-from ._private.weights import Checkpoint
+from ._private.weights import Checkpoint, TensorSource
+from ._private.work import SamplingParams, Work
 from .errors import (
     CheckpointError,
     OpWeaveRuntimeError,
     PlanMismatchError,
     RequestStateError,
     RunFailedError,
+    ShardingError,
     UnsupportedModelError,
 )
 
 __all__ = [
-    # model description
-    "ModelSpec",
-    "parse_config",
+    # model description (the cost model's ModelSpec)
+    "model_spec",
+    "check_runtime_support",
     "OpRef",
     "operator_sequence",
     "layer_operator_names",
@@ -40,6 +52,8 @@ __all__ = [
     "Operator",
     "StatefulOperator",
     "Checkpoint",
+    "TensorSource",
+    "Shard",
     "build_operator",
     "StageModule",
     # activations between operators
@@ -50,14 +64,19 @@ __all__ = [
     # single-process execution
     "LocalModel",
     "Generation",
-    # multi-process execution of a plan
-    "Request",
-    "run_plan",
-    "run_from_env",
+    # a plan on processes
+    "Cluster",
+    "Work",
+    "SamplingParams",
+    "node_layout",
     "Placement",
     "check_plan",
     "total_ranks",
     "compile_schedule",
+    # offline generation
+    "OfflineDriver",
+    "Request",
+    "run_plan",
     # test models
     "TINY_CONFIGS",
     "write_tiny_model",
@@ -67,5 +86,6 @@ __all__ = [
     "CheckpointError",
     "RequestStateError",
     "PlanMismatchError",
+    "ShardingError",
     "RunFailedError",
 ]

@@ -15,6 +15,7 @@ __all__ = [
     "PlanMismatchError",
     "RequestStateError",
     "RunFailedError",
+    "ShardingError",
     "UnsupportedModelError",
 ]
 
@@ -41,3 +42,7 @@ class PlanMismatchError(OpWeaveRuntimeError):
 
 class RunFailedError(OpWeaveRuntimeError):
     """A multi-process run failed: a rank died, hung or raised; the message names the rank."""
+
+
+class ShardingError(PlanMismatchError):
+    """An operator's dimension does not split over the plan's tensor-parallel degree."""

@@ -442,7 +442,9 @@ class _Fields:
         if not isinstance(value, list) or not all(
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= high for v in value
         ):
-            raise ConfigError(f"{key}: expected a list of integers in 0..{high}, got {_show(value)}")
+            raise ConfigError(
+                f"{key}: expected a list of integers in 0..{high}, got {_show(value)}"
+            )
         return list(value)
 
     def obj(self, key: str) -> dict[str, Any]:

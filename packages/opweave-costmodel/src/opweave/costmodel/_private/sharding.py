@@ -53,9 +53,7 @@ def op_tp_problem(model: ModelSpec, op: OperatorSpec, tp: int) -> str | None:
     return None
 
 
-def tp_problem(
-    model: ModelSpec, tp: int, ops: Iterable[OperatorSpec] | None = None
-) -> str | None:
+def tp_problem(model: ModelSpec, tp: int, ops: Iterable[OperatorSpec] | None = None) -> str | None:
     """Why ``model`` (or just its operators ``ops``) cannot run at tensor-parallel degree
     ``tp``; ``None`` when it can.
 

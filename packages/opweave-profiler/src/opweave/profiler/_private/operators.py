@@ -13,11 +13,8 @@ feed-forward and norm operators do not depend on the layer's attention kind, so 
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +27,6 @@ from opweave.costmodel import (
     load_model,
     profile_key,
     profile_operators,
-    read_config,
 )
 from opweave.costmodel.errors import OpWeaveError
 from opweave.runtime import (
@@ -40,11 +36,10 @@ from opweave.runtime import (
     OpRef,
     TokenBatch,
     build_operator,
+    check_runtime_support,
     layer_operator_names,
     operator_sequence,
-    parse_config,
 )
-from opweave.runtime import ModelSpec as RuntimeSpec
 
 from ..errors import ProfilerError
 from .random_weights import RandomCheckpoint
@@ -62,14 +57,17 @@ class ModelSource:
     """One model as both the cost model and the runtime see it, and where its weights are."""
 
     name: str
-    raw: dict[str, Any]
     cost: ModelSpec
-    runtime: RuntimeSpec
     weights_dir: Path | None  # None: random weights from the config
 
     @property
     def dtype(self) -> str:
         return self.cost.dtype
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype the runtime's operators compute in."""
+        return getattr(torch, self.cost.dtype)
 
 
 def resolve_model(
@@ -87,47 +85,17 @@ def resolve_model(
             f"{cost.name} is stored as {cost.dtype}, which the runtime cannot compute in; "
             f"pass --dtype ({', '.join(COMPUTE_DTYPES)})"
         )
-    if arg in BUILTIN_MODELS:
-        file = BUILTIN_MODELS[arg][0]
-        text = (resources.files("opweave.costmodel") / "data" / "models" / file).read_text()
-        raw = json.loads(text)
-        folder = None
-    else:
-        raw = read_config(arg)
-        folder = Path(arg) if Path(arg).is_dir() else None
-    raw = _with_cost_model_defaults(raw, cost)
     try:
-        runtime = parse_config(raw)
+        check_runtime_support(cost)
     except OpWeaveError as exc:
         raise ProfilerError(f"the runtime cannot run {cost.name}: {exc}") from None
-    runtime = dataclasses.replace(runtime, dtype=getattr(torch, cost.dtype))
+    folder = None if arg in BUILTIN_MODELS else Path(arg) if Path(arg).is_dir() else None
     has_weights = folder is not None and any(folder.glob("*.safetensors"))
     return ModelSource(
         name=cost.name,
-        raw=raw,
         cost=cost,
-        runtime=runtime,
         weights_dir=folder if has_weights and not random_weights else None,
     )
-
-
-def _with_cost_model_defaults(raw: dict[str, Any], cost: ModelSpec) -> dict[str, Any]:
-    """Fill keys a config may omit (transformers class defaults) that the runtime indexes.
-
-    Released configs leave out keys equal to their class default (Gemma 3 27B has no
-    ``vocab_size``); the cost model resolves those defaults, the runtime's parser does not.
-    """
-    raw = json.loads(json.dumps(raw))
-    text = raw.get("text_config") if raw.get("model_type") == "gemma3" else None
-    target = text if isinstance(text, dict) else raw
-    for key, value in (
-        ("hidden_size", cost.hidden_size),
-        ("vocab_size", cost.vocab_size),
-        ("num_hidden_layers", cost.num_layers),
-    ):
-        if target.get(key) is None:
-            target[key] = value
-    return raw
 
 
 @dataclass(frozen=True)
@@ -157,7 +125,7 @@ def select_targets(source: ModelSource, only: Sequence[str] | None = None) -> li
                 f"{source.name} has no operator {', '.join(map(repr, unknown))}; "
                 f"its operators are {', '.join(keys)}"
             )
-    runtime_refs = set(operator_sequence(source.runtime))
+    runtime_refs = set(operator_sequence(source.cost))
     measured: dict[tuple[object, ...], str] = {}
     targets = []
     for key, op, layer in entries:
@@ -203,7 +171,7 @@ def plan_chains(source: ModelSource, targets: Sequence[OpTarget]) -> list[Chain]
         else:
             by_layer.setdefault(t.ref.layer, []).append(t)
     for layer, group in by_layer.items():
-        names = MODEL_END if layer is None else layer_operator_names(source.runtime, layer)
+        names = MODEL_END if layer is None else layer_operator_names(source.cost, layer)
         index = {name: i for i, name in enumerate(names)}
         last = max(index[t.ref.name] for t in group)
         label = "head" if layer is None else f"layer {layer}"
@@ -239,7 +207,7 @@ def plan_block(
             layer_bytes[op.layer] = layer_bytes.get(op.layer, 0.0) + op.weight_bytes
     layers = {t.ref.layer for t in measured.values() if t.ref.layer is not None}
     held = sum(layer_bytes.get(i, 0.0) for i in layers)
-    for layer in range(source.runtime.num_layers):
+    for layer in range(source.cost.num_layers):
         if held >= working_set_bytes:
             break
         if layer not in layers:
@@ -247,7 +215,7 @@ def plan_block(
             held += layer_bytes.get(layer, 0.0)
     refs = [OpRef(None, "embed")]
     for layer in sorted(layers):
-        refs += [OpRef(layer, n) for n in layer_operator_names(source.runtime, layer)]
+        refs += [OpRef(layer, n) for n in layer_operator_names(source.cost, layer)]
     refs += [OpRef(None, n) for n in MODEL_END]
     chain = Chain("block", refs)
     for i, ref in enumerate(refs):
@@ -265,11 +233,14 @@ def build_chains(
         ckpt: Any = Checkpoint(source.weights_dir)
         kind = "checkpoint"
     else:
-        ckpt = RandomCheckpoint(source.runtime, source.raw, seed=seed, name=source.name)
+        ckpt = RandomCheckpoint(source.cost.arch, seed=seed, name=source.name)
         kind = "random"
     try:
         for chain in chains:
-            chain.ops = [build_operator(source.runtime, ckpt, ref, device) for ref in chain.refs]
+            chain.ops = [
+                build_operator(source.cost, ckpt, ref, device, dtype=source.torch_dtype)
+                for ref in chain.refs
+            ]
     except OpWeaveError as exc:
         raise ProfilerError(
             f"cannot build the runtime's operators of {source.name}: {exc}"
@@ -288,9 +259,9 @@ def decode_batch(
 ) -> TokenBatch:
     """The input of a chain's first operator for ``batch`` decode tokens at ``context``."""
     meta = BatchMeta(request_ids(batch), (1,) * batch, (context,) * batch)
-    spec = source.runtime
+    arch = source.cost.arch
     if chain.starts_with_tokens:
-        ids = torch.randint(0, spec.vocab_size, (batch,), generator=gen, device=device)
+        ids = torch.randint(0, arch.vocab_size, (batch,), generator=gen, device=device)
         return TokenBatch(meta, {"token_ids": ids})
-    hidden = torch.randn(batch, spec.hidden_size, generator=gen, device=device)
-    return TokenBatch(meta, {"hidden": hidden.to(spec.dtype)})
+    hidden = torch.randn(batch, arch.hidden_size, generator=gen, device=device)
+    return TokenBatch(meta, {"hidden": hidden.to(source.torch_dtype)})

@@ -1,18 +1,18 @@
 """The serving loop's host time around the operators, measured in the runtime's own loop.
 
 A rank of the runtime runs its compiled schedule in Python. Besides operators and transfers,
-each stage of each microbatch costs the loop some host work (take the input, admit and drop
-requests, route the output by slot, post it), and the driver on rank 0 spends some per
-microbatch (collect the sampled tokens, retire and admit requests, build the next batch). On a
-CPU rank that work occupies the same thread as the operators, so the planner charges it
+each stage of each microbatch costs the loop some host work (take the work, admit and drop
+requests, route the output by slot, post it), and the driver spends some per microbatch
+(collect the sampled tokens, retire and admit requests, build the next work), on the token's
+path from the last stage back to the first; the planner charges both
 (:class:`~opweave.costmodel.OrchestrationProfile`).
 
 It is measured, not modelled: the runtime serves the model colocated on one rank (one stage,
 two microbatches, every message local, so nothing of it is transfer) at two microbatch sizes,
-and reads the rank's per-iteration timeline. Per steady iteration the driver's time
-(``drive_s``) and the rest of the loop (the iteration less operators, transfers and driver)
-are divided by the Drive and Compute actions that ran; the median over iterations at each size
-gives an affine fit in the requests per microbatch.
+and reads the rank's and the driver's timelines. Per steady iteration the rest of the rank's
+loop (the iteration less operators and waits) is divided by the Compute actions that ran, and
+the driver's time is taken per microbatch it drove; the median at each size gives an affine
+fit in the requests per microbatch.
 """
 
 from __future__ import annotations
@@ -69,15 +69,19 @@ def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
-def _steady_per_action(rank: dict[str, Any], first: int) -> tuple[float, float]:
-    """Median over iterations ``first``.. of (loop host time per Compute, driver per Drive)."""
-    line, counts = rank["timeline"], rank["actions_per_iteration"]
-    stage, drive = [], []
-    for i in range(first, len(line["end_s"])):
+def _steady_per_action(result: dict[str, Any], first: int) -> tuple[float, float]:
+    """Medians from iteration ``first`` on: the rank's loop host time per Compute (its
+    iteration less operators and waits) and the driver's time per microbatch it drove."""
+    rank = result["ranks"][0]
+    line, computes = rank["timeline"], rank["actions_per_iteration"]["compute"]
+    stage = []
+    for i in range(max(first, 1), len(line["end_s"])):
         d = {key: values[i] - values[i - 1] for key, values in line.items()}
-        loop = d["end_s"] - d["compute_s"] - d["comm_s"] - d["drive_s"]
-        stage.append(loop / counts["compute"])
-        drive.append(d["drive_s"] / counts["drive"])
+        stage.append((d["end_s"] - d["compute_s"] - d["comm_s"]) / computes)
+    driver = result["driver"]
+    spent = driver["timeline"]["drive_s"]
+    start = max(first * driver["actions_per_iteration"], 1)
+    drive = [spent[j] - spent[j - 1] for j in range(start, len(spent))]
     return statistics.median(stage), statistics.median(drive)
 
 
@@ -121,7 +125,7 @@ def measure_orchestration(
                 "(profile_model(orchestration=False))"
             ) from None
         assert result is not None
-        stage, drive = _steady_per_action(result["ranks"][0], WARMUP_TOKENS)
+        stage, drive = _steady_per_action(result, WARMUP_TOKENS)
         stage_pts.append((u, stage))
         drive_pts.append((u, drive))
     stage_s, stage_per_request_s = _affine(stage_pts)

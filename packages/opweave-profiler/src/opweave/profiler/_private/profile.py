@@ -495,7 +495,7 @@ def profile_model(
     with pinned_cpu(threads):
         hardware, peaks_measured = describe_device(
             dev,
-            source.runtime.dtype,
+            source.torch_dtype,
             threads=n_threads,
             usd_per_hour=usd_per_hour,
             link=(link.latency_s, link.bandwidth_bytes_per_s) if link else None,
@@ -587,7 +587,7 @@ def ranks_spin(dev: torch.device) -> bool:
     """Whether the runtime's ranks busy-poll while they wait on this machine: CPU ranks with a
     core each (a plan's ranks here get one per core when there are enough), unless
     ``OPWEAVE_WAIT`` says otherwise (see ``opweave.runtime``'s wire)."""
-    from opweave.runtime._private.wire import spin_budget
+    from opweave.runtime.transport import spin_budget
 
     return dev.type == "cpu" and spin_budget(len(available_cores()) >= 2) > 0
 

@@ -13,36 +13,27 @@ and no timing is distorted by NaNs, infinities or denormals.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from opweave.runtime import ModelSpec as RuntimeSpec
-from opweave.runtime._private.weights import TensorSource
+from opweave.costmodel import Architecture
+from opweave.runtime import TensorSource
 from opweave.runtime.errors import CheckpointError
 
 _PREFIX = "model."
 _LINEAR = "linear_attention"
 
 
-def text_config(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """The text model's keys (multimodal Gemma 3 nests them under ``text_config``)."""
-    if raw.get("model_type") == "gemma3" and isinstance(raw.get("text_config"), Mapping):
-        return {**raw["text_config"], "model_type": "gemma3_text"}
-    return dict(raw)
-
-
 def tensor_shapes(
-    spec: RuntimeSpec, raw: Mapping[str, Any], layers: range | list[int] | None = None
+    spec: Architecture, layers: range | list[int] | None = None
 ) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor names and shapes of ``layers`` (default all) plus embed and head.
 
     Experts use transformers 5's fused layout (``experts.gate_up_proj [E, 2I, H]``), which the
     runtime reads directly.
     """
-    cfg = text_config(raw)
     h, nq, nkv, d = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         f"{_PREFIX}embed_tokens.weight": (spec.vocab_size, h),
@@ -50,9 +41,7 @@ def tensor_shapes(
     }
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
-    qkv_bias = spec.family == "qwen2" or bool(cfg.get("attention_bias", False))
-    o_bias = spec.family != "qwen2" and bool(cfg.get("attention_bias", False))
-    mlp_bias = bool(cfg.get("mlp_bias", False))
+    qkv_bias, o_bias, mlp_bias = spec.qkv_bias, spec.o_bias, spec.mlp_bias
     for i in range(spec.num_layers) if layers is None else layers:
         p = f"{_PREFIX}layers.{i}."
         norms = ["input_layernorm", "post_attention_layernorm"]
@@ -117,27 +106,35 @@ class RandomCheckpoint(TensorSource):
     the name mapping; this class says how a tensor is made.
     """
 
-    def __init__(
-        self, spec: RuntimeSpec, raw: Mapping[str, Any], *, seed: int = 0, name: str = "random"
-    ) -> None:
+    def __init__(self, spec: Architecture, *, seed: int = 0, name: str = "random") -> None:
         super().__init__()
         self.model_dir = Path(name)
         self.prefix = _PREFIX
-        self._shapes = tensor_shapes(spec, raw)
+        self._shapes = tensor_shapes(spec)
         self._seed = seed
         self._generators: dict[str, torch.Generator] = {}
 
     def has(self, name: str) -> bool:
         return name in self._shapes
 
-    def _fetch(self, name: str, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-        """A new tensor of the name's shape, made directly on ``device`` in ``dtype``."""
+    def _fetch(
+        self,
+        name: str,
+        dtype: torch.dtype | None,
+        device: torch.device,
+        dim: int = 0,
+        ranges: Sequence[tuple[int, int]] | None = None,
+    ) -> torch.Tensor:
+        """A new tensor of the name's shape (of its ``ranges`` along ``dim``: a
+        tensor-parallel shard), made directly on ``device`` in ``dtype``."""
         shape = self._shapes.get(name)
         if shape is None:
             raise CheckpointError(
                 f"random weights: no shape known for tensor {name!r}; the runtime reads a "
                 "tensor this profiler does not know how to invent (update tensor_shapes)"
             )
+        if ranges is not None:
+            shape = (*shape[:dim], sum(hi - lo for lo, hi in ranges), *shape[dim + 1 :])
         tensor = torch.empty(shape, dtype=dtype or torch.float32, device=device)
         gen = self._generator(device)
         with torch.no_grad():
@@ -170,11 +167,25 @@ class RandomCheckpoint(TensorSource):
         return "mlp."
 
     def load_experts(
-        self, layer: int, num_experts: int, *, dtype: torch.dtype, device: torch.device | str
+        self,
+        layer: int,
+        num_experts: int,
+        intermediate: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        channels: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         del num_experts
         base = self.layer_name(layer, "mlp.experts.")
+        if channels is None:
+            return (
+                self.get(f"{base}gate_up_proj", dtype=dtype, device=device),
+                self.get(f"{base}down_proj", dtype=dtype, device=device),
+            )
+        lo, hi = channels
+        gate_up = [(lo, hi), (intermediate + lo, intermediate + hi)]
         return (
-            self.get(f"{base}gate_up_proj", dtype=dtype, device=device),
-            self.get(f"{base}down_proj", dtype=dtype, device=device),
+            self.get(f"{base}gate_up_proj", dtype=dtype, device=device, dim=1, ranges=gate_up),
+            self.get(f"{base}down_proj", dtype=dtype, device=device, dim=2, ranges=[channels]),
         )

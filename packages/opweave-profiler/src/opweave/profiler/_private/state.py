@@ -135,7 +135,7 @@ class StateWriter:
         if context == 0:
             return
         meta = BatchMeta(tuple(request_ids), (context,) * b, (0,) * b)
-        h = op.spec.hidden_size
+        h = op.arch.hidden_size
         hidden = torch.randn(b * context, h, generator=self._gen, device=op.device)
         batch = TokenBatch(meta, {"hidden": hidden.to(op.dtype)})
         with torch.inference_mode():

@@ -29,6 +29,7 @@ import dataclasses
 import itertools
 import json
 import multiprocessing as mp
+import secrets
 import socket
 import tempfile
 import time
@@ -121,13 +122,12 @@ class _Endpoint:
     ``Transport`` (its socket wire between CPU ranks; between GPUs an eager fixed-size first
     chunk carrying the length, the tail as a second transfer)."""
 
-    def __init__(self, rank: int, device: torch.device, *, spin_s: float = 0.0) -> None:
-        from opweave.runtime._private.schedule import Link
-        from opweave.runtime._private.transport import Transport
+    def __init__(self, rank: int, device: torch.device, key: bytes, *, spin_s: float = 0.0) -> None:
+        from opweave.runtime.transport import Link, Transport
 
         self.rank, self.device = rank, device
         self.peer = 1 - rank
-        self.transport = Transport(rank, device, timeout_s=60.0, spin_s=spin_s)
+        self.transport = Transport(rank, device, timeout_s=60.0, key=key, spin_s=spin_s)
         self.out, self.inp = Link(self.peer, range(1), 1), Link(self.peer, range(1), 1)
         self.protocol = (
             "opweave.runtime Transport (pack; sockets progressed by the ranks' threads, "
@@ -153,7 +153,9 @@ class _Endpoint:
         return part if isinstance(part, torch.Tensor) else pack(part)
 
 
-def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, out: str) -> None:
+def _worker(
+    rank: int, port: int, backend: str, sizes: list[int], repeats: int, out: str, key: bytes
+) -> None:
     """One side of the ping-pong; rank 0 writes the results to ``out``."""
     import torch.distributed as dist
 
@@ -171,12 +173,11 @@ def _worker(rank: int, port: int, backend: str, sizes: list[int], repeats: int, 
     )
     spin_s = 0.0
     if not cuda:  # each side on a core of its own, waiting as a rank there waits
-        from opweave.runtime._private.wire import spin_budget
-        from opweave.runtime._private.worker import pin_to_core
+        from opweave.runtime.transport import pin_to_core, spin_budget
 
         spin_s = spin_budget(pin_to_core(rank, 2))
     try:
-        end = _Endpoint(rank, device, spin_s=spin_s)
+        end = _Endpoint(rank, device, key, spin_s=spin_s)
         results = []
         for size in sizes:
             batch = _batch(size, device)
@@ -314,10 +315,11 @@ def measure_transfer(
     with tempfile.TemporaryDirectory(prefix="opweave-transfer-") as tmp:
         out = Path(tmp) / "transfer.json"
         port = _free_port()
+        key = secrets.token_bytes(32)  # the two sides authenticate as a run's ranks do
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, port, backend, sorted(sizes), repeats, str(out)),
+                args=(rank, port, backend, sorted(sizes), repeats, str(out), key),
                 daemon=True,
             )
             for rank in range(2)

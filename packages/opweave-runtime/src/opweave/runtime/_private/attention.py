@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from opweave.costmodel import Architecture
+
 from .batch import TokenBatch
-from .config import SLIDING, ModelSpec
-from .ops import Operator, RMSNorm, StatefulOperator
-from .weights import Checkpoint
+from .ops import OpContext, Operator, RMSNorm, StatefulOperator
+from .tensor_parallel import Layout
 
 _MIN_CAPACITY = 16
 
@@ -28,33 +29,52 @@ class QkvProj(Operator):
 
     name, op_class = "qkv_proj", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        self.wq, self.bq = self._linear("self_attn.q_proj")
-        self.wk, self.bk = self._linear("self_attn.k_proj")
-        self.wv, self.bv = self._linear("self_attn.v_proj")
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        a, hd = self.arch, self.arch.head_dim
+        where = f"L{layer}.qkv_proj"
+        h0, h1 = self.shard.part(a.num_heads, f"{where}: attention heads")
+        k0, k1 = self.shard.heads(a.num_kv_heads, f"{where}: key/value heads")
+        self.num_heads, self.num_kv_heads = h1 - h0, k1 - k0
+        qblock = hd * (2 if a.attn_output_gate else 1)
+        q_rows = [(h0 * qblock, h1 * qblock)] if self.sharded else None
+        kv_rows = [(k0 * hd, k1 * hd)] if self.sharded else None
+        self.wq, self.bq = self._column_parallel("self_attn.q_proj", q_rows)
+        self.wk, self.bk = self._column_parallel("self_attn.k_proj", kv_rows)
+        self.wv, self.bv = self._column_parallel("self_attn.v_proj", kv_rows)
         self.q_norm = self.k_norm = None
-        if spec.qk_norm:
-            eps, gemma = spec.rms_norm_eps, spec.gemma_norms
+        if a.qk_norm:
+            eps, gemma = a.rms_norm_eps, a.gemma_norms
             self.q_norm = RMSNorm(self._layer_tensor("self_attn.q_norm.weight"), eps, gemma=gemma)
             self.k_norm = RMSNorm(self._layer_tensor("self_attn.k_norm.weight"), eps, gemma=gemma)
+        if self.sharded:
+            self.tp_out = attention_layouts(a)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x = batch["hidden"]
-        n, hd = x.shape[0], self.spec.head_dim
+        n, hd = x.shape[0], self.arch.head_dim
         q = F.linear(x, self.wq, self.bq)
         k = F.linear(x, self.wk, self.bk).view(n, -1, hd)
         v = F.linear(x, self.wv, self.bv).view(n, -1, hd)
         updates = {}
-        if self.spec.attn_output_gate:
+        if self.arch.attn_output_gate:
             q, gate = torch.chunk(q.view(n, -1, 2 * hd), 2, dim=-1)
             updates["attn_gate"] = gate.reshape(n, -1)
         q = q.reshape(n, -1, hd)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return batch.replace(drop=("hidden",), q=q, k=k, v=v, **updates)
+
+
+def attention_layouts(arch: Architecture) -> dict[str, Layout]:
+    """How ``qkv_proj``'s outputs are sharded: by query heads and key/value heads."""
+    heads, kv, hd = arch.num_heads, arch.num_kv_heads, arch.head_dim
+    return {
+        "q": Layout(1, (heads,)),
+        "k": Layout(1, (kv,)),
+        "v": Layout(1, (kv,)),
+        "attn_gate": Layout(1, (heads * hd,)),
+    }
 
 
 class _KvState:
@@ -126,19 +146,24 @@ class CoreAttention(StatefulOperator):
 
     name, op_class = "core_attn", "attention"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
         assert layer is not None
-        self.window = spec.sliding_window if spec.layer_types[layer] == SLIDING else None
-        self.groups = spec.num_heads // spec.num_kv_heads
+        a = self.arch
+        self.window = a.layer_window(layer)
+        where = f"L{layer}.core_attn"
+        h0, h1 = self.shard.part(a.num_heads, f"{where}: attention heads")
+        k0, k1 = self.shard.heads(a.num_kv_heads, f"{where}: key/value heads")
+        self.num_heads, self.num_kv_heads = h1 - h0, k1 - k0
+        self.groups = self.num_heads // self.num_kv_heads
         self._states: dict[str, _KvState] = {}
+        if self.sharded:
+            self.tp_in = attention_layouts(a)
+            self.tp_out = {"hidden": Layout(1, (a.num_heads * a.head_dim,))}
 
     def _init_state(self, request_id: str) -> None:
-        spec = self.spec
         self._states[request_id] = _KvState(
-            spec.num_kv_heads, spec.head_dim, self.window, self.dtype, self.device
+            self.num_kv_heads, self.arch.head_dim, self.window, self.dtype, self.device
         )
 
     def _drop_state(self, request_id: str) -> None:
@@ -169,7 +194,7 @@ class CoreAttention(StatefulOperator):
                 state.append(k_r, v_r)
                 o = self._attend(q_r, keys, values, mask=mask)
             out[lo:hi] = o.transpose(0, 1).reshape(hi - lo, -1)
-        if self.spec.attn_output_gate:
+        if self.arch.attn_output_gate:
             out = out * torch.sigmoid(batch["attn_gate"])
         return batch.replace(drop=("q", "k", "v", "attn_gate"), hidden=out)
 
@@ -190,7 +215,7 @@ class CoreAttention(StatefulOperator):
         """``q [heads, n, d]`` against ``k``/``v`` ``[kv_heads, m, d]``."""
         n = q.shape[1]
         causal = mask is None and n > 1
-        if self.spec.attn_softcap is not None:
+        if self.arch.attn_softcap is not None:
             return self._attend_softcapped(q, k, v, mask, causal)
         if mask is None:
             return F.scaled_dot_product_attention(
@@ -198,12 +223,12 @@ class CoreAttention(StatefulOperator):
                 k[None],
                 v[None],
                 is_causal=causal,
-                scale=self.spec.attn_scale,
+                scale=self.arch.attn_scale,
                 enable_gqa=self.groups > 1,
             )[0]
         k, v = (t.repeat_interleave(self.groups, dim=0) for t in (k, v))
         return F.scaled_dot_product_attention(
-            q[None], k[None], v[None], attn_mask=mask, scale=self.spec.attn_scale
+            q[None], k[None], v[None], attn_mask=mask, scale=self.arch.attn_scale
         )[0]
 
     def _attend_softcapped(
@@ -215,10 +240,10 @@ class CoreAttention(StatefulOperator):
         causal: bool,
     ) -> torch.Tensor:
         """Explicit softmax path: tanh soft-capping of the scores has no fused kernel."""
-        cap = self.spec.attn_softcap
+        cap = self.arch.attn_softcap
         assert cap is not None
         k, v = (t.repeat_interleave(self.groups, dim=0) for t in (k, v))
-        scores = torch.tanh((q @ k.transpose(-1, -2)) * self.spec.attn_scale / cap) * cap
+        scores = torch.tanh((q @ k.transpose(-1, -2)) * self.arch.attn_scale / cap) * cap
         if causal:
             mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
         if mask is not None:
@@ -231,18 +256,23 @@ class OProj(Operator):
 
     name, op_class = "o_proj", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        self.weight, self.bias = self._linear("self_attn.o_proj")
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        a = self.arch
+        width = a.num_heads * a.head_dim
+        cols = None
+        if self.sharded:
+            h0, h1 = self.shard.part(a.num_heads, f"L{layer}.o_proj: attention heads")
+            cols = [(h0 * a.head_dim, h1 * a.head_dim)]
+            self.tp_in = {"hidden": Layout(1, (width,))}
+        self.weight, self.bias = self._row_parallel("self_attn.o_proj", cols)
         self.post_norm = None
-        if spec.sandwich_norms:
+        if a.sandwich_norms:
             weight = self._layer_tensor("post_attention_layernorm.weight")
-            self.post_norm = RMSNorm(weight, spec.rms_norm_eps, gemma=True)
+            self.post_norm = RMSNorm(weight, a.rms_norm_eps, gemma=True)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        out = F.linear(batch["hidden"], self.weight, self.bias)
+        out = self._project_back(batch["hidden"], self.weight, self.bias)
         if self.post_norm is not None:
             out = self.post_norm(out)
         return batch.replace(drop=("residual",), hidden=batch["residual"] + out)

@@ -25,19 +25,15 @@ _ALIGN = 16  # so each payload can be viewed as any dtype without a copy
 class BatchMeta:
     """The iteration's schedule: which requests, how many new tokens each, after how many cached.
 
-    A multi-process pipeline needs three more facts per message, all optional so a single-process
-    batch never mentions them: ``slots`` (each request's batch slot, which routes its rows to the
-    replica that holds its state), ``free`` (requests that finished since the last iteration: every
-    stage holding their state drops it on sight) and ``final`` (no iteration of this microbatch
-    follows, so the workers on its path may stop).
+    A multi-process pipeline also needs each request's batch ``slot`` (optional, so a
+    single-process batch never mentions it): it routes the request's rows to the replica that
+    holds its state.
     """
 
     request_ids: tuple[str, ...]
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     slots: tuple[int, ...] = ()
-    free: tuple[str, ...] = ()
-    final: bool = False
 
     def __post_init__(self) -> None:
         if not len(self.request_ids) == len(self.query_lens) == len(self.context_lens):
@@ -83,10 +79,6 @@ class BatchMeta:
         }
         if self.slots:
             out["s"] = list(self.slots)
-        if self.free:
-            out["f"] = list(self.free)
-        if self.final:
-            out["e"] = True
         return out
 
     @classmethod
@@ -96,8 +88,6 @@ class BatchMeta:
             tuple(data["q"]),
             tuple(data["c"]),
             slots=tuple(data.get("s", ())),
-            free=tuple(data.get("f", ())),
-            final=bool(data.get("e", False)),
         )
 
 

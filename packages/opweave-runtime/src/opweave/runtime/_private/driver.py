@@ -1,13 +1,14 @@
-"""The caller-facing side of a run, on global rank 0: token history and slot admission.
+"""Offline generation: the driver that feeds a list of requests through a plan's ranks.
 
-Only this rank keeps token history. Each iteration, per microbatch, it takes the tokens the last
-segment sampled for the microbatch's slots, retires finished requests (their ids ride in the next
-message's ``free`` list so every stage holding their state drops it), admits waiting requests into
-the free slots, and sends the next ragged batch to the first segment: running requests feed their
-last token, new ones their whole prompt, so prefill and decode mix in one iteration.
+The driver keeps the token history and the plan's slots (the global batch; slot ``s`` of
+microbatch ``k`` is held by whichever replica of each owner serves it). Per microbatch it takes
+the tokens the last segment sampled, retires finished requests (their ids ride in the next
+work's ``free`` list, so every rank holding their state drops it), admits waiting requests into
+free slots, and submits the microbatch's next iteration at once: microbatches pipeline through
+the stages across iterations, and prefill (a new request's whole prompt) mixes with decode.
 
-A microbatch whose slots are all empty while nobody waits is sent once more with ``final`` set and
-then never again; workers stop when every microbatch they serve has gone final.
+A microbatch whose slots are all empty while nobody waits is submitted once more as ``final``
+and then never again; the run ends when every microbatch went final.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-import torch
+from opweave.costmodel import ModelSpec, Plan
 
-from ..errors import RequestStateError
-from .batch import BatchMeta, TokenBatch
+from ..errors import OpWeaveRuntimeError, RequestStateError
+from .cluster import Cluster, run_node, run_torchrun_rank, torchrun_env
 from .engine import Generation
-from .placement import Placement
-from .schedule import Drive
-from .transport import Transport, as_batch, merge
+from .work import Work
 
 
 @dataclass(frozen=True)
@@ -36,52 +37,37 @@ class Request:
     request_id: str | None = None
     stop_token_ids: tuple[int, ...] | None = None
 
-    def to_json(self) -> dict[str, object]:
-        return {
-            "prompt_token_ids": list(self.prompt_token_ids),
-            "max_new_tokens": self.max_new_tokens,
-            "request_id": self.request_id,
-            "stop_token_ids": None if self.stop_token_ids is None else list(self.stop_token_ids),
-        }
 
-    @classmethod
-    def from_json(cls, data: dict) -> Request:
-        stops = data.get("stop_token_ids")
-        return cls(
-            tuple(data["prompt_token_ids"]),
-            int(data["max_new_tokens"]),
-            data.get("request_id"),
-            None if stops is None else tuple(stops),
-        )
-
-
-def check_requests(requests: Sequence[Request]) -> None:
+def check_requests(requests: Sequence[Request], vocab_size: int | None = None) -> None:
     seen: set[str] = set()
     for i, req in enumerate(requests):
         if not req.prompt_token_ids:
             raise RequestStateError(f"request {i} has an empty prompt")
         if req.max_new_tokens < 1:
             raise RequestStateError(f"request {i}: max_new_tokens must be at least 1")
+        if vocab_size is not None:
+            bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab_size]
+            if bad:
+                raise RequestStateError(
+                    f"request {i}: token id {bad[0]} is outside the vocabulary "
+                    f"(0..{vocab_size - 1})"
+                )
         rid = req.request_id or f"req-{i}"
         if rid in seen:
             raise RequestStateError(f"request id {rid!r} is used twice")
         seen.add(rid)
 
 
-class Driver:
-    """Admission, token history and per-request timing for one run (lives on rank 0)."""
+class OfflineDriver:
+    """Admission, token history and per-request timing for one run over a :class:`Cluster`."""
 
     def __init__(
-        self,
-        placement: Placement,
-        requests: Sequence[Request],
-        default_stops: Iterable[int],
-        device: torch.device,
+        self, cluster: Cluster, requests: Sequence[Request], default_stops: Iterable[int]
     ) -> None:
         check_requests(requests)
         stops = frozenset(default_stops)
-        self.placement = placement
-        self.device = device
+        self.cluster = cluster
+        self.placement = cluster.placement
         self.generations = [
             Generation(
                 r.request_id or f"req-{i}",
@@ -92,19 +78,46 @@ class Driver:
             for i, r in enumerate(requests)
         ]
         self.waiting: deque[Generation] = deque(self.generations)
-        self.slots: list[Generation | None] = [None] * placement.global_batch
-        self._free: dict[int, list[str]] = {}
+        self.slots: list[Generation | None] = [None] * self.placement.global_batch
         self.token_times: dict[str, list[float]] = {g.request_id: [] for g in self.generations}
-        self.started: float | None = None  # when the first iteration began
+        self.started: float | None = None
         self.max_active = 0
+        self.drive_s = 0.0  # bookkeeping between a microbatch's result and its next work
+        self.timeline: dict[str, list[float]] = {"end_s": [], "drive_s": []}
+        self.iterations = 0
+        self._final: dict[int, bool] = {}  # whether the microbatch's last work was final
 
-    def drive(self, action: Drive, iteration: int, transport: Transport) -> bool:
-        """Run one :class:`Drive`; returns whether the microbatch went final."""
-        k = action.microbatch
-        if self.started is None:
-            self.started = time.perf_counter()
-        if iteration > 0:
-            self._collect(k, action, transport)
+    def run(self) -> None:
+        """Generate until every request finished."""
+        m = self.placement.microbatches
+        parts = {k: self.cluster.result_parts(k) for k in range(m)}
+        free: dict[int, list[str]] = {k: [] for k in range(m)}
+        got: dict[int, list[tuple[list[str], list[int]]]] = {k: [] for k in range(m)}
+        live = set(range(m))
+        self.started = time.perf_counter()
+        for k in range(m):
+            self._submit(k, 0, free)
+        while live:
+            msg = self.cluster.result()
+            k, i = int(msg["k"]), int(msg["i"])
+            got[k].append((msg["r"], msg["x"]))
+            if len(got[k]) < parts[k]:
+                continue
+            start = time.perf_counter()
+            final = self._final[k]
+            for rids, tokens in got[k]:
+                self._collect(k, rids, tokens, free)
+            got[k] = []
+            if final:
+                live.discard(k)
+            else:
+                self._submit(k, i + 1, free)
+            self.iterations = max(self.iterations, i + 1)
+            self.drive_s += time.perf_counter() - start
+            self.timeline["end_s"].append(time.perf_counter() - self.started)
+            self.timeline["drive_s"].append(self.drive_s)
+
+    def _submit(self, k: int, i: int, free: dict[int, list[str]]) -> None:
         mb = self.placement.microbatch_slots(k)
         for slot in mb:
             if self.slots[slot] is None and self.waiting:
@@ -112,34 +125,32 @@ class Driver:
         active = [(s, g) for s in mb if (g := self.slots[s]) is not None]
         self.max_active = max(self.max_active, sum(g is not None for g in self.slots))
         final = not active and not self.waiting
-        free = tuple(self._free.pop(k, ()))
-        for link in action.inputs_to:
-            chosen = [(s, g) for s, g in active if s in link.slots]
-            feeds = [g.token_ids[-1:] if g.token_ids else g.prompt_token_ids for _, g in chosen]
-            meta = BatchMeta(
-                tuple(g.request_id for _, g in chosen),
-                tuple(len(f) for f in feeds),
-                tuple(g.context_len for _, g in chosen),
-                slots=tuple(s for s, _ in chosen),
-                free=free,
-                final=final,
-            )
-            ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)
-            transport.send(link, TokenBatch(meta, {"token_ids": ids}), iteration)
-        return final
+        feeds = [g.token_ids[-1:] if g.token_ids else g.prompt_token_ids for _, g in active]
+        work = Work(
+            iteration=i,
+            microbatch=k,
+            request_ids=tuple(g.request_id for _, g in active),
+            slots=tuple(s for s, _ in active),
+            context_lens=tuple(g.context_len for _, g in active),
+            query_lens=tuple(len(f) for f in feeds),
+            sample=(True,) * len(active),
+            token_ids=tuple(t for f in feeds for t in f),
+            free=tuple(free[k]),
+            final=final,
+        )
+        free[k] = []
+        self._final[k] = final
+        self.cluster.submit(work)
 
-    def _collect(self, k: int, action: Drive, transport: Transport) -> None:
-        parts = [
-            as_batch(transport.recv(link, f"receiving sampled tokens of microbatch {k}"))
-            for link in action.tokens_from
-        ]
-        got = merge(parts)
+    def _collect(
+        self, k: int, rids: Sequence[str], tokens: Sequence[int], free: dict[int, list[str]]
+    ) -> None:
         now = time.perf_counter()
-        tokens = got["token_ids"].tolist() if got.meta.request_ids else []
-        for rid, slot, token in zip(got.meta.request_ids, got.meta.slots, tokens, strict=True):
-            gen = self.slots[slot]
-            if gen is None or gen.request_id != rid:
-                raise RequestStateError(f"slot {slot} returned a token for unknown request {rid!r}")
+        by_id = {g.request_id: (s, g) for s, g in enumerate(self.slots) if g is not None}
+        for rid, token in zip(rids, tokens, strict=True):
+            if rid not in by_id:
+                raise RequestStateError(f"a token came back for unknown request {rid!r}")
+            slot, gen = by_id[rid]
             gen.token_ids.append(int(token))
             self.token_times[rid].append(now)
             if token in gen.stop_token_ids:
@@ -148,7 +159,7 @@ class Driver:
                 gen.finish_reason = "length"
             if gen.finish_reason is not None:
                 self.slots[slot] = None
-                self._free.setdefault(k, []).append(rid)
+                free[k].append(rid)
 
     def tpot_s(self) -> float | None:
         """Mean over requests of (last token time - first token time) / (tokens - 1)."""
@@ -159,7 +170,8 @@ class Driver:
         ]
         return sum(per_request) / len(per_request) if per_request else None
 
-    def outputs(self) -> list[dict[str, object]]:
+    def outputs(self) -> list[dict[str, Any]]:
+        start = self.started or 0.0
         return [
             {
                 "request_id": g.request_id,
@@ -167,7 +179,115 @@ class Driver:
                 "token_ids": g.token_ids,
                 "finish_reason": g.finish_reason,
                 # when each token reached the driver, in seconds since the first iteration began
-                "token_times_s": [t - (self.started or t) for t in self.token_times[g.request_id]],
+                "token_times_s": [t - start for t in self.token_times[g.request_id]],
             }
             for g in self.generations
         ]
+
+
+def run_plan(
+    plan: Plan,
+    model_dir: str | Path,
+    requests: Sequence[Request],
+    *,
+    ranks: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    nodes: Sequence[Sequence[int]] | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    device: str = "auto",
+    timeout_s: float = 60.0,
+    dtype: str | None = None,
+    kernels: str = "opweave",
+    start_method: str = "auto",
+) -> dict[str, Any] | None:
+    """Run ``requests`` under ``plan``; the result on node 0, ``None`` on the other nodes.
+
+    The result holds ``outputs`` (per request its ``prompt_token_ids``, generated ``token_ids``,
+    ``finish_reason`` and ``token_times_s``), the measured ``tpot_s``, ``iterations``,
+    ``wall_s``, the driver's own time, and ``ranks``: per rank its stages, weight bytes read
+    and resident, and time in operators (``compute_s``), blocked in transfers (``comm_s``) and
+    elsewhere in the loop (``overhead_s``).
+    """
+    from opweave.costmodel import load_model
+
+    from .graph import check_runtime_support
+    from .placement import check_plan, total_ranks
+
+    model: ModelSpec = load_model(model_dir)
+    check_runtime_support(model)
+    world = total_ranks(plan)
+    check_plan(plan, model, world if ranks is None else ranks)
+    check_requests(requests, model.vocab_size)
+    device = resolve_device_name(device)
+    torchrun = torchrun_env()
+    if torchrun is not None and torchrun["RANK"] != "0":
+        run_torchrun_rank(
+            plan, model, model_dir, device=device, timeout_s=timeout_s, dtype=dtype, kernels=kernels
+        )
+        return None
+    if node_rank > 0:
+        if master_port is None:
+            raise OpWeaveRuntimeError("nodes other than 0 need --master-port of node 0")
+        run_node(
+            plan,
+            model,
+            model_dir,
+            node_rank=node_rank,
+            nnodes=nnodes,
+            master_addr=master_addr,
+            master_port=master_port,
+            nodes=nodes,
+            device=device,
+            timeout_s=timeout_s,
+            dtype=dtype,
+            kernels=kernels,
+        )
+        return None
+    cluster = Cluster(
+        plan,
+        model,
+        model_dir,
+        nnodes=nnodes,
+        nodes=nodes,
+        master_addr=master_addr,
+        master_port=master_port,
+        device=device,
+        timeout_s=timeout_s,
+        start_method=start_method,
+        dtype=dtype,
+        kernels=kernels,
+        torchrun=torchrun is not None,
+    )
+    try:
+        driver = OfflineDriver(cluster, requests, model.arch.eos_token_ids)
+        driver.run()
+        wall_s = time.perf_counter() - (driver.started or time.perf_counter())
+        stats = cluster.shutdown()
+    finally:
+        cluster.close()
+    return {
+        "outputs": driver.outputs(),
+        "tpot_s": driver.tpot_s(),
+        "iterations": driver.iterations,
+        "wall_s": wall_s,
+        "max_active": driver.max_active,
+        "driver": {
+            "drive_s": driver.drive_s,
+            "timeline": driver.timeline,
+            "actions_per_iteration": plan.microbatches,
+        },
+        "ranks": stats,
+    }
+
+
+def resolve_device_name(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cpu", "cuda"):
+        raise OpWeaveRuntimeError(f"device must be cpu, cuda or auto, got {device!r}")
+    return device

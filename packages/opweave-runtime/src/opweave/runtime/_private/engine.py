@@ -70,7 +70,7 @@ class LocalModel:
             StageModule(model_dir, seq[lo:hi], device=device, dtype=dtype)
             for lo, hi in itertools.pairwise(bounds)
         ]
-        self.spec = self.stages[0].spec
+        self.arch = self.stages[0].arch
         self.device = torch.device(device)
         self.max_running = max_running
         self.waiting: deque[Generation] = deque()
@@ -96,7 +96,7 @@ class LocalModel:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.running or any(g.request_id == rid for g in self.waiting):
             raise RequestStateError(f"request id {rid!r} is already in use")
-        stops = frozenset(self.spec.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        stops = frozenset(self.arch.eos_token_ids if stop_token_ids is None else stop_token_ids)
         self.waiting.append(Generation(rid, list(prompt_token_ids), max_new_tokens, stops))
         return rid
 

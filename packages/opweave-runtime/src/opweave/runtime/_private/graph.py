@@ -1,7 +1,9 @@
 """The decode operator sequence of a model, and the factory that builds any one operator.
 
-The sequence is the contract shared with the cost model and planner: a stage of a plan is a
-contiguous slice of it, named by ``(layer, op)`` pairs (``layer`` is ``None`` for model-level ops).
+The sequence is the cost model's (:attr:`opweave.costmodel.ModelSpec.operators`): a stage of a
+plan is a contiguous slice of it, named by ``(layer, op)`` pairs (``layer`` is ``None`` for
+model-level ops), and the runtime builds exactly those operators from the same
+:class:`~opweave.costmodel.Architecture`.
 """
 
 from __future__ import annotations
@@ -12,17 +14,29 @@ from typing import Any, NamedTuple
 
 import torch
 
+from opweave.costmodel import LINEAR_ATTENTION, ModelSpec, load_model, model_spec_from_config
+
 from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
-from .config import LINEAR, ModelSpec, parse_config
 from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
 from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert
-from .ops import AttnNorm, Embed, FfnNorm, FinalNorm, LmHead, Operator, Sample
+from .ops import AttnNorm, Embed, FfnNorm, FinalNorm, LmHead, OpContext, Operator, Sample
 from .rope import Rope
-from .weights import Checkpoint
+from .tensor_parallel import Shard, TPComm
+from .weights import TensorSource
 
-MODEL_START = ("embed",)
-MODEL_END = ("final_norm", "lm_head", "sample")
+# The families whose operators the runtime implements (planning covers gpt_oss too).
+RUNTIME_FAMILIES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "mixtral",
+    "gemma3_text",
+    "qwen3_next",
+)
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 class OpRef(NamedTuple):
@@ -32,23 +46,45 @@ class OpRef(NamedTuple):
     name: str
 
 
-def layer_operator_names(spec: ModelSpec, layer: int) -> tuple[str, ...]:
-    """Operator names of one decoder layer, in execution order."""
-    names = ["attn_norm", "qkv_proj"]
-    if spec.layer_types[layer] != LINEAR:
-        names.append("rope")
-    names += ["core_attn", "o_proj", "ffn_norm"]
-    if spec.is_moe_layer(layer):
-        assert spec.moe is not None
-        names += ["router", "experts"] + (
-            ["shared_expert"] if spec.moe.shared_intermediate_size else []
+ModelLike = ModelSpec | str | Path | Mapping[str, Any]
+
+
+def model_spec(model: ModelLike) -> ModelSpec:
+    """The cost model's description of a model: given, or from a folder, file or config dict."""
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, Mapping):
+        return model_spec_from_config(model)
+    return load_model(model)
+
+
+def check_runtime_support(model: ModelSpec) -> None:
+    """Raise :class:`UnsupportedModelError` for a family the runtime's operators do not cover."""
+    if model.family not in RUNTIME_FAMILIES:
+        raise UnsupportedModelError(
+            f"the runtime does not implement {model.family} models (planning and estimates "
+            f"cover them); it runs {', '.join(RUNTIME_FAMILIES)}"
         )
-    else:
-        names += ["gate_up_proj", "down_proj"]
-    return tuple(names)
 
 
-def operator_sequence(model: ModelSpec | str | Path | Mapping[str, Any]) -> list[OpRef]:
+def compute_dtype(model: ModelSpec, dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """The dtype operators compute in: ``dtype`` if given, else the config's."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype or model.arch.dtype).removeprefix("torch.")
+    if name not in COMPUTE_DTYPES:
+        raise UnsupportedModelError(
+            f"the runtime computes in {', '.join(COMPUTE_DTYPES)}, not {name}; pass a dtype"
+        )
+    return COMPUTE_DTYPES[name]
+
+
+def layer_operator_names(model: ModelLike, layer: int) -> tuple[str, ...]:
+    """Operator names of one decoder layer, in execution order."""
+    return tuple(op.name for op in model_spec(model).layers[layer].ops)
+
+
+def operator_sequence(model: ModelLike) -> list[OpRef]:
     """The whole decode sequence of a model (a spec, a config dict, or a folder / config path).
 
     >>> seq = operator_sequence({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
@@ -57,12 +93,7 @@ def operator_sequence(model: ModelSpec | str | Path | Mapping[str, Any]) -> list
     ['embed', 'attn_norm', 'qkv_proj', 'rope', 'core_attn', 'o_proj', 'ffn_norm', 'gate_up_proj',
      'down_proj', 'final_norm', 'lm_head', 'sample']
     """
-    spec = model if isinstance(model, ModelSpec) else parse_config(model)
-    seq = [OpRef(None, name) for name in MODEL_START]
-    for layer in range(spec.num_layers):
-        seq += [OpRef(layer, name) for name in layer_operator_names(spec, layer)]
-    seq += [OpRef(None, name) for name in MODEL_END]
-    return seq
+    return [OpRef(op.layer, op.name) for op in model_spec(model).operators]
 
 
 _MODEL_OPS: dict[str, type[Operator]] = {
@@ -92,20 +123,34 @@ _LINEAR_OPS: dict[str, type[Operator]] = {
 
 
 def build_operator(
-    spec: ModelSpec, ckpt: Checkpoint, ref: OpRef, device: torch.device | str = "cpu"
+    model: ModelSpec,
+    ckpt: TensorSource,
+    ref: tuple[int | None, str],
+    device: torch.device | str = "cpu",
+    *,
+    dtype: torch.dtype | str | None = None,
+    shard: Shard | None = None,
+    comm: TPComm | None = None,
 ) -> Operator:
-    """Construct one operator, reading only its own tensors from ``ckpt``."""
+    """Construct one operator, reading only its own tensors (its shard of them) from ``ckpt``."""
+    ctx = OpContext(
+        model.arch, ckpt, torch.device(device), compute_dtype(model, dtype), shard or Shard(), comm
+    )
+    return operator_from(model, ctx, OpRef(*ref))
+
+
+def operator_from(model: ModelSpec, ctx: OpContext, ref: OpRef) -> Operator:
+    check_runtime_support(model)
     layer, name = ref
     if layer is None:
         cls = _MODEL_OPS.get(name)
     else:
-        if not 0 <= layer < spec.num_layers or name not in layer_operator_names(spec, layer):
+        if not 0 <= layer < model.num_layers or name not in layer_operator_names(model, layer):
             raise UnsupportedModelError(
-                f"layer {layer} of this {spec.family} model has no operator {name!r}"
+                f"layer {layer} of this {model.family} model has no operator {name!r}"
             )
-        cls = (
-            _LINEAR_OPS.get(name) if spec.layer_types[layer] == LINEAR else None
-        ) or _LAYER_OPS.get(name)
+        linear = model.arch.layer_types[layer] == LINEAR_ATTENTION
+        cls = (_LINEAR_OPS.get(name) if linear else None) or _LAYER_OPS.get(name)
     if cls is None:
         raise UnsupportedModelError(f"unknown operator {ref}")
-    return cls(spec, ckpt, layer, device)
+    return cls(ctx, layer)

@@ -14,13 +14,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from opweave.costmodel import LinearAttentionSpec
+
 from ..errors import UnsupportedModelError
 from .batch import TokenBatch
-from .config import LinearAttnSpec, ModelSpec
-from .ops import Operator, StatefulOperator, activation
-from .weights import Checkpoint
+from .ops import OpContext, Operator, StatefulOperator, activation
+from .tensor_parallel import Layout
 
 _CHUNK = 64
+
+
+def local_geometry(op: Operator) -> tuple[LinearAttentionSpec, tuple[int, int]]:
+    """This rank's gated-DeltaNet geometry (its key heads, each with its value heads) and its
+    key-head range; the whole layer without TP."""
+    la = op.arch.linear_attn
+    if la is None:
+        raise UnsupportedModelError(f"{op.arch.family} config has no linear-attention geometry")
+    k0, k1 = op.shard.part(la.num_k_heads, f"L{op.layer}.{op.name}: linear key heads")
+    r = la.num_v_heads // la.num_k_heads
+    local = la.model_copy(update={"num_k_heads": k1 - k0, "num_v_heads": (k1 - k0) * r})
+    return local, (k0, k1)
+
+
+def linear_layouts(la: LinearAttentionSpec) -> dict[str, Layout]:
+    """How the input projections' outputs are sharded: by key heads (and their value heads)."""
+    nv = la.num_v_heads
+    return {
+        "mixed_qkv": Layout(1, (la.key_dim, la.key_dim, la.value_dim)),
+        "z": Layout(1, (nv,)),
+        "b": Layout(1, (nv,)),
+        "a": Layout(1, (nv,)),
+    }
 
 
 class LinearQkvProj(Operator):
@@ -28,16 +52,22 @@ class LinearQkvProj(Operator):
 
     name, op_class = "qkv_proj", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        self.w_qkvz = self._layer_tensor("linear_attn.in_proj_qkvz.weight")
-        self.w_ba = self._layer_tensor("linear_attn.in_proj_ba.weight")
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        self.la, (k0, k1) = local_geometry(self)
+        full = self.arch.linear_attn
+        assert full is not None
+        r = full.num_v_heads // full.num_k_heads
+        block = 2 * full.k_head_dim + 2 * r * full.v_head_dim  # rows per key head
+        qkvz = [(k0 * block, k1 * block)] if self.sharded else None
+        ba = [(k0 * 2 * r, k1 * 2 * r)] if self.sharded else None
+        self.w_qkvz = self._layer_tensor("linear_attn.in_proj_qkvz.weight", ranges=qkvz)
+        self.w_ba = self._layer_tensor("linear_attn.in_proj_ba.weight", ranges=ba)
+        if self.sharded:
+            self.tp_out = linear_layouts(full)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        la = self.spec.linear_attn
-        assert la is not None
+        la = self.la
         x = batch["hidden"]
         n, nk, r = x.shape[0], la.num_k_heads, la.num_v_heads // la.num_k_heads
         qkvz = F.linear(x, self.w_qkvz).view(n, nk, 2 * la.k_head_dim + 2 * r * la.v_head_dim)
@@ -133,23 +163,34 @@ class LinearCoreAttention(StatefulOperator):
 
     name, op_class = "core_attn", "attention"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        la = spec.linear_attn
-        if la is None:
-            raise UnsupportedModelError(f"{spec.family} config has no linear-attention geometry")
-        self.la: LinearAttnSpec = la
-        self.conv_weight = self._layer_tensor("linear_attn.conv1d.weight")  # [conv_dim, 1, K]
-        self.conv_bias = self._optional_layer_tensor("linear_attn.conv1d.bias")
-        self.neg_a = -self._layer_tensor("linear_attn.A_log").float().exp()
-        self.dt_bias = self._layer_tensor("linear_attn.dt_bias")
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        self.la, (k0, k1) = local_geometry(self)
+        full = self.arch.linear_attn
+        assert full is not None
+        channels = v_heads = None
+        if self.sharded:
+            dk, dv, r = full.k_head_dim, full.v_head_dim, full.num_v_heads // full.num_k_heads
+            v0, v1 = k0 * r, k1 * r
+            channels = [
+                (k0 * dk, k1 * dk),  # q
+                (full.key_dim + k0 * dk, full.key_dim + k1 * dk),  # k
+                (2 * full.key_dim + v0 * dv, 2 * full.key_dim + v1 * dv),  # v
+            ]
+            v_heads = [(v0, v1)]
+            self.tp_in = linear_layouts(full)
+            self.tp_out = {"hidden": Layout(1, (full.value_dim,))}
+        self.conv_weight = self._layer_tensor(
+            "linear_attn.conv1d.weight", ranges=channels
+        )  # [conv_dim, 1, K]
+        self.conv_bias = self._optional_layer_tensor("linear_attn.conv1d.bias", ranges=channels)
+        self.neg_a = -self._layer_tensor("linear_attn.A_log", ranges=v_heads).float().exp()
+        self.dt_bias = self._layer_tensor("linear_attn.dt_bias", ranges=v_heads)
         self.norm_weight = self._layer_tensor("linear_attn.norm.weight")
-        self.act = activation(spec.hidden_act)
+        self.act = activation(self.arch.hidden_act)
         self._conv: dict[str, torch.Tensor] = {}
         self._recurrent: dict[str, torch.Tensor] = {}
-        self._kv_repeat = la.num_v_heads // la.num_k_heads
+        self._kv_repeat = self.la.num_v_heads // self.la.num_k_heads
 
     def _init_state(self, request_id: str) -> None:
         la = self.la
@@ -226,7 +267,7 @@ class LinearCoreAttention(StatefulOperator):
     def _gated_norm(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """RMSNorm with a plain ``w`` scale, then ``* silu(gate)`` in float32 (RMSNormGated)."""
         y = x.to(torch.float32)
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.arch.rms_norm_eps)
         y = self.norm_weight * y.to(x.dtype)
         return (y * F.silu(gate.to(torch.float32))).to(x.dtype)
 
@@ -236,12 +277,19 @@ class LinearOProj(Operator):
 
     name, op_class = "o_proj", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        self.weight = self._layer_tensor("linear_attn.out_proj.weight")
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        la, (k0, k1) = local_geometry(self)
+        full = self.arch.linear_attn
+        assert full is not None
+        cols = None
+        if self.sharded:
+            per_key = (full.num_v_heads // full.num_k_heads) * full.v_head_dim
+            cols = [(k0 * per_key, k1 * per_key)]
+            self.tp_in = {"hidden": Layout(1, (full.value_dim,))}
+        del la
+        self.weight = self._layer_tensor("linear_attn.out_proj.weight", dim=1, ranges=cols)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        out = F.linear(batch["hidden"], self.weight)
+        out = self._project_back(batch["hidden"], self.weight, None)
         return batch.replace(drop=("residual",), hidden=batch["residual"] + out)

@@ -13,9 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from .batch import TokenBatch
-from .config import ModelSpec
-from .ops import Operator, RMSNorm, activation
-from .weights import Checkpoint
+from .ops import OpContext, Operator, RMSNorm, activation
+from .tensor_parallel import Layout
 
 
 class GateUpProj(Operator):
@@ -23,13 +22,16 @@ class GateUpProj(Operator):
 
     name, op_class = "gate_up_proj", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        self.w_gate, self.b_gate = self._linear("mlp.gate_proj")
-        self.w_up, self.b_up = self._linear("mlp.up_proj")
-        self.act = activation(spec.hidden_act)
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        inter = self.arch.intermediate_size
+        rows = None
+        if self.sharded:
+            rows = [self.shard.part(inter, f"L{layer}.gate_up_proj: intermediate size")]
+            self.tp_out = {"hidden": Layout(1, (inter,))}
+        self.w_gate, self.b_gate = self._column_parallel("mlp.gate_proj", rows)
+        self.w_up, self.b_up = self._column_parallel("mlp.up_proj", rows)
+        self.act = activation(self.arch.hidden_act)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x = batch["hidden"]
@@ -42,21 +44,24 @@ class DownProj(Operator):
 
     name, op_class = "down_proj", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        self.weight, self.bias = self._linear("mlp.down_proj")
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        inter = self.arch.intermediate_size
+        cols = None
+        if self.sharded:
+            cols = [self.shard.part(inter, f"L{layer}.down_proj: intermediate size")]
+            self.tp_in = {"hidden": Layout(1, (inter,))}
+        self.weight, self.bias = self._row_parallel("mlp.down_proj", cols)
         self.post_norm = None
-        if spec.sandwich_norms:
+        if self.arch.sandwich_norms:
             self.post_norm = RMSNorm(
                 self._layer_tensor("post_feedforward_layernorm.weight"),
-                spec.rms_norm_eps,
+                self.arch.rms_norm_eps,
                 gemma=True,
             )
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        out = F.linear(batch["hidden"], self.weight, self.bias)
+        out = self._project_back(batch["hidden"], self.weight, self.bias)
         if self.post_norm is not None:
             out = self.post_norm(out)
         return batch.replace(drop=("residual",), hidden=batch["residual"] + out)
@@ -67,49 +72,61 @@ class Router(Operator):
 
     Softmax over all experts, then top-k, then (optionally) renormalise over the chosen k; Mixtral
     always renormalises, which equals a softmax over its top-k logits, and keeps float32 weights.
+    Replicated under TP (every rank routes its rows the same way).
     """
 
     name, op_class = "router", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        assert layer is not None and spec.moe is not None
-        self.weight = self._layer_tensor(f"{ckpt.moe_module(layer)}gate.weight")
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        assert layer is not None and self.arch.moe is not None
+        self.weight = self._layer_tensor(f"{ctx.ckpt.moe_module(layer)}gate.weight")
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        moe = self.spec.moe
+        moe = self.arch.moe
         assert moe is not None
         logits = F.linear(batch["hidden"], self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, moe.top_k, dim=-1)
         if moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.spec.family != "mixtral":
+        if self.arch.family != "mixtral":
             weights = weights.to(logits.dtype)
         return batch.replace(topk_weights=weights, topk_ids=ids)
 
 
 class Experts(Operator):
-    """The routed experts: rows gathered per expert, summed in expert order as transformers does."""
+    """The routed experts: rows gathered per expert, summed in expert order as transformers does.
+
+    Under TP every rank holds every expert's slice of the intermediate channels; the partial sums
+    are all-reduced.
+    """
 
     name, op_class = "experts", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        assert layer is not None and spec.moe is not None
-        self.gate_up, self.down = ckpt.load_experts(
-            layer, spec.moe.num_experts, dtype=self.dtype, device=self.device
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        moe = self.arch.moe
+        assert layer is not None and moe is not None
+        channels = None
+        if self.sharded:
+            channels = self.shard.part(
+                moe.intermediate_size, f"L{layer}.experts: intermediate size"
+            )
+        self.gate_up, self.down = ctx.ckpt.load_experts(
+            layer,
+            moe.num_experts,
+            moe.intermediate_size,
+            dtype=self.dtype,
+            device=self.device,
+            channels=channels,
         )
         for part, tensor in (("gate_up", self.gate_up), ("down", self.down)):
             self.weight_sizes[f"layers.{layer}.experts.{part}"] = (
                 tensor.numel() * tensor.element_size()
             )
-        self.act = activation(spec.hidden_act)
-        self.ends_layer = spec.moe.shared_intermediate_size == 0
+        self.act = activation(self.arch.hidden_act)
+        self.ends_layer = moe.shared_intermediate_size == 0
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
@@ -119,11 +136,17 @@ class Experts(Operator):
             gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
             y = F.linear(self.act(gate) * up, self.down[expert]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
+        return self._finish(batch, out)
+
+    def _finish(self, batch: TokenBatch, out: torch.Tensor) -> TokenBatch:
+        """The layer's residual add (after the TP reduce), or the routed sum handed to the
+        shared expert."""
         if self.ends_layer:
+            out = self._reduce(out)
             return batch.replace(
                 drop=("topk_ids", "topk_weights", "residual"), hidden=batch["residual"] + out
             )
-        return batch.replace(drop=("topk_ids", "topk_weights"), moe_out=out)
+        return batch.replace(drop=("topk_ids", "topk_weights"), moe_out=self._reduce(out))
 
 
 class SharedExpert(Operator):
@@ -131,19 +154,26 @@ class SharedExpert(Operator):
 
     name, op_class = "shared_expert", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        self.w_gate = self._layer_tensor("mlp.shared_expert.gate_proj.weight")
-        self.w_up = self._layer_tensor("mlp.shared_expert.up_proj.weight")
-        self.w_down = self._layer_tensor("mlp.shared_expert.down_proj.weight")
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        moe = self.arch.moe
+        assert moe is not None
+        rows = cols = None
+        if self.sharded:
+            part = self.shard.part(
+                moe.shared_intermediate_size, f"L{layer}.shared_expert: intermediate size"
+            )
+            rows, cols = [part], [part]
+        self.w_gate = self._layer_tensor("mlp.shared_expert.gate_proj.weight", ranges=rows)
+        self.w_up = self._layer_tensor("mlp.shared_expert.up_proj.weight", ranges=rows)
+        self.w_down = self._layer_tensor("mlp.shared_expert.down_proj.weight", dim=1, ranges=cols)
         self.w_score = self._layer_tensor("mlp.shared_expert_gate.weight")
-        self.act = activation(spec.hidden_act)
+        self.act = activation(self.arch.hidden_act)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x = batch["hidden"]
-        shared = F.linear(self.act(F.linear(x, self.w_gate)) * F.linear(x, self.w_up), self.w_down)
+        inner = self.act(F.linear(x, self.w_gate)) * F.linear(x, self.w_up)
+        shared = self._reduce(F.linear(inner, self.w_down))
         shared = torch.sigmoid(F.linear(x, self.w_score)) * shared
         out = batch["moe_out"] + shared
         return batch.replace(drop=("moe_out", "residual"), hidden=batch["residual"] + out)

@@ -1,66 +1,124 @@
 """Operator base classes and the model-level and normalisation operators.
 
-An operator owns exactly the tensors of its step (read by name from the checkpoint), maps one
-:class:`TokenBatch` to the next, and (for ``core_attn``) the per-request state of its layer. The
-numerics follow transformers step for step wherever rounding could differ (which products run in
-float32, when a result is cast back), because plans are checked token for token against it.
+An operator owns exactly the tensors of its step (read by name from the checkpoint; under tensor
+parallelism only its rank's slices, see :mod:`.tensor_parallel`), maps one :class:`TokenBatch`
+to the next, and (for ``core_attn``) the per-request state of its layer. The numerics follow
+transformers step for step wherever rounding could differ (which products run in float32, when a
+result is cast back), because plans are checked token for token against it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
 
+from opweave.costmodel import Architecture
+
 from ..errors import RequestStateError, UnsupportedModelError
 from .batch import TokenBatch
-from .config import ModelSpec
-from .weights import Checkpoint
+from .tensor_parallel import Layout, Shard, TPComm
+from .weights import TensorSource
 
 OpClass = Literal["attention", "gemm", "small"]
+Ranges = Sequence[tuple[int, int]]
+
+
+@dataclass
+class OpContext:
+    """What every operator is built from: the model, where its tensors are, where it runs."""
+
+    arch: Architecture
+    ckpt: TensorSource
+    device: torch.device
+    dtype: torch.dtype
+    shard: Shard = field(default_factory=Shard)
+    comm: TPComm | None = None
 
 
 class Operator:
-    """One step of the decode sequence, holding only its own weights."""
+    """One step of the decode sequence, holding only its own weights (or its shard of them).
+
+    ``tp_in``: inputs this operator computes on sharded (a full one is sliced first);
+    ``tp_pass``: inputs it accepts in either layout and passes on unchanged in kind (rope);
+    ``tp_out``: outputs it leaves sharded. All three are empty without tensor parallelism.
+    """
 
     name: ClassVar[str]
     op_class: ClassVar[OpClass]
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        self.spec = spec
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        self.arch = ctx.arch
         self.layer = layer
-        self.device = torch.device(device)
-        self.dtype = spec.dtype
+        self.device = ctx.device
+        self.dtype = ctx.dtype
+        self.shard = ctx.shard
+        self.comm = ctx.comm
+        self.tp_in: dict[str, Layout] = {}
+        self.tp_pass: frozenset[str] = frozenset()
+        self.tp_out: dict[str, Layout] = {}
         # checkpoint name -> bytes this operator holds for it (in the compute dtype)
         self.weight_sizes: dict[str, int] = {}
-        self._ckpt = ckpt
+        self._ckpt = ctx.ckpt
+
+    @property
+    def sharded(self) -> bool:
+        return self.shard.size > 1
 
     @property
     def weight_bytes(self) -> int:
         """Resident weight bytes of this operator."""
         return sum(self.weight_sizes.values())
 
-    def _tensor(self, name: str, *, shared: bool = False) -> torch.Tensor:
-        tensor = self._ckpt.get(name, dtype=self.dtype, device=self.device, shared=shared)
+    def _tensor(
+        self, name: str, *, shared: bool = False, dim: int = 0, ranges: Ranges | None = None
+    ) -> torch.Tensor:
+        tensor = self._ckpt.get(
+            name, dtype=self.dtype, device=self.device, shared=shared, dim=dim, ranges=ranges
+        )
         self.weight_sizes[name] = tensor.numel() * tensor.element_size()
         return tensor
 
-    def _layer_tensor(self, suffix: str) -> torch.Tensor:
+    def _layer_tensor(self, suffix: str, **kw: object) -> torch.Tensor:
         assert self.layer is not None
-        return self._tensor(self._ckpt.layer_name(self.layer, suffix))
+        return self._tensor(self._ckpt.layer_name(self.layer, suffix), **kw)  # type: ignore[arg-type]
 
-    def _optional_layer_tensor(self, suffix: str) -> torch.Tensor | None:
+    def _optional_layer_tensor(self, suffix: str, **kw: object) -> torch.Tensor | None:
         assert self.layer is not None
         name = self._ckpt.layer_name(self.layer, suffix)
-        return self._tensor(name) if self._ckpt.has(name) else None
+        return self._tensor(name, **kw) if self._ckpt.has(name) else None  # type: ignore[arg-type]
 
-    def _linear(self, module: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Weight and (if the checkpoint has one) bias of a layer's linear ``module``."""
-        return self._layer_tensor(f"{module}.weight"), self._optional_layer_tensor(f"{module}.bias")
+    def _column_parallel(
+        self, module: str, rows: Ranges | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias (if the checkpoint has one) of a linear ``module``, output rows
+        ``rows`` only (``None``: all)."""
+        weight = self._layer_tensor(f"{module}.weight", ranges=rows)
+        return weight, self._optional_layer_tensor(f"{module}.bias", ranges=rows)
+
+    def _row_parallel(
+        self, module: str, cols: Ranges | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight (input columns ``cols`` only) and full bias, added once after the reduce."""
+        weight = self._layer_tensor(f"{module}.weight", dim=1, ranges=cols)
+        return weight, self._optional_layer_tensor(f"{module}.bias")
+
+    def _project_back(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """A row-parallel projection to the hidden size: partial sums all-reduced, then the
+        bias. Unsharded it is one ``F.linear``, exactly transformers' rounding."""
+        if self.comm is None:
+            return F.linear(x, weight, bias)
+        out = self.comm.all_reduce(F.linear(x, weight))
+        return out if bias is None else out + bias
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum partial results over the TP group (identity without TP)."""
+        return x if self.comm is None else self.comm.all_reduce(x)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         raise NotImplementedError
@@ -75,10 +133,8 @@ class Operator:
 class StatefulOperator(Operator):
     """An operator that keeps per-request state between iterations (KV cache, recurrent state)."""
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
         self._context_lens: dict[str, int] = {}
 
     def admit(self, request_id: str) -> None:
@@ -156,24 +212,39 @@ class RMSNorm:
 
 
 class Embed(Operator):
-    """Token ids -> hidden rows (Gemma: times sqrt(hidden), rounded to the model dtype first)."""
+    """Token ids -> hidden rows (Gemma: times sqrt(hidden), rounded to the model dtype first).
+
+    Under TP each rank holds a slice of the vocabulary, looks up the ids that fall in it (zero
+    rows elsewhere) and the group sums: exact, since every row has one non-zero term.
+    """
 
     name, op_class = "embed", "small"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        vocab = (0, self.arch.vocab_size)
+        if self.sharded:
+            vocab = self.shard.part(self.arch.vocab_size, "embed: vocabulary")
+        self.vocab_range = vocab
         self.weight = self._tensor(
-            ckpt.model_name("embed_tokens.weight"), shared=spec.tie_word_embeddings
+            ctx.ckpt.model_name("embed_tokens.weight"),
+            shared=self.arch.tie_word_embeddings,
+            ranges=[vocab] if self.sharded else None,
         )
-        scale = spec.embed_scale
+        scale = self.arch.embed_scale
         self.scale = (
             None if scale is None else torch.tensor(scale, dtype=torch.float32).to(self.dtype)
         )
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        hidden = F.embedding(batch["token_ids"].to(self.device), self.weight)
+        ids = batch["token_ids"].to(self.device)
+        if self.comm is None:
+            hidden = F.embedding(ids, self.weight)
+        else:
+            lo, hi = self.vocab_range
+            inside = (ids >= lo) & (ids < hi)
+            local = F.embedding((ids - lo).clamp(0, hi - lo - 1), self.weight)
+            hidden = self.comm.all_reduce(local * inside[:, None].to(local.dtype))
         if self.scale is not None:
             hidden = hidden * self.scale
         return batch.replace(drop=("token_ids",), hidden=hidden)
@@ -184,14 +255,12 @@ class ResidualNorm(Operator):
 
     op_class = "small"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        weight = self._layer_tensor(self._weight_suffix(spec))
-        self.norm = RMSNorm(weight, spec.rms_norm_eps, gemma=spec.gemma_norms)
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        weight = self._layer_tensor(self._weight_suffix())
+        self.norm = RMSNorm(weight, self.arch.rms_norm_eps, gemma=self.arch.gemma_norms)
 
-    def _weight_suffix(self, spec: ModelSpec) -> str:
+    def _weight_suffix(self) -> str:
         raise NotImplementedError
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
@@ -202,16 +271,16 @@ class ResidualNorm(Operator):
 class AttnNorm(ResidualNorm):
     name = "attn_norm"
 
-    def _weight_suffix(self, spec: ModelSpec) -> str:
+    def _weight_suffix(self) -> str:
         return "input_layernorm.weight"
 
 
 class FfnNorm(ResidualNorm):
     name = "ffn_norm"
 
-    def _weight_suffix(self, spec: ModelSpec) -> str:
+    def _weight_suffix(self) -> str:
         # Gemma's post_attention_layernorm normalises the attention output (see o_proj) instead.
-        if spec.sandwich_norms:
+        if self.arch.sandwich_norms:
             return "pre_feedforward_layernorm.weight"
         return "post_attention_layernorm.weight"
 
@@ -221,12 +290,12 @@ class FinalNorm(Operator):
 
     name, op_class = "final_norm", "small"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
         self.norm = RMSNorm(
-            self._tensor(ckpt.model_name("norm.weight")), spec.rms_norm_eps, gemma=spec.gemma_norms
+            self._tensor(ctx.ckpt.model_name("norm.weight")),
+            self.arch.rms_norm_eps,
+            gemma=self.arch.gemma_norms,
         )
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
@@ -235,19 +304,27 @@ class FinalNorm(Operator):
 
 
 class LmHead(Operator):
-    """Hidden -> vocabulary logits, with Gemma's final tanh soft-capping where configured."""
+    """Hidden -> vocabulary logits, with Gemma's final tanh soft-capping where configured.
+
+    Under TP each rank computes the logits of its vocabulary slice; they are gathered (exact).
+    """
 
     name, op_class = "lm_head", "gemm"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
-        self.weight = self._tensor(ckpt.lm_head_name(), shared=spec.tie_word_embeddings)
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        rows = None
+        if self.sharded:
+            rows = [self.shard.part(self.arch.vocab_size, "lm_head: vocabulary")]
+        self.weight = self._tensor(
+            ctx.ckpt.lm_head_name(), shared=self.arch.tie_word_embeddings, ranges=rows
+        )
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         logits = F.linear(batch["hidden"], self.weight)
-        cap = self.spec.final_softcap
+        if self.comm is not None:
+            logits = self.comm.gather(logits, Layout(1, (self.arch.vocab_size,)))
+        cap = self.arch.final_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return batch.replace(drop=("hidden",), logits=logits)

@@ -5,9 +5,7 @@ positions); this module fixes *where* and *for whom*, identically on every rank,
 ever has to ask another:
 
 - ranks enumerate owners ``o``, then replicas ``j``, then TP ranks ``t``; the first TP rank of a
-  replica is its **leader** (it receives and sends the replica's messages) and global rank 0, the
-  leader of owner 0's first replica, which runs the first segment, is also the **driver** that
-  talks to the caller;
+  replica is its **leader** (it receives and sends the replica's messages);
 - the global batch is ``B = replicas_o * resident_batch_o`` slots (equal for every owner); replica
   ``j`` of owner ``o`` serves slots ``[j * b_o, (j + 1) * b_o)`` and keeps the per-request state of
   exactly those slots; microbatch ``k`` is slots ``[k * B // m, (k + 1) * B // m)``.
@@ -18,11 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cached_property
 
-from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments
+from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments, tp_problem
 
-from ..errors import PlanMismatchError
-
-DRIVER_RANK = 0
+from ..errors import PlanMismatchError, ShardingError
 
 
 @dataclass(frozen=True)
@@ -133,7 +129,8 @@ def total_ranks(plan: Plan) -> int:
 
 
 def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> None:
-    """Refuse a plan made for another model, or a launch with the wrong number of ranks."""
+    """Refuse a plan made for another model, one whose tensor-parallel owners cannot shard
+    their operators, or a launch with the wrong number of ranks."""
     pm = plan.model
     facts = (
         ("family", pm.family, model.family),
@@ -152,9 +149,24 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
             f"but this model folder's config hashes to {model.config_sha256[:12]}...; "
             "re-plan for this model (opweave plan <model dir> ...)"
         )
+    for o, owner in enumerate(plan.owners):
+        if owner.tp == 1:
+            continue
+        ops = [
+            op
+            for seg in segments(model, plan.template, len(plan.owners))
+            if seg.owner == o
+            for op in seg.ops
+        ]
+        problem = tp_problem(model, owner.tp, ops)
+        if problem:
+            raise ShardingError(
+                f"plan owner {o} ({owner.gpu} x tp {owner.tp}) cannot shard {problem}; "
+                "choose a tensor-parallel degree that divides it"
+            )
     needed = total_ranks(plan)
     if world_size is not None and world_size != needed:
         raise PlanMismatchError(
-            f"the plan needs {needed} ranks (sum of replicas x tp over its owners), "
+            f"the plan needs {needed} ranks (replicas x tp, summed over its owners), "
             f"got {world_size}; launch with --ranks {needed}"
         )

@@ -10,10 +10,13 @@ import math
 
 import torch
 
+from opweave.costmodel import RopeSpec
+
+from ..errors import UnsupportedModelError
 from .batch import TokenBatch
-from .config import SLIDING, ModelSpec, RopeSpec
-from .ops import Operator
-from .weights import Checkpoint
+from .ops import OpContext, Operator
+
+ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def inverse_frequencies(rope: RopeSpec, head_dim: int) -> torch.Tensor:
@@ -53,14 +56,18 @@ class Rope(Operator):
 
     name, op_class = "rope", "small"
 
-    def __init__(
-        self, spec: ModelSpec, ckpt: Checkpoint, layer: int | None, device: torch.device | str
-    ) -> None:
-        super().__init__(spec, ckpt, layer, device)
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
         assert layer is not None
         # Gemma 3's sliding layers use their own base frequency (rope_local_base_freq).
-        rope = spec.rope[SLIDING if spec.layer_types[layer] == SLIDING else "full_attention"]
-        self.inv_freq = inverse_frequencies(rope, spec.head_dim).to(self.device)
+        rope = self.arch.rope[self.arch.layer_types[layer]]
+        if rope.rope_type not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"RoPE type {rope.rope_type!r} is not implemented ({', '.join(ROPE_TYPES)} are)"
+            )
+        self.inv_freq = inverse_frequencies(rope, self.arch.head_dim).to(self.device)
+        if self.sharded:  # head-wise: works on full or sharded heads alike
+            self.tp_pass = frozenset(("q", "k", "v", "attn_gate"))
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(self.device).float()[:, None] * self.inv_freq

@@ -2,24 +2,26 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
+from opweave.costmodel import ModelSpec
+
 from .batch import TokenBatch
-from .config import ModelSpec, parse_config
-from .graph import OpRef, build_operator, operator_sequence
-from .ops import Operator, StatefulOperator
+from .graph import OpRef, compute_dtype, model_spec, operator_from, operator_sequence
+from .ops import OpContext, Operator, StatefulOperator
+from .tensor_parallel import Shard, TPComm, run_ops
 from .weights import Checkpoint
 
 
 class StageModule:
     """The operators a stage worker owns, e.g. a slice of :func:`operator_sequence`.
 
-    Only the listed operators' tensors are read from disk, so a stage's memory and load time scale
-    with its share of the model. Per-request state lives in the stateful operators (``core_attn``);
+    Only the listed operators' tensors are read from disk (with ``shard``, only this
+    tensor-parallel rank's slices of them), so a stage's memory and load time scale with its
+    share of the model. Per-request state lives in the stateful operators (``core_attn``);
     :meth:`admit` and :meth:`free` reach all of them.
 
     Example (``model_dir`` from :func:`write_tiny_model`)::
@@ -35,22 +37,33 @@ class StageModule:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype | None = None,
+        shard: Shard | None = None,
+        comm: TPComm | None = None,
+        model: ModelSpec | None = None,
     ) -> None:
-        spec = parse_config(model_dir)
-        if dtype is not None:
-            spec = dataclasses.replace(spec, dtype=dtype)
-        self.spec: ModelSpec = spec
+        self.model: ModelSpec = model or model_spec(model_dir)
         self.checkpoint = Checkpoint(model_dir)
+        ctx = OpContext(
+            self.model.arch,
+            self.checkpoint,
+            torch.device(device),
+            compute_dtype(self.model, dtype),
+            shard or Shard(),
+            comm,
+        )
+        self.comm = comm
         self.refs: tuple[OpRef, ...] = tuple(OpRef(*ref) for ref in ops)
-        self.operators: list[Operator] = [
-            build_operator(spec, self.checkpoint, ref, device) for ref in self.refs
-        ]
+        self.operators: list[Operator] = [operator_from(self.model, ctx, r) for r in self.refs]
         self.checkpoint.close()
 
     @classmethod
     def whole_model(cls, model_dir: str | Path, **kwargs: object) -> StageModule:
         """All operators of the model in one stage (the colocated plan)."""
         return cls(model_dir, operator_sequence(model_dir), **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def arch(self):  # -> opweave.costmodel.Architecture
+        return self.model.arch
 
     @property
     def _stateful(self) -> list[StatefulOperator]:
@@ -83,9 +96,11 @@ class StageModule:
                 op.free(rid)
 
     @torch.inference_mode()
+    def run(self, batch: TokenBatch, ops: slice = slice(None)) -> TokenBatch:
+        """Run ``ops`` (default all) of this stage's operators on ``batch``."""
+        return run_ops(self.operators[ops], batch, self.comm)
+
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        for op in self.operators:
-            batch = op(batch)
-        return batch
+        return self.run(batch)
 
     __call__ = forward

@@ -22,8 +22,9 @@ group (one length vector + one payload), rather than every TP rank receiving its
 from __future__ import annotations
 
 import os
+import select as _select
 import time
-from collections import defaultdict, deque
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -55,15 +56,15 @@ class Transport:
         device: torch.device,
         timeout_s: float,
         *,
+        host: str = "127.0.0.1",
+        key: bytes = b"",
         p2p: str | None = None,
-        master_addr: str | None = None,
         spin_s: float = 0.0,
     ) -> None:
         self.rank = rank
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.timeout_s = timeout_s
-        self._local: dict[int, deque[TokenBatch]] = defaultdict(deque)
         self._pending: deque[tuple[int, object, torch.Tensor, int]] = deque()
         self.comm_s = 0.0
         self.bytes_sent = 0
@@ -75,7 +76,7 @@ class Transport:
             raise OpWeaveRuntimeError(f"{P2P_ENV}=socket moves CPU tensors; {device} needs torch")
         self.p2p = p2p
         self._wire = (
-            SocketWire(rank, dist.get_world_size(), timeout_s, master_addr, spin_s=spin_s)
+            SocketWire(rank, dist.get_world_size(), timeout_s, host, key, spin_s=spin_s)
             if p2p == "socket"
             else None
         )
@@ -88,10 +89,7 @@ class Transport:
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, link: Link, batch: TokenBatch, epoch: int) -> None:
-        """Queue ``batch`` for ``link.peer`` without blocking (the driver's own stay local)."""
-        if link.peer == self.rank:
-            self._local[link.tag].append(batch)
-            return
+        """Queue ``batch`` for ``link.peer`` without blocking."""
         start = time.perf_counter()
         buf = pack(batch).to(self.device)
         if self._wire is not None:
@@ -119,8 +117,6 @@ class Transport:
 
     def recv(self, link: Link, what: str) -> Part:
         """The next message from ``link.peer`` under ``link.tag`` (blocking, bounded)."""
-        if link.peer == self.rank:
-            return self._local[link.tag].popleft()
         start = time.perf_counter()
         if self._wire is not None:
             buf = self._wire.take(link.peer, link.tag, what)
@@ -168,6 +164,18 @@ class Transport:
 
     def flush(self) -> None:
         self.reap(before_epoch=1 << 62)
+
+    def wait_control(self, fileno: int) -> None:
+        """Wait (without bound) until the control connection has data, keeping this rank's
+        queued sends and incoming messages moving meanwhile."""
+        if self._wire is not None:
+            self._wire.wait_readable(fileno)
+        else:  # NCCL / gloo progress their transfers on their own
+            _select.select([fileno], [], [])
+
+    def close(self) -> None:
+        if self._wire is not None:
+            self._wire.close()
 
     # -- tensor-parallel fan-out -------------------------------------------------------------
     def fanout(
@@ -225,8 +233,6 @@ def select(batch: TokenBatch, slots: range) -> TokenBatch:
         meta.query_lens[lo:hi],
         meta.context_lens[lo:hi],
         slots=meta.slots[lo:hi],
-        free=meta.free,
-        final=meta.final,
     )
     if not idx:
         return TokenBatch(sub, {})
@@ -250,14 +256,11 @@ def merge(parts: Sequence[TokenBatch]) -> TokenBatch:
     if len(parts) == 1:
         return parts[0]
     full = [p for p in parts if p.meta.request_ids]
-    free = tuple(dict.fromkeys(rid for p in parts for rid in p.meta.free))
     meta = BatchMeta(
         tuple(r for p in full for r in p.meta.request_ids),
         tuple(q for p in full for q in p.meta.query_lens),
         tuple(c for p in full for c in p.meta.context_lens),
         slots=tuple(s for p in full for s in p.meta.slots),
-        free=free,
-        final=any(p.meta.final for p in parts),
     )
     if not full:
         return TokenBatch(meta, {})

@@ -1,15 +1,16 @@
 """Read individual tensors from a Hugging Face safetensors checkpoint.
 
 A stage of a plan holds a contiguous slice of the operator sequence and must not pay for the rest of
-the model, so tensors are read one name at a time (``safe_open(...).get_tensor``), never whole
-files.
-Only file headers are parsed to learn which names exist; that tells the name mapping below which
-layout the checkpoint uses (text vs multimodal prefix, fused vs per-expert MoE weights).
+the model, so tensors are read one name at a time, never whole files; a tensor-parallel rank reads
+only its own index ranges of a tensor (``safe_open(...).get_slice``), so its bytes read scale with
+its shard. Only file headers are parsed to learn which names exist; that tells the name mapping
+below which layout the checkpoint uses (text vs multimodal prefix, fused vs per-expert MoE).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from safetensors import safe_open
 from ..errors import CheckpointError
 
 _MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
+Ranges = Sequence[tuple[int, int]]
 
 
 class TensorSource:
@@ -33,15 +35,23 @@ class TensorSource:
     prefix: str
 
     def __init__(self) -> None:
-        self._loaded: dict[tuple[str, torch.dtype | None, str], torch.Tensor] = {}
+        self._loaded: dict[tuple[Any, ...], torch.Tensor] = {}
         self.names_read: list[str] = []
         self.bytes_read = 0
 
     def has(self, name: str) -> bool:
         raise NotImplementedError
 
-    def _fetch(self, name: str, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-        """One tensor on ``device`` in ``dtype`` (``None``: as stored); accounts for it."""
+    def _fetch(
+        self,
+        name: str,
+        dtype: torch.dtype | None,
+        device: torch.device,
+        dim: int = 0,
+        ranges: Ranges | None = None,
+    ) -> torch.Tensor:
+        """One tensor (only index ``ranges`` along ``dim``, concatenated, when given) on
+        ``device`` in ``dtype`` (``None``: as stored); accounts for the bytes read."""
         raise NotImplementedError
 
     def _account(self, name: str, tensor: torch.Tensor) -> None:
@@ -55,13 +65,16 @@ class TensorSource:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         shared: bool = False,
+        dim: int = 0,
+        ranges: Ranges | None = None,
     ) -> torch.Tensor:
-        """One tensor by its checkpoint name, on ``device`` in ``dtype``."""
+        """One tensor by its checkpoint name, on ``device`` in ``dtype``; with ``ranges``, only
+        those ``[lo, hi)`` index ranges along ``dim`` (a tensor-parallel shard)."""
         device = torch.device(device)
-        key = (name, dtype, str(device))
+        key = (name, dtype, str(device), dim, None if ranges is None else tuple(ranges))
         if shared and key in self._loaded:
             return self._loaded[key]
-        tensor = self._fetch(name, dtype, device)
+        tensor = self._fetch(name, dtype, device, dim, ranges)
         if shared:
             self._loaded[key] = tensor
         return tensor
@@ -113,15 +126,41 @@ class Checkpoint(TensorSource):
     def has(self, name: str) -> bool:
         return name in self._file_of
 
-    def _fetch(self, name: str, dtype: torch.dtype | None, device: torch.device) -> torch.Tensor:
-        """Read one tensor (the bytes stored are what counts) and move it to device/dtype."""
+    def _fetch(
+        self,
+        name: str,
+        dtype: torch.dtype | None,
+        device: torch.device,
+        dim: int = 0,
+        ranges: Ranges | None = None,
+    ) -> torch.Tensor:
+        """Read one tensor, or only its ``ranges`` along ``dim`` (the bytes stored are what
+        counts), and move it to device/dtype."""
         file = self._file_of.get(name)
         if file is None:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} not in checkpoint")
         handle = self._handles.get(file)
         if handle is None:
             handle = self._handles[file] = safe_open(file, framework="pt")
-        tensor = handle.get_tensor(name)
+        if ranges is None:
+            tensor = handle.get_tensor(name)
+        else:
+            view = handle.get_slice(name)
+            shape = view.get_shape()
+            if not 0 <= dim < len(shape):
+                raise CheckpointError(
+                    f"{self.model_dir}: tensor {name!r} has shape {shape}, no dimension {dim}"
+                )
+            parts = []
+            for lo, hi in ranges:
+                if not 0 <= lo < hi <= shape[dim]:
+                    raise CheckpointError(
+                        f"{self.model_dir}: tensor {name!r} has {shape[dim]} rows along "
+                        f"dimension {dim}, the model config implies at least {hi}"
+                    )
+                index = tuple([slice(None)] * dim + [slice(lo, hi)])
+                parts.append(view[index])
+            tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
         self._account(name, tensor)
         return tensor.to(device=device, dtype=dtype or tensor.dtype)
 
@@ -146,9 +185,17 @@ class Checkpoint(TensorSource):
         return "mlp."
 
     def load_experts(
-        self, layer: int, num_experts: int, *, dtype: torch.dtype, device: torch.device | str
+        self,
+        layer: int,
+        num_experts: int,
+        intermediate: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        channels: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``.
+        """All experts of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``; with
+        ``channels`` only those ``[lo, hi)`` intermediate channels of every expert (TP).
 
         transformers 5 computes with this fused layout, so matching it keeps the matmul shapes (and
         hence the float rounding) the same as the reference; per-expert files are stacked to it.
@@ -157,24 +204,32 @@ class Checkpoint(TensorSource):
         fused = self.layer_name(layer, f"{module}experts.gate_up_proj")
         if self.has(fused):
             down = self.layer_name(layer, f"{module}experts.down_proj")
-            return self.get(fused, dtype=dtype, device=device), self.get(
-                down, dtype=dtype, device=device
+            if channels is None:
+                return self.get(fused, dtype=dtype, device=device), self.get(
+                    down, dtype=dtype, device=device
+                )
+            lo, hi = channels
+            gate_up = self.get(
+                fused,
+                dtype=dtype,
+                device=device,
+                dim=1,
+                ranges=[(lo, hi), (intermediate + lo, intermediate + hi)],
             )
+            return gate_up, self.get(down, dtype=dtype, device=device, dim=2, ranges=[channels])
         gate_n, up_n, down_n = (
             ("w1", "w3", "w2")
             if module == "block_sparse_moe."
             else ("gate_proj", "up_proj", "down_proj")
         )
+        rows = None if channels is None else [channels]
         gate_up, down = [], []
         for e in range(num_experts):
-            gate, up, dn = (
-                self.get(
-                    self.layer_name(layer, f"{module}experts.{e}.{n}.weight"),
-                    dtype=dtype,
-                    device=device,
-                )
-                for n in (gate_n, up_n, down_n)
-            )
-            gate_up.append(torch.cat([gate, up], dim=0))
-            down.append(dn)
+
+            def part(n: str, dim: int, e: int = e) -> torch.Tensor:
+                name = self.layer_name(layer, f"{module}experts.{e}.{n}.weight")
+                return self.get(name, dtype=dtype, device=device, dim=dim, ranges=rows)
+
+            gate_up.append(torch.cat([part(gate_n, 0), part(up_n, 0)], dim=0))
+            down.append(part(down_n, 1))
         return torch.stack(gate_up), torch.stack(down)

@@ -8,10 +8,14 @@ passing two microbatches around a ring (about 0.5 ms of GEMMs per hop): gloo add
 hop, a socket read and written by the compute threads themselves about 0.1-0.25 ms.
 
 The protocol. Every pair of ranks shares one TCP connection, set up once when the transport is
-created: each rank listens, the addresses are exchanged with ``all_gather_object`` over the
-default process group, each rank connects to every lower rank (a ``connect`` completes in the
-kernel's backlog, so nobody waits for an ``accept``) and then accepts the higher ranks. A
-message is a 16-byte header (payload length, tag) and the payload. Sends never block: the bytes
+created: each rank listens on its node's address (loopback when the run stays on one machine),
+the addresses are exchanged with ``all_gather_object`` over the default process group, each rank
+connects to every lower rank (a ``connect`` completes in the kernel's backlog, so nobody waits
+for an ``accept``) and then accepts the higher ranks. Every connection starts with the run's
+mutual challenge (:mod:`.control`): a process without the run's secret is dropped, and a rank
+cannot pose as another. A message is a 16-byte header (payload length, tag) and the payload;
+lengths beyond :data:`MAX_MESSAGE_BYTES` and negative ones are refused before anything is
+allocated. Sends never block: the bytes
 go into the socket as far as it takes them and the rest waits in a per-peer queue. Whenever a
 rank waits (for a message, or for its queued sends), it progresses everything: it writes queued
 bytes to every peer that can take them and reads every peer that has data into per-peer
@@ -45,8 +49,10 @@ from collections import deque
 import torch
 
 from ..errors import OpWeaveRuntimeError
+from .control import AuthError, ChannelClosed, client_handshake, server_handshake
 
 _HEADER = struct.Struct("<qq")  # payload length, tag
+MAX_MESSAGE_BYTES = 1 << 36  # activations of one microbatch: far above any real prefill
 _CHUNK = 1 << 20
 WAIT_ENV = "OPWEAVE_WAIT"  # "spin" or "block": how a CPU rank waits for its peers
 SPIN_S = 1.0  # a spinning rank blocks once one wait has lasted this long
@@ -93,7 +99,8 @@ class SocketWire:
         rank: int,
         world_size: int,
         timeout_s: float,
-        master_addr: str | None = None,
+        host: str,
+        key: bytes,
         *,
         spin_s: float = 0.0,
     ) -> None:
@@ -104,25 +111,41 @@ class SocketWire:
         self.spin_s = spin_s
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("0.0.0.0", 0))
+        listener.bind((host, 0))
         listener.listen(max(world_size, 8))
         addresses: list[tuple[str, int] | None] = [None] * world_size
-        here = _local_address(master_addr)
-        dist.all_gather_object(addresses, (here, listener.getsockname()[1]))
+        dist.all_gather_object(addresses, (host, listener.getsockname()[1]))
         self.peers: dict[int, _Peer] = {}
         try:
             for peer in range(rank):
                 address = addresses[peer]
                 assert address is not None
                 sock = socket.create_connection(address, timeout=timeout_s)
-                sock.sendall(struct.pack("<q", rank))
+                try:
+                    client_handshake(sock, key, rank)
+                except (AuthError, ChannelClosed, OSError) as exc:
+                    raise PeerError(peer, f"rank {peer} refused the connection: {exc}") from None
                 self._add(peer, sock)
-            listener.settimeout(timeout_s)
-            for _ in range(world_size - 1 - rank):
-                sock, _ = listener.accept()
-                sock.settimeout(timeout_s)
-                (peer,) = struct.unpack("<q", _read_exactly(sock, 8))
-                self._add(int(peer), sock)
+            expected = set(range(rank + 1, world_size))
+            deadline = time.monotonic() + timeout_s
+            while expected:
+                listener.settimeout(max(deadline - time.monotonic(), 0.01))
+                try:
+                    sock, _ = listener.accept()
+                except TimeoutError:
+                    raise PeerError(
+                        min(expected), f"timed out waiting for ranks {sorted(expected)} to connect"
+                    ) from None
+                try:
+                    peer = server_handshake(sock, key)
+                except (AuthError, ChannelClosed, OSError):
+                    sock.close()  # not a rank of this run
+                    continue
+                if peer not in expected:
+                    sock.close()
+                    continue
+                expected.discard(peer)
+                self._add(peer, sock)
         finally:
             listener.close()
         self.selector = selectors.DefaultSelector()
@@ -159,6 +182,26 @@ class SocketWire:
                 peer, f"rank {peer} sent tag {got} while {what} expected {tag}: schedules differ"
             )
         return payload
+
+    def wait_readable(self, fileno: int) -> None:
+        """Block until ``fileno`` (the control connection) is readable, progressing queued
+        sends and incoming messages meanwhile, so waiting for the driver never stalls a peer."""
+        key = self.selector.register(fileno, selectors.EVENT_READ, None)
+        try:
+            while True:
+                for p in self.peers.values():
+                    if not p.closed:
+                        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if p.out else 0)
+                        self.selector.modify(p.sock, events, p)
+                for k, mask in self.selector.select(timeout=1.0):
+                    if k.data is None:
+                        return
+                    if mask & selectors.EVENT_WRITE:
+                        self._write(k.data)
+                    if mask & selectors.EVENT_READ:
+                        self._read(k.data)
+        finally:
+            self.selector.unregister(key.fileobj)
 
     def pending(self) -> bool:
         return any(p.out for p in self.peers.values())
@@ -226,6 +269,10 @@ class SocketWire:
                         continue
                     size, tag = _HEADER.unpack(bytes(p.header))
                     p.header.clear()
+                    if not 0 <= size <= MAX_MESSAGE_BYTES:
+                        raise PeerError(
+                            p.rank, f"rank {p.rank} sent a malformed message ({size} bytes)"
+                        )
                     if size == 0:
                         p.inbox.append((tag, torch.empty(0, dtype=torch.uint8)))
                         continue
@@ -249,20 +296,10 @@ class SocketWire:
             self.selector.unregister(p.sock)
 
 
-def _read_exactly(sock: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("peer closed the connection during the handshake")
-        buf += chunk
-    return buf
-
-
-def _local_address(master: str | None) -> str:
-    """This host's address as other ranks reach it: the one on its route to the master."""
-    master = master or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if master in ("127.0.0.1", "localhost"):
+def node_address(master: str) -> str:
+    """This host's address as the run's other nodes reach it: loopback for a run on this machine,
+    else the address of the interface on the route to the master (node 0)."""
+    if master in ("127.0.0.1", "localhost", "::1"):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         try:

@@ -13,8 +13,9 @@ cut by a plan's segments::
         additional_config={"opweave_plan": "plan.json"},  # or Plan.model_dump(mode="json")
     )
 
-With a plan, each plan owner runs in its own stage worker process (this process drives them step
-by step; ``additional_config={"opweave_workers": "inprocess"}`` runs every stage here instead).
+Each rank of the plan is a process of its own (this process is their driver: it turns every
+engine step into one iteration of the plan); other keys of ``additional_config``:
+``opweave_device``, ``opweave_timeout_s``, ``opweave_kernels`` and ``opweave_nodes``.
 
 Importing this package does not import vLLM; ``OpWeaveExecutor`` is built on first access.
 """
@@ -23,15 +24,25 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._executor import DEVICE_KEY, PLAN_KEY, TIMEOUT_KEY, WORKERS_KEY, executor_class
+from ._executor import (
+    DEVICE_KEY,
+    KERNELS_KEY,
+    NODES_KEY,
+    PLAN_KEY,
+    TIMEOUT_KEY,
+    executor_class,
+    load_plan,
+)
 
 __all__ = [
     "OpWeaveExecutor",
     "PLAN_KEY",
     "DEVICE_KEY",
-    "WORKERS_KEY",
     "TIMEOUT_KEY",
+    "KERNELS_KEY",
+    "NODES_KEY",
     "executor_class",
+    "load_plan",
 ]
 
 

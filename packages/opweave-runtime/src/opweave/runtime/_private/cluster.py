@@ -1,0 +1,964 @@
+"""The driver's side of a run: install a plan on rank processes, talk to them, watch them.
+
+:class:`Cluster` is what both drivers -- offline generation (:mod:`.driver`) and vLLM's engine
+(:mod:`opweave.runtime.vllm`) -- stand on. It starts this node's ranks (forked from a clean
+process on CPU, which has torch imported already; spawned as fresh interpreters otherwise),
+hosts the rendezvous (a file store for a run on one node; a TCP store on ``master_addr`` for
+several nodes, whose other nodes start their ranks with :func:`run_node`), accepts every rank's
+authenticated control connection, and then carries the control messages: :meth:`submit` sends a
+microbatch's :class:`~.work.Work` to the ranks that serve it, :meth:`result` returns the sampled
+tokens the last segment's leaders send back.
+
+Faults. A rank that dies closes its control connection (on any node), one that fails reports
+why before it exits, one that hangs is named by the peers that time out waiting for it (or, as a
+backstop, by a step that yields no result within the timeout): the cluster then waits a moment
+for the other reports, blames one rank -- a crash over an error over the peer others waited on
+-- kills this node's ranks, closes every connection (so the other nodes' ranks exit too), and
+raises :class:`~opweave.runtime.RunFailedError` from every call, naming the rank, its owner and
+stages. Nothing of a run outlives it: processes are reaped and the run's folder removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import queue
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from opweave.costmodel import ModelSpec, Plan
+
+from ..errors import OpWeaveRuntimeError, RunFailedError
+from .control import (
+    AuthError,
+    ChannelClosed,
+    FrameReader,
+    encode,
+    run_secret,
+    server_handshake,
+)
+from .placement import Placement, check_plan, total_ranks
+from .rank import CONTROL_KEY, RankSpec, run_rank
+from .schedule import compile_schedule
+from .wire import node_address, spin_budget
+from .work import Work
+
+_GRACE_S = 2.0  # after a first failure, how long the other ranks get to report
+_POLL_S = 0.05
+_STOP_S = 10.0  # after shutdown, how long ranks get to send their statistics and exit
+
+
+def node_layout(
+    world: int, nnodes: int, nodes: Sequence[Sequence[int]] | None = None
+) -> list[tuple[int, ...]]:
+    """Global ranks of each node: ``nodes`` as given (e.g. from a deployment's ``nodes.json``),
+    or ``world`` split into ``nnodes`` equal contiguous ranges."""
+    if nodes is not None:
+        layout = [tuple(int(r) for r in n) for n in nodes]
+        flat = sorted(r for n in layout for r in n)
+        if flat != list(range(world)):
+            raise OpWeaveRuntimeError(
+                f"the node layout must place each of the plan's {world} ranks exactly once"
+            )
+        if nnodes != len(layout):
+            raise OpWeaveRuntimeError(f"--nnodes {nnodes} but the node layout has {len(layout)}")
+        return layout
+    if nnodes < 1 or world % nnodes:
+        raise OpWeaveRuntimeError(
+            f"the plan's {world} ranks do not split evenly over {nnodes} nodes; "
+            "give the node layout (opweave deploy writes nodes.json)"
+        )
+    per = world // nnodes
+    return [tuple(range(n * per, (n + 1) * per)) for n in range(nnodes)]
+
+
+class _Launcher:
+    """The clean interpreter this node's ranks are forked from (:mod:`.launcher`), for a
+    driver process that must not fork itself: one torch import instead of one per rank."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "opweave.runtime._private.launcher"],
+            env={**os.environ, **env},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            start_new_session=True,
+        )
+        self.pids: dict[int, int] = {}
+        self.status: dict[int, int] = {}
+        self._started = threading.Condition()
+        threading.Thread(target=self._read, name="opweave-launcher", daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            words = raw.decode(errors="replace").split()
+            if len(words) == 3 and words[0] in ("started", "exited"):
+                with self._started:
+                    if words[0] == "started":
+                        self.pids[int(words[1])] = int(words[2])
+                    else:
+                        self.status[int(words[1])] = int(words[2])
+                    self._started.notify_all()
+        with self._started:
+            for rank in self.pids:  # the launcher is gone, and its ranks with it
+                self.status.setdefault(rank, -signal.SIGKILL)
+            self._dead = True
+            self._started.notify_all()
+
+    _dead = False
+
+    def start(self, spec: RankSpec, run_dir: Path) -> _Child:
+        path = run_dir / f"rank{spec.rank}.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the key
+        with os.fdopen(fd, "w") as f:
+            f.write(spec.to_json())
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{path}\n".encode())
+        self.proc.stdin.flush()
+        with self._started:
+            if (
+                not self._started.wait_for(
+                    lambda: spec.rank in self.pids or self._dead, timeout=120
+                )
+                or spec.rank not in self.pids
+            ):
+                raise OpWeaveRuntimeError("the rank launcher did not start (see its output)")
+            pid = self.pids[spec.rank]
+        return _Child(spec.rank, pid, Path(spec.log or os.devnull), launcher=self)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(_STOP_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+@dataclass
+class _Child:
+    """A rank process this node started (directly, or through the launcher)."""
+
+    rank: int
+    pid: int
+    log: Path
+    popen: subprocess.Popen[bytes] | None = None
+    launcher: _Launcher | None = None
+    status: int | None = None  # exit code; negative = killed by that signal
+
+    def poll(self) -> int | None:
+        if self.status is not None:
+            return self.status
+        if self.launcher is not None:
+            self.status = self.launcher.status.get(self.rank)
+            return self.status
+        if self.popen is not None:
+            self.status = self.popen.poll()
+            return self.status
+        with contextlib.suppress(ChildProcessError):
+            pid, raw = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.status = os.waitstatus_to_exitcode(raw)
+        return self.status
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+        self.wait(None if self.launcher is None else _STOP_S)
+
+    def wait(self, timeout_s: float | None = None) -> int | None:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                return None
+            if self.popen is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.popen.wait(0.05)
+            else:
+                time.sleep(0.02)
+        return self.status
+
+    def ended(self) -> str | None:
+        code = self.poll()
+        if code is None or code == 0:
+            return None
+        if code < 0:
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        return f"exited with status {code}"
+
+    def log_tail(self) -> str:
+        with contextlib.suppress(OSError):
+            lines = [ln for ln in self.log.read_text(errors="replace").splitlines() if ln.strip()]
+            if lines:
+                return lines[-1].strip()[:300]
+        return ""
+
+
+@dataclass
+class _Conn:
+    """One rank's control connection, as the driver's IO thread sees it."""
+
+    sock: socket.socket
+    rank: int
+    reader: FrameReader = field(default_factory=FrameReader)
+    out: bytearray = field(default_factory=bytearray)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    state: str = "joined"  # joined -> ready -> closed
+    last_seen: float = field(default_factory=time.monotonic)
+    host: str = ""
+    pid: int | None = None
+    ready: dict[str, Any] | None = None
+    report: dict[str, Any] | None = None
+    stats: dict[str, Any] | None = None
+
+
+def rank_env(host: str, threads: int) -> dict[str, str]:
+    """Extra environment of every rank: one OpenMP team per rank, gloo on loopback for a run
+    that stays on this machine."""
+    env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
+    if host == "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def start_rank(
+    spec: RankSpec,
+    run_dir: Path,
+    method: str,
+    close_fds: Sequence[int],
+    launcher: _Launcher | None = None,
+) -> _Child:
+    """Start one rank: forked here (``close_fds`` are the driver's sockets it must not keep),
+    forked by the ``launcher``, or spawned; always in a session of its own (a terminal's Ctrl-C
+    reaches the driver only)."""
+    log = run_dir / f"rank{spec.rank}.log"
+    env = rank_env(spec.host, spec.threads)
+    if method == "launcher":
+        assert launcher is not None
+        spec = dataclasses.replace(spec, log=str(log))
+        return launcher.start(spec, run_dir)
+    if method == "spawn":
+        path = run_dir / f"rank{spec.rank}.json"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the key
+        with os.fdopen(fd, "w") as f:
+            f.write(spec.to_json())
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [sys.executable, "-m", "opweave.runtime._private.rank", str(path)],
+                env={**os.environ, **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        return _Child(spec.rank, popen.pid, log, popen)
+    if method != "fork":
+        raise OpWeaveRuntimeError(f"start method must be fork, launcher or spawn, got {method!r}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into the caller's stack
+        code = 1
+        try:
+            os.setsid()
+            for fd in close_fds:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            from .rank import die_with_parent
+
+            die_with_parent()
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.environ.update(env)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            import torch
+
+            torch.set_num_threads(spec.threads)
+            code = run_rank(spec)
+        finally:
+            os._exit(code)
+    return _Child(spec.rank, pid, log)
+
+
+class Cluster:
+    """A plan installed on rank processes, with this process as their driver (node 0)."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        model: ModelSpec,
+        model_dir: str | Path,
+        *,
+        nnodes: int = 1,
+        nodes: Sequence[Sequence[int]] | None = None,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        device: str = "cpu",
+        timeout_s: float = 60.0,
+        join_timeout_s: float = 600.0,
+        start_method: str = "auto",
+        dtype: str | None = None,
+        kernels: str = "opweave",
+        threads: int = 1,
+        torchrun: bool = False,
+    ) -> None:
+        """``start_method``: ``fork`` (CPU default: from a process whose other threads, if any,
+        hold no lock the ranks need), ``launcher`` (CUDA default, and what a process running
+        vLLM's engine must use: ranks forked from one fresh interpreter), ``spawn`` (a fresh
+        interpreter each) or ``auto``. ``torchrun``: this is the process torchrun made rank 0; it
+        starts rank 0 and drives the others, which torchrun started (:func:`run_torchrun_rank`),
+        through torchrun's rendezvous (``MASTER_ADDR``/``MASTER_PORT``)."""
+        check_plan(plan, model)
+        spin_budget(own_core=False)  # a malformed OPWEAVE_WAIT fails here, before any rank starts
+        self.plan = plan
+        self.placement = Placement(plan, model)
+        self.world = total_ranks(plan)
+        if torchrun:  # every rank is a "node" of its own to this driver
+            nnodes, nodes = self.world, None
+            master_addr, master_port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        self.layout = node_layout(self.world, nnodes, nodes)
+        if nnodes > 1 and master_port is None:
+            raise OpWeaveRuntimeError("a run over several nodes needs --master-port")
+        self.timeout_s = float(timeout_s)
+        self.join_timeout_s = float(join_timeout_s)
+        self.on_failure: list[Callable[[], None]] = []
+        self.failed: RunFailedError | None = None
+        self._results: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._conns: dict[int, _Conn] = {}  # touched by the IO thread only, once registered
+        self._claimed: set[int] = set()
+        self._new_conns: queue.SimpleQueue[_Conn] = queue.SimpleQueue()
+        self._hang: tuple[list[int], float] | None = None
+        self._lock = threading.Lock()
+        self._failing_since: float | None = None
+        self._first_signal: str | None = None
+        self._closing = False
+        self._stopping = False
+        self._started = time.monotonic()
+        self._expected: dict[tuple[int, int], set[int]] = {}
+        self._receivers = self._who_gets_work()
+        key = run_secret(multi_process_origin=nnodes > 1)
+        self._key = key
+        self.run_dir = Path(tempfile.mkdtemp(prefix="opweave-run-"))
+        self.children: list[_Child] = []
+        self._store: Any = None
+        multi = nnodes > 1
+        host = node_address(master_addr) if multi else "127.0.0.1"
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, 0))
+            self._listener.listen(max(self.world, 8))
+            control = (host, self._listener.getsockname()[1])
+            store = (
+                {"host": master_addr, "port": master_port}
+                if multi
+                else {"file": str(self.run_dir / "store")}
+            )
+            if start_method == "auto":  # a fork starts in milliseconds: torch is imported here
+                start_method = "fork" if device == "cpu" else "launcher"
+            local = self.layout[0]
+            self._launcher = (
+                _Launcher(rank_env(host, threads)) if start_method == "launcher" else None
+            )
+            for lr, rank in enumerate(local):
+                spec = RankSpec(
+                    plan=plan.model_dump(mode="json"),
+                    model_dir=str(model_dir),
+                    rank=rank,
+                    world_size=self.world,
+                    local_rank=lr,
+                    local_world_size=len(local),
+                    device=device,
+                    timeout_s=self.timeout_s,
+                    key=key.hex(),
+                    host=host,
+                    store=store,
+                    control=control,
+                    dtype=dtype,
+                    kernels=kernels,
+                    join_timeout_s=self.join_timeout_s,
+                    threads=threads,
+                )
+                self.children.append(
+                    start_rank(
+                        spec,
+                        self.run_dir,
+                        start_method,
+                        [self._listener.fileno()],
+                        self._launcher,
+                    )
+                )
+            if multi:  # hosted after every fork, so no rank inherits the store's thread
+                agent_store = torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                self._store = _host_store(
+                    master_addr, master_port, self.join_timeout_s, client=agent_store
+                )
+                self._store.set(CONTROL_KEY, f"{control[0]}:{control[1]}")
+            self._wake_r, self._wake_w = socket.socketpair()
+            self._selector = selectors.DefaultSelector()
+            self._selector.register(self._listener, selectors.EVENT_READ, "listener")
+            self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
+            self._io = threading.Thread(target=self._loop, name="opweave-driver-io", daemon=True)
+            self._io.start()
+            self._wait_ready()
+        except BaseException:
+            self.close()
+            raise
+
+    # -- what the drivers use -----------------------------------------------------------------
+    @property
+    def global_batch(self) -> int:
+        return self.plan.global_batch
+
+    @property
+    def microbatches(self) -> int:
+        return self.plan.microbatches
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of this node's ranks."""
+        return [c.pid for c in self.children]
+
+    def result_parts(self, microbatch: int) -> int:
+        """How many result messages one iteration of ``microbatch`` yields (one per replica of
+        the last segment's owner that serves it)."""
+        return len(self._result_ranks[microbatch])
+
+    def submit(self, work: Work) -> None:
+        """Send ``work`` to every rank serving its microbatch; its result is then expected
+        from the last segment's leaders."""
+        self.check()
+        k = work.microbatch
+        with self._lock:
+            self._expected[(work.iteration, k)] = set(self._result_ranks[k])
+        for rank, (tokens, params) in self._receivers[k].items():
+            self._send(rank, work.to_message(tokens=tokens, params=params))
+
+    def result(self, timeout_s: float | None = None) -> dict[str, Any]:
+        """The next result message (``{"i", "k", "r": request ids, "x": tokens}``); raises
+        :class:`RunFailedError` once the run failed, or if nothing arrives within the timeout."""
+        wait = self.timeout_s + 5.0 if timeout_s is None else timeout_s
+        try:
+            msg = self._results.get(timeout=wait)
+        except queue.Empty:
+            self._signal_hang(wait)
+            msg = self._results.get()
+        if msg is None:
+            self._results.put(None)  # every later call fails too
+            assert self.failed is not None
+            raise self.failed
+        return msg
+
+    def check(self) -> None:
+        """Raise :class:`RunFailedError` if the run has failed."""
+        if self.failed is not None:
+            raise self.failed
+
+    def shutdown(self) -> list[dict[str, Any]]:
+        """Stop every rank after the work submitted so far; their statistics, in rank order."""
+        self.check()
+        self._stopping = True
+        for rank in range(self.world):
+            self._send(rank, {"t": "shutdown"})
+        deadline = time.monotonic() + max(self.timeout_s, _STOP_S)
+        while time.monotonic() < deadline and self.failed is None:
+            conns = list(self._conns.values())
+            if all(c.stats is not None or c.state == "closed" for c in conns):
+                break
+            time.sleep(_POLL_S)
+        self.check()
+        for child in self.children:
+            if child.wait(_STOP_S) is None:
+                child.kill()
+        return [self._conns[r].stats or {"rank": r} for r in range(self.world)]
+
+    def close(self) -> None:
+        """Kill whatever still runs, close every connection, remove the run's folder."""
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+        for child in self.children:
+            child.kill()
+        launcher = getattr(self, "_launcher", None)
+        if launcher is not None:
+            launcher.close()
+        with contextlib.suppress(AttributeError, OSError):
+            self._wake_w.send(b"x")
+        io = getattr(self, "_io", None)
+        if io is not None:
+            io.join(timeout=5)
+        for conn in list(self._conns.values()):
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        for name in ("_wake_r", "_wake_w"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close()
+        self._store = None
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def describe(self, rank: int) -> str:
+        node = next(n for n, ranks in enumerate(self.layout) if rank in ranks)
+        where = f" on node {node}" if len(self.layout) > 1 else ""
+        return f"rank {rank}{where} ({self.placement.describe(rank)})"
+
+    # -- setup --------------------------------------------------------------------------------
+    def _who_gets_work(self) -> dict[int, dict[int, tuple[bool, bool]]]:
+        """Per microbatch: each rank serving it, and whether it needs the token ids (it runs
+        the first segment) and sampling parameters (the last)."""
+        out: dict[int, dict[int, tuple[bool, bool]]] = {
+            k: {} for k in range(self.placement.microbatches)
+        }
+        results: dict[int, list[int]] = {k: [] for k in out}
+        for rank in range(self.world):
+            info = self.placement.ranks[rank]
+            for a in compile_schedule(self.placement, rank):
+                tokens, params = out[a.microbatch].get(rank, (False, False))
+                out[a.microbatch][rank] = (tokens or a.first, params or a.last)
+                if a.last and info.is_leader:
+                    results[a.microbatch].append(rank)
+        self._result_ranks = results
+        return out
+
+    def _wait_ready(self) -> None:
+        while True:
+            self.check()
+            ready = sum(c.state == "ready" for c in list(self._conns.values()))
+            if ready == self.world:
+                return
+            time.sleep(_POLL_S)
+
+    # -- sending ------------------------------------------------------------------------------
+    def _send(self, rank: int, message: dict[str, Any]) -> None:
+        conn = self._conns.get(rank)
+        if conn is None or conn.state == "closed":
+            return  # its loss is being (or was) reported
+        frame = encode(message)
+        with conn.lock:
+            if not conn.out:
+                try:
+                    sent = conn.sock.send(frame)
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                except OSError:
+                    return  # the IO thread sees the closed connection
+                frame = frame[sent:]
+            conn.out += frame
+        if conn.out:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"w")
+
+    # -- the IO thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._closing:
+            try:
+                self._register_writes()
+                for key, mask in self._selector.select(timeout=_POLL_S):
+                    if key.data == "listener":
+                        self._accept()
+                    elif key.data == "wake":
+                        with contextlib.suppress(BlockingIOError, OSError):
+                            self._wake_r.recv(4096)
+                    else:
+                        conn: _Conn = key.data
+                        if mask & selectors.EVENT_WRITE:
+                            self._flush(conn)
+                        if mask & selectors.EVENT_READ:
+                            self._read(conn)
+                self._watch()
+            except Exception as exc:  # the IO thread must never die silently
+                self._signal(f"the driver's control loop failed: {type(exc).__name__}: {exc}")
+                self._finish_failure(force=True)
+                return
+
+    def _register_writes(self) -> None:
+        for conn in list(self._conns.values()):
+            if conn.state == "closed":
+                continue
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.modify(conn.sock, events, conn)
+
+    def _accept(self) -> None:
+        sock, _ = self._listener.accept()
+        threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        """Authenticate a new connection off the IO thread (a silent peer must not stall it)."""
+        try:
+            rank = server_handshake(sock, self._key)
+        except (AuthError, ChannelClosed, OSError):
+            sock.close()  # not a rank of this run
+            return
+        with self._lock:
+            if not 0 <= rank < self.world or rank in self._claimed or self._closing:
+                sock.close()
+                return
+            self._claimed.add(rank)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        self._new_conns.put(_Conn(sock, rank))  # registered by the IO thread
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"c")
+
+    def _flush(self, conn: _Conn) -> None:
+        with conn.lock:
+            while conn.out:
+                try:
+                    sent = conn.sock.send(conn.out)
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError:
+                    conn.out.clear()
+                    return
+                del conn.out[:sent]
+
+    def _read(self, conn: _Conn) -> None:
+        while True:
+            try:
+                data = conn.sock.recv(1 << 20)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:
+                self._lost(conn)
+                return
+            conn.last_seen = time.monotonic()
+            try:
+                messages = conn.reader.feed(data)
+            except OpWeaveRuntimeError as exc:
+                conn.report = {"kind": "error", "message": f"sent a malformed message: {exc}"}
+                self._lost(conn)
+                return
+            for msg in messages:
+                self._handle(conn, msg)
+
+    def _handle(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "hello":
+            conn.pid, conn.host = msg.get("pid"), str(msg.get("host", ""))
+        elif kind == "ready":
+            conn.state, conn.ready = "ready", msg
+        elif kind == "result":
+            with self._lock:
+                key = (int(msg["i"]), int(msg["k"]))
+                waiting = self._expected.get(key)
+                if waiting is not None:
+                    waiting.discard(conn.rank)
+                    if not waiting:
+                        del self._expected[key]
+            self._results.put(msg)
+        elif kind == "stats":
+            conn.stats = msg["stats"]
+        elif kind == "error":
+            conn.report = msg
+            self._signal(f"rank {conn.rank} reported an error")
+        # "loading" only refreshes last_seen
+
+    def _lost(self, conn: _Conn) -> None:
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(conn.sock)
+        with contextlib.suppress(OSError):
+            conn.sock.close()
+        was = conn.state
+        conn.state = "closed"
+        if self._stopping and conn.stats is not None:
+            return  # a clean exit after shutdown
+        if was != "closed":
+            self._signal(f"rank {conn.rank} closed its control connection")
+
+    def _watch(self) -> None:
+        """Local exits, join and load deadlines; and, once failing, the end of the grace."""
+        now = time.monotonic()
+        while not self._new_conns.empty():
+            conn = self._new_conns.get()
+            self._conns[conn.rank] = conn
+            self._selector.register(conn.sock, selectors.EVENT_READ, conn)
+        for child in self.children:
+            code = child.poll()
+            if code not in (None, 0) or (code == 0 and not self._stopping):
+                self._signal(f"rank {child.rank} exited")
+        if self._failing_since is None:
+            if len(self._conns) < self.world and now - self._started > self.join_timeout_s:
+                missing = sorted(set(range(self.world)) - set(self._conns))
+                self._signal(f"ranks {missing} did not join within {self.join_timeout_s:g} s")
+            for conn in list(self._conns.values()):
+                if conn.state == "joined" and now - conn.last_seen > self.timeout_s + 5:
+                    self._signal(f"rank {conn.rank} stopped responding while loading")
+        self._finish_failure()
+
+    # -- failure ------------------------------------------------------------------------------
+    def _signal(self, why: str) -> None:
+        if self.failed is not None or self._closing:
+            return
+        if self._failing_since is None:
+            self._failing_since = time.monotonic()
+            self._first_signal = why
+
+    def _signal_hang(self, waited_s: float) -> None:
+        """Called by a driver whose step produced nothing within the timeout."""
+        with self._lock:
+            owing = sorted({r for ranks in self._expected.values() for r in ranks})
+        self._hang = (owing, waited_s)
+        self._signal("a step yielded no result")
+
+    def _finish_failure(self, *, force: bool = False) -> None:
+        if self._failing_since is None or self.failed is not None:
+            return
+        settled = (
+            all(c.report is not None or c.state == "closed" for c in self._conns.values())
+            and len(self._conns) == self.world
+        )
+        if not force and not settled and time.monotonic() - self._failing_since < _GRACE_S:
+            return
+        message = self._diagnose()
+        self.failed = RunFailedError(message)
+        for child in self.children:
+            child.kill()
+        for conn in list(self._conns.values()):
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(conn.sock)
+            with contextlib.suppress(OSError):
+                conn.sock.close()
+            conn.state = "closed"
+        self._store = None
+        self._results.put(None)
+        for callback in self.on_failure:
+            with contextlib.suppress(Exception):
+                callback()
+
+    def _diagnose(self) -> str:
+        """Blame one rank: a crash beats an own error beats the peer others waited on."""
+        children = {c.rank: c for c in self.children}
+        who = self.describe
+        reports = {r: c.report for r, c in self._conns.items() if c.report is not None}
+        for rank, child in sorted(children.items()):
+            how = child.ended()
+            if how is not None and rank not in reports:
+                tail = child.log_tail()
+                detail = f" (its last words: {tail})" if tail and "Error" in tail else ""
+                return f"{who(rank)} {how}{detail}; the run was stopped"
+        for rank, conn in sorted(self._conns.items()):
+            if conn.state == "closed" and rank not in reports and rank not in children:
+                return (
+                    f"{who(rank)} lost its connection to the driver (its process or node died); "
+                    "the run was stopped"
+                )
+        for rank, rep in sorted(reports.items()):
+            if rep.get("kind") == "error":
+                return f"{who(rank)} failed: {rep['message']}"
+        silent = [r for r, c in self._conns.items() if c.report is None and c.state != "closed"]
+        for rank, rep in sorted(reports.items()):
+            peer = rep.get("peer")
+            if peer is not None and peer not in reports:
+                return f"{who(peer)} stopped responding: {who(rank)} reported: {rep['message']}"
+        hang = self._hang
+        if hang is not None:
+            owing, waited = hang
+            culprits = [r for r in owing if r in silent] or owing or silent
+            if culprits:
+                return (
+                    f"{who(culprits[0])} stopped responding: no result within {waited:g} s; "
+                    "the run was stopped"
+                )
+        if reports:
+            rank, rep = next(iter(sorted(reports.items())))
+            if silent:
+                return (
+                    f"{who(silent[0])} stopped responding: {who(rank)} reported: {rep['message']}"
+                )
+            return f"{who(rank)} failed: {rep['message']}"
+        missing = sorted(set(range(self.world)) - set(self._conns))
+        if missing:
+            child = children.get(missing[0])
+            tail = child.log_tail() if child is not None else ""
+            return f"{who(missing[0])} did not join the run" + (f": {tail}" if tail else "")
+        return f"the run failed: {self._first_signal}"
+
+
+def _host_store(addr: str, port: int | None, timeout_s: float, *, client: bool = False) -> Any:
+    """The run's TCP store on ``addr:port`` (``client``: torchrun's agent hosts it already)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(
+            addr,
+            port or 0,
+            None,
+            is_master=not client,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except RuntimeError as exc:
+        raise OpWeaveRuntimeError(
+            f"cannot host the rendezvous store on {addr}:{port}: {exc}"
+        ) from None
+
+
+def run_node(
+    plan: Plan,
+    model: ModelSpec,
+    model_dir: str | Path,
+    *,
+    node_rank: int,
+    nnodes: int,
+    master_addr: str,
+    master_port: int,
+    nodes: Sequence[Sequence[int]] | None = None,
+    device: str = "cpu",
+    timeout_s: float = 60.0,
+    join_timeout_s: float = 600.0,
+    dtype: str | None = None,
+    kernels: str = "opweave",
+    threads: int = 1,
+) -> None:
+    """A node other than 0: start its ranks, which join node 0's driver, and wait for them.
+
+    Returns after every rank exited cleanly (the driver shut the run down); raises
+    :class:`RunFailedError` when one failed (the driver on node 0 names the cause).
+    """
+    check_plan(plan, model)
+    layout = node_layout(total_ranks(plan), nnodes, nodes)
+    if not 0 < node_rank < nnodes:
+        raise OpWeaveRuntimeError(f"node rank {node_rank} is not in 1..{nnodes - 1}")
+    key = run_secret(multi_process_origin=True)
+    host = node_address(master_addr)
+    run_dir = Path(tempfile.mkdtemp(prefix="opweave-node-"))
+    children: list[_Child] = []
+    try:
+        local = layout[node_rank]
+        method = "fork" if device == "cpu" else "spawn"
+        for lr, rank in enumerate(local):
+            spec = RankSpec(
+                plan=plan.model_dump(mode="json"),
+                model_dir=str(model_dir),
+                rank=rank,
+                world_size=total_ranks(plan),
+                local_rank=lr,
+                local_world_size=len(local),
+                device=device,
+                timeout_s=timeout_s,
+                key=key.hex(),
+                host=host,
+                store={"host": master_addr, "port": master_port},
+                control=None,
+                dtype=dtype,
+                kernels=kernels,
+                join_timeout_s=join_timeout_s,
+                threads=threads,
+            )
+            children.append(start_rank(spec, run_dir, method, []))
+        while any(c.poll() is None for c in children):
+            failed = [c for c in children if c.poll() not in (None, 0)]
+            if failed:
+                break
+            time.sleep(_POLL_S)
+        failed = [c for c in children if c.poll() not in (None, 0)]
+        if failed:
+            c = failed[0]
+            tail = c.log_tail()
+            raise RunFailedError(
+                f"rank {c.rank} on node {node_rank} {c.ended()}"
+                + (f" ({tail})" if tail else "")
+                + "; node 0's driver names the cause"
+            )
+    finally:
+        for child in children:
+            child.kill()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def torchrun_env() -> dict[str, str] | None:
+    """torchrun's variables when this process is one of its workers, else ``None``."""
+    if all(k in os.environ for k in TORCHRUN_KEYS):
+        return {k: os.environ[k] for k in TORCHRUN_KEYS}
+    return None
+
+
+def run_torchrun_rank(
+    plan: Plan,
+    model: ModelSpec,
+    model_dir: str | Path,
+    *,
+    device: str = "cpu",
+    timeout_s: float = 60.0,
+    join_timeout_s: float = 600.0,
+    dtype: str | None = None,
+    kernels: str = "opweave",
+    threads: int = 1,
+) -> None:
+    """This process is a rank torchrun started (other than 0): run it here, joining the driver
+    that torchrun's rank 0 hosts. Raises :class:`RunFailedError` if the rank fails."""
+    env = torchrun_env()
+    assert env is not None
+    check_plan(plan, model, int(env["WORLD_SIZE"]))
+    key = run_secret(multi_process_origin=True)
+    spec = RankSpec(
+        plan=plan.model_dump(mode="json"),
+        model_dir=str(model_dir),
+        rank=int(env["RANK"]),
+        world_size=int(env["WORLD_SIZE"]),
+        local_rank=int(env["LOCAL_RANK"]),
+        local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        device=device,
+        timeout_s=timeout_s,
+        key=key.hex(),
+        host=node_address(env["MASTER_ADDR"]),
+        store={"host": env["MASTER_ADDR"], "port": int(env["MASTER_PORT"])},
+        control=None,
+        dtype=dtype,
+        kernels=kernels,
+        join_timeout_s=join_timeout_s,
+        threads=threads,
+    )
+    import torch
+
+    torch.set_num_threads(threads)
+    if run_rank(spec) != 0:
+        raise RunFailedError(f"rank {spec.rank} failed; torchrun's rank 0 names the cause")
+
+
+def layout_from_file(path: str | Path) -> list[list[int]]:
+    """Global ranks per node from a deployment's ``nodes.json`` (a list of
+    ``{"gpu", "gpus", "ranks"}`` objects)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise OpWeaveRuntimeError(f"cannot read the node layout {path}: {exc}") from None
+    if not isinstance(data, list) or not all(
+        isinstance(n, dict) and isinstance(n.get("ranks"), list) for n in data
+    ):
+        raise OpWeaveRuntimeError(f'{path}: expected a list of nodes with their "ranks"')
+    return [[int(r) for r in n["ranks"]] for n in data]

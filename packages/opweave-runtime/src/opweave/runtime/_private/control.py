@@ -1,0 +1,212 @@
+"""The control channel between the driver and the ranks, and how both sides authenticate.
+
+Every rank holds one TCP connection to the driver (the process that owns the requests: the
+offline generator or vLLM's engine through the executor). Control messages travel on it --
+work for a microbatch (admit + prefill, decode, free), shutdown; from the ranks: ready, results,
+statistics, an error report -- while activations go rank to rank over the transport. Because every
+rank keeps this one connection open, its closing tells the driver at once that a rank died, on
+any node, and tells a rank that the driver is gone.
+
+Framing: an 8-byte little-endian length, then a JSON document. Lengths are checked against
+:data:`MAX_FRAME_BYTES` before anything is allocated.
+
+Authentication: ranks of a run trust only each other. A run has a secret (random for a run on one
+node, handed to its processes; ``OPWEAVE_RUN_SECRET`` on every node of a run that spans several).
+Every connection of a run -- control and the socket wire between ranks -- starts with a mutual
+challenge: each side sends a random nonce and proves knowledge of the secret with an HMAC-SHA256
+over both nonces (and, from a rank, its rank id), so a process without the secret is refused
+before it can send or receive a single message, and a rank cannot claim another's id.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+import time
+from typing import Any
+
+from ..errors import OpWeaveRuntimeError
+
+SECRET_ENV = "OPWEAVE_RUN_SECRET"
+MAX_FRAME_BYTES = 256 << 20  # the largest control message (a long prompt's ids, a rank's stats)
+HANDSHAKE_TIMEOUT_S = 10.0
+_LEN = struct.Struct("<Q")
+_MAGIC = b"OPWEAVE1"
+_NONCE = 32
+
+
+class AuthError(OpWeaveRuntimeError):
+    """A peer did not prove it holds the run's secret."""
+
+
+class ChannelClosed(OpWeaveRuntimeError):
+    """The other end closed the connection (it exited or died)."""
+
+
+def run_secret(multi_process_origin: bool) -> bytes:
+    """The run's key: from ``OPWEAVE_RUN_SECRET`` where set (required when the run's processes
+    do not all descend from this one: several nodes, torchrun), else fresh random bytes."""
+    text = os.environ.get(SECRET_ENV, "")
+    if text:
+        return hashlib.sha256(text.encode()).digest()
+    if multi_process_origin:
+        raise OpWeaveRuntimeError(
+            f"a run whose processes start on several nodes (or under torchrun) needs a shared "
+            f"secret: set {SECRET_ENV} to the same value on every node, e.g. "
+            f'{SECRET_ENV}="$(openssl rand -hex 32)"'
+        )
+    return secrets.token_bytes(32)
+
+
+def _mac(key: bytes, *parts: bytes) -> bytes:
+    return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ChannelClosed("the peer closed the connection during the handshake")
+        buf += chunk
+    return bytes(buf)
+
+
+def server_handshake(sock: socket.socket, key: bytes) -> int:
+    """Authenticate the connecting side; returns the id it claimed (a rank)."""
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    nonce = secrets.token_bytes(_NONCE)
+    sock.sendall(_MAGIC + nonce)
+    got = _recv_exactly(sock, _NONCE + 8 + 32)
+    theirs, ident, proof = got[:_NONCE], got[_NONCE : _NONCE + 8], got[_NONCE + 8 :]
+    if not hmac.compare_digest(proof, _mac(key, b"client", nonce, theirs, ident)):
+        raise AuthError("a connection did not prove it holds the run's secret")
+    sock.sendall(_mac(key, b"server", theirs, nonce))
+    sock.settimeout(None)
+    return struct.unpack("<q", ident)[0]
+
+
+def client_handshake(sock: socket.socket, key: bytes, ident: int) -> None:
+    """Authenticate to a server of the run as ``ident`` (and check the server knows the key)."""
+    sock.settimeout(HANDSHAKE_TIMEOUT_S)
+    got = _recv_exactly(sock, len(_MAGIC) + _NONCE)
+    if got[: len(_MAGIC)] != _MAGIC:
+        raise AuthError("the peer is not an OpWeave rank or driver")
+    theirs = got[len(_MAGIC) :]
+    nonce = secrets.token_bytes(_NONCE)
+    packed = struct.pack("<q", ident)
+    sock.sendall(nonce + packed + _mac(key, b"client", theirs, nonce, packed))
+    proof = _recv_exactly(sock, 32)
+    if not hmac.compare_digest(proof, _mac(key, b"server", nonce, theirs)):
+        raise AuthError("the peer does not hold the run's secret")
+    sock.settimeout(None)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise OpWeaveRuntimeError(
+            f"a control message of {len(body)} bytes exceeds the limit of {MAX_FRAME_BYTES}"
+        )
+    return _LEN.pack(len(body)) + body
+
+
+class FrameReader:
+    """Incremental reader of length-prefixed JSON frames from a non-blocking socket."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= _LEN.size:
+            (size,) = _LEN.unpack_from(self._buf)
+            if size > MAX_FRAME_BYTES:
+                raise OpWeaveRuntimeError(
+                    f"a control frame announces {size} bytes, over the limit of {MAX_FRAME_BYTES}"
+                )
+            if len(self._buf) < _LEN.size + size:
+                break
+            body = bytes(self._buf[_LEN.size : _LEN.size + size])
+            del self._buf[: _LEN.size + size]
+            try:
+                message = json.loads(body)
+            except (ValueError, UnicodeDecodeError):
+                raise OpWeaveRuntimeError("a control frame is not JSON") from None
+            if not isinstance(message, dict) or not isinstance(message.get("t"), str):
+                raise OpWeaveRuntimeError("a control frame is not a typed message")
+            out.append(message)
+        return out
+
+
+class ControlClient:
+    """A rank's end of its control connection (blocking sends; reads as frames arrive)."""
+
+    def __init__(self, host: str, port: int, key: bytes, rank: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
+                break
+            except OSError as exc:
+                if time.monotonic() > deadline:
+                    raise ChannelClosed(
+                        f"cannot reach the driver at {host}:{port}: {exc}"
+                    ) from None
+                time.sleep(0.2)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(self.sock, key, rank)
+        self._reader = FrameReader()
+        self._inbox: list[dict[str, Any]] = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, message: dict[str, Any]) -> None:
+        try:
+            self.sock.sendall(encode(message))
+        except OSError as exc:
+            raise ChannelClosed(f"the driver is gone ({exc})") from None
+
+    def poll(self) -> bool:
+        """Whether a whole message is waiting (reads what has arrived, never blocks)."""
+        if self._inbox:
+            return True
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    data = self.sock.recv(1 << 20)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:
+                    raise ChannelClosed(f"the driver's connection failed ({exc})") from None
+                if not data:
+                    if not self._inbox:
+                        raise ChannelClosed("the driver closed the control connection")
+                    break
+                self._inbox += self._reader.feed(data)
+        finally:
+            self.sock.setblocking(True)
+        return bool(self._inbox)
+
+    def recv(self) -> dict[str, Any]:
+        """The next message (blocks until one arrives)."""
+        while not self._inbox:
+            try:
+                data = self.sock.recv(1 << 20)
+            except OSError as exc:
+                raise ChannelClosed(f"the driver's connection failed ({exc})") from None
+            if not data:
+                raise ChannelClosed("the driver closed the control connection")
+            self._inbox += self._reader.feed(data)
+        return self._inbox.pop(0)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -1,0 +1,540 @@
+"""One rank of a run: the stage-worker program, the same for offline generation and serving.
+
+A rank joins its run (an authenticated control connection to the driver, then torch.distributed
+for its tensor-parallel group and the transport between ranks), loads its operators (only its own
+slices of their weights), reports ready, and then runs its compiled per-iteration schedule
+(:mod:`.schedule`) for every iteration the driver asks for: per microbatch it takes the driver's
+:class:`~.work.Work` (which requests, which to admit and free), runs its segments -- the first
+segment embeds the work's tokens, the others receive activations from the previous segment's
+leaders -- and the last segment's leaders send the sampled tokens back to the driver. Between
+iterations a rank waits on its control connection without a bound (a server may idle); within
+one every wait is bounded by the run's timeout, so a peer that died or hangs is named.
+
+Per rank it measures time in operators (``compute_s``), blocked in transfers or waiting for the
+driver (``comm_s``) and the rest of the loop, in total and at the end of every iteration
+(``timeline``), so a steady-state window of one run can be read from its statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from opweave.costmodel import Plan, load_model
+
+from ..errors import OpWeaveRuntimeError, RequestStateError
+from .batch import TokenBatch
+from .control import ChannelClosed, ControlClient
+from .placement import Placement
+from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
+from .stage import StageModule
+from .tensor_parallel import Shard, TPComm
+from .transport import PeerError, Transport, as_batch, merge, select
+from .wire import spin_budget
+from .work import GREEDY, SamplingParams, Work, sample_rows
+
+FAULT_ENV = "OPWEAVE_FAULT"  # "RANK:ITERATION:exit|hang|kill" -- test hook for fault handling
+CONTROL_KEY = "opweave/control"  # store key under which the driver publishes its address
+_HEARTBEAT_S = 1.0
+
+
+@dataclass
+class RankSpec:
+    """Everything one rank needs to join its run; JSON-serialisable (spawned ranks read a file).
+
+    ``store``: how torch.distributed rendezvous: ``{"file": path}`` (one node),
+    ``{"host": h, "port": p}`` (the driver's TCP store, several nodes) or ``{"env": True}``
+    (torchrun's). ``control``: the driver's address, or ``None`` to read it from the store.
+    """
+
+    plan: dict[str, Any]
+    model_dir: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: str
+    timeout_s: float
+    key: str
+    host: str
+    store: dict[str, Any]
+    control: tuple[str, int] | None = None
+    dtype: str | None = None
+    kernels: str = "opweave"
+    join_timeout_s: float = 600.0
+    threads: int = 1
+    log: str | None = None  # where a launcher-forked rank writes its output
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RankSpec:
+        data = json.loads(text)
+        if data.get("control") is not None:
+            data["control"] = tuple(data["control"])
+        return cls(**data)
+
+
+class _Shutdown(Exception):
+    """The driver said stop."""
+
+
+@dataclass
+class _Request:
+    params: SamplingParams = GREEDY
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class _Clock:
+    compute_s: float = 0.0
+    started: float | None = None
+    timeline: dict[str, list[float]] = field(
+        default_factory=lambda: {"end_s": [], "compute_s": [], "comm_s": []}
+    )
+
+
+class StageWorker:
+    """One rank's operators, schedule, transport and per-request state."""
+
+    def __init__(self, spec: RankSpec, control: ControlClient, placement: Placement) -> None:
+        self.spec = spec
+        self.rank = spec.rank
+        self.control = control
+        self.placement = placement
+        self.info = placement.ranks[spec.rank]
+        self.device = resolve_device(spec.device, spec.local_rank)
+        self.actions: list[Compute] = compile_schedule(placement, spec.rank)
+        self.mine = placement.replica_slots(self.info.owner, self.info.replica)
+        self.timeout_s = spec.timeout_s
+        self.group = None
+        timeout = timedelta(seconds=spec.timeout_s)
+        for ranks in placement.tp_groups:  # every rank creates every group, in the same order
+            g = dist.new_group(list(ranks), timeout=timeout)
+            if spec.rank in ranks:
+                self.group = g
+        own_core = self.device.type == "cpu" and pin_to_core(spec.local_rank, spec.local_world_size)
+        self.transport = Transport(
+            spec.rank,
+            self.device,
+            spec.timeout_s,
+            host=spec.host,
+            key=bytes.fromhex(spec.key),
+            spin_s=spin_budget(own_core) if spec.world_size > 1 else 0.0,
+        )
+        shard = Shard(self.info.tp_rank, self.info.tp_size)
+        self.comm = TPComm(shard, self.group) if self.info.tp_size > 1 else None
+        dtype = None if spec.dtype is None else getattr(torch, spec.dtype)
+        self.module = StageModule(
+            spec.model_dir,
+            rank_ops(placement, spec.rank),
+            device=self.device,
+            dtype=dtype,
+            shard=shard,
+            comm=self.comm,
+            model=placement.model,
+        )
+        self.kernels = apply_kernels(self.module, spec.kernels)
+        self.held: dict[str, _Request] = {}
+        self._works: dict[tuple[int, int], Work] = {}
+        self._synced: set[tuple[int, int]] = set()
+        self.clock = _Clock()
+        self.iterations = 0
+        self._fault = _parse_fault(spec.rank)
+
+    # -- the loop -----------------------------------------------------------------------------
+    def serve(self) -> None:
+        """Run iterations until the driver says stop."""
+        mine = microbatches_of(self.actions)
+        done: set[int] = set()
+        i = 0
+        try:
+            while True:
+                if mine <= done:  # offline: every microbatch went final; wait for the stop
+                    self._next_message()
+                    continue
+                self._maybe_fault(i)
+                finals = set()
+                for action in self.actions:
+                    k = action.microbatch
+                    if k in done:
+                        continue
+                    work = self._work(i, k)
+                    self._compute(action, work, i)
+                    if work.final:
+                        finals.add(k)
+                done |= finals
+                self._works = {key: w for key, w in self._works.items() if key[0] > i}
+                self._synced = {key for key in self._synced if key[0] > i}
+                self.transport.reap(before_epoch=i)
+                i += 1
+                self.iterations = i
+                self._mark()
+        except _Shutdown:
+            pass
+        self.transport.flush()
+
+    def _mark(self) -> None:
+        assert self.clock.started is not None
+        line = self.clock.timeline
+        line["end_s"].append(time.perf_counter() - self.clock.started)
+        line["compute_s"].append(self.clock.compute_s)
+        line["comm_s"].append(self.transport.comm_s)
+
+    def _next_message(self) -> None:
+        """Take one control message into the work buffer; raises :class:`_Shutdown`."""
+        while not self.control.poll():
+            start = time.perf_counter()
+            self.transport.wait_control(self.control.fileno())
+            if self.clock.started is not None:
+                self.transport.comm_s += time.perf_counter() - start
+        msg = self.control.recv()
+        kind = msg["t"]
+        if kind == "shutdown":
+            raise _Shutdown
+        if kind != "work":
+            raise OpWeaveRuntimeError(f"unexpected control message {kind!r} from the driver")
+        work = Work.from_message(msg)
+        self._works[(work.iteration, work.microbatch)] = work
+        if self.clock.started is None:
+            self.clock.started = time.perf_counter()
+
+    def _work(self, i: int, k: int) -> Work:
+        while (i, k) not in self._works:
+            self._next_message()
+        work = self._works[(i, k)]
+        if (i, k) not in self._synced:
+            self._synced.add((i, k))
+            self._sync(work)
+        return work
+
+    def _sync(self, work: Work) -> None:
+        """Free finished requests, admit new ones (a request at context 0 that is held restarts)."""
+        for rid in work.free:
+            if rid in self.held:
+                self.module.free(rid)
+                del self.held[rid]
+        for i in work.requests_in(self.mine):
+            rid, ctx = work.request_ids[i], work.context_lens[i]
+            if ctx == 0:
+                if rid in self.held:
+                    self.module.free(rid)
+                self.module.admit(rid)
+                params = work.params.get(rid, GREEDY)
+                gen = None
+                if params.seed is not None:
+                    gen = torch.Generator().manual_seed(int(params.seed))
+                self.held[rid] = _Request(params, gen)
+            elif rid not in self.held:
+                raise RequestStateError(
+                    f"rank {self.rank} holds no state for request {rid!r} at context {ctx}"
+                )
+
+    def _compute(self, action: Compute, work: Work, i: int) -> None:
+        leader = self.info.is_leader
+        if action.first:
+            batch = work.batch_for(action.slots, self.device)
+        else:
+            what = f"receiving segment {action.segment} microbatch {action.microbatch}"
+            parts = [self.transport.recv(link, what) for link in action.sources] if leader else None
+            if self.info.tp_size > 1:
+                parts = self.transport.fanout(
+                    parts, len(action.sources), self.info.leader, self.group
+                )
+            assert parts is not None
+            start = time.perf_counter()
+            batch = merge([as_batch(p) for p in parts])
+            self.transport.comm_s += time.perf_counter() - start  # unpacking is transfer
+        batch = self._run(action, batch) if batch.meta.request_ids else TokenBatch(batch.meta, {})
+        if not leader:
+            return
+        if action.last:
+            self._reply(work, batch)
+        else:
+            for link in action.dests:
+                self.transport.send(link, select(batch, link.slots), i)
+
+    def _run(self, action: Compute, batch: TokenBatch) -> TokenBatch:
+        ops = slice(action.ops.start, action.ops.stop)
+        sample_here = action.last and self.info.is_leader
+        greedy = all(self.held[rid].params.greedy for rid in batch.meta.request_ids)
+        if action.last and not (sample_here and greedy):
+            ops = slice(action.ops.start, action.ops.stop - 1)  # sampled below, or not at all
+        start = time.perf_counter()
+        tp_before = self.comm.comm_s if self.comm is not None else 0.0
+        batch = self.module.run(batch, ops)
+        if action.last and sample_here and not greedy:
+            batch = self._sample(batch)
+        tp_comm = (self.comm.comm_s - tp_before) if self.comm is not None else 0.0
+        self.transport.comm_s += tp_comm  # TP collectives count as communication
+        self.clock.compute_s += time.perf_counter() - start - tp_comm
+        return batch
+
+    def _sample(self, batch: TokenBatch) -> TokenBatch:
+        rids = batch.meta.request_ids
+        params = [self.held[rid].params for rid in rids]
+        gens = [self.held[rid].generator for rid in rids]
+        tokens = sample_rows(batch["logits"], params, gens)
+        return batch.replace(drop=("logits",), token_ids=torch.tensor(tokens, dtype=torch.int64))
+
+    def _reply(self, work: Work, batch: TokenBatch) -> None:
+        rids = list(batch.meta.request_ids)
+        tokens = batch["token_ids"].tolist() if rids else []
+        self.control.send(
+            {"t": "result", "i": work.iteration, "k": work.microbatch, "r": rids, "x": tokens}
+        )
+
+    def _maybe_fault(self, iteration: int) -> None:
+        if self._fault is None or self._fault[0] != iteration:
+            return
+        mode = self._fault[1]
+        if mode == "exit":
+            os._exit(1)
+        if mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang
+            time.sleep(3600)
+
+    # -- reporting ----------------------------------------------------------------------------
+    def stats(self, load_s: float) -> dict[str, Any]:
+        p, info = self.placement, self.info
+        line = self.clock.timeline
+        loop = line["end_s"][-1] if line["end_s"] else 0.0
+        comm = self.transport.comm_s
+        return {
+            "rank": self.rank,
+            "owner": info.owner,
+            "replica": info.replica,
+            "tp_rank": info.tp_rank,
+            "tp_size": info.tp_size,
+            "device": str(self.device),
+            "host": socket.gethostname(),
+            "stages": p.stage_labels(self.rank),
+            "weight_bytes_read": self.module.checkpoint.bytes_read,
+            "weight_bytes": self.module.weight_bytes,
+            "load_s": load_s,
+            "kernels": self.kernels,
+            "busy_s": self.clock.compute_s,
+            "compute_s": self.clock.compute_s,
+            "comm_s": comm,
+            "loop_s": loop,
+            "overhead_s": max(loop - self.clock.compute_s - comm, 0.0),
+            "wait": "spin" if self.transport.spin_s > 0 else "block",
+            "iterations": self.iterations,
+            "actions_per_iteration": {"compute": len(self.actions)},
+            "timeline": line,
+            "requests_held_at_end": len(self.held),
+            "state_bytes_at_end": self.module.state_bytes(),
+            "bytes_sent": self.transport.bytes_sent,
+            "messages_sent": self.transport.messages_sent,
+        }
+
+
+def apply_kernels(module: StageModule, choice: str) -> list[str]:
+    """Swap operators for vLLM-kernel-backed ones (``vllm`` / ``vllm-all``); ``opweave``: none."""
+    if choice == "opweave":
+        return []
+    from ..vllm._kernels import KERNELS_KEY, apply_kernel_choice
+
+    return apply_kernel_choice(module, {KERNELS_KEY: choice})
+
+
+@contextlib.contextmanager
+def heartbeat(control: ControlClient) -> Iterator[None]:
+    """While weights load (possibly minutes), tell the driver this rank is alive."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(_HEARTBEAT_S):
+            with contextlib.suppress(ChannelClosed):
+                control.send({"t": "loading"})
+
+    thread = threading.Thread(target=loop, name="opweave-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def resolve_device(device: str, local_rank: int) -> torch.device:
+    if device == "cuda":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def pin_to_core(local_rank: int, local_ranks: int) -> bool:
+    """Bind a single-threaded CPU rank to one core of those this process may use, as a GPU
+    rank is bound to its device: the scheduler then never migrates it (its caches stay warm)
+    and two ranks never share a core while another one idles. More ranks than cores share
+    them round-robin. Returns whether the rank has a core of its own (then it may spin while
+    it waits, see :mod:`.wire`)."""
+    if not hasattr(os, "sched_setaffinity") or torch.get_num_threads() != 1:
+        return False
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) > 1:
+        os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
+    return local_ranks <= len(cores)
+
+
+def _parse_fault(rank: int) -> tuple[int, str] | None:
+    text = os.environ.get(FAULT_ENV)
+    if not text:
+        return None
+    r, it, mode = text.split(":")
+    return (int(it), mode) if int(r) == rank else None
+
+
+def _store(spec: RankSpec, timeout: timedelta) -> Any:
+    if "file" in spec.store:
+        return dist.FileStore(spec.store["file"], spec.world_size)
+    if "host" in spec.store:
+        return dist.TCPStore(
+            spec.store["host"], int(spec.store["port"]), spec.world_size, False, timeout=timeout
+        )
+    return None  # torchrun: env://
+
+
+def connect(spec: RankSpec) -> tuple[ControlClient, Any]:
+    """The rank's authenticated control connection to the driver, and its rendezvous store."""
+    timeout = timedelta(seconds=spec.join_timeout_s)
+    store = _store(spec, timeout)
+    if spec.control is not None:
+        host, port = spec.control
+    else:
+        if store is None:  # torchrun's store, reached through the environment
+            store = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                spec.world_size,
+                False,
+                timeout=timeout,
+            )
+        host, port_text = store.get(CONTROL_KEY).decode().rsplit(":", 1)
+        port = int(port_text)
+    control = ControlClient(host, port, bytes.fromhex(spec.key), spec.rank, spec.join_timeout_s)
+    control.send(
+        {"t": "hello", "rank": spec.rank, "pid": os.getpid(), "host": socket.gethostname()}
+    )
+    return control, store
+
+
+def init_group(spec: RankSpec, store: Any) -> Placement:
+    """Join the run's default process group (long timeout: other nodes may start late)."""
+    kwargs: dict[str, Any] = dict(
+        rank=spec.rank, world_size=spec.world_size, timeout=timedelta(seconds=spec.join_timeout_s)
+    )
+    backend = "nccl" if spec.device == "cuda" else "gloo"
+    if store is not None and "env" not in spec.store:
+        dist.init_process_group(backend, store=store, **kwargs)
+    else:
+        dist.init_process_group(backend, init_method="env://", **kwargs)
+    return Placement(Plan.model_validate(spec.plan), load_model(spec.model_dir))
+
+
+def name_process(name: str) -> None:
+    """Linux: the name ``ps``/``top`` show for this process (15 characters at most)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(15, name.encode()[:15] + b"\0", 0, 0, 0)  # PR_SET_NAME
+
+
+def run_rank(spec: RankSpec) -> int:
+    """The whole life of one rank; 0 after a clean shutdown, 1 after reporting an error."""
+    name_process(f"opweave-rank{spec.rank}")
+    control: ControlClient | None = None
+    try:
+        control, store = connect(spec)
+        load_start = time.perf_counter()
+        with heartbeat(control):
+            worker = StageWorker(spec, control, init_group(spec, store))
+        load_s = time.perf_counter() - load_start
+        control.send(
+            {
+                "t": "ready",
+                "rank": spec.rank,
+                "weight_bytes_read": worker.module.checkpoint.bytes_read,
+                "weight_bytes": worker.module.weight_bytes,
+                "load_s": load_s,
+                "kernels": worker.kernels,
+            }
+        )
+        worker.serve()
+        control.send({"t": "stats", "stats": worker.stats(load_s)})
+        worker.transport.close()
+        control.close()
+        return 0
+    except ChannelClosed:
+        return 0 if control is None else 1  # the driver is gone: nobody to report to
+    except BaseException as exc:
+        traceback.print_exc()
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        is_peer = isinstance(exc, PeerError)
+        report = {
+            "t": "error",
+            "kind": "peer" if is_peer else "error",
+            "peer": exc.peer if is_peer else None,
+            "message": text if is_peer else f"{type(exc).__name__}: {text}",
+        }
+        if control is not None:
+            with contextlib.suppress(ChannelClosed, OSError):
+                control.send(report)
+        sys.stdout.flush()
+        return 1
+    finally:
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when the thread that started it exits."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def watch_parent(parent: int) -> None:
+    """Exit as soon as this process is re-parented (its starter is gone)."""
+
+    def loop() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        os._exit(1)
+
+    threading.Thread(target=loop, name="opweave-parent", daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    """``python -m opweave.runtime._private.rank SPEC_FILE``: a spawned rank."""
+    die_with_parent()
+    watch_parent(os.getppid())
+    path = Path(argv[0])
+    spec = RankSpec.from_json(path.read_text())
+    path.unlink(missing_ok=True)  # it holds the run's key
+    torch.set_num_threads(spec.threads)
+    return run_rank(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,169 @@
+"""What the driver tells the ranks: one microbatch of one iteration (:class:`Work`).
+
+The driver owns the requests (token history, admission into the plan's slots, stop rules); every
+rank that serves microbatch ``k`` receives its :class:`Work` for each iteration over the control
+channel: which requests it holds (slot, tokens already cached, tokens to run), which requests to
+free, the sampling parameters of newly admitted ones, and, for the first segment's ranks, the
+token ids to embed. Admission and prefill are one thing: a request at context 0 is admitted by
+every rank whose replica holds its slot, and its prompt runs in the same iteration as the other
+requests' decode steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import RequestStateError
+from .batch import BatchMeta, TokenBatch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a request's next token is chosen; temperature 0 is greedy (the ``sample`` operator)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5
+
+    def to_json(self) -> list[Any]:
+        return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed]
+
+    @classmethod
+    def from_json(cls, data: Sequence[Any]) -> SamplingParams:
+        temperature, top_k, top_p, min_p, seed = data
+        return cls(float(temperature), int(top_k), float(top_p), float(min_p), seed)
+
+
+GREEDY = SamplingParams()
+
+
+@dataclass(frozen=True)
+class Work:
+    """Microbatch ``microbatch`` of iteration ``iteration``, as every rank serving it sees it.
+
+    Requests are listed in slot order. ``sample[i]`` says whether request ``i``'s last token this
+    iteration yields an output (not for a chunk of a prompt that continues next iteration).
+    ``final``: no iteration of this microbatch follows (offline generation only).
+    """
+
+    iteration: int
+    microbatch: int
+    request_ids: tuple[str, ...] = ()
+    slots: tuple[int, ...] = ()
+    context_lens: tuple[int, ...] = ()
+    query_lens: tuple[int, ...] = ()
+    sample: tuple[bool, ...] = ()
+    token_ids: tuple[int, ...] | None = None
+    free: tuple[str, ...] = ()
+    params: Mapping[str, SamplingParams] = field(default_factory=dict)
+    final: bool = False
+
+    def __post_init__(self) -> None:
+        n = len(self.request_ids)
+        if not len(self.slots) == len(self.context_lens) == len(self.query_lens) == n:
+            raise RequestStateError("work: one slot, context and query length per request")
+        if self.token_ids is not None and len(self.token_ids) != sum(self.query_lens):
+            raise RequestStateError("work: token ids do not add up to the query lengths")
+
+    def to_message(self, *, tokens: bool, params: bool) -> dict[str, Any]:
+        """The control message for one rank (token ids / sampling parameters only if it
+        needs them: the first segment embeds, the last one samples)."""
+        msg: dict[str, Any] = {
+            "t": "work",
+            "i": self.iteration,
+            "k": self.microbatch,
+            "r": list(self.request_ids),
+            "s": list(self.slots),
+            "c": list(self.context_lens),
+            "q": list(self.query_lens),
+        }
+        if self.free:
+            msg["f"] = list(self.free)
+        if self.final:
+            msg["e"] = True
+        if tokens and self.token_ids is not None:
+            msg["x"] = list(self.token_ids)
+        if params:
+            msg["o"] = [int(s) for s in self.sample]
+            if self.params:
+                msg["p"] = {rid: p.to_json() for rid, p in self.params.items()}
+        return msg
+
+    @classmethod
+    def from_message(cls, msg: Mapping[str, Any]) -> Work:
+        n = len(msg["r"])
+        return cls(
+            iteration=int(msg["i"]),
+            microbatch=int(msg["k"]),
+            request_ids=tuple(msg["r"]),
+            slots=tuple(msg["s"]),
+            context_lens=tuple(msg["c"]),
+            query_lens=tuple(msg["q"]),
+            sample=tuple(bool(s) for s in msg.get("o", [1] * n)),
+            token_ids=tuple(msg["x"]) if "x" in msg else None,
+            free=tuple(msg.get("f", ())),
+            params={rid: SamplingParams.from_json(p) for rid, p in msg.get("p", {}).items()},
+            final=bool(msg.get("e", False)),
+        )
+
+    def requests_in(self, slots: range) -> list[int]:
+        """Indices of the requests whose slot lies in ``slots``."""
+        return [i for i, s in enumerate(self.slots) if s in slots]
+
+    def batch_for(self, slots: range, device: torch.device) -> TokenBatch:
+        """The first segment's input for a replica holding ``slots``: its requests' token ids."""
+        if self.token_ids is None:
+            raise RequestStateError("work without token ids reached the first segment")
+        idx = self.requests_in(slots)
+        offsets = [0]
+        for q in self.query_lens:
+            offsets.append(offsets[-1] + q)
+        ids = [t for i in idx for t in self.token_ids[offsets[i] : offsets[i + 1]]]
+        meta = BatchMeta(
+            tuple(self.request_ids[i] for i in idx),
+            tuple(self.query_lens[i] for i in idx),
+            tuple(self.context_lens[i] for i in idx),
+            slots=tuple(self.slots[i] for i in idx),
+        )
+        return TokenBatch(meta, {"token_ids": torch.tensor(ids, dtype=torch.int64, device=device)})
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None],
+) -> list[int]:
+    """One token per row of ``logits``: greedy rows by argmax (as the ``sample`` operator),
+    others by temperature, top-k, top-p and min-p with the request's own generator."""
+    logits = logits.float()
+    out = torch.argmax(logits, dim=-1).tolist()
+    for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
+        if not p.greedy:
+            out[row] = _sample_one(logits[row], p, gen)
+    return [int(t) for t in out]
+
+
+def _sample_one(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    row = row / p.temperature
+    if p.top_k and 0 < p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, -math.inf)
+    probs = torch.softmax(row, dim=-1)
+    if p.min_p > 0.0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = torch.cumsum(sorted_p, dim=-1) - sorted_p > p.top_p  # smallest prefix >= top_p
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))

@@ -1,0 +1,145 @@
+"""The engine driver without vLLM: a plan's ranks advanced one scheduler step at a time.
+
+:class:`StepDriver` is what vLLM's executor stands on; here a test plays the scheduler: requests
+join and leave between steps, prompts arrive in chunks, a request restarts after preemption, and a
+rank killed between steps fails the next one with an error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from opweave.costmodel import canonical_plan, load_model
+from opweave.runtime import Cluster, RequestStateError, RunFailedError
+from opweave.runtime._private.stepping import StepDriver, StepItem
+from opweave.runtime._private.work import SamplingParams
+
+MAX_NEW_TOKENS = 16
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _greedy(driver: StepDriver, prompts, *, chunk: int | None = None) -> list[list[int]]:
+    """A scheduler: every request joins at once, prompts in chunks of ``chunk`` tokens."""
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        driver.add(rid, p)
+    done = {rid: 0 for rid in rids}  # tokens computed
+    out: dict[str, list[int]] = {rid: [] for rid in rids}
+    while any(len(v) < MAX_NEW_TOKENS for v in out.values()):
+        items = []
+        for rid in rids:
+            if len(out[rid]) >= MAX_NEW_TOKENS:
+                continue
+            known = len(driver.requests[rid].token_ids)
+            count = known - done[rid] if chunk is None else min(chunk, known - done[rid])
+            items.append(StepItem(rid, done[rid], count))
+            done[rid] += count
+        for rid, token in driver.step(items).items():
+            driver.append_token(rid, token)
+            out[rid].append(token)
+        for rid in rids:
+            if len(out[rid]) >= MAX_NEW_TOKENS and rid in driver.requests:
+                driver.drop(rid)
+    return [out[rid] for rid in rids]
+
+
+@pytest.mark.parametrize(
+    ("strategy", "tp", "replicas", "chunk"),
+    [("afd", 1, 1, None), ("cad", 2, 2, 5), ("colocated", 1, 2, 3)],
+    ids=["afd", "cad-tp2-replicas2-chunked", "colocated-replicas2-chunked"],
+)
+def test_steps_give_transformers_greedy_tokens(
+    strategy, tp, replicas, chunk, tiny_model, hf_greedy, prompts
+):
+    model_dir = tiny_model("qwen3")
+    model = load_model(model_dir)
+    mb = 1 if strategy == "colocated" else 2
+    plan = canonical_plan(
+        model, strategy, gpu="cpu", batch=4 // replicas, microbatches=mb, tp=tp, replicas=replicas
+    )
+    cluster = Cluster(plan, model, model_dir, timeout_s=20)
+    try:
+        driver = StepDriver(cluster)
+        assert driver.capacity == len(prompts) == 4
+        tokens = _greedy(driver, prompts, chunk=chunk)
+        driver.flush()  # the last requests' frees, without a next step
+        stats = cluster.shutdown()
+    finally:
+        cluster.close()
+    assert tokens == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    # every request dropped was freed on every rank that held it
+    assert all(r["requests_held_at_end"] == 0 and r["state_bytes_at_end"] == 0 for r in stats)
+
+
+def test_slots_restart_and_sampling(tiny_model):
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir)
+    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2)
+    cluster = Cluster(plan, model, model_dir, timeout_s=20)
+    try:
+        driver = StepDriver(cluster)
+        driver.add("a", [5, 6, 7])
+        driver.add("b", [8, 9], SamplingParams(temperature=1.0, seed=7))
+        # one request per microbatch: the emptiest microbatch gets each newcomer
+        slots = {rid: driver.requests[rid].slot for rid in ("a", "b")}
+        assert sorted(slots.values()) == [0, 1]
+        with pytest.raises(RequestStateError, match="all 2 slots of the plan are taken"):
+            driver.add("c", [1])
+        first = driver.step([StepItem("a", 0, 3), StepItem("b", 0, 2)])
+        assert set(first) == {"a", "b"}
+        driver.append_token("a", first["a"])
+        # preempted, then recomputed from scratch: the same next token as without it
+        follow = driver.step([StepItem("a", 3, 1)])["a"]
+        driver.restart("a")
+        again = driver.step([StepItem("a", 0, 4)])["a"]
+        assert again == follow
+        driver.drop("b")
+        driver.add("c", [1, 2])  # takes b's slot; b's state is freed with the next step
+        assert driver.requests["c"].slot == slots["b"]
+        assert set(driver.step([StepItem("c", 0, 2)])) == {"c"}
+        stats = cluster.shutdown()
+    finally:
+        cluster.close()
+    # a and c are held by both owners' ranks; b was freed everywhere
+    assert [r["requests_held_at_end"] for r in stats] == [2, 2]
+
+
+def test_a_rank_killed_between_steps_fails_the_next_one(tiny_model):
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir)
+    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2, tp=2)
+    cluster = Cluster(plan, model, model_dir, timeout_s=20)
+    notified: list[str] = []
+    cluster.on_failure.append(lambda: notified.append("failed"))
+    pids = cluster.pids
+    try:
+        driver = StepDriver(cluster)
+        driver.add("a", [5, 6, 7])
+        driver.append_token("a", driver.step([StepItem("a", 0, 3)])["a"])
+        os.kill(pids[3], signal.SIGKILL)  # owner 1's TP follower
+        start = time.monotonic()
+        with pytest.raises(RunFailedError) as info:
+            while True:  # the loss is seen at once, between steps or in the next one
+                driver.append_token("a", driver.step([StepItem("a", 3, 1)])["a"])
+                time.sleep(0.05)
+        assert time.monotonic() - start < 10
+        message = str(info.value)
+        assert message.startswith("rank 3 (owner 1, replica 0, tp rank 1 of 2: stages")
+        assert "killed by signal 9 (SIGKILL)" in message and "\n" not in message
+        with pytest.raises(RunFailedError, match="rank 3"):
+            cluster.check()
+        assert notified == ["failed"]
+    finally:
+        cluster.close()
+    assert not any(_alive(p) for p in pids)
