@@ -35,6 +35,17 @@ from ._private.fit import (
     profile_operators,
     synthesize_profile,
 )
+from ._private.formulas import (
+    boundary_transfer_s,
+    fan_out_s,
+    intra_node_link,
+    link_time_s,
+    max_resident_batch,
+    pod_gpus,
+    replica_counts,
+    usd_per_hour_per_request,
+    usd_per_million_tokens,
+)
 from ._private.hardware import (
     BUILTIN_GPUS,
     HARDWARE_SCHEMA_VERSION,
@@ -173,6 +184,16 @@ __all__ = [
     "GpuAnalysis",
     "HeterogeneousAnalysis",
     "analyze",
+    # serving formulas (one rule each, numpy, broadcasting)
+    "boundary_transfer_s",
+    "fan_out_s",
+    "intra_node_link",
+    "link_time_s",
+    "max_resident_batch",
+    "pod_gpus",
+    "replica_counts",
+    "usd_per_hour_per_request",
+    "usd_per_million_tokens",
     # roofline and estimates
     "StepEstimate",
     "estimate_step",

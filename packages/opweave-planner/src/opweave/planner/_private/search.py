@@ -29,8 +29,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from opweave.costmodel import (
+    boundary_transfer_s,
+    fan_out_s,
+    intra_node_link,
+    link_time_s,
+    usd_per_hour_per_request,
+)
+
+from .bounds import cost_lower_bound, full_occupancy_cost, tpot_lower_bound
 from .devices import Device
-from .evaluate import OwnerChoice, build_pipeline
+from .evaluate import OwnerChoice, build_pipeline, cost_rate
 from .frontier import pareto_mask
 from .simulator import cycle_time
 from .space import U_GRID
@@ -183,7 +192,9 @@ class Searcher:
             tp_a,
             u_a,
             np.array(ws, dtype=np.float64),
-            tp_a * dev.usd_per_hour / (m * u_a.astype(np.float64)),
+            np.asarray(
+                usd_per_hour_per_request(tp_a, dev.usd_per_hour, m * u_a.astype(np.float64))
+            ),
         )
         self.stats.owner_configs += slot.size
         if self.frontier and slot.size > 1:
@@ -221,16 +232,10 @@ class Searcher:
             if partner.id == dev.id:
                 comparable &= tp >= dev.hardware.gpus_per_node
             if g.src == j:
-                rows.append(net.latency_s + g.beta * uf * net.s_per_byte)
+                rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
             if g.dst == j:
-                rows.append(net.latency_s + g.beta * uf * net.s_per_byte)
-                rows.append(
-                    np.where(
-                        tp > 1,
-                        dev.intra.latency_s + g.beta * uf * (tp - 1) * dev.intra.s_per_byte,
-                        0.0,
-                    )
-                )
+                rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
+                rows.append(fan_out_s(g.beta, uf, tp, *dev.intra.coeffs))
         links = np.stack(rows) if rows else np.zeros((0, tp.shape[0]))
         return links, comparable
 
@@ -240,14 +245,13 @@ class Searcher:
     ) -> np.ndarray | float:
         if self.objective == "tpot":
             return tpot
-        return np.maximum(np.multiply(tpot, rate), own)
+        return cost_lower_bound(tpot, rate, own)
 
     def root_bound(self, job: Job, slots: Sequence[Slot]) -> tuple[float, float]:
         m = job.microbatches
-        min_w = [float(s.w.min()) for s in slots]
-        tpot = max(m * max(min_w), sum(min_w))
+        tpot = float(tpot_lower_bound(m, [float(s.w.min()) for s in slots]))
         rate = sum(float(s.rate.min()) for s in slots)
-        own = sum(float((s.rate * m * s.w).min()) for s in slots)
+        own = sum(float(full_occupancy_cost(s.rate, m, s.w).min()) for s in slots)
         return float(self._value(tpot, rate, own)), tpot
 
     # -- driver ---------------------------------------------------------------------------------
@@ -315,17 +319,15 @@ class Searcher:
         """Configurations of slot ``level`` whose prefix bound survives, cheapest first."""
         m = job.microbatches
         s = slots[level]
-        w_fix = sum(float(slots[i].w[c]) for i, c in enumerate(chosen))
-        r_fix = sum(float(slots[i].rate[c]) for i, c in enumerate(chosen))
-        o_fix = sum(float(slots[i].rate[c] * m * slots[i].w[c]) for i, c in enumerate(chosen))
-        load_fix = max([m * float(slots[i].w[c]) for i, c in enumerate(chosen)], default=0.0)
+        fixed = [(slots[i], c) for i, c in enumerate(chosen)]
         rest = slots[level + 1 :]
-        min_w = sum(float(x.w.min()) for x in rest)
-        max_min_w = max(float(x.w.min()) for x in rest)
-        tpot = np.maximum(np.maximum(m * s.w, load_fix), m * max_min_w)
-        tpot = np.maximum(tpot, w_fix + s.w + min_w)
-        rate = r_fix + s.rate + sum(float(x.rate.min()) for x in rest)
-        own = o_fix + s.rate * m * s.w + sum(float((x.rate * m * x.w).min()) for x in rest)
+        works = [float(x.w[c]) for x, c in fixed] + [s.w] + [float(x.w.min()) for x in rest]
+        tpot = tpot_lower_bound(m, works)
+        rate = sum(float(x.rate[c]) for x, c in fixed) + s.rate
+        rate = rate + sum(float(x.rate.min()) for x in rest)
+        own = sum(float(full_occupancy_cost(x.rate[c], m, x.w[c])) for x, c in fixed)
+        own = own + full_occupancy_cost(s.rate, m, s.w)
+        own = own + sum(float(full_occupancy_cost(x.rate, m, x.w).min()) for x in rest)
         value = self._value(tpot, rate, own)
         idx = np.arange(s.size)
         if self.bnb:
@@ -367,44 +369,34 @@ class Searcher:
         send = [np.zeros(shape) for _ in range(n)]
         recv = [np.zeros(shape) for _ in range(n)]
         chain = np.zeros(shape)
-        intra: dict[tuple[int, int], np.ndarray | bool] = {}
+        intra: dict[tuple[int, int], np.ndarray] = {}
         for g in job.st.groups:
             ds, tps, us = cols[g.src][0], cols[g.src][1], cols[g.src][2]
             dd, tpd, ud = cols[g.dst][0], cols[g.dst][1], cols[g.dst][2]
             pair = (min(g.src, g.dst), max(g.src, g.dst))
             if pair not in intra:
-                if ds.id != dd.id:
-                    intra[pair] = False
-                else:
-                    lcm = np.lcm(us, ud)
-                    intra[pair] = tps * (lcm // us) + tpd * (lcm // ud) <= ds.hardware.gpus_per_node
+                # microbatch sizes stand in for resident batches: the pod rule is scale-free
+                intra[pair] = intra_node_link(
+                    ds.id == dd.id, tps, us, tpd, ud, ds.hardware.gpus_per_node
+                )
             kind = intra[pair]
-            usf, udf = us.astype(np.float64), ud.astype(np.float64)
-            tx = np.where(
-                kind,
-                ds.intra.latency_s + g.beta * usf * ds.intra.s_per_byte,
-                ds.network.latency_s + g.beta * usf * ds.network.s_per_byte,
+            dur = boundary_transfer_s(
+                g.beta,
+                us.astype(np.float64),
+                ud.astype(np.float64),
+                tpd,
+                _link_coeffs(kind, ds),
+                _link_coeffs(kind, dd),
+                dd.intra.coeffs,
             )
-            rx = np.where(
-                kind,
-                dd.intra.latency_s + g.beta * udf * dd.intra.s_per_byte,
-                dd.network.latency_s + g.beta * udf * dd.network.s_per_byte,
-            )
-            fan = np.where(
-                tpd > 1, dd.intra.latency_s + g.beta * udf * (tpd - 1) * dd.intra.s_per_byte, 0.0
-            )
-            dur = (np.maximum(tx, rx) + fan) * g.count
+            dur = dur * g.count
             send[g.src] = send[g.src] + dur
             recv[g.dst] = recv[g.dst] + dur
             chain = chain + dur
-        tpot = chain + sum(c[3] for c in cols)
-        for j in range(n):
-            tpot = np.maximum(tpot, m * cols[j][3])
-            tpot = np.maximum(tpot, m * send[j])
-            tpot = np.maximum(tpot, m * recv[j])
+        tpot = tpot_lower_bound(m, [c[3] for c in cols], [*send, *recv], chain)
         tpot = np.broadcast_to(tpot, shape)
         rate = np.broadcast_to(sum(c[4] for c in cols), shape)
-        own = np.broadcast_to(sum(c[4] * m * c[3] for c in cols), shape)
+        own = np.broadcast_to(sum(full_occupancy_cost(c[4], m, c[3]) for c in cols), shape)
         value = np.asarray(self._value(tpot, rate, own))
         self.stats.candidates += value.size
         ok = tpot <= self.slo * (1 + EPS)
@@ -429,15 +421,13 @@ class Searcher:
     ) -> np.ndarray:
         """Prefix bound of one of the two block slots, the other at its most optimistic."""
         m = job.microbatches
-        w_fix = sum(float(x.w[c]) for x, c in prefix)
-        load_fix = max([m * float(x.w[c]) for x, c in prefix], default=0.0)
-        tpot = np.maximum(np.maximum(m * s.w, m * float(other.w.min())), load_fix)
-        tpot = np.maximum(tpot, w_fix + s.w + float(other.w.min()))
+        works = [float(x.w[c]) for x, c in prefix] + [s.w, float(other.w.min())]
+        tpot = tpot_lower_bound(m, works)
         rate = sum(float(x.rate[c]) for x, c in prefix) + s.rate + float(other.rate.min())
         own = (
-            sum(float(x.rate[c] * m * x.w[c]) for x, c in prefix)
-            + s.rate * m * s.w
-            + float((other.rate * m * other.w).min())
+            sum(float(full_occupancy_cost(x.rate[c], m, x.w[c])) for x, c in prefix)
+            + full_occupancy_cost(s.rate, m, s.w)
+            + float(full_occupancy_cost(other.rate, m, other.w).min())
         )
         ok = tpot <= self.slo * (1 + EPS)
         if inc is not None:
@@ -457,7 +447,7 @@ class Searcher:
             m,
             tuple((d, tp, -u) for d, (tp, u) in zip(job.assign, configs, strict=True)),
         )
-        rate = sum(ch.tp * ch.device.usd_per_hour / ch.resident_batch for ch in owners)
+        rate = cost_rate(owners)
 
         def leaf(cold: bool) -> Leaf:
             pipe, _ = build_pipeline(job.st, self.tables, owners, m, cold_caches=cold)
@@ -493,3 +483,11 @@ def assignments(num_devices: int, n: int, *, heterogeneous: bool) -> list[tuple[
     if not heterogeneous:
         return [(d,) * n for d in range(num_devices)]
     return [a for a in itertools.product(range(num_devices), repeat=n) if len(set(a)) > 1]
+
+
+def _link_coeffs(intra: np.ndarray, device: Device) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate, the (latency, s/byte) of the link ``intra`` selects on ``device``."""
+    return (
+        np.where(intra, device.intra.latency_s, device.network.latency_s),
+        np.where(intra, device.intra.s_per_byte, device.network.s_per_byte),
+    )
