@@ -57,7 +57,7 @@ def models(json_out: JsonOpt = False) -> None:
 
 
 def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
-    """List the GPU catalog: memory, bandwidth, compute, links, price and where the price is from."""
+    """List the GPU catalog: memory, bandwidth, compute, links, price and its basis."""
     cat = catalog(hardware)
     rows = [gpu.model_dump() for gpu in cat]
     if json_out:

@@ -65,6 +65,15 @@ from ._private.model import (
     TPCollective,
 )
 from ._private.models import BUILTIN_MODELS, load_model, read_config
+from ._private.nodes import (
+    Node,
+    copies_in_inventory,
+    fits_inventory,
+    inventory_nodes,
+    node_layout,
+    plan_groups,
+    plan_nodes,
+)
 from ._private.plan import (
     PLAN_SCHEMA_VERSION,
     TP_DEGREES,
@@ -178,6 +187,14 @@ __all__ = [
     "colocated_template",
     "plan_model",
     "segments",
+    # deployment: nodes and inventories
+    "Node",
+    "copies_in_inventory",
+    "fits_inventory",
+    "inventory_nodes",
+    "node_layout",
+    "plan_groups",
+    "plan_nodes",
     # analysis (paper §3)
     "Analysis",
     "CadFeasibility",

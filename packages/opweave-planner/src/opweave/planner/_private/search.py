@@ -23,8 +23,9 @@ same with and without either reduction.
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -32,8 +33,10 @@ import numpy as np
 from opweave.costmodel import (
     boundary_transfer_s,
     fan_out_s,
+    fits_inventory,
     intra_node_link,
     link_time_s,
+    node_layout,
     usd_per_hour_per_request,
 )
 
@@ -120,7 +123,18 @@ class Slot:
 
 
 class Searcher:
-    """Runs sub-searches for one objective (``"cost"`` or ``"tpot"``) under one TPOT SLO."""
+    """Runs sub-searches for one objective under one TPOT SLO and one GPU inventory.
+
+    Objectives: ``"cost"`` (USD per token), ``"tpot"``, or ``"gpus"`` (GPUs of one replica
+    set; ties go to the lower TPOT). ``inventory`` bounds the GPUs per device id (a missing id
+    is unbounded): a candidate must fit as laid out on nodes (:func:`node_layout`,
+    :func:`fits_inventory`). Replica counts, and so GPU counts, depend on every owner's batch
+    jointly (``lcm``), so a configuration with a better rate and latencies can still need more
+    GPUs: the per-owner frontiers are not applied where an inventory bounds a GPU type of the
+    sub-search, nor for the ``"gpus"`` objective. Branch-and-bound bounds GPU counts instead:
+    a prefix's owners need at least ``tp * lcm(prefix batches) / b`` GPUs each, an unassigned
+    owner at least its smallest ``tp``.
+    """
 
     def __init__(
         self,
@@ -135,8 +149,13 @@ class Searcher:
         progress: Callable[[SearchProgress], None] | None = None,
         cache: dict[tuple[object, ...], object] | None = None,
         u_grid: Sequence[int] = U_GRID,
+        inventory: Mapping[str, int] | None = None,
     ) -> None:
+        if objective not in ("cost", "tpot", "gpus"):
+            raise ValueError(f"unknown objective {objective!r}")
         self.tables = tables
+        self.limits = {d.id: int(inventory[d.id]) for d in devices if d.id in (inventory or {})}
+        self.gpus_per_node = {d.id: d.hardware.gpus_per_node for d in devices}
         self.u_grid = tuple(u_grid)
         self.devices = list(devices)
         self.slo = slo_s
@@ -157,7 +176,20 @@ class Searcher:
             self.cache[key] = slot_compute(job.st, self.tables, j, self.devices[d], tp, self.u_grid)
         return self.cache[key]  # type: ignore[return-value]
 
+    def _prunable(self, job: Job) -> bool:
+        """Whether per-owner frontiers are exact for this sub-search (see the class doc)."""
+        if not self.frontier or self.objective == "gpus":
+            return False
+        return not any(self.devices[d].id in self.limits for d in job.assign)
+
+    def _counts_gpus(self, job: Job) -> bool:
+        return self.objective == "gpus" or any(
+            self.devices[d].id in self.limits for d in job.assign
+        )
+
     def slot(self, job: Job, j: int) -> Slot:
+        frontier = self._prunable(job)
+        limit = self.limits.get(self.devices[job.assign[j]].id)
         key = (
             "slot",
             job.rank,
@@ -165,7 +197,8 @@ class Searcher:
             job.assign,
             job.microbatches,
             self.slo,
-            self.frontier,
+            frontier,
+            limit,
             self.u_grid,
         )
         cached = self.cache.get(key)
@@ -175,6 +208,8 @@ class Searcher:
         dev = self.devices[d]
         tps, us, ws, lats = [], [], [], []
         for tp in dev.tps:
+            if limit is not None and tp > limit:
+                continue  # one replica alone needs more GPUs than the inventory has
             cap = self.tables.max_resident_batch(st.slot_ops[j], dev, tp, st.slot_key(j))
             comp = self._comp(job, j, d, tp)
             total = comp.sum(axis=0)
@@ -197,7 +232,7 @@ class Searcher:
             ),
         )
         self.stats.owner_configs += slot.size
-        if self.frontier and slot.size > 1:
+        if frontier and slot.size > 1:
             keep = pareto_mask(
                 tp_a,
                 slot.rate,
@@ -241,18 +276,59 @@ class Searcher:
 
     # -- bounds ---------------------------------------------------------------------------------
     def _value(
-        self, tpot: np.ndarray | float, rate: np.ndarray | float, own: np.ndarray | float
+        self,
+        tpot: np.ndarray | float,
+        rate: np.ndarray | float,
+        own: np.ndarray | float,
+        gpus: np.ndarray | float = 0.0,
     ) -> np.ndarray | float:
         if self.objective == "tpot":
             return tpot
+        if self.objective == "gpus":
+            return np.asarray(gpus, dtype=np.float64)
         return cost_lower_bound(tpot, rate, own)
 
-    def root_bound(self, job: Job, slots: Sequence[Slot]) -> tuple[float, float]:
+    def _gpus(
+        self,
+        fixed: Sequence[tuple[str, np.ndarray | int, np.ndarray | int]],
+        rest: Sequence[tuple[str, int]] = (),
+    ) -> tuple[np.ndarray | int, bool | np.ndarray]:
+        """GPUs of the replica set (a lower bound while ``rest`` is unassigned) and whether
+        they fit the inventory's counts. ``fixed``: ``(device id, tp, u)`` of assigned slots
+        (arrays broadcast); ``rest``: ``(device id, smallest tp)`` of the others. Replicas are
+        ``lcm(u) / u`` each (microbatch sizes stand in for resident batches: scale-free)."""
+        lcm: np.ndarray | int = 1
+        for _, _, u in fixed:
+            lcm = np.lcm(lcm, u)
+        per: dict[str, np.ndarray | int] = {}
+        for dev, tp, u in fixed:
+            per[dev] = per.get(dev, 0) + tp * (lcm // u)
+        for dev, tp in rest:
+            per[dev] = per.get(dev, 0) + tp
+        ok: bool | np.ndarray = True
+        for dev, count in per.items():
+            if dev in self.limits:
+                ok = np.logical_and(ok, np.asarray(count) <= self.limits[dev])
+        return sum(per.values()), ok
+
+    def _fits_nodes(self, picks: Sequence[tuple[Slot, int]]) -> bool:
+        """Exact inventory check of a complete candidate: its node layout fits."""
+        if not self.limits:
+            return True
+        us = [int(s.u[c]) for s, c in picks]
+        lcm = math.lcm(*us)
+        groups = [(s.device.id, int(s.tp[c])) for (s, c), u in zip(picks, us, strict=True)]
+        groups = [g for g, u in zip(groups, us, strict=True) for _ in range(lcm // u)]
+        layout = node_layout(groups, self.gpus_per_node)
+        return fits_inventory([(g, n) for g, _, n in layout], self.limits, self.gpus_per_node)
+
+    def root_bound(self, job: Job, slots: Sequence[Slot]) -> tuple[float, float, bool]:
         m = job.microbatches
         tpot = float(tpot_lower_bound(m, [float(s.w.min()) for s in slots]))
         rate = sum(float(s.rate.min()) for s in slots)
         own = sum(float(full_occupancy_cost(s.rate, m, s.w).min()) for s in slots)
-        return float(self._value(tpot, rate, own)), tpot
+        gpus, ok = self._gpus([], [(s.device.id, int(s.tp.min())) for s in slots])
+        return float(self._value(tpot, rate, own, gpus)), tpot, bool(ok)
 
     # -- driver ---------------------------------------------------------------------------------
     def run(self, jobs: Sequence[Job], seed: Leaf | None, phase: str) -> Leaf | None:
@@ -264,7 +340,10 @@ class Searcher:
             if any(s.size == 0 for s in slots):
                 self._tick(phase, inc)
                 continue
-            value, tpot = self.root_bound(job, slots)
+            value, tpot, fits = self.root_bound(job, slots)
+            if not fits:  # the smallest configurations already exceed the inventory
+                self._tick(phase, inc)
+                continue
             prepared.append((value, job.rank, job.microbatches, job.assign, tpot, job, slots))
         prepared.sort(key=lambda x: x[:4])
         for value, _, _, _, tpot, job, slots in prepared:
@@ -328,12 +407,21 @@ class Searcher:
         own = sum(float(full_occupancy_cost(x.rate[c], m, x.w[c])) for x, c in fixed)
         own = own + full_occupancy_cost(s.rate, m, s.w)
         own = own + sum(float(full_occupancy_cost(x.rate, m, x.w).min()) for x in rest)
-        value = self._value(tpot, rate, own)
+        gpus: np.ndarray | int = 0
+        fits: bool | np.ndarray = True
+        if self._counts_gpus(job):
+            gpus, fits = self._gpus(
+                [(x.device.id, int(x.tp[c]), int(x.u[c])) for x, c in fixed]
+                + [(s.device.id, s.tp, s.u)],
+                [(x.device.id, int(x.tp.min())) for x in rest],
+            )
+        value = self._value(tpot, rate, own, gpus)
         idx = np.arange(s.size)
+        idx = idx[np.broadcast_to(fits, idx.shape)]  # over the inventory: never feasible
         if self.bnb:
-            ok = tpot <= self.slo * (1 + EPS)
+            ok = np.asarray(tpot <= self.slo * (1 + EPS))[idx]
             if inc is not None:
-                ok &= value <= inc.value * (1 + EPS)
+                ok &= np.asarray(value <= inc.value * (1 + EPS))[idx]
             idx = idx[ok]
         return idx[np.argsort(np.asarray(value)[idx], kind="stable")].tolist()
 
@@ -397,9 +485,13 @@ class Searcher:
         tpot = np.broadcast_to(tpot, shape)
         rate = np.broadcast_to(sum(c[4] for c in cols), shape)
         own = np.broadcast_to(sum(full_occupancy_cost(c[4], m, c[3]) for c in cols), shape)
-        value = np.asarray(self._value(tpot, rate, own))
+        gpus: np.ndarray | int = 0
+        fits: bool | np.ndarray = True
+        if self._counts_gpus(job):
+            gpus, fits = self._gpus([(c[0].id, c[1], c[2]) for c in cols])
+        value = np.broadcast_to(np.asarray(self._value(tpot, rate, own, gpus)), shape)
         self.stats.candidates += value.size
-        ok = tpot <= self.slo * (1 + EPS)
+        ok = (tpot <= self.slo * (1 + EPS)) & np.broadcast_to(fits, shape)
         if inc is not None:
             ok &= value <= inc.value * (1 + EPS)
         flat = np.flatnonzero(ok)
@@ -411,6 +503,8 @@ class Searcher:
             picks = [(s, c) for s, c in prefix] + [(a, ia)]
             if b is not None:
                 picks.append((b, ib))
+            if not self._fits_nodes(picks):
+                continue  # the GPU counts fit, but not as whole TP groups on nodes
             leaf = self._simulate(job, picks, inc)
             if leaf.tpot_s <= self.slo and (inc is None or leaf.order() < inc.order()):
                 inc = leaf
@@ -423,15 +517,23 @@ class Searcher:
         m = job.microbatches
         works = [float(x.w[c]) for x, c in prefix] + [s.w, float(other.w.min())]
         tpot = tpot_lower_bound(m, works)
+        gpus: np.ndarray | int = 0
+        fits: bool | np.ndarray = True
+        if self._counts_gpus(job):
+            gpus, fits = self._gpus(
+                [(x.device.id, int(x.tp[c]), int(x.u[c])) for x, c in prefix]
+                + [(s.device.id, s.tp, s.u)],
+                [(other.device.id, int(other.tp.min()))],
+            )
         rate = sum(float(x.rate[c]) for x, c in prefix) + s.rate + float(other.rate.min())
         own = (
             sum(float(full_occupancy_cost(x.rate[c], m, x.w[c])) for x, c in prefix)
             + full_occupancy_cost(s.rate, m, s.w)
             + float(full_occupancy_cost(other.rate, m, other.w).min())
         )
-        ok = tpot <= self.slo * (1 + EPS)
+        ok = (tpot <= self.slo * (1 + EPS)) & np.broadcast_to(fits, s.tp.shape)
         if inc is not None:
-            ok &= np.asarray(self._value(tpot, rate, own)) <= inc.value * (1 + EPS)
+            ok &= np.asarray(self._value(tpot, rate, own, gpus)) <= inc.value * (1 + EPS)
         return ok
 
     def _simulate(self, job: Job, picks: list[tuple[Slot, int]], inc: Leaf | None) -> Leaf:
@@ -449,11 +551,16 @@ class Searcher:
         )
         rate = cost_rate(owners)
 
+        gpus = 0
+        if self.objective == "gpus":
+            lcm = math.lcm(*(ch.resident_batch for ch in owners))
+            gpus = sum(ch.tp * lcm // ch.resident_batch for ch in owners)
+
         def leaf(cold: bool) -> Leaf:
             pipe, _ = build_pipeline(job.st, self.tables, owners, m, cold_caches=cold)
             tpot = cycle_time(pipe)
             self.stats.simulator_calls += 1
-            value = tpot if self.objective == "tpot" else tpot * rate
+            value = {"tpot": tpot, "gpus": float(gpus)}.get(self.objective, tpot * rate)
             return Leaf(value=value, tpot_s=tpot, key=key, job=job, configs=configs)
 
         if all(ch.device.idle_slowdown is None for ch in owners):
