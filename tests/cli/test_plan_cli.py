@@ -5,7 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+import typer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from opweave.costmodel import ConfigError
 from tests.helpers import cli_json, run_cli
 
 # DESIGN's CLI contract: every plan entry (best and each baseline) carries these
@@ -225,3 +229,34 @@ def test_slo_sweep_prints_the_frontier_and_plots_it(tmp_path) -> None:
     assert (
         sum(line.startswith(("20 ms: best", "50 ms: best", "100 ms: best")) for line in lines) == 3
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="h10a:,-x 8l4s.²٣", max_size=24))
+def test_gpus_parser_fuzz(text: str) -> None:
+    """Any --gpus text parses to distinct names with positive counts, or is a one-line error."""
+    from opweave.cli.planning import parse_gpus
+
+    try:
+        names, inventory = parse_gpus(text)
+    except (ConfigError, typer.BadParameter) as exc:
+        message = exc.format_message() if isinstance(exc, typer.BadParameter) else str(exc)
+        assert message and "\n" not in message
+        return
+    assert 1 <= len(names) <= 2 and len({n.lower() for n in names}) == len(names)
+    assert set(inventory) <= set(names)
+    assert all(isinstance(n, int) and n >= 1 for n in inventory.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet="0123456789.,-einfa ", max_size=16))
+def test_slo_parser_fuzz(text: str) -> None:
+    from opweave.cli.planning import parse_slos
+
+    try:
+        slos = parse_slos(text)
+    except (ConfigError, typer.BadParameter) as exc:
+        message = exc.format_message() if isinstance(exc, typer.BadParameter) else str(exc)
+        assert message and "\n" not in message
+        return
+    assert slos == sorted(set(slos)) and all(0 < s < float("inf") for s in slos)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -299,7 +300,7 @@ def parse_gpus(text: str) -> tuple[list[str], dict[str, int]]:
         names.append(name)
         if not sep:
             continue
-        if not count.strip().isdigit() or int(count) < 1:
+        if not re.fullmatch(r"[0-9]+", count.strip()) or int(count) < 1:
             raise ConfigError(
                 f"--gpus {item!r}: the count of {name} must be a positive whole number of GPUs, "
                 f"got {count.strip()!r}"

@@ -100,8 +100,8 @@ def plan(
     if len(devices) < len(gpus):
         ids = [resolve_devices([g], model, catalog=catalog, profiles=profiles)[0].id for g in gpus]
         twice = next(i for i in ids if ids.count(i) > 1)
-        names = ", ".join(g for g, i in zip(gpus, ids, strict=True) if i == twice)
-        raise ConfigError(f"GPU type {twice} is given more than once ({names}); name it once")
+        given = ", ".join(g for g, i in zip(gpus, ids, strict=True) if i == twice)
+        raise ConfigError(f"GPU type {twice} is given more than once ({given}); name it once")
     limits = _inventory_limits(inventory, devices, model, catalog, profiles)
     if len(devices) > 2:
         raise ConfigError(

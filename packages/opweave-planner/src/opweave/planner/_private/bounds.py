@@ -30,7 +30,10 @@ def tpot_lower_bound(
 ) -> np.ndarray:
     """TPOT bound from per-microbatch work: each owner's compute (``works``), each send and
     receive link's transfers (``links``) and the crossing transfers of one round trip."""
-    bound = np.add(transfers, sum(works, start=np.float64(0.0)))
+    total: np.ndarray = np.zeros(())
+    for w in works:
+        total = np.add(total, w)
+    bound = np.add(transfers, total)
     for w in (*works, *links):
         bound = np.maximum(bound, np.multiply(microbatches, w))
     return bound

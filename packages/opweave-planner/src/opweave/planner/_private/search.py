@@ -154,7 +154,8 @@ class Searcher:
         if objective not in ("cost", "tpot", "gpus"):
             raise ValueError(f"unknown objective {objective!r}")
         self.tables = tables
-        self.limits = {d.id: int(inventory[d.id]) for d in devices if d.id in (inventory or {})}
+        bound = inventory or {}
+        self.limits = {d.id: int(bound[d.id]) for d in devices if d.id in bound}
         self.gpus_per_node = {d.id: d.hardware.gpus_per_node for d in devices}
         self.u_grid = tuple(u_grid)
         self.devices = list(devices)
