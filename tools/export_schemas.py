@@ -10,19 +10,23 @@ import json
 import sys
 from pathlib import Path
 
-from opweave.costmodel import HardwareSpec, ModelSpec, Plan, Profile
+from pydantic import TypeAdapter
+
+from opweave.costmodel import HardwareSpec, ModelSpec, Node, Plan, Profile
 
 SCHEMAS = {
     "plan.schema.json": Plan,
     "profile.schema.json": Profile,
     "hardware-gpu.schema.json": HardwareSpec,
     "model-spec.schema.json": ModelSpec,
+    # `opweave deploy`'s DIR/nodes.json: a top-level list of nodes
+    "nodes.schema.json": list[Node],
 }
 ROOT = Path(__file__).resolve().parent.parent / "schemas"
 
 
-def render(model: type) -> str:
-    return json.dumps(model.model_json_schema(), indent=2, sort_keys=True) + "\n"
+def render(model: object) -> str:
+    return json.dumps(TypeAdapter(model).json_schema(), indent=2, sort_keys=True) + "\n"
 
 
 def main() -> int:

@@ -21,7 +21,16 @@ def test_models_and_gpus_json() -> None:
     assert models["gemma-3-27b"]["block_layers"] == 6
     gpus = {g["id"]: g for g in cli_json("gpus")["gpus"]}
     assert gpus["h100-sxm"]["mem_bandwidth_bytes_per_s"] == 3.35e12
-    assert gpus["l4"]["usd_per_hour"] is None
+    assert gpus["l4"]["usd_per_hour"] == 0.44
+    assert "RunPod Community Cloud" in gpus["l4"]["price_source"]
+
+
+def test_gpus_table_says_where_each_price_comes_from() -> None:
+    out = run_cli("gpus").stdout
+    rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}
+    assert "RunPod Community Cloud on-demand, 2026-09-25" in rows["h100-sxm"]
+    assert "other basis: DigitalOcean" in rows["mi300x"]
+    assert "Override with --hardware" in out
 
 
 def test_estimate_json_fields() -> None:

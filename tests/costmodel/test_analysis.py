@@ -217,7 +217,7 @@ def test_weights_that_fit_no_unit_raise_one_line_error(llama, h100):
 def test_bad_inputs_are_config_errors(llama, h100, a100):
     cat = default_catalog()
     with pytest.raises(ConfigError, match="no price"):
-        analyze(llama, [cat.get("l4")], [4096])
+        analyze(llama, [cat.get("l4").model_copy(update={"usd_per_hour": None})], [4096])
     with pytest.raises(ConfigError, match="one or two GPU types"):
         analyze(llama, [h100, a100, cat.get("h200")], [4096])
     with pytest.raises(ConfigError, match=">= 1"):

@@ -119,4 +119,19 @@ def test_catalog_aliases_and_override_file(tmp_path) -> None:
     with pytest.raises(ConfigError, match="needs a list 'gpus'"):
         load_hardware_file(path)
     with pytest.raises(ConfigError, match="has no price"):
-        cat.get("l4").require_price()
+        cat.get("l4").model_copy(update={"usd_per_hour": None}).require_price()
+
+
+def test_every_builtin_gpu_is_priced_on_a_named_dated_basis() -> None:
+    import re
+
+    cat = default_catalog()
+    for gpu in cat:
+        assert gpu.usd_per_hour is not None and gpu.usd_per_hour > 0, gpu.id
+        assert re.search(r"\d{4}-\d{2}-\d{2}", gpu.price_source), gpu.price_source
+    # one basis: everything but the MI300X (not on RunPod's list) is RunPod Community Cloud
+    bases = {g.id for g in cat if "RunPod Community Cloud" in g.price_source}
+    assert bases == set(cat.ids) - {"mi300x"}
+    assert "other basis" in cat.get("mi300x").price_source
+    # within one basis, less memory of the same chip never costs more
+    assert cat.get("a100-40gb").usd_per_hour < cat.get("a100").usd_per_hour

@@ -21,7 +21,7 @@ from opweave.costmodel import (
     OrchestrationProfile,
     memory_bytes_per_rank,
 )
-from opweave.planner import candidate_templates, plan, plan_summary, resolve_devices
+from opweave.planner import candidate_templates, plan, resolve_devices
 from opweave.planner._private.evaluate import OwnerChoice, evaluate
 from opweave.planner._private.structure import OpTables, build_structure
 
@@ -185,8 +185,8 @@ def test_frontier_prunes_dominated_configurations_on_noisy_profiles(tiny_llama: 
         off = run_plan(tiny_llama, profiles, 1.0, frontier_pruning=False)
         removed += on.search.frontier_removed
         assert off.search.frontier_removed == 0
-        assert (plan_summary(on.best) if on.best else None) == (
-            plan_summary(off.best) if off.best else None
+        assert (on.summary(on.best) if on.best else None) == (
+            off.summary(off.best) if off.best else None
         )
     assert removed > 0
 

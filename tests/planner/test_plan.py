@@ -33,12 +33,28 @@ SUMMARY_KEYS = {
     "strategy",
     "usd_per_million_tokens",
     "tpot_s",
+    "tokens_per_s",
+    "usd_per_hour",
+    "gpus_used",
+    "nodes",
+    "replica_sets",
     "stages_per_token",
     "owners",
+    "placement",
     "microbatches",
+    "global_batch",
     "template_cuts",
     "internode_bytes_per_token",
     "compute_occupancy",
+}
+OWNER_KEYS = {
+    "gpu",
+    "tp",
+    "replicas",
+    "resident_batch",
+    "gpus",
+    "memory_bytes_per_gpu",
+    "memory_capacity_bytes_per_gpu",
 }
 
 
@@ -56,9 +72,55 @@ def all_plans(result):
     return [p for p in [result.best, *result.baselines.values()] if p is not None]
 
 
+def test_every_entry_adds_up(hetero_result, qwen32) -> None:
+    """GPUs, dollars per hour, tokens per second and cost per token of each entry agree with
+    each other and with the catalog's prices; the placement names every operator once."""
+    cat = default_catalog()
+    doc = hetero_result.to_json()
+    entries = [doc["best"], *(e for e in doc["baselines"].values() if e.get("strategy"))]
+    for e in entries:
+        used: dict[str, int] = {}
+        for o in e["owners"]:
+            used[o["gpu"]] = used.get(o["gpu"], 0) + o["replicas"] * o["tp"]
+            assert o["gpus"] == o["replicas"] * o["tp"]
+            assert 0 < o["memory_bytes_per_gpu"] <= o["memory_capacity_bytes_per_gpu"]
+            assert o["replicas"] * o["resident_batch"] == e["global_batch"]
+        assert e["gpus_used"] == used
+        assert sum(n["gpus"] for n in e["nodes"]) == sum(used.values())
+        assert e["usd_per_hour"] == pytest.approx(
+            sum(n * cat.get(g).usd_per_hour for g, n in used.items())
+        )
+        assert e["tokens_per_s"] == pytest.approx(e["global_batch"] / e["tpot_s"])
+        assert e["usd_per_million_tokens"] == pytest.approx(
+            e["usd_per_hour"] / 3600 / e["tokens_per_s"] * 1e6
+        )
+        assert e["replica_sets"] is None  # no inventory
+        # every (operator, layer kind) of the model runs somewhere, each layer exactly once
+        counts: dict[tuple[str, str | None], int] = {}
+        for owner in e["placement"]:
+            for op in owner["operators"]:
+                key = (op["name"], op["layer_kind"])
+                counts[key] = counts.get(key, 0) + (op["layers"] or 1)
+        expected: dict[tuple[str, str | None], int] = {}
+        for op in qwen32.operators:
+            kind = None if op.layer is None else qwen32.layers[op.layer].attention.value
+            expected[(op.name, kind)] = expected.get((op.name, kind), 0) + 1
+        assert counts == expected
+
+
 def test_json_has_exactly_the_contract_fields(hetero_result) -> None:
     doc = json.loads(json.dumps(hetero_result.to_json()))
-    assert set(doc) == {"best", "baselines", "search"}
+    assert set(doc) == {
+        "tpot_slo_s",
+        "context_tokens",
+        "inventory",
+        "best",
+        "baselines",
+        "search",
+        "assumptions",
+    }
+    assert doc["inventory"] == {"h100-sxm": None, "a100-sxm-80gb": None}
+    assert any("decode only" in a for a in doc["assumptions"])
     assert set(doc["best"]) == SUMMARY_KEYS
     assert set(doc["baselines"]) == {
         "colocated",
@@ -72,7 +134,7 @@ def test_json_has_exactly_the_contract_fields(hetero_result) -> None:
     assert set(doc["search"]) == {"simulator_calls", "candidates", "wall_s"}
     assert doc["search"]["simulator_calls"] > 0 and doc["search"]["candidates"] > 0
     for owner in doc["best"]["owners"]:
-        assert set(owner) == {"gpu", "tp", "replicas", "resident_batch"}
+        assert set(owner) == OWNER_KEYS
     assert doc["best"]["usd_per_million_tokens"] <= min(
         e["usd_per_million_tokens"] for e in doc["baselines"].values() if e.get("strategy")
     )

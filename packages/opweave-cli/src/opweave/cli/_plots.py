@@ -1,16 +1,24 @@
-"""Figures for ``opweave analyze --plot``: cost per token and ODS gains against context length."""
+"""Figures: ``opweave analyze --plot`` (cost per token and ODS gains against context length) and
+``opweave plan --plot`` (the cost vs TPOT frontier of an SLO sweep)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from opweave.costmodel._private.analysis import Analysis
 
-__all__ = ["plot_analysis"]
+__all__ = ["plot_analysis", "plot_frontier"]
+
+_FRONTIER_STYLE = {
+    "opweave": ("OpWeave", "black", "o"),
+    "colocated": ("colocated", "tab:blue", "s"),
+    "afd": ("AFD (attention-FFN disaggregation)", "tab:orange", "^"),
+    "cad": ("CAD (core-attention disaggregation)", "tab:green", "v"),
+}
 
 _HET_COLOR = "black"
 _LINEAR_GAIN_LIMIT = 5.0  # above this bound G_het (near 1) would be flattened: use a log axis
@@ -120,6 +128,63 @@ def plot_analysis(analysis: Analysis, path: str | Path) -> Path:
     gain_ax.grid(True, which="both", alpha=0.3)
     gain_ax.legend(fontsize=8, loc="best")
 
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_frontier(
+    frontier: dict[str, list[dict[str, Any] | None]], path: str | Path, *, title: str = ""
+) -> Path:
+    """Write a PNG of the cost vs TPOT frontier of an SLO sweep to ``path``.
+
+    ``frontier`` maps each strategy to its plan per SLO (``tpot_s``, ``usd_per_million_tokens``,
+    ``tpot_slo_s``; ``None`` where it cannot meet that SLO), as ``opweave plan --json`` prints
+    it. Each strategy is one line through the (achieved TPOT, cost) of its plans; the SLOs are
+    dotted vertical lines, so a point left of its SLO line met it with slack.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig, ax = plt.subplots(figsize=(8, 5.5), constrained_layout=True)
+    slos = sorted(
+        {p["tpot_slo_s"] for points in frontier.values() for p in points if p is not None}
+    )
+    for slo in slos:
+        ax.axvline(slo * 1e3, color="grey", lw=0.8, ls=":")
+    # OpWeave last and hollow: where it equals a baseline the baseline shows through
+    for name in sorted(frontier, key=lambda n: n == "opweave"):
+        label, color, marker = _FRONTIER_STYLE.get(name, (name, None, "o"))
+        shown = [p for p in frontier[name] if p is not None]
+        if not shown:
+            ax.plot([], [], color=color, marker=marker, label=f"{label}: no SLO met")
+            continue
+        ours = name == "opweave"
+        ax.plot(
+            [p["tpot_s"] * 1e3 for p in shown],
+            [p["usd_per_million_tokens"] for p in shown],
+            color=color,
+            marker=marker,
+            markersize=11 if ours else 6,
+            markerfacecolor="none" if ours else color,
+            lw=2.2 if ours else 1.4,
+            ls="--" if ours else "-",
+            zorder=5 if ours else 3,
+            label=label,
+        )
+    from matplotlib.ticker import ScalarFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(ScalarFormatter())
+    ax.yaxis.set_minor_formatter(ScalarFormatter())
+    ax.set_xlabel("TPOT of the plan (ms); dotted: the SLOs")
+    ax.set_ylabel("decode cost (USD per million tokens)")
+    ax.set_title(title or "cost vs TPOT")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path

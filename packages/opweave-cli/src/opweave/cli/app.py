@@ -11,7 +11,7 @@ import sys
 
 import typer
 
-from . import catalog, costs
+from . import catalog, costs, deploying
 
 app = typer.Typer(
     name="opweave",
@@ -23,6 +23,7 @@ app = typer.Typer(
 )
 catalog.register(app)
 costs.register(app)
+deploying.register(app)
 
 
 # Command groups whose libraries are optional installs: (CLI module, library it needs).

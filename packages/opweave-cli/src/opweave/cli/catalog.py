@@ -57,7 +57,7 @@ def models(json_out: JsonOpt = False) -> None:
 
 
 def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
-    """List the GPU catalog: memory, bandwidth, compute, links and price."""
+    """List the GPU catalog: memory, bandwidth, compute, links, price and its basis."""
     cat = catalog(hardware)
     rows = [gpu.model_dump() for gpu in cat]
     if json_out:
@@ -74,9 +74,30 @@ def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
                     g.intra_node_link,
                     f"{g.network_bandwidth_bytes_per_s * 8 / 1e9:.0f}",
                     "-" if g.usd_per_hour is None else f"{g.usd_per_hour:.2f}",
+                    _price_basis(g.price_source),
                 ]
                 for g in cat
             ],
-            ["gpu", "memory", "HBM TB/s", "BF16 TFLOPS", "intra-node", "net Gb/s", "USD/h"],
+            [
+                "gpu",
+                "memory",
+                "HBM TB/s",
+                "BF16 TFLOPS",
+                "intra-node",
+                "net Gb/s",
+                "USD/h",
+                "price basis",
+            ],
         )
     )
+    typer.echo(
+        "\nPrices: on-demand list prices per GPU-hour, from one provider and tier (RunPod "
+        "Community Cloud, runpod.io/pricing) for every GPU it lists, so ratios between GPU "
+        "types are fair; hyperscalers list the same GPUs at 2-4x. Override with --hardware "
+        "FILE (usd_per_hour, price_source)."
+    )
+
+
+def _price_basis(source: str) -> str:
+    """The catalog's price source without its citation key (the table's footnote explains it)."""
+    return source.removeprefix("[PRICE] ").strip() or "-"

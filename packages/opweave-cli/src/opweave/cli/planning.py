@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -102,15 +103,36 @@ class _Progress:
 
 def plan(
     model: ModelArg,
-    gpus: Annotated[str, typer.Option("--gpus", help="GPU types of the cluster: G1 or G1,G2.")],
+    gpus: Annotated[
+        str,
+        typer.Option(
+            "--gpus",
+            help="GPU types of the cluster: G1 or G1,G2; G:N bounds a type to N GPUs "
+            "(h100:16,a100:8), without a count it is unbounded.",
+        ),
+    ],
     context: Annotated[str, typer.Option("--context", help="Context tokens, e.g. 32K.")],
     tpot_slo_ms: Annotated[
-        float, typer.Option("--tpot-slo-ms", min=0.001, help="Time-per-output-token SLO in ms.")
+        str,
+        typer.Option(
+            "--tpot-slo-ms",
+            help="Time-per-output-token SLO in ms; several (20,30,50,100) sweep them and print "
+            "the cost vs TPOT frontier.",
+        ),
     ],
     profile: ProfileOpt = None,
     output: Annotated[
         Path | None,
-        typer.Option("-o", "--output", help="Write the best plan (Plan schema) to this file."),
+        typer.Option(
+            "-o",
+            "--output",
+            help="Write the best plan (Plan schema) to this file; with several SLOs, one file "
+            "per SLO (plan-50ms.json, ...).",
+        ),
+    ] = None,
+    plot: Annotated[
+        Path | None,
+        typer.Option("--plot", help="Draw the cost vs TPOT frontier of the SLOs to this PNG."),
     ] = None,
     batch: Annotated[
         int | None,
@@ -139,44 +161,174 @@ def plan(
     from opweave.costmodel import InfeasibleError, load_model
     from opweave.planner import plan as search
 
-    names = parse_list(gpus)
-    if len(names) > 2:
-        raise typer.BadParameter("--gpus takes one or two GPU types")
+    names, inventory = parse_gpus(gpus)
+    slos = parse_slos(tpot_slo_ms)
     if max_owners not in (1, 2, 3):
         raise typer.BadParameter(f"--max-owners must be 1, 2 or 3, got {max_owners}")
     shape = _batching(batch, microbatches)
     spec = load_model(model)
-    progress = _Progress(not json_out)
-    try:
-        result = search(
-            spec,
-            names,
-            context=parse_size(context),
-            tpot_slo_s=tpot_slo_ms / 1e3,
-            catalog=catalog(hardware),
-            profiles=load_profiles(profile),
-            frontier_pruning=not no_frontier_pruning,
-            branch_and_bound=not no_branch_and_bound,
-            progress=progress,
-            max_owners=max_owners,
-            **shape,
-        )
-    finally:
-        progress.close()
-    if result.best is None:
-        raise InfeasibleError(result.message())
-    if output is not None:
-        output.write_text(result.best.model_dump_json(indent=2) + "\n")
-    if json_out:
-        emit_json(result.to_json())
-        return
-    typer.echo("\n".join(result.describe()))
-    if output is not None:
+    cat, profiles = catalog(hardware), load_profiles(profile)
+    results = []
+    for slo in slos:
+        progress = _Progress(not json_out)
+        try:
+            results.append(
+                search(
+                    spec,
+                    names,
+                    context=parse_size(context),
+                    tpot_slo_s=slo / 1e3,
+                    catalog=cat,
+                    profiles=profiles,
+                    frontier_pruning=not no_frontier_pruning,
+                    branch_and_bound=not no_branch_and_bound,
+                    progress=progress,
+                    max_owners=max_owners,
+                    inventory=inventory,
+                    **shape,
+                )
+            )
+        finally:
+            progress.close()
+    if all(r.best is None for r in results):
+        raise InfeasibleError(results[0].message())
+    written = _write_plans(results, output)
+    if plot is not None:
+        from ._plots import plot_frontier
+
+        plot_frontier(frontier(results), plot, title=f"{spec.name}, context {context}")
+    if len(results) == 1:
+        if json_out:
+            emit_json(results[0].to_json())
+            return
+        typer.echo("\n".join(results[0].describe()))
+    else:
+        if json_out:
+            emit_json({"sweep": [r.to_json() for r in results], "frontier": frontier(results)})
+            return
+        typer.echo("\n".join(describe_sweep(results)))
+    for path, result in written:
+        assert result.best is not None
         ranks = sum(o.replicas * o.tp for o in result.best.owners)
         typer.echo(
-            f"plan written to {output} (runs on {ranks} rank{'s' if ranks > 1 else ''}: "
-            f"opweave run {output} --ranks {ranks} ...)"
+            f"plan written to {path} ({ranks} rank{'s' if ranks > 1 else ''}); deployment "
+            f"files: opweave deploy {path} -o DIR"
         )
+    if plot is not None:
+        typer.echo(f"frontier plot written to {plot}")
+
+
+FRONTIER = ("opweave", "colocated", "afd", "cad")
+
+
+def frontier(results: list[Any]) -> dict[str, list[dict[str, Any] | None]]:
+    """Per strategy, its plan at each SLO: ``{tpot_slo_s, tpot_s, usd_per_million_tokens}``,
+    or null where it cannot meet the SLO."""
+    out: dict[str, list[dict[str, Any] | None]] = {}
+    for name in FRONTIER:
+        points: list[dict[str, Any] | None] = []
+        for r in results:
+            p = r.best if name == "opweave" else r.baselines.get(name)
+            if p is None or p.prediction is None:
+                points.append(None)
+                continue
+            points.append(
+                {
+                    "tpot_slo_s": r.tpot_slo_s,
+                    "tpot_s": p.prediction.tpot_s,
+                    "usd_per_million_tokens": p.prediction.usd_per_million_tokens,
+                }
+            )
+        out[name] = points
+    return out
+
+
+def describe_sweep(results: list[Any]) -> list[str]:
+    """The cost vs TPOT frontier as a table, then each SLO's best plan in one line."""
+    front = frontier(results)
+    rows = []
+    for i, r in enumerate(results):
+        cells = [f"{r.tpot_slo_s * 1e3:g}"]
+        for name in FRONTIER:
+            pt = front[name][i]
+            cells.append(
+                "infeasible"
+                if pt is None
+                else f"${pt['usd_per_million_tokens']:.4g} @ {pt['tpot_s'] * 1e3:.1f} ms"
+            )
+        rows.append(cells)
+    header = ["SLO ms", "OpWeave", "colocated", "AFD", "CAD"]
+    lines = [
+        "Cost per million tokens vs TPOT: each strategy's cheapest plan per SLO "
+        "(AFD = attention-FFN disaggregation, CAD = core-attention disaggregation)",
+        table(rows, header),
+        "",
+    ]
+    lines += [f"{r.tpot_slo_s * 1e3:g} ms: {r.message()}" for r in results]
+    lines.append("assumptions: " + "; ".join(results[0].assumptions()))
+    return lines
+
+
+def _write_plans(results: list[Any], output: Path | None) -> list[tuple[Path, Any]]:
+    if output is None:
+        return []
+    written = []
+    for r in results:
+        if r.best is None:
+            continue
+        path = output
+        if len(results) > 1:
+            path = output.with_name(f"{output.stem}-{r.tpot_slo_s * 1e3:g}ms{output.suffix}")
+        path.write_text(r.best.model_dump_json(indent=2) + "\n")
+        written.append((path, r))
+    return written
+
+
+def parse_gpus(text: str) -> tuple[list[str], dict[str, int]]:
+    """``h100:16,a100`` -> (["h100", "a100"], {"h100": 16}); bad counts are one-line errors."""
+    from opweave.costmodel import ConfigError
+
+    names: list[str] = []
+    inventory: dict[str, int] = {}
+    for item in parse_list(text):
+        name, sep, count = item.partition(":")
+        name = name.strip()
+        if not name:
+            raise ConfigError(f"--gpus item {item!r} has no GPU type; write G or G:N, e.g. h100:8")
+        if name.lower() in (n.lower() for n in names):
+            raise ConfigError(f"--gpus names {name} more than once; give each GPU type once")
+        names.append(name)
+        if not sep:
+            continue
+        if not re.fullmatch(r"[0-9]+", count.strip()) or int(count) < 1:
+            raise ConfigError(
+                f"--gpus {item!r}: the count of {name} must be a positive whole number of GPUs, "
+                f"got {count.strip()!r}"
+            )
+        inventory[name] = int(count)
+    if len(names) > 2:
+        raise ConfigError(f"--gpus takes one or two GPU types, got {len(names)}")
+    return names, inventory
+
+
+def parse_slos(text: str) -> list[float]:
+    """``50,20`` -> [20.0, 50.0] (ms): positive, finite, distinct, ascending."""
+    import math
+
+    from opweave.costmodel import ConfigError
+
+    slos = []
+    for item in parse_list(text):
+        try:
+            value = float(item)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"--tpot-slo-ms takes positive numbers of ms, got {item!r}")
+        slos.append(value)
+    if len(set(slos)) < len(slos):
+        raise ConfigError(f"--tpot-slo-ms {text!r} names an SLO more than once")
+    return sorted(slos)
 
 
 def _batching(batch: int | None, microbatches: str | None) -> dict[str, Any]:

@@ -42,6 +42,17 @@ from ._private.fit import (
     profile_operators,
     synthesize_profile,
 )
+from ._private.formulas import (
+    boundary_transfer_s,
+    fan_out_s,
+    intra_node_link,
+    link_time_s,
+    max_resident_batch,
+    pod_gpus,
+    replica_counts,
+    usd_per_hour_per_request,
+    usd_per_million_tokens,
+)
 from ._private.hardware import (
     BUILTIN_GPUS,
     HARDWARE_SCHEMA_VERSION,
@@ -61,6 +72,15 @@ from ._private.model import (
     TPCollective,
 )
 from ._private.models import BUILTIN_MODELS, load_model, read_config
+from ._private.nodes import (
+    Node,
+    copies_in_inventory,
+    fits_inventory,
+    inventory_nodes,
+    node_layout,
+    plan_groups,
+    plan_nodes,
+)
 from ._private.plan import (
     PLAN_SCHEMA_VERSION,
     TP_DEGREES,
@@ -184,12 +204,30 @@ __all__ = [
     "colocated_template",
     "plan_model",
     "segments",
+    # deployment: nodes and inventories
+    "Node",
+    "copies_in_inventory",
+    "fits_inventory",
+    "inventory_nodes",
+    "node_layout",
+    "plan_groups",
+    "plan_nodes",
     # analysis (paper §3)
     "Analysis",
     "CadFeasibility",
     "GpuAnalysis",
     "HeterogeneousAnalysis",
     "analyze",
+    # serving formulas (one rule each, numpy, broadcasting)
+    "boundary_transfer_s",
+    "fan_out_s",
+    "intra_node_link",
+    "link_time_s",
+    "max_resident_batch",
+    "pod_gpus",
+    "replica_counts",
+    "usd_per_hour_per_request",
+    "usd_per_million_tokens",
     # roofline and estimates
     "StepEstimate",
     "estimate_step",

@@ -13,8 +13,17 @@ Sources, cited once here and by key below:
   [DEEPOPS] NVIDIA DeepOps multi-node all-reduce: 191 of 200 GB/s (HDR) per 8-GPU node.
   [NIC] per-GPU NICs: DGX A100 8x ConnectX-6 HDR 200 Gb/s; HGX H100/H200 and DGX B200 8x
   ConnectX-7 NDR 400 Gb/s (MLPerf system descriptions).
-  [PRICE] median of dated 2026 on-demand list offers per GPU-hour (provider pricing pages read
-  2026-08 to 2026-11: RunPod, Lambda, Nebius, Hyperstack, Akash, AWS, GCP, DigitalOcean).
+  [PRICE] One basis for every GPU RunPod rents, so that comparisons between GPU types are fair:
+  RunPod's on-demand Community Cloud list price per GPU-hour (runpod.io/pricing), the one
+  provider and tier that lists nearly the whole catalog. Read 2026-09-25 (tgarg01/silybench-data
+  derived/csv/gpu_prices.csv) for H100 SXM, H100 PCIe, H200, B200, A100 SXM 80GB and L40S; the
+  A100 SXM 40GB from the 2026-08-19 RunPod snapshot of the privum/ai-compute-prices dataset
+  (its other RunPod Community prices equal the 2026-09-25 ones); the L4 from deploybase.ai's
+  "RunPod GPU Pricing" (2026-03-10), whose RunPod Community figures equal the 2026-09-25 list
+  for all seven GPUs both name. The MI300X is not on that list: DigitalOcean's on-demand price
+  (2026-10-07, HF dataset tokenwatt/gpu-cloud-prices) stands in, marked as another basis.
+  Community Cloud is the low end of the market (hyperscalers list the same GPUs at 2-4x); plans
+  depend on the price ratios. Override any price with ``--hardware`` (``usd_per_hour``).
   [VLLM] vLLM EngineArgs default gpu_memory_utilization = 0.9 of device memory.
 Where no measurement was found the factor is marked ASSUMED; override any field with
 ``--hardware FILE``.
@@ -104,8 +113,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.89,
         compute_efficiency=0.80,  # [BABEL] [MAMF]
         link_efficiency=0.84,  # [NCCL-P2P]
-        usd_per_hour=3.99,
-        price_source="[PRICE] median of 7 offers 2.69-10.98, = Lambda 8x H100 SXM, 2026-09-20",
+        usd_per_hour=2.69,
+        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
     _gpu(
         id="h200-sxm",
@@ -120,8 +129,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.86,
         compute_efficiency=0.80,  # [BABEL] [MAMF: =H100]
         link_efficiency=0.84,
-        usd_per_hour=4.45,
-        price_source="[PRICE] median of 5 offers 3.59-4.59, 2026-08/09",
+        usd_per_hour=3.59,
+        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
     _gpu(
         id="a100-sxm-80gb",
@@ -136,8 +145,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.83,
         compute_efficiency=0.87,  # [BABEL] [MAMF]
         link_efficiency=0.84,
-        usd_per_hour=1.71,
-        price_source="[PRICE] median of 5 offers 1.39-3.43, = Akash, 2026-09-20",
+        usd_per_hour=1.39,
+        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
     _gpu(
         id="a100-sxm-40gb",
@@ -152,8 +161,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.83,
         compute_efficiency=0.87,
         link_efficiency=0.84,
-        usd_per_hour=2.74,
-        price_source="[PRICE] median of 3 offers 1.99-3.40, = AWS p4d, 2026-11-09",
+        usd_per_hour=1.00,
+        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-08-19",
     ),
     _gpu(
         id="h100-pcie",
@@ -166,8 +175,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         network_bandwidth_bytes_per_s=25 * GB,  # ASSUMED
         memory_efficiency=0.85,
         compute_efficiency=0.80,  # ASSUMED (as SXM)
-        usd_per_hour=2.89,
-        price_source="[PRICE] median of 3 offers 1.99-3.29, 2026-09-25",
+        usd_per_hour=1.99,
+        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
     _gpu(
         id="l40s",
@@ -186,8 +195,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         compute_efficiency=0.70,  # ASSUMED
         link_efficiency=0.80,
         gpus_per_node=8,
-        usd_per_hour=1.09,
-        price_source="[PRICE] median of 3 offers 0.79-1.55, = RunPod Secure, 2026-09-25",
+        usd_per_hour=0.79,
+        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
     _gpu(
         id="l4",
@@ -205,8 +214,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.80,
         compute_efficiency=0.50,
         link_efficiency=0.80,
-        usd_per_hour=None,
-        price_source="no dated primary-source price found; set one with --hardware",
+        usd_per_hour=0.44,
+        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-03-10",
     ),
     _gpu(
         id="b200",
@@ -220,8 +229,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.80,
         compute_efficiency=0.78,  # ASSUMED mem; [MAMF]
         link_efficiency=0.84,
-        usd_per_hour=6.69,
-        price_source="[PRICE] median of 7 offers 5.00-7.15, = Lambda 8x B200, 2026-09-20",
+        usd_per_hour=5.98,
+        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
     _gpu(
         id="mi300x",
@@ -237,7 +246,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         compute_efficiency=0.51,  # [BABEL] [MAMF]
         link_efficiency=0.80,
         usd_per_hour=2.59,
-        price_source="[PRICE] only dated list price: DigitalOcean, 2026-10-07",
+        price_source="other basis: DigitalOcean on-demand, 2026-10-07 (not on RunPod's list)",
     ),
 )
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
+from .formulas import max_resident_batch
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec, TPCollective
 from .profile import (
@@ -201,10 +200,7 @@ def max_batch(
     context: float,
 ) -> int:
     """Largest integer batch whose weights, state and activations fit on every rank."""
-    free = hardware.usable_memory_bytes - weight_bytes_per_rank(ops, tp)
-    if free <= 0:
-        return 0
     per_request = state_bytes_per_rank(ops, tp, 1.0, context) + activation_bytes_per_rank(ops, 1.0)
-    if per_request <= 0:
-        return 1 << 30
-    return int(np.floor(free / per_request))
+    return max_resident_batch(
+        hardware.usable_memory_bytes, weight_bytes_per_rank(ops, tp), per_request
+    )

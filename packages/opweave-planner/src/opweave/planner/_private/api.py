@@ -11,13 +11,17 @@ Phases (all in the same machinery, each exact over its part of the space):
 
 When a phase finds nothing that meets the SLO, a second search of the same kind minimises TPOT
 instead to name the tightest plan.
+
+An ``inventory`` bounds the GPUs of some types: every phase keeps only plans whose replica set,
+laid out on nodes (:func:`opweave.costmodel.node_layout`), fits it. When none does, a search
+for the fewest GPUs that meet the SLO without the bound says what the smallest plan needs.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from opweave.costmodel import HardwareCatalog, ModelSpec, Plan, Profile
 from opweave.costmodel.errors import ConfigError
@@ -64,6 +68,7 @@ def plan(
     max_owners: int = 2,
     microbatches: Sequence[int] = MICROBATCHES,
     u_grid: Sequence[int] = U_GRID,
+    inventory: Mapping[str, int] | None = None,
 ) -> PlanResult:
     """Cheapest plan (USD per token) whose steady-state TPOT meets ``tpot_slo_s``.
 
@@ -72,6 +77,8 @@ def plan(
     sub-search. ``frontier_pruning`` / ``branch_and_bound`` switch off the two reductions (for
     ablations: the optimum is the same). ``max_owners``, ``microbatches`` and ``u_grid``
     (per-replica microbatch sizes; the resident batch is ``microbatches * u``) shape the space.
+    ``inventory`` maps some of ``gpus`` to the number of GPUs of that type available (the
+    others are unbounded): every plan returned, best and baselines, fits it on whole nodes.
     """
     started = time.perf_counter()
     if context < 1:
@@ -90,6 +97,12 @@ def plan(
     if max_owners not in (1, 2, 3):
         raise ConfigError(f"max_owners must be 1, 2 or 3, got {max_owners}")
     devices = resolve_devices(gpus, model, catalog=catalog, profiles=profiles)
+    if len(devices) < len(gpus):
+        ids = [resolve_devices([g], model, catalog=catalog, profiles=profiles)[0].id for g in gpus]
+        twice = next(i for i in ids if ids.count(i) > 1)
+        given = ", ".join(g for g, i in zip(gpus, ids, strict=True) if i == twice)
+        raise ConfigError(f"GPU type {twice} is given more than once ({given}); name it once")
+    limits = _inventory_limits(inventory, devices, model, catalog, profiles)
     if len(devices) > 2:
         raise ConfigError(
             f"at most two GPU types per plan, got {len(devices)} "
@@ -131,6 +144,7 @@ def plan(
         progress=progress,
         cache=cache,
         u_grid=sorted({int(u) for u in u_grid}),
+        inventory=limits,
     )
     phase_jobs = {
         (b, het): jobs(b, het)
@@ -168,6 +182,7 @@ def plan(
         progress=None,
         cache=cache,
         u_grid=sorted({int(u) for u in u_grid}),
+        inventory=limits,
     )
     reasons: dict[str, str] = {}
     tight_found: dict[str, Leaf | None] = {}
@@ -183,7 +198,12 @@ def plan(
             pool = all_jobs
         t = tight_found[name] = tight.run(pool, None, f"tightest {name}")
         label = name.replace("_", " ")
-        if t is None:
+        if t is None and limits:
+            reasons[name] = (
+                f"no {label} plan fits the inventory ({inventory_text(limits, devices)}) "
+                f"at context {context}"
+            )
+        elif t is None:
             reasons[name] = (
                 f"{label} does not fit in memory on {', '.join(d.id for d in devices)}"
                 f" at context {context} with any TP degree and batch"
@@ -196,6 +216,20 @@ def plan(
             )
     best_name = "opweave_heterogeneous" if hetero else "opweave_homogeneous"
     tightest_leaf = tight_found.get(best_name) if best_leaf is None else None
+    smallest_leaf = None
+    if best_leaf is None and limits:
+        # what the SLO needs without the inventory: the fewest GPUs of any plan meeting it
+        smallest_leaf = Searcher(
+            tables,
+            devices,
+            slo_s=tpot_slo_s,
+            objective="gpus",
+            frontier=frontier_pruning,
+            bnb=branch_and_bound,
+            stats=stats,
+            cache=cache,
+            u_grid=sorted({int(u) for u in u_grid}),
+        ).run(all_jobs, None, "smallest plan")
 
     plans = {
         name: (_leaf_plan(model, tables, devices, leaf, tpot_slo_s) if leaf else None)
@@ -218,4 +252,43 @@ def plan(
             else None
         ),
         template_names=names,
+        inventory={d.id: limits.get(d.id) for d in devices},
+        smallest=(
+            _leaf_plan(model, tables, devices, smallest_leaf, tpot_slo_s)
+            if smallest_leaf is not None
+            else None
+        ),
+        spec=model,
+        devices=tuple(devices),
     )
+
+
+def inventory_text(limits: Mapping[str, int | None], devices: Sequence[Device]) -> str:
+    """``h100-sxm:16, a100-sxm-80gb`` (unbounded types without a count)."""
+    return ", ".join(
+        d.id if limits.get(d.id) is None else f"{d.id}:{limits[d.id]}" for d in devices
+    )
+
+
+def _inventory_limits(
+    inventory: Mapping[str, int] | None,
+    devices: Sequence[Device],
+    model: ModelSpec,
+    catalog: HardwareCatalog | None,
+    profiles: Sequence[Profile],
+) -> dict[str, int]:
+    """Device id -> GPU count of the bounded types, checked against the chosen devices."""
+    limits: dict[str, int] = {}
+    ids = {d.id for d in devices}
+    for name, count in (inventory or {}).items():
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ConfigError(
+                f"inventory count of {name} must be a positive whole number of GPUs, got {count!r}"
+            )
+        gpu = resolve_devices([name], model, catalog=catalog, profiles=profiles)[0].id
+        if gpu not in ids:
+            raise ConfigError(f"the inventory names {name}, which is not one of the GPU types")
+        if gpu in limits:
+            raise ConfigError(f"the inventory gives GPU type {gpu} more than once")
+        limits[gpu] = count
+    return limits

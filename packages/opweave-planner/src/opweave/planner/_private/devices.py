@@ -7,7 +7,6 @@ and may add new ids (a ``cpu`` profile makes ``--gpus cpu`` valid).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -34,13 +33,15 @@ LINKS = ("intra_node", "network")
 
 @dataclass(frozen=True)
 class Link:
-    """Affine transfer time ``latency_s + bytes * s_per_byte`` of one device over one link."""
+    """Coefficients of the affine transfer time of one device over one link
+    (:func:`opweave.costmodel.link_time_s`)."""
 
     latency_s: float
     s_per_byte: float
 
-    def time_s(self, num_bytes: float) -> float:
-        return self.latency_s + num_bytes * self.s_per_byte
+    @property
+    def coeffs(self) -> tuple[float, float]:
+        return (self.latency_s, self.s_per_byte)
 
 
 @dataclass(frozen=True)
@@ -168,40 +169,3 @@ def resolve_devices(
             )
         )
     return out
-
-
-def link_kind(a: Device, tp_a: int, b_a: int, b: Device, tp_b: int, b_b: int) -> str:
-    """Link between two owners' replicas.
-
-    Replicas pair up in pods of ``lcm(b_a, b_b)`` requests (``lcm/b_a`` replicas of one owner and
-    ``lcm/b_b`` of the other). Same GPU type and a pod that fits in one node -> the intra-node
-    link; otherwise the network.
-    """
-    if a.id != b.id:
-        return "network"
-    pod = math.lcm(b_a, b_b)
-    gpus = tp_a * (pod // b_a) + tp_b * (pod // b_b)
-    return "intra_node" if gpus <= a.hardware.gpus_per_node else "network"
-
-
-def transfer_s(
-    beta: float,
-    src: Device,
-    tp_src: int,
-    u_src: float,
-    dst: Device,
-    tp_dst: int,
-    u_dst: float,
-    kind: str,
-) -> float:
-    """One microbatch's activations across one boundary.
-
-    ``beta`` bytes per token; a source replica sends ``u_src`` tokens, a destination replica
-    receives ``u_dst`` tokens (fan-in or fan-out when the two differ serialises on the side with
-    more tokens). A tensor-parallel destination receives once at its leader, which fans the
-    activations out to its ``tp - 1`` peers over the intra-node link.
-    """
-    send = src.link(kind).time_s(beta * u_src)
-    recv = dst.link(kind).time_s(beta * u_dst)
-    fan = dst.intra.time_s(beta * u_dst * (tp_dst - 1)) if tp_dst > 1 else 0.0
-    return max(send, recv) + fan

@@ -41,13 +41,20 @@ from opweave.costmodel import (
     Prediction,
     Profile,
     afd_template,
+    boundary_transfer_s,
     cad_template,
+    intra_node_link,
+    max_resident_batch,
     memory_bytes_per_rank,
     plan_model,
+    replica_counts,
+    usd_per_hour_per_request,
+    weight_bytes_per_rank,
 )
+from opweave.costmodel import usd_per_million_tokens as usd_per_mtok
 from opweave.costmodel.errors import ConfigError, InfeasibleError
 
-from .devices import Device, link_kind, resolve_devices, transfer_s
+from .devices import Device, resolve_devices
 from .simulator import Pipeline, TraceEvent, cycle_time, simulate_events, steady_window
 from .structure import OpTables, Structure, build_structure, slot_ops
 
@@ -103,14 +110,20 @@ def build_pipeline(
         src, dst = owners[a], owners[b]
         kind = pair_kind.get((a, b))
         if kind is None:
-            kind = pair_kind[(a, b)] = link_kind(
-                src.device, src.tp, src.resident_batch, dst.device, dst.tp, dst.resident_batch
-            )
+            kind = pair_kind[(a, b)] = link_kind(src, dst)
         kinds[s] = kind
         key = (a, b, st.beta[s])
         if key not in memo:
-            memo[key] = transfer_s(
-                st.beta[s], src.device, src.tp, us[a], dst.device, dst.tp, us[b], kind
+            memo[key] = float(
+                boundary_transfer_s(
+                    st.beta[s],
+                    us[a],
+                    us[b],
+                    dst.tp,
+                    src.device.link(kind).coeffs,
+                    dst.device.link(kind).coeffs,
+                    dst.device.intra.coeffs,
+                )
             )
         transfer[s] = memo[key]
         # a host-driven transport also occupies both ranks' compute streams (CPU ranks)
@@ -201,14 +214,31 @@ def idle_since_last_run(pipe: Pipeline, iterations: int = 6) -> np.ndarray:
     return idle
 
 
+def link_kind(src: OwnerChoice, dst: OwnerChoice) -> str:
+    """The link between two owners' replicas (:func:`opweave.costmodel.intra_node_link`)."""
+    intra = intra_node_link(
+        src.device.id == dst.device.id,
+        src.tp,
+        src.resident_batch,
+        dst.tp,
+        dst.resident_batch,
+        src.device.hardware.gpus_per_node,
+    )
+    return "intra_node" if bool(intra) else "network"
+
+
+def cost_rate(owners: Sequence[OwnerChoice]) -> float:
+    """USD per hour per request of a plan's owners, summed (times TPOT: cost per token)."""
+    return float(
+        sum(
+            usd_per_hour_per_request(ch.tp, ch.device.usd_per_hour, ch.resident_batch)
+            for ch in owners
+        )
+    )
+
+
 def usd_per_million_tokens(tpot_s: float, owners: Sequence[OwnerChoice]) -> float:
-    rate = sum(ch.tp * ch.device.usd_per_hour / ch.resident_batch for ch in owners)
-    return tpot_s * rate / 3600.0 * 1e6
-
-
-def replicas(batches: Sequence[int]) -> list[int]:
-    g = math.lcm(*batches)
-    return [g // b for b in batches]
+    return float(usd_per_mtok(tpot_s, cost_rate(owners)))
 
 
 @dataclass(frozen=True)
@@ -284,7 +314,7 @@ def make_plan(
     evaluation: Evaluation | None = None,
 ) -> Plan:
     ev = evaluation or evaluate(st, tables, owners, microbatches)
-    reps = replicas([ch.resident_batch for ch in owners])
+    reps = replica_counts([ch.resident_batch for ch in owners])
     plan_owners = tuple(
         Owner(gpu=ch.device.id, tp=ch.tp, replicas=r, resident_batch=ch.resident_batch)
         for ch, r in zip(owners, reps, strict=True)
@@ -386,12 +416,13 @@ def simulate_plan(
     st = build_structure(model, tables, plan.template, len(owners))
     mem, cap = [], []
     for j, ch in enumerate(owners):
-        need = memory_bytes_per_rank(
-            list(st.slot_ops[j]), ch.tp, ch.resident_batch, plan.context_tokens
-        )
+        ops = list(st.slot_ops[j])
+        need = memory_bytes_per_rank(ops, ch.tp, ch.resident_batch, plan.context_tokens)
         mem.append(need)
         cap.append(ch.device.hardware.usable_memory_bytes)
-        if check_memory and need > cap[-1]:
+        weights = weight_bytes_per_rank(ops, ch.tp)
+        per_request = memory_bytes_per_rank(ops, ch.tp, 1.0, plan.context_tokens) - weights
+        if check_memory and ch.resident_batch > max_resident_batch(cap[-1], weights, per_request):
             raise InfeasibleError(
                 f"owner {j} ({ch.device.id} tp{ch.tp}, resident batch {ch.resident_batch}) needs "
                 f"{need / 1e9:.1f} GB per GPU but has {cap[-1] / 1e9:.1f} GB usable; lower its "

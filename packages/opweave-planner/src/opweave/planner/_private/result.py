@@ -1,16 +1,35 @@
-"""What :func:`opweave.planner.plan` returns: the best plan, the baselines and search figures."""
+"""What :func:`opweave.planner.plan` returns: the best plan, the baselines and search figures,
+as JSON (``opweave plan --json``) and in plain words (``opweave plan``)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from opweave.costmodel import Plan
+from opweave.costmodel import (
+    ModelSpec,
+    Plan,
+    copies_in_inventory,
+    memory_bytes_per_rank,
+    plan_nodes,
+    segments,
+)
 from opweave.costmodel.errors import InfeasibleError
 
+from .devices import Device
 from .search import SearchStats
 
 BASELINES = ("colocated", "afd", "cad")
+
+# What each strategy is, in words (spelled out once in the text output).
+STRATEGY_WORDS = {
+    "colocated": "colocated (the whole model on one device group)",
+    "afd": "AFD (attention-FFN disaggregation: attention modules and FFN/MoE on separate owners)",
+    "cad": "CAD (core-attention disaggregation: core attention alone, everything else elsewhere)",
+    "opweave": "OpWeave (the cheapest operator partition of the searched space)",
+}
+KIND_WORDS = {"full": "full-attention", "sliding": "sliding-window", "linear": "linear-attention"}
 
 
 def describe_plan(plan: Plan) -> str:
@@ -23,20 +42,94 @@ def describe_plan(plan: Plan) -> str:
     )
 
 
-def plan_summary(plan: Plan) -> dict[str, Any]:
-    """The JSON view of a plan used by ``opweave plan --json``."""
+def gpus_used(plan: Plan) -> dict[str, int]:
+    """GPUs of each type one deployment of the plan uses: ``sum(replicas * tp)``."""
+    out: dict[str, int] = {}
+    for o in plan.owners:
+        out[o.gpu] = out.get(o.gpu, 0) + o.replicas * o.tp
+    return out
+
+
+def placement(plan: Plan, model: ModelSpec) -> list[dict[str, Any]]:
+    """Which operators run on which owner: per owner, its operators by name and layer kind
+    (``layer_kind`` null for the model's first and last operators), with the number of layers
+    in which the owner runs each, in model order."""
+    segs = segments(model, plan.template, len(plan.owners))
+    out = []
+    for j, owner in enumerate(plan.owners):
+        seen: dict[tuple[str, str | None], set[int]] = {}
+        for seg in segs:
+            if seg.owner != j:
+                continue
+            for op in seg.ops:
+                kind = None if op.layer is None else model.layers[op.layer].attention.value
+                seen.setdefault((op.name, kind), set())
+                if op.layer is not None:
+                    seen[(op.name, kind)].add(op.layer)
+        out.append(
+            {
+                "owner": j,
+                "gpu": owner.gpu,
+                "tp": owner.tp,
+                "replicas": owner.replicas,
+                "operators": [
+                    {"name": name, "layer_kind": kind, "layers": len(layers) if kind else None}
+                    for (name, kind), layers in seen.items()
+                ],
+            }
+        )
+    return out
+
+
+def plan_summary(
+    plan: Plan,
+    model: ModelSpec,
+    devices: Sequence[Device],
+    inventory: Mapping[str, int | None] | None = None,
+) -> dict[str, Any]:
+    """The JSON view of a plan used by ``opweave plan --json`` (one deployment of it: every
+    figure is for the plan's replicas as written).
+
+    ``devices`` price the GPUs and give their usable memory and node size; with ``inventory``
+    (GPU id -> count, ``None`` unbounded) ``replica_sets`` says how many independent
+    deployments of the plan the inventory holds.
+    """
     pred = plan.prediction
-    assert pred is not None, "planner plans carry a prediction"
+    assert pred is not None and pred.tokens_per_s_per_replica_set is not None
+    by_id = {d.id: d for d in devices}
+    segs = segments(model, plan.template, len(plan.owners))
+    owners = []
+    for j, o in enumerate(plan.owners):
+        ops = [op for s in segs if s.owner == j for op in s.ops]
+        owners.append(
+            {
+                "gpu": o.gpu,
+                "tp": o.tp,
+                "replicas": o.replicas,
+                "resident_batch": o.resident_batch,
+                "gpus": o.replicas * o.tp,
+                "memory_bytes_per_gpu": memory_bytes_per_rank(
+                    ops, o.tp, o.resident_batch, plan.context_tokens
+                ),
+                "memory_capacity_bytes_per_gpu": by_id[o.gpu].hardware.usable_memory_bytes,
+            }
+        )
+    per_node = {d.id: d.hardware.gpus_per_node for d in devices}
+    nodes = [(n.gpu, n.gpus) for n in plan_nodes(plan, per_node)]
     return {
         "strategy": plan.strategy,
         "usd_per_million_tokens": pred.usd_per_million_tokens,
         "tpot_s": pred.tpot_s,
+        "tokens_per_s": pred.tokens_per_s_per_replica_set,
+        "usd_per_hour": sum(o.replicas * o.tp * by_id[o.gpu].usd_per_hour for o in plan.owners),
+        "gpus_used": gpus_used(plan),
+        "nodes": [{"gpu": g, "gpus": n} for g, n in nodes],
+        "replica_sets": copies_in_inventory(nodes, inventory or {}, per_node),
         "stages_per_token": pred.stages_per_token,
-        "owners": [
-            {"gpu": o.gpu, "tp": o.tp, "replicas": o.replicas, "resident_batch": o.resident_batch}
-            for o in plan.owners
-        ],
+        "owners": owners,
+        "placement": placement(plan, model),
         "microbatches": plan.microbatches,
+        "global_batch": plan.global_batch,
         "template_cuts": list(plan.template.cuts),
         "internode_bytes_per_token": pred.internode_bytes_per_token,
         "compute_occupancy": pred.compute_occupancy,
@@ -48,6 +141,10 @@ def _usd(plan: Plan) -> float:
     return plan.prediction.usd_per_million_tokens
 
 
+def _gpus_text(counts: Mapping[str, int]) -> str:
+    return " + ".join(f"{n} x {gpu}" for gpu, n in counts.items())
+
+
 @dataclass(frozen=True)
 class PlanResult:
     """Outcome of a plan search.
@@ -55,7 +152,9 @@ class PlanResult:
     ``baselines`` maps ``colocated``, ``afd``, ``cad``, ``opweave_homogeneous`` and (with two GPU
     types) ``opweave_heterogeneous`` to their best plan, or ``None`` with the cause in
     ``reasons``. ``tightest`` is the lowest-TPOT plan of the whole space when nothing meets the
-    SLO (``None`` otherwise, or when nothing fits in memory).
+    SLO (``None`` otherwise, or when nothing fits in memory). ``inventory`` maps each GPU type to
+    its count (``None``: unbounded); when it is too small for every plan meeting the SLO,
+    ``smallest`` is the plan with the fewest GPUs that meets it without the bound.
     """
 
     model: str
@@ -68,10 +167,21 @@ class PlanResult:
     search: SearchStats
     tightest: Plan | None = None
     template_names: dict[tuple[int, ...], str] = field(default_factory=dict, repr=False)
+    inventory: dict[str, int | None] = field(default_factory=dict)
+    smallest: Plan | None = None
+    spec: ModelSpec | None = field(default=None, repr=False, compare=False)
+    devices: tuple[Device, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def feasible(self) -> bool:
         return self.best is not None
+
+    @property
+    def bounded(self) -> bool:
+        return any(v is not None for v in self.inventory.values())
+
+    def inventory_text(self) -> str:
+        return ", ".join(g if n is None else f"{g}:{n}" for g, n in self.inventory.items())
 
     def message(self) -> str:
         """One line: the best plan, or why there is none and what to do."""
@@ -83,7 +193,28 @@ class PlanResult:
                 f"best: {describe_plan(self.best)} at ${_usd(self.best):.4g} per million "
                 f"tokens, TPOT {pred.tpot_s * 1e3:.2f} ms (SLO {slo_ms:g} ms)"
             )
+        if self.smallest is not None:
+            need = gpus_used(self.smallest)
+            within = ""
+            if self.tightest is not None and self.tightest.prediction is not None:
+                within = (
+                    f" (within it the tightest TPOT is "
+                    f"{self.tightest.prediction.tpot_s * 1e3:.2f} ms)"
+                )
+            return (
+                f"no plan that fits the inventory {self.inventory_text()} meets the {slo_ms:g} "
+                f"ms TPOT SLO{within}; the smallest plan that meets it needs "
+                f"{_gpus_text(need)}: {describe_plan(self.smallest)}; raise the counts in --gpus "
+                "or relax --tpot-slo-ms"
+            )
         if self.tightest is None:
+            if self.bounded:
+                return (
+                    f"{self.model} does not fit the inventory {self.inventory_text()} at context "
+                    f"{self.context_tokens}, and no plan meets the {slo_ms:g} ms TPOT SLO on "
+                    "any number of these GPUs either; add a GPU type with more memory, shorten "
+                    "the context or relax --tpot-slo-ms"
+                )
             return (
                 f"{self.model} does not fit on {', '.join(self.gpus)} at context "
                 f"{self.context_tokens}: no owner configuration holds its weights and state; "
@@ -101,12 +232,32 @@ class PlanResult:
         if self.best is None:
             raise InfeasibleError(self.message())
 
+    def summary(self, plan: Plan) -> dict[str, Any]:
+        """:func:`plan_summary` of one of this result's plans."""
+        assert self.spec is not None, "PlanResult built by plan() carries its model"
+        return plan_summary(plan, self.spec, self.devices, self.inventory)
+
+    def assumptions(self) -> list[str]:
+        """What every figure of the result assumes, in words."""
+        return [
+            "decode only: prefill is not modelled",
+            f"every request is at the {self.context_tokens}-token context",
+            "every replica's resident batch is full (requests always waiting)",
+            "prices are on-demand list prices per GPU-hour, dated in `opweave gpus` and "
+            "overridable with --hardware; cost counts only the GPUs a plan uses",
+            "GPU counts with no given number are unbounded (cost per token does not depend on "
+            "the number of replica sets)",
+        ]
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "best": plan_summary(self.best) if self.best is not None else None,
+            "tpot_slo_s": self.tpot_slo_s,
+            "context_tokens": self.context_tokens,
+            "inventory": dict(self.inventory),
+            "best": self.summary(self.best) if self.best is not None else None,
             "baselines": {
                 name: (
-                    plan_summary(plan)
+                    self.summary(plan)
                     if plan is not None
                     else {"plan": None, "reason": self.reasons.get(name, "infeasible")}
                 )
@@ -117,57 +268,122 @@ class PlanResult:
                 "candidates": self.search.candidates,
                 "wall_s": self.search.wall_s,
             },
+            "assumptions": self.assumptions(),
         }
         if self.best is None:
             out["reason"] = self.message()
-            out["tightest"] = plan_summary(self.tightest) if self.tightest is not None else None
+            out["tightest"] = self.summary(self.tightest) if self.tightest is not None else None
+            if self.bounded:
+                out["smallest"] = self.summary(self.smallest) if self.smallest is not None else None
         return out
 
+    # -- plain words ---------------------------------------------------------------------------
+    def _owner_lines(self, plan: Plan) -> list[str]:
+        doc = self.summary(plan)
+        lines = []
+        for o, place in zip(doc["owners"], doc["placement"], strict=True):
+            reps = f"{o['replicas']} replica{'s' if o['replicas'] > 1 else ''}"
+            used, cap = o["memory_bytes_per_gpu"] / 1e9, o["memory_capacity_bytes_per_gpu"] / 1e9
+            lines.append(
+                f"    owner {place['owner']}: {reps} of {o['tp']} x {o['gpu']} (TP{o['tp']}), "
+                f"{o['resident_batch']} requests each, {used:.1f} of {cap:.1f} GB per GPU"
+            )
+            lines.append(f"      runs {_operators_text(place['operators'])}")
+        return lines
+
+    def _headline(self, plan: Plan) -> str:
+        doc = self.summary(plan)
+        return (
+            f"${doc['usd_per_million_tokens']:.4g} per million tokens, TPOT "
+            f"{doc['tpot_s'] * 1e3:.2f} ms, {doc['tokens_per_s']:,.0f} tokens/s, "
+            f"${doc['usd_per_hour']:.2f}/hour on {_gpus_text(doc['gpus_used'])}"
+        )
+
     def describe(self) -> list[str]:
-        """Human-readable lines: the plan, then each baseline's cost against it and why."""
+        """Human-readable lines: the plan in plain words (which operators run where, what it
+        costs), each baseline against it and why, and the assumptions behind the figures."""
         lines = [self.message()]
         best = self.best
         if best is not None:
             pred = best.prediction
             assert pred is not None
+            doc = self.summary(best)
+            lines.append(f"  {STRATEGY_WORDS[best.strategy]}: {self._headline(best)}")
+            lines += self._owner_lines(best)
             name = self.template_names.get(best.template.cuts, "")
             lines.append(
-                f"  template cuts {list(best.template.cuts)}"
+                f"    template cuts {list(best.template.cuts)}"
                 + (f" ({name})" if name else "")
-                + f"; {pred.stages_per_token} stages per token, "
-                f"{pred.internode_bytes_per_token / 1e3:.1f} kB inter-node per token, "
+                + f"; {best.microbatches} microbatch{'es' if best.microbatches > 1 else ''} of "
+                f"the global batch of {best.global_batch}; {pred.stages_per_token} stages per "
+                f"token, {pred.internode_bytes_per_token / 1e3:.1f} kB inter-node per token, "
                 f"compute occupancy {100 * (pred.compute_occupancy or 0):.0f}%"
             )
+            nodes = ", ".join(f"{n['gpus']} x {n['gpu']}" for n in doc["nodes"])
+            lines.append(f"    nodes: {len(doc['nodes'])} ({nodes})")
+            if doc["replica_sets"] is not None:
+                k = doc["replica_sets"]
+                lines.append(
+                    f"    the inventory {self.inventory_text()} holds {k} such deployment"
+                    f"{'s' if k > 1 else ''} ({k * doc['tokens_per_s']:,.0f} tokens/s at "
+                    f"${k * doc['usd_per_hour']:.2f}/hour)"
+                )
+        lines.append("  baselines (same GPU types" + (" and inventory)" if self.bounded else ")"))
+        said: set[str] = set()
         for key, plan in self.baselines.items():
+            word = key.split("_")[0]
+            label = key.replace("_", " ")
+            if word in STRATEGY_WORDS and word not in said and word != "opweave":
+                label = STRATEGY_WORDS[word]
+                said.add(word)
             if plan is None:
-                lines.append(f"  {key}: infeasible: {self.reasons.get(key, '')}")
+                lines.append(f"    {label}: infeasible: {self.reasons.get(key, '')}")
                 continue
             pred = plan.prediction
             assert pred is not None
             ratio = f" = {_usd(plan) / _usd(best):.2f}x best" if best is not None else ""
-            why = []
-            if best is not None and best.prediction is not None:
-                bp = best.prediction
-                if pred.stages_per_token > bp.stages_per_token:
-                    why.append(f"{pred.stages_per_token} stages per token")
-                if (pred.compute_occupancy or 0) < (bp.compute_occupancy or 0) - 0.05:
-                    why.append(f"{100 * (pred.compute_occupancy or 0):.0f}% compute occupancy")
-                mean_b = sum(o.resident_batch * o.tp for o in plan.owners) / sum(
-                    o.tp for o in plan.owners
-                )
-                best_b = sum(o.resident_batch * o.tp for o in best.owners) / sum(
-                    o.tp for o in best.owners
-                )
-                if mean_b < best_b:
-                    why.append(f"smaller batches (mean {mean_b:.0f} vs {best_b:.0f})")
-            lines.append(
-                f"  {key}: ${_usd(plan):.4g}/Mtok{ratio}, TPOT {pred.tpot_s * 1e3:.2f} ms"
-                + (f" ({', '.join(why)})" if why else "")
-                + f": {describe_plan(plan)}"
-            )
+            lines.append(f"    {label}: {self._headline(plan)}{ratio}{self._why(plan)}")
+            lines.append(f"      {describe_plan(plan)}")
+        lines.append("  assumptions: " + "; ".join(self.assumptions()))
         s = self.search
         lines.append(
             f"  search: {s.simulator_calls} simulator calls, {s.candidates} candidates, "
             f"{s.wall_s:.2f} s"
         )
         return lines
+
+    def _why(self, plan: Plan) -> str:
+        best = self.best
+        if best is None or best.prediction is None or plan.prediction is None:
+            return ""
+        pred, bp = plan.prediction, best.prediction
+        why = []
+        if pred.stages_per_token > bp.stages_per_token:
+            why.append(f"{pred.stages_per_token} stages per token")
+        if (pred.compute_occupancy or 0) < (bp.compute_occupancy or 0) - 0.05:
+            why.append(f"{100 * (pred.compute_occupancy or 0):.0f}% compute occupancy")
+        mean_b = sum(o.resident_batch * o.tp for o in plan.owners) / sum(o.tp for o in plan.owners)
+        best_b = sum(o.resident_batch * o.tp for o in best.owners) / sum(o.tp for o in best.owners)
+        if mean_b < best_b:
+            why.append(f"smaller batches (mean {mean_b:.0f} vs {best_b:.0f})")
+        return f" ({', '.join(why)})" if why else ""
+
+
+def _operators_text(operators: Sequence[Mapping[str, Any]]) -> str:
+    """``embed; in 52 sliding-window layers: attn_norm, qkv_proj; ...`` in model order."""
+    parts: list[tuple[str, list[str]]] = []
+    for op in operators:
+        if op["layer_kind"] is None:
+            where = "once"
+        else:
+            n = op["layers"]
+            where = f"in {n} {KIND_WORDS.get(op['layer_kind'], op['layer_kind'])} layer"
+            where += "s" if n > 1 else ""
+        if parts and parts[-1][0] == where:
+            parts[-1][1].append(op["name"])
+        else:
+            parts.append((where, [op["name"]]))
+    return "; ".join(
+        ", ".join(names) if where == "once" else f"{where}: {', '.join(names)}"
+        for where, names in parts
+    )

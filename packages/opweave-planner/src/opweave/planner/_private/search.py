@@ -23,14 +23,26 @@ same with and without either reduction.
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from opweave.costmodel import (
+    boundary_transfer_s,
+    fan_out_s,
+    fits_inventory,
+    intra_node_link,
+    link_time_s,
+    node_layout,
+    usd_per_hour_per_request,
+)
+
+from .bounds import cost_lower_bound, full_occupancy_cost, tpot_lower_bound
 from .devices import Device
-from .evaluate import OwnerChoice, build_pipeline
+from .evaluate import OwnerChoice, build_pipeline, cost_rate
 from .frontier import pareto_mask
 from .simulator import cycle_time
 from .space import U_GRID
@@ -111,7 +123,18 @@ class Slot:
 
 
 class Searcher:
-    """Runs sub-searches for one objective (``"cost"`` or ``"tpot"``) under one TPOT SLO."""
+    """Runs sub-searches for one objective under one TPOT SLO and one GPU inventory.
+
+    Objectives: ``"cost"`` (USD per token), ``"tpot"``, or ``"gpus"`` (GPUs of one replica
+    set; ties go to the lower TPOT). ``inventory`` bounds the GPUs per device id (a missing id
+    is unbounded): a candidate must fit as laid out on nodes (:func:`node_layout`,
+    :func:`fits_inventory`). Replica counts, and so GPU counts, depend on every owner's batch
+    jointly (``lcm``), so a configuration with a better rate and latencies can still need more
+    GPUs: the per-owner frontiers are not applied where an inventory bounds a GPU type of the
+    sub-search, nor for the ``"gpus"`` objective. Branch-and-bound bounds GPU counts instead:
+    a prefix's owners need at least ``tp * lcm(prefix batches) / b`` GPUs each, an unassigned
+    owner at least its smallest ``tp``.
+    """
 
     def __init__(
         self,
@@ -126,8 +149,14 @@ class Searcher:
         progress: Callable[[SearchProgress], None] | None = None,
         cache: dict[tuple[object, ...], object] | None = None,
         u_grid: Sequence[int] = U_GRID,
+        inventory: Mapping[str, int] | None = None,
     ) -> None:
+        if objective not in ("cost", "tpot", "gpus"):
+            raise ValueError(f"unknown objective {objective!r}")
         self.tables = tables
+        bound = inventory or {}
+        self.limits = {d.id: int(bound[d.id]) for d in devices if d.id in bound}
+        self.gpus_per_node = {d.id: d.hardware.gpus_per_node for d in devices}
         self.u_grid = tuple(u_grid)
         self.devices = list(devices)
         self.slo = slo_s
@@ -148,7 +177,20 @@ class Searcher:
             self.cache[key] = slot_compute(job.st, self.tables, j, self.devices[d], tp, self.u_grid)
         return self.cache[key]  # type: ignore[return-value]
 
+    def _prunable(self, job: Job) -> bool:
+        """Whether per-owner frontiers are exact for this sub-search (see the class doc)."""
+        if not self.frontier or self.objective == "gpus":
+            return False
+        return not any(self.devices[d].id in self.limits for d in job.assign)
+
+    def _counts_gpus(self, job: Job) -> bool:
+        return self.objective == "gpus" or any(
+            self.devices[d].id in self.limits for d in job.assign
+        )
+
     def slot(self, job: Job, j: int) -> Slot:
+        frontier = self._prunable(job)
+        limit = self.limits.get(self.devices[job.assign[j]].id)
         key = (
             "slot",
             job.rank,
@@ -156,7 +198,8 @@ class Searcher:
             job.assign,
             job.microbatches,
             self.slo,
-            self.frontier,
+            frontier,
+            limit,
             self.u_grid,
         )
         cached = self.cache.get(key)
@@ -166,6 +209,8 @@ class Searcher:
         dev = self.devices[d]
         tps, us, ws, lats = [], [], [], []
         for tp in dev.tps:
+            if limit is not None and tp > limit:
+                continue  # one replica alone needs more GPUs than the inventory has
             cap = self.tables.max_resident_batch(st.slot_ops[j], dev, tp, st.slot_key(j))
             comp = self._comp(job, j, d, tp)
             total = comp.sum(axis=0)
@@ -183,10 +228,12 @@ class Searcher:
             tp_a,
             u_a,
             np.array(ws, dtype=np.float64),
-            tp_a * dev.usd_per_hour / (m * u_a.astype(np.float64)),
+            np.asarray(
+                usd_per_hour_per_request(tp_a, dev.usd_per_hour, m * u_a.astype(np.float64))
+            ),
         )
         self.stats.owner_configs += slot.size
-        if self.frontier and slot.size > 1:
+        if frontier and slot.size > 1:
             keep = pareto_mask(
                 tp_a,
                 slot.rate,
@@ -221,34 +268,68 @@ class Searcher:
             if partner.id == dev.id:
                 comparable &= tp >= dev.hardware.gpus_per_node
             if g.src == j:
-                rows.append(net.latency_s + g.beta * uf * net.s_per_byte)
+                rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
             if g.dst == j:
-                rows.append(net.latency_s + g.beta * uf * net.s_per_byte)
-                rows.append(
-                    np.where(
-                        tp > 1,
-                        dev.intra.latency_s + g.beta * uf * (tp - 1) * dev.intra.s_per_byte,
-                        0.0,
-                    )
-                )
+                rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
+                rows.append(fan_out_s(g.beta, uf, tp, *dev.intra.coeffs))
         links = np.stack(rows) if rows else np.zeros((0, tp.shape[0]))
         return links, comparable
 
     # -- bounds ---------------------------------------------------------------------------------
     def _value(
-        self, tpot: np.ndarray | float, rate: np.ndarray | float, own: np.ndarray | float
+        self,
+        tpot: np.ndarray | float,
+        rate: np.ndarray | float,
+        own: np.ndarray | float,
+        gpus: np.ndarray | float = 0.0,
     ) -> np.ndarray | float:
         if self.objective == "tpot":
             return tpot
-        return np.maximum(np.multiply(tpot, rate), own)
+        if self.objective == "gpus":
+            return np.asarray(gpus, dtype=np.float64)
+        return cost_lower_bound(tpot, rate, own)
 
-    def root_bound(self, job: Job, slots: Sequence[Slot]) -> tuple[float, float]:
+    def _gpus(
+        self,
+        fixed: Sequence[tuple[str, np.ndarray | int, np.ndarray | int]],
+        rest: Sequence[tuple[str, int]] = (),
+    ) -> tuple[np.ndarray | int, bool | np.ndarray]:
+        """GPUs of the replica set (a lower bound while ``rest`` is unassigned) and whether
+        they fit the inventory's counts. ``fixed``: ``(device id, tp, u)`` of assigned slots
+        (arrays broadcast); ``rest``: ``(device id, smallest tp)`` of the others. Replicas are
+        ``lcm(u) / u`` each (microbatch sizes stand in for resident batches: scale-free)."""
+        lcm: np.ndarray | int = 1
+        for _, _, u in fixed:
+            lcm = np.lcm(lcm, u)
+        per: dict[str, np.ndarray | int] = {}
+        for dev, tp, u in fixed:
+            per[dev] = per.get(dev, 0) + tp * (lcm // u)
+        for dev, tp in rest:
+            per[dev] = per.get(dev, 0) + tp
+        ok: bool | np.ndarray = True
+        for dev, count in per.items():
+            if dev in self.limits:
+                ok = np.logical_and(ok, np.asarray(count) <= self.limits[dev])
+        return sum(per.values()), ok
+
+    def _fits_nodes(self, picks: Sequence[tuple[Slot, int]]) -> bool:
+        """Exact inventory check of a complete candidate: its node layout fits."""
+        if not self.limits:
+            return True
+        us = [int(s.u[c]) for s, c in picks]
+        lcm = math.lcm(*us)
+        groups = [(s.device.id, int(s.tp[c])) for (s, c), u in zip(picks, us, strict=True)]
+        groups = [g for g, u in zip(groups, us, strict=True) for _ in range(lcm // u)]
+        layout = node_layout(groups, self.gpus_per_node)
+        return fits_inventory([(g, n) for g, _, n in layout], self.limits, self.gpus_per_node)
+
+    def root_bound(self, job: Job, slots: Sequence[Slot]) -> tuple[float, float, bool]:
         m = job.microbatches
-        min_w = [float(s.w.min()) for s in slots]
-        tpot = max(m * max(min_w), sum(min_w))
+        tpot = float(tpot_lower_bound(m, [float(s.w.min()) for s in slots]))
         rate = sum(float(s.rate.min()) for s in slots)
-        own = sum(float((s.rate * m * s.w).min()) for s in slots)
-        return float(self._value(tpot, rate, own)), tpot
+        own = sum(float(full_occupancy_cost(s.rate, m, s.w).min()) for s in slots)
+        gpus, ok = self._gpus([], [(s.device.id, int(s.tp.min())) for s in slots])
+        return float(self._value(tpot, rate, own, gpus)), tpot, bool(ok)
 
     # -- driver ---------------------------------------------------------------------------------
     def run(self, jobs: Sequence[Job], seed: Leaf | None, phase: str) -> Leaf | None:
@@ -260,7 +341,10 @@ class Searcher:
             if any(s.size == 0 for s in slots):
                 self._tick(phase, inc)
                 continue
-            value, tpot = self.root_bound(job, slots)
+            value, tpot, fits = self.root_bound(job, slots)
+            if not fits:  # the smallest configurations already exceed the inventory
+                self._tick(phase, inc)
+                continue
             prepared.append((value, job.rank, job.microbatches, job.assign, tpot, job, slots))
         prepared.sort(key=lambda x: x[:4])
         for value, _, _, _, tpot, job, slots in prepared:
@@ -315,23 +399,30 @@ class Searcher:
         """Configurations of slot ``level`` whose prefix bound survives, cheapest first."""
         m = job.microbatches
         s = slots[level]
-        w_fix = sum(float(slots[i].w[c]) for i, c in enumerate(chosen))
-        r_fix = sum(float(slots[i].rate[c]) for i, c in enumerate(chosen))
-        o_fix = sum(float(slots[i].rate[c] * m * slots[i].w[c]) for i, c in enumerate(chosen))
-        load_fix = max([m * float(slots[i].w[c]) for i, c in enumerate(chosen)], default=0.0)
+        fixed = [(slots[i], c) for i, c in enumerate(chosen)]
         rest = slots[level + 1 :]
-        min_w = sum(float(x.w.min()) for x in rest)
-        max_min_w = max(float(x.w.min()) for x in rest)
-        tpot = np.maximum(np.maximum(m * s.w, load_fix), m * max_min_w)
-        tpot = np.maximum(tpot, w_fix + s.w + min_w)
-        rate = r_fix + s.rate + sum(float(x.rate.min()) for x in rest)
-        own = o_fix + s.rate * m * s.w + sum(float((x.rate * m * x.w).min()) for x in rest)
-        value = self._value(tpot, rate, own)
+        works = [float(x.w[c]) for x, c in fixed] + [s.w] + [float(x.w.min()) for x in rest]
+        tpot = tpot_lower_bound(m, works)
+        rate = sum(float(x.rate[c]) for x, c in fixed) + s.rate
+        rate = rate + sum(float(x.rate.min()) for x in rest)
+        own = sum(float(full_occupancy_cost(x.rate[c], m, x.w[c])) for x, c in fixed)
+        own = own + full_occupancy_cost(s.rate, m, s.w)
+        own = own + sum(float(full_occupancy_cost(x.rate, m, x.w).min()) for x in rest)
+        gpus: np.ndarray | int = 0
+        fits: bool | np.ndarray = True
+        if self._counts_gpus(job):
+            gpus, fits = self._gpus(
+                [(x.device.id, int(x.tp[c]), int(x.u[c])) for x, c in fixed]
+                + [(s.device.id, s.tp, s.u)],
+                [(x.device.id, int(x.tp.min())) for x in rest],
+            )
+        value = self._value(tpot, rate, own, gpus)
         idx = np.arange(s.size)
+        idx = idx[np.broadcast_to(fits, idx.shape)]  # over the inventory: never feasible
         if self.bnb:
-            ok = tpot <= self.slo * (1 + EPS)
+            ok = np.asarray(tpot <= self.slo * (1 + EPS))[idx]
             if inc is not None:
-                ok &= value <= inc.value * (1 + EPS)
+                ok &= np.asarray(value <= inc.value * (1 + EPS))[idx]
             idx = idx[ok]
         return idx[np.argsort(np.asarray(value)[idx], kind="stable")].tolist()
 
@@ -367,47 +458,41 @@ class Searcher:
         send = [np.zeros(shape) for _ in range(n)]
         recv = [np.zeros(shape) for _ in range(n)]
         chain = np.zeros(shape)
-        intra: dict[tuple[int, int], np.ndarray | bool] = {}
+        intra: dict[tuple[int, int], np.ndarray] = {}
         for g in job.st.groups:
             ds, tps, us = cols[g.src][0], cols[g.src][1], cols[g.src][2]
             dd, tpd, ud = cols[g.dst][0], cols[g.dst][1], cols[g.dst][2]
             pair = (min(g.src, g.dst), max(g.src, g.dst))
             if pair not in intra:
-                if ds.id != dd.id:
-                    intra[pair] = False
-                else:
-                    lcm = np.lcm(us, ud)
-                    intra[pair] = tps * (lcm // us) + tpd * (lcm // ud) <= ds.hardware.gpus_per_node
+                # microbatch sizes stand in for resident batches: the pod rule is scale-free
+                intra[pair] = intra_node_link(
+                    ds.id == dd.id, tps, us, tpd, ud, ds.hardware.gpus_per_node
+                )
             kind = intra[pair]
-            usf, udf = us.astype(np.float64), ud.astype(np.float64)
-            tx = np.where(
-                kind,
-                ds.intra.latency_s + g.beta * usf * ds.intra.s_per_byte,
-                ds.network.latency_s + g.beta * usf * ds.network.s_per_byte,
+            dur = boundary_transfer_s(
+                g.beta,
+                us.astype(np.float64),
+                ud.astype(np.float64),
+                tpd,
+                _link_coeffs(kind, ds),
+                _link_coeffs(kind, dd),
+                dd.intra.coeffs,
             )
-            rx = np.where(
-                kind,
-                dd.intra.latency_s + g.beta * udf * dd.intra.s_per_byte,
-                dd.network.latency_s + g.beta * udf * dd.network.s_per_byte,
-            )
-            fan = np.where(
-                tpd > 1, dd.intra.latency_s + g.beta * udf * (tpd - 1) * dd.intra.s_per_byte, 0.0
-            )
-            dur = (np.maximum(tx, rx) + fan) * g.count
+            dur = dur * g.count
             send[g.src] = send[g.src] + dur
             recv[g.dst] = recv[g.dst] + dur
             chain = chain + dur
-        tpot = chain + sum(c[3] for c in cols)
-        for j in range(n):
-            tpot = np.maximum(tpot, m * cols[j][3])
-            tpot = np.maximum(tpot, m * send[j])
-            tpot = np.maximum(tpot, m * recv[j])
+        tpot = tpot_lower_bound(m, [c[3] for c in cols], [*send, *recv], chain)
         tpot = np.broadcast_to(tpot, shape)
         rate = np.broadcast_to(sum(c[4] for c in cols), shape)
-        own = np.broadcast_to(sum(c[4] * m * c[3] for c in cols), shape)
-        value = np.asarray(self._value(tpot, rate, own))
+        own = np.broadcast_to(sum(full_occupancy_cost(c[4], m, c[3]) for c in cols), shape)
+        gpus: np.ndarray | int = 0
+        fits: bool | np.ndarray = True
+        if self._counts_gpus(job):
+            gpus, fits = self._gpus([(c[0].id, c[1], c[2]) for c in cols])
+        value = np.broadcast_to(np.asarray(self._value(tpot, rate, own, gpus)), shape)
         self.stats.candidates += value.size
-        ok = tpot <= self.slo * (1 + EPS)
+        ok = (tpot <= self.slo * (1 + EPS)) & np.broadcast_to(fits, shape)
         if inc is not None:
             ok &= value <= inc.value * (1 + EPS)
         flat = np.flatnonzero(ok)
@@ -419,6 +504,8 @@ class Searcher:
             picks = [(s, c) for s, c in prefix] + [(a, ia)]
             if b is not None:
                 picks.append((b, ib))
+            if not self._fits_nodes(picks):
+                continue  # the GPU counts fit, but not as whole TP groups on nodes
             leaf = self._simulate(job, picks, inc)
             if leaf.tpot_s <= self.slo and (inc is None or leaf.order() < inc.order()):
                 inc = leaf
@@ -429,19 +516,25 @@ class Searcher:
     ) -> np.ndarray:
         """Prefix bound of one of the two block slots, the other at its most optimistic."""
         m = job.microbatches
-        w_fix = sum(float(x.w[c]) for x, c in prefix)
-        load_fix = max([m * float(x.w[c]) for x, c in prefix], default=0.0)
-        tpot = np.maximum(np.maximum(m * s.w, m * float(other.w.min())), load_fix)
-        tpot = np.maximum(tpot, w_fix + s.w + float(other.w.min()))
+        works = [float(x.w[c]) for x, c in prefix] + [s.w, float(other.w.min())]
+        tpot = tpot_lower_bound(m, works)
+        gpus: np.ndarray | int = 0
+        fits: bool | np.ndarray = True
+        if self._counts_gpus(job):
+            gpus, fits = self._gpus(
+                [(x.device.id, int(x.tp[c]), int(x.u[c])) for x, c in prefix]
+                + [(s.device.id, s.tp, s.u)],
+                [(other.device.id, int(other.tp.min()))],
+            )
         rate = sum(float(x.rate[c]) for x, c in prefix) + s.rate + float(other.rate.min())
         own = (
-            sum(float(x.rate[c] * m * x.w[c]) for x, c in prefix)
-            + s.rate * m * s.w
-            + float((other.rate * m * other.w).min())
+            sum(float(full_occupancy_cost(x.rate[c], m, x.w[c])) for x, c in prefix)
+            + full_occupancy_cost(s.rate, m, s.w)
+            + float(full_occupancy_cost(other.rate, m, other.w).min())
         )
-        ok = tpot <= self.slo * (1 + EPS)
+        ok = (tpot <= self.slo * (1 + EPS)) & np.broadcast_to(fits, s.tp.shape)
         if inc is not None:
-            ok &= np.asarray(self._value(tpot, rate, own)) <= inc.value * (1 + EPS)
+            ok &= np.asarray(self._value(tpot, rate, own, gpus)) <= inc.value * (1 + EPS)
         return ok
 
     def _simulate(self, job: Job, picks: list[tuple[Slot, int]], inc: Leaf | None) -> Leaf:
@@ -457,13 +550,18 @@ class Searcher:
             m,
             tuple((d, tp, -u) for d, (tp, u) in zip(job.assign, configs, strict=True)),
         )
-        rate = sum(ch.tp * ch.device.usd_per_hour / ch.resident_batch for ch in owners)
+        rate = cost_rate(owners)
+
+        gpus = 0
+        if self.objective == "gpus":
+            lcm = math.lcm(*(ch.resident_batch for ch in owners))
+            gpus = sum(ch.tp * lcm // ch.resident_batch for ch in owners)
 
         def leaf(cold: bool) -> Leaf:
             pipe, _ = build_pipeline(job.st, self.tables, owners, m, cold_caches=cold)
             tpot = cycle_time(pipe)
             self.stats.simulator_calls += 1
-            value = tpot if self.objective == "tpot" else tpot * rate
+            value = {"tpot": tpot, "gpus": float(gpus)}.get(self.objective, tpot * rate)
             return Leaf(value=value, tpot_s=tpot, key=key, job=job, configs=configs)
 
         if all(ch.device.idle_slowdown is None for ch in owners):
@@ -493,3 +591,11 @@ def assignments(num_devices: int, n: int, *, heterogeneous: bool) -> list[tuple[
     if not heterogeneous:
         return [(d,) * n for d in range(num_devices)]
     return [a for a in itertools.product(range(num_devices), repeat=n) if len(set(a)) > 1]
+
+
+def _link_coeffs(intra: np.ndarray, device: Device) -> tuple[np.ndarray, np.ndarray]:
+    """Per candidate, the (latency, s/byte) of the link ``intra`` selects on ``device``."""
+    return (
+        np.where(intra, device.intra.latency_s, device.network.latency_s),
+        np.where(intra, device.intra.s_per_byte, device.network.s_per_byte),
+    )

@@ -39,6 +39,8 @@ from functools import cached_property
 
 import numpy as np
 
+from .bounds import tpot_lower_bound
+
 NEG = -np.inf
 
 
@@ -99,15 +101,19 @@ class Pipeline:
         names += [f"{o} recv" for o in self.owner_names]
         return names
 
+    def work_s(self) -> np.ndarray:
+        """Work of one microbatch on every resource (compute, send, receive of each owner)."""
+        n = self.num_owners
+        owner, nxt, cross, comp, xfer = self._arrays
+        work = np.zeros(3 * n)
+        work[:n] = np.bincount(owner, weights=comp, minlength=n)
+        work[n : 2 * n] = np.bincount(owner[cross], weights=xfer[cross], minlength=n)
+        work[2 * n :] = np.bincount(nxt[cross], weights=xfer[cross], minlength=n)
+        return work
+
     def busy_s(self) -> np.ndarray:
         """Work per iteration on every resource (all microbatches)."""
-        n, m = self.num_owners, self.microbatches
-        owner, nxt, cross, comp, xfer = self._arrays
-        busy = np.zeros(3 * n)
-        busy[:n] = m * np.bincount(owner, weights=comp, minlength=n)
-        busy[n : 2 * n] = m * np.bincount(owner[cross], weights=xfer[cross], minlength=n)
-        busy[2 * n :] = m * np.bincount(nxt[cross], weights=xfer[cross], minlength=n)
-        return busy
+        return self.microbatches * self.work_s()
 
     def chain_s(self) -> float:
         """One microbatch's round trip: every segment and crossing transfer, no waiting."""
@@ -116,8 +122,14 @@ class Pipeline:
 
 
 def lower_bound(p: Pipeline) -> float:
-    """Optimistic period: the busiest resource's serialized work, or one microbatch's cycle."""
-    return float(max(float(p.busy_s().max()), p.chain_s()))
+    """Optimistic period: the busiest resource's serialized work, or one microbatch's cycle
+    (:func:`~.bounds.tpot_lower_bound`, the bound branch-and-bound prunes with)."""
+    n = p.num_owners
+    _, _, cross, _, xfer = p._arrays
+    work = p.work_s()
+    return float(
+        tpot_lower_bound(p.microbatches, list(work[:n]), list(work[n:]), xfer[cross].sum())
+    )
 
 
 # -- exact steady state: max-plus composition ----------------------------------------------------

@@ -21,6 +21,7 @@ from opweave.costmodel import (
     OperatorSpec,
     Segment,
     StageTemplate,
+    max_resident_batch,
     memory_bytes_per_rank,
     segments,
     shard_fraction,
@@ -115,12 +116,7 @@ class OpTables:
             per_request = memory_bytes_per_rank(list(ops), tp, 1.0, float(self.context)) - weights
             self._mem[key] = (weights, per_request)
         weights, per_request = self._mem[key]
-        free = device.hardware.usable_memory_bytes - weights
-        if free <= 0:
-            return 0
-        if per_request <= 0:
-            return 1 << 30
-        return int(np.floor(free / per_request))
+        return max_resident_batch(device.hardware.usable_memory_bytes, weights, per_request)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,300 @@
+"""Deployment files of a plan (``opweave deploy``): node layout, launch scripts, Kubernetes.
+
+Pure functions from a plan and its node layout (:func:`opweave.costmodel.plan_nodes`) to file
+contents; ``deploying.py`` writes them. Layout of the output directory::
+
+    DIR/plan.json            the plan, so the directory is self-contained
+    DIR/nodes.json           [{"gpu": id, "gpus": n, "ranks": [global ranks]}, ...]
+    DIR/launch/node-R.sh     `opweave run` of node R (rendezvous address, port, model path
+                             and extra `opweave run` options from the environment / arguments)
+    DIR/k8s/*.yaml           ConfigMap (plan + nodes), headless rendezvous Service, API Service,
+                             one StatefulSet per group of consecutive identical nodes
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# `opweave run --nodes FILE` (uneven node layouts) is not in `opweave run` yet; until it is,
+# launch scripts and pods pass `--nodes` only where the layout is not the even, contiguous
+# split `opweave run` makes without it (those fail loudly on an older `opweave run` instead of
+# putting ranks on the wrong GPUs). Set this to True once `opweave run` has `--nodes`: every
+# script and pod then passes it. OPWEAVE_PASS_NODES=0|1 overrides per launch.
+RUN_HAS_NODES_FLAG = False
+
+RENDEZVOUS_PORT = 29500  # torch.distributed's customary MASTER_PORT
+API_PORT = 8000  # `opweave run`'s serving port (DESIGN: --port 8000)
+MODEL_MOUNT = "/models"
+CONFIG_MOUNT = "/etc/opweave"
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    """Consecutive nodes with the same GPU type and count: one Kubernetes workload."""
+
+    index: int
+    first_node: int
+    count: int
+    gpu: str
+    gpus: int
+
+
+def even_split(nodes: Sequence[Any]) -> bool:
+    """Whether the layout is what `opweave run` does without --nodes: equal contiguous nodes."""
+    return len({n.gpus for n in nodes}) == 1
+
+
+def pass_nodes_default(nodes: Sequence[Any]) -> bool:
+    return RUN_HAS_NODES_FLAG or not even_split(nodes)
+
+
+def node_groups(nodes: Sequence[Any]) -> list[NodeGroup]:
+    groups: list[NodeGroup] = []
+    for r, node in enumerate(nodes):
+        last = groups[-1] if groups else None
+        if last is not None and (last.gpu, last.gpus) == (node.gpu, node.gpus):
+            groups[-1] = NodeGroup(last.index, last.first_node, last.count + 1, node.gpu, node.gpus)
+        else:
+            groups.append(NodeGroup(len(groups), r, 1, node.gpu, node.gpus))
+    return groups
+
+
+def dns_name(text: str, limit: int = 40) -> str:
+    """A Kubernetes (DNS-1123) name: lowercase letters, digits and '-', at most ``limit``."""
+    name = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")[:limit].strip("-")
+    return name or "opweave"
+
+
+def nodes_json(nodes: Sequence[Any]) -> str:
+    return json.dumps([n.model_dump(mode="json") for n in nodes], indent=2) + "\n"
+
+
+def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
+    node = nodes[rank]
+    pass_default = "1" if pass_nodes_default(nodes) else "0"
+    why = (
+        "every opweave run has --nodes"
+        if RUN_HAS_NODES_FLAG
+        else (
+            "the layout is the even split opweave run makes without it"
+            if pass_default == "0"
+            else "the nodes are uneven: opweave run needs --nodes for them"
+        )
+    )
+    first, last = node.ranks[0], node.ranks[-1]
+    ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    return f"""#!/usr/bin/env bash
+# OpWeave: node {rank} of {len(nodes)} for the {plan.strategy} plan of {plan.model.name}:
+# {node.gpus} x {node.gpu}, global {ranks}. Written by `opweave deploy`; run it on that node
+# (every node's script at about the same time; node 0 hosts the rendezvous and serves):
+#
+#   MODEL_PATH=/path/to/model MASTER_ADDR=<address of node 0> ./node-{rank}.sh [options]
+#
+# Options go to `opweave run`: --prompt/--prompts-file with --max-tokens generate and exit;
+# without prompts node 0 serves the OpenAI API (--host, --port).
+#   MODEL_PATH          the model folder (config.json + safetensors) on this node (required)
+#   MASTER_ADDR         address of node 0, the rendezvous (default 127.0.0.1)
+#   MASTER_PORT         rendezvous port on node 0 (default {RENDEZVOUS_PORT})
+#   OPWEAVE             the opweave command (default: opweave on PATH)
+#   OPWEAVE_PASS_NODES  1: pass --nodes nodes.json (default {pass_default}: {why})
+set -euo pipefail
+here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
+: "${{MODEL_PATH:?set MODEL_PATH to the model folder on this node}}"
+nodes=()
+if [ "${{OPWEAVE_PASS_NODES:-{pass_default}}}" = 1 ]; then
+  nodes=(--nodes "$here/../nodes.json")
+fi
+exec ${{OPWEAVE:-opweave}} run "$here/../plan.json" --model-path "$MODEL_PATH" \\
+  --nnodes {len(nodes)} --node-rank {rank} ${{nodes[@]+"${{nodes[@]}}"}} \\
+  --master-addr "${{MASTER_ADDR:-127.0.0.1}}" --master-port "${{MASTER_PORT:-{RENDEZVOUS_PORT}}}" \\
+  "$@"
+"""
+
+
+@dataclass(frozen=True)
+class K8sOptions:
+    name: str
+    image: str
+    model_pvc: str
+    node_selector_key: str
+    namespace: str | None = None
+
+
+def _meta(opts: K8sOptions, name: str, **labels: str) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "labels": {
+            "app.kubernetes.io/name": "opweave",
+            "app.kubernetes.io/instance": opts.name,
+            **labels,
+        },
+    }
+    if opts.namespace:
+        meta["namespace"] = opts.namespace
+    return meta
+
+
+def k8s_manifests(
+    plan: Any,
+    nodes: Sequence[Any],
+    plan_text: str,
+    opts: K8sOptions,
+    gpu_resources: dict[str, str | None],
+) -> dict[str, dict[str, Any]]:
+    """File name -> Kubernetes resource (as a dict) for the plan's deployment."""
+    rdzv = f"{opts.name}-rdzv"
+    groups = node_groups(nodes)
+    master = f"{opts.name}-g0-0.{rdzv}"
+    out: dict[str, dict[str, Any]] = {
+        "config.yaml": {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": _meta(opts, f"{opts.name}-plan"),
+            "data": {"plan.json": plan_text, "nodes.json": nodes_json(nodes)},
+        },
+        # a stable DNS name per pod (node 0: the rendezvous), resolvable before pods are ready
+        "rendezvous-service.yaml": {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(opts, rdzv),
+            "spec": {
+                "clusterIP": "None",
+                "publishNotReadyAddresses": True,
+                "selector": {"app.kubernetes.io/instance": opts.name},
+                "ports": [{"name": "rendezvous", "port": RENDEZVOUS_PORT}],
+            },
+        },
+        "api-service.yaml": {
+            "apiVersion": "v1",
+            "kind": "Service",
+            "metadata": _meta(opts, f"{opts.name}-api"),
+            "spec": {
+                "selector": {"statefulset.kubernetes.io/pod-name": f"{opts.name}-g0-0"},
+                "ports": [{"name": "http", "port": API_PORT, "targetPort": API_PORT}],
+            },
+        },
+    }
+    nodes_flag = f" --nodes {CONFIG_MOUNT}/nodes.json" if pass_nodes_default(nodes) else ""
+    for g in groups:
+        group_label = {"opweave.io/node-group": str(g.index)}
+        # node rank = the group's first node + the pod's ordinal (its hostname's suffix);
+        # `$$(` is Kubernetes' escape for a literal `$(` in args
+        command = (
+            f"exec opweave run {CONFIG_MOUNT}/plan.json --model-path {MODEL_MOUNT} "
+            f"--nnodes {len(nodes)} --node-rank $$(({g.first_node} + ${{HOSTNAME##*-}}))"
+            f"{nodes_flag} --master-addr {master} --master-port {RENDEZVOUS_PORT} "
+            f"--host 0.0.0.0 --port {API_PORT}"
+        )
+        resource = gpu_resources.get(g.gpu)
+        limits = {resource: g.gpus} if resource else {}
+        container: dict[str, Any] = {
+            "name": "opweave",
+            "image": opts.image,
+            "command": ["/bin/sh", "-c"],
+            "args": [command],
+            "ports": [
+                {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
+                {"name": "http", "containerPort": API_PORT},
+            ],
+            "volumeMounts": [
+                {"name": "plan", "mountPath": CONFIG_MOUNT, "readOnly": True},
+                {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
+                {"name": "shm", "mountPath": "/dev/shm"},
+            ],
+        }
+        if limits:
+            container["resources"] = {"limits": limits, "requests": limits}
+        out[f"node-group-{g.index}.yaml"] = {
+            "apiVersion": "apps/v1",
+            "kind": "StatefulSet",
+            "metadata": _meta(opts, f"{opts.name}-g{g.index}", **group_label),
+            "spec": {
+                "serviceName": rdzv,
+                "replicas": g.count,
+                # every node must join the rendezvous: start them together, not one by one
+                "podManagementPolicy": "Parallel",
+                "selector": {
+                    "matchLabels": {"app.kubernetes.io/instance": opts.name, **group_label}
+                },
+                "template": {
+                    "metadata": {
+                        "labels": {
+                            "app.kubernetes.io/name": "opweave",
+                            "app.kubernetes.io/instance": opts.name,
+                            **group_label,
+                        }
+                    },
+                    "spec": {
+                        "nodeSelector": {opts.node_selector_key: g.gpu},
+                        "containers": [container],
+                        "volumes": [
+                            {"name": "plan", "configMap": {"name": f"{opts.name}-plan"}},
+                            {
+                                "name": "model",
+                                "persistentVolumeClaim": {
+                                    "claimName": opts.model_pvc,
+                                    "readOnly": True,
+                                },
+                            },
+                            # NCCL and torch share tensors through /dev/shm
+                            {"name": "shm", "emptyDir": {"medium": "Memory"}},
+                        ],
+                    },
+                },
+            },
+        }
+    return out
+
+
+def to_yaml(value: Any, indent: int = 0) -> str:
+    """Block-style YAML of dicts, lists, strings, numbers and booleans (strings JSON-quoted,
+    which YAML reads as double-quoted scalars; multi-line strings as literal blocks)."""
+    pad = " " * indent
+    if isinstance(value, dict):
+        if not value:
+            return "{}\n"
+        lines = []
+        for key, item in value.items():
+            head = f"{pad}{_key(str(key))}:"
+            lines.append(head + _yaml_child(item, indent))
+        return "".join(lines)
+    if isinstance(value, list):
+        if not value:
+            return "[]\n"
+        lines = []
+        for item in value:
+            if isinstance(item, dict) and item:
+                body = to_yaml(item, indent + 2)
+                lines.append(f"{pad}- " + body[indent + 2 :])
+            else:
+                lines.append(f"{pad}-" + _yaml_child(item, indent))
+        return "".join(lines)
+    return _scalar(value) + "\n"
+
+
+def _yaml_child(item: Any, indent: int) -> str:
+    if isinstance(item, dict | list) and item:
+        return "\n" + to_yaml(item, indent + 2)
+    if isinstance(item, str) and "\n" in item:
+        chomp = "" if item.endswith("\n") else "-"
+        body = "".join(f"{' ' * (indent + 2)}{line}\n" for line in item.splitlines())
+        return f" |{chomp}\n{body}"
+    return " " + to_yaml(item, indent)
+
+
+def _key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_./-]*", key) else json.dumps(key)
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return json.dumps(value)
+    if isinstance(value, dict | list):
+        return "{}" if isinstance(value, dict) else "[]"
+    return json.dumps(str(value))

@@ -1,0 +1,136 @@
+"""``opweave deploy``: the files that run a plan on a cluster: nodes, launch scripts, k8s."""
+
+from __future__ import annotations
+
+import stat
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from ._common import HardwareOpt, JsonOpt, catalog, emit_json
+
+
+def register(app: typer.Typer) -> None:
+    app.command("deploy")(deploy)
+
+
+def deploy(
+    plan_file: Annotated[
+        Path, typer.Argument(metavar="PLAN", help="A plan file (opweave plan -o).")
+    ],
+    output: Annotated[
+        Path, typer.Option("-o", "--output", help="Directory to write the deployment files to.")
+    ],
+    name: Annotated[
+        str | None,
+        typer.Option("--name", help="Kubernetes name prefix (default: opweave-MODEL)."),
+    ] = None,
+    image: Annotated[
+        str,
+        typer.Option("--image", help="Container image with opweave installed, for Kubernetes."),
+    ] = "opweave:latest",
+    model_pvc: Annotated[
+        str | None,
+        typer.Option(
+            "--model-pvc",
+            help="PersistentVolumeClaim holding the model folder (default: NAME-model).",
+        ),
+    ] = None,
+    node_selector_key: Annotated[
+        str,
+        typer.Option(
+            "--node-selector-key",
+            help="Node label whose value is the GPU id (kubectl label node N KEY=h100-sxm).",
+        ),
+    ] = "opweave.io/gpu",
+    namespace: Annotated[
+        str | None, typer.Option("--namespace", help="Kubernetes namespace of the resources.")
+    ] = None,
+    profile: Annotated[
+        list[Path] | None,
+        typer.Option("--profile", help="Profile of a device the plan uses (its node size)."),
+    ] = None,
+    json_out: JsonOpt = False,
+    hardware: HardwareOpt = None,
+) -> None:
+    """Write DIR/nodes.json (which ranks run on which node), one launch script per node in
+    DIR/launch/ and Kubernetes manifests in DIR/k8s/ for a plan."""
+    from opweave.costmodel import ConfigError, plan_nodes
+
+    from . import _deploy
+    from .planning import load_plan_file, load_profiles
+
+    the_plan = load_plan_file(plan_file)
+    specs = _hardware(the_plan, catalog(hardware), load_profiles(profile))
+    nodes = plan_nodes(the_plan, {gpu: hw.gpus_per_node for gpu, hw in specs.items()})
+    prefix = _deploy.dns_name(name or f"opweave-{the_plan.model.name}")
+    if name is not None and prefix != name:
+        raise ConfigError(
+            f"--name {name!r} is not a Kubernetes name (lowercase letters, digits and '-', "
+            "at most 40 characters); try --name " + prefix
+        )
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"{output} exists and is not a directory")
+    plan_text = the_plan.model_dump_json(indent=2) + "\n"
+    files: dict[Path, str] = {
+        output / "plan.json": plan_text,
+        output / "nodes.json": _deploy.nodes_json(nodes),
+    }
+    for r in range(len(nodes)):
+        files[output / "launch" / f"node-{r}.sh"] = _deploy.launch_script(the_plan, nodes, r)
+    opts = _deploy.K8sOptions(
+        name=prefix,
+        image=image,
+        model_pvc=model_pvc or f"{prefix}-model",
+        node_selector_key=node_selector_key,
+        namespace=namespace,
+    )
+    resources = {gpu: _gpu_resource(hw) for gpu, hw in specs.items()}
+    for fname, manifest in _deploy.k8s_manifests(
+        the_plan, nodes, plan_text, opts, resources
+    ).items():
+        files[output / "k8s" / fname] = _deploy.to_yaml(manifest)
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        if path.suffix == ".sh":
+            path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    if json_out:
+        emit_json(
+            {
+                "nodes": [n.model_dump(mode="json") for n in nodes],
+                "files": sorted(str(p) for p in files),
+                "passes_nodes_file": _deploy.pass_nodes_default(nodes),
+            }
+        )
+        return
+    used = sum(n.gpus for n in nodes)
+    typer.echo(
+        f"{the_plan.strategy} plan of {the_plan.model.name}: {len(nodes)} node"
+        f"{'s' if len(nodes) > 1 else ''}, {used} GPUs"
+    )
+    for r, n in enumerate(nodes):
+        typer.echo(f"  node {r}: {n.gpus} x {n.gpu}, ranks {n.ranks[0]}-{n.ranks[-1]}")
+    typer.echo(
+        f"wrote {output}/nodes.json, {output}/launch/node-0..{len(nodes) - 1}.sh and "
+        f"{output}/k8s/ ({len(files) - 2 - len(nodes)} manifests)\n"
+        f"  on each node: MODEL_PATH=DIR MASTER_ADDR=<node 0> {output}/launch/node-R.sh\n"
+        f"  on Kubernetes: label the nodes {node_selector_key}=<gpu id>, put the model in "
+        f"PersistentVolumeClaim {opts.model_pvc}, kubectl apply -f {output}/k8s/"
+    )
+
+
+def _hardware(plan: Any, cat: Any, profiles: list[Any]) -> dict[str, Any]:
+    """Each GPU type of the plan: its profile's device, else the catalog's entry."""
+    by_profile = {p.device.id: p.device for p in profiles}
+    return {
+        o.gpu: by_profile[o.gpu] if o.gpu in by_profile else cat.get(o.gpu) for o in plan.owners
+    }
+
+
+def _gpu_resource(hw: Any) -> str | None:
+    """The Kubernetes extended resource of a device type's GPUs (device plugins' names)."""
+    if hw.id == "cpu":
+        return None  # CPU ranks (tests, profiling): no accelerator to request
+    return "amd.com/gpu" if "AMD" in hw.name else "nvidia.com/gpu"

@@ -1,0 +1,182 @@
+"""``opweave deploy``: node layout, launch scripts and Kubernetes manifests of a plan.
+
+The files round-trip (nodes.json is the costmodel's layout, the manifests parse back to what
+was meant and pass kubernetes-validate), and the launch scripts run: a tiny-model plan as two
+nodes on 127.0.0.1 produces transformers' greedy tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from opweave.costmodel import Node, Plan, canonical_plan, load_model, plan_nodes
+from opweave.planner import plan as search
+from tests.helpers import cli_json, free_port, run_cli
+
+K8S_VERSION = "1.30"
+MAX_TOKENS = 16  # shares hf_greedy's cache with the runtime tests
+CPU_NODE = """[[gpus]]
+id = "cpu"
+name = "CPU node"
+memory_bytes = 8e9
+mem_bandwidth_bytes_per_s = 2e10
+dense_flops_per_s = 1e11
+intra_node_bandwidth_bytes_per_s = 1e10
+network_bandwidth_bytes_per_s = 1e9
+usd_per_hour = 0.1
+gpus_per_node = 1
+"""
+
+
+@pytest.fixture(scope="module")
+def fleet_plan(tmp_path_factory) -> tuple[Plan, Path]:
+    """A heterogeneous plan for 16 H100 + 8 A100: uneven nodes (4 H100, 8 A100)."""
+    result = search(
+        load_model("qwen3-next-80b-a3b"),
+        ["h100", "a100"],
+        context=32768,
+        tpot_slo_s=0.05,
+        inventory={"h100": 16, "a100": 8},
+    )
+    assert result.best is not None
+    path = tmp_path_factory.mktemp("fleet") / "plan.json"
+    path.write_text(result.best.model_dump_json())
+    return result.best, path
+
+
+def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
+    plan, path = fleet_plan
+    out = tmp_path / "dep"
+    doc = cli_json("deploy", str(path), "-o", str(out), "--namespace", "serving")
+    nodes = [Node.model_validate(n) for n in json.loads((out / "nodes.json").read_text())]
+    assert nodes == plan_nodes(plan, {"h100-sxm": 8, "a100-sxm-80gb": 8})
+    assert [n.model_dump(mode="json") for n in nodes] == doc["nodes"]
+    ranks = [r for n in nodes for r in n.ranks]
+    assert ranks == list(range(sum(o.replicas * o.tp for o in plan.owners)))
+    for gpu in {o.gpu for o in plan.owners}:
+        used = sum(o.replicas * o.tp for o in plan.owners if o.gpu == gpu)
+        assert sum(n.gpus for n in nodes if n.gpu == gpu) == used
+    assert all(n.gpus <= 8 for n in nodes)
+    assert Plan.model_validate_json((out / "plan.json").read_text()) == plan
+    # uneven nodes: the scripts pass --nodes by default (opweave run cannot split them evenly)
+    assert doc["passes_nodes_file"] is (len({n.gpus for n in nodes}) > 1)
+    scripts = sorted((out / "launch").iterdir())
+    assert [s.name for s in scripts] == [f"node-{r}.sh" for r in range(len(nodes))]
+    for r, script in enumerate(scripts):
+        assert os.access(script, os.X_OK)
+        subprocess.run(["bash", "-n", str(script)], check=True)
+        text = script.read_text()
+        assert f"--nnodes {len(nodes)} --node-rank {r}" in text
+    manifests = {p.name: yaml.safe_load(p.read_text()) for p in (out / "k8s").iterdir()}
+    kinds = sorted(m["kind"] for m in manifests.values())
+    groups = len({(n.gpu, n.gpus) for n in nodes})
+    assert kinds == sorted(["ConfigMap", "Service", "Service"] + ["StatefulSet"] * groups)
+    for name, manifest in manifests.items():
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+        assert manifest["metadata"]["namespace"] == "serving", name
+    config = manifests["config.yaml"]["data"]
+    assert Plan.model_validate_json(config["plan.json"]) == plan
+    assert json.loads(config["nodes.json"]) == doc["nodes"]
+    # per node group: the GPU-type node selector, the GPU request and the node ranks it runs
+    sets = [m for m in manifests.values() if m["kind"] == "StatefulSet"]
+    assert sum(s["spec"]["replicas"] for s in sets) == len(nodes)
+    for s in sets:
+        pod = s["spec"]["template"]["spec"]
+        gpu = pod["nodeSelector"]["opweave.io/gpu"]
+        (container,) = pod["containers"]
+        count = container["resources"]["limits"]["nvidia.com/gpu"]
+        assert any(n.gpu == gpu and n.gpus == count for n in nodes)
+        assert "--nodes /etc/opweave/nodes.json" in container["args"][0]
+        assert s["spec"]["serviceName"].endswith("-rdzv")
+
+
+def test_manifests_fail_validation_when_broken(fleet_plan, tmp_path) -> None:
+    """The validation above can fail: a manifest with a wrong field type does not pass."""
+    _, path = fleet_plan
+    out = tmp_path / "dep"
+    run_cli("deploy", str(path), "-o", str(out))
+    manifest = yaml.safe_load((out / "k8s" / "node-group-0.yaml").read_text())
+    manifest["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+def test_bad_deploy_input_is_one_line_errors(fleet_plan, tmp_path) -> None:
+    _, path = fleet_plan
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    cpu_plan = tmp_path / "cpu.json"
+    cpu_plan.write_text(
+        canonical_plan(load_model("qwen3-32b"), "afd", gpu="cpu", batch=2).model_dump_json()
+    )
+    cases = [
+        (("deploy", str(bad), "-o", str(tmp_path / "x")), "not a valid plan"),
+        (("deploy", str(cpu_plan), "-o", str(tmp_path / "x")), "unknown GPU 'cpu'"),
+        (("deploy", str(path), "-o", str(tmp_path / "x"), "--name", "Bad_Name"), "--name"),
+        (("deploy", str(path), "-o", str(bad)), "is not a directory"),
+    ]
+    for args, message in cases:
+        proc = run_cli(*args, check=False)
+        assert proc.returncode == 2, (args, proc.stderr)
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1, proc.stderr
+        assert message in proc.stderr, proc.stderr
+
+
+def test_launch_scripts_run_two_nodes(tmp_path, tiny_model, hf_greedy, prompts) -> None:
+    """The emitted scripts, one per node on 127.0.0.1, generate transformers' greedy tokens."""
+    model_dir = tiny_model("llama")
+    plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=4, microbatches=2)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.model_dump_json())
+    hw = tmp_path / "cpu.toml"
+    hw.write_text(CPU_NODE)
+    out = tmp_path / "dep"
+    doc = cli_json("deploy", str(plan_path), "-o", str(out), "--hardware", str(hw))
+    assert doc["nodes"] == [
+        {"gpu": "cpu", "gpus": 1, "ranks": [0]},
+        {"gpu": "cpu", "gpus": 1, "ranks": [1]},
+    ]
+    assert doc["passes_nodes_file"] is False  # the even split opweave run makes today
+    prompts_file = tmp_path / "prompts.jsonl"
+    prompts_file.write_text(
+        "".join(json.dumps({"prompt_token_ids": list(p)}) + "\n" for p in prompts)
+    )
+    env = {
+        **os.environ,
+        "MODEL_PATH": str(model_dir),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
+    env.pop("OPWEAVE_DEBUG", None)
+    extra = ["--prompts-file", str(prompts_file), "--max-tokens", str(MAX_TOKENS)]
+    extra += ["--timeout-s", "60", "--json"]
+    procs = [
+        subprocess.Popen(
+            ["bash", str(out / "launch" / f"node-{r}.sh"), *extra],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        results = [p.communicate(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, (_, err) in zip(procs, results, strict=True):
+        assert p.returncode == 0, err
+    node0 = json.loads(results[0][0])
+    assert [o["token_ids"] for o in node0["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert [r["rank"] for r in node0["ranks"]] == [0, 1]
+    assert json.loads(results[1][0]) == {"node_rank": 1, "outputs": None}
