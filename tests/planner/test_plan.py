@@ -190,12 +190,13 @@ def test_infeasible_slo_names_the_tightest_plan(qwen32) -> None:
 
 def test_baseline_that_misses_the_slo_gets_a_reason() -> None:
     llama = load_model("llama-3.3-70b")
-    result = plan(llama, ["h100"], context=32768, tpot_slo_s=0.010)
+    # colocated at TP 8 reaches 10.7 ms (its fixed costs included), AFD and CAD 12.7-12.8 ms
+    result = plan(llama, ["h100"], context=32768, tpot_slo_s=0.011)
     assert result.best is not None
     assert result.baselines["colocated"] is not None
     for name in ("afd", "cad"):
         assert result.baselines[name] is None
-        assert "cannot meet the 10 ms TPOT SLO" in result.reasons[name]
+        assert "cannot meet the 11 ms TPOT SLO" in result.reasons[name]
         assert result.to_json()["baselines"][name] == {"plan": None, "reason": result.reasons[name]}
 
 
