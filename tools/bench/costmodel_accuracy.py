@@ -203,7 +203,7 @@ def print_groups(results: Sequence[Result]) -> None:
     for engine in sorted({r.row.engine for r in results}):
         groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
     for name, keep in groups:
-        print(f"{name:<22}{summary([r for r in results if keep(r)])}")
+        print(f"{name:<26}{summary([r for r in results if keep(r)])}")
 
 
 def run_reference(fixed_costs: bool, host_step: str) -> None:
@@ -245,7 +245,7 @@ def run_reference(fixed_costs: bool, host_step: str) -> None:
     if outside:
         print("\nOut of scope (not in the statistics):")
         print_rows(outside)
-        print(f"{'out of scope':<22}{summary(outside)}")
+        print(f"{'out of scope':<26}{summary(outside)}")
         for note in sorted({r.row.scope_note for r in outside}):
             print(f"  why: {note}")
     print("\nSources:")
