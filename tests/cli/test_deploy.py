@@ -66,19 +66,19 @@ def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
         assert sum(n.gpus for n in nodes if n.gpu == gpu) == used
     assert all(n.gpus <= 8 for n in nodes)
     assert Plan.model_validate_json((out / "plan.json").read_text()) == plan
-    # uneven nodes: the scripts pass --nodes by default (opweave run cannot split them evenly)
-    assert doc["passes_nodes_file"] is (len({n.gpus for n in nodes}) > 1)
+    # the scripts pass the layout (uneven nodes) and the run's secret
     scripts = sorted((out / "launch").iterdir())
     assert [s.name for s in scripts] == [f"node-{r}.sh" for r in range(len(nodes))]
     for r, script in enumerate(scripts):
         assert os.access(script, os.X_OK)
         subprocess.run(["bash", "-n", str(script)], check=True)
         text = script.read_text()
-        assert f"--nnodes {len(nodes)} --node-rank {r}" in text
+        assert f"--nnodes {len(nodes)} --node-rank {r} --nodes" in text
+        assert "run-secret" in text
     manifests = {p.name: yaml.safe_load(p.read_text()) for p in (out / "k8s").iterdir()}
     kinds = sorted(m["kind"] for m in manifests.values())
     groups = len({(n.gpu, n.gpus) for n in nodes})
-    assert kinds == sorted(["ConfigMap", "Service", "Service"] + ["StatefulSet"] * groups)
+    assert kinds == sorted(["ConfigMap", "Secret", "Service", "Service"] + ["StatefulSet"] * groups)
     for name, manifest in manifests.items():
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
         assert manifest["metadata"]["namespace"] == "serving", name
@@ -95,6 +95,10 @@ def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
         count = container["resources"]["limits"]["nvidia.com/gpu"]
         assert any(n.gpu == gpu and n.gpus == count for n in nodes)
         assert "--nodes /etc/opweave/nodes.json" in container["args"][0]
+        (env,) = container["env"]
+        assert (
+            env["valueFrom"]["secretKeyRef"]["name"] == manifests["secret.yaml"]["metadata"]["name"]
+        )
         assert s["spec"]["serviceName"].endswith("-rdzv")
 
 
@@ -144,7 +148,8 @@ def test_launch_scripts_run_two_nodes(tmp_path, tiny_model, hf_greedy, prompts) 
         {"gpu": "cpu", "gpus": 1, "ranks": [0]},
         {"gpu": "cpu", "gpus": 1, "ranks": [1]},
     ]
-    assert doc["passes_nodes_file"] is False  # the even split opweave run makes today
+    secret = (out / "run-secret").read_text().strip()
+    assert len(secret) == 64 and (out / "run-secret").stat().st_mode & 0o077 == 0
     prompts_file = tmp_path / "prompts.jsonl"
     prompts_file.write_text(
         "".join(json.dumps({"prompt_token_ids": list(p)}) + "\n" for p in prompts)

@@ -5,10 +5,12 @@ contents; ``deploying.py`` writes them. Layout of the output directory::
 
     DIR/plan.json            the plan, so the directory is self-contained
     DIR/nodes.json           [{"gpu": id, "gpus": n, "ranks": [global ranks]}, ...]
+    DIR/run-secret           the run's shared secret (mode 0600): ranks authenticate with it
     DIR/launch/node-R.sh     `opweave run` of node R (rendezvous address, port, model path
                              and extra `opweave run` options from the environment / arguments)
-    DIR/k8s/*.yaml           ConfigMap (plan + nodes), headless rendezvous Service, API Service,
-                             one StatefulSet per group of consecutive identical nodes
+    DIR/k8s/*.yaml           ConfigMap (plan + nodes), Secret (the run's secret), headless
+                             rendezvous Service, API Service, one StatefulSet per group of
+                             consecutive identical nodes
 """
 
 from __future__ import annotations
@@ -18,13 +20,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
-
-# `opweave run --nodes FILE` (uneven node layouts) is not in `opweave run` yet; until it is,
-# launch scripts and pods pass `--nodes` only where the layout is not the even, contiguous
-# split `opweave run` makes without it (those fail loudly on an older `opweave run` instead of
-# putting ranks on the wrong GPUs). Set this to True once `opweave run` has `--nodes`: every
-# script and pod then passes it. OPWEAVE_PASS_NODES=0|1 overrides per launch.
-RUN_HAS_NODES_FLAG = False
 
 RENDEZVOUS_PORT = 29500  # torch.distributed's customary MASTER_PORT
 API_PORT = 8000  # `opweave run`'s serving port (DESIGN: --port 8000)
@@ -41,15 +36,6 @@ class NodeGroup:
     count: int
     gpu: str
     gpus: int
-
-
-def even_split(nodes: Sequence[Any]) -> bool:
-    """Whether the layout is what `opweave run` does without --nodes: equal contiguous nodes."""
-    return len({n.gpus for n in nodes}) == 1
-
-
-def pass_nodes_default(nodes: Sequence[Any]) -> bool:
-    return RUN_HAS_NODES_FLAG or not even_split(nodes)
 
 
 def node_groups(nodes: Sequence[Any]) -> list[NodeGroup]:
@@ -75,16 +61,6 @@ def nodes_json(nodes: Sequence[Any]) -> str:
 
 def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
     node = nodes[rank]
-    pass_default = "1" if pass_nodes_default(nodes) else "0"
-    why = (
-        "every opweave run has --nodes"
-        if RUN_HAS_NODES_FLAG
-        else (
-            "the layout is the even split opweave run makes without it"
-            if pass_default == "0"
-            else "the nodes are uneven: opweave run needs --nodes for them"
-        )
-    )
     first, last = node.ranks[0], node.ranks[-1]
     ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
     return f"""#!/usr/bin/env bash
@@ -99,17 +75,15 @@ def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
 #   MODEL_PATH          the model folder (config.json + safetensors) on this node (required)
 #   MASTER_ADDR         address of node 0, the rendezvous (default 127.0.0.1)
 #   MASTER_PORT         rendezvous port on node 0 (default {RENDEZVOUS_PORT})
+#   OPWEAVE_RUN_SECRET  the secret every node's ranks authenticate with (default: the
+#                       deployment's run-secret file; keep it private)
 #   OPWEAVE             the opweave command (default: opweave on PATH)
-#   OPWEAVE_PASS_NODES  1: pass --nodes nodes.json (default {pass_default}: {why})
 set -euo pipefail
 here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 : "${{MODEL_PATH:?set MODEL_PATH to the model folder on this node}}"
-nodes=()
-if [ "${{OPWEAVE_PASS_NODES:-{pass_default}}}" = 1 ]; then
-  nodes=(--nodes "$here/../nodes.json")
-fi
+export OPWEAVE_RUN_SECRET="${{OPWEAVE_RUN_SECRET:-$(cat "$here/../run-secret")}}"
 exec ${{OPWEAVE:-opweave}} run "$here/../plan.json" --model-path "$MODEL_PATH" \\
-  --nnodes {len(nodes)} --node-rank {rank} ${{nodes[@]+"${{nodes[@]}}"}} \\
+  --nnodes {len(nodes)} --node-rank {rank} --nodes "$here/../nodes.json" \\
   --master-addr "${{MASTER_ADDR:-127.0.0.1}}" --master-port "${{MASTER_PORT:-{RENDEZVOUS_PORT}}}" \\
   "$@"
 """
@@ -144,6 +118,7 @@ def k8s_manifests(
     plan_text: str,
     opts: K8sOptions,
     gpu_resources: dict[str, str | None],
+    secret: str,
 ) -> dict[str, dict[str, Any]]:
     """File name -> Kubernetes resource (as a dict) for the plan's deployment."""
     rdzv = f"{opts.name}-rdzv"
@@ -155,6 +130,14 @@ def k8s_manifests(
             "kind": "ConfigMap",
             "metadata": _meta(opts, f"{opts.name}-plan"),
             "data": {"plan.json": plan_text, "nodes.json": nodes_json(nodes)},
+        },
+        # the run's shared secret: ranks of the run accept only each other
+        "secret.yaml": {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": _meta(opts, f"{opts.name}-run-secret"),
+            "type": "Opaque",
+            "stringData": {"secret": secret},
         },
         # a stable DNS name per pod (node 0: the rendezvous), resolvable before pods are ready
         "rendezvous-service.yaml": {
@@ -178,7 +161,7 @@ def k8s_manifests(
             },
         },
     }
-    nodes_flag = f" --nodes {CONFIG_MOUNT}/nodes.json" if pass_nodes_default(nodes) else ""
+    nodes_flag = f" --nodes {CONFIG_MOUNT}/nodes.json"
     for g in groups:
         group_label = {"opweave.io/node-group": str(g.index)}
         # node rank = the group's first node + the pod's ordinal (its hostname's suffix);
@@ -196,6 +179,14 @@ def k8s_manifests(
             "image": opts.image,
             "command": ["/bin/sh", "-c"],
             "args": [command],
+            "env": [
+                {
+                    "name": "OPWEAVE_RUN_SECRET",
+                    "valueFrom": {
+                        "secretKeyRef": {"name": f"{opts.name}-run-secret", "key": "secret"}
+                    },
+                }
+            ],
             "ports": [
                 {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
                 {"name": "http", "containerPort": API_PORT},

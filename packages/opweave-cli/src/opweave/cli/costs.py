@@ -38,7 +38,7 @@ def estimate(
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
 ) -> None:
-    """Colocated decode step: latency per op class, memory per GPU and whether it fits."""
+    """Colocated decode step: where its latency goes, memory per GPU and whether it fits."""
     from opweave.costmodel import TP_DEGREES, estimate_step, load_model
 
     if tp not in TP_DEGREES:
@@ -55,7 +55,7 @@ def estimate(
         table(
             [[k, f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items()]
             + [["step", f"{est.step_latency_s * 1e3:.3f}"]],
-            ["op class", "latency ms"],
+            ["term", "latency ms"],
         )
     )
     typer.echo(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import secrets
 import stat
 from pathlib import Path
 from typing import Annotated, Any
@@ -73,6 +75,7 @@ def deploy(
     if output.exists() and not output.is_dir():
         raise ConfigError(f"{output} exists and is not a directory")
     plan_text = the_plan.model_dump_json(indent=2) + "\n"
+    secret = secrets.token_hex(32)
     files: dict[Path, str] = {
         output / "plan.json": plan_text,
         output / "nodes.json": _deploy.nodes_json(nodes),
@@ -88,9 +91,14 @@ def deploy(
     )
     resources = {gpu: _gpu_resource(hw) for gpu, hw in specs.items()}
     for fname, manifest in _deploy.k8s_manifests(
-        the_plan, nodes, plan_text, opts, resources
+        the_plan, nodes, plan_text, opts, resources, secret
     ).items():
         files[output / "k8s" / fname] = _deploy.to_yaml(manifest)
+    output.mkdir(parents=True, exist_ok=True)
+    key_file = output / "run-secret"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -100,8 +108,7 @@ def deploy(
         emit_json(
             {
                 "nodes": [n.model_dump(mode="json") for n in nodes],
-                "files": sorted(str(p) for p in files),
-                "passes_nodes_file": _deploy.pass_nodes_default(nodes),
+                "files": sorted(str(p) for p in [*files, key_file]),
             }
         )
         return
@@ -114,7 +121,8 @@ def deploy(
         typer.echo(f"  node {r}: {n.gpus} x {n.gpu}, ranks {n.ranks[0]}-{n.ranks[-1]}")
     typer.echo(
         f"wrote {output}/nodes.json, {output}/launch/node-0..{len(nodes) - 1}.sh and "
-        f"{output}/k8s/ ({len(files) - 2 - len(nodes)} manifests)\n"
+        f"{output}/k8s/ ({len(files) - 2 - len(nodes)} manifests); the run's secret is "
+        f"in {output}/run-secret (keep it private)\n"
         f"  on each node: MODEL_PATH=DIR MASTER_ADDR=<node 0> {output}/launch/node-R.sh\n"
         f"  on Kubernetes: label the nodes {node_selector_key}=<gpu id>, put the model in "
         f"PersistentVolumeClaim {opts.model_pvc}, kubectl apply -f {output}/k8s/"

@@ -23,6 +23,13 @@ Costs (seconds of the unit per token, times ``c``; reported in USD per million t
 
 Every comparison is made where colocation fits one request, ``b_max(s) >= 1`` (A.5); outside it
 the costs are NaN and the ``feasible`` masks are False -- contexts are never dropped.
+
+The roofline regime. Like the paper's §3, this analysis prices bytes and FLOPs only: the fixed
+costs of ``fixed_costs.py`` (per kernel launch, per TP collective, per MoE expert pass, per step)
+are left out, so Theorems 3.1 and 3.2 hold exactly as stated, for the cost lines they are about.
+Those costs do not scale with bytes or FLOPs, so they enter none of the lines' slopes; they add a
+per-token amount that depends on how a plan batches and stages the work, which is what the
+planner's simulator prices (``opweave estimate`` and the planner use the full latency model).
 """
 
 from __future__ import annotations

@@ -10,6 +10,13 @@ from .model import ModelSpec, OpClass
 from .profile import LatencyModel
 from .roofline import RooflineLatency, memory_bytes_per_rank
 
+# RooflineLatency.op_terms_s name -> breakdown_s key
+FIXED_TERMS = {
+    "kernel_launch": "kernel_launch",
+    "moe_experts": "moe_experts",
+    "step": "step_overhead",
+}
+
 
 class StepEstimate(Frozen):
     """One colocated decode step of ``batch`` requests at context ``context_tokens``."""
@@ -21,7 +28,11 @@ class StepEstimate(Frozen):
     context_tokens: int
     step_latency_s: float
     breakdown_s: dict[str, float] = Field(
-        description="Per op class (attention, gemm, small) plus TP communication."
+        description="Where the step's time goes: the roofline per op class (attention, gemm, "
+        "small), TP communication (payload over bandwidth), and the fixed costs: kernel_launch, "
+        "allreduce_latency (the collectives' floor), moe_experts (fused-MoE start-up and "
+        "per-expert cost) and step_overhead (scheduling, sampling, host round trip). Fixed costs "
+        "are zero when the latencies come from a measured profile, which contains them."
     )
     memory_bytes_per_gpu: float
     memory_capacity_bytes: float = Field(description="Usable memory per GPU.")
@@ -48,13 +59,27 @@ def estimate_step(
     (True, True)
     """
     lat = latency or RooflineLatency(hardware)
-    breakdown = {c.value: 0.0 for c in OpClass} | {"communication": 0.0}
+    breakdown = (
+        {c.value: 0.0 for c in OpClass}
+        | {"communication": 0.0}
+        | {term: 0.0 for term in FIXED_TERMS.values()}
+        | {"allreduce_latency": 0.0}
+    )
     layer_of = {op.key: layer for layer in model.layers for op in layer.ops}
     for op in model.operators:
-        breakdown[op.op_class.value] += lat.op_latency_s(
-            model, op, layer_of.get(op.key), tp, batch, context
-        )
-        breakdown["communication"] += lat.collective_s(op, tp, batch)
+        if isinstance(lat, RooflineLatency):
+            terms = lat.op_terms_s(op, tp, batch, context)
+            breakdown[op.op_class.value] += terms.pop("roofline")
+            for name, value in terms.items():
+                breakdown[FIXED_TERMS[name]] += value
+            floor, payload = lat.collective_terms_s(op, tp, batch)
+            breakdown["allreduce_latency"] += floor
+            breakdown["communication"] += payload
+        else:
+            breakdown[op.op_class.value] += lat.op_latency_s(
+                model, op, layer_of.get(op.key), tp, batch, context
+            )
+            breakdown["communication"] += lat.collective_s(op, tp, batch)
     step = sum(breakdown.values())
     memory = memory_bytes_per_rank(model.operators, tp, batch, context)
     price = hardware.usd_per_hour

@@ -4,7 +4,9 @@ A measured profile covers one model on one device; the roofline covers any model
 numbers datasheets do not give: the achieved fraction of peak memory bandwidth and of peak FLOPs,
 and a fixed cost per kernel launch. Fitting those to a profile carries what was measured over to
 models and batch sizes that were not; synthesising a profile from the roofline lets the planner
-treat profiled and unprofiled devices through the same :class:`ProfiledLatency` interface.
+treat profiled and unprofiled devices through the same :class:`ProfiledLatency` interface. The
+other fixed costs of ``fixed_costs.py`` (the MoE experts' and the per-step cost) are not fitted:
+the fit takes them from the profile's device, as the roofline adds them.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pydantic import Field
 
 from ..errors import ConfigError
 from .base import Frozen
+from .fixed_costs import expert_fixed_s, launches, step_overhead_s
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .profile import OpLatencyTable, Profile, Provenance, TransferProfile, profile_key
@@ -71,9 +74,11 @@ def _depends_on_context(op: OperatorSpec) -> bool:
 
 
 def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
-    """Per measured point: bytes, FLOPs, kernel launches, measured seconds, table index."""
+    """Per measured point: bytes, FLOPs, kernel launches, the fixed seconds that are not fitted,
+    measured seconds, table index."""
     ops = {key: op for key, op, _ in profile_operators(model)}
-    rows: list[tuple[float, float, float, float, int]] = []
+    hw = profile.device
+    rows: list[tuple[float, float, float, float, float, int]] = []
     for index, table in enumerate(profile.ops):
         op = ops.get(table.op)
         if op is None:
@@ -84,7 +89,8 @@ def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
         for b, row in zip(table.batches, table.latency_s, strict=True):
             for s, t in zip(table.contexts, row, strict=True):
                 num_bytes, flops = op_bytes_and_flops(op, table.tp, b, s)
-                rows.append((num_bytes, flops, float(op.kernels), t, index))
+                fixed = expert_fixed_s(op, b, hw) + step_overhead_s(op, b, hw)
+                rows.append((num_bytes, flops, float(launches(op)), fixed, t, index))
     if not rows:
         raise ConfigError("profile has no operator latencies to fit")
     return tuple(np.asarray(col, dtype=np.float64) for col in zip(*rows, strict=True))
@@ -97,15 +103,15 @@ def _huber(r: np.ndarray) -> np.ndarray:
 
 def _objective(theta: np.ndarray, data: tuple[np.ndarray, ...], bw: float, fl: float) -> float:
     """Mean Huber loss of the log error with ``theta`` = log10(eta_mem, eta_flop, t_kernel)."""
-    num_bytes, flops, kernels, measured, _ = data
+    num_bytes, flops, kernels, fixed, measured, _ = data
     eta_m, eta_c, launch = 10.0**theta
-    pred = np.maximum(num_bytes / (bw * eta_m), flops / (fl * eta_c)) + kernels * launch
+    pred = np.maximum(num_bytes / (bw * eta_m), flops / (fl * eta_c)) + kernels * launch + fixed
     return float(np.mean(_huber(np.log(pred) - np.log(measured))))
 
 
 def _search(data: tuple[np.ndarray, ...], bw: float, fl: float) -> np.ndarray:
     """Global grid search, then a shrinking pattern search (the max() makes it non-smooth)."""
-    num_bytes, flops, kernels, measured, _ = data
+    num_bytes, flops, kernels, fixed, measured, _ = data
     log_t = np.log(measured)
     effs = np.linspace(*_EFF_DECADES, 37)
     launches = np.linspace(*_OVERHEAD_DECADES, 49)
@@ -114,7 +120,7 @@ def _search(data: tuple[np.ndarray, ...], bw: float, fl: float) -> np.ndarray:
     roof = np.maximum(mem[:, None, :], comp[None, :, :])  # [eta_m, eta_c, point]
     best, best_err = np.zeros(3), np.inf
     for launch in launches:
-        err = np.mean(_huber(np.log(roof + kernels * 10.0**launch) - log_t), axis=-1)
+        err = np.mean(_huber(np.log(roof + kernels * 10.0**launch + fixed) - log_t), axis=-1)
         i, j = np.unravel_index(np.argmin(err), err.shape)
         if err[i, j] < best_err:
             best_err, best = float(err[i, j]), np.array([effs[i], effs[j], launch])
@@ -154,9 +160,9 @@ def fit_efficiency_report(profile: Profile, model: ModelSpec) -> EfficiencyFit:
             "kernel_overhead_s": launch,
         }
     )
-    num_bytes, flops, kernels, measured, table = data
+    num_bytes, flops, kernels, fixed, measured, table = data
     pred = np.maximum(num_bytes / fitted.effective_bandwidth, flops / fitted.effective_flops)
-    err = np.abs(np.log((pred + kernels * launch) / measured))
+    err = np.abs(np.log((pred + kernels * launch + fixed) / measured))
     worst = profile.ops[int(table[int(np.argmax(err))])].op
     return EfficiencyFit(
         hardware=HardwareSpec.model_validate(fitted.model_dump()),

@@ -25,6 +25,24 @@ Sources, cited once here and by key below:
   Community Cloud is the low end of the market (hyperscalers list the same GPUs at 2-4x); plans
   depend on the price ratios. Override any price with ``--hardware`` (``usd_per_hour``).
   [VLLM] vLLM EngineArgs default gpu_memory_utilization = 0.9 of device memory.
+  Fixed costs of a decode step (used by ``fixed_costs.py``; values measured on Hopper, taken for
+  the other GPUs where no measurement of their own was found):
+  [HAZY] Hazy Research, "Look Ma, No Bubbles! Designing a Low-Latency Megakernel for Llama-1B",
+  2025-05-27: on an H100, vLLM and SGLang reach at most 50% of memory bandwidth decoding
+  Llama-3.2-1B at batch 1 with around a hundred kernels per forward pass, one megakernel 78%;
+  launching a kernel costs about 1.3 us even inside a CUDA graph.
+  [VLLM-GAP] vllm-project/vllm#11133: with asynchronous scheduling and CUDA graphs the GPU sits
+  idle 150-170 us between two decode steps (5-6 ms before).
+  [SGL-HOST] sgl-project/sglang-omni#760, H100, CUDA graphs, no overlap: the host's share of a
+  decode step is 1.36-1.38 / 1.65-1.66 / 1.82-1.86 ms at batch 16 / 24 / 32, i.e. 0.90 ms plus
+  29 us per request.
+  [SGL-AR] sgl-project/sglang#2904, H100, vLLM's custom all-reduce: 8.7 / 9.2 / 11.8 us at
+  32 KiB and 26.6 / 40.2 / 45.0 us at 1 MiB for TP 2 / 4 / 8.
+  [MOE-K] fused-MoE kernel times at decode batch sizes, timed under CUDA graphs by the engines'
+  tuning scripts: sgl-project/sglang#11730 (H200, Qwen3-235B-A22B FP8, TP 8: 31.7 us at batch 1,
+  36.6, 49.7, 66.9, 92.4, 117.4, 125.0 us at 2-32); vllm-project/vllm#44830 (H100,
+  Qwen3-Next-80B-A3B FP8, TP 4: 29.45 us at batch 1); vllm-project/vllm#31448 (B200,
+  Qwen3-30B-A3B BF16, TP 1: 39.6 us at batch 1).
 Where no measurement was found the factor is marked ASSUMED; override any field with
 ``--hardware FILE``.
 """
@@ -68,8 +86,51 @@ class HardwareSpec(Frozen):
     memory_efficiency: float = Field(default=0.85, gt=0, le=1)
     compute_efficiency: float = Field(default=0.80, gt=0, le=1)
     link_efficiency: float = Field(default=0.85, gt=0, le=1)
-    kernel_overhead_s: float = Field(default=1.5 * US, ge=0, description="Per kernel launch.")
-    allreduce_latency_s: float = Field(default=10 * US, ge=0)
+    # [HAZY]: (1/0.50 - 1/0.78) x 2.48 GB / 3.35 TB/s = 0.53 ms per Llama-1B step, less the
+    # 0.16 ms step gap, over ~100 kernels: 3.7 us per kernel boundary (launch, fill, drain).
+    kernel_overhead_s: float = Field(
+        default=3.7 * US, ge=0, description="Per kernel launch (launch, pipeline fill, drain)."
+    )
+    # [SGL-AR] fitted to latency + 2(t-1)/t x bytes / bandwidth: 9 us and 53 GB/s (ring-equivalent)
+    # reproduce the 18 measurements within 2.2 us, except 256-512 KiB at TP 4-8 (up to 6.4 us low).
+    allreduce_latency_s: float = Field(
+        default=9 * US, ge=0, description="Latency floor of one TP all-reduce / all-gather."
+    )
+    allreduce_bandwidth_bytes_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Ring-equivalent bandwidth of decode-size (up to 1 MiB) TP collectives; "
+        "None: the intra-node link at link_efficiency.",
+    )
+    # Engines that overlap the host's scheduling with the GPU's step ([VLLM-GAP]; SGLang's and
+    # TensorRT-LLM's overlap schedulers; OpWeave's runtime runs compiled schedules, paper §6.2)
+    # leave only this gap. An engine that does not pays [SGL-HOST] instead: set
+    # step_overhead_s = 0.9e-3 and step_overhead_per_request_s = 29e-6 in a hardware file.
+    step_overhead_s: float = Field(
+        default=160 * US,  # [VLLM-GAP]
+        ge=0,
+        description="Per decode step and microbatch: scheduling, sampling launch and the "
+        "host-device round trip the GPU waits for.",
+    )
+    step_overhead_per_request_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="... and per request of the step (host work the engine does not overlap).",
+    )
+    # [MOE-K] the H200 series fits 22.6 us + experts touched x (their bytes at the dense
+    # bandwidth + 0.33 us) within 6% at every batch size; the same numbers give the H100 and B200
+    # points 28.6 us (29.45 measured) and 37.0 us (39.6).
+    expert_fixed_latency_s: float = Field(
+        default=22.6 * US,
+        ge=0,
+        description="Fixed time of one MoE layer's routed-expert kernels (align, two grouped "
+        "GEMMs, activation, combine), in place of their per-kernel launch costs.",
+    )
+    expert_overhead_s: float = Field(
+        default=0.33 * US,
+        ge=0,
+        description="Extra time per expert a step touches (one small GEMM's ramp and tail).",
+    )
     usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)
     aliases: tuple[str, ...] = ()
 
@@ -97,8 +158,10 @@ def _gpu(**fields: Any) -> HardwareSpec:
     return HardwareSpec(**fields)
 
 
-# ASSUMED latencies: one-way small-message NVLink/RDMA ~2-3 us plus NCCL launch; small-message
-# all-reduce 10 us sits between vLLM's custom all-reduce and NCCL's ~25 us NVLS floor.
+# ASSUMED latencies: one-way small-message NVLink/RDMA ~2-3 us plus NCCL launch. TP collectives
+# over NVLink use [SGL-AR] (measured on H100; taken for A100, H200 and B200); PCIe GPUs keep an
+# ASSUMED 20 us floor at link bandwidth (custom all-reduce needs NVLink beyond two GPUs).
+NVLINK_ALLREDUCE_BANDWIDTH = 53 * GB  # [SGL-AR]
 BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="h100-sxm",
@@ -113,6 +176,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.89,
         compute_efficiency=0.80,  # [BABEL] [MAMF]
         link_efficiency=0.84,  # [NCCL-P2P]
+        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
         usd_per_hour=2.69,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
@@ -129,6 +193,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.86,
         compute_efficiency=0.80,  # [BABEL] [MAMF: =H100]
         link_efficiency=0.84,
+        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
         usd_per_hour=3.59,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
@@ -145,6 +210,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.83,
         compute_efficiency=0.87,  # [BABEL] [MAMF]
         link_efficiency=0.84,
+        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
         usd_per_hour=1.39,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
@@ -161,6 +227,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.83,
         compute_efficiency=0.87,
         link_efficiency=0.84,
+        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
         usd_per_hour=1.00,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-08-19",
     ),
@@ -229,6 +296,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.80,
         compute_efficiency=0.78,  # ASSUMED mem; [MAMF]
         link_efficiency=0.84,
+        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
         usd_per_hour=5.98,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),

@@ -1,10 +1,12 @@
 """Roofline operator latencies, tensor parallelism and memory feasibility (paper §3, A.1).
 
 Operator latency on one tensor-parallel rank:
-``max(bytes / (peak_bw * eta_mem), flops / (peak_flops * eta_flop)) + kernels * t_launch``,
-where the efficiency factors are measured public figures (see ``hardware.py``). A TP group
+``max(bytes / (peak_bw * eta_mem), flops / (peak_flops * eta_flop))`` plus the fixed costs of
+``fixed_costs.py`` (per kernel launch, per MoE expert pass, per decode step), where the
+efficiency factors and fixed costs are measured public figures (see ``hardware.py``). A TP group
 shards weights, heads and FLOPs and runs an all-reduce (or all-gather) over the intra-node link
-after row-parallel operators.
+after row-parallel operators: a latency floor plus the payload at the bandwidth decode-size
+collectives reach.
 """
 
 from __future__ import annotations
@@ -12,6 +14,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .fixed_costs import (
+    collective_latency_s,
+    collective_transfer_s,
+    expert_fixed_s,
+    launch_s,
+    step_overhead_s,
+)
 from .formulas import max_resident_batch
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec, TPCollective
@@ -61,23 +70,32 @@ class RooflineLatency:
         context: float,
     ) -> float:
         del model, layer
+        return sum(self.op_terms_s(op, tp, batch, context).values())
+
+    def op_terms_s(
+        self, op: OperatorSpec, tp: int, batch: float, context: float
+    ) -> dict[str, float]:
+        """``op_latency_s`` split into its roofline and its fixed costs (``fixed_costs.py``)."""
         if batch <= 0:
-            return 0.0
+            return {"roofline": 0.0, "kernel_launch": 0.0, "moe_experts": 0.0, "step": 0.0}
         hw = self.hardware
         num_bytes, flops = op_bytes_and_flops(op, tp, batch, context)
-        return max(num_bytes / hw.effective_bandwidth, flops / hw.effective_flops) + (
-            op.kernels * hw.kernel_overhead_s
-        )
+        return {
+            "roofline": max(num_bytes / hw.effective_bandwidth, flops / hw.effective_flops),
+            "kernel_launch": launch_s(op, hw),
+            "moe_experts": expert_fixed_s(op, batch, hw),
+            "step": step_overhead_s(op, batch, hw),
+        }
 
     def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float:
+        return sum(self.collective_terms_s(op, tp, batch))
+
+    def collective_terms_s(self, op: OperatorSpec, tp: int, batch: float) -> tuple[float, float]:
+        """``collective_s`` as (latency floor, payload over bandwidth)."""
         if tp == 1 or op.tp_collective is TPCollective.NONE or batch <= 0:
-            return 0.0
+            return (0.0, 0.0)
         hw = self.hardware
-        bw = hw.intra_node_bandwidth_bytes_per_s * hw.link_efficiency
-        payload = batch * op.tp_collective_bytes_per_token
-        # Ring all-reduce moves 2(t-1)/t of the payload per rank; all-gather (t-1)/t.
-        factor = 2.0 if op.tp_collective is TPCollective.ALLREDUCE else 1.0
-        return hw.allreduce_latency_s + factor * (tp - 1) / tp * payload / bw
+        return (collective_latency_s(op, tp, hw), collective_transfer_s(op, tp, batch, hw))
 
     def transfer_s(self, link: LinkKind, num_bytes: float) -> float:
         hw = self.hardware

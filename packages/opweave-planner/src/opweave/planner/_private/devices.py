@@ -23,6 +23,7 @@ from opweave.costmodel import (
     RooflineLatency,
     default_catalog,
     profile_key,
+    tp_problem,
 )
 from opweave.costmodel.errors import ConfigError, UnknownGPUError
 
@@ -152,6 +153,13 @@ def resolve_devices(
             latency = RooflineLatency(hw)
             tps = tuple(tp for tp in TP_DEGREES if tp <= hw.gpus_per_node)
             src = f"{hw.id}:roofline"
+        # only degrees the runtime can shard the model's operators over (costmodel's rule)
+        tps = tuple(tp for tp in tps if tp_problem(model, tp) is None)
+        if not tps:
+            raise ConfigError(
+                f"{model.name} cannot be sharded over any tensor-parallel degree {hw.id} "
+                f"offers: {tp_problem(model, 2) or 'no degree left'}"
+            )
         out.append(
             Device(
                 id=hw.id,

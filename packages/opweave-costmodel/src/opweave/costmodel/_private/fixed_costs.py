@@ -1,0 +1,132 @@
+"""Fixed costs of a decode step beside the roofline: what bytes over bandwidth leave out.
+
+A roofline charges an operator its bytes over bandwidth (or FLOPs over throughput). Measured
+decode steps take longer, by amounts that do not scale with the bytes, and most visibly at batch
+1, on MoE models and under tensor parallelism. Four terms account for that, each a small pure
+function of (operator, hardware) whose per-GPU values live in the hardware catalog
+(``hardware.py`` cites the measurements):
+
+- **per kernel launch** (``kernel_overhead_s``): launching a kernel, filling its memory pipeline
+  and draining its last wave, during which no weights stream;
+- **per TP collective** (``allreduce_latency_s``, ``allreduce_bandwidth_bytes_per_s``): a latency
+  floor per all-reduce / all-gather, and the bandwidth decode-size collectives actually reach
+  (far below the link's: they are synchronisation-bound);
+- **MoE expert loading** (``expert_fixed_latency_s``, ``expert_overhead_s``): at small batch,
+  ``b`` tokens routed top-``k`` over ``E`` experts touch about ``min(E, b k)`` experts
+  (``OperatorSpec.weight_bytes_read`` takes the expected count, ``E (1 - (1 - k/E)^b)``, whose
+  bytes the roofline reads); the fused kernels add a fixed start-up per layer and, per expert
+  touched, the ramp and tail of one small GEMM;
+- **per decode step** (``step_overhead_s``, ``step_overhead_per_request_s``): scheduling,
+  sampling launch and the host-device round trip the GPU waits for between steps, charged once
+  per step (per microbatch) to the ``sample`` operator, which every step runs once. The default
+  is an engine that overlaps its host work with the GPU; one that does not pays more, and per
+  request (``hardware.py``, [SGL-HOST]).
+
+A measured profile replaces all of them: its operator latencies already contain them.
+"""
+
+from __future__ import annotations
+
+from .hardware import HardwareSpec
+from .model import OperatorSpec, TPCollective
+
+# Largest collective the all-reduce measurements cover ([SGL-AR] in hardware.py): beyond it,
+# marginal bytes move at the link's bandwidth, as a bandwidth-bound ring (NCCL) moves them.
+SMALL_COLLECTIVE_MAX_BYTES = float(1 << 20)
+
+
+def launches(op: OperatorSpec) -> int:
+    """Kernel launches charged ``kernel_overhead_s`` each.
+
+    Routed experts are charged ``expert_fixed_latency_s`` instead: that measurement times the
+    whole fused-MoE sequence, its launches included.
+    """
+    return 0 if op.moe is not None else op.kernels
+
+
+def launch_s(op: OperatorSpec, hw: HardwareSpec) -> float:
+    """Per-kernel fixed cost of one execution of ``op``.
+
+    >>> from opweave.costmodel import default_catalog, load_model
+    >>> op = next(o for o in load_model("qwen3-32b").layers[0].ops if o.name == "gate_up_proj")
+    >>> round(launch_s(op, default_catalog().get("h100")) * 1e6, 1)  # GEMM + SiLU-and-mul
+    7.4
+    """
+    return launches(op) * hw.kernel_overhead_s
+
+
+def experts_touched(op: OperatorSpec, batch: float) -> float:
+    """Expected distinct experts ``batch`` tokens route to (zero for non-expert operators)."""
+    if op.moe is None or op.moe.expert_weight_bytes <= 0:
+        return 0.0
+    return float(op.weight_bytes_read(batch)) / op.moe.expert_weight_bytes
+
+
+def expert_fixed_s(op: OperatorSpec, batch: float, hw: HardwareSpec) -> float:
+    """Fixed time of a routed-experts operator: the fused-MoE start-up plus a small-GEMM cost
+    per expert touched (zero for every other operator). The experts' bytes are in the roofline.
+
+    >>> from opweave.costmodel import default_catalog, load_model
+    >>> experts = next(o for o in load_model("qwen3-30b-a3b").layers[0].ops if o.name == "experts")
+    >>> round(experts_touched(experts, 1), 1), round(experts_touched(experts, 64), 1)
+    (8.0, 125.9)
+    >>> round(expert_fixed_s(experts, 1, default_catalog().get("h100")) * 1e6, 2)  # 22.6 + 8 x 0.33
+    25.24
+    """
+    if op.moe is None:
+        return 0.0
+    return hw.expert_fixed_latency_s + experts_touched(op, batch) * hw.expert_overhead_s
+
+
+def step_overhead_s(op: OperatorSpec, batch: float, hw: HardwareSpec) -> float:
+    """The per-step fixed cost of a step of ``batch`` requests, charged to the one operator
+    every step (every microbatch of a pipeline) runs once: ``sample``.
+
+    >>> from opweave.costmodel import default_catalog, load_model
+    >>> sample = load_model("qwen3-32b").post_ops[-1]
+    >>> round(step_overhead_s(sample, 8, default_catalog().get("h100")) * 1e6)
+    160
+    """
+    if op.name != "sample":
+        return 0.0
+    return hw.step_overhead_s + hw.step_overhead_per_request_s * batch
+
+
+def collective_factor(collective: TPCollective, tp: int) -> float:
+    """Bytes a rank moves per payload byte: ``2(t-1)/t`` for a ring all-reduce, ``(t-1)/t`` for
+    an all-gather, zero without a collective or a TP group."""
+    # == rather than is: string enums compare by value, whichever copy of the module made them
+    if tp <= 1 or collective == TPCollective.NONE:
+        return 0.0
+    scale = 2.0 if collective == TPCollective.ALLREDUCE else 1.0
+    return scale * (tp - 1) / tp
+
+
+def collective_latency_s(op: OperatorSpec, tp: int, hw: HardwareSpec) -> float:
+    """Latency floor of ``op``'s TP collective, paid however small the payload."""
+    if collective_factor(op.tp_collective, tp) == 0.0:
+        return 0.0
+    return hw.allreduce_latency_s
+
+
+def collective_transfer_s(op: OperatorSpec, tp: int, batch: float, hw: HardwareSpec) -> float:
+    """Bandwidth part of ``op``'s TP collective for ``batch`` tokens.
+
+    Decode-size payloads (up to ``SMALL_COLLECTIVE_MAX_BYTES``) move at the measured
+    ``allreduce_bandwidth_bytes_per_s``; bytes beyond at the link's ``link_efficiency``.
+
+    >>> from opweave.costmodel import default_catalog, load_model
+    >>> o_proj = next(o for o in load_model("llama-3.3-70b").layers[0].ops if o.name == "o_proj")
+    >>> h100 = default_catalog().get("h100")
+    >>> # 64 tokens x 8192 x 2 bytes = 1 MiB at TP 8: 1.75 MiB of ring traffic at 53 GB/s
+    >>> round(collective_transfer_s(o_proj, 8, 64, h100) * 1e6, 1)
+    34.6
+    """
+    factor = collective_factor(op.tp_collective, tp)
+    payload = batch * op.tp_collective_bytes_per_token
+    if factor == 0.0 or payload <= 0:
+        return 0.0
+    link = hw.intra_node_bandwidth_bytes_per_s * hw.link_efficiency
+    small_bw = hw.allreduce_bandwidth_bytes_per_s or link
+    small = min(payload, SMALL_COLLECTIVE_MAX_BYTES)
+    return factor * (small / small_bw + (payload - small) / link)

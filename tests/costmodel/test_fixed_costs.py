@@ -1,0 +1,235 @@
+"""The fixed costs a roofline leaves out (fixed_costs.py), against hand computations."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from opweave.costmodel import (
+    HardwareSpec,
+    ProfiledLatency,
+    RooflineLatency,
+    analyze,
+    default_catalog,
+    estimate_step,
+    load_hardware_file,
+    model_spec_from_config,
+    synthesize_profile,
+)
+from opweave.costmodel._private.fixed_costs import SMALL_COLLECTIVE_MAX_BYTES
+from tests.helpers import TINY_LLAMA
+
+US = 1e-6
+# Round numbers, so each term can be computed by hand.
+GPU = HardwareSpec(
+    id="toy",
+    name="toy",
+    memory_bytes=1e9,
+    mem_bandwidth_bytes_per_s=1e12,
+    dense_flops_per_s=1e14,
+    intra_node_bandwidth_bytes_per_s=1e11,
+    network_bandwidth_bytes_per_s=1e10,
+    memory_efficiency=0.5,
+    compute_efficiency=0.5,
+    link_efficiency=1.0,
+    usable_memory_fraction=1.0,
+    usd_per_hour=3.6,
+    kernel_overhead_s=2 * US,
+    allreduce_latency_s=5 * US,
+    allreduce_bandwidth_bytes_per_s=5e10,
+    step_overhead_s=100 * US,
+    step_overhead_per_request_s=1 * US,
+    expert_fixed_latency_s=20 * US,
+    expert_overhead_s=1 * US,
+)
+ZERO = GPU.model_copy(
+    update={
+        "kernel_overhead_s": 0.0,
+        "allreduce_latency_s": 0.0,
+        "allreduce_bandwidth_bytes_per_s": None,
+        "step_overhead_s": 0.0,
+        "step_overhead_per_request_s": 0.0,
+        "expert_fixed_latency_s": 0.0,
+        "expert_overhead_s": 0.0,
+    }
+)
+TINY_MOE = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "vocab_size": 100,
+    "torch_dtype": "float32",
+}
+
+
+def _op(spec, name):
+    return next(o for o in spec.operators if o.name == name)
+
+
+def test_kernel_launches_add_per_kernel() -> None:
+    spec = model_spec_from_config(TINY_LLAMA)
+    op = _op(spec, "gate_up_proj")  # GEMM + SiLU-and-mul: two kernels
+    full = RooflineLatency(GPU).op_latency_s(spec, op, spec.layers[0], 1, 4, 10)
+    plain = RooflineLatency(ZERO).op_latency_s(spec, op, spec.layers[0], 1, 4, 10)
+    assert op.kernels == 2
+    assert full - plain == pytest.approx(2 * 2 * US)
+
+
+def test_collective_floor_and_decode_size_bandwidth() -> None:
+    spec = model_spec_from_config(TINY_LLAMA)
+    o_proj = _op(spec, "o_proj")  # all-reduce of 64 float32 per token = 256 bytes
+    lat = RooflineLatency(GPU)
+    # 10 tokens at TP 4: 5 us + 2 * 3/4 * 2560 bytes / 50 GB/s
+    assert lat.collective_s(o_proj, 4, 10) == pytest.approx(5 * US + 1.5 * 2560 / 5e10)
+    assert lat.collective_terms_s(o_proj, 4, 10) == pytest.approx((5 * US, 1.5 * 2560 / 5e10))
+    # Beyond 1 MiB the marginal bytes move at the link's 100 GB/s.
+    tokens = 3 * SMALL_COLLECTIVE_MAX_BYTES / 256
+    expected = 5 * US + 1.5 * (
+        SMALL_COLLECTIVE_MAX_BYTES / 5e10 + 2 * SMALL_COLLECTIVE_MAX_BYTES / 1e11
+    )
+    assert lat.collective_s(o_proj, 4, tokens) == pytest.approx(expected)
+    # No TP group, no collective.
+    assert lat.collective_s(o_proj, 1, 10) == 0.0
+    # Without a measured collective bandwidth the link's is used, as before.
+    plain = GPU.model_copy(update={"allreduce_bandwidth_bytes_per_s": None})
+    assert RooflineLatency(plain).collective_s(o_proj, 2, 10) == pytest.approx(
+        5 * US + 1.0 * 2560 / 1e11
+    )
+
+
+def test_moe_experts_pay_startup_and_per_expert_cost_not_launches() -> None:
+    spec = model_spec_from_config(TINY_MOE)
+    experts = _op(spec, "experts")
+    layer = spec.layers[0]
+    e, k = 16, 4
+    for batch in (1, 3, 64):
+        touched = e * (1 - (1 - k / e) ** batch)
+        full = RooflineLatency(GPU).op_latency_s(spec, experts, layer, 1, batch, 10)
+        plain = RooflineLatency(ZERO).op_latency_s(spec, experts, layer, 1, batch, 10)
+        # 20 us start-up + 1 us per expert touched, and no per-kernel launches for experts
+        assert full - plain == pytest.approx(20 * US + touched * US)
+    # At batch 1 exactly top-k experts are read; at a large batch all of them.
+    assert float(experts.weight_bytes_read(1)) == k * experts.moe.expert_weight_bytes
+    assert float(experts.weight_bytes_read(10_000)) == pytest.approx(experts.weight_bytes)
+
+
+def test_step_overhead_is_paid_once_per_step_on_sample() -> None:
+    spec = model_spec_from_config(TINY_LLAMA)
+    sample = spec.post_ops[-1]
+    assert sample.name == "sample"
+    full = RooflineLatency(GPU).op_latency_s(spec, sample, None, 1, 8, 10)
+    plain = RooflineLatency(ZERO).op_latency_s(spec, sample, None, 1, 8, 10)
+    # 100 us per step + 1 us per request of the 8, and the sampling kernel's own launch
+    assert full - plain == pytest.approx(100 * US + 8 * 1 * US + 1 * 2 * US)
+    lm_head = _op(spec, "lm_head")
+    diff = RooflineLatency(GPU).op_latency_s(spec, lm_head, None, 1, 8, 10) - RooflineLatency(
+        ZERO
+    ).op_latency_s(spec, lm_head, None, 1, 8, 10)
+    assert diff == pytest.approx(1 * 2 * US)  # only its own launch
+
+
+def test_estimate_breakdown_shows_each_term() -> None:
+    spec = model_spec_from_config(TINY_MOE)
+    b, tp = 3, 2
+    est = estimate_step(spec, GPU, tp=tp, batch=b, context=100)
+    plain = estimate_step(spec, ZERO, tp=tp, batch=b, context=100)
+    br = est.breakdown_s
+    assert {"attention", "gemm", "small", "communication"} <= set(br)
+    launches = sum(op.kernels for op in spec.operators if op.name != "experts")
+    assert br["kernel_launch"] == pytest.approx(launches * 2 * US)
+    touched = 16 * (1 - (1 - 4 / 16) ** b)
+    assert br["moe_experts"] == pytest.approx(2 * (20 * US + touched * US))  # two MoE layers
+    assert br["step_overhead"] == pytest.approx(100 * US + b * US)
+    collectives = sum(1 for op in spec.operators if op.tp_collective != "none")
+    assert collectives == 2 * 2 + 2  # embed, lm_head, and o_proj + experts per layer
+    assert br["allreduce_latency"] == pytest.approx(collectives * 5 * US)
+    # The roofline terms are those of the plain roofline, the fixed costs come on top.
+    for key in ("attention", "gemm", "small"):
+        assert br[key] == pytest.approx(plain.breakdown_s[key])
+    assert est.step_latency_s == pytest.approx(sum(br.values()))
+    fixed = sum(br[k] for k in ("kernel_launch", "moe_experts", "step_overhead"))
+    fixed += br["allreduce_latency"]
+    comm_extra = br["communication"] - plain.breakdown_s["communication"]
+    assert est.step_latency_s == pytest.approx(plain.step_latency_s + fixed + comm_extra)
+
+
+def test_a_hardware_file_overrides_the_per_gpu_values(tmp_path) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text(
+        '[[gpus]]\nid = "h100"\nstep_overhead_s = 0.0009\nstep_overhead_per_request_s = 29e-6\n'
+        "kernel_overhead_s = 0.0\n"
+    )
+    custom = load_hardware_file(path).get("h100")
+    stock = default_catalog().get("h100")
+    spec = model_spec_from_config(TINY_LLAMA)
+    a = estimate_step(spec, stock, tp=1, batch=10, context=64).breakdown_s
+    b = estimate_step(spec, custom, tp=1, batch=10, context=64).breakdown_s
+    assert a["step_overhead"] == pytest.approx(stock.step_overhead_s)
+    assert b["step_overhead"] == pytest.approx(0.0009 + 10 * 29e-6)
+    assert b["kernel_launch"] == 0.0 and a["kernel_launch"] > 0
+
+
+def test_a_profile_replaces_the_analytical_terms() -> None:
+    spec = model_spec_from_config(TINY_LLAMA)
+    profile = synthesize_profile(spec, GPU, batches=(4,), contexts=(64,))
+    est = estimate_step(spec, GPU, tp=1, batch=4, context=64, latency=ProfiledLatency(profile))
+    br = est.breakdown_s
+    # measured operator latencies already contain launches and the step: no separate terms
+    assert br["kernel_launch"] == br["step_overhead"] == br["moe_experts"] == 0.0
+    direct = estimate_step(spec, GPU, tp=1, batch=4, context=64)
+    assert est.step_latency_s == pytest.approx(direct.step_latency_s)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    batch=st.integers(1, 512),
+    context=st.integers(1, 65536),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    gpu=st.sampled_from(["h100", "a100", "h200", "l40s", "mi300x"]),
+    moe=st.booleans(),
+)
+def test_fixed_costs_only_add(batch, context, tp, gpu, moe) -> None:
+    hw = default_catalog().get(gpu)
+    spec = model_spec_from_config(TINY_MOE if moe else TINY_LLAMA)
+    zero = hw.model_copy(update={k: v for k, v in ZERO.model_dump().items() if k in FIELDS})
+    full = estimate_step(spec, hw, tp=tp, batch=batch, context=context)
+    plain = estimate_step(spec, zero, tp=tp, batch=batch, context=context)
+    assert full.step_latency_s >= plain.step_latency_s
+    for key in ("attention", "gemm", "small"):
+        assert full.breakdown_s[key] == pytest.approx(plain.breakdown_s[key])
+
+
+FIELDS = {
+    "kernel_overhead_s",
+    "allreduce_latency_s",
+    "allreduce_bandwidth_bytes_per_s",
+    "step_overhead_s",
+    "step_overhead_per_request_s",
+    "expert_fixed_latency_s",
+    "expert_overhead_s",
+}
+
+
+def test_the_section_3_analysis_is_the_roofline_regime() -> None:
+    """The theorems bound the roofline cost lines; the fixed costs do not enter them."""
+    cat = default_catalog()
+    spec = model_spec_from_config(TINY_LLAMA | {"num_hidden_layers": 8, "hidden_size": 256})
+    s = np.geomspace(64, 8192, 8)
+    stock = analyze(spec, [cat.get("h100"), cat.get("a100")], s)
+    zeroed = [
+        cat.get(g).model_copy(update={k: v for k, v in ZERO.model_dump().items() if k in FIELDS})
+        for g in ("h100", "a100")
+    ]
+    plain = analyze(spec, zeroed, s)
+    for a, b in zip(stock.gpus, plain.gpus, strict=True):
+        np.testing.assert_array_equal(a.cost_homogeneous, b.cost_homogeneous)
+        np.testing.assert_array_equal(a.gain_homogeneous, b.gain_homogeneous)
