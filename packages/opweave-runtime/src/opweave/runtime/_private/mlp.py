@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .batch import TokenBatch
-from .ops import OpContext, Operator, RMSNorm, activation
+from .ops import OpContext, Operator, RMSNorm, activation, linear
 from .tensor_parallel import Layout
 
 
@@ -21,6 +21,7 @@ class GateUpProj(Operator):
     """``act(gate(x)) * up(x)``: the two input projections and the activation between them."""
 
     name, op_class = "gate_up_proj", "gemm"
+    linear_weights = ("w_gate", "w_up")
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -35,14 +36,15 @@ class GateUpProj(Operator):
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x = batch["hidden"]
-        gate = F.linear(x, self.w_gate, self.b_gate)
-        return batch.replace(hidden=self.act(gate) * F.linear(x, self.w_up, self.b_up))
+        gate = linear(x, self.w_gate, self.b_gate)
+        return batch.replace(hidden=self.act(gate) * linear(x, self.w_up, self.b_up))
 
 
 class DownProj(Operator):
     """Output projection of the dense MLP, Gemma's post-feed-forward norm, and the residual add."""
 
     name, op_class = "down_proj", "gemm"
+    linear_weights = ("weight",)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -76,6 +78,7 @@ class Router(Operator):
     """
 
     name, op_class = "router", "gemm"
+    linear_weights = ("weight",)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -85,7 +88,7 @@ class Router(Operator):
     def forward(self, batch: TokenBatch) -> TokenBatch:
         moe = self.arch.moe
         assert moe is not None
-        logits = F.linear(batch["hidden"], self.weight)
+        logits = linear(batch["hidden"], self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, moe.top_k, dim=-1)
         if moe.norm_topk_prob:
@@ -153,6 +156,7 @@ class SharedExpert(Operator):
     """Qwen3-Next's always-on expert, scaled by a per-row sigmoid gate, added to the routed sum."""
 
     name, op_class = "shared_expert", "gemm"
+    linear_weights = ("w_gate", "w_up", "w_down", "w_score")
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -172,8 +176,8 @@ class SharedExpert(Operator):
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x = batch["hidden"]
-        inner = self.act(F.linear(x, self.w_gate)) * F.linear(x, self.w_up)
-        shared = self._reduce(F.linear(inner, self.w_down))
-        shared = torch.sigmoid(F.linear(x, self.w_score)) * shared
+        inner = self.act(linear(x, self.w_gate)) * linear(x, self.w_up)
+        shared = self._reduce(linear(inner, self.w_down))
+        shared = torch.sigmoid(linear(x, self.w_score)) * shared
         out = batch["moe_out"] + shared
         return batch.replace(drop=("moe_out", "residual"), hidden=batch["residual"] + out)

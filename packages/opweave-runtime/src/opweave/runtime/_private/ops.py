@@ -27,6 +27,28 @@ OpClass = Literal["attention", "gemm", "small"]
 Ranges = Sequence[tuple[int, int]]
 
 
+class PackedWeight:
+    """A projection's weight prepacked for another library's GEMM (vLLM's oneDNN kernels, see
+    :mod:`opweave.runtime.vllm`); :func:`linear` calls it instead of ``F.linear``."""
+
+    def __init__(self, weight: torch.Tensor, mm: Callable[..., torch.Tensor]) -> None:
+        self.shape = weight.shape
+        self.dtype = weight.dtype
+        self._mm = mm
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._mm(x, bias)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias``: ``F.linear``, or a prepacked weight's own GEMM."""
+    if isinstance(weight, PackedWeight):
+        return weight(x.contiguous(), bias)
+    return F.linear(x, weight, bias)
+
+
 @dataclass
 class OpContext:
     """What every operator is built from: the model, where its tensors are, where it runs."""
@@ -49,6 +71,8 @@ class Operator:
 
     name: ClassVar[str]
     op_class: ClassVar[OpClass]
+    # attributes holding projection weights that :func:`linear` multiplies by (packable)
+    linear_weights: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         self.arch = ctx.arch
@@ -107,13 +131,13 @@ class Operator:
         return weight, self._optional_layer_tensor(f"{module}.bias")
 
     def _project_back(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+        self, x: torch.Tensor, weight: torch.Tensor | PackedWeight, bias: torch.Tensor | None
     ) -> torch.Tensor:
         """A row-parallel projection to the hidden size: partial sums all-reduced, then the
         bias. Unsharded it is one ``F.linear``, exactly transformers' rounding."""
         if self.comm is None:
-            return F.linear(x, weight, bias)
-        out = self.comm.all_reduce(F.linear(x, weight))
+            return linear(x, weight, bias)
+        out = self.comm.all_reduce(linear(x, weight))
         return out if bias is None else out + bias
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -310,6 +334,7 @@ class LmHead(Operator):
     """
 
     name, op_class = "lm_head", "gemm"
+    linear_weights = ("weight",)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -321,7 +346,7 @@ class LmHead(Operator):
         )
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        logits = F.linear(batch["hidden"], self.weight)
+        logits = linear(batch["hidden"], self.weight)
         if self.comm is not None:
             logits = self.comm.gather(logits, Layout(1, (self.arch.vocab_size,)))
         cap = self.arch.final_softcap

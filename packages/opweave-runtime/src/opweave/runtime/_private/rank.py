@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import faulthandler
 import json
 import os
 import signal
@@ -462,6 +463,8 @@ def name_process(name: str) -> None:
 def run_rank(spec: RankSpec) -> int:
     """The whole life of one rank; 0 after a clean shutdown, 1 after reporting an error."""
     name_process(f"opweave-rank{spec.rank}")
+    with contextlib.suppress(Exception):  # a crash in native code leaves its stack in the log
+        faulthandler.enable(file=sys.__stderr__ or sys.stderr)
     control: ControlClient | None = None
     try:
         control, store = connect(spec)

@@ -62,7 +62,7 @@ from .._private.attention import CoreAttention
 from .._private.batch import TokenBatch
 from .._private.linear_attention import LinearCoreAttention
 from .._private.mlp import Experts
-from .._private.ops import Operator, RMSNorm
+from .._private.ops import Operator, PackedWeight, RMSNorm
 from .._private.stage import StageModule
 from ..errors import RequestStateError
 from ._executor import KERNELS_KEY  # additional_config key, one of KERNEL_CHOICES
@@ -108,6 +108,8 @@ def vllm_kernels_available() -> bool:
                     "cpu_attention_with_kv_cache",
                     "cpu_fused_moe",
                     "chunk_gated_delta_rule_cpu",
+                    "onednn_mm",
+                    "create_onednn_mm_handler",
                 )
             )
         except Exception as exc:
@@ -167,6 +169,7 @@ def use_vllm_kernels(
     for i, op in enumerate(stage.operators):
         where = f"{'-' if op.layer is None else op.layer}.{op.name}"
         switched += [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, exact)]
+        switched += [f"{where}.{attr}:onednn_mm" for attr in _pack_linears(op, exact)]
         cls = _KERNEL_OPERATORS.get(type(op))
         if cls is not None:
             why = cls.unsupported(op)
@@ -235,6 +238,27 @@ def _swap_norms(op: Operator, exact: bool) -> list[str]:
     return swapped
 
 
+def _pack_linears(op: Operator, exact: bool) -> list[str]:
+    """Prepack the operator's projection weights for vLLM's oneDNN GEMM (``onednn_mm``, what
+    vLLM's CPU linear layers run). In bfloat16 it is about 1.5x faster than ``F.linear`` on a
+    decode-sized batch (measured: a 8192 x 1024 weight at batch 4, one thread: 1.12 vs
+    1.74 ms); it accumulates like it, in another order."""
+    packed = []
+    for attr in op.linear_weights:
+        weight = getattr(op, attr, None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            continue
+        if weight.dtype not in (torch.float32, torch.bfloat16):
+            continue
+        if exact and weight.dtype != torch.float32:
+            _note_once("projections", _inexact(weight.dtype))
+            continue
+        handle = _ops().create_onednn_mm(weight.t(), 32)
+        setattr(op, attr, PackedWeight(weight, lambda x, b, h=handle: _ops().onednn_mm(h, x, b)))
+        packed.append(attr)
+    return packed
+
+
 # -- kernel-backed operators ------------------------------------------------------------
 
 
@@ -293,6 +317,11 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
 
         head_dim = self.arch.head_dim
         self._isa = _get_attn_isa(self.dtype, _BLOCK_SIZE, head_dim)
+        if self._isa == "amx" and not torch.cpu._init_amx():
+            # Linux lets a process run AMX tile instructions only once it asked for them
+            # (arch_prctl); without that the kernel dies of SIGILL. Other kernels of a stage
+            # (oneDNN's GEMMs) ask on their own, an attention-only stage may not.
+            self._isa = _get_attn_isa(self.dtype, 16, head_dim)
         self._cache = torch.zeros(
             _MIN_BLOCKS,
             self.num_kv_heads,
@@ -419,7 +448,11 @@ class FusedMoeExperts(_KernelOperator, Experts):
 
     def _setup_kernel(self) -> None:
         ops = _ops()
-        amx = torch.cpu._is_amx_tile_supported() and self.dtype == torch.bfloat16
+        amx = (
+            torch.cpu._is_amx_tile_supported()
+            and self.dtype == torch.bfloat16
+            and torch.cpu._init_amx()  # the process must ask Linux for AMX tiles first
+        )
         self._isa = "amx" if amx else "vec"  # amx takes bf16 only (fp32 aborts the process)
         self._act = _MOE_ACTIVATIONS[self.arch.hidden_act]
         gate_up, down = self.gate_up, self.down
