@@ -274,9 +274,7 @@ def main() -> None:
             r = results[name]
             print(f"  {name}: {r['tok_s']:.1f} tok/s, TPOT p50 {r['p50_ms']:.1f} ms")
         rounds.append(results)
-    print(
-        f"\nmedians over {len(rounds)} round(s); 'vs vLLM' is the median of each round's ratio"
-    )
+    print(f"\nmedians over {len(rounds)} round(s); 'vs vLLM' is the median of each round's ratio")
     print(
         f"{'server':<10} {'answered':>8} {'failed':>6} {'tok/s':>8} {'vs vLLM':>8} "
         f"{'TPOT p50':>9} {'p99':>8}"
