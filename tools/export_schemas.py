@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import TypeAdapter
 
 from opweave.costmodel import HardwareSpec, ModelSpec, Node, Plan, Profile
+from opweave.runtime import RunResult
 
 SCHEMAS = {
     "plan.schema.json": Plan,
@@ -21,6 +22,8 @@ SCHEMAS = {
     "model-spec.schema.json": ModelSpec,
     # `opweave deploy`'s DIR/nodes.json: a top-level list of nodes
     "nodes.schema.json": list[Node],
+    # `opweave run --json` of an offline run (beside "model", "strategy" and "plan")
+    "run-result.schema.json": RunResult,
 }
 ROOT = Path(__file__).resolve().parent.parent / "schemas"
 

@@ -101,3 +101,22 @@ def test_json_output_is_only_json() -> None:
     proc = run_cli("estimate", "gemma-3-27b", "--gpu", "h200", "--batch", "8", "--json")
     json.loads(proc.stdout)
     assert proc.stderr == ""
+
+
+def test_commands_of_a_missing_library_say_which_package_they_need() -> None:
+    """Without opweave-runtime installed, `opweave run` names the package instead of failing
+    as an unknown command (simulated by hiding the library from the CLI's import check)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib.util as u\n"
+        "real = u.find_spec\n"
+        "u.find_spec = lambda name, *a: None if name == 'opweave.runtime' else real(name, *a)\n"
+        "from opweave.cli.app import main\n"
+        "raise SystemExit(main(['run', 'plan.json', '--model-path', 'm', '--port', '1']))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: opweave run needs opweave-runtime, which is not")
+    assert proc.stderr.count("\n") == 1

@@ -91,9 +91,10 @@ def test_simulated_afd_tpot_matches_a_real_run(profiled) -> None:
     measured = []
     for _ in range(3):
         result = run_plan(plan, model_dir, requests, device="cpu", timeout_s=60)
-        assert all(len(o["token_ids"]) == TOKENS for o in result["outputs"])
-        measured.append(result["tpot_s"])
-        if _agrees(sim.tpot_s, result["tpot_s"]):
+        assert result is not None and result.tpot_s is not None
+        assert all(len(o.token_ids) == TOKENS for o in result.outputs)
+        measured.append(result.tpot_s)
+        if _agrees(sim.tpot_s, result.tpot_s):
             break
     _check(sim.tpot_s, measured)
 

@@ -182,6 +182,7 @@ def test_two_nodes_on_one_machine(tmp_path, capsys, monkeypatch, tiny_model, hf_
     doc = json.loads(stdout)
     assert [o["token_ids"] for o in doc["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
     assert [r["rank"] for r in doc["ranks"]] == [0, 1]
+    assert doc["driver"]["start_method"] == "fork"  # the CLI forks while it has one thread
 
 
 def test_torchrun_style_launch(tmp_path, tiny_model, hf_greedy, prompts):
@@ -245,4 +246,5 @@ def test_spawned_workers(tiny_model, hf_greedy, prompts):
     plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=4)
     requests = [Request(tuple(p), MAX_TOKENS) for p in prompts]
     result = run_plan(plan, model_dir, requests, start_method="spawn", timeout_s=60)
-    assert [o["token_ids"] for o in result["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert result is not None
+    assert [list(o.token_ids) for o in result.outputs] == hf_greedy(model_dir, prompts, MAX_TOKENS)

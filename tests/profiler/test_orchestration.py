@@ -56,11 +56,11 @@ def test_fit_predicts_another_runs_loop_time(fit, tiny_model) -> None:
     ]
     result = run_plan(plan, model_dir, reqs, device="cpu", timeout_s=120)
     assert result is not None
-    line = result["ranks"][0]["timeline"]
+    line = result.ranks[0].timeline
     host = [
-        (line["end_s"][i] - line["end_s"][i - 1])
-        - (line["compute_s"][i] - line["compute_s"][i - 1])
-        - (line["comm_s"][i] - line["comm_s"][i - 1])
+        (line.end_s[i] - line.end_s[i - 1])
+        - (line.busy_s[i] - line.busy_s[i - 1])
+        - (line.comm_s[i] - line.comm_s[i - 1])
         for i in range(8, tokens)
     ]
     measured = statistics.median(host)

@@ -46,7 +46,9 @@ def _owners(*specs: tuple[int, int, int]) -> list[dict]:
 def _run(model_dir: Path, plan: Plan, prompts, limits=None, **kw) -> dict:
     limits = limits or [MAX_NEW_TOKENS] * len(prompts)
     requests = [Request(tuple(p), n) for p, n in zip(prompts, limits, strict=True)]
-    return run_plan(plan, model_dir, requests, timeout_s=TIMEOUT_S, **kw)
+    result = run_plan(plan, model_dir, requests, timeout_s=TIMEOUT_S, **kw)
+    assert result is not None
+    return result.model_dump(mode="json")
 
 
 def _tokens(result: dict) -> list[list[int]]:
@@ -105,20 +107,20 @@ def test_plan_kinds_generate_transformers_greedy_tokens(
     assert {r["wait"] for r in ranks} == {"spin" if own_core else "block"}
     for r in ranks:
         assert r["stages"] == placement.stage_labels(r["rank"])
-        assert r["compute_s"] > 0 and r["loop_s"] >= r["compute_s"]
+        assert r["busy_s"] > 0 and r["loop_s"] >= r["busy_s"]
         # the timeline: cumulative times at every iteration's end, ending at the totals
         line = r["timeline"]
         assert all(len(v) == r["iterations"] for v in line.values())
         for key, values in line.items():
             assert values == sorted(values), key
         assert line["end_s"][-1] <= r["loop_s"]
-        assert line["compute_s"][-1] == r["compute_s"]
-        assert r["actions_per_iteration"]["compute"] == plan.microbatches * sum(
+        assert line["busy_s"][-1] == r["busy_s"]
+        assert r["computes_per_iteration"] == plan.microbatches * sum(
             1 for seg in placement.segments if seg.owner == placement.ranks[r["rank"]].owner
         )
     # the driver's own bookkeeping: one entry per microbatch it drove, cumulative
     driver = result["driver"]
-    assert driver["actions_per_iteration"] == plan.microbatches and driver["drive_s"] > 0
+    assert driver["microbatches_per_iteration"] == plan.microbatches and driver["drive_s"] > 0
     assert driver["timeline"]["drive_s"] == sorted(driver["timeline"]["drive_s"])
     # Each operator's weights were read by exactly one rank: together, the model once, except
     # that a tied embedding is read by both the embed rank and the lm_head rank when they differ.
@@ -129,6 +131,63 @@ def test_plan_kinds_generate_transformers_greedy_tokens(
     extra = spec.pre_ops[0].weight_bytes if tied else 0
     assert sum(r["weight_bytes_read"] for r in ranks) == whole + extra
     assert result["tpot_s"] > 0
+
+
+SHAPES = {  # (strategy, tp, replicas, resident batch per replica)
+    "colocated-tp2": ("colocated", 2, 1, 4),
+    "colocated-2-replicas": ("colocated", 1, 2, 2),
+    "afd-tp2": ("afd", 2, 1, 4),
+    "cad-tp2-2-replicas": ("cad", 2, 2, 2),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_tensor_parallel_and_replicated_plans_offline(shape, tiny_model, hf_greedy, prompts):
+    """The plan shapes the serving tests serve, here under the offline driver."""
+    strategy, tp, replicas, batch = SHAPES[shape]
+    model_dir = tiny_model("llama")
+    mb = 1 if strategy == "colocated" else 2
+    plan = canonical_plan(
+        load_model(model_dir),
+        strategy,
+        gpu="cpu",
+        batch=batch,
+        microbatches=mb,
+        tp=tp,
+        replicas=replicas,
+    )
+    result = _run(model_dir, plan, prompts)
+    assert _tokens(result) == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    assert len(result["ranks"]) == len(plan.owners) * tp * replicas
+    assert result["max_active"] == len(prompts)  # every replica's slots in use
+
+
+def test_a_driver_with_other_threads_starts_its_ranks_from_the_launcher(
+    tiny_model, hf_greedy, prompts, monkeypatch
+):
+    """A fork copies only the calling thread, so a lock another thread holds (OpenMP's, oneDNN's,
+    an engine's) stays locked forever in the rank. A driver with other threads therefore starts
+    its ranks from its clean launcher, kept for every later run of the process; the ranks still
+    see the driver's environment as it is at each run's start."""
+    import threading
+
+    model_dir = tiny_model("llama")
+    plan = _plan(model_dir, "afd")
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait, daemon=True)
+    other.start()
+    try:
+        runs = []
+        for wait in ("block", "spin"):
+            monkeypatch.setenv("OPWEAVE_WAIT", wait)
+            runs.append(_run(model_dir, plan, prompts))
+    finally:
+        stop.set()
+        other.join()
+    assert [r["driver"]["start_method"] for r in runs] == ["launcher", "launcher"]
+    assert [{rank["wait"] for rank in r["ranks"]} for r in runs] == [{"block"}, {"spin"}]
+    expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    assert [_tokens(r) for r in runs] == [expected, expected]
 
 
 def test_requests_join_as_slots_free_up(tiny_model, hf_greedy, prompts):

@@ -74,7 +74,7 @@ def test_steps_give_transformers_greedy_tokens(
         assert driver.capacity == len(prompts) == 4
         tokens = _greedy(driver, prompts, chunk=chunk)
         driver.flush()  # the last requests' frees, without a next step
-        stats = cluster.shutdown()
+        stats = [r.model_dump(mode="json") for r in cluster.shutdown()]
     finally:
         cluster.close()
     assert tokens == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
@@ -108,7 +108,7 @@ def test_slots_restart_and_sampling(tiny_model):
         driver.add("c", [1, 2])  # takes b's slot; b's state is freed with the next step
         assert driver.requests["c"].slot == slots["b"]
         assert set(driver.step([StepItem("c", 0, 2)])) == {"c"}
-        stats = cluster.shutdown()
+        stats = [r.model_dump(mode="json") for r in cluster.shutdown()]
     finally:
         cluster.close()
     # a and c are held by both owners' ranks; b was freed everywhere

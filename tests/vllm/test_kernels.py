@@ -226,17 +226,39 @@ def test_fallbacks_and_switch(model_dir, tiny_model):
 
 def test_ranks_run_the_kernels_they_are_asked_for(model_dir):
     """What ``--kernels`` (``additional_config={"opweave_kernels": ...}``) reaches: every rank
-    switches its operators, and the tokens stay the runtime's."""
+    switches its operators, and the tokens stay the runtime's. Meanwhile another thread of this
+    process runs oneDNN: a rank forked from here could inherit a lock that thread holds and hang
+    in its first oneDNN call, so the runtime starts its ranks from its clean launcher instead."""
+    import threading
+
+    import torch
+
     from opweave.costmodel import canonical_plan, load_model
     from opweave.runtime import Request, run_plan
+    from vllm import _custom_ops as vllm_ops
 
+    stop = threading.Event()
+
+    def busy() -> None:
+        handle = vllm_ops.create_onednn_mm(torch.randn(512, 256).t(), 32)
+        while not stop.is_set():
+            vllm_ops.onednn_mm(handle, torch.randn(8, 256), None)
+            vllm_ops.create_onednn_mm(torch.randn(64, 32).t(), 32)
+
+    worker = threading.Thread(target=busy, daemon=True)
+    worker.start()
+    stop.wait(0.5)
     path = model_dir("qwen3")
     plan = canonical_plan(load_model(path), "afd", gpu="cpu", batch=4, microbatches=2, tp=2)
     requests = [Request((5, 6, 7, 8), 6), Request(LONG_PROMPT, 6)]
-    runs = {
-        choice: run_plan(plan, path, requests, kernels=choice, timeout_s=120)
-        for choice in ("vllm", "opweave")
-    }
+    try:
+        runs = {
+            c: run_plan(plan, path, requests, kernels=c, timeout_s=120).model_dump(mode="json")
+            for c in ("vllm", "opweave")
+        }
+    finally:
+        stop.set()
+        worker.join()
     switched = {k.split(":")[1] for r in runs["vllm"]["ranks"] for k in r["kernels"]}
     assert {"rms_norm", "paged_attention"} <= switched
     assert all(r["kernels"] for r in runs["vllm"]["ranks"])  # every rank switched
@@ -256,7 +278,9 @@ def test_a_core_attention_only_rank_runs_the_bfloat16_kernels(tiny_model, tmp_pa
     )
     plan = canonical_plan(load_model(path), "cad", gpu="cpu", batch=4, microbatches=2)
     requests = [Request(tuple(range(5, 9 + i)), 8) for i in range(4)]
-    result = run_plan(plan, path, requests, kernels="vllm-all", timeout_s=120)
+    result = run_plan(plan, path, requests, kernels="vllm-all", timeout_s=120).model_dump(
+        mode="json"
+    )
     attention_rank = result["ranks"][1]
     assert any("paged_attention" in k for k in attention_rank["kernels"])
     assert [len(o["token_ids"]) for o in result["outputs"]] == [8] * 4

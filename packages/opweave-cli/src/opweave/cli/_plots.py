@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from opweave.costmodel._private.analysis import Analysis
+    from opweave.costmodel import Analysis
 
 __all__ = ["plot_analysis", "plot_frontier"]
 

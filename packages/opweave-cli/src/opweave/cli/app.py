@@ -26,22 +26,46 @@ costs.register(app)
 deploying.register(app)
 
 
-# Command groups whose libraries are optional installs: (CLI module, library it needs).
+# Command groups whose libraries are optional installs: (CLI module, library it needs, the
+# distribution that provides it, the commands it registers).
 _OPTIONAL = (
-    ("opweave.cli.planning", "opweave.planner"),
-    ("opweave.cli.running", "opweave.runtime"),
-    ("opweave.cli.profiling", "opweave.profiler"),
+    ("opweave.cli.planning", "opweave.planner", "opweave-planner", ("plan", "simulate")),
+    ("opweave.cli.running", "opweave.runtime", "opweave-runtime", ("run", "serve")),
+    ("opweave.cli.profiling", "opweave.profiler", "opweave-profiler", ("profile",)),
 )
 
 
+def _missing(command: str, dist: str) -> None:
+    """A command whose library is not installed: say which package it needs."""
+
+    def needs(ctx: typer.Context) -> None:
+        from opweave.costmodel.errors import OpWeaveError
+
+        del ctx
+        raise OpWeaveError(
+            f"opweave {command} needs {dist}, which is not installed: pip install {dist} "
+            "(in this repository: uv run --all-packages opweave ...)"
+        )
+
+    app.command(
+        command,
+        context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        help=f"(needs {dist}, not installed)",
+        add_help_option=False,
+    )(needs)
+
+
 def _register_optional() -> None:
-    """Register a command group only when its library is installed."""
+    """Register a command group when its library is installed, else a stub naming it."""
     from importlib import import_module
     from importlib.util import find_spec
 
-    for module, library in _OPTIONAL:
+    for module, library, dist, commands in _OPTIONAL:
         if find_spec(library) is not None and find_spec(module) is not None:
             import_module(module).register(app)
+        else:
+            for command in commands:
+                _missing(command, dist)
 
 
 _register_optional()

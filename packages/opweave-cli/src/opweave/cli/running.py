@@ -209,7 +209,7 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
     _check(plan, model, o)
     nodes = None
     if o["nodes_file"] is not None:
-        from opweave.runtime._private.cluster import layout_from_file
+        from opweave.runtime import layout_from_file
 
         nodes = layout_from_file(o["nodes_file"])
     if offline:
@@ -282,13 +282,17 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
         kernels=o["kernels"],
     )
     if result is None:  # a node (or torchrun rank) that does not talk to the caller
-        from opweave.runtime._private.cluster import torchrun_env
+        from opweave.runtime import torchrun_env
 
         if o["json_out"] and torchrun_env() is None:
             emit_json({"node_rank": o["node_rank"], "outputs": None})
         return
-    for out in result["outputs"]:
-        out["text"] = None if tokenizer is None else tokenizer.decode(out["token_ids"])
+    outputs = [
+        out.model_copy(
+            update={"text": None if tokenizer is None else tokenizer.decode(list(out.token_ids))}
+        )
+        for out in result.outputs
+    ]
     doc = {
         "model": model.name,
         "strategy": plan.strategy,
@@ -297,7 +301,7 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
             "owners": [ow.model_dump() for ow in plan.owners],
             "microbatches": plan.microbatches,
         },
-        **result,
+        **result.model_copy(update={"outputs": tuple(outputs)}).model_dump(mode="json"),
     }
     if o["json_out"]:
         emit_json(doc)
@@ -314,8 +318,7 @@ def _resize(plan: Any, requests: int) -> Any:
 
 def _join(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
     """A node other than 0 while node 0 serves: its ranks join, this waits for them."""
-    from opweave.runtime._private.cluster import run_node
-    from opweave.runtime._private.driver import resolve_device_name
+    from opweave.runtime import resolve_device_name, run_node
 
     if o["master_port"] is None:
         raise typer.BadParameter("nodes other than 0 need --master-port of node 0")

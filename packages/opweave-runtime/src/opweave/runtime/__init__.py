@@ -12,8 +12,15 @@ drivers, offline generation (:func:`run_plan`) and vLLM's engine
 """
 
 from ._private.batch import BatchMeta, TokenBatch, pack, unpack
-from ._private.cluster import Cluster, node_layout
-from ._private.driver import OfflineDriver, Request, run_plan
+from ._private.cluster import (
+    Cluster,
+    layout_from_file,
+    node_layout,
+    run_node,
+    run_torchrun_rank,
+    torchrun_env,
+)
+from ._private.driver import OfflineDriver, Request, resolve_device_name, run_plan
 from ._private.engine import Generation, LocalModel
 from ._private.graph import (
     OpRef,
@@ -25,6 +32,13 @@ from ._private.graph import (
 )
 from ._private.ops import Operator, StatefulOperator
 from ._private.placement import Placement, check_plan, total_ranks
+from ._private.results import (
+    RUN_RESULT_SCHEMA_VERSION,
+    DriverStats,
+    Output,
+    RankStats,
+    RunResult,
+)
 from ._private.schedule import compile_schedule
 from ._private.stage import StageModule
 from ._private.tensor_parallel import Shard
@@ -69,6 +83,11 @@ __all__ = [
     "Work",
     "SamplingParams",
     "node_layout",
+    "layout_from_file",
+    "run_node",
+    "run_torchrun_rank",
+    "torchrun_env",
+    "resolve_device_name",
     "Placement",
     "check_plan",
     "total_ranks",
@@ -77,6 +96,11 @@ __all__ = [
     "OfflineDriver",
     "Request",
     "run_plan",
+    "RunResult",
+    "RankStats",
+    "DriverStats",
+    "Output",
+    "RUN_RESULT_SCHEMA_VERSION",
     # test models
     "TINY_CONFIGS",
     "write_tiny_model",

@@ -21,7 +21,6 @@ import random
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from opweave.costmodel import (
     OrchestrationProfile,
@@ -31,7 +30,7 @@ from opweave.costmodel import (
     load_model,
     plan_model,
 )
-from opweave.runtime import Request, run_plan
+from opweave.runtime import Request, RunResult, run_plan
 from opweave.runtime.errors import OpWeaveRuntimeError
 
 from ..errors import ProfilerError
@@ -69,18 +68,20 @@ def _affine(points: list[tuple[int, float]]) -> tuple[float, float]:
     return max(my - slope * mx, 0.0), slope
 
 
-def _steady_per_action(result: dict[str, Any], first: int) -> tuple[float, float]:
+def _steady_per_action(result: RunResult, first: int) -> tuple[float, float]:
     """Medians from iteration ``first`` on: the rank's loop host time per Compute (its
     iteration less operators and waits) and the driver's time per microbatch it drove."""
-    rank = result["ranks"][0]
-    line, computes = rank["timeline"], rank["actions_per_iteration"]["compute"]
+    rank = result.ranks[0]
+    line, computes = rank.timeline, rank.computes_per_iteration
     stage = []
-    for i in range(max(first, 1), len(line["end_s"])):
-        d = {key: values[i] - values[i - 1] for key, values in line.items()}
-        stage.append((d["end_s"] - d["compute_s"] - d["comm_s"]) / computes)
-    driver = result["driver"]
-    spent = driver["timeline"]["drive_s"]
-    start = max(first * driver["actions_per_iteration"], 1)
+    for i in range(max(first, 1), len(line.end_s)):
+        end = line.end_s[i] - line.end_s[i - 1]
+        busy = line.busy_s[i] - line.busy_s[i - 1]
+        comm = line.comm_s[i] - line.comm_s[i - 1]
+        stage.append((end - busy - comm) / computes)
+    driver = result.driver
+    spent = driver.timeline.drive_s
+    start = max(first * driver.microbatches_per_iteration, 1)
     drive = [spent[j] - spent[j - 1] for j in range(start, len(spent))]
     return statistics.median(stage), statistics.median(drive)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import queue
@@ -40,6 +41,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from opweave.costmodel import ModelSpec, Plan
 
 from ..errors import OpWeaveRuntimeError, RunFailedError
@@ -53,6 +56,7 @@ from .control import (
 )
 from .placement import Placement, check_plan, total_ranks
 from .rank import CONTROL_KEY, RankSpec, run_rank
+from .results import RankStats
 from .schedule import compile_schedule
 from .wire import node_address, spin_budget
 from .work import Work
@@ -87,19 +91,37 @@ def node_layout(
 
 
 class _Launcher:
-    """The clean interpreter this node's ranks are forked from (:mod:`.launcher`), for a
-    driver process that must not fork itself: one torch import instead of one per rank."""
+    """The clean interpreter this process's ranks are forked from (:mod:`.launcher`), for a
+    driver that must not fork itself: one torch import per process instead of one per rank.
 
-    def __init__(self, env: dict[str, str]) -> None:
+    One launcher serves every run this process starts (:meth:`shared`); each rank it starts is
+    known by a tag of its own, since two runs both have a rank 0.
+    """
+
+    _shared: _Launcher | None = None
+    _shared_lock = threading.Lock()
+
+    @classmethod
+    def shared(cls) -> _Launcher:
+        """This process's launcher, started on first use (again if the last one died)."""
+        with cls._shared_lock:
+            if cls._shared is None or cls._shared.dead:
+                cls._shared = cls()
+            return cls._shared
+
+    def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "opweave.runtime._private.launcher"],
-            env={**os.environ, **env},
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,
         )
-        self.pids: dict[int, int] = {}
-        self.status: dict[int, int] = {}
+        self.pids: dict[int, int] = {}  # tag -> pid
+        self.status: dict[int, int] = {}  # tag -> exit code (negative: killed by that signal)
+        self.dead = False
+        self._tags = itertools.count()
+        self._write = threading.Lock()
         self._started = threading.Condition()
         threading.Thread(target=self._read, name="opweave-launcher", daemon=True).start()
 
@@ -115,12 +137,10 @@ class _Launcher:
                         self.status[int(words[1])] = int(words[2])
                     self._started.notify_all()
         with self._started:
-            for rank in self.pids:  # the launcher is gone, and its ranks with it
-                self.status.setdefault(rank, -signal.SIGKILL)
-            self._dead = True
+            for tag in self.pids:  # the launcher is gone, and its ranks with it
+                self.status.setdefault(tag, -signal.SIGKILL)
+            self.dead = True
             self._started.notify_all()
-
-    _dead = False
 
     def start(self, spec: RankSpec, run_dir: Path) -> _Child:
         path = run_dir / f"rank{spec.rank}.json"
@@ -128,29 +148,37 @@ class _Launcher:
         with os.fdopen(fd, "w") as f:
             f.write(spec.to_json())
         assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{path}\n".encode())
-        self.proc.stdin.flush()
+        with self._write:
+            tag = next(self._tags)
+            try:
+                self.proc.stdin.write(f"{tag} {path}\n".encode())
+                self.proc.stdin.flush()
+            except OSError as exc:
+                raise OpWeaveRuntimeError(f"the rank launcher is gone ({exc})") from None
         with self._started:
-            if (
-                not self._started.wait_for(
-                    lambda: spec.rank in self.pids or self._dead, timeout=120
-                )
-                or spec.rank not in self.pids
+            if not self._started.wait_for(lambda: tag in self.pids or self.dead, timeout=120) or (
+                tag not in self.pids
             ):
                 raise OpWeaveRuntimeError("the rank launcher did not start (see its output)")
-            pid = self.pids[spec.rank]
-        return _Child(spec.rank, pid, Path(spec.log or os.devnull), launcher=self)
+            pid = self.pids[tag]
+        return _Child(spec.rank, pid, Path(spec.log or os.devnull), launcher=self, tag=tag)
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(_STOP_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+
+def _threads() -> int:
+    """Threads of this process, native ones (OpenMP's, oneDNN's, an engine's) included."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no procfs: Python's own threads are all that can be seen
+        return threading.active_count()
+
+
+_THREADS_AT_IMPORT = _threads()  # torch (imported above) keeps one idle helper thread
+
+
+def _fork_is_safe() -> bool:
+    """Whether this process has started no thread since it imported the runtime: only then is
+    a fork safe, as no other thread can hold a lock the child would then wait on forever."""
+    return threading.active_count() == 1 and _threads() <= _THREADS_AT_IMPORT
 
 
 @dataclass
@@ -162,13 +190,14 @@ class _Child:
     log: Path
     popen: subprocess.Popen[bytes] | None = None
     launcher: _Launcher | None = None
+    tag: int = -1  # the launcher's name for it
     status: int | None = None  # exit code; negative = killed by that signal
 
     def poll(self) -> int | None:
         if self.status is not None:
             return self.status
         if self.launcher is not None:
-            self.status = self.launcher.status.get(self.rank)
+            self.status = self.launcher.status.get(self.tag)
             return self.status
         if self.popen is not None:
             self.status = self.popen.poll()
@@ -256,7 +285,7 @@ def start_rank(
     env = rank_env(spec.host, spec.threads)
     if method == "launcher":
         assert launcher is not None
-        spec = dataclasses.replace(spec, log=str(log))
+        spec = dataclasses.replace(spec, log=str(log), env={**os.environ, **env})
         return launcher.start(spec, run_dir)
     if method == "spawn":
         path = run_dir / f"rank{spec.rank}.json"
@@ -331,12 +360,14 @@ class Cluster:
         threads: int = 1,
         torchrun: bool = False,
     ) -> None:
-        """``start_method``: ``fork`` (CPU default: from a process whose other threads, if any,
-        hold no lock the ranks need), ``launcher`` (CUDA default, and what a process running
-        vLLM's engine must use: ranks forked from one fresh interpreter), ``spawn`` (a fresh
-        interpreter each) or ``auto``. ``torchrun``: this is the process torchrun made rank 0; it
-        starts rank 0 and drives the others, which torchrun started (:func:`run_torchrun_rank`),
-        through torchrun's rendezvous (``MASTER_ADDR``/``MASTER_PORT``)."""
+        """``start_method``: ``fork`` (CPU default while this process has started no thread
+        since it imported the runtime, so no lock can be held across the fork), ``launcher``
+        (otherwise, CUDA's default and what a process running vLLM's engine must use: ranks
+        forked from one fresh interpreter that this process keeps for all its runs), ``spawn``
+        (a fresh interpreter each) or ``auto``. ``torchrun``: this is the process torchrun made
+        rank 0; it starts rank 0 and drives the others, which torchrun started
+        (:func:`run_torchrun_rank`), through torchrun's rendezvous (``MASTER_ADDR`` and
+        ``MASTER_PORT``)."""
         check_plan(plan, model)
         spin_budget(own_core=False)  # a malformed OPWEAVE_WAIT fails here, before any rank starts
         self.plan = plan
@@ -384,11 +415,11 @@ class Cluster:
                 else {"file": str(self.run_dir / "store")}
             )
             if start_method == "auto":  # a fork starts in milliseconds: torch is imported here
-                start_method = "fork" if device == "cpu" else "launcher"
+                fork = device == "cpu" and _fork_is_safe()
+                start_method = "fork" if fork else "launcher"
             local = self.layout[0]
-            self._launcher = (
-                _Launcher(rank_env(host, threads)) if start_method == "launcher" else None
-            )
+            self.start_method = start_method
+            self._launcher = _Launcher.shared() if start_method == "launcher" else None
             for lr, rank in enumerate(local):
                 spec = RankSpec(
                     plan=plan.model_dump(mode="json"),
@@ -483,7 +514,7 @@ class Cluster:
         if self.failed is not None:
             raise self.failed
 
-    def shutdown(self) -> list[dict[str, Any]]:
+    def shutdown(self) -> list[RankStats]:
         """Stop every rank after the work submitted so far; their statistics, in rank order."""
         self.check()
         self._stopping = True
@@ -499,7 +530,12 @@ class Cluster:
         for child in self.children:
             if child.wait(_STOP_S) is None:
                 child.kill()
-        return [self._conns[r].stats or {"rank": r} for r in range(self.world)]
+        missing = [r for r in range(self.world) if self._conns[r].stats is None]
+        if missing:
+            raise RunFailedError(
+                f"{self.describe(missing[0])} exited without its statistics after the shutdown"
+            )
+        return [RankStats.model_validate(self._conns[r].stats) for r in range(self.world)]
 
     def close(self) -> None:
         """Kill whatever still runs, close every connection, remove the run's folder."""
@@ -509,9 +545,6 @@ class Cluster:
             self._closing = True
         for child in self.children:
             child.kill()
-        launcher = getattr(self, "_launcher", None)
-        if launcher is not None:
-            launcher.close()
         with contextlib.suppress(AttributeError, OSError):
             self._wake_w.send(b"x")
         io = getattr(self, "_io", None)
@@ -556,11 +589,20 @@ class Cluster:
         return out
 
     def _wait_ready(self) -> None:
+        """Until every rank has loaded its weights and said so; at most ``join_timeout_s``."""
+        deadline = self._started + self.join_timeout_s
         while True:
             self.check()
-            ready = sum(c.state == "ready" for c in list(self._conns.values()))
-            if ready == self.world:
+            conns = list(self._conns.values())
+            ready = {c.rank for c in conns if c.state == "ready"}
+            if len(ready) == self.world:
                 return
+            if time.monotonic() > deadline:
+                late = min(set(range(self.world)) - ready)
+                raise RunFailedError(
+                    f"{self.describe(late)} was not ready {self.join_timeout_s:g} s after the "
+                    "start (stuck loading or starting; see its log with OPWEAVE_DEBUG=1)"
+                )
             time.sleep(_POLL_S)
 
     # -- sending ------------------------------------------------------------------------------
@@ -825,7 +867,7 @@ def _host_store(addr: str, port: int | None, timeout_s: float, *, client: bool =
     import torch.distributed as dist
 
     try:
-        return dist.TCPStore(
+        return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             addr,
             port or 0,
             None,
@@ -871,7 +913,7 @@ def run_node(
     children: list[_Child] = []
     try:
         local = layout[node_rank]
-        method = "fork" if device == "cpu" else "spawn"
+        method = "fork" if device == "cpu" and _fork_is_safe() else "spawn"
         for lr, rank in enumerate(local):
             spec = RankSpec(
                 plan=plan.model_dump(mode="json"),
@@ -958,7 +1000,6 @@ def run_torchrun_rank(
         join_timeout_s=join_timeout_s,
         threads=threads,
     )
-    import torch
 
     torch.set_num_threads(threads)
     if run_rank(spec) != 0:

@@ -18,13 +18,13 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from opweave.costmodel import ModelSpec, Plan
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .cluster import Cluster, run_node, run_torchrun_rank, torchrun_env
 from .engine import Generation
+from .results import DriverStats, DriverTimeline, Output, RunResult
 from .work import Work
 
 
@@ -170,19 +170,18 @@ class OfflineDriver:
         ]
         return sum(per_request) / len(per_request) if per_request else None
 
-    def outputs(self) -> list[dict[str, Any]]:
+    def outputs(self) -> tuple[Output, ...]:
         start = self.started or 0.0
-        return [
-            {
-                "request_id": g.request_id,
-                "prompt_token_ids": g.prompt_token_ids,
-                "token_ids": g.token_ids,
-                "finish_reason": g.finish_reason,
-                # when each token reached the driver, in seconds since the first iteration began
-                "token_times_s": [t - start for t in self.token_times[g.request_id]],
-            }
+        return tuple(
+            Output(
+                request_id=g.request_id,
+                prompt_token_ids=tuple(g.prompt_token_ids),
+                token_ids=tuple(g.token_ids),
+                finish_reason=g.finish_reason,
+                token_times_s=tuple(t - start for t in self.token_times[g.request_id]),
+            )
             for g in self.generations
-        ]
+        )
 
 
 def run_plan(
@@ -201,14 +200,14 @@ def run_plan(
     dtype: str | None = None,
     kernels: str = "opweave",
     start_method: str = "auto",
-) -> dict[str, Any] | None:
+) -> RunResult | None:
     """Run ``requests`` under ``plan``; the result on node 0, ``None`` on the other nodes.
 
-    The result holds ``outputs`` (per request its ``prompt_token_ids``, generated ``token_ids``,
-    ``finish_reason`` and ``token_times_s``), the measured ``tpot_s``, ``iterations``,
-    ``wall_s``, the driver's own time, and ``ranks``: per rank its stages, weight bytes read
-    and resident, and time in operators (``compute_s``), blocked in transfers (``comm_s``) and
-    elsewhere in the loop (``overhead_s``).
+    The :class:`RunResult` holds the ``outputs`` (per request its prompt, generated token ids,
+    finish reason and token arrival times), the measured ``tpot_s``, ``iterations``, ``wall_s``,
+    the driver's own time, and per rank its :class:`RankStats`: stages, weight bytes read and
+    resident, time in operators (``busy_s``), blocked in transfers (``comm_s``) and elsewhere in
+    the loop (``overhead_s``).
     """
     from opweave.costmodel import load_model
 
@@ -267,19 +266,20 @@ def run_plan(
         stats = cluster.shutdown()
     finally:
         cluster.close()
-    return {
-        "outputs": driver.outputs(),
-        "tpot_s": driver.tpot_s(),
-        "iterations": driver.iterations,
-        "wall_s": wall_s,
-        "max_active": driver.max_active,
-        "driver": {
-            "drive_s": driver.drive_s,
-            "timeline": driver.timeline,
-            "actions_per_iteration": plan.microbatches,
-        },
-        "ranks": stats,
-    }
+    return RunResult(
+        outputs=driver.outputs(),
+        tpot_s=driver.tpot_s(),
+        iterations=driver.iterations,
+        wall_s=wall_s,
+        max_active=driver.max_active,
+        driver=DriverStats(
+            drive_s=driver.drive_s,
+            microbatches_per_iteration=plan.microbatches,
+            start_method=cluster.start_method,
+            timeline=DriverTimeline.model_validate(driver.timeline),
+        ),
+        ranks=tuple(stats),
+    )
 
 
 def resolve_device_name(device: str) -> str:

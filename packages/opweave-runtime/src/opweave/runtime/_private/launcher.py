@@ -5,9 +5,11 @@ mid-flight, so its ranks must start from a fresh interpreter; importing torch ta
 process, so instead of spawning every rank the driver spawns this launcher, which imports the
 runtime once and forks one child per rank (it is single-threaded, so forking it is safe).
 
-Protocol on its pipes, one line each: the driver writes a rank spec file's path; the launcher
-answers ``started RANK PID`` and, when it reaps a rank, ``exited RANK CODE`` (negative: killed
-by that signal). At end of input (the driver is gone) it kills its ranks and exits.
+Protocol on its pipes, one line each: the driver writes a tag (its number for the rank, unique
+over the launcher's life) and a rank spec file's path; the launcher answers ``started TAG PID``
+and, when it reaps that rank, ``exited TAG CODE`` (negative: killed by that signal). At end of
+input (the driver is gone) it kills its ranks and exits. One launcher serves every run its
+driver starts, so each rank takes its driver's environment of the moment after the fork.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def main() -> int:
     watch_parent(os.getppid())
     import torch  # noqa: F401 -- imported once here, inherited by every rank
 
-    children: dict[int, int] = {}  # pid -> rank
+    children: dict[int, int] = {}  # pid -> tag
     stdin = sys.stdin.fileno()
     pending = b""
     open_input = True
@@ -43,12 +45,13 @@ def main() -> int:
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                path = Path(line.decode())
+                tag, name = line.decode().split(" ", 1)
+                path = Path(name)
                 spec = RankSpec.from_json(path.read_text())
                 path.unlink(missing_ok=True)  # it holds the run's key
                 pid = _fork(spec, run_rank)
-                children[pid] = spec.rank
-                _say(f"started {spec.rank} {pid}")
+                children[pid] = int(tag)
+                _say(f"started {tag} {pid}")
         while children:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
@@ -56,9 +59,9 @@ def main() -> int:
                 break
             if pid == 0:
                 break
-            rank = children.pop(pid, None)
-            if rank is not None:
-                _say(f"exited {rank} {os.waitstatus_to_exitcode(status)}")
+            tag = children.pop(pid, None)
+            if tag is not None:
+                _say(f"exited {tag} {os.waitstatus_to_exitcode(status)}")
     return 0
 
 
@@ -74,6 +77,9 @@ def _fork(spec, run_rank) -> int:
         from .rank import die_with_parent
 
         die_with_parent()  # with the launcher
+        if spec.env is not None:  # the driver's, as a rank it forked itself would have
+            os.environ.clear()
+            os.environ.update(spec.env)
         if log is not None:
             out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             os.dup2(out, 1)

@@ -47,8 +47,8 @@ from .placement import Placement
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
 from .tensor_parallel import Shard, TPComm
-from .transport import PeerError, Transport, as_batch, merge, select
-from .wire import spin_budget
+from .transport import Transport, as_batch, merge, select
+from .wire import PeerError, spin_budget
 from .work import GREEDY, SamplingParams, Work, sample_rows
 
 FAULT_ENV = "OPWEAVE_FAULT"  # "RANK:ITERATION:exit|hang|kill" -- test hook for fault handling
@@ -82,6 +82,7 @@ class RankSpec:
     join_timeout_s: float = 600.0
     threads: int = 1
     log: str | None = None  # where a launcher-forked rank writes its output
+    env: dict[str, str] | None = None  # a launcher-forked rank's environment: its driver's
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -109,7 +110,7 @@ class _Clock:
     compute_s: float = 0.0
     started: float | None = None
     timeline: dict[str, list[float]] = field(
-        default_factory=lambda: {"end_s": [], "compute_s": [], "comm_s": []}
+        default_factory=lambda: {"end_s": [], "busy_s": [], "comm_s": []}
     )
 
 
@@ -197,7 +198,7 @@ class StageWorker:
         assert self.clock.started is not None
         line = self.clock.timeline
         line["end_s"].append(time.perf_counter() - self.clock.started)
-        line["compute_s"].append(self.clock.compute_s)
+        line["busy_s"].append(self.clock.compute_s)
         line["comm_s"].append(self.transport.comm_s)
 
     def _next_message(self) -> None:
@@ -334,13 +335,12 @@ class StageWorker:
             "load_s": load_s,
             "kernels": self.kernels,
             "busy_s": self.clock.compute_s,
-            "compute_s": self.clock.compute_s,
             "comm_s": comm,
             "loop_s": loop,
             "overhead_s": max(loop - self.clock.compute_s - comm, 0.0),
             "wait": "spin" if self.transport.spin_s > 0 else "block",
             "iterations": self.iterations,
-            "actions_per_iteration": {"compute": len(self.actions)},
+            "computes_per_iteration": len(self.actions),
             "timeline": line,
             "requests_held_at_end": len(self.held),
             "state_bytes_at_end": self.module.state_bytes(),
@@ -353,7 +353,8 @@ def apply_kernels(module: StageModule, choice: str) -> list[str]:
     """Swap operators for vLLM-kernel-backed ones (``vllm`` / ``vllm-all``); ``opweave``: none."""
     if choice == "opweave":
         return []
-    from ..vllm._kernels import KERNELS_KEY, apply_kernel_choice
+    from ..vllm import KERNELS_KEY
+    from ..vllm._kernels import apply_kernel_choice
 
     return apply_kernel_choice(module, {KERNELS_KEY: choice})
 
@@ -408,9 +409,9 @@ def _parse_fault(rank: int) -> tuple[int, str] | None:
 
 def _store(spec: RankSpec, timeout: timedelta) -> Any:
     if "file" in spec.store:
-        return dist.FileStore(spec.store["file"], spec.world_size)
+        return dist.FileStore(spec.store["file"], spec.world_size)  # pyright: ignore[reportPrivateImportUsage]
     if "host" in spec.store:
-        return dist.TCPStore(
+        return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             spec.store["host"], int(spec.store["port"]), spec.world_size, False, timeout=timeout
         )
     return None  # torchrun: env://
@@ -424,7 +425,7 @@ def connect(spec: RankSpec) -> tuple[ControlClient, Any]:
         host, port = spec.control
     else:
         if store is None:  # torchrun's store, reached through the environment
-            store = dist.TCPStore(
+            store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
                 os.environ["MASTER_ADDR"],
                 int(os.environ["MASTER_PORT"]),
                 spec.world_size,

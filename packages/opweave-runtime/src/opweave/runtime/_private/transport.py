@@ -183,6 +183,7 @@ class Transport:
     ) -> list[torch.Tensor]:
         """Broadcast the leader's received ``parts`` to its TP group; every member gets bytes."""
         start = time.perf_counter()
+        bufs: list[torch.Tensor] = []
         if parts is not None:
             bufs = [
                 p.to(self.device) if isinstance(p, torch.Tensor) else pack(p).to(self.device)

@@ -83,6 +83,27 @@ class TensorSource:
         """Drop the sharing cache (loaded tensors stay with their operators)."""
         self._loaded.clear()
 
+    def lm_head_name(self) -> str:
+        """The output projection's tensor name (tied models: the input embedding's)."""
+        raise NotImplementedError
+
+    def moe_module(self, layer: int) -> str:
+        """The module prefix of a layer's experts (``mlp.``, ``block_sparse_moe.``)."""
+        raise NotImplementedError
+
+    def load_experts(
+        self,
+        layer: int,
+        num_experts: int,
+        intermediate: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        channels: tuple[int, int] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every expert of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``."""
+        raise NotImplementedError
+
     def model_name(self, suffix: str) -> str:
         """Name of a non-layer tensor, e.g. ``embed_tokens.weight``, under the detected prefix."""
         return f"{self.prefix}{suffix}"

@@ -45,6 +45,7 @@ import socket
 import struct
 import time
 from collections import deque
+from typing import Any
 
 import torch
 
@@ -161,7 +162,8 @@ class SocketWire:
     def post(self, peer: int, tag: int, payload: torch.Tensor) -> None:
         """Queue ``payload`` (a contiguous uint8 CPU tensor) for ``peer``; write what fits now."""
         p = self.peers[peer]
-        data = memoryview(payload.numpy()).cast("B") if payload.numel() else memoryview(b"")
+        array: Any = payload.numpy()
+        data = memoryview(array).cast("B") if payload.numel() else memoryview(b"")
         p.out.append(memoryview(_HEADER.pack(payload.numel(), tag)))
         if len(data):
             p.out.append(data)

@@ -22,7 +22,7 @@ Importing this package does not import vLLM; ``OpWeaveExecutor`` is built on fir
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._executor import (
     DEVICE_KEY,
@@ -44,6 +44,10 @@ __all__ = [
     "executor_class",
     "load_plan",
 ]
+
+
+if TYPE_CHECKING:
+    OpWeaveExecutor: type
 
 
 def __getattr__(name: str) -> Any:

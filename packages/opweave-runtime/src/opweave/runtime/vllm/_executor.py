@@ -1,3 +1,5 @@
+# pyright: reportMissingImports=false
+# (vLLM is an optional extra: imported lazily, absent from the locked dev environment)
 """The OpWeave executor for vLLM's v1 engine.
 
 vLLM imports happen inside :func:`executor_class` only, so this module imports (and its doctests

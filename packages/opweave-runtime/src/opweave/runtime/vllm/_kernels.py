@@ -1,3 +1,5 @@
+# pyright: reportMissingImports=false
+# (vLLM is an optional extra: imported lazily, absent from the locked dev environment)
 """vLLM's CPU kernels behind the runtime's operators, where one exists and agrees numerically.
 
 :func:`use_vllm_kernels` swaps, in a freshly built :class:`~opweave.runtime.StageModule` (no request
@@ -266,6 +268,7 @@ class _KernelOperator:
     """Mixin: built from an operator of the parent class, sharing its weights."""
 
     kernel: str
+    _context_lens: dict[str, int]
 
     @classmethod
     def unsupported(cls, op: Any) -> str | None:

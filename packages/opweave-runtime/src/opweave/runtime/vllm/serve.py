@@ -1,3 +1,5 @@
+# pyright: reportMissingImports=false
+# (vLLM is an optional extra: imported lazily, absent from the locked dev environment)
 """vLLM's OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``, streaming,
 ``/v1/models``, ``/health``, ``/metrics``) with the OpWeave executor underneath. vLLM is imported
 inside :func:`serve` only."""

@@ -1,0 +1,97 @@
+"""What a run reports: :class:`RunResult`, with :class:`RankStats` per rank (frozen, typed).
+
+Times are seconds; a timeline holds cumulative values at the end of every iteration (one entry
+per iteration for a rank, per driven microbatch for the driver), so a steady-state window of one
+run can be read from it. ``opweave run --json`` prints a :class:`RunResult`; its JSON Schema is
+``schemas/run-result.schema.json``.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+RUN_RESULT_SCHEMA_VERSION = 1
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Output(_Frozen):
+    """One request's generation."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    finish_reason: str | None = Field(description='"stop" (a stop token) or "length".')
+    token_times_s: tuple[float, ...] = Field(
+        description="When each token reached the driver, since the first iteration began."
+    )
+    text: str | None = Field(default=None, description="token_ids decoded (the CLI fills it).")
+
+
+class RankTimeline(_Frozen):
+    end_s: tuple[float, ...] = Field(description="Time since the rank's first work.")
+    busy_s: tuple[float, ...] = Field(description="Time in operators.")
+    comm_s: tuple[float, ...] = Field(description="Time blocked in transfers or on the driver.")
+
+
+class RankStats(_Frozen):
+    """One rank: where it ran, what it held, where its time went."""
+
+    rank: int
+    owner: int
+    replica: int
+    tp_rank: int
+    tp_size: int
+    device: str
+    host: str
+    stages: tuple[str, ...] = Field(description="Its owner's segments, first..last operator.")
+    weight_bytes_read: int = Field(description="Bytes read from the checkpoint (its shard).")
+    weight_bytes: int = Field(description="Resident weight bytes.")
+    load_s: float
+    kernels: tuple[str, ...] = Field(description="Operators switched to vLLM's kernels.")
+    busy_s: float = Field(description="Time in operators (TP collectives excluded).")
+    comm_s: float = Field(description="Blocked in transfers, TP collectives or on the driver.")
+    loop_s: float = Field(description="From its first work to its last iteration's end.")
+    overhead_s: float = Field(description="The rest of the loop: host work between actions.")
+    wait: str = Field(description='"spin" or "block": how it waited for its peers.')
+    iterations: int
+    computes_per_iteration: int = Field(description="(segment, microbatch) actions each.")
+    timeline: RankTimeline
+    requests_held_at_end: int
+    state_bytes_at_end: int
+    bytes_sent: int
+    messages_sent: int
+
+
+class DriverTimeline(_Frozen):
+    end_s: tuple[float, ...]
+    drive_s: tuple[float, ...]
+
+
+class DriverStats(_Frozen):
+    """The offline driver's own bookkeeping between a microbatch's tokens and its next work."""
+
+    drive_s: float
+    microbatches_per_iteration: int
+    start_method: str = Field(
+        description="How this node's ranks were started: fork (from a single-threaded driver), "
+        "launcher (forked from a clean interpreter) or spawn."
+    )
+    timeline: DriverTimeline
+
+
+class RunResult(_Frozen):
+    """An offline run: the outputs, the measured TPOT, and per rank its statistics."""
+
+    schema_version: int = RUN_RESULT_SCHEMA_VERSION
+    outputs: tuple[Output, ...]
+    tpot_s: float | None = Field(
+        description="Mean over requests of (last - first token time) / (tokens - 1)."
+    )
+    iterations: int
+    wall_s: float
+    max_active: int = Field(description="Most requests held at once.")
+    driver: DriverStats
+    ranks: tuple[RankStats, ...]
