@@ -71,6 +71,7 @@ from ._private.model import (
     PartitionBlock,
     TPCollective,
 )
+from ._private.host import HOST_PROFILES, HostProfile, host_profile
 from ._private.models import BUILTIN_MODELS, load_model, read_config
 from ._private.nodes import (
     Node,
@@ -170,6 +171,10 @@ __all__ = [
     "HardwareSpec",
     "default_catalog",
     "load_hardware_file",
+    # serving engines' host time per step
+    "HOST_PROFILES",
+    "HostProfile",
+    "host_profile",
     # profiles and latency
     "PROFILE_SCHEMA_VERSION",
     "IdleSlowdown",
