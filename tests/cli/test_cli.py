@@ -60,6 +60,24 @@ def test_estimate_json_fields() -> None:
     assert cli_json("estimate", "llama-3.3-70b", "--gpu", "h100", "--tp", "1")["fits"] is False
 
 
+def test_estimate_host_profile() -> None:
+    args = ("estimate", "qwen3-32b", "--gpu", "a100", "--batch", "4")
+    stock = cli_json(*args)
+    v04 = cli_json(*args, "--host", "vllm-0.4")
+    # vLLM 0.4's engine: 1.80 ms a step + 0.103 ms per request of output processing, in place
+    # of the GPU's 160 us; every other term unchanged.
+    assert v04["breakdown_s"]["step_overhead"] == pytest.approx(1.8e-3 + 4 * 3.2e-3 / 31)
+    assert stock["breakdown_s"]["step_overhead"] == pytest.approx(160e-6)
+    assert {k: v for k, v in v04["breakdown_s"].items() if k != "step_overhead"} == {
+        k: v for k, v in stock["breakdown_s"].items() if k != "step_overhead"
+    }
+    proc = run_cli(*args, "--host", "vllm-9", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown host profile 'vllm-9'; known: overlapped, sglang-sync, vllm-0.6, vllm-0.4"
+    ]
+
+
 def test_estimate_any_config_path(write_config) -> None:
     folder = write_config(TINY_LLAMA, "tiny-llama")
     doc = cli_json("estimate", str(folder), "--gpu", "a100", "--batch", "4")
