@@ -17,7 +17,7 @@ Sources:
   [QWEN-0.5B] QwenLM/Qwen2.5 docs/source/benchmark/speed_benchmark.rst (vLLM 0.6.3, A100 80GB,
   CUDA graphs, batch 1, ``LLM.generate`` with repetition/presence/frequency penalties):
   Qwen2.5-0.5B-Instruct generates at 311.55 tokens/s, 3.210 ms a step, of which the roofline
-  with its fixed costs (A100, context 1025) accounts for 1.407 ms of GPU work: 1.80 ms is host.
+  with its fixed costs (A100, context 1025) accounts for 1.496 ms of GPU work: 1.71 ms is host.
   A model this small (0.99 GB of weights) is where a step is mostly host time; the same table's
   7B-72B rows, which the accuracy benchmark compares, are not used for it.
   [VLLM-6913] vllm-project/vllm#6913 (vLLM 0.5, 4 x H100, Llama-3-70B FP8): the engine's output
@@ -55,7 +55,7 @@ class HostProfile(Frozen):
         >>> from opweave.costmodel import default_catalog
         >>> hw = HOST_PROFILES["vllm-0.4"].apply(default_catalog().get("a100"))
         >>> round(hw.step_overhead_s * 1e3, 2), round(hw.step_overhead_per_request_s * 1e6)
-        (1.8, 103)
+        (1.71, 103)
         """
         return hardware.model_copy(
             update={
@@ -67,7 +67,7 @@ class HostProfile(Frozen):
 
 # vLLM 0.6's V0 engine at batch 1 [QWEN-0.5B]; shared by the 0.4 profile, which adds the output
 # processing that 0.6 overlaps with the GPU [VLLM-6913].
-VLLM_V0_STEP_S = 1.80 * MS
+VLLM_V0_STEP_S = 1.71 * MS
 VLLM_V0_OUTPUT_PER_REQUEST_S = (3.4 - 0.2) / (32 - 1) * MS
 
 HOST_PROFILES: dict[str, HostProfile] = {
@@ -96,7 +96,7 @@ HOST_PROFILES: dict[str, HostProfile] = {
             "prepare inputs, sample and read the tokens back before the next step; output "
             "processing overlapped (asynchronous output processor).",
             source="[QWEN-0.5B] QwenLM/Qwen2.5 speed_benchmark.rst, Qwen2.5-0.5B, vLLM 0.6.3, "
-            "A100: 3.21 ms a step less 1.41 ms of modelled GPU work",
+            "A100: 3.21 ms a step less 1.50 ms of modelled GPU work",
         ),
         HostProfile(
             name="vllm-0.4",
@@ -115,7 +115,7 @@ def host_profile(name: str) -> HostProfile:
     """A built-in host profile by name.
 
     >>> round(host_profile("vllm-0.6").step_overhead_s * 1e3, 2)
-    1.8
+    1.71
     """
     try:
         return HOST_PROFILES[name.strip().lower()]
