@@ -84,7 +84,9 @@ def test_vllm_06_is_the_qwen_05b_step_less_its_modelled_gpu_work() -> None:
     spec = model_spec_from_config(QWEN_05B)
     est = estimate_step(spec, default_catalog().get("a100"), tp=1, batch=1, context=1025)
     gpu_s = est.step_latency_s - est.breakdown_s["step_overhead"]
-    assert 1 / 311.55 - gpu_s == pytest.approx(host_profile("vllm-0.6").step_overhead_s, abs=0.01 * MS)
+    assert 1 / 311.55 - gpu_s == pytest.approx(
+        host_profile("vllm-0.6").step_overhead_s, abs=0.01 * MS
+    )
 
 
 def test_unknown_profile_is_a_one_line_error() -> None:

@@ -60,6 +60,7 @@ from ._private.hardware import (
     HardwareSpec,
     load_hardware_file,
 )
+from ._private.host import HOST_PROFILES, HostProfile, host_profile
 from ._private.model import (
     AttentionKind,
     LayerSpec,
@@ -71,7 +72,6 @@ from ._private.model import (
     PartitionBlock,
     TPCollective,
 )
-from ._private.host import HOST_PROFILES, HostProfile, host_profile
 from ._private.models import BUILTIN_MODELS, load_model, read_config
 from ._private.nodes import (
     Node,

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from ..errors import ConfigError, UnsupportedModelError
 from .base import Frozen
@@ -591,7 +591,7 @@ def _rope(f: _Fields, layer_types: set[str]) -> dict[str, RopeSpec]:
         # Legacy Gemma 3 configs scale only the global layers' RoPE (e.g. linear x8 on 27B).
         full = dict(nested.get(FULL) or {"rope_type": "default", **f.obj("rope_scaling")})
         full.setdefault("rope_theta", f.float("rope_theta"))
-        local = dict(nested.get(SLIDING) or {"rope_type": "default"})
+        local: dict[str, Any] = dict(nested.get(SLIDING) or {"rope_type": "default"})
         local.setdefault("rope_theta", f.float("rope_local_base_freq"))
         per_type: dict[str, dict[str, Any]] = {FULL: full, SLIDING: local}
     else:
@@ -617,9 +617,12 @@ def _rope(f: _Fields, layer_types: set[str]) -> dict[str, RopeSpec]:
                 partial_rotary_factor=p.get("partial_rotary_factor", partial or 1.0),
             )
         except ValueError as exc:  # pydantic's ValidationError
-            first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
-            where = ".".join(str(x) for x in first["loc"])
-            raise ConfigError(f"rope ({kind}) {where}: {first['msg']}") from None
+            if isinstance(exc, ValidationError):
+                first = exc.errors()[0]
+                where, msg = ".".join(str(x) for x in first["loc"]), first["msg"]
+            else:
+                where, msg = "", str(exc)
+            raise ConfigError(f"rope ({kind}) {where}: {msg}") from None
     return out
 
 
