@@ -49,15 +49,33 @@ def test_estimate_json_fields() -> None:
     assert {"step_latency_s", "breakdown_s", "memory_bytes_per_gpu", "fits"} <= set(doc)
     assert doc["context_tokens"] == 8192 and doc["fits"] is True
     assert doc["step_latency_s"] == pytest.approx(sum(doc["breakdown_s"].values()))
-    # The fixed costs are their own terms: 80 layers x 9 kernels + 4 at 3.7 us each, 160
+    # The fixed costs are their own terms: 80 layers x 10 kernels + 4 at 3.7 us each, 160
     # collectives (+ embed, lm_head) at a 9 us floor, one 160 us step, no MoE.
     br = doc["breakdown_s"]
-    assert br["kernel_launch"] == pytest.approx(724 * 3.7e-6)
+    assert br["kernel_launch"] == pytest.approx(804 * 3.7e-6)
     assert br["allreduce_latency"] == pytest.approx(162 * 9e-6)
     assert br["step_overhead"] == pytest.approx(160e-6)
     assert br["moe_experts"] == 0.0
     # 70B in bf16 does not fit one 80 GB GPU.
     assert cli_json("estimate", "llama-3.3-70b", "--gpu", "h100", "--tp", "1")["fits"] is False
+
+
+def test_estimate_host_profile() -> None:
+    args = ("estimate", "qwen3-32b", "--gpu", "a100", "--batch", "4")
+    stock = cli_json(*args)
+    v04 = cli_json(*args, "--host", "vllm-0.4")
+    # vLLM 0.4's engine: 1.71 ms a step + 0.103 ms per request of output processing, in place
+    # of the GPU's 160 us; every other term unchanged.
+    assert v04["breakdown_s"]["step_overhead"] == pytest.approx(1.71e-3 + 4 * 3.2e-3 / 31)
+    assert stock["breakdown_s"]["step_overhead"] == pytest.approx(160e-6)
+    assert {k: v for k, v in v04["breakdown_s"].items() if k != "step_overhead"} == {
+        k: v for k, v in stock["breakdown_s"].items() if k != "step_overhead"
+    }
+    proc = run_cli(*args, "--host", "vllm-9", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown host profile 'vllm-9'; known: overlapped, sglang-sync, vllm-0.6, vllm-0.4"
+    ]
 
 
 def test_estimate_any_config_path(write_config) -> None:

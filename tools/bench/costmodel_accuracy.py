@@ -14,12 +14,12 @@ over ``decode_tokens``: a compute roofline, the prefill's FLOPs (causal attentio
 prompt on average) at the GPU's effective FLOP/s, or its weight reads if longer. The per-row
 ``prefill %`` column shows how much of the estimate that is.
 
-``--fixed-costs off`` zeroes the fixed-cost terms of ``fixed_costs.py`` (per kernel launch, per
-TP collective, per MoE expert pass, per step) to show the plain roofline's figures.
-``--host-step synchronous`` replaces the catalog's per-step cost (an engine that overlaps its
-host work with the GPU, 160 us) with the published host time of an engine that does not
-([SGL-HOST] in ``hardware.py``: 0.90 ms + 29 us per request), for every row alike: most rows
-were measured on such engines (vLLM before asynchronous scheduling, served through an API).
+Each row names the host profile of the engine that measured it (``host``: a key of
+``HOST_PROFILES`` in ``opweave/costmodel/_private/host.py``, default ``overlapped``): the per-step
+host time of that engine and version, measured apart from the rows compared here. ``--host NAME``
+charges one profile to every row instead, to show what the term does; ``--fixed-costs off``
+zeroes every fixed-cost term of ``fixed_costs.py`` (per kernel launch, per TP collective, per MoE
+expert pass, per step, host profiles included) to show the plain roofline's figures.
 
 ``--profile P [--model M] [--gpu G]`` instead compares a measured profile's operator latencies
 with the cost model's for the same operators, batch and context points (``--gpu`` takes the
@@ -31,6 +31,7 @@ Prints figures; asserts nothing. Goal: median <= 6%, max <= 20% over the in-scop
 
     python tools/bench/costmodel_accuracy.py
     python tools/bench/costmodel_accuracy.py --fixed-costs off
+    python tools/bench/costmodel_accuracy.py --host overlapped
     python tools/bench/costmodel_accuracy.py --profile h100-profile.json --model qwen3-32b
 """
 
@@ -46,6 +47,7 @@ from typing import Any
 
 from opweave.costmodel import (
     BUILTIN_MODELS,
+    HOST_PROFILES,
     HardwareSpec,
     ModelSpec,
     Profile,
@@ -53,6 +55,7 @@ from opweave.costmodel import (
     RooflineLatency,
     default_catalog,
     estimate_step,
+    host_profile,
     load_model,
     model_spec_from_config,
     profile_operators,
@@ -72,8 +75,6 @@ NO_FIXED_COSTS = {
     "expert_fixed_latency_s": 0.0,
     "expert_overhead_s": 0.0,
 }
-# [SGL-HOST] (hardware.py): the host's share of a decode step in an engine without overlap.
-SYNCHRONOUS_HOST_STEP = {"step_overhead_s": 0.90e-3, "step_overhead_per_request_s": 29e-6}
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,7 @@ class Row:
     measured_ms: float
     dtype: str | None
     engine: str
+    host: str
     source: str
     prefill_tokens: int
     decode_tokens: int
@@ -117,6 +119,7 @@ def load_reference(path: Path = DATA) -> tuple[dict[str, dict[str, Any]], list[R
             measured_ms=float(r["measured_ms"]),
             dtype=r.get("dtype"),
             engine=r["engine"],
+            host=r.get("host", "overlapped"),
             source=r["source"],
             prefill_tokens=int(r.get("prefill_tokens", 0)),
             decode_tokens=int(r.get("decode_tokens", 1)),
@@ -148,12 +151,18 @@ def evaluate(
     rows: Sequence[Row],
     configs: dict[str, dict[str, Any]],
     hardware: Callable[[str], HardwareSpec],
+    host: str | None = "row",
 ) -> list[Result]:
+    """Estimates for ``rows``: each with its own host profile (``host="row"``), one profile for
+    all (a name), or the hardware's per-step cost as given (``None``)."""
     results = []
     for row in rows:
         model = model_for(row.model, row.dtype, configs)
         hw = hardware(row.gpu)
-        est = estimate_step(model, hw, tp=row.tp, batch=row.batch, context=row.context)
+        profile = None if host is None else host_profile(row.host if host == "row" else host)
+        est = estimate_step(
+            model, hw, tp=row.tp, batch=row.batch, context=row.context, host=profile
+        )
         pre = prefill_s(model, hw, row.tp, row.prefill_tokens) / row.decode_tokens
         moe = any(op.moe is not None for op in model.operators)
         results.append(Result(row, moe, (est.step_latency_s + pre) * 1e3, pre * 1e3))
@@ -174,7 +183,7 @@ def summary(results: Sequence[Result]) -> str:
 def print_rows(results: Sequence[Result]) -> None:
     head = (
         f"{'model':<15}{'gpu':<8}{'tp':>3}{'batch':>6}{'context':>8}{'meas ms':>9}"
-        f"{'est ms':>9}{'err':>8}{'prefill':>9}  engine"
+        f"{'est ms':>9}{'err':>8}{'prefill':>9}  {'host':<12}engine"
     )
     print(head)
     print("-" * len(head))
@@ -184,7 +193,7 @@ def print_rows(results: Sequence[Result]) -> None:
         print(
             f"{row.model:<15}{row.gpu:<8}{row.tp:>3}{row.batch:>6}{row.context:>8}"
             f"{row.measured_ms:>9.2f}{r.estimate_ms:>9.2f}{100 * r.error:>+7.1f}%{pre:>9}  "
-            f"{row.engine}"
+            f"{row.host:<12}{row.engine}"
         )
 
 
@@ -200,31 +209,31 @@ def print_groups(results: Sequence[Result]) -> None:
     ]
     for gpu in sorted({r.row.gpu for r in results}):
         groups.append((f"GPU {gpu}", lambda r, g=gpu: r.row.gpu == g))
+    for host in sorted({r.row.host for r in results}):
+        groups.append((f"host {host}", lambda r, h=host: r.row.host == h))
     for engine in sorted({r.row.engine for r in results}):
         groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
     for name, keep in groups:
         print(f"{name:<26}{summary([r for r in results if keep(r)])}")
 
 
-def run_reference(fixed_costs: bool, host_step: str) -> None:
+def run_reference(fixed_costs: bool, host: str) -> None:
     configs, rows = load_reference()
     catalog = default_catalog()
-    update: dict[str, Any] = {}
-    if host_step == "synchronous":
-        update |= SYNCHRONOUS_HOST_STEP
-    if not fixed_costs:
-        update |= NO_FIXED_COSTS
+    update: dict[str, Any] = {} if fixed_costs else NO_FIXED_COSTS
 
     def hardware(gpu: str) -> HardwareSpec:
         return catalog.get(gpu).model_copy(update=update)
 
-    results = evaluate(rows, configs, hardware)
+    results = evaluate(rows, configs, hardware, host if fixed_costs else None)
     inside = [r for r in results if r.row.in_scope]
     outside = [r for r in results if not r.row.in_scope]
     label = (
-        f"with fixed costs, {host_step} host step"
-        if fixed_costs
-        else "plain roofline (fixed costs off)"
+        "plain roofline (fixed costs off)"
+        if not fixed_costs
+        else "with fixed costs, each row's host profile"
+        if host == "row"
+        else f"with fixed costs, host profile {host} for every row"
     )
     gpus = sorted({r.row.gpu for r in inside})
     moe = sum(r.moe for r in inside)
@@ -306,10 +315,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--fixed-costs", choices=("on", "off"), default="on")
     parser.add_argument(
-        "--host-step",
-        choices=("overlapped", "synchronous"),
-        default="overlapped",
-        help="per-step cost of an engine that overlaps its host work (the catalog's) or not",
+        "--host",
+        choices=("row", *HOST_PROFILES),
+        default="row",
+        help="host profile: each row's (default) or one for every row",
     )
     parser.add_argument("--profile", type=Path, help="compare this measured profile instead")
     parser.add_argument("--model", help="model the profile was measured on (default: its name)")
@@ -318,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.profile is not None:
         run_profile(args.profile, args.model, args.gpu)
     else:
-        run_reference(args.fixed_costs == "on", args.host_step)
+        run_reference(args.fixed_costs == "on", args.host)
 
 
 if __name__ == "__main__":

@@ -37,15 +37,24 @@ def estimate(
     ] = "4096",
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            "--host",
+            help="Serving engine whose per-step host time to charge (overlapped, sglang-sync, "
+            "vllm-0.6, vllm-0.4); default: the GPU's step_overhead_s (an overlapped engine).",
+        ),
+    ] = None,
 ) -> None:
     """Colocated decode step: where its latency goes, memory per GPU and whether it fits."""
-    from opweave.costmodel import TP_DEGREES, estimate_step, load_model
+    from opweave.costmodel import TP_DEGREES, estimate_step, host_profile, load_model
 
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     spec = load_model(model)
     hw = catalog(hardware).get(gpu)
-    est = estimate_step(spec, hw, tp=tp, batch=batch, context=parse_size(context))
+    profile = None if host is None else host_profile(host)
+    est = estimate_step(spec, hw, tp=tp, batch=batch, context=parse_size(context), host=profile)
     if json_out:
         emit_json(est.model_dump())
         return

@@ -60,6 +60,7 @@ from ._private.hardware import (
     HardwareSpec,
     load_hardware_file,
 )
+from ._private.host import HOST_PROFILES, HostProfile, host_profile
 from ._private.model import (
     AttentionKind,
     LayerSpec,
@@ -170,6 +171,10 @@ __all__ = [
     "HardwareSpec",
     "default_catalog",
     "load_hardware_file",
+    # serving engines' host time per step
+    "HOST_PROFILES",
+    "HostProfile",
+    "host_profile",
     # profiles and latency
     "PROFILE_SCHEMA_VERSION",
     "IdleSlowdown",

@@ -6,6 +6,7 @@ from pydantic import Field
 
 from .base import Frozen
 from .hardware import HardwareSpec
+from .host import HostProfile
 from .model import ModelSpec, OpClass
 from .profile import LatencyModel
 from .roofline import RooflineLatency, memory_bytes_per_rank
@@ -31,8 +32,9 @@ class StepEstimate(Frozen):
         description="Where the step's time goes: the roofline per op class (attention, gemm, "
         "small), TP communication (payload over bandwidth), and the fixed costs: kernel_launch, "
         "allreduce_latency (the collectives' floor), moe_experts (fused-MoE start-up and "
-        "per-expert cost) and step_overhead (scheduling, sampling, host round trip). Fixed costs "
-        "are zero when the latencies come from a measured profile, which contains them."
+        "per-expert cost) and step_overhead (the engine's host work per step: scheduling, "
+        "sampling, host round trip; the host profile's when one is given). Fixed costs are zero "
+        "when the latencies come from a measured profile, which contains them."
     )
     memory_bytes_per_gpu: float
     memory_capacity_bytes: float = Field(description="Usable memory per GPU.")
@@ -49,15 +51,26 @@ def estimate_step(
     batch: int,
     context: int,
     latency: LatencyModel | None = None,
+    host: HostProfile | None = None,
 ) -> StepEstimate:
     """Latency, memory and cost of one colocated decode step.
 
-    >>> from opweave.costmodel import load_model, default_catalog
-    >>> est = estimate_step(load_model("llama-3.3-70b"), default_catalog().get("h100"),
-    ...                     tp=4, batch=32, context=8192)
+    ``host`` names the serving engine's per-step host time (``HOST_PROFILES``) in place of the
+    hardware's; it applies to the analytical latency model, not to a given ``latency``.
+
+    >>> from opweave.costmodel import load_model, default_catalog, host_profile
+    >>> llama, h100 = load_model("llama-3.3-70b"), default_catalog().get("h100")
+    >>> est = estimate_step(llama, h100, tp=4, batch=32, context=8192)
     >>> est.fits, round(est.step_latency_s * 1e3, 1) > 10
     (True, True)
+    >>> v0 = estimate_step(llama, h100, tp=4, batch=32, context=8192, host=host_profile("vllm-0.6"))
+    >>> round((v0.step_latency_s - est.step_latency_s) * 1e3, 2)  # 1.71 ms instead of 0.16 ms
+    1.55
     """
+    if host is not None:
+        if latency is not None:
+            raise ValueError("host applies to the analytical latency model, not a given latency")
+        hardware = host.apply(hardware)
     lat = latency or RooflineLatency(hardware)
     breakdown = (
         {c.value: 0.0 for c in OpClass}

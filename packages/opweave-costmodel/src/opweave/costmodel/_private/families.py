@@ -253,7 +253,10 @@ class _Builder:
                 act=2.0 * nq * d + 2.0 * nkv * d + extra_out,
                 boundary=nq * d + h,
                 shard_units=nkv,
-                kernels=2 if gated else 1,
+                # the step's keys/values written into the paged cache, then attention over it
+                # (vLLM's reshape_and_cache + attention kernel; the runtime's, _kernels.py), and
+                # the output gate where there is one
+                kernels=3 if gated else 2,
             ),
             self._op(
                 "o_proj",

@@ -20,7 +20,7 @@ function of (operator, hardware) whose per-GPU values live in the hardware catal
   sampling launch and the host-device round trip the GPU waits for between steps, charged once
   per step (per microbatch) to the ``sample`` operator, which every step runs once. The default
   is an engine that overlaps its host work with the GPU; one that does not pays more, and per
-  request (``hardware.py``, [SGL-HOST]).
+  request, by an amount of its own: ``host.py``'s host profiles carry measured values.
 
 A measured profile replaces all of them: its operator latencies already contain them.
 """

@@ -104,8 +104,8 @@ class HardwareSpec(Frozen):
     )
     # Engines that overlap the host's scheduling with the GPU's step ([VLLM-GAP]; SGLang's and
     # TensorRT-LLM's overlap schedulers; OpWeave's runtime runs compiled schedules, paper §6.2)
-    # leave only this gap. An engine that does not pays [SGL-HOST] instead: set
-    # step_overhead_s = 0.9e-3 and step_overhead_per_request_s = 29e-6 in a hardware file.
+    # leave only this gap. An engine that does not pays more, per its version: host.py's
+    # HOST_PROFILES (``opweave estimate --host``) carry measured values, e.g. [SGL-HOST].
     step_overhead_s: float = Field(
         default=160 * US,  # [VLLM-GAP]
         ge=0,
