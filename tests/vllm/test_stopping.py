@@ -79,10 +79,9 @@ def test_a_signal_stops_the_server_and_every_rank(sig, code, last, model, tmp_pa
             proc.wait()
     text = log_path.read_text()
     assert "Traceback" not in text, text[-3000:]
+    # vLLM's own log lines surround it (and triton's leak report at exit follows it)
     errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
     assert errors == ([] if last is None else [last]), errors
-    if last is not None:
-        assert text.strip().splitlines()[-1] == last
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(alive(p) for p in started):
         time.sleep(0.2)

@@ -35,6 +35,11 @@ def register(app: typer.Typer) -> None:
     app.command("simulate")(simulate)
 
 
+def _missing(path: Path) -> str:
+    """Why ``path`` is not a file to read: absent, or a folder, device or pipe."""
+    return "is not a regular file" if path.exists() else "does not exist"
+
+
 def load_profiles(paths: list[Path] | None) -> list[Any]:
     from pydantic import ValidationError
 
@@ -43,7 +48,7 @@ def load_profiles(paths: list[Path] | None) -> list[Any]:
     profiles = []
     for path in paths or []:
         if not path.is_file():
-            raise ConfigError(f"profile file {path} does not exist")
+            raise ConfigError(f"profile file {path} {_missing(path)}")
         try:
             profiles.append(Profile.model_validate_json(path.read_bytes()))
         except OSError as exc:
@@ -68,7 +73,7 @@ def load_plan_file(path: Path):  # -> Plan
     from opweave.costmodel import ConfigError, Plan
 
     if not path.is_file():
-        raise ConfigError(f"plan file {path} does not exist")
+        raise ConfigError(f"plan file {path} {_missing(path)}")
     try:
         return Plan.model_validate_json(path.read_bytes())
     except OSError as exc:

@@ -9,11 +9,14 @@ before any of them loads and before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -35,6 +38,7 @@ KERNELS = ("opweave", "vllm", "vllm-all")
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # where the executor leaves why the run failed
 API_KEY_ENV = "OPWEAVE_API_KEY"  # the server's key, kept out of the command line (ps shows it)
 _SERVE_BATCH = 8  # --strategy's resident batch per replica when serving
+_SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 
 
 def register(app: typer.Typer) -> None:
@@ -493,7 +497,7 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
             "master_port": o["master_port"],
             "layout": nodes,
         }
-    with tempfile.TemporaryDirectory(prefix="opweave-serve-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="opweave-serve-") as tmp, _temporary_folder(tmp):
         failure = Path(tmp) / "failure"
         os.environ[FAILURE_ENV] = str(failure)
         stopped_by = run_server(
@@ -511,6 +515,37 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
     if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt  # exit 130, as every command does on Ctrl-C
     # SIGTERM is how supervisors (systemd, Kubernetes) stop a server: an orderly exit, 0
+
+
+@contextlib.contextmanager
+def _temporary_folder(folder: str) -> Iterator[None]:
+    """Make ``folder`` the temporary folder of this process and the ones it starts.
+
+    On SIGTERM or Ctrl-C vLLM's server stops its engine process without giving it time to
+    clean up (SIGKILL right after SIGTERM), so the run's folder and vLLM's IPC sockets, which
+    it would leave in /tmp, go in here and are removed with it.
+    """
+    keys = ("TMPDIR", "VLLM_RPC_BASE_PATH")
+    saved_env, saved_dir = {k: os.environ.get(k) for k in keys}, tempfile.tempdir
+    sockets = None
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        # a socket's path holds at most 107 bytes: vLLM's are a 36-character uuid in here
+        if len(os.fsencode(folder)) + 37 > _SOCKET_PATH_MAX:
+            sockets = tempfile.mkdtemp(prefix="opweave-ipc-", dir="/tmp")
+        os.environ["VLLM_RPC_BASE_PATH"] = sockets or folder
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        if sockets is not None:
+            shutil.rmtree(sockets, ignore_errors=True)
+        tempfile.tempdir = saved_dir
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _tokenizer(model_path: Path) -> Any:

@@ -401,7 +401,8 @@ def load_hardware_file(path: str | Path, base: HardwareCatalog | None = None) ->
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"hardware file {path} does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"hardware file {path} {what}")
     try:
         text = path.read_text()
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
