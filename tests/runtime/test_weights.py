@@ -204,3 +204,58 @@ def test_fused_expert_layout_loads(tiny_model, tmp_path, hf_greedy, prompts):
     save_file({**tensors, **fused}, dst / "model.safetensors")
 
     assert LocalModel(dst).generate(prompts, 8) == hf_greedy(src, prompts, 8)
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "qwen3_moe", "mixtral", "gemma3_text", "qwen3_next"]
+)
+def test_every_tensor_has_the_shape_its_config_implies(family, tiny_model):
+    """The shapes the runtime expects agree with transformers' own layout of every family."""
+    from opweave.costmodel import load_model
+    from opweave.runtime import Checkpoint
+
+    model_dir = tiny_model(family)
+    total = 0
+    for file in model_dir.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as f:
+            total += len(list(f.keys()))
+    assert Checkpoint(model_dir).check_shapes(load_model(model_dir).arch) == total
+
+
+def test_weights_of_another_shape_are_refused_naming_the_tensor(tiny_model, tmp_path):
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import CheckpointError, Cluster
+
+    folder = tmp_path / "edited"
+    shutil.copytree(tiny_model("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 96  # the checkpoint's MLP is 128 wide
+    (folder / "config.json").write_text(json.dumps(config))
+    spec = load_model(folder)
+    with pytest.raises(CheckpointError) as info:  # before any rank process starts
+        Cluster(canonical_plan(spec, "colocated", gpu="cpu", batch=1), spec, folder)
+    message = str(info.value)
+    assert message in (
+        f"{folder}: tensor 'model.layers.{layer}.mlp.{name}.weight' has shape {got}, but "
+        f"config.json implies {want}; the weights and config.json are of different models"
+        for layer in (0, 1)
+        for name, got, want in (
+            ("gate_proj", [128, 64], [96, 64]),
+            ("up_proj", [128, 64], [96, 64]),
+            ("down_proj", [64, 128], [64, 96]),
+        )
+    ), message
+
+
+def test_a_broken_index_or_safetensors_file_is_one_line(tiny_model, tmp_path):
+    from opweave.runtime import Checkpoint, CheckpointError
+
+    folder = tmp_path / "broken"
+    shutil.copytree(tiny_model("llama"), folder)
+    (folder / "model.safetensors.index.json").write_text('{"weight_map": {"a": "../x"}}')
+    with pytest.raises(CheckpointError, match="not a safetensors index"):
+        Checkpoint(folder)
+    (folder / "model.safetensors.index.json").unlink()
+    next(folder.glob("*.safetensors")).write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage")
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        Checkpoint(folder)

@@ -136,3 +136,17 @@ def test_ranks_spin_only_on_a_core_of_their_own_unless_told(monkeypatch) -> None
     monkeypatch.setenv(WAIT_ENV, "poll")
     with pytest.raises(OpWeaveRuntimeError, match=r"OPWEAVE_WAIT='poll': expected spin or block"):
         spin_budget(own_core=True)
+
+
+def test_the_rendezvous_store_listens_on_the_master_address_only() -> None:
+    """torch's TCPStore would listen on every interface; node 0 hands it a socket bound to
+    the master address."""
+    from opweave.runtime._private.cluster import _host_store
+    from tests.helpers import listening
+
+    port = free_port()
+    store = _host_store("127.0.0.1", port, 10.0)
+    store.set("key", "value")
+    assert store.get("key") == b"value"
+    on_port = [addr for addr, p, _ in listening([os.getpid()]) if p == port]
+    assert on_port == ["127.0.0.1"], on_port

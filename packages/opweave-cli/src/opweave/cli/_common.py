@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,6 +43,60 @@ def catalog(hardware: Path | None):  # -> HardwareCatalog
     return default_catalog() if hardware is None else load_hardware_file(hardware)
 
 
+MAX_BATCH = 1 << 20  # requests per step / replica: far beyond any GPU's memory
+MAX_COUNT = 1 << 16  # replicas, ranks, microbatches, repeats: far beyond any deployment
+MAX_TOKENS = 1 << 31  # a token count (context, max tokens) beyond any model's positions
+PLOT_SUFFIXES = (".png", ".pdf", ".svg")
+
+
+def finite(value: float | None) -> float | None:
+    """Option callback: ``inf`` and ``nan`` parse as floats, but are no setting's value."""
+    if value is not None and not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number")
+    return value
+
+
+def positive_price(value: float | None) -> float | None:
+    """Option callback for a price in USD per hour: finite and above zero."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"{value} is not a price; give a positive number of USD")
+    return value
+
+
+def output_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:
+    """Check a file a command will write, before any work: its folder exists, it is not a
+    folder itself, and (for figures) its extension is a format the plot can be written in."""
+    if path is None:
+        return None
+    from opweave.costmodel import ConfigError
+
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path} is a directory; give a file name")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise ConfigError(
+            f"{flag} {path}: unsupported file type {path.suffix or '(none)'!r}; "
+            f"end the name in {', '.join(suffixes)}"
+        )
+    parent = path.parent
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ConfigError(f"{flag} {path}: not writable (permission denied)")
+    return path
+
+
+def check_context(spec: Any, tokens: int, flag: str) -> int:
+    """Refuse a token count beyond the model's positions (``max_position_embeddings``)."""
+    from opweave.costmodel import ConfigError
+
+    if tokens > spec.max_context_tokens:
+        raise ConfigError(
+            f"{flag} {tokens} is beyond {spec.name}'s context of {spec.max_context_tokens} "
+            "tokens (max_position_embeddings)"
+        )
+    return tokens
+
+
 def parse_list(text: str, kind: type = str) -> list[Any]:
     """Split ``"a,b"`` into items; a bad item is a one-line usage error."""
     items = [t.strip() for t in text.split(",") if t.strip()]
@@ -49,26 +104,37 @@ def parse_list(text: str, kind: type = str) -> list[Any]:
         raise typer.BadParameter(f"expected a comma-separated list, got {text!r}")
     try:
         return [kind(_parse_size(t) if kind is int else t) for t in items]
-    except ValueError:
+    except (ValueError, IndexError, OverflowError):
         raise typer.BadParameter(f"{text!r} is not a list of {kind.__name__}s") from None
 
 
 def _parse_size(token: str) -> int:
-    """``8K`` -> 8192, ``128k`` -> 131072, ``1M`` -> 1048576, plain integers as they are."""
+    """``8K`` -> 8192, ``128k`` -> 131072, ``1M`` -> 1048576, plain integers as they are.
+
+    At most 20 characters: a 400-digit count is a typo, and Python's ``int`` of a long enough
+    string takes quadratic time.
+    """
+    if len(token) > 20:
+        raise ValueError(token)
     units = {"k": 1024, "m": 1024 * 1024}
     suffix = token[-1].lower()
     if suffix in units:
-        return int(float(token[:-1]) * units[suffix])
+        scaled = float(token[:-1]) * units[suffix]
+        if not math.isfinite(scaled) or not scaled.is_integer():
+            raise ValueError(token)  # infK, nanK, 1.0001K
+        return int(scaled)
     return int(token)
 
 
 def parse_size(token: str) -> int:
     try:
         value = _parse_size(token.strip())
-    except (ValueError, IndexError):
+    except (ValueError, IndexError, OverflowError):
         raise typer.BadParameter(f"{token!r} is not a token count (e.g. 8192 or 8K)") from None
     if value < 1:
         raise typer.BadParameter(f"{token!r} must be at least 1")
+    if value > MAX_TOKENS:
+        raise typer.BadParameter(f"{token!r} is more than {MAX_TOKENS} tokens")
     return value
 
 

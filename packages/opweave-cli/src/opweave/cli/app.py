@@ -1,13 +1,17 @@
 """The ``opweave`` command: parse arguments, call a library, print the result.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; a traceback only
-appears with ``OPWEAVE_DEBUG=1``.
+appears with ``OPWEAVE_DEBUG=1``. SIGINT and SIGTERM unwind the command (a run stops its ranks
+and removes its folder) and exit with 130 and 143.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+from typing import Any
 
 import typer
 
@@ -71,36 +75,83 @@ def _register_optional() -> None:
 _register_optional()
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind like Ctrl-C does, so every ``finally`` (a run's ranks, its
+    folder) runs before the process exits. A ``BaseException``, as ``KeyboardInterrupt`` is, so
+    no ``except Exception`` on the way swallows it."""
+
+
+def _on_signal(signum: int, _frame: object) -> None:
+    # One interruption unwinds; more of them while the run cleans up (seconds at most) would
+    # only cut the clean-up short and leave ranks or files behind.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGTERM:
+        raise Terminated
+    raise KeyboardInterrupt
+
+
+def _error(exc: BaseException | str) -> str:
+    """One line for an error: its message, or the file and reason of an OS error."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = exc.filename if exc.filename is not None else ""
+        return f"{where}: {exc.strerror}" if where else exc.strerror
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point: run the app, mapping errors to one-line messages and exit codes."""
+    """Entry point: run the app, mapping errors to one-line messages and exit codes.
+
+    Exit status: 0 on success, 2 for any error the input causes (bad option, bad file,
+    unreadable or unwritable path, infeasible request), 130 after SIGINT, 143 after SIGTERM.
+    """
     from opweave.costmodel.errors import OpWeaveError
 
     debug = os.environ.get("OPWEAVE_DEBUG") == "1"
     args = sys.argv[1:] if argv is None else argv
     if not args:
         args = ["--help"]
+    handlers: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            # a signal ignored at start stays ignored (a shell's background job ignores SIGINT)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                handlers[sig] = signal.signal(sig, _on_signal)
     try:
-        app(args=args, standalone_mode=False)
+        # typer returns the code of an exit instead of raising it, and turns Ctrl-C into 130
+        status = app(args=args, standalone_mode=False)
+        if status == 130:
+            raise KeyboardInterrupt
+        if isinstance(status, int) and not isinstance(status, bool) and status:
+            return status
     except OpWeaveError as exc:
         if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_error(exc)}", file=sys.stderr)
         return 2
-    except typer.Abort:
-        print("error: interrupted", file=sys.stderr)
+    except (typer.Abort, KeyboardInterrupt):
+        print("error: interrupted (SIGINT)", file=sys.stderr)
         return 130
+    except Terminated:
+        print("error: terminated (SIGTERM)", file=sys.stderr)
+        return 143
     except typer.TyperException as exc:  # usage errors: bad or missing options
         if debug:
             raise
-        print(f"error: {exc.format_message()}", file=sys.stderr)
+        print(f"error: {_error(exc.format_message())}", file=sys.stderr)
         return 2
     except typer.Exit as exc:
         return exc.exit_code
     except (OSError, MemoryError) as exc:
         if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+        print(f"error: {_error(exc)}", file=sys.stderr)
+        return 2
+    finally:
+        for sig, handler in handlers.items():
+            if handler is not None:  # None: a handler set outside Python, not restorable
+                signal.signal(sig, handler)
     return 0
 
 

@@ -8,12 +8,16 @@ from typing import Annotated
 import typer
 
 from ._common import (
+    MAX_BATCH,
+    PLOT_SUFFIXES,
     HardwareOpt,
     JsonOpt,
     ModelArg,
     catalog,
+    check_context,
     emit_json,
     human_bytes,
+    output_file,
     parse_list,
     parse_size,
     table,
@@ -31,10 +35,17 @@ def estimate(
     model: ModelArg,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU id, e.g. h100.")],
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (1, 2, 4, 8).")] = 1,
-    batch: Annotated[int, typer.Option("--batch", min=1, help="Requests per step.")] = 1,
+    batch: Annotated[
+        int, typer.Option("--batch", min=1, max=MAX_BATCH, help="Requests per step.")
+    ] = 1,
     context: Annotated[
-        str, typer.Option("--context", help="Context tokens, e.g. 8192 or 8K.")
-    ] = "4096",
+        str | None,
+        typer.Option(
+            "--context",
+            help="Context tokens, e.g. 8192 or 8K (default: 4096, or the model's context if "
+            "shorter).",
+        ),
+    ] = None,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
     host: Annotated[
@@ -51,10 +62,14 @@ def estimate(
 
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
+    tokens = None if context is None else parse_size(context)
     spec = load_model(model)
+    if tokens is None:
+        tokens = min(4096, spec.max_context_tokens)
+    check_context(spec, tokens, "--context")
     hw = catalog(hardware).get(gpu)
     profile = None if host is None else host_profile(host)
-    est = estimate_step(spec, hw, tp=tp, batch=batch, context=parse_size(context), host=profile)
+    est = estimate_step(spec, hw, tp=tp, batch=batch, context=tokens, host=profile)
     if json_out:
         emit_json(est.model_dump())
         return
@@ -98,16 +113,23 @@ def analyze(
     hardware: HardwareOpt = None,
 ) -> None:
     """The paper's §3 quantities: colocated vs homogeneous vs heterogeneous cost per token."""
+    from opweave.costmodel import TP_DEGREES, load_model
     from opweave.costmodel import analyze as run_analysis
-    from opweave.costmodel import load_model
 
+    if tp is not None and tp not in TP_DEGREES:
+        raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
+    points = [parse_size(c) for c in parse_list(contexts)]
+    output_file(plot, "--plot", PLOT_SUFFIXES)
     spec = load_model(model)
+    if contexts == DEFAULT_CONTEXTS:  # the default grid stops at the model's context
+        points = [s for s in points if s <= spec.max_context_tokens] or [spec.max_context_tokens]
+    for s in points:
+        check_context(spec, s, "--contexts:")
     cat = catalog(hardware)
     names = parse_list(gpus)
     if len(names) > 2:
         raise typer.BadParameter("--gpus takes one or two GPU ids")
     devices = [cat.get(n) for n in names]
-    points = [parse_size(c) for c in parse_list(contexts)]
     result = run_analysis(spec, devices, points, tp=tp)
     if plot is not None:
         from ._plots import plot_analysis

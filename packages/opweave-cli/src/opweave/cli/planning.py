@@ -10,11 +10,15 @@ from typing import Annotated, Any
 import typer
 
 from ._common import (
+    MAX_BATCH,
+    PLOT_SUFFIXES,
     HardwareOpt,
     JsonOpt,
     ModelArg,
     catalog,
+    check_context,
     emit_json,
+    output_file,
     parse_list,
     parse_size,
     table,
@@ -31,6 +35,11 @@ def register(app: typer.Typer) -> None:
     app.command("simulate")(simulate)
 
 
+def _missing(path: Path) -> str:
+    """Why ``path`` is not a file to read: absent, or a folder, device or pipe."""
+    return "is not a regular file" if path.exists() else "does not exist"
+
+
 def load_profiles(paths: list[Path] | None) -> list[Any]:
     from pydantic import ValidationError
 
@@ -39,16 +48,18 @@ def load_profiles(paths: list[Path] | None) -> list[Any]:
     profiles = []
     for path in paths or []:
         if not path.is_file():
-            raise ConfigError(f"profile file {path} does not exist")
+            raise ConfigError(f"profile file {path} {_missing(path)}")
         try:
-            profiles.append(Profile.model_validate_json(path.read_text()))
+            profiles.append(Profile.model_validate_json(path.read_bytes()))
+        except OSError as exc:
+            raise ConfigError(f"cannot read profile file {path}: {exc.strerror or exc}") from None
         except (ValidationError, UnicodeDecodeError) as exc:
             first = (
                 exc.errors()[0]
                 if isinstance(exc, ValidationError)
                 else {"msg": str(exc), "loc": ()}
             )
-            where = ".".join(str(p) for p in first["loc"])
+            where = ".".join(str(p) for p in first["loc"]) or "file"
             raise ConfigError(
                 f"profile file {path} is not a valid profile ({where}: "
                 f"{first['msg']}); re-run opweave profile"
@@ -62,9 +73,11 @@ def load_plan_file(path: Path):  # -> Plan
     from opweave.costmodel import ConfigError, Plan
 
     if not path.is_file():
-        raise ConfigError(f"plan file {path} does not exist")
+        raise ConfigError(f"plan file {path} {_missing(path)}")
     try:
-        return Plan.model_validate_json(path.read_text())
+        return Plan.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
     except (ValidationError, UnicodeDecodeError) as exc:
         first = (
             exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc), "loc": ()}
@@ -139,6 +152,7 @@ def plan(
         typer.Option(
             "--batch",
             min=1,
+            max=MAX_BATCH,
             help="Resident batch of every owner replica (requests); with one --microbatches "
             "count M every owner holds B requests in M microbatches of B/M, one replica each.",
         ),
@@ -163,10 +177,14 @@ def plan(
 
     names, inventory = parse_gpus(gpus)
     slos = parse_slos(tpot_slo_ms)
+    tokens = parse_size(context)
     if max_owners not in (1, 2, 3):
         raise typer.BadParameter(f"--max-owners must be 1, 2 or 3, got {max_owners}")
     shape = _batching(batch, microbatches)
+    output_file(output, "-o")
+    output_file(plot, "--plot", PLOT_SUFFIXES)
     spec = load_model(model)
+    check_context(spec, tokens, "--context")
     cat, profiles = catalog(hardware), load_profiles(profile)
     results = []
     for slo in slos:
@@ -176,7 +194,7 @@ def plan(
                 search(
                     spec,
                     names,
-                    context=parse_size(context),
+                    context=tokens,
                     tpot_slo_s=slo / 1e3,
                     catalog=cat,
                     profiles=profiles,
@@ -341,8 +359,10 @@ def _batching(batch: int | None, microbatches: str | None) -> dict[str, Any]:
     counts = None
     if microbatches is not None:
         counts = sorted(set(parse_list(microbatches, int)))
-        if counts[0] < 1:
-            raise typer.BadParameter(f"--microbatches takes positive counts, got {microbatches!r}")
+        if counts[0] < 1 or counts[-1] > MAX_BATCH:
+            raise typer.BadParameter(
+                f"--microbatches takes counts from 1 to {MAX_BATCH}, got {microbatches!r}"
+            )
     if batch is None:
         return {} if counts is None else {"microbatches": tuple(counts)}
     if counts is None or len(counts) != 1:
@@ -357,6 +377,20 @@ def _batching(batch: int | None, microbatches: str | None) -> dict[str, Any]:
             "into equal microbatches"
         )
     return {"microbatches": (m,), "u_grid": (batch // m,)}
+
+
+def _builtin_model(plan: Any, path: Path) -> str:
+    """The built-in model a plan names; never a path: a plan file is data, and its ``model.name``
+    is only the folder's name where the plan was made (``--model`` says where the config is)."""
+    from opweave.costmodel import BUILTIN_MODELS, ConfigError
+
+    name = plan.model.name
+    if name not in BUILTIN_MODELS:
+        raise ConfigError(
+            f"plan {path} is for model {name!r}, which is not built in; pass --model with its "
+            "config.json or model folder"
+        )
+    return name
 
 
 def simulate(
@@ -379,8 +413,9 @@ def simulate(
     from opweave.planner import gantt as draw_gantt
     from opweave.planner import simulate_plan
 
+    output_file(gantt, "--gantt", PLOT_SUFFIXES)
     the_plan = load_plan_file(plan_file)
-    spec = load_model(model or the_plan.model.name)
+    spec = load_model(model or _builtin_model(the_plan, plan_file))
     if spec.config_sha256 != the_plan.model.config_sha256:
         raise ConfigError(
             f"plan {plan_file} was made for a different {the_plan.model.name} "

@@ -12,7 +12,17 @@ from typing import Annotated, Any
 
 import typer
 
-from ._common import JsonOpt, emit_json, parse_list
+from ._common import (
+    MAX_BATCH,
+    MAX_COUNT,
+    JsonOpt,
+    check_context,
+    emit_json,
+    finite,
+    output_file,
+    parse_list,
+    positive_price,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -102,15 +112,18 @@ def profile(
         str | None,
         typer.Option("--ops", help="Only these operators, e.g. core_attn@full,lm_head."),
     ] = None,
-    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed calls per cell.")] = 2,
+    warmup: Annotated[
+        int, typer.Option("--warmup", min=0, max=MAX_COUNT, help="Untimed calls per cell.")
+    ] = 2,
     repeats: Annotated[
-        int, typer.Option("--repeats", min=1, help="Minimum timed calls per cell.")
+        int, typer.Option("--repeats", min=1, max=MAX_COUNT, help="Minimum timed calls per cell.")
     ] = 5,
     passes: Annotated[
         int | None,
         typer.Option(
             "--passes",
             min=1,
+            max=MAX_COUNT,
             help="Grid passes; a cell is the median of its passes' medians "
             "(default: 2 on CPU, 1 on CUDA).",
         ),
@@ -128,6 +141,8 @@ def profile(
         typer.Option(
             "--working-set-mib",
             min=0.0,
+            max=float(1 << 30),
+            callback=finite,
             help="chain timing: add layers until their weights reach this many MiB, so no "
             "operator finds its weights cached (default: twice the largest cache).",
         ),
@@ -137,6 +152,7 @@ def profile(
         typer.Option(
             "--threads",
             min=1,
+            max=4096,
             help="torch threads while timing (default: 1 on CPU, as each CPU rank runs).",
         ),
     ] = None,
@@ -144,7 +160,7 @@ def profile(
         float | None,
         typer.Option(
             "--usd-per-hour",
-            min=0.0,
+            callback=positive_price,
             help="Device price (default: catalog, or an assumed $0.0425 per vCPU-hour on CPU).",
         ),
     ] = None,
@@ -168,17 +184,30 @@ def profile(
             help="CPU: skip timing reads of a buffer after idle gaps (a few s).",
         ),
     ] = False,
-    seed: Annotated[int, typer.Option("--seed", help="Seed of random weights and inputs.")] = 0,
+    seed: Annotated[
+        int,
+        typer.Option("--seed", min=0, max=2**32 - 1, help="Seed of random weights and inputs."),
+    ] = 0,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Time the runtime's own operators of MODEL (one partition block, plus embed and head)
     over batch and context grids, and point-to-point transfers, into a profile file."""
+    from opweave.costmodel import TP_DEGREES, load_model
+
     dev = _device(device)
     tps = parse_list(tp, int)
+    if any(t not in TP_DEGREES for t in tps):
+        raise typer.BadParameter(f"--tp takes degrees among {', '.join(map(str, TP_DEGREES))}")
     grid_b = parse_list(batches, int) if batches else None
+    if grid_b is not None and max(grid_b) > MAX_BATCH:  # the profiler refuses those below 1
+        raise typer.BadParameter(f"--batches takes batch sizes up to {MAX_BATCH}")
     grid_s = parse_list(contexts, int) if contexts else None
     only = parse_list(ops) if ops else None
+    output_file(output, "-o")
+    spec = load_model(model)  # a bad config fails here, before torch loads
+    for s in grid_s or []:
+        check_context(spec, s, "--contexts:")
 
     from opweave.profiler import TimingSettings, profile_model, save_profile
 

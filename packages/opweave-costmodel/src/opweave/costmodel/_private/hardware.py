@@ -58,7 +58,7 @@ from typing import Any
 from pydantic import Field, ValidationError
 
 from ..errors import ConfigError, UnknownGPUError
-from .base import Frozen
+from .base import FileSchema
 
 HARDWARE_SCHEMA_VERSION = 1
 GB = 1e9
@@ -67,10 +67,10 @@ TFLOPS = 1e12
 US = 1e-6
 
 
-class HardwareSpec(Frozen):
+class HardwareSpec(FileSchema):
     """One device type as the cost model sees it (per device; one direction for links)."""
 
-    id: str
+    id: str = Field(min_length=1, max_length=200)
     name: str
     memory_bytes: float = Field(gt=0)
     mem_bandwidth_bytes_per_s: float = Field(gt=0, description="Datasheet peak.")
@@ -80,8 +80,10 @@ class HardwareSpec(Frozen):
     intra_node_latency_s: float = Field(default=4 * US, ge=0)
     network_bandwidth_bytes_per_s: float = Field(gt=0, description="Inter-node, per direction.")
     network_latency_s: float = Field(default=8 * US, ge=0)
-    gpus_per_node: int = Field(default=8, ge=1)
-    usd_per_hour: float | None = Field(default=None, description="On-demand price per device-hour.")
+    gpus_per_node: int = Field(default=8, ge=1, le=1024)
+    usd_per_hour: float | None = Field(
+        default=None, gt=0, description="On-demand price per device-hour."
+    )
     price_source: str = ""
     memory_efficiency: float = Field(default=0.85, gt=0, le=1)
     compute_efficiency: float = Field(default=0.80, gt=0, le=1)
@@ -352,16 +354,33 @@ class HardwareCatalog:
         return self._gpus[self.resolve(name)]
 
     def with_overrides(self, entries: Iterable[Mapping[str, Any]], source: str) -> HardwareCatalog:
-        """A new catalog where each entry overrides fields of a GPU or adds a new one."""
+        """A new catalog where each entry overrides fields of a GPU or adds a new one.
+
+        Each GPU may appear once: a second entry for the same id (or alias) would silently
+        replace the first.
+        """
         out = HardwareCatalog(self._gpus.values())
-        for entry in entries:
+        seen: dict[str, str] = {}
+        for n, entry in enumerate(entries):
             if not isinstance(entry, Mapping) or "id" not in entry:
-                raise ConfigError(f"{source}: every GPU entry needs an 'id'")
+                raise ConfigError(f"{source}: GPU entry {n + 1} needs an 'id'")
+            raw = entry["id"]
+            if not isinstance(raw, str) or not raw.strip():
+                raise ConfigError(
+                    f"{source}: GPU entry {n + 1}: 'id' must be a non-empty string, got {raw!r}"
+                )
             try:
-                gpu_id = out.resolve(str(entry["id"]))
+                gpu_id = out.resolve(raw)
                 merged = {**out._gpus[gpu_id].model_dump(), **entry, "id": gpu_id}
             except UnknownGPUError:
-                merged = {"name": str(entry["id"]), **entry}
+                gpu_id = raw.strip().lower()  # ids are looked up case-insensitively
+                merged = {"name": raw, **entry, "id": gpu_id}
+            if gpu_id in seen:
+                raise ConfigError(
+                    f"{source}: GPU {raw!r} is given twice (also as {seen[gpu_id]!r}); "
+                    "merge the two entries into one"
+                )
+            seen[gpu_id] = raw
             try:
                 out.add(HardwareSpec.model_validate(merged))
             except ValidationError as exc:
@@ -382,14 +401,27 @@ def load_hardware_file(path: str | Path, base: HardwareCatalog | None = None) ->
     """
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"hardware file {path} does not exist")
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"hardware file {path} {what}")
     try:
         text = path.read_text()
         data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot read hardware file {path}: {exc.strerror or exc}") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"hardware file {path} is malformed: {exc}") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise ConfigError(f"hardware file {path} holds a number too long to be one") from None
+    except RecursionError:
+        raise ConfigError(f"hardware file {path} nests too deeply to be a hardware file") from None
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
         raise ConfigError(f"hardware file {path} needs a list 'gpus' of GPU entries")
+    unknown = sorted(set(data) - {"schema_version", "gpus"})
+    if unknown:
+        raise ConfigError(
+            f"hardware file {path}: unknown key {unknown[0]!r} (a hardware file holds "
+            "schema_version and [[gpus]] entries)"
+        )
     version = data.get("schema_version", HARDWARE_SCHEMA_VERSION)
     if version != HARDWARE_SCHEMA_VERSION:
         raise ConfigError(

@@ -41,8 +41,14 @@ def read_config(path: str | Path) -> dict[str, Any]:
         )
     try:
         config = json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise ConfigError(f"{path} holds a number too long to be a model config's") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests JSON too deeply to be a model config") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return config
@@ -69,7 +75,8 @@ def _load_model(model: str, dtype: str | None) -> ModelSpec:
         )
     name = path.name if path.is_dir() else path.parent.name or path.stem
     file = path / "config.json" if path.is_dir() else path
+    config = read_config(path)  # its errors name the file already
     try:
-        return model_spec_from_config(read_config(path), name=name, dtype=dtype)
+        return model_spec_from_config(config, name=name, dtype=dtype)
     except ConfigError as exc:
         raise ConfigError(f"{file}: {exc}") from None

@@ -13,22 +13,28 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ..errors import ConfigError
-from .base import Frozen
+from .base import FileSchema
 from .model import ModelSpec, OpClass, OperatorSpec
 
 PLAN_SCHEMA_VERSION = 1
 TP_DEGREES = (1, 2, 4, 8)
+# Bounds far beyond any deployment; past them a plan file is corrupt (and a count of 10^400
+# would overflow the simulator's arithmetic).
+MAX_REPLICAS = 1 << 16
+MAX_GPUS = 1 << 16  # replicas x tp over every owner
+MAX_BATCH = 1 << 20
+MAX_CONTEXT = 1 << 31
 Strategy = Literal["colocated", "afd", "cad", "opweave"]
 
 
-class StageTemplate(Frozen):
+class StageTemplate(FileSchema):
     """Cut points into the partition block's operator sequence.
 
     ``cuts`` are block-op indices where a stage begins. When the first cut is not 0, the last
     stage wraps around the block boundary (stages may span layers).
     """
 
-    cuts: tuple[int, ...] = Field(min_length=1)
+    cuts: tuple[int, ...] = Field(min_length=1, max_length=1 << 16)
 
     @model_validator(mode="after")
     def _sorted(self) -> StageTemplate:
@@ -41,13 +47,17 @@ class StageTemplate(Frozen):
         return len(self.cuts)
 
 
-class Owner(Frozen):
+class Owner(FileSchema):
     """A device-group type: GPU type x tensor-parallel degree, with its replicas."""
 
     gpu: str = Field(description="GPU id from the catalog, or a profiled device name.")
     tp: int = Field(description="Tensor-parallel degree of one replica.")
-    replicas: int = Field(ge=1, description="Replicas of this owner in the deployment.")
-    resident_batch: int = Field(ge=1, description="Requests each replica serves per iteration.")
+    replicas: int = Field(
+        ge=1, le=MAX_REPLICAS, description="Replicas of this owner in the deployment."
+    )
+    resident_batch: int = Field(
+        ge=1, le=MAX_BATCH, description="Requests each replica serves per iteration."
+    )
 
     @model_validator(mode="after")
     def _tp(self) -> Owner:
@@ -56,7 +66,7 @@ class Owner(Frozen):
         return self
 
 
-class PlanModel(Frozen):
+class PlanModel(FileSchema):
     name: str
     family: str
     num_layers: int
@@ -64,7 +74,7 @@ class PlanModel(Frozen):
     config_sha256: str
 
 
-class Prediction(Frozen):
+class Prediction(FileSchema):
     tpot_s: float
     usd_per_million_tokens: float | None = None
     tokens_per_s_per_replica_set: float | None = None
@@ -73,17 +83,17 @@ class Prediction(Frozen):
     compute_occupancy: float | None = Field(default=None, description="Mean busy share of owners.")
 
 
-class Plan(Frozen):
+class Plan(FileSchema):
     """A serving plan: template + owners + batching + microbatching + prediction."""
 
     schema_version: Literal[1] = PLAN_SCHEMA_VERSION
     strategy: Strategy
     model: PlanModel
-    context_tokens: int = Field(ge=1)
-    tpot_slo_s: float | None = None
+    context_tokens: int = Field(ge=1, le=MAX_CONTEXT)
+    tpot_slo_s: float | None = Field(default=None, gt=0)
     template: StageTemplate
     owners: tuple[Owner, ...] = Field(min_length=1)
-    microbatches: int = Field(ge=1)
+    microbatches: int = Field(ge=1, le=MAX_BATCH)
     prediction: Prediction | None = None
     profiles: tuple[str, ...] = Field(
         default=(), description="Provenance of the latency profiles used."
@@ -91,6 +101,9 @@ class Plan(Frozen):
 
     @model_validator(mode="after")
     def _balanced(self) -> Plan:
+        gpus = sum(o.replicas * o.tp for o in self.owners)
+        if gpus > MAX_GPUS:
+            raise ValueError(f"the plan uses {gpus} GPUs; at most {MAX_GPUS} are supported")
         batches = {o.replicas * o.resident_batch for o in self.owners}
         if len(batches) != 1:
             raise ValueError(

@@ -15,11 +15,12 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from ..errors import ConfigError
-from .base import Frozen
+from .base import FileSchema
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 
 PROFILE_SCHEMA_VERSION = 1
+_MAX_GRID = 1 << 31  # largest batch or context a table may hold
 LinkKind = Literal["intra_node", "network"]
 
 
@@ -28,11 +29,11 @@ def profile_key(op: OperatorSpec, layer: LayerSpec | None) -> str:
     return op.name if layer is None else f"{op.name}@{layer.attention.value}"
 
 
-class OpLatencyTable(Frozen):
+class OpLatencyTable(FileSchema):
     """Median latency of one operator at one TP degree over a batch x context grid."""
 
     op: str = Field(description="profile_key, e.g. 'core_attn@full' or 'lm_head'.")
-    tp: int = 1
+    tp: int = Field(default=1, ge=1, le=64)
     batches: tuple[int, ...] = Field(min_length=1)
     contexts: tuple[int, ...] = Field(min_length=1)
     latency_s: tuple[tuple[float, ...], ...] = Field(description="[batch][context] medians.")
@@ -46,6 +47,8 @@ class OpLatencyTable(Frozen):
             raise ValueError("batches must be distinct, increasing and >= 1")
         if list(self.contexts) != sorted(set(self.contexts)) or self.contexts[0] < 1:
             raise ValueError("contexts must be distinct, increasing and >= 1")
+        if self.batches[-1] > _MAX_GRID or self.contexts[-1] > _MAX_GRID:
+            raise ValueError(f"batches and contexts must be at most {_MAX_GRID}")
         if len(self.latency_s) != len(self.batches) or any(
             len(row) != len(self.contexts) for row in self.latency_s
         ):
@@ -79,7 +82,7 @@ def _interp_log(xs: tuple[int, ...], log_ys: np.ndarray, x: float) -> float:
     return float(log_ys[-1] + max(slope, 0.0) * (t - lx[-1]))
 
 
-class TransferProfile(Frozen):
+class TransferProfile(FileSchema):
     """Point-to-point transfer: ``latency_s + bytes / bandwidth_bytes_per_s`` on the link.
 
     ``host_send_s`` / ``host_recv_s`` are what one message costs the sending / receiving rank's
@@ -100,7 +103,7 @@ class TransferProfile(Frozen):
     )
 
 
-class OrchestrationProfile(Frozen):
+class OrchestrationProfile(FileSchema):
     """Host time a rank's loop spends around the operators, beside transfers (CPU ranks).
 
     The runtime's ranks run a compiled schedule in Python: per stage and microbatch a rank
@@ -129,7 +132,7 @@ class OrchestrationProfile(Frozen):
 NO_ORCHESTRATION = OrchestrationProfile()
 
 
-class IdleSlowdown(Frozen):
+class IdleSlowdown(FileSchema):
     """Operators run slower after their rank sat idle: its caches went cold meanwhile.
 
     A rank that waits for a message leaves its weights and state in caches that other work
@@ -155,7 +158,7 @@ class IdleSlowdown(Frozen):
         return cold * self.s_per_byte * -math.expm1(-max(idle_s, 0.0) / self.time_constant_s)
 
 
-class Provenance(Frozen):
+class Provenance(FileSchema):
     source: Literal["measured", "roofline"]
     device_name: str
     date: str = Field(default_factory=lambda: date.today().isoformat())
@@ -164,7 +167,7 @@ class Provenance(Frozen):
     note: str = ""
 
 
-class Profile(Frozen):
+class Profile(FileSchema):
     """Latencies of one device type for the operators of one model.
 
     The tables hold medians, robust for interpolating a grid, but a decode iteration takes the
@@ -193,6 +196,19 @@ class Profile(Frozen):
         "add to the tables' medians in expectation (operator latencies are scaled by 1 + this).",
     )
     provenance: Provenance
+
+    @model_validator(mode="after")
+    def _distinct(self) -> Profile:
+        # lookups take the first match: a repeated table or link would be silently ignored
+        seen: set[tuple[str, int]] = set()
+        for t in self.ops:
+            if (t.op, t.tp) in seen:
+                raise ValueError(f"ops: two tables for {t.op} at tp={t.tp}")
+            seen.add((t.op, t.tp))
+        links = [t.link for t in self.transfers]
+        if len(set(links)) < len(links):
+            raise ValueError("transfers: a link kind is given twice")
+        return self
 
     def table(self, key: str, tp: int) -> OpLatencyTable:
         for t in self.ops:

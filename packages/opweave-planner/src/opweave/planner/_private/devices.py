@@ -115,6 +115,10 @@ def resolve_devices(
                 f"profile for {prof.device.id} was measured on model {prof.model!r}, not "
                 f"{model.name!r}; profile this model with `opweave profile --model`"
             )
+        if prof.device.id.lower() in by_id:
+            raise ConfigError(
+                f"two profiles are for device {prof.device.id}; give one --profile per device"
+            )
         by_id[prof.device.id.lower()] = prof
     if not gpus:
         raise ConfigError("no GPU types given; pass at least one with --gpus")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import itertools
 import json
 import os
@@ -30,6 +31,7 @@ import selectors
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -58,6 +60,7 @@ from .placement import Placement, check_plan, total_ranks
 from .rank import CONTROL_KEY, RankSpec, run_rank
 from .results import RankStats
 from .schedule import compile_schedule
+from .weights import Checkpoint
 from .wire import node_address, spin_budget
 from .work import Work
 
@@ -80,6 +83,7 @@ def node_layout(
             )
         if nnodes != len(layout):
             raise OpWeaveRuntimeError(f"--nnodes {nnodes} but the node layout has {len(layout)}")
+        _check_node_sizes(layout)
         return layout
     if nnodes < 1 or world % nnodes:
         raise OpWeaveRuntimeError(
@@ -87,7 +91,31 @@ def node_layout(
             "give the node layout (opweave deploy writes nodes.json)"
         )
     per = world // nnodes
-    return [tuple(range(n * per, (n + 1) * per)) for n in range(nnodes)]
+    layout = [tuple(range(n * per, (n + 1) * per)) for n in range(nnodes)]
+    _check_node_sizes(layout)
+    return layout
+
+
+MAX_RANKS_PER_NODE = 1024  # far beyond any node's GPUs; more processes would exhaust the host
+
+
+def _check_node_sizes(layout: Sequence[Sequence[int]]) -> None:
+    for n, ranks in enumerate(layout):
+        if len(ranks) > MAX_RANKS_PER_NODE:
+            raise OpWeaveRuntimeError(
+                f"node {n} would start {len(ranks)} ranks (at most {MAX_RANKS_PER_NODE}); "
+                "spread the plan over more nodes (--nnodes)"
+            )
+
+
+def check_weights(model_dir: str | Path, model: ModelSpec) -> None:
+    """Refuse a checkpoint whose tensors do not have the shapes its config implies, before
+    any rank starts (reads the safetensors headers only)."""
+    checkpoint = Checkpoint(model_dir)
+    try:
+        checkpoint.check_shapes(model.arch)
+    finally:
+        checkpoint.close()
 
 
 class _Launcher:
@@ -263,12 +291,33 @@ class _Conn:
 
 
 def rank_env(host: str, threads: int) -> dict[str, str]:
-    """Extra environment of every rank: one OpenMP team per rank, gloo on loopback for a run
-    that stays on this machine."""
+    """Extra environment of every rank: one OpenMP team per rank, and gloo's and NCCL's
+    sockets on the interface of ``host`` (the rank's address: loopback for a run that stays on
+    this machine), not on whatever interface the host name resolves to (gloo) or every one but
+    loopback (NCCL's bootstrap)."""
     env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
-    if host == "127.0.0.1" and "GLOO_SOCKET_IFNAME" not in os.environ:
-        env["GLOO_SOCKET_IFNAME"] = "lo"
+    name = "lo" if host == "127.0.0.1" else interface_of(host)
+    for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if name is not None and key not in os.environ:
+            env[key] = name
     return env
+
+
+def interface_of(address: str) -> str | None:
+    """Linux: the name of the network interface holding IPv4 ``address``, or ``None``."""
+    import fcntl
+
+    siocgifaddr = 0x8915
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            request = struct.pack("256s", name.encode()[:15])
+            try:
+                reply = fcntl.ioctl(probe.fileno(), siocgifaddr, request)
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
 
 
 def start_rank(
@@ -369,6 +418,7 @@ class Cluster:
         (:func:`run_torchrun_rank`), through torchrun's rendezvous (``MASTER_ADDR`` and
         ``MASTER_PORT``)."""
         check_plan(plan, model)
+        check_weights(model_dir, model)
         spin_budget(own_core=False)  # a malformed OPWEAVE_WAIT fails here, before any rank starts
         self.plan = plan
         self.placement = Placement(plan, model)
@@ -863,10 +913,21 @@ class Cluster:
 
 
 def _host_store(addr: str, port: int | None, timeout_s: float, *, client: bool = False) -> Any:
-    """The run's TCP store on ``addr:port`` (``client``: torchrun's agent hosts it already)."""
+    """The run's TCP store on ``addr:port`` (``client``: torchrun's agent hosts it already).
+
+    torch's store server would listen on every interface of the host; it is handed a socket
+    bound to ``addr`` (the master address, one of this node's) instead, so only the network the
+    other nodes reach node 0 on can reach it. torch's store protocol has no authentication:
+    whoever reaches that port can read and write rendezvous keys (see the README's "Network
+    exposure"); the run's own control and rank-to-rank connections prove the run's secret.
+    """
     import torch.distributed as dist
 
+    listener: socket.socket | None = None
     try:
+        if not client:
+            listener = _store_listener(addr, port or 0)
+            port = listener.getsockname()[1]
         return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
             addr,
             port or 0,
@@ -874,11 +935,34 @@ def _host_store(addr: str, port: int | None, timeout_s: float, *, client: bool =
             is_master=not client,
             timeout=timedelta(seconds=timeout_s),
             wait_for_workers=False,
+            master_listen_fd=None if listener is None else listener.detach(),
         )
-    except RuntimeError as exc:
+    except (RuntimeError, OSError) as exc:
+        if listener is not None:
+            listener.close()
         raise OpWeaveRuntimeError(
             f"cannot host the rendezvous store on {addr}:{port}: {exc}"
         ) from None
+
+
+def _store_listener(addr: str, port: int) -> socket.socket:
+    """A listening socket on ``addr:port``: the master address when it is this node's, else
+    this node's address on the route to it (behind NAT, the master address is another's)."""
+    host = socket.gethostbyname(addr)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL:
+                raise
+            sock.bind((node_address(addr), port))
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def run_node(
@@ -904,6 +988,7 @@ def run_node(
     :class:`RunFailedError` when one failed (the driver on node 0 names the cause).
     """
     check_plan(plan, model)
+    check_weights(model_dir, model)
     layout = node_layout(total_ranks(plan), nnodes, nodes)
     if not 0 < node_rank < nnodes:
         raise OpWeaveRuntimeError(f"node rank {node_rank} is not in 1..{nnodes - 1}")
@@ -1011,10 +1096,15 @@ def layout_from_file(path: str | Path) -> list[list[int]]:
     ``{"gpu", "gpus", "ranks"}`` objects)."""
     try:
         data = json.loads(Path(path).read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise OpWeaveRuntimeError(f"cannot read the node layout {path}: {exc}") from None
     if not isinstance(data, list) or not all(
-        isinstance(n, dict) and isinstance(n.get("ranks"), list) for n in data
+        isinstance(n, dict)
+        and isinstance(n.get("ranks"), list)
+        and all(isinstance(r, int) and not isinstance(r, bool) for r in n["ranks"])
+        for n in data
     ):
-        raise OpWeaveRuntimeError(f'{path}: expected a list of nodes with their "ranks"')
-    return [[int(r) for r in n["ranks"]] for n in data]
+        raise OpWeaveRuntimeError(
+            f'{path}: expected a list of nodes, each with its "ranks" (a list of rank numbers)'
+        )
+    return [list(n["ranks"]) for n in data]

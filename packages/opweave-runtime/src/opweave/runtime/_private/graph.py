@@ -20,8 +20,18 @@ from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
 from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
 from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert
-from .ops import AttnNorm, Embed, FfnNorm, FinalNorm, LmHead, OpContext, Operator, Sample
-from .rope import Rope
+from .ops import (
+    ACTIVATIONS,
+    AttnNorm,
+    Embed,
+    FfnNorm,
+    FinalNorm,
+    LmHead,
+    OpContext,
+    Operator,
+    Sample,
+)
+from .rope import ROPE_TYPES, Rope
 from .tensor_parallel import Shard, TPComm
 from .weights import TensorSource
 
@@ -65,6 +75,17 @@ def check_runtime_support(model: ModelSpec) -> None:
             f"the runtime does not implement {model.family} models (planning and estimates "
             f"cover them); it runs {', '.join(RUNTIME_FAMILIES)}"
         )
+    arch = model.arch
+    if arch.hidden_act not in ACTIVATIONS:
+        raise UnsupportedModelError(
+            f"hidden_act: the runtime implements {', '.join(ACTIVATIONS)}, not {arch.hidden_act!r}"
+        )
+    for kind, rope in arch.rope.items():
+        if rope.rope_type not in ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"RoPE type {rope.rope_type!r} is not implemented (of the {kind} layers; "
+                f"{', '.join(ROPE_TYPES)} are)"
+            )
 
 
 def compute_dtype(model: ModelSpec, dtype: torch.dtype | str | None = None) -> torch.dtype:

@@ -203,6 +203,9 @@ class StatefulOperator(Operator):
         raise NotImplementedError
 
 
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_tanh")
+
+
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name == "silu":
         return F.silu

@@ -10,12 +10,15 @@ below which layout the checkpoint uses (text vs multimodal prefix, fused vs per-
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
+
+from opweave.costmodel import LINEAR_ATTENTION, Architecture
 
 from ..errors import CheckpointError
 
@@ -133,19 +136,54 @@ class Checkpoint(TensorSource):
     def _index(self) -> dict[str, Path]:
         index = self.model_dir / "model.safetensors.index.json"
         if index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            return {name: self.model_dir / file for name, file in weight_map.items()}
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                if not isinstance(weight_map, dict) or not all(
+                    isinstance(f, str) and "/" not in f and f.endswith(".safetensors")
+                    for f in weight_map.values()
+                ):
+                    raise TypeError
+            except (OSError, ValueError, KeyError, TypeError, RecursionError):
+                raise CheckpointError(
+                    f'{index}: not a safetensors index (a JSON object whose "weight_map" maps '
+                    "tensor names to .safetensors files in the folder)"
+                ) from None
+            return {str(name): self.model_dir / file for name, file in weight_map.items()}
         files = sorted(self.model_dir.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{self.model_dir}: no *.safetensors files")
         file_of: dict[str, Path] = {}
         for file in files:
-            with safe_open(file, framework="pt") as handle:
-                file_of.update(dict.fromkeys(handle.keys(), file))
+            file_of.update(dict.fromkeys(_open(file).keys(), file))
         return file_of
 
     def has(self, name: str) -> bool:
         return name in self._file_of
+
+    def check_shapes(self, arch: Architecture) -> int:
+        """Raise :class:`CheckpointError` naming the first tensor whose stored shape is not the
+        one ``arch`` (the folder's config.json) implies; reads file headers only. Names the
+        runtime does not read are not checked; missing ones fail when an operator loads.
+        Returns how many tensors were checked."""
+        checked = 0
+        for name, file in self._file_of.items():
+            want = expected_shape(arch, self.prefix, name)
+            if want is None:
+                continue
+            handle = self._handles.get(file)
+            if handle is None:
+                handle = self._handles[file] = _open(file)
+            try:
+                got = tuple(handle.get_slice(name).get_shape())
+            except Exception as exc:  # safetensors raises its own error types
+                raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from None
+            if got != want:
+                raise CheckpointError(
+                    f"{self.model_dir}: tensor {name!r} has shape {list(got)}, but config.json "
+                    f"implies {list(want)}; the weights and config.json are of different models"
+                )
+            checked += 1
+        return checked
 
     def _fetch(
         self,
@@ -162,7 +200,7 @@ class Checkpoint(TensorSource):
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} not in checkpoint")
         handle = self._handles.get(file)
         if handle is None:
-            handle = self._handles[file] = safe_open(file, framework="pt")
+            handle = self._handles[file] = _open(file)
         if ranges is None:
             tensor = handle.get_tensor(name)
         else:
@@ -254,3 +292,112 @@ class Checkpoint(TensorSource):
             gate_up.append(torch.cat([part(gate_n, 0), part(up_n, 0)], dim=0))
             down.append(part(down_n, 1))
         return torch.stack(gate_up), torch.stack(down)
+
+
+def _open(file: Path) -> Any:
+    """A safetensors file's handle; a missing or malformed file is a one-line error."""
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as exc:  # safetensors raises its own error types, and OSError
+        text = " ".join(str(exc).split())[:200]
+        raise CheckpointError(f"{file}: not a readable safetensors file ({text})") from None
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+
+
+def expected_shape(arch: Architecture, prefix: str, name: str) -> tuple[int, ...] | None:
+    """The shape config.json implies for a checkpoint tensor the runtime reads, or ``None`` for
+    a name it does not read (under ``prefix``, the decoder's: ``model.``, ...).
+
+    >>> from opweave.costmodel import resolve_architecture
+    >>> arch = resolve_architecture({"model_type": "llama", "hidden_size": 64,
+    ...     "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    ...     "intermediate_size": 128, "vocab_size": 512})
+    >>> expected_shape(arch, "model.", "model.layers.1.self_attn.k_proj.weight")
+    (32, 64)
+    """
+    hidden, vocab = arch.hidden_size, arch.vocab_size
+    if name in ("lm_head.weight", "language_model.lm_head.weight"):
+        return (vocab, hidden)
+    if not name.startswith(prefix):
+        return None
+    rest = name[len(prefix) :]
+    if rest == "embed_tokens.weight":
+        return (vocab, hidden)
+    if rest == "norm.weight":
+        return (hidden,)
+    m = _LAYER.fullmatch(rest)
+    if m is None or int(m.group(1)) >= arch.num_layers:
+        return None
+    return _layer_shape(arch, int(m.group(1)), m.group(2))
+
+
+def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...] | None:
+    hidden, hd = arch.hidden_size, arch.head_dim
+    if suffix in (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "pre_feedforward_layernorm.weight",
+        "post_feedforward_layernorm.weight",
+    ):
+        return (hidden,)
+    q = arch.num_heads * hd * (2 if arch.attn_output_gate else 1)
+    kv = arch.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {}
+    la = arch.linear_attn
+    if arch.layer_types[layer] == LINEAR_ATTENTION and la is not None:
+        a = "linear_attn."
+        shapes |= {
+            a + "in_proj_qkvz.weight": (2 * la.key_dim + 2 * la.value_dim, hidden),
+            a + "in_proj_ba.weight": (2 * la.num_v_heads, hidden),
+            a + "conv1d.weight": (la.conv_dim, 1, la.conv_kernel),
+            a + "conv1d.bias": (la.conv_dim,),
+            a + "A_log": (la.num_v_heads,),
+            a + "dt_bias": (la.num_v_heads,),
+            a + "norm.weight": (la.v_head_dim,),
+            a + "out_proj.weight": (hidden, la.value_dim),
+        }
+    else:
+        a = "self_attn."
+        shapes |= {
+            a + "q_proj.weight": (q, hidden),
+            a + "q_proj.bias": (q,),
+            a + "k_proj.weight": (kv, hidden),
+            a + "k_proj.bias": (kv,),
+            a + "v_proj.weight": (kv, hidden),
+            a + "v_proj.bias": (kv,),
+            a + "o_proj.weight": (hidden, arch.num_heads * hd),
+            a + "o_proj.bias": (hidden,),
+            a + "q_norm.weight": (hd,),
+            a + "k_norm.weight": (hd,),
+        }
+    moe = arch.moe
+    if moe is not None and arch.is_moe_layer(layer):
+        e, inter = moe.num_experts, moe.intermediate_size
+        m = _EXPERT.fullmatch(suffix)
+        if m is not None:
+            if int(m.group(1)) >= e:
+                return None
+            return (hidden, inter) if m.group(2) in ("down_proj", "w2") else (inter, hidden)
+        for module in ("mlp.", "block_sparse_moe."):
+            shapes |= {
+                module + "gate.weight": (e, hidden),
+                module + "experts.gate_up_proj": (e, 2 * inter, hidden),
+                module + "experts.down_proj": (e, hidden, inter),
+            }
+        if moe.shared_intermediate_size:
+            shared = moe.shared_intermediate_size
+            shapes |= {
+                "mlp.shared_expert.gate_proj.weight": (shared, hidden),
+                "mlp.shared_expert.up_proj.weight": (shared, hidden),
+                "mlp.shared_expert.down_proj.weight": (hidden, shared),
+                "mlp.shared_expert_gate.weight": (1, hidden),
+            }
+    else:
+        inter = arch.intermediate_size
+        for proj in ("gate_proj", "up_proj"):
+            shapes |= {f"mlp.{proj}.weight": (inter, hidden), f"mlp.{proj}.bias": (inter,)}
+        shapes |= {"mlp.down_proj.weight": (hidden, inter), "mlp.down_proj.bias": (hidden,)}
+    return shapes.get(suffix)

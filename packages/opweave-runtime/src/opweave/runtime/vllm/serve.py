@@ -73,12 +73,29 @@ def server_args(
     return args
 
 
-def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) -> None:
-    """Run the server until interrupted (blocks); ``kwargs`` as :func:`server_args`."""
+def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) -> int | None:
+    """Run the server until interrupted (blocks); ``kwargs`` as :func:`server_args`.
+
+    Returns the signal that stopped it (``signal.SIGINT`` or ``signal.SIGTERM``; vLLM's server
+    handles both, draining the engine and stopping the plan's ranks), or ``None``.
+    """
     import uvloop
     from vllm.entrypoints.launchers.api_server.entry import run_server
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
 
     cli_env_setup()
     args = server_args(model_dir, plan, **kwargs)
-    uvloop.run(run_server(args))
+    stopped_by: list[int] = []
+
+    class _Loop(uvloop.Loop):
+        """uvloop's loop, noting which signal the server's own handlers were called for."""
+
+        def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:
+            def note(*given: Any) -> None:
+                stopped_by.append(sig)
+                callback(*given)
+
+            super().add_signal_handler(sig, note, *args)
+
+    uvloop.run(run_server(args), loop_factory=_Loop)
+    return stopped_by[0] if stopped_by else None

