@@ -159,7 +159,7 @@ def test_the_control_channel_refuses_a_peer_without_the_secret(tiny_model):
             client_handshake(other, b"wrong key", 0)
         driver = OfflineDriver(cluster, [Request((5, 6, 7), 4)], spec.arch.eos_token_ids)
         driver.run()
-        assert len(driver.outputs()[0]["token_ids"]) == 4
+        assert len(driver.outputs()[0].token_ids) == 4
         cluster.shutdown()
     finally:
         cluster.close()

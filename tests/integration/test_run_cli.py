@@ -86,6 +86,7 @@ def test_run_plan_file_with_text_prompts_prints_a_table(tmp_path, capsys, tiny_m
 
 def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model):
     model_dir = str(tiny_model("llama"))
+    capsys.readouterr()  # writing the model (when this test is the first to) prints progress
     plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=2)
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(plan.model_dump_json())
@@ -98,6 +99,14 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
             "the plan needs 2 ranks",
         ),
         (("run", str(plan_path), "--prompts-file", str(bad_file), *common), "bad.jsonl line 2"),
+        *(
+            (
+                ("run", str(plan_path), "--prompts-file", str(path), *common),
+                f"{path.name} line 1: token id {token} is outside the vocabulary (0..",
+            )
+            for token, path in [(-1, tmp_path / "neg.jsonl"), (10**6, tmp_path / "big.jsonl")]
+            if path.write_text(f'{{"prompt_token_ids": [5, {token}]}}\n')
+        ),
         (
             ("run", str(plan_path), "--strategy", "cad", "--prompt", "t5", *common),
             "give either a PLAN file or --strategy",

@@ -77,17 +77,17 @@ def brute_force(model: ModelSpec, profiles) -> list[tuple[float, float, str]]:
         n = cand.num_owners
         structure = build_structure(model, tables, cand.template, n)
         for m, assign in itertools.product(MBS, itertools.product(devices, repeat=n)):
-            per_slot = [
+            per_owner = [
                 [
                     (tp, u)
                     for tp in dev.tps
                     for u in U_SMALL
-                    if memory_bytes_per_rank(list(structure.slot_ops[j]), tp, m * u, CONTEXT)
+                    if memory_bytes_per_rank(list(structure.owner_ops[j]), tp, m * u, CONTEXT)
                     <= dev.hardware.usable_memory_bytes
                 ]
                 for j, dev in enumerate(assign)
             ]
-            for combo in itertools.product(*per_slot):
+            for combo in itertools.product(*per_owner):
                 owners = [
                     OwnerChoice(dev, tp, m * u) for dev, (tp, u) in zip(assign, combo, strict=True)
                 ]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from opweave.costmodel import ProfiledLatency, TransferProfile, canonical_plan, segments
-from opweave.planner import simulate_plan
+from opweave.costmodel import TransferProfile, canonical_plan, segments
+from opweave.planner import NO_HOST, HostModel, simulate_plan
 from tests.planner.conftest import random_profile, toy_gpu
 
 
@@ -54,9 +54,10 @@ def test_gpu_links_and_old_profiles_are_device_driven(tiny_llama) -> None:
     old = TransferProfile.model_validate(
         {"link": "intra_node", "latency_s": 1e-4, "bandwidth_bytes_per_s": 1e9}
     )
-    latency = ProfiledLatency(base.model_copy(update={"transfers": (old,)}))
-    assert latency.host_transfer_s("intra_node") == (0.0, 0.0)
-    assert latency.host_transfer_s("network") == (0.0, 0.0)  # roofline fallback
+    host = HostModel.of(base.model_copy(update={"transfers": (old,)}))
+    assert host.message_s("intra_node") == (0.0, 0.0)
+    assert host.message_s("network") == (0.0, 0.0)  # not measured: device-driven
+    assert host == NO_HOST == HostModel.of(None)  # a roofline device
     with pytest.raises(ValueError, match="greater than or equal to 0"):
         TransferProfile(
             link="intra_node", latency_s=1e-4, bandwidth_bytes_per_s=1e9, host_recv_s=-1.0

@@ -10,12 +10,10 @@ import pytest
 from opweave.costmodel import (
     OrchestrationProfile,
     Profile,
-    ProfiledLatency,
-    RooflineLatency,
     canonical_plan,
     segments,
 )
-from opweave.planner import simulate_plan
+from opweave.planner import NO_HOST, HostModel, simulate_plan
 from tests.planner.conftest import random_profile, toy_gpu
 
 LOOP = OrchestrationProfile(
@@ -68,7 +66,7 @@ def test_gpus_and_old_profiles_have_no_loop_cost(tiny_llama) -> None:
         plain.model_dump_json(exclude={"orchestration", "idle_slowdown"})
     )
     assert old.orchestration is None and old.idle_slowdown is None
-    assert ProfiledLatency(old).orchestration() == OrchestrationProfile()
-    assert RooflineLatency(plain.device).orchestration() == OrchestrationProfile()
+    assert HostModel.of(old).orchestration is None
+    assert HostModel.of(None) == NO_HOST  # a roofline device
     restored = Profile.model_validate_json(_profiles(tiny_llama, 3)[1].model_dump_json())
     assert restored.orchestration == LOOP

@@ -20,7 +20,7 @@ def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> 
     import torch.distributed as dist
 
     from opweave.runtime import BatchMeta, TokenBatch, unpack
-    from opweave.runtime.transport import Link, PeerError, Transport
+    from opweave.runtime.transport import Message, PeerError, Transport
 
     dist.init_process_group(
         "gloo",
@@ -49,8 +49,8 @@ def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> 
         big = torch.arange(8 << 20, dtype=torch.float32) + rank
         for i in range(3):
             batch = TokenBatch(BatchMeta((f"r{i}",), (1,), (0,)), {"hidden": big + i})
-            tr.send(Link(peer, range(1), 7), batch, epoch=i)
-        got = [unpack(tr.recv(Link(peer, range(1), 7), "receiving")) for _ in range(3)]
+            tr.send(Message(peer, range(1), 7), batch, epoch=i)
+        got = [unpack(tr.recv(Message(peer, range(1), 7), "receiving")) for _ in range(3)]
         tr.flush()
         ok = all(
             g.meta.request_ids == (f"r{i}",) and torch.equal(g["hidden"], big - rank + peer + i)
@@ -62,7 +62,7 @@ def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> 
             os._exit(0)  # without a word
         start = time.monotonic()
         try:
-            tr.recv(Link(peer, range(1), 1), "waiting for rank 1")
+            tr.recv(Message(peer, range(1), 1), "waiting for rank 1")
             out.put((rank, "no error"))
         except PeerError as exc:
             out.put((rank, f"{exc.peer}|{exc}|{time.monotonic() - start:.1f}"))

@@ -39,6 +39,14 @@ _OPTIONAL = (
 )
 
 
+# what a checkout installs for each optional library: it and the local packages it depends on
+_LOCAL_INSTALL = {
+    "opweave-planner": "./packages/opweave-planner",
+    "opweave-runtime": "./packages/opweave-runtime",
+    "opweave-profiler": "./packages/opweave-runtime ./packages/opweave-profiler",
+}
+
+
 def _missing(command: str, dist: str) -> None:
     """A command whose library is not installed: say which package it needs."""
 
@@ -47,8 +55,8 @@ def _missing(command: str, dist: str) -> None:
 
         del ctx
         raise OpWeaveError(
-            f"opweave {command} needs {dist}, which is not installed: pip install {dist} "
-            "(in this repository: uv run --all-packages opweave ...)"
+            f"opweave {command} needs {dist}, which is not installed: in a checkout of this "
+            f"repository, pip install {_LOCAL_INSTALL[dist]} (or uv run --all-packages opweave ...)"
         )
 
     app.command(

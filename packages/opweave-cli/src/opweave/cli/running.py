@@ -324,8 +324,7 @@ def _offline_batch(o: dict[str, Any]) -> int:
 def _check(plan: Any, model: Any, o: dict[str, Any]) -> None:
     """Refuse a plan for another model (or that cannot shard), or weights that do not match
     the config, before any process starts."""
-    from opweave.runtime import check_plan, check_runtime_support
-    from opweave.runtime._private.cluster import check_weights
+    from opweave.runtime import check_plan, check_runtime_support, check_weights
 
     check_runtime_support(model)
     check_plan(plan, model, o["ranks"])
@@ -336,7 +335,7 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
     from opweave.runtime import Request, run_plan
 
     tokenizer = _tokenizer(o["model_path"])
-    entries = _read_prompts(o["prompt"], o["prompts_file"], tokenizer)
+    entries = _read_prompts(o["prompt"], o["prompts_file"], tokenizer, model.vocab_size)
     _check_lengths(entries, o["max_tokens"], model)
     requests = [
         Request(tuple(ids), limit or o["max_tokens"], request_id=f"req-{i}")
@@ -574,9 +573,10 @@ def _tokenizer_failure(exc: BaseException) -> bool:
 
 
 def _read_prompts(
-    prompts: list[str] | None, path: Path | None, tokenizer: Any
+    prompts: list[str] | None, path: Path | None, tokenizer: Any, vocab_size: int
 ) -> list[tuple[list[int], int | None]]:
-    """``(prompt ids, max tokens or None)`` per request; bad input is a one-line error."""
+    """``(prompt ids, max tokens or None)`` per request; bad input (a token id outside the
+    model's ``vocab_size`` ids included) is a one-line error naming the file and line."""
     from opweave.costmodel import ConfigError
 
     def encode(text: str, where: str) -> list[int]:
@@ -593,7 +593,15 @@ def _read_prompts(
             raise ConfigError(f"{where}: the tokenizer failed: {str(exc)[:200]}") from None
         if not ids:
             raise ConfigError(f"{where}: the prompt encodes to no tokens")
-        return list(ids)
+        return in_vocabulary(list(ids), where)
+
+    def in_vocabulary(ids: list[int], where: str) -> list[int]:
+        bad = next((i for i in ids if not 0 <= i < vocab_size), None)
+        if bad is not None:
+            raise ConfigError(
+                f"{where}: token id {bad} is outside the vocabulary (0..{vocab_size - 1})"
+            )
+        return ids
 
     if prompts is not None:
         return [(encode(p, f"--prompt {p!r}"), None) for p in prompts]
@@ -639,7 +647,7 @@ def _read_prompts(
             or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
         ):
             raise ConfigError(f'{where}: "prompt_token_ids" must be a non-empty list of integers')
-        out.append((ids, limit))
+        out.append((in_vocabulary(ids, where), limit))
     if not out:
         raise ConfigError(f"prompts file {path} holds no prompts")
     return out

@@ -13,6 +13,7 @@ from ._private.api import plan
 from ._private.devices import Device, resolve_devices
 from ._private.evaluate import SimResult, simulate_plan
 from ._private.gantt import gantt
+from ._private.host import NO_HOST, Draft, HostModel, host_effects, host_time, with_cold_caches
 from ._private.result import PlanResult, describe_plan, plan_summary
 from ._private.search import SearchProgress, SearchStats
 from ._private.simulator import (
@@ -53,4 +54,11 @@ __all__ = [
     # devices
     "Device",
     "resolve_devices",
+    # host-side effects (CPU ranks; none on GPUs)
+    "HostModel",
+    "NO_HOST",
+    "Draft",
+    "host_effects",
+    "host_time",
+    "with_cold_caches",
 ]

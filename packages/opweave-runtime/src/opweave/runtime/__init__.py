@@ -14,6 +14,7 @@ drivers, offline generation (:func:`run_plan`) and vLLM's engine
 from ._private.batch import BatchMeta, TokenBatch, pack, unpack
 from ._private.cluster import (
     Cluster,
+    check_weights,
     layout_from_file,
     node_layout,
     run_node,
@@ -90,6 +91,7 @@ __all__ = [
     "resolve_device_name",
     "Placement",
     "check_plan",
+    "check_weights",
     "total_ranks",
     "compile_schedule",
     # offline generation

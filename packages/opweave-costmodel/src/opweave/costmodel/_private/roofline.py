@@ -25,10 +25,7 @@ from .formulas import max_resident_batch
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec, TPCollective
 from .profile import (
-    NO_ORCHESTRATION,
-    IdleSlowdown,
     LinkKind,
-    OrchestrationProfile,
     Profile,
     profile_key,
 )
@@ -105,16 +102,6 @@ class RooflineLatency:
         bw = hw.network_bandwidth_bytes_per_s * NETWORK_EFFICIENCY
         return hw.network_latency_s + num_bytes / bw
 
-    def host_transfer_s(self, link: LinkKind) -> tuple[float, float]:
-        del link  # GPUs move activations with copy engines / NCCL kernels beside compute
-        return (0.0, 0.0)
-
-    def orchestration(self) -> OrchestrationProfile:
-        return NO_ORCHESTRATION  # not modelled from a datasheet; measured by the profiler
-
-    def idle_slowdown(self) -> IdleSlowdown | None:
-        return None  # not modelled from a datasheet; measured by the profiler
-
 
 @dataclass(frozen=True)
 class ProfiledLatency:
@@ -153,18 +140,6 @@ class ProfiledLatency:
         if measured is None:
             return RooflineLatency(self.hardware).transfer_s(link, num_bytes)
         return measured.latency_s + num_bytes / measured.bandwidth_bytes_per_s
-
-    def host_transfer_s(self, link: LinkKind) -> tuple[float, float]:
-        measured = self.profile.transfer(link)
-        if measured is None:
-            return RooflineLatency(self.hardware).host_transfer_s(link)
-        return (measured.host_send_s, measured.host_recv_s)
-
-    def orchestration(self) -> OrchestrationProfile:
-        return self.profile.orchestration or NO_ORCHESTRATION
-
-    def idle_slowdown(self) -> IdleSlowdown | None:
-        return self.profile.idle_slowdown
 
 
 def weight_bytes_per_rank(ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int) -> float:

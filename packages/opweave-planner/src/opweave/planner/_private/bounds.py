@@ -1,7 +1,7 @@
 """Optimistic bounds on a plan's TPOT and cost (paper §5.3, appendix C.1).
 
 Written once and used by the schedule simulator's :func:`~.simulator.lower_bound` and by every
-level of branch-and-bound (sub-search roots, slot prefixes, the vectorised last two slots).
+level of branch-and-bound (sub-search roots, owner prefixes, the vectorised last two owners).
 Each is a numpy function of scalars or arrays (they broadcast), valid for every schedule the
 simulator can produce:
 
@@ -49,5 +49,5 @@ def cost_lower_bound(
 ) -> np.ndarray:
     """Cost per token (x 3600 s/h) bound: ``max(TPOT * rate, sum of full-occupancy terms)``;
     ``rate`` is the summed cost rate per request, ``full_occupancy`` the summed
-    :func:`full_occupancy_cost` (the same optimistic choice per unassigned slot in both)."""
+    :func:`full_occupancy_cost` (the same optimistic choice per unassigned owner in both)."""
     return np.maximum(np.multiply(tpot, rate), full_occupancy)

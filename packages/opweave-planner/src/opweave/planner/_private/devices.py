@@ -8,16 +8,14 @@ and may add new ids (a ``cpu`` profile makes ``--gpus cpu`` valid).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 from opweave.costmodel import (
     TP_DEGREES,
     HardwareCatalog,
     HardwareSpec,
-    IdleSlowdown,
     ModelSpec,
-    OrchestrationProfile,
     Profile,
     ProfiledLatency,
     RooflineLatency,
@@ -26,6 +24,8 @@ from opweave.costmodel import (
     tp_problem,
 )
 from opweave.costmodel.errors import ConfigError, UnknownGPUError
+
+from .host import NO_HOST, HostModel
 
 LinkKind = Literal["intra_node", "network"]
 
@@ -57,22 +57,11 @@ class Device:
     provenance: str
     intra: Link
     network: Link
-    # Compute-stream time of one message (sender, receiver) over the intra-node link and the
-    # network; zero unless the profile measured a host-driven transport (CPU ranks), see
-    # TransferProfile.
-    host_intra: tuple[float, float] = (0.0, 0.0)
-    host_network: tuple[float, float] = (0.0, 0.0)
-    # The serving loop's host time per stage and per driven microbatch (CPU ranks; zero
-    # unless the profile measured it), see OrchestrationProfile.
-    orchestration: OrchestrationProfile = field(default_factory=OrchestrationProfile)
-    # how much slower operators run after the rank idled (CPU ranks; None: not measured)
-    idle_slowdown: IdleSlowdown | None = None
+    # what the profile measured of the device's host (nothing for a GPU): see .host
+    host: HostModel = NO_HOST
 
     def link(self, kind: str) -> Link:
         return self.intra if kind == "intra_node" else self.network
-
-    def host(self, kind: str) -> tuple[float, float]:
-        return self.host_intra if kind == "intra_node" else self.host_network
 
 
 def _link(latency: RooflineLatency | ProfiledLatency, kind: str) -> Link:
@@ -174,10 +163,7 @@ def resolve_devices(
                 provenance=src,
                 intra=_link(latency, "intra_node"),
                 network=_link(latency, "network"),
-                host_intra=latency.host_transfer_s("intra_node"),
-                host_network=latency.host_transfer_s("network"),
-                orchestration=latency.orchestration(),
-                idle_slowdown=latency.idle_slowdown(),
+                host=HostModel.of(prof),
             )
         )
     return out

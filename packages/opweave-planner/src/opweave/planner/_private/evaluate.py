@@ -14,18 +14,12 @@ Microbatches. Each replica splits its resident batch into ``M`` equal microbatch
 requests. Plans from the planner always have ``b_o`` divisible by ``M``; a hand-written plan
 whose batch is not divisible is simulated with fractional microbatches (the mean size).
 
-Host work. Where a device's profile measured them (CPU ranks), a segment's compute also holds
-the host work of its rank: the send and receive of every message that crosses owners
-(``TransferProfile.host_send_s`` / ``host_recv_s``), the serving loop around each stage, and,
-before segment 0, the driver's per-microbatch bookkeeping (``OrchestrationProfile``). And
-where a profile measured an :class:`~opweave.costmodel.IdleSlowdown`, a segment's operators run
-slower by the bytes they touch that went cold while their rank idled since it last ran them,
-which the schedule decides: the durations and the schedule are iterated to a fixed point.
+Host work. A schedule's durations are its operators' and transfers'; where a device's profile
+measured its host (CPU ranks), the host effects of :mod:`.host` lengthen them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,7 +28,6 @@ import numpy as np
 
 from opweave.costmodel import (
     HardwareCatalog,
-    IdleSlowdown,
     ModelSpec,
     Owner,
     Plan,
@@ -55,13 +48,14 @@ from opweave.costmodel import usd_per_million_tokens as usd_per_mtok
 from opweave.costmodel.errors import ConfigError, InfeasibleError
 
 from .devices import Device, resolve_devices
+from .host import Draft, cools, host_effects, host_time, with_cold_caches
 from .simulator import Pipeline, TraceEvent, cycle_time, simulate_events, steady_window
-from .structure import OpTables, Structure, build_structure, slot_ops
+from .structure import OpTables, Structure, build_structure, owner_ops
 
 
 @dataclass(frozen=True)
 class OwnerChoice:
-    """One owner slot's configuration."""
+    """One owner's configuration."""
 
     device: Device
     tp: int
@@ -83,21 +77,16 @@ def build_pipeline(
 ) -> tuple[Pipeline, tuple[str, ...]]:
     """The schedule of a plan, and the link kind of every boundary (``""`` when not crossing).
 
-    ``cold_caches=False`` leaves out the slowdown after idling (a lower bound on the period:
-    the slowdown only lengthens durations). ``global_batch`` (default: the smallest that
-    balances the owners, ``lcm`` of their resident batches) sizes the driver's work."""
+    Durations are the operators' and the transfers', plus the host effects the owners'
+    profiles hold (:mod:`.host`; none on GPUs). ``cold_caches=False`` leaves out the slowdown
+    after idling (a lower bound on the period: it only lengthens durations). ``global_batch``
+    (default: the smallest that balances the owners, ``lcm`` of their resident batches) sizes
+    the driver's work."""
     m = microbatches
     us = [ch.resident_batch / m for ch in owners]
     ops = np.zeros(st.num_segments)  # operators, per microbatch
-    host = np.zeros(st.num_segments)  # the rank's host work around them
-    slowdowns = [ch.device.idle_slowdown for ch in owners]
-    touched = np.zeros(st.num_segments)  # bytes the operators touch (for cold caches)
     for j, ch in enumerate(owners):
-        segs = list(st.slot_segs[j])
-        ops[segs] = slot_ops(st, tables, j, ch.device, ch.tp, [us[j]])[:, 0]
-        host[segs] = ch.device.orchestration.stage(us[j])
-        if slowdowns[j] is not None:
-            touched[segs] = (st.counts[j] @ tables.bytes_moved(ch.tp, [us[j]]))[:, 0]
+        ops[list(st.owner_segs[j])] = owner_ops(st, tables, j, ch.device, ch.tp, [us[j]])[:, 0]
     transfer = [0.0] * st.num_segments
     kinds = [""] * st.num_segments
     total = st.num_segments
@@ -126,16 +115,17 @@ def build_pipeline(
                 )
             )
         transfer[s] = memo[key]
-        # a host-driven transport also occupies both ranks' compute streams (CPU ranks)
-        host[s] += src.device.host(kind)[0]
-        host[(s + 1) % total] += dst.device.host(kind)[1]
-    # the driver (on owner 0's first rank) collects and feeds every request of the microbatch
-    # before segment 0 runs it: G / M requests, G the global batch
-    batch = global_batch or math.lcm(*(ch.resident_batch for ch in owners))
-    host[0] += owners[st.seg_owner[0]].device.orchestration.drive(batch / m)
-    names = tuple(owner_name(j, ch) for j, ch in enumerate(owners))
+    hosts = tuple(ch.device.host for ch in owners)
+    draft = Draft(
+        hosts=hosts,
+        seg_owner=st.seg_owner,
+        requests=tuple(us),
+        link_kinds=tuple(kinds),
+        driven_requests=(global_batch or math.lcm(*(ch.resident_batch for ch in owners))) / m,
+    )
+    host = host_time(draft, host_effects(hosts))
     pipe = Pipeline(
-        owner_names=names,
+        owner_names=tuple(owner_name(j, ch) for j, ch in enumerate(owners)),
         seg_owner=st.seg_owner,
         compute_s=tuple((ops + host).tolist()),
         transfer_s=tuple(transfer),
@@ -144,74 +134,14 @@ def build_pipeline(
         period_hint=st.period_hint,
         host_s=tuple(host.tolist()),
     )
-    if cold_caches and any(x is not None for x in slowdowns):
-        pipe = with_idle_slowdown(pipe, ops + host, touched, slowdowns)
+    if cold_caches and cools(hosts):
+        touched = np.zeros(st.num_segments)  # bytes each segment's operators touch
+        for j, ch in enumerate(owners):
+            if ch.device.host.idle_slowdown is not None:
+                moved = tables.bytes_moved(ch.tp, [us[j]])
+                touched[list(st.owner_segs[j])] = (st.counts[j] @ moved)[:, 0]
+        pipe = with_cold_caches(pipe, touched, [h.idle_slowdown for h in hosts])
     return pipe, tuple(kinds)
-
-
-def with_idle_slowdown(
-    pipe: Pipeline,
-    hot: np.ndarray,
-    touched: np.ndarray,
-    slowdowns: Sequence[IdleSlowdown | None],
-    *,
-    rounds: int = 24,
-    tolerance: float = 1e-4,
-) -> Pipeline:
-    """``pipe`` with every segment's operators slowed by the bytes they touch that went cold
-    while their rank idled since it last ran that segment (:class:`IdleSlowdown`). The idle
-    times come from the schedule and the schedule from the durations, so the two are iterated
-    to a fixed point: each segment steps to its new target, by half as much again every time
-    its step changes direction, until no segment's target is further than ``tolerance`` of the
-    total hot compute. ``hot``: each segment's compute without the slowdown."""
-    extra = np.zeros(len(hot))
-    current = pipe
-    damping = np.ones(len(hot))
-    previous = np.zeros(len(hot))
-    limit = tolerance * float(np.sum(hot))
-    for _ in range(rounds):
-        idle = idle_since_last_run(current)
-        target = np.array(
-            [
-                0.0
-                if (cold := slowdowns[o]) is None
-                else np.mean([cold.extra_s(b, x) for x in row])
-                for o, b, row in zip(pipe.seg_owner, touched, idle, strict=True)
-            ]
-        )
-        residual = target - extra
-        if float(np.max(np.abs(residual))) <= limit:
-            break
-        damping[residual * previous < 0] *= 0.5  # overshot: go half as far from now on
-        previous = damping * residual
-        extra = np.maximum(extra + previous, 0.0)
-        current = dataclasses.replace(pipe, compute_s=tuple((hot + extra).tolist()))
-    return current
-
-
-def idle_since_last_run(pipe: Pipeline, iterations: int = 6) -> np.ndarray:
-    """``S x M``: how long each segment's rank sat idle between its previous run of that segment
-    (the previous microbatch, or the previous iteration) and its run for each microbatch, in a
-    steady-state iteration of the event simulation."""
-    run = simulate_events(pipe, iterations)
-    steady = iterations - 2
-    idle = np.zeros((pipe.num_segments, pipe.microbatches))
-    streams: dict[str, list[TraceEvent]] = {}
-    for ev in run.events:
-        if ev.kind == "compute":
-            streams.setdefault(ev.resource, []).append(ev)
-    for events in streams.values():
-        events.sort(key=lambda e: e.start_s)
-        waited = 0.0  # idle time on this stream so far
-        last_end = events[0].start_s
-        seen: dict[int, float] = {}  # segment -> idle time so far when it last ended
-        for ev in events:
-            waited += max(ev.start_s - last_end, 0.0)
-            if ev.iteration == steady and ev.segment in seen:
-                idle[ev.segment, ev.microbatch] = waited - seen[ev.segment]
-            seen[ev.segment] = waited
-            last_end = ev.end_s
-    return idle
 
 
 def link_kind(src: OwnerChoice, dst: OwnerChoice) -> str:
@@ -416,7 +346,7 @@ def simulate_plan(
     st = build_structure(model, tables, plan.template, len(owners))
     mem, cap = [], []
     for j, ch in enumerate(owners):
-        ops = list(st.slot_ops[j])
+        ops = list(st.owner_ops[j])
         need = memory_bytes_per_rank(ops, ch.tp, ch.resident_batch, plan.context_tokens)
         mem.append(need)
         cap.append(ch.device.hardware.usable_memory_bytes)

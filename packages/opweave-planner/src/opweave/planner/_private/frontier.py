@@ -1,10 +1,10 @@
 """Network-safe per-owner Pareto frontiers (paper §5.2).
 
-An owner slot's configurations (TP degree ``tp``, microbatch size ``u``; the GPU type is fixed
+An owner's configurations (TP degree ``tp``, microbatch size ``u``; the GPU type is fixed
 per sub-search) are compared on what a complete plan can see of them:
 
 * cost rate per request ``tp * price / (M * u)`` (lower is better);
-* the per-occurrence latency vector: the latency of every segment the slot runs (hybrid layers
+* the per-occurrence latency vector: the latency of every segment the owner runs (hybrid layers
   keep their own entries, so a fast full-attention stage cannot hide a slow sliding one);
 * its side of every boundary group it sends or receives on: send time, receive time and the
   tensor-parallel fan-out, separately (a transfer takes ``max(send, recv) + fan_out``).

@@ -1,8 +1,8 @@
 """Exact search over the plan space: per-owner frontiers + branch-and-bound (paper §5.2-5.3, C.1).
 
 A *sub-search* fixes a (template, number of owners) structure, the microbatch count ``M`` and
-the GPU type of every owner slot; what remains is one (TP, microbatch size) configuration per
-slot, the product of the slots' (frontier-reduced) candidate sets.
+the GPU type of every owner; what remains is one (TP, microbatch size) configuration per
+owner, the product of the owners' (frontier-reduced) candidate sets.
 
 Bounds (valid for every schedule the simulator can produce, see ``simulator.lower_bound``):
 
@@ -12,9 +12,9 @@ Bounds (valid for every schedule the simulator can produce, see ``simulator.lowe
 * cost ∝ TPOT * sum_o rate_o, and since TPOT >= M W_o for every o also
   cost ∝ sum_o rate_o * M W_o (each owner at full occupancy).
 
-For partial assignments, unassigned slots contribute their cheapest possible term. Sub-searches
-are taken best root bound first; inside one, slot prefixes are pruned depth first and the last
-two slots are bounded together in one vectorised block; complete candidates whose bound still
+For partial assignments, unassigned owners contribute their cheapest possible term. Sub-searches
+are taken best root bound first; inside one, owner prefixes are pruned depth first and the last
+two owners are bounded together in one vectorised block; complete candidates whose bound still
 beats the incumbent are simulated in bound order (the simulator is authoritative). Pruning is
 strict (``bound > incumbent``) and ties are broken by a fixed key, so the reported optimum is the
 same with and without either reduction.
@@ -44,9 +44,10 @@ from .bounds import cost_lower_bound, full_occupancy_cost, tpot_lower_bound
 from .devices import Device
 from .evaluate import OwnerChoice, build_pipeline, cost_rate
 from .frontier import pareto_mask
+from .host import cools
 from .simulator import cycle_time
 from .space import U_GRID
-from .structure import OpTables, Structure, slot_compute
+from .structure import OpTables, Structure, owner_compute
 
 EPS = 1e-9  # relative slack: float rounding never prunes a candidate the simulator would keep
 
@@ -93,7 +94,7 @@ class Leaf:
     tpot_s: float
     key: tuple[object, ...]
     job: Job = field(compare=False)
-    configs: tuple[tuple[int, int], ...] = field(compare=False)  # (tp, u) per slot
+    configs: tuple[tuple[int, int], ...] = field(compare=False)  # (tp, u) per owner
 
     def order(self) -> tuple[object, ...]:
         return (self.value, self.tpot_s, self.key)
@@ -105,17 +106,17 @@ def lexmin(*leaves: Leaf | None) -> Leaf | None:
 
 
 @dataclass(frozen=True)
-class Slot:
-    """Candidate configurations of one owner slot in one sub-search (parallel arrays)."""
+class OwnerOptions:
+    """Candidate configurations of one owner in one sub-search (parallel arrays)."""
 
     device: Device
     tp: np.ndarray
     u: np.ndarray
-    w: np.ndarray  # per-microbatch work of the slot
+    w: np.ndarray  # per-microbatch work of the owner
     rate: np.ndarray  # USD/hour per request: tp * price / (M * u)
 
-    def take(self, mask: np.ndarray) -> Slot:
-        return Slot(self.device, self.tp[mask], self.u[mask], self.w[mask], self.rate[mask])
+    def take(self, mask: np.ndarray) -> OwnerOptions:
+        return OwnerOptions(self.device, self.tp[mask], self.u[mask], self.w[mask], self.rate[mask])
 
     @property
     def size(self) -> int:
@@ -170,11 +171,13 @@ class Searcher:
         self.done = 0
         self.total = 0
 
-    # -- per-slot candidates ----------------------------------------------------------------
+    # -- per-owner candidates ----------------------------------------------------------------
     def _comp(self, job: Job, j: int, d: int, tp: int) -> np.ndarray:
         key = ("comp", job.rank, j, d, tp, self.u_grid)
         if key not in self.cache:
-            self.cache[key] = slot_compute(job.st, self.tables, j, self.devices[d], tp, self.u_grid)
+            self.cache[key] = owner_compute(
+                job.st, self.tables, j, self.devices[d], tp, self.u_grid
+            )
         return self.cache[key]  # type: ignore[return-value]
 
     def _prunable(self, job: Job) -> bool:
@@ -188,11 +191,11 @@ class Searcher:
             self.devices[d].id in self.limits for d in job.assign
         )
 
-    def slot(self, job: Job, j: int) -> Slot:
+    def options(self, job: Job, j: int) -> OwnerOptions:
         frontier = self._prunable(job)
         limit = self.limits.get(self.devices[job.assign[j]].id)
         key = (
-            "slot",
+            "options",
             job.rank,
             j,
             job.assign,
@@ -211,7 +214,7 @@ class Searcher:
         for tp in dev.tps:
             if limit is not None and tp > limit:
                 continue  # one replica alone needs more GPUs than the inventory has
-            cap = self.tables.max_resident_batch(st.slot_ops[j], dev, tp, st.slot_key(j))
+            cap = self.tables.max_resident_batch(st.owner_ops[j], dev, tp, st.owner_key(j))
             comp = self._comp(job, j, d, tp)
             total = comp.sum(axis=0)
             for ui, u in enumerate(self.u_grid):
@@ -223,7 +226,7 @@ class Searcher:
                 lats.append(comp[:, ui])
         tp_a = np.array(tps, dtype=np.int64)
         u_a = np.array(us, dtype=np.int64)
-        slot = Slot(
+        opts = OwnerOptions(
             dev,
             tp_a,
             u_a,
@@ -232,25 +235,25 @@ class Searcher:
                 usd_per_hour_per_request(tp_a, dev.usd_per_hour, m * u_a.astype(np.float64))
             ),
         )
-        self.stats.owner_configs += slot.size
-        if frontier and slot.size > 1:
+        self.stats.owner_configs += opts.size
+        if frontier and opts.size > 1:
             keep = pareto_mask(
                 tp_a,
-                slot.rate,
+                opts.rate,
                 np.stack(lats, axis=1),
                 *self._frontier_links(job, j, dev, tp_a, u_a),
             )
-            self.stats.frontier_removed += int(slot.size - keep.sum())
-            slot = slot.take(keep)
-        self.cache[key] = slot
-        return slot
+            self.stats.frontier_removed += int(opts.size - keep.sum())
+            opts = opts.take(keep)
+        self.cache[key] = opts
+        return opts
 
     def _frontier_links(
         self, job: Job, j: int, dev: Device, tp: np.ndarray, u: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Link times of slot j's configurations, and which may be compared at all.
+        """Link times of owner j's configurations, and which may be compared at all.
 
-        A boundary's transfer takes ``max(send, recv) + fan_out``, so the slot's send, receive
+        A boundary's transfer takes ``max(send, recv) + fan_out``, so the owner's send, receive
         and fan-out times are compared separately. They are partner-independent only when the
         link kind is: always the network against a partner of another GPU type, and against
         one of the same type only when ``tp >= gpus_per_node`` (no pod fits in a node).
@@ -295,7 +298,7 @@ class Searcher:
         rest: Sequence[tuple[str, int]] = (),
     ) -> tuple[np.ndarray | int, bool | np.ndarray]:
         """GPUs of the replica set (a lower bound while ``rest`` is unassigned) and whether
-        they fit the inventory's counts. ``fixed``: ``(device id, tp, u)`` of assigned slots
+        they fit the inventory's counts. ``fixed``: ``(device id, tp, u)`` of assigned owners
         (arrays broadcast); ``rest``: ``(device id, smallest tp)`` of the others. Replicas are
         ``lcm(u) / u`` each (microbatch sizes stand in for resident batches: scale-free)."""
         lcm: np.ndarray | int = 1
@@ -312,7 +315,7 @@ class Searcher:
                 ok = np.logical_and(ok, np.asarray(count) <= self.limits[dev])
         return sum(per.values()), ok
 
-    def _fits_nodes(self, picks: Sequence[tuple[Slot, int]]) -> bool:
+    def _fits_nodes(self, picks: Sequence[tuple[OwnerOptions, int]]) -> bool:
         """Exact inventory check of a complete candidate: its node layout fits."""
         if not self.limits:
             return True
@@ -323,12 +326,12 @@ class Searcher:
         layout = node_layout(groups, self.gpus_per_node)
         return fits_inventory([(g, n) for g, _, n in layout], self.limits, self.gpus_per_node)
 
-    def root_bound(self, job: Job, slots: Sequence[Slot]) -> tuple[float, float, bool]:
+    def root_bound(self, job: Job, options: Sequence[OwnerOptions]) -> tuple[float, float, bool]:
         m = job.microbatches
-        tpot = float(tpot_lower_bound(m, [float(s.w.min()) for s in slots]))
-        rate = sum(float(s.rate.min()) for s in slots)
-        own = sum(float(full_occupancy_cost(s.rate, m, s.w).min()) for s in slots)
-        gpus, ok = self._gpus([], [(s.device.id, int(s.tp.min())) for s in slots])
+        tpot = float(tpot_lower_bound(m, [float(s.w.min()) for s in options]))
+        rate = sum(float(s.rate.min()) for s in options)
+        own = sum(float(full_occupancy_cost(s.rate, m, s.w).min()) for s in options)
+        gpus, ok = self._gpus([], [(s.device.id, int(s.tp.min())) for s in options])
         return float(self._value(tpot, rate, own, gpus)), tpot, bool(ok)
 
     # -- driver ---------------------------------------------------------------------------------
@@ -337,24 +340,24 @@ class Searcher:
         inc = seed
         prepared = []
         for job in jobs:
-            slots = [self.slot(job, j) for j in range(job.st.n)]
-            if any(s.size == 0 for s in slots):
+            options = [self.options(job, j) for j in range(job.st.n)]
+            if any(s.size == 0 for s in options):
                 self._tick(phase, inc)
                 continue
-            value, tpot, fits = self.root_bound(job, slots)
+            value, tpot, fits = self.root_bound(job, options)
             if not fits:  # the smallest configurations already exceed the inventory
                 self._tick(phase, inc)
                 continue
-            prepared.append((value, job.rank, job.microbatches, job.assign, tpot, job, slots))
+            prepared.append((value, job.rank, job.microbatches, job.assign, tpot, job, options))
         prepared.sort(key=lambda x: x[:4])
-        for value, _, _, _, tpot, job, slots in prepared:
+        for value, _, _, _, tpot, job, options in prepared:
             self.stats.subsearches += 1
             if self.bnb and (
                 tpot > self.slo * (1 + EPS) or (inc is not None and value > inc.value * (1 + EPS))
             ):
                 self.stats.subsearches_pruned += 1
             else:
-                inc = self._solve(job, slots, inc)
+                inc = self._solve(job, options, inc)
             self._tick(phase, inc)
         return inc
 
@@ -377,30 +380,35 @@ class Searcher:
             )
         )
 
-    def _solve(self, job: Job, slots: Sequence[Slot], inc: Leaf | None) -> Leaf | None:
+    def _solve(self, job: Job, options: Sequence[OwnerOptions], inc: Leaf | None) -> Leaf | None:
         n = job.st.n
         if n == 1:
-            return self._block(job, [], slots[0], None, inc)
+            return self._block(job, [], options[0], None, inc)
         fixed_levels = n - 2
 
         def descend(level: int, chosen: list[int], inc: Leaf | None) -> Leaf | None:
             if level == fixed_levels:
-                prefix = [(slots[i], c) for i, c in enumerate(chosen)]
-                return self._block(job, prefix, slots[n - 2], slots[n - 1], inc)
-            for c in self._prefix_order(job, slots, chosen, level, inc):
+                prefix = [(options[i], c) for i, c in enumerate(chosen)]
+                return self._block(job, prefix, options[n - 2], options[n - 1], inc)
+            for c in self._prefix_order(job, options, chosen, level, inc):
                 inc = descend(level + 1, [*chosen, c], inc)
             return inc
 
         return descend(0, [], inc)
 
     def _prefix_order(
-        self, job: Job, slots: Sequence[Slot], chosen: list[int], level: int, inc: Leaf | None
+        self,
+        job: Job,
+        options: Sequence[OwnerOptions],
+        chosen: list[int],
+        level: int,
+        inc: Leaf | None,
     ) -> list[int]:
-        """Configurations of slot ``level`` whose prefix bound survives, cheapest first."""
+        """Configurations of owner ``level`` whose prefix bound survives, cheapest first."""
         m = job.microbatches
-        s = slots[level]
-        fixed = [(slots[i], c) for i, c in enumerate(chosen)]
-        rest = slots[level + 1 :]
+        s = options[level]
+        fixed = [(options[i], c) for i, c in enumerate(chosen)]
+        rest = options[level + 1 :]
         works = [float(x.w[c]) for x, c in fixed] + [s.w] + [float(x.w.min()) for x in rest]
         tpot = tpot_lower_bound(m, works)
         rate = sum(float(x.rate[c]) for x, c in fixed) + s.rate
@@ -427,9 +435,14 @@ class Searcher:
         return idx[np.argsort(np.asarray(value)[idx], kind="stable")].tolist()
 
     def _block(
-        self, job: Job, prefix: list[tuple[Slot, int]], a: Slot, b: Slot | None, inc: Leaf | None
+        self,
+        job: Job,
+        prefix: list[tuple[OwnerOptions, int]],
+        a: OwnerOptions,
+        b: OwnerOptions | None,
+        inc: Leaf | None,
     ) -> Leaf | None:
-        """Bound every completion of ``prefix`` by slots ``a`` (rows) x ``b`` (columns)."""
+        """Bound every completion of ``prefix`` by owners ``a`` (rows) x ``b`` (columns)."""
         m = job.microbatches
         if self.bnb and b is not None:
             a = a.take(self._side_mask(job, prefix, a, b, inc))
@@ -439,7 +452,7 @@ class Searcher:
         shape = (a.size, b.size if b is not None else 1)
         if 0 in shape:
             return inc
-        # every slot as an array broadcastable to `shape`
+        # every owner as an array broadcastable to `shape`
         cols: list[tuple[Device, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for s, c in prefix:
             cols.append(
@@ -512,9 +525,14 @@ class Searcher:
         return inc
 
     def _side_mask(
-        self, job: Job, prefix: list[tuple[Slot, int]], s: Slot, other: Slot, inc: Leaf | None
+        self,
+        job: Job,
+        prefix: list[tuple[OwnerOptions, int]],
+        s: OwnerOptions,
+        other: OwnerOptions,
+        inc: Leaf | None,
     ) -> np.ndarray:
-        """Prefix bound of one of the two block slots, the other at its most optimistic."""
+        """Prefix bound of one of the two block owners, the other at its most optimistic."""
         m = job.microbatches
         works = [float(x.w[c]) for x, c in prefix] + [s.w, float(other.w.min())]
         tpot = tpot_lower_bound(m, works)
@@ -537,7 +555,7 @@ class Searcher:
             ok &= np.asarray(self._value(tpot, rate, own, gpus)) <= inc.value * (1 + EPS)
         return ok
 
-    def _simulate(self, job: Job, picks: list[tuple[Slot, int]], inc: Leaf | None) -> Leaf:
+    def _simulate(self, job: Job, picks: list[tuple[OwnerOptions, int]], inc: Leaf | None) -> Leaf:
         """The candidate simulated. Where a device's operators slow down after idling (cold
         caches, a fixed point of several event simulations), the hot schedule is simulated
         first: its period is a lower bound, so a candidate it already rules out stays out."""
@@ -564,7 +582,7 @@ class Searcher:
             value = {"tpot": tpot, "gpus": float(gpus)}.get(self.objective, tpot * rate)
             return Leaf(value=value, tpot_s=tpot, key=key, job=job, configs=configs)
 
-        if all(ch.device.idle_slowdown is None for ch in owners):
+        if not cools([ch.device.host for ch in owners]):
             return leaf(cold=True)
         hot = leaf(cold=False)
         if hot.tpot_s > self.slo or (inc is not None and not hot.order() < inc.order()):
@@ -587,7 +605,7 @@ def make_jobs(
 
 
 def assignments(num_devices: int, n: int, *, heterogeneous: bool) -> list[tuple[int, ...]]:
-    """GPU type per owner slot: all one type, or (heterogeneous) at least two types."""
+    """GPU type per owner: all one type, or (heterogeneous) at least two types."""
     if not heterogeneous:
         return [(d,) * n for d in range(num_devices)]
     return [a for a in itertools.product(range(num_devices), repeat=n) if len(set(a)) > 1]

@@ -14,7 +14,7 @@
   Every cut is legal: stages are contiguous, ``core_attn`` keeps its KV/recurrent state, no stage
   holds only small operators (checked with :func:`check_template`). Colocated, AFD and CAD are
   members of this family (and are searched as the baselines).
-* Owners: 1 or 2 owner slots; each slot takes one GPU type (homogeneous: all slots one type;
+* Owners: 1 or 2 owners; each owner takes one GPU type (homogeneous: all owners one type;
   heterogeneous: two types), a TP degree in {1, 2, 4, 8} (those the device supports), and a
   per-replica microbatch size ``u`` on a geometric grid; the resident batch is ``M * u``.
 * Microbatches ``M`` in {1, 2, 3, 4}, shared by all owners.

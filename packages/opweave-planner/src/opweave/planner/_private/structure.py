@@ -131,7 +131,7 @@ class Group:
 
 @dataclass(frozen=True)
 class Structure:
-    """A template tiled over the model with its stage positions mapped to ``n`` owner slots."""
+    """A template tiled over the model with its stage positions mapped to ``n`` owners."""
 
     template: StageTemplate
     n: int
@@ -139,9 +139,9 @@ class Structure:
     seg_owner: tuple[int, ...]
     labels: tuple[str, ...]
     beta: tuple[float, ...]
-    slot_segs: tuple[tuple[int, ...], ...]
+    owner_segs: tuple[tuple[int, ...], ...]
     counts: tuple[np.ndarray, ...]
-    slot_ops: tuple[tuple[OperatorSpec, ...], ...]
+    owner_ops: tuple[tuple[OperatorSpec, ...], ...]
     groups: tuple[Group, ...]
     period_hint: int | None
 
@@ -152,8 +152,8 @@ class Structure:
     def crosses(self, s: int) -> bool:
         return self.seg_owner[s] != self.seg_owner[(s + 1) % len(self.seg_owner)]
 
-    def slot_key(self, j: int) -> tuple[str, ...]:
-        return (*map(str, self.template.cuts), f"n{self.n}", f"slot{j}")
+    def owner_key(self, j: int) -> tuple[str, ...]:
+        return (*map(str, self.template.cuts), f"n{self.n}", f"owner{j}")
 
 
 def _label(ops: Sequence[OperatorSpec]) -> str:
@@ -173,15 +173,15 @@ def build_structure(
         # after the last segment only the sampled token id travels back (sample's boundary)
         beta.append(float(seg.ops[-1].boundary_bytes_per_token))
         del s
-    slot_segs = tuple(tuple(i for i, o in enumerate(owner) if o == j) for j in range(n))
+    owner_segs = tuple(tuple(i for i, o in enumerate(owner) if o == j) for j in range(n))
     counts = []
     for j in range(n):
-        mat = np.zeros((len(slot_segs[j]), tables.num_classes))
-        for row, i in enumerate(slot_segs[j]):
+        mat = np.zeros((len(owner_segs[j]), tables.num_classes))
+        for row, i in enumerate(owner_segs[j]):
             for op in segs[i].ops:
                 mat[row, tables.index[op.key]] += 1.0
         counts.append(mat)
-    slot_ops = tuple(tuple(op for i in slot_segs[j] for op in segs[i].ops) for j in range(n))
+    owner_ops = tuple(tuple(op for i in owner_segs[j] for op in segs[i].ops) for j in range(n))
     tally: dict[tuple[int, int, float], int] = {}
     total = len(segs)
     for s in range(total):
@@ -198,36 +198,37 @@ def build_structure(
         seg_owner=owner,
         labels=tuple(_label(s.ops) for s in segs),
         beta=tuple(beta),
-        slot_segs=slot_segs,
+        owner_segs=owner_segs,
         counts=tuple(counts),
-        slot_ops=slot_ops,
+        owner_ops=owner_ops,
         groups=groups,
         period_hint=hint,
     )
 
 
-def slot_ops(
+def owner_ops(
     st: Structure, tables: OpTables, j: int, device: Device, tp: int, batches: Sequence[float]
 ) -> np.ndarray:
-    """``S_j x len(batches)``: operator latency of each segment slot ``j`` runs, per microbatch."""
+    """``S_j x len(batches)``: operator latency of each segment owner ``j`` runs, per microbatch."""
     return st.counts[j] @ tables.latency(device, tp, batches)
 
 
-def slot_compute(
+def owner_compute(
     st: Structure, tables: OpTables, j: int, device: Device, tp: int, batches: Sequence[float]
 ) -> np.ndarray:
-    """``S_j x len(batches)``: per-microbatch latency of each segment slot ``j`` runs.
+    """``S_j x len(batches)``: per-microbatch latency of each segment owner ``j`` runs.
 
-    A segment costs its operators plus the rank loop's host work around them (zero unless the
-    device's profile measured it), which grows with the microbatch's requests; segment 0 also
-    the driver's bookkeeping for the slot's own requests (exact with one owner, a lower bound
-    otherwise: the driver handles the whole global batch's microbatch).
+    A segment costs its operators plus, where the device's profile measured its host, the rank
+    loop's work around them (:mod:`.host`), which grows with the microbatch's requests; segment
+    0 also the driver's bookkeeping for the owner's own requests (exact with one owner, a lower
+    bound otherwise: the driver handles the whole global batch's microbatch).
     """
-    loop = device.orchestration  # all zeros where not measured: adding it changes nothing
-    out = (
-        slot_ops(st, tables, j, device, tp, batches)
-        + np.array([loop.stage(u) for u in batches])[None, :]
-    )
-    if 0 in st.slot_segs[j]:  # the driver feeds segment 0: at least this slot's requests
-        out[st.slot_segs[j].index(0)] += np.array([loop.drive(u) for u in batches])
+    out = owner_ops(st, tables, j, device, tp, batches)
+    if device.host.orchestration is None:  # nothing measured of the host (a GPU)
+        return out
+    out = out + np.array([device.host.loop_s(u) for u in batches])[None, :]
+    if 0 in st.owner_segs[j]:  # the driver feeds segment 0: at least this owner's requests
+        out[st.owner_segs[j].index(0)] += np.array(
+            [device.host.orchestration.drive(u) for u in batches]
+        )
     return out

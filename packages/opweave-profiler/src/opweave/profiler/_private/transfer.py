@@ -123,12 +123,12 @@ class _Endpoint:
     chunk carrying the length, the tail as a second transfer)."""
 
     def __init__(self, rank: int, device: torch.device, key: bytes, *, spin_s: float = 0.0) -> None:
-        from opweave.runtime.transport import Link, Transport
+        from opweave.runtime.transport import Message, Transport
 
         self.rank, self.device = rank, device
         self.peer = 1 - rank
         self.transport = Transport(rank, device, timeout_s=60.0, key=key, spin_s=spin_s)
-        self.out, self.inp = Link(self.peer, range(1), 1), Link(self.peer, range(1), 1)
+        self.out, self.inp = Message(self.peer, range(1), 1), Message(self.peer, range(1), 1)
         self.protocol = (
             "opweave.runtime Transport (pack; sockets progressed by the ranks' threads, "
             + ("spinning" if self.transport.spin_s > 0 else "blocking")

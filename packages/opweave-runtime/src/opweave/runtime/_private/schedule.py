@@ -26,7 +26,7 @@ from .placement import Placement, overlap
 
 
 @dataclass(frozen=True)
-class Link:
+class Message:
     """One message of a microbatch: to or from the leader ``peer``, for ``slots``."""
 
     peer: int
@@ -47,8 +47,8 @@ class Compute:
     microbatch: int
     slots: range
     ops: range
-    sources: tuple[Link, ...]
-    dests: tuple[Link, ...]
+    sources: tuple[Message, ...]
+    dests: tuple[Message, ...]
     first: bool
     last: bool
 
@@ -80,18 +80,18 @@ def compile_schedule(placement: Placement, rank: int) -> list[Compute]:
             part = overlap(mine, p.microbatch_slots(k))
             if not part:
                 continue
-            sources: tuple[Link, ...] = ()
+            sources: tuple[Message, ...] = ()
             if s > 0:
                 prev = p.segments[s - 1].owner
                 sources = tuple(
-                    Link(p.leader(prev, j), ov, tag(s, k, m))
+                    Message(p.leader(prev, j), ov, tag(s, k, m))
                     for j, ov in p.replicas_serving(prev, part)
                 )
-            dests: tuple[Link, ...] = ()
+            dests: tuple[Message, ...] = ()
             if s < num_seg - 1:
                 nxt = p.segments[s + 1].owner
                 dests = tuple(
-                    Link(p.leader(nxt, j), ov, tag(s + 1, k, m))
+                    Message(p.leader(nxt, j), ov, tag(s + 1, k, m))
                     for j, ov in p.replicas_serving(nxt, part)
                 )
             action = Compute(s, k, part, ops, sources, dests, s == 0, s == num_seg - 1)

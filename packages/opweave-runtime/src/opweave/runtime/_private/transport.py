@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..errors import OpWeaveRuntimeError
 from .batch import BatchMeta, TokenBatch, pack, unpack
-from .schedule import Link
+from .schedule import Message
 from .wire import PeerError, SocketWire
 
 P2P_ENV = "OPWEAVE_P2P"  # "socket" (default on CPU) or "torch" (torch.distributed isend/irecv)
@@ -88,12 +88,12 @@ class Transport:
         return self._wire.spin_s if self._wire is not None else 0.0
 
     # -- point to point ----------------------------------------------------------------------
-    def send(self, link: Link, batch: TokenBatch, epoch: int) -> None:
-        """Queue ``batch`` for ``link.peer`` without blocking."""
+    def send(self, message: Message, batch: TokenBatch, epoch: int) -> None:
+        """Queue ``batch`` for ``message.peer`` without blocking."""
         start = time.perf_counter()
         buf = pack(batch).to(self.device)
         if self._wire is not None:
-            self._wire.post(link.peer, link.tag, buf)
+            self._wire.post(message.peer, message.tag, buf)
             if self._wire_oldest is None:
                 self._wire_oldest = epoch
             self.bytes_sent += buf.numel()
@@ -107,23 +107,23 @@ class Transport:
         transfers = [chunk] if buf.numel() <= head else [chunk, buf[head:]]
         try:
             for tensor in transfers:
-                work = dist.isend(tensor, dst=link.peer, tag=link.tag)
-                self._pending.append((epoch, work, tensor, link.peer))
+                work = dist.isend(tensor, dst=message.peer, tag=message.tag)
+                self._pending.append((epoch, work, tensor, message.peer))
         except RuntimeError as exc:
-            raise PeerError(link.peer, f"sending to rank {link.peer} failed: {exc}") from None
+            raise PeerError(message.peer, f"sending to rank {message.peer} failed: {exc}") from None
         self.bytes_sent += buf.numel()
         self.messages_sent += 1
         self.comm_s += time.perf_counter() - start
 
-    def recv(self, link: Link, what: str) -> Part:
-        """The next message from ``link.peer`` under ``link.tag`` (blocking, bounded)."""
+    def recv(self, message: Message, what: str) -> Part:
+        """The next message from ``message.peer`` under ``message.tag`` (blocking, bounded)."""
         start = time.perf_counter()
         if self._wire is not None:
-            buf = self._wire.take(link.peer, link.tag, what)
+            buf = self._wire.take(message.peer, message.tag, what)
             self.comm_s += time.perf_counter() - start
             return buf
         chunk = torch.empty(EAGER_BYTES, dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(chunk, src=link.peer, tag=link.tag), link.peer, what)
+        self._wait(dist.irecv(chunk, src=message.peer, tag=message.tag), message.peer, what)
         size = int(chunk[:8].cpu().view(torch.int64).item())
         head = EAGER_BYTES - _LEN
         if size <= head:
@@ -131,7 +131,9 @@ class Transport:
         else:
             buf = torch.empty(size, dtype=torch.uint8, device=self.device)
             buf[:head] = chunk[_LEN:]
-            self._wait(dist.irecv(buf[head:], src=link.peer, tag=link.tag), link.peer, what)
+            self._wait(
+                dist.irecv(buf[head:], src=message.peer, tag=message.tag), message.peer, what
+            )
         self.comm_s += time.perf_counter() - start
         return buf
 

@@ -36,6 +36,9 @@ def has_chat_template(model_dir: str | Path) -> bool:
         return False
 
 
+SHUTDOWN_TIMEOUT_S = 10  # on SIGTERM/Ctrl-C: in-flight requests' time to finish, then abort
+
+
 def server_args(
     model_dir: str | Path,
     plan: str | Path | dict[str, Any] | None = None,
@@ -52,7 +55,10 @@ def server_args(
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    argv = ["--model", str(model_dir), "--host", host, "--port", str(port), *vllm_args]
+    argv = ["--model", str(model_dir), "--host", host, "--port", str(port)]
+    # vLLM's default (0) kills the engine the moment SIGTERM arrives, so a plan's ranks could
+    # not stop in order (the other nodes' would see node 0 vanish); a later option overrides it
+    argv += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S), *vllm_args]
     if api_key:
         argv += ["--api-key", api_key]
     if chat_template is None and not has_chat_template(model_dir):
