@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import time
 from datetime import timedelta
+from hashlib import sha256
 
 import pytest
 import torch
@@ -150,3 +151,49 @@ def test_the_rendezvous_store_listens_on_the_master_address_only() -> None:
     assert store.get("key") == b"value"
     on_port = [addr for addr, p, _ in listening([os.getpid()]) if p == port]
     assert on_port == ["127.0.0.1"], on_port
+
+
+def test_an_outsider_on_the_rendezvous_store_cannot_find_the_runs_keys(
+    tiny_model, monkeypatch
+) -> None:
+    """Every key a run writes to its TCP store lies under a prefix derived from the run's secret:
+    a process that reaches the store's port without the secret finds none of them (here: the
+    driver's control address, while node 0 waits for a node 1 that never comes)."""
+    import threading
+
+    import torch.distributed as dist
+
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import Cluster, RunFailedError
+    from opweave.runtime._private.control import store_namespace
+    from opweave.runtime._private.rank import CONTROL_KEY
+
+    monkeypatch.setenv("OPWEAVE_RUN_SECRET", "only the run knows")
+    model_dir = tiny_model("llama")
+    spec = load_model(model_dir)
+    plan = canonical_plan(spec, "afd", gpu="cpu", batch=2)
+    port = free_port()
+    failed: list[BaseException] = []
+
+    def node0() -> None:
+        try:
+            Cluster(plan, spec, model_dir, nnodes=2, master_port=port, join_timeout_s=10)
+        except BaseException as exc:
+            failed.append(exc)
+
+    starting = threading.Thread(target=node0)
+    starting.start()
+    try:
+        outsider = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            "127.0.0.1", port, None, False, timeout=timedelta(seconds=15)
+        )
+        secret_key = f"{store_namespace(sha256(b'only the run knows').digest())}/{CONTROL_KEY}"
+        deadline = time.monotonic() + 15
+        while not outsider.check([secret_key]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert outsider.check([secret_key])  # the run published its address, under its prefix
+        assert not outsider.check([CONTROL_KEY])  # and nothing where a guess would look
+        assert outsider.num_keys() >= 1
+    finally:
+        starting.join()
+    assert len(failed) == 1 and isinstance(failed[0], RunFailedError), failed  # node 1 never came

@@ -55,6 +55,7 @@ from .control import (
     encode,
     run_secret,
     server_handshake,
+    store_namespace,
 )
 from .placement import Placement, check_plan, total_ranks
 from .rank import CONTROL_KEY, RankSpec, run_rank
@@ -500,8 +501,11 @@ class Cluster:
                 )
             if multi:  # hosted after every fork, so no rank inherits the store's thread
                 agent_store = torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                self._store = _host_store(
-                    master_addr, master_port, self.join_timeout_s, client=agent_store
+                import torch.distributed as dist
+
+                self._store = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
+                    store_namespace(key),
+                    _host_store(master_addr, master_port, self.join_timeout_s, client=agent_store),
                 )
                 self._store.set(CONTROL_KEY, f"{control[0]}:{control[1]}")
             self._wake_r, self._wake_w = socket.socketpair()
@@ -917,9 +921,10 @@ def _host_store(addr: str, port: int | None, timeout_s: float, *, client: bool =
 
     torch's store server would listen on every interface of the host; it is handed a socket
     bound to ``addr`` (the master address, one of this node's) instead, so only the network the
-    other nodes reach node 0 on can reach it. torch's store protocol has no authentication:
-    whoever reaches that port can read and write rendezvous keys (see the README's "Network
-    exposure"); the run's own control and rank-to-rank connections prove the run's secret.
+    other nodes reach node 0 on can reach it. torch's store protocol has no authentication,
+    so the run keeps its keys under a prefix derived from its secret
+    (:func:`~.control.store_namespace`; see the README's "Network exposure"); the run's own
+    control and rank-to-rank connections prove the secret.
     """
     import torch.distributed as dist
 

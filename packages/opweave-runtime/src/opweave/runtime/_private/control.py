@@ -63,6 +63,14 @@ def run_secret(multi_process_origin: bool) -> bytes:
     return secrets.token_bytes(32)
 
 
+def store_namespace(key: bytes) -> str:
+    """The prefix of every key a run writes to a TCP rendezvous store (the driver's control
+    address, gloo's and NCCL's rendezvous): derived from the run's secret, so a process that
+    reaches the store without the secret cannot find, read or overwrite the run's keys (torch's
+    store protocol has no way to list them)."""
+    return "opweave-" + _mac(key, b"rendezvous namespace").hex()[:32]  # PrefixStore adds "/"
+
+
 def _mac(key: bytes, *parts: bytes) -> bytes:
     return hmac.new(key, b"".join(parts), hashlib.sha256).digest()
 

@@ -42,7 +42,7 @@ from opweave.costmodel import Plan, load_model
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import TokenBatch
-from .control import ChannelClosed, ControlClient
+from .control import ChannelClosed, ControlClient, store_namespace
 from .placement import Placement
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
@@ -411,10 +411,18 @@ def _store(spec: RankSpec, timeout: timedelta) -> Any:
     if "file" in spec.store:
         return dist.FileStore(spec.store["file"], spec.world_size)  # pyright: ignore[reportPrivateImportUsage]
     if "host" in spec.store:
-        return dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-            spec.store["host"], int(spec.store["port"]), spec.world_size, False, timeout=timeout
+        return _in_namespace(
+            spec,
+            dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+                spec.store["host"], int(spec.store["port"]), spec.world_size, False, timeout=timeout
+            ),
         )
     return None  # torchrun: env://
+
+
+def _in_namespace(spec: RankSpec, store: Any) -> Any:
+    """A TCP store seen through the run's secret key prefix (:func:`store_namespace`)."""
+    return dist.PrefixStore(store_namespace(bytes.fromhex(spec.key)), store)  # pyright: ignore[reportPrivateImportUsage]
 
 
 def connect(spec: RankSpec) -> tuple[ControlClient, Any]:
@@ -425,12 +433,15 @@ def connect(spec: RankSpec) -> tuple[ControlClient, Any]:
         host, port = spec.control
     else:
         if store is None:  # torchrun's store, reached through the environment
-            store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
-                os.environ["MASTER_ADDR"],
-                int(os.environ["MASTER_PORT"]),
-                spec.world_size,
-                False,
-                timeout=timeout,
+            store = _in_namespace(
+                spec,
+                dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+                    os.environ["MASTER_ADDR"],
+                    int(os.environ["MASTER_PORT"]),
+                    spec.world_size,
+                    False,
+                    timeout=timeout,
+                ),
             )
         host, port_text = store.get(CONTROL_KEY).decode().rsplit(":", 1)
         port = int(port_text)
