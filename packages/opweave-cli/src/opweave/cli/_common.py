@@ -63,6 +63,11 @@ def positive_price(value: float | None) -> float | None:
     return value
 
 
+def missing_file(path: Path) -> str:
+    """Why ``path`` is not a file to read: absent, or a folder, device or pipe."""
+    return "is not a regular file" if path.exists() else "does not exist"
+
+
 def output_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:
     """Check a file a command will write, before any work: its folder exists, it is not a
     folder itself, and (for figures) its extension is a format the plot can be written in."""

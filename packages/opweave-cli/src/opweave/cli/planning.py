@@ -18,6 +18,7 @@ from ._common import (
     catalog,
     check_context,
     emit_json,
+    missing_file,
     output_file,
     parse_list,
     parse_size,
@@ -35,11 +36,6 @@ def register(app: typer.Typer) -> None:
     app.command("simulate")(simulate)
 
 
-def _missing(path: Path) -> str:
-    """Why ``path`` is not a file to read: absent, or a folder, device or pipe."""
-    return "is not a regular file" if path.exists() else "does not exist"
-
-
 def load_profiles(paths: list[Path] | None) -> list[Any]:
     from pydantic import ValidationError
 
@@ -48,7 +44,7 @@ def load_profiles(paths: list[Path] | None) -> list[Any]:
     profiles = []
     for path in paths or []:
         if not path.is_file():
-            raise ConfigError(f"profile file {path} {_missing(path)}")
+            raise ConfigError(f"profile file {path} {missing_file(path)}")
         try:
             profiles.append(Profile.model_validate_json(path.read_bytes()))
         except OSError as exc:
@@ -73,7 +69,7 @@ def load_plan_file(path: Path):  # -> Plan
     from opweave.costmodel import ConfigError, Plan
 
     if not path.is_file():
-        raise ConfigError(f"plan file {path} {_missing(path)}")
+        raise ConfigError(f"plan file {path} {missing_file(path)}")
     try:
         return Plan.model_validate_json(path.read_bytes())
     except OSError as exc:

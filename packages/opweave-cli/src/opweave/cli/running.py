@@ -30,6 +30,7 @@ from ._common import (
     emit_json,
     finite,
     human_bytes,
+    missing_file,
     table,
 )
 
@@ -523,9 +524,9 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
 def _temporary_folder(folder: str) -> Iterator[None]:
     """Make ``folder`` the temporary folder of this process and the ones it starts.
 
-    On SIGTERM or Ctrl-C vLLM's server stops its engine process without giving it time to
-    clean up (SIGKILL right after SIGTERM), so the run's folder and vLLM's IPC sockets, which
-    it would leave in /tmp, go in here and are removed with it.
+    On SIGTERM or Ctrl-C vLLM's server SIGKILLs its engine process once the shutdown timeout
+    has passed, leaving it no time to clean up, so the run's folder and vLLM's IPC sockets,
+    which it would leave in /tmp, go in here and are removed with it.
     """
     keys = ("TMPDIR", "VLLM_RPC_BASE_PATH")
     saved_env, saved_dir = {k: os.environ.get(k) for k in keys}, tempfile.tempdir
@@ -607,8 +608,7 @@ def _read_prompts(
         return [(encode(p, f"--prompt {p!r}"), None) for p in prompts]
     assert path is not None
     if not path.is_file():
-        what = "is not a regular file" if path.exists() else "does not exist"
-        raise ConfigError(f"prompts file {path} {what}")
+        raise ConfigError(f"prompts file {path} {missing_file(path)}")
     try:
         text = path.read_text()
     except OSError as exc:

@@ -63,14 +63,6 @@ class HostModel:
         """(sender, receiver) compute-stream seconds of one message over link ``kind``."""
         return next(((s, r) for k, s, r in self.messages if k == kind), (0.0, 0.0))
 
-    def loop_s(self, requests: float, *, drives: bool = False) -> float:
-        """One stage's loop work for a microbatch of ``requests``, and with ``drives`` the
-        driver's bookkeeping for them too."""
-        loop = self.orchestration
-        if loop is None:
-            return 0.0
-        return loop.stage(requests) + (loop.drive(requests) if drives else 0.0)
-
 
 NO_HOST = HostModel()
 

@@ -224,11 +224,10 @@ def owner_compute(
     bound otherwise: the driver handles the whole global batch's microbatch).
     """
     out = owner_ops(st, tables, j, device, tp, batches)
-    if device.host.orchestration is None:  # nothing measured of the host (a GPU)
+    loop = device.host.orchestration
+    if loop is None:  # nothing measured of the host (a GPU)
         return out
-    out = out + np.array([device.host.loop_s(u) for u in batches])[None, :]
+    out = out + np.array([loop.stage(u) for u in batches])[None, :]
     if 0 in st.owner_segs[j]:  # the driver feeds segment 0: at least this owner's requests
-        out[st.owner_segs[j].index(0)] += np.array(
-            [device.host.orchestration.drive(u) for u in batches]
-        )
+        out[st.owner_segs[j].index(0)] += np.array([loop.drive(u) for u in batches])
     return out

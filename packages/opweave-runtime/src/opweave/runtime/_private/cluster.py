@@ -55,10 +55,9 @@ from .control import (
     encode,
     run_secret,
     server_handshake,
-    store_namespace,
 )
 from .placement import Placement, check_plan, total_ranks
-from .rank import CONTROL_KEY, RankSpec, run_rank
+from .rank import CONTROL_KEY, RankSpec, in_namespace, run_rank
 from .results import RankStats
 from .schedule import compile_schedule
 from .weights import Checkpoint
@@ -141,7 +140,6 @@ class _Launcher:
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "opweave.runtime._private.launcher"],
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             start_new_session=True,
@@ -501,11 +499,9 @@ class Cluster:
                 )
             if multi:  # hosted after every fork, so no rank inherits the store's thread
                 agent_store = torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                import torch.distributed as dist
-
-                self._store = dist.PrefixStore(  # pyright: ignore[reportPrivateImportUsage]
-                    store_namespace(key),
+                self._store = in_namespace(
                     _host_store(master_addr, master_port, self.join_timeout_s, client=agent_store),
+                    key,
                 )
                 self._store.set(CONTROL_KEY, f"{control[0]}:{control[1]}")
             self._wake_r, self._wake_w = socket.socketpair()

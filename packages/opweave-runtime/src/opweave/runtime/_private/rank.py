@@ -411,18 +411,19 @@ def _store(spec: RankSpec, timeout: timedelta) -> Any:
     if "file" in spec.store:
         return dist.FileStore(spec.store["file"], spec.world_size)  # pyright: ignore[reportPrivateImportUsage]
     if "host" in spec.store:
-        return _in_namespace(
-            spec,
+        return in_namespace(
             dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
                 spec.store["host"], int(spec.store["port"]), spec.world_size, False, timeout=timeout
             ),
+            bytes.fromhex(spec.key),
         )
     return None  # torchrun: env://
 
 
-def _in_namespace(spec: RankSpec, store: Any) -> Any:
-    """A TCP store seen through the run's secret key prefix (:func:`store_namespace`)."""
-    return dist.PrefixStore(store_namespace(bytes.fromhex(spec.key)), store)  # pyright: ignore[reportPrivateImportUsage]
+def in_namespace(store: Any, key: bytes) -> Any:
+    """A TCP store seen through the prefix of the run whose secret is ``key``
+    (:func:`store_namespace`): what the driver and every rank of the run read and write."""
+    return dist.PrefixStore(store_namespace(key), store)  # pyright: ignore[reportPrivateImportUsage]
 
 
 def connect(spec: RankSpec) -> tuple[ControlClient, Any]:
@@ -433,8 +434,7 @@ def connect(spec: RankSpec) -> tuple[ControlClient, Any]:
         host, port = spec.control
     else:
         if store is None:  # torchrun's store, reached through the environment
-            store = _in_namespace(
-                spec,
+            store = in_namespace(
                 dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
                     os.environ["MASTER_ADDR"],
                     int(os.environ["MASTER_PORT"]),
@@ -442,6 +442,7 @@ def connect(spec: RankSpec) -> tuple[ControlClient, Any]:
                     False,
                     timeout=timeout,
                 ),
+                bytes.fromhex(spec.key),
             )
         host, port_text = store.get(CONTROL_KEY).decode().rsplit(":", 1)
         port = int(port_text)
