@@ -143,3 +143,46 @@ def test_a_malformed_tokenizer_is_refused_before_vllm_starts(model, tmp_path, se
     (broken / "tokenizer.json").write_text('{"model": 5}')
     code, err = _serve(broken)
     assert code == 2 and "is not a valid tokenizer" in err
+
+
+def test_only_the_dead_engine_report_after_a_stopping_signal_is_dropped():
+    """vLLM's front end may log the engine it just stopped as dead (its own shutdown race); after a
+    signal that one record is dropped, and nothing else is."""
+    import logging
+
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from opweave.runtime.vllm.serve import _QuietEngineStop
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    logger = logging.getLogger("vllm.v1.engine.async_llm")
+    stopped_by: list[int] = []
+    quiet, keep = _QuietEngineStop(stopped_by), Keep()
+    logger.addFilter(quiet)
+    logger.addHandler(keep)
+
+    def fail(error: Exception, message: str = "AsyncLLM output_handler failed.") -> None:
+        try:
+            raise error
+        except Exception:
+            logger.exception(message)
+
+    try:
+        fail(EngineDeadError())  # before any signal: a real fault
+        stopped_by.append(signal.SIGTERM)
+        fail(EngineDeadError())  # the race after the stop
+        fail(RuntimeError("boom"))  # another failure after the stop
+        fail(EngineDeadError(), "something else failed.")
+    finally:
+        logger.removeFilter(quiet)
+        logger.removeHandler(keep)
+    assert seen == [
+        "AsyncLLM output_handler failed.",
+        "AsyncLLM output_handler failed.",
+        "something else failed.",
+    ]

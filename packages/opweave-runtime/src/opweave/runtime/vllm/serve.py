@@ -7,6 +7,7 @@ inside :func:`serve` only."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,8 @@ def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) 
     cli_env_setup()
     args = server_args(model_dir, plan, **kwargs)
     stopped_by: list[int] = []
+    quiet = _QuietEngineStop(stopped_by)
+    logging.getLogger("vllm.v1.engine.async_llm").addFilter(quiet)
 
     class _Loop(uvloop.Loop):
         """uvloop's loop, noting which signal the server's own handlers were called for."""
@@ -103,5 +106,31 @@ def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) 
 
             super().add_signal_handler(sig, note, *args)
 
-    uvloop.run(run_server(args), loop_factory=_Loop)
+    try:
+        uvloop.run(run_server(args), loop_factory=_Loop)
+    finally:
+        logging.getLogger("vllm.v1.engine.async_llm").removeFilter(quiet)
     return stopped_by[0] if stopped_by else None
+
+
+class _QuietEngineStop(logging.Filter):
+    """Drops the traceback vLLM's front end logs when a signal, not a fault, stopped the engine.
+
+    On SIGTERM/SIGINT vLLM's server stops its engine client from a worker thread: the client
+    marks the engine dead and cancels its output task, and only afterwards is the front end's
+    output handler cancelled. When the event loop runs in between (a busy host), the handler
+    reads the "engine dead" error meant for nobody and logs it as ``AsyncLLM output_handler
+    failed`` with a traceback, after a clean stop. Only that record, and only once a stopping
+    signal arrived, is dropped; an engine that really fails logs its own cause first, and any
+    failure before a signal is logged as is.
+    """
+
+    def __init__(self, stopped_by: list[int]) -> None:
+        super().__init__()
+        self.stopped_by = stopped_by
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.stopped_by or not record.exc_info:
+            return True
+        dead = type(record.exc_info[1]).__name__ == "EngineDeadError"
+        return not (dead and "output_handler" in record.getMessage())
