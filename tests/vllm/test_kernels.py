@@ -196,11 +196,34 @@ def test_state_lifecycle_and_block_reuse(model_dir):
         held = stage.state_bytes(rids[0])
         assert held > stage.state_bytes(rids[1]) > 0
         stage.free(rids)
-        assert stage.state_bytes() == 0 and not attn._tables and not gdn._slot
+        assert stage.state_bytes() == 0 and not attn._paging.tables and not gdn._slot
         sizes.append((attn._cache.shape[0], gdn._pool.shape[0]))
     assert sizes[0] == sizes[-1]
     with pytest.raises(Exception, match="not admitted"):
         stage.free("a0")
+
+
+def test_paged_layers_share_one_block_table_and_grow_together(model_dir):
+    """A stage's paged attention layers hand out blocks once per request; a context past the
+    first blocks grows every layer's cache, and its tokens still equal the runtime's."""
+    folder = model_dir("qwen3")
+    plain, fast = StageModule.whole_model(folder), StageModule.whole_model(folder)
+    kernels.use_vllm_kernels(fast)
+    attns = [op for op in fast.operators if isinstance(op, kernels.PagedCoreAttention)]
+    paging = attns[0]._paging
+    assert len(attns) > 1 and all(op._paging is paging for op in attns)
+    blocks = paging.num_blocks
+    prompt = [4 + i % 90 for i in range(blocks * 32 + 20)]  # past the first blocks
+    meta = BatchMeta(("long",), (len(prompt),), (0,))
+    for stage in (plain, fast):
+        stage.admit("long")
+    want = plain(TokenBatch(meta, {"token_ids": torch.tensor(prompt)}))["token_ids"]
+    got = fast(TokenBatch(meta, {"token_ids": torch.tensor(prompt)}))["token_ids"]
+    assert got.tolist() == want.tolist()
+    assert paging.num_blocks > blocks and len(paging.tables["long"]) == blocks + 1
+    assert all(op._cache.shape[0] == paging.num_blocks for op in attns)
+    fast.free("long")
+    assert paging.tables == {} and sorted(paging._free) == list(range(paging.num_blocks))
 
 
 def test_fallbacks_and_switch(model_dir, tiny_model):

@@ -10,12 +10,14 @@ flat ``uint8`` tensor: one point-to-point send carries the schedule and every ac
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 _HEADER_LEN_BYTES = 8
 _ALIGN = 16  # so each payload can be viewed as any dtype without a copy
@@ -65,6 +67,15 @@ class BatchMeta:
             ]
             or [torch.empty(0, dtype=torch.int64)]
         )
+
+    def shared(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, computed once per schedule and key: what every layer of a stage derives
+        from the schedule alone (RoPE's cos/sin, paged attention's indices) is computed by the
+        first layer that asks and reused by the others."""
+        memo = self.__dict__.setdefault("_shared", {})
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
 
     @cached_property
     def last_rows(self) -> torch.Tensor:

@@ -66,6 +66,7 @@ class Rope(Operator):
                 f"RoPE type {rope.rope_type!r} is not implemented ({', '.join(ROPE_TYPES)} are)"
             )
         self.inv_freq = inverse_frequencies(rope, self.arch.head_dim).to(self.device)
+        self._table_key = ("rope", rope, self.arch.head_dim, self.device, self.dtype)
         if self.sharded:  # head-wise: works on full or sharded heads alike
             self.tp_pass = frozenset(("q", "k", "v", "attn_gate"))
 
@@ -76,5 +77,6 @@ class Rope(Operator):
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        cos, sin = self.cos_sin(batch.meta.positions)
+        meta = batch.meta  # layers with the same RoPE share one cos/sin per step
+        cos, sin = meta.shared(self._table_key, lambda: self.cos_sin(meta.positions))
         return batch.replace(q=rotate(batch["q"], cos, sin), k=rotate(batch["k"], cos, sin))

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -168,6 +169,7 @@ def use_vllm_kernels(
         _note_once("all operators", "vLLM's CPU kernels are not available")
         return []
     switched: list[str] = []
+    pagings: dict[tuple[Any, ...], _Paging] = {}  # one block table per request for the stage
     for i, op in enumerate(stage.operators):
         where = f"{'-' if op.layer is None else op.layer}.{op.name}"
         switched += [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, exact)]
@@ -178,7 +180,9 @@ def use_vllm_kernels(
             if why is None and exact and op.dtype != torch.float32:
                 why = _inexact(op.dtype)
             if why is None:
-                stage.operators[i] = cls.from_operator(op)
+                new = stage.operators[i] = cls.from_operator(op)
+                if isinstance(new, PagedCoreAttention):
+                    new._paging = pagings.setdefault(new.paging_key(), new._paging)
                 switched.append(f"{where}:{cls.kernel}")
             else:
                 _note_once(f"{op.name} ({type(op).__name__})", why)
@@ -287,14 +291,102 @@ class _KernelOperator:
         pass
 
 
+@dataclass(frozen=True)
+class _PagedStep:
+    """One step's indices into the paged caches, the same for every layer of a stage."""
+
+    slots: torch.Tensor  # cache slot of every new token [N] (int64)
+    block_table: torch.Tensor  # [requests, widest table] (int32)
+    query_start: torch.Tensor  # [requests + 1] (int32)
+    seq_lens: torch.Tensor  # [requests] (int32)
+    schedule: Any  # the attention kernel's work split (cpu_attn_get_scheduler_metadata)
+
+
+class _Paging:
+    """The block tables of every paged attention layer of a stage: one per request, as vLLM
+    keeps one for all layers. The layers admit and free the same requests and see the same
+    schedule, so one allocator hands out blocks once per request, and the first layer of a step
+    computes the indices (:class:`_PagedStep`) every layer then uses; each layer keeps its own
+    cache of :attr:`num_blocks` blocks."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: Any, isa: str):
+        self.shape = (num_heads, num_kv_heads, head_dim)
+        self.dtype, self.isa = dtype, isa
+        self.num_blocks = _MIN_BLOCKS
+        self.tables: dict[str, list[int]] = {}
+        self._holders: dict[str, int] = {}  # layers holding each request
+        self._free = list(range(_MIN_BLOCKS - 1, -1, -1))
+
+    def join(self, request_id: str) -> None:
+        self.tables.setdefault(request_id, [])
+        self._holders[request_id] = self._holders.get(request_id, 0) + 1
+
+    def leave(self, request_id: str) -> None:
+        self._holders[request_id] -= 1
+        if not self._holders[request_id]:
+            del self._holders[request_id]
+            self._free += reversed(self.tables.pop(request_id))
+
+    def _reserve(self, request_id: str, length: int) -> None:
+        table = self.tables[request_id]
+        needed = -(-length // _BLOCK_SIZE) - len(table)
+        if needed > len(self._free):  # double (at least): block ids stay valid
+            grow = max(self.num_blocks, needed - len(self._free))
+            self._free = (
+                list(range(self.num_blocks + grow - 1, self.num_blocks - 1, -1)) + self._free
+            )
+            self.num_blocks += grow
+        for _ in range(max(needed, 0)):
+            table.append(self._free.pop())
+
+    def step(self, meta: Any) -> _PagedStep:
+        slots, seq_lens = [], []
+        for rid, start, n in zip(meta.request_ids, meta.context_lens, meta.query_lens, strict=True):
+            self._reserve(rid, start + n)
+            table = self.tables[rid]
+            slots += [
+                table[p // _BLOCK_SIZE] * _BLOCK_SIZE + p % _BLOCK_SIZE
+                for p in range(start, start + n)
+            ]
+            seq_lens.append(start + n)
+        tables = [self.tables[rid] for rid in meta.request_ids]
+        width = max((len(t) for t in tables), default=1)
+        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        query_start = torch.tensor(meta.row_offsets, dtype=torch.int32)
+        heads, kv_heads, head_dim = self.shape
+        schedule = _ops().cpu_attn_get_scheduler_metadata(
+            num_reqs=len(tables),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            seq_lens=lens,
+            dtype=self.dtype,
+            query_start_loc=query_start,
+            causal=True,
+            sliding_window_size=-1,
+            isa=self.isa,
+            enable_kv_split=False,
+        )
+        return _PagedStep(
+            slots=torch.tensor(slots, dtype=torch.int64),
+            block_table=torch.tensor(
+                [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32
+            ),
+            query_start=query_start,
+            seq_lens=lens,
+            schedule=schedule,
+        )
+
+
 class PagedCoreAttention(_KernelOperator, CoreAttention):
     """Softmax ``core_attn`` over a paged KV cache through vLLM's CPU attention kernels.
 
     The operator owns one cache ``[blocks, kv_heads, block_size, 2 * head_dim]`` (keys then values
-    in each block row, the layout vLLM's CPU backend uses) and a block list per request; blocks
-    come from a free list, and the cache doubles when it runs out (block ids stay valid). One
-    ``cpu_attn_reshape_and_cache`` stores every request's new keys/values and one
-    ``cpu_attention_with_kv_cache`` attends all requests' queries, prefill and decode alike.
+    in each block row, the layout vLLM's CPU backend uses); the block tables are the stage's
+    (:class:`_Paging`, shared by its paged layers), and a cache grows (doubling, block ids stay
+    valid) when they run out. One ``cpu_attn_reshape_and_cache`` stores every request's new
+    keys/values and one ``cpu_attention_with_kv_cache`` attends all requests' queries, prefill and
+    decode alike.
     """
 
     kernel = "paged_attention"
@@ -319,107 +411,66 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
         from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
         head_dim = self.arch.head_dim
-        self._isa = _get_attn_isa(self.dtype, _BLOCK_SIZE, head_dim)
-        if self._isa == "amx" and not torch.cpu._init_amx():
+        isa = _get_attn_isa(self.dtype, _BLOCK_SIZE, head_dim)
+        if isa == "amx" and not torch.cpu._init_amx():
             # Linux lets a process run AMX tile instructions only once it asked for them
             # (arch_prctl); without that the kernel dies of SIGILL. Other kernels of a stage
             # (oneDNN's GEMMs) ask on their own, an attention-only stage may not.
-            self._isa = _get_attn_isa(self.dtype, 16, head_dim)
-        self._cache = torch.zeros(
-            _MIN_BLOCKS,
-            self.num_kv_heads,
-            _BLOCK_SIZE,
-            2 * head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
-        self._free_blocks = list(range(_MIN_BLOCKS - 1, -1, -1))
-        self._tables: dict[str, list[int]] = {}
+            isa = _get_attn_isa(self.dtype, 16, head_dim)
+        self._paging = _Paging(self.num_heads, self.num_kv_heads, head_dim, self.dtype, isa)
+        self._cache = self._new_blocks(_MIN_BLOCKS)
         self._states = {}  # the runtime's per-request KV states, unused here
 
-    # per-request state: a block list in the shared cache
+    def paging_key(self) -> tuple[Any, ...]:
+        """Layers with equal keys can share one :class:`_Paging`."""
+        p = self._paging
+        return (p.shape, p.dtype, p.isa, self.device)
+
+    def _new_blocks(self, count: int) -> torch.Tensor:
+        shape = (count, self.num_kv_heads, _BLOCK_SIZE, 2 * self.arch.head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # per-request state: the request's blocks of this layer's cache
     def _init_state(self, request_id: str) -> None:
-        self._tables[request_id] = []
+        self._paging.join(request_id)
 
     def _drop_state(self, request_id: str) -> None:
-        self._free_blocks += reversed(self._tables.pop(request_id))
+        self._paging.leave(request_id)
 
     def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
-        return [self._cache[b] for b in self._tables[request_id]]
-
-    def _reserve(self, request_id: str, length: int) -> None:
-        table = self._tables[request_id]
-        needed = -(-length // _BLOCK_SIZE) - len(table)
-        if needed > len(self._free_blocks):
-            old = self._cache
-            grow = max(old.shape[0], needed - len(self._free_blocks))
-            self._cache = torch.cat((old, old.new_zeros(grow, *old.shape[1:])))
-            self._free_blocks = (
-                list(range(old.shape[0] + grow - 1, old.shape[0] - 1, -1)) + self._free_blocks
-            )
-        for _ in range(max(needed, 0)):
-            table.append(self._free_blocks.pop())
+        return [self._cache[b] for b in self._paging.tables[request_id]]
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         ops = _ops()
-        arch, meta = self.arch, batch.meta
+        arch, meta, paging = self.arch, batch.meta, self._paging
         q, k, v = (batch[name].contiguous() for name in ("q", "k", "v"))
-        slots, seq_lens = [], []
-        for i, rid in enumerate(meta.request_ids):
-            start, n = meta.context_lens[i], meta.query_lens[i]
+        for rid, start, n in zip(meta.request_ids, meta.context_lens, meta.query_lens, strict=True):
             self._advance(rid, start, n)
-            self._reserve(rid, start + n)
-            table = self._tables[rid]
-            slots += [
-                table[p // _BLOCK_SIZE] * _BLOCK_SIZE + p % _BLOCK_SIZE
-                for p in range(start, start + n)
-            ]
-            seq_lens.append(start + n)
-        width = max((len(self._tables[rid]) for rid in meta.request_ids), default=1)
-        block_table = torch.tensor(
-            [
-                self._tables[rid] + [0] * (width - len(self._tables[rid]))
-                for rid in meta.request_ids
-            ],
-            dtype=torch.int32,
-        )
-        query_start = torch.tensor(meta.row_offsets, dtype=torch.int32)
-        lens = torch.tensor(seq_lens, dtype=torch.int32)
+        step = meta.shared(paging, lambda: paging.step(meta))
+        if self._cache.shape[0] < paging.num_blocks:
+            self._cache = torch.cat(
+                (self._cache, self._new_blocks(paging.num_blocks - self._cache.shape[0]))
+            )
         blocks = self._cache.shape[0]
         key_cache, value_cache = self._cache.view(
             blocks, self.num_kv_heads, 2 * _BLOCK_SIZE, arch.head_dim
         ).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(
-            k, v, key_cache, value_cache, torch.tensor(slots, dtype=torch.int64), self._isa
-        )
-        schedule = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(meta.request_ids),
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=arch.head_dim,
-            seq_lens=lens,
-            dtype=self.dtype,
-            query_start_loc=query_start,
-            causal=True,
-            sliding_window_size=-1,
-            isa=self._isa,
-            enable_kv_split=False,
-        )
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, step.slots, paging.isa)
         out = torch.empty_like(q)
         ops.cpu_attention_with_kv_cache(
             query=q,
             key_cache=key_cache,
             value_cache=value_cache,
             output=out,
-            query_start_loc=query_start,
-            seq_lens=lens,
+            query_start_loc=step.query_start,
+            seq_lens=step.seq_lens,
             scale=arch.attn_scale,
             causal=True,
             alibi_slopes=None,
             sliding_window=-1,
-            block_table=block_table,
+            block_table=step.block_table,
             softcap=0.0,
-            scheduler_metadata=schedule,
+            scheduler_metadata=step.schedule,
             s_aux=None,
         )
         out = out.view(q.shape[0], -1)
