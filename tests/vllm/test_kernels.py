@@ -226,6 +226,28 @@ def test_paged_layers_share_one_block_table_and_grow_together(model_dir):
     assert paging.tables == {} and sorted(paging._free) == list(range(paging.num_blocks))
 
 
+def test_projections_of_one_input_run_as_one_gemm(model_dir, monkeypatch):
+    """q/k/v and gate/up are one GEMM each, as vLLM's merged layers: four per dense layer plus
+    the LM head, with the runtime's outputs."""
+    import vllm._custom_ops as custom_ops
+
+    folder = model_dir("qwen3")
+    plain, fast = StageModule.whole_model(folder), StageModule.whole_model(folder)
+    kernels.use_vllm_kernels(fast)
+    calls = []
+    real = custom_ops.onednn_mm
+    monkeypatch.setattr(custom_ops, "onednn_mm", lambda *a: calls.append(1) or real(*a))
+    prompt = torch.tensor([5, 6, 7, 8, 9])
+    meta = BatchMeta(("r",), (5,), (0,))
+    for stage in (plain, fast):
+        stage.admit("r")
+    with torch.inference_mode():
+        want = plain(TokenBatch(meta, {"token_ids": prompt}))
+        got = fast(TokenBatch(meta, {"token_ids": prompt}))
+    assert len(calls) == 4 * fast.model.arch.num_layers + 1
+    assert got["token_ids"].tolist() == want["token_ids"].tolist()
+
+
 def test_fallbacks_and_switch(model_dir, tiny_model):
     """Sliding windows and unsupported head dims keep the runtime's attention; "opweave" keeps
     everything; admitted requests forbid a swap."""

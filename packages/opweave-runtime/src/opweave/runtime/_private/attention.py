@@ -29,6 +29,7 @@ class QkvProj(Operator):
 
     name, op_class = "qkv_proj", "gemm"
     linear_weights = ("wq", "wk", "wv")
+    same_input = (linear_weights,)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)

@@ -52,6 +52,7 @@ class LinearQkvProj(Operator):
 
     name, op_class = "qkv_proj", "gemm"
     linear_weights = ("w_qkvz", "w_ba")
+    same_input = (linear_weights,)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)

@@ -22,6 +22,7 @@ class GateUpProj(Operator):
 
     name, op_class = "gate_up_proj", "gemm"
     linear_weights = ("w_gate", "w_up")
+    same_input = (linear_weights,)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -157,6 +158,7 @@ class SharedExpert(Operator):
 
     name, op_class = "shared_expert", "gemm"
     linear_weights = ("w_gate", "w_up", "w_down", "w_score")
+    same_input = (("w_gate", "w_up", "w_score"),)
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)

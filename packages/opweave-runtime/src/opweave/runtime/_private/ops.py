@@ -73,6 +73,9 @@ class Operator:
     op_class: ClassVar[OpClass]
     # attributes holding projection weights that :func:`linear` multiplies by (packable)
     linear_weights: ClassVar[tuple[str, ...]] = ()
+    # groups of those that multiply one and the same input (a prepacked GEMM may run each
+    # group as one wider GEMM)
+    same_input: ClassVar[tuple[tuple[str, ...], ...]] = ()
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         self.arch = ctx.arch

@@ -37,10 +37,13 @@ rounds per step; each output is within a bf16 ulp or two, but on small random mo
 near-tied greedy tokens (plain vLLM's own tokens differ from transformers' there too), so they are
 taken only with ``exact=False`` (``"vllm-all"``).
 
+Projection weights (float32, or bfloat16 with ``exact=False``) are prepacked for vLLM's oneDNN
+GEMM (``onednn_mm``); weights that multiply one input (q/k/v, gate/up, DeltaNet's two input
+projections) are packed side by side and run as one GEMM, as vLLM's merged linear layers do.
 ``fused_add_rms_norm`` is not used: the runtime's residual add ends one operator (``o_proj``,
-``down_proj``) and the norm starts the next, so no operator holds both. The router, the projections
-(plain ``F.linear``, which is already oneDNN on CPU) and the causal conv of DeltaNet layers (vLLM's
-C++ conv needs AVX512-BF16 and otherwise runs the same torch code) stay the runtime's.
+``down_proj``) and the norm starts the next, so no operator holds both. The router and the causal
+conv of DeltaNet layers (vLLM's C++ conv needs AVX512-BF16 and otherwise runs the same torch code)
+stay the runtime's.
 
 How a run enables it: ``additional_config={"opweave_kernels": "vllm" | "vllm-all" | "opweave"}``
 (:data:`KERNELS_KEY`; default ``"opweave"``: every rank would otherwise import vLLM), and each rank
@@ -56,6 +59,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -248,8 +252,10 @@ def _pack_linears(op: Operator, exact: bool) -> list[str]:
     """Prepack the operator's projection weights for vLLM's oneDNN GEMM (``onednn_mm``, what
     vLLM's CPU linear layers run). In bfloat16 it is about 1.5x faster than ``F.linear`` on a
     decode-sized batch (measured: a 8192 x 1024 weight at batch 4, one thread: 1.12 vs
-    1.74 ms); it accumulates like it, in another order."""
-    packed = []
+    1.74 ms); it accumulates like it, in another order. Weights that multiply the same input
+    (``Operator.same_input``: q/k/v, gate/up) are packed side by side and run as one GEMM, as
+    vLLM's merged linear layers do."""
+    packable = {}
     for attr in op.linear_weights:
         weight = getattr(op, attr, None)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -259,10 +265,50 @@ def _pack_linears(op: Operator, exact: bool) -> list[str]:
         if exact and weight.dtype != torch.float32:
             _note_once("projections", _inexact(weight.dtype))
             continue
-        handle = _ops().create_onednn_mm(weight.t(), 32)
-        setattr(op, attr, PackedWeight(weight, lambda x, b, h=handle: _ops().onednn_mm(h, x, b)))
-        packed.append(attr)
-    return packed
+        packable[attr] = weight
+    groups = [g for g in op.same_input if all(a in packable for a in g)]
+    grouped = {a for g in groups for a in g}
+    groups += [(a,) for a in packable if a not in grouped]
+    for group in groups:
+        weights = [packable[a] for a in group]
+        if len(group) == 1:
+            handle = _ops().create_onednn_mm(weights[0].t(), 32)
+            setattr(op, group[0], PackedWeight(weights[0], partial(_onednn_mm, handle)))
+            continue
+        gemm = _SharedGemm(torch.cat(weights), len(group))
+        lo = 0
+        for attr, weight in zip(group, weights, strict=True):
+            hi = lo + weight.shape[0]
+            setattr(op, attr, PackedWeight(weight, partial(gemm.columns, lo, hi)))
+            lo = hi
+    return [a for g in groups for a in g]
+
+
+def _onednn_mm(handle: Any, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _ops().onednn_mm(handle, x, bias)
+
+
+class _SharedGemm:
+    """Several projections of one input as one oneDNN GEMM over their stacked weights: the first
+    projection asked for an input runs it, the others read their columns of its result (which
+    is let go once every projection has read its part)."""
+
+    def __init__(self, stacked: torch.Tensor, parts: int) -> None:
+        self._handle = _ops().create_onednn_mm(stacked.t(), 32)
+        self._parts = parts
+        self._x: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._unread = 0
+
+    def columns(self, lo: int, hi: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x is not self._x or self._out is None:
+            self._x, self._out = x, _ops().onednn_mm(self._handle, x, None)
+            self._unread = self._parts
+        out = self._out[:, lo:hi]
+        self._unread -= 1
+        if not self._unread:
+            self._x = self._out = None
+        return out if bias is None else out + bias
 
 
 # -- kernel-backed operators ------------------------------------------------------------
