@@ -301,10 +301,11 @@ class _SharedGemm:
         self._unread = 0
 
     def columns(self, lo: int, hi: int, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if x is not self._x or self._out is None:
-            self._x, self._out = x, _ops().onednn_mm(self._handle, x, None)
-            self._unread = self._parts
-        out = self._out[:, lo:hi]
+        full = self._out
+        if x is not self._x or full is None:
+            full = _ops().onednn_mm(self._handle, x, None)
+            self._x, self._out, self._unread = x, full, self._parts
+        out = full[:, lo:hi]
         self._unread -= 1
         if not self._unread:
             self._x = self._out = None
