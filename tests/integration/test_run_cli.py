@@ -257,3 +257,26 @@ def test_spawned_workers(tiny_model, hf_greedy, prompts):
     result = run_plan(plan, model_dir, requests, start_method="spawn", timeout_s=60)
     assert result is not None
     assert [list(o.token_ids) for o in result.outputs] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+def test_a_prompts_files_own_budgets_need_no_max_tokens(tmp_path, capsys, tiny_model):
+    model_dir = str(tiny_model("llama"))
+    capsys.readouterr()
+    own = tmp_path / "own.jsonl"
+    own.write_text(
+        '{"prompt_token_ids": [5, 6], "max_tokens": 2}\n{"prompt": "t7", "max_tokens": 4}\n'
+    )
+    code, out, err = _opweave(
+        capsys, "run", "--model-path", model_dir, "--prompts-file", str(own), "--json"
+    )
+    assert code == 0, err
+    assert [len(o["token_ids"]) for o in json.loads(out)["outputs"]] == [2, 4]
+    partly = tmp_path / "partly.jsonl"
+    partly.write_text('{"prompt_token_ids": [5], "max_tokens": 2}\n{"prompt_token_ids": [6]}\n')
+    code, out, err = _opweave(
+        capsys, "run", "--model-path", model_dir, "--prompts-file", str(partly)
+    )
+    assert (code, out) == (2, "")
+    assert err.startswith('error: request 1 of the prompts file has no "max_tokens"'), err
+    code, out, err = _opweave(capsys, "run", "--model-path", model_dir, "--prompt", "t5")
+    assert code == 2 and "--prompt needs --max-tokens" in err

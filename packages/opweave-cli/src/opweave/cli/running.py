@@ -112,7 +112,12 @@ def run(
     ] = None,
     max_tokens: Annotated[
         int | None,
-        typer.Option("--max-tokens", min=1, max=MAX_TOKENS, help="Tokens per request (offline)."),
+        typer.Option(
+            "--max-tokens",
+            min=1,
+            max=MAX_TOKENS,
+            help='Tokens per request (offline; a prompts-file line\'s own "max_tokens" wins).',
+        ),
     ] = None,
     host: Annotated[
         str, typer.Option("--host", help="Serving: address to listen on.")
@@ -248,8 +253,8 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         raise typer.BadParameter("--device must be auto, cpu or cuda")
     if o["prompt"] is not None and o["prompts_file"] is not None:
         raise typer.BadParameter("give --prompt TEXT (repeatable) or --prompts-file, not both")
-    if offline and o["max_tokens"] is None:
-        raise typer.BadParameter("offline generation (--prompt/--prompts-file) needs --max-tokens")
+    if o["prompt"] is not None and o["max_tokens"] is None:
+        raise typer.BadParameter("offline generation with --prompt needs --max-tokens")
     if not offline and o["max_tokens"] is not None:
         raise typer.BadParameter(
             "--max-tokens applies to --prompt/--prompts-file (serving: per request)"
@@ -386,17 +391,24 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
 
 
 def _check_lengths(
-    entries: list[tuple[list[int], int | None]], max_tokens: int, model: Any
+    entries: list[tuple[list[int], int | None]], max_tokens: int | None, model: Any
 ) -> None:
-    """Every request's prompt and new tokens must fit the model's positions."""
+    """Every request has a token budget, and its prompt and new tokens fit the model's
+    positions."""
     from opweave.costmodel import ConfigError
 
     limit = model.max_context_tokens
     for i, (ids, own) in enumerate(entries):
-        total = len(ids) + (own or max_tokens)
+        if own is None and max_tokens is None:
+            raise ConfigError(
+                f'request {i} of the prompts file has no "max_tokens"; give it one, or give '
+                "--max-tokens for every request without"
+            )
+        new = own or max_tokens or 0
+        total = len(ids) + new
         if total > limit:
             raise ConfigError(
-                f"request {i}: {len(ids)} prompt tokens + {own or max_tokens} new tokens exceed "
+                f"request {i}: {len(ids)} prompt tokens + {new} new tokens exceed "
                 f"{model.name}'s context of {limit} tokens (max_position_embeddings); lower "
                 "--max-tokens or shorten the prompt"
             )
