@@ -399,12 +399,12 @@ def _check_lengths(
 
     limit = model.max_context_tokens
     for i, (ids, own) in enumerate(entries):
-        if own is None and max_tokens is None:
+        new = own if own is not None else max_tokens
+        if new is None:
             raise ConfigError(
                 f'request {i} of the prompts file has no "max_tokens"; give it one, or give '
                 "--max-tokens for every request without"
             )
-        new = own or max_tokens or 0
         total = len(ids) + new
         if total > limit:
             raise ConfigError(

@@ -338,6 +338,11 @@ class _KernelOperator:
         pass
 
 
+def _row_starts(meta: Any) -> torch.Tensor:
+    """The step's row offsets as the kernels take them (int32), built once per step."""
+    return meta.shared("row_starts", lambda: torch.tensor(meta.row_offsets, dtype=torch.int32))
+
+
 @dataclass(frozen=True)
 class _PagedStep:
     """One step's indices into the paged caches, the same for every layer of a stage."""
@@ -399,7 +404,7 @@ class _Paging:
         tables = [self.tables[rid] for rid in meta.request_ids]
         width = max((len(t) for t in tables), default=1)
         lens = torch.tensor(seq_lens, dtype=torch.int32)
-        query_start = torch.tensor(meta.row_offsets, dtype=torch.int32)
+        query_start = _row_starts(meta)
         heads, kv_heads, head_dim = self.shape
         schedule = _ops().cpu_attn_get_scheduler_metadata(
             num_reqs=len(tables),
@@ -668,7 +673,7 @@ class ChunkedDeltaRuleAttention(_KernelOperator, LinearCoreAttention):
             beta=beta,
             initial_state=self._pool,
             output_final_state=True,
-            cu_seqlens=torch.tensor(meta.row_offsets, dtype=torch.int32),
+            cu_seqlens=_row_starts(meta),
             head_first=False,
             use_qk_l2norm_in_kernel=True,
             initial_state_indices=torch.tensor(

@@ -93,8 +93,8 @@ def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) 
     cli_env_setup()
     args = server_args(model_dir, plan, **kwargs)
     stopped_by: list[int] = []
-    quiet = _QuietEngineStop(stopped_by)
-    logging.getLogger("vllm.v1.engine.async_llm").addFilter(quiet)
+    front_end, quiet = logging.getLogger("vllm.v1.engine.async_llm"), _QuietEngineStop(stopped_by)
+    front_end.addFilter(quiet)
 
     class _Loop(uvloop.Loop):
         """uvloop's loop, noting which signal the server's own handlers were called for."""
@@ -109,7 +109,7 @@ def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) 
     try:
         uvloop.run(run_server(args), loop_factory=_Loop)
     finally:
-        logging.getLogger("vllm.v1.engine.async_llm").removeFilter(quiet)
+        front_end.removeFilter(quiet)
     return stopped_by[0] if stopped_by else None
 
 
