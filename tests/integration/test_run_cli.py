@@ -132,6 +132,14 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
             ),
             "not a model folder",
         ),
+        (
+            ("run", "--decode-step", "fast", "--prompt", "t5", *common),
+            "--decode-step must be one of per-request, static, compiled, traced",
+        ),
+        (
+            ("run", "--decode-step", "compiled", "--kernels", "vllm", "--prompt", "t5", *common),
+            "--decode-step compiled runs the runtime's own operators: use it with --kernels",
+        ),
     ]
     for args, message in cases:
         code, out, err = _opweave(capsys, *args)
@@ -257,6 +265,24 @@ def test_spawned_workers(tiny_model, hf_greedy, prompts):
     result = run_plan(plan, model_dir, requests, start_method="spawn", timeout_s=60)
     assert result is not None
     assert [list(o.token_ids) for o in result.outputs] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+
+
+def test_decode_step_static_in_the_json_document(capsys, tiny_model):
+    """--decode-step reaches every rank; --json reports it with the launches per token."""
+    model_dir = str(tiny_model("llama"))
+    capsys.readouterr()
+    args = ("run", "--strategy", "afd", "--model-path", model_dir, "--max-tokens", "4")
+    runs = {}
+    for step in ("per-request", "static"):
+        code, out, _ = _opweave(capsys, *args, "--prompt", "t5 t6", "--decode-step", step, "--json")
+        assert code == 0
+        runs[step] = json.loads(out)
+    assert [o["token_ids"] for o in runs["static"]["outputs"]] == [
+        o["token_ids"] for o in runs["per-request"]["outputs"]
+    ]
+    for rank in runs["static"]["ranks"]:
+        assert rank["decode_step"] == "static"
+        assert rank["submissions_per_token"] > 0 and rank["host_s_per_token"] >= 0
 
 
 def test_a_prompts_files_own_budgets_need_no_max_tokens(tmp_path, capsys, tiny_model):

@@ -1,16 +1,25 @@
 """Multi-process runtime on CPU: TPOT of colocated vs AFD vs CAD, and orchestration overhead.
 
-For each strategy a tiny random Llama serves several requests of different prompt lengths on
-local CPU ranks (one process per rank, one thread each). AFD and CAD run twice, side by side:
-with the runtime's CPU point-to-point transport (sockets read and written by the ranks' own
-threads, the default) and with gloo's ``isend``/``irecv`` (``OPWEAVE_P2P=torch``). Per rank
-the decode loop's wall time is split into time inside operators (compute), time blocked in
-transfers and TP collectives (communication wait, which includes waiting for the upstream
-stage) and the remainder: the runtime's own orchestration (batch merge/split, admission,
-packing headers, Python dispatch between actions). Target: orchestration under 10% of the
-loop. Prints figures; asserts nothing.
+For each strategy a tiny random Llama (and, with ``--small``, a second, larger one) serves
+several requests of different prompt lengths on local CPU ranks (one process per rank, one
+thread each), side by side in one run:
 
-Run: ``uv run python tools/bench/runtime.py [--hidden 64] [--layers 2] [--tokens 32]``.
+- Python-driven (``--decode-step per-request``, every operator launched from Python) vs native
+  submission (``--decode-step compiled``: each segment's static decode step compiled by inductor
+  into one C++ program, one launch per segment and token);
+- for AFD and CAD (Python-driven), the runtime's CPU point-to-point transport (sockets read and
+  written by the ranks' own threads, the default) vs gloo's ``isend``/``irecv``
+  (``OPWEAVE_P2P=torch``).
+
+Per rank the decode loop's wall time is split into time inside operators (compute), time
+blocked in transfers and TP collectives (communication wait, which includes waiting for the
+upstream stage) and the remainder: the runtime's own orchestration (batch merge/split,
+admission, packing headers, Python dispatch between actions). Target: orchestration at most 5%
+of the loop. Each case runs ``--repeats`` times, interleaved, and the median is printed; compiled
+cases first run once unmeasured (inductor compiles every segment then, and caches it). Prints
+figures; asserts nothing but equal tokens.
+
+Run: ``uv run python tools/bench/runtime.py [--hidden 64] [--layers 2] [--tokens 32] [--small]``.
 On a machine shared with other jobs, TPOT is noisy; the overhead share is the stable figure.
 """
 
@@ -25,8 +34,12 @@ from typing import Any
 from opweave.costmodel import canonical_plan, load_model
 from opweave.runtime import LocalModel, Request, run_plan, write_tiny_model
 
+DECODE_STEPS = ("per-request", "compiled")  # Python-driven, native submission
 
-def bench(model_dir: str, strategy: str, requests: list[Request], mb: int) -> dict[str, Any]:
+
+def bench(
+    model_dir: str, strategy: str, requests: list[Request], mb: int, decode_step: str
+) -> dict[str, Any]:
     spec = load_model(model_dir)
     plan = canonical_plan(
         spec,
@@ -35,7 +48,8 @@ def bench(model_dir: str, strategy: str, requests: list[Request], mb: int) -> di
         batch=len(requests),
         microbatches=1 if strategy == "colocated" else mb,
     )
-    result = run_plan(plan, model_dir, requests, timeout_s=120)
+    # ranks wait for each other while a peer compiles its segments (first decode step only)
+    result = run_plan(plan, model_dir, requests, timeout_s=900, decode_step=decode_step)
     assert result is not None
     return result.model_dump(mode="json")
 
@@ -80,10 +94,104 @@ def gloo_round_trip_us(rounds: int = 300) -> float:
     return float(os.read(read, 64))
 
 
+def tiny_llama(hidden: int, layers: int) -> str:
+    return str(
+        write_tiny_model(
+            "llama",
+            tempfile.mkdtemp(prefix="opweave-bench-"),
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=max(4, hidden // 64),
+            num_key_value_heads=max(2, hidden // 128),
+        )
+    )
+
+
+def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
+    prompts = [tuple(range(5, 5 + 4 + 3 * i)) for i in range(args.requests)]
+    requests = [Request(p, args.tokens) for p in prompts]
+    print(
+        f"\n== {label}; {args.requests} requests (prompts {len(prompts[0])}..{len(prompts[-1])} "
+        f"tokens), {args.tokens} new tokens each; AFD/CAD with {args.microbatches} microbatches; "
+        f"median of {args.repeats} runs"
+    )
+    cases = [(s, "socket", d) for s in ("colocated", "afd", "cad") for d in DECODE_STEPS]
+    cases += [(s, "torch", "per-request") for s in ("afd", "cad")]
+    for strategy, _, step in cases:  # compile (and cache) every segment before measuring
+        if step != "per-request":
+            bench(model_dir, strategy, requests, args.microbatches, step)
+    results: dict[tuple[str, str, str], list[dict[str, Any]]] = {c: [] for c in cases}
+    for _ in range(args.repeats):  # interleaved, so machine-speed drift hits every case alike
+        for strategy, p2p, step in cases:
+            os.environ["OPWEAVE_P2P"] = p2p
+            results[(strategy, p2p, step)].append(
+                bench(model_dir, strategy, requests, args.microbatches, step)
+            )
+    os.environ.pop("OPWEAVE_P2P", None)
+    reference = None
+    rows = []
+    for (strategy, p2p, step), runs in results.items():
+        runs.sort(key=lambda r: r["tpot_s"])
+        result = runs[len(runs) // 2]
+        tokens = [o["token_ids"] for o in result["outputs"]]
+        reference = reference or tokens
+        assert tokens == reference, f"{strategy} ({p2p}, {step}) tokens differ from colocated"
+        label = f"{strategy} {'native' if step == 'compiled' else 'python'}"
+        if p2p == "torch":
+            label += " gloo"
+        rows.append((label, result, statistics.median(r["tpot_s"] for r in runs)))
+
+    print(
+        f"\n{'case':<22} {'TPOT ms':>8} {'launches/token':>14} {'host ms/token':>13} "
+        f"{'orchestration':>13}"
+    )
+    by: dict[str, float] = {}
+    worst: dict[str, float] = {"python": 0.0, "native": 0.0}
+    for label, result, tpot in rows:
+        by[label] = tpot
+        ranks = result["ranks"]
+        share = max(r["overhead_s"] / r["loop_s"] for r in ranks)
+        kind = label.split()[1]
+        if "gloo" not in label:
+            worst[kind] = max(worst[kind], share)
+        launches = max(r["submissions_per_token"] for r in ranks)
+        host = max(r["host_s_per_token"] for r in ranks)
+        print(
+            f"{label:<22} {tpot * 1e3:8.3f} {launches:14.2f} {host * 1e3:13.3f} "
+            f"{100 * share:12.1f}%"
+        )
+    for s in ("colocated", "afd", "cad"):
+        print(f"{s}: native / python TPOT = {by[f'{s} native'] / by[f'{s} python']:.2f}x", end="")
+        if s != "colocated":
+            print(
+                f"; gloo / socket p2p = {by[f'{s} python gloo'] / by[f'{s} python']:.2f}x", end=""
+            )
+        print()
+    print(
+        f"\n{'case':<22} {'rank':>4} {'stages':<28} {'loop ms':>8} {'compute':>8} "
+        f"{'comm wait':>9} {'orchestration':>13}"
+    )
+    for label, result, _ in rows:
+        for r in result["ranks"]:
+            loop = r["loop_s"]
+            stages = ", ".join(r["stages"])
+            stages = stages if len(stages) <= 28 else stages[:25] + "..."
+            print(
+                f"{label:<22} {r['rank']:>4} {stages:<28} {loop * 1e3:8.1f} "
+                f"{100 * r['busy_s'] / loop:7.1f}% {100 * r['comm_s'] / loop:8.1f}% "
+                f"{100 * r['overhead_s'] / loop:12.1f}%"
+            )
+    for kind, share in worst.items():
+        verdict = "meets" if share <= 0.05 else "MISSES"
+        print(f"worst orchestration share, {kind}: {100 * share:.1f}% ({verdict} the <= 5% target)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--small", action="store_true", help="also a hidden-512, 4-layer model")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=2)
@@ -92,84 +200,14 @@ def main() -> None:
 
     import torch
 
-    model_dir = str(
-        write_tiny_model(
-            "llama",
-            tempfile.mkdtemp(prefix="opweave-bench-"),
-            hidden_size=args.hidden,
-            intermediate_size=4 * args.hidden,
-            num_hidden_layers=args.layers,
-            num_attention_heads=max(4, args.hidden // 64),
-            num_key_value_heads=max(2, args.hidden // 128),
-        )
-    )
-    prompts = [tuple(range(5, 5 + 4 + 3 * i)) for i in range(args.requests)]
-    requests = [Request(p, args.tokens) for p in prompts]
-    print(
-        f"tiny llama: hidden {args.hidden}, {args.layers} layers; {args.requests} requests "
-        f"(prompts {len(prompts[0])}..{len(prompts[-1])} tokens), {args.tokens} new tokens each; "
-        f"AFD/CAD with {args.microbatches} microbatches; median of {args.repeats} runs"
-    )
     torch.set_num_threads(1)
-    local = LocalModel(model_dir)
-    local.generate([list(p) for p in prompts], args.tokens)  # warm-up
-    reference = None
-    rows = []
-    cases = [("colocated", "socket")] + [
-        (s, p2p) for s in ("afd", "cad") for p2p in ("socket", "torch")
-    ]
-    results: dict[tuple[str, str], list[dict[str, Any]]] = {c: [] for c in cases}
-    for _ in range(args.repeats):  # interleaved, so machine-speed drift hits every case alike
-        for strategy, p2p in cases:
-            os.environ["OPWEAVE_P2P"] = p2p
-            results[(strategy, p2p)].append(bench(model_dir, strategy, requests, args.microbatches))
-    os.environ.pop("OPWEAVE_P2P", None)
-    for (strategy, p2p), runs in results.items():
-        runs.sort(key=lambda r: r["tpot_s"])
-        result = runs[len(runs) // 2]
-        tokens = [o["token_ids"] for o in result["outputs"]]
-        reference = reference or tokens
-        assert tokens == reference, f"{strategy} tokens differ from colocated"
-        label = (
-            strategy
-            if strategy == "colocated"
-            else f"{strategy} ({'gloo' if p2p == 'torch' else p2p})"
-        )
-        rows.append((label, result, statistics.median(r["tpot_s"] for r in runs)))
-
-    print(f"\n{'strategy':<14} {'TPOT ms':>9} {'iterations':>10} {'ranks':>5}")
-    for strategy, result, tpot in rows:
-        print(
-            f"{strategy:<14} {tpot * 1e3:9.3f} {result['iterations']:10d} {len(result['ranks']):5d}"
-        )
-    by = {label: tpot for label, _, tpot in rows}
-    for s in ("afd", "cad"):
-        print(f"{s}: gloo p2p / socket p2p TPOT = {by[f'{s} (gloo)'] / by[f'{s} (socket)']:.2f}x")
-    print(
-        f"\n{'strategy':<14} {'rank':>4} {'stages':<28} {'loop ms':>8} {'compute':>8} "
-        f"{'comm wait':>9} {'orchestration':>13}"
-    )
-    worst = 0.0
-    for strategy, result, _ in rows:
-        for r in result["ranks"]:
-            loop = r["loop_s"]
-            share = r["overhead_s"] / loop
-            worst = max(worst, share)
-            stages = ", ".join(r["stages"])
-            stages = stages if len(stages) <= 28 else stages[:25] + "..."
-            print(
-                f"{strategy:<14} {r['rank']:>4} {stages:<28} {loop * 1e3:8.1f} "
-                f"{100 * r['busy_s'] / loop:7.1f}% {100 * r['comm_s'] / loop:8.1f}% "
-                f"{100 * share:12.1f}%"
-            )
-    verdict = "meets" if worst < 0.10 else "MISSES"
-    print(f"\nworst orchestration share: {100 * worst:.1f}% ({verdict} the < 10% target)")
+    models = [(args.hidden, args.layers)] + ([(512, 4)] if args.small else [])
+    for hidden, layers in models:
+        model_dir = tiny_llama(hidden, layers)
+        LocalModel(model_dir).generate([[5, 6, 7]], 4)  # warm-up
+        run_model(model_dir, f"llama hidden {hidden}, {layers} layers", args)
     rtt = gloo_round_trip_us()
-    hops = rows[1][1]["ranks"][0]["messages_sent"] / rows[1][1]["iterations"]
-    print(
-        f"idle gloo loopback round trip (4 KB): {rtt:.0f} us; AFD sends {hops:.1f} messages per "
-        "iteration per rank"
-    )
+    print(f"\nidle gloo loopback round trip (4 KB): {rtt:.0f} us")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from ._common import (
 
 STRATEGIES = ("colocated", "afd", "cad")
 KERNELS = ("opweave", "vllm", "vllm-all")
+DECODE_STEPS = ("per-request", "static", "compiled", "traced")  # opweave.runtime's
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # where the executor leaves why the run failed
 API_KEY_ENV = "OPWEAVE_API_KEY"  # the server's key, kept out of the command line (ps shows it)
 _SERVE_BATCH = 8  # --strategy's resident batch per replica when serving
@@ -153,6 +154,14 @@ def run(
     kernels: Annotated[
         str, typer.Option("--kernels", help="opweave, or vLLM's kernels: vllm, vllm-all.")
     ] = "opweave",
+    decode_step: Annotated[
+        str,
+        typer.Option(
+            "--decode-step",
+            help="per-request, static (fixed shapes, all requests at once), compiled "
+            "(static, one torch.compile program per segment) or traced.",
+        ),
+    ] = "per-request",
     nnodes: Annotated[
         int, typer.Option("--nnodes", min=1, max=MAX_COUNT, help="Nodes the plan spans.")
     ] = 1,
@@ -219,6 +228,9 @@ def serve(
         typer.Option("--timeout-s", min=0.1, max=86400, callback=finite, help="Rank wait limit."),
     ] = 60.0,
     kernels: Annotated[str, typer.Option("--kernels", help="opweave, vllm, vllm-all.")] = "opweave",
+    decode_step: Annotated[
+        str, typer.Option("--decode-step", help="per-request, static, compiled, traced.")
+    ] = "per-request",
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, max=MAX_COUNT)] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, max=MAX_COUNT)] = 0,
     nodes_file: Annotated[Path | None, typer.Option("--nodes")] = None,
@@ -249,6 +261,13 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     if o["kernels"] not in KERNELS:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}")
+    if o["decode_step"] not in DECODE_STEPS:
+        raise typer.BadParameter(f"--decode-step must be one of {', '.join(DECODE_STEPS)}")
+    if o["decode_step"] != "per-request" and o["kernels"] != "opweave":
+        raise typer.BadParameter(
+            f"--decode-step {o['decode_step']} runs the runtime's own operators: use it with "
+            "--kernels opweave (vLLM's CPU kernels do not trace)"
+        )
     if o["device"] not in ("auto", "cpu", "cuda"):
         raise typer.BadParameter("--device must be auto, cpu or cuda")
     if o["prompt"] is not None and o["prompts_file"] is not None:
@@ -361,6 +380,7 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
         device=o["device"],
         timeout_s=o["timeout_s"],
         kernels=o["kernels"],
+        decode_step=o["decode_step"],
     )
     if result is None:  # a node (or torchrun rank) that does not talk to the caller
         from opweave.runtime import torchrun_env
@@ -477,6 +497,7 @@ def _join(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
         device=resolve_device_name(o["device"]),
         timeout_s=o["timeout_s"],
         kernels=o["kernels"],
+        decode_step=o["decode_step"],
     )
 
 
@@ -497,13 +518,14 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
             f"reach this host can use the model; set {API_KEY_ENV} or --api-key-file",
             err=True,
         )
-    from opweave.runtime.vllm import DEVICE_KEY, KERNELS_KEY, NODES_KEY, TIMEOUT_KEY
+    from opweave.runtime.vllm import DECODE_KEY, DEVICE_KEY, KERNELS_KEY, NODES_KEY, TIMEOUT_KEY
     from opweave.runtime.vllm.serve import serve as run_server
 
     extra: dict[str, Any] = {
         DEVICE_KEY: o["device"],
         TIMEOUT_KEY: o["timeout_s"],
         KERNELS_KEY: o["kernels"],
+        DECODE_KEY: o["decode_step"],
     }
     if o["nnodes"] > 1:
         extra[NODES_KEY] = {

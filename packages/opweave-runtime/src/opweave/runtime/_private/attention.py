@@ -8,6 +8,8 @@ Keys are stored after RoPE, so slot order within the ring does not matter to the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -163,6 +165,11 @@ class CoreAttention(StatefulOperator):
             self.tp_in = attention_layouts(a)
             self.tp_out = {"hidden": Layout(1, (a.num_heads * a.head_dim,))}
 
+        # the static decode step's state: one key and one value slab
+        # [rows + 1 (scratch), kv_heads, capacity, head_dim]; a request's _KvState becomes a view
+        # of its row when it first decodes that way
+        self._slabs: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def _init_state(self, request_id: str) -> None:
         self._states[request_id] = _KvState(
             self.num_kv_heads, self.arch.head_dim, self.window, self.dtype, self.device
@@ -171,11 +178,101 @@ class CoreAttention(StatefulOperator):
     def _drop_state(self, request_id: str) -> None:
         del self._states[request_id]
 
+    # -- the static decode step (see .decode) --------------------------------------------------
+    def reserve(self, rows: int, tokens: int) -> None:
+        """Size the slabs for ``rows`` requests of ``tokens`` tokens (a sliding layer: at most
+        its window) up front, so the step's shapes never change while serving."""
+        self._grow_slabs(rows + 1, tokens)
+
+    def _grow_slabs(self, rows: int, capacity: int) -> None:
+        """At least ``rows`` rows of ``capacity`` tokens; a slab that must grow doubles what is
+        short (few regrowths, each of which a compiled step recompiles for)."""
+        old = self._slabs
+        if old is not None:
+            have_rows, have_capacity = old[0].shape[0], old[0].shape[2]
+            if self.window is not None:
+                capacity = min(capacity, self.window)
+            if have_rows >= rows and have_capacity >= capacity:
+                return
+            rows = have_rows if have_rows >= rows else max(rows, 2 * have_rows)
+            capacity = (
+                have_capacity if have_capacity >= capacity else max(capacity, 2 * have_capacity)
+            )
+        if self.window is not None:
+            capacity = min(capacity, self.window)
+        shape = (rows, self.num_kv_heads, capacity, self.arch.head_dim)
+        new = (
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+            torch.zeros(shape, dtype=self.dtype, device=self.device),
+        )
+        if old is not None:  # positions keep their slots: p, or p % window (capacity <= window)
+            r, c = old[0].shape[0], old[0].shape[2]
+            for slab, prev in zip(new, old, strict=True):
+                slab[:r, :, :c] = prev
+            for rid, state in self._states.items():
+                row = self._rows[rid]
+                if row < r and state.k.data_ptr() == old[0][row].data_ptr():
+                    state.k, state.v = new[0][row], new[1][row]
+        self._slabs = new
+
+    def begin_step(
+        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int
+    ) -> None:
+        self._grow_slabs(rows, max(context_lens, default=0) + 1)
+        assert self._slabs is not None
+        keys, values = self._slabs
+        for rid, start in zip(request_ids, context_lens, strict=True):
+            self._advance(rid, start, 1)
+            state, row = self._states[rid], self._rows[rid]
+            if state.k.data_ptr() != keys[row].data_ptr():  # first static step: move it in
+                used = min(state.length, state.k.shape[1])
+                keys[row, :, :used] = state.k[:, :used]
+                values[row, :, :used] = state.v[:, :used]
+                state.k, state.v = keys[row], values[row]
+
+    def end_step(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._states[rid].length += 1
+
+    def _decode_static(self, batch: TokenBatch) -> TokenBatch:
+        """One new token per row, all rows at once: store each row's key/value at its position's
+        slot, attend over the row's whole slab row with the slots past its position masked."""
+        assert batch.step is not None and self._slabs is not None
+        keys, values = self._slabs
+        rows, pos = batch.step.rows, batch.step.positions
+        slot = pos if self.window is None else pos % self.window
+        keys[rows, :, slot] = batch["k"]
+        values[rows, :, slot] = batch["v"]
+        k, v = keys[rows], values[rows]  # [B, kv_heads, capacity, head_dim]
+        visible = torch.arange(k.shape[2], device=pos.device)[None, :] <= pos[:, None]
+        q = batch["q"][:, :, None, :]  # [B, heads, 1, head_dim]
+        if self.arch.attn_softcap is not None:
+            k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
+            cap = self.arch.attn_softcap
+            scores = torch.tanh((q @ k.transpose(-1, -2)) * self.arch.attn_scale / cap) * cap
+            scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+            o = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+        else:
+            o = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=visible[:, None, None, :],
+                scale=self.arch.attn_scale,
+                enable_gqa=self.groups > 1,
+            )
+        out = o.reshape(o.shape[0], -1)
+        if self.arch.attn_output_gate:
+            out = out * torch.sigmoid(batch["attn_gate"])
+        return batch.replace(drop=("q", "k", "v", "attn_gate"), hidden=out)
+
     def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
         state = self._states[request_id]
         return [state.k, state.v]
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
+        if batch.step is not None:
+            return self._decode_static(batch)
         q, k, v = batch["q"], batch["k"], batch["v"]
         meta = batch.meta
         out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)

@@ -102,12 +102,35 @@ class BatchMeta:
         )
 
 
+class StepMeta:
+    """The schedule of a static-shape decode step (:mod:`.decode`), as tensors only.
+
+    Every row is one request's single new token: ``positions[i]`` is its position (the tokens it
+    already holds) and ``rows[i]`` the row of the stage's state slabs it reads and writes (a
+    padding row names the slabs' scratch row). Nothing here is a Python number, so one compiled
+    graph serves every step whatever the requests and their lengths.
+    """
+
+    def __init__(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        self.positions = positions
+        self.rows = rows
+        self._shared: dict[Hashable, Any] = {}
+
+    def shared(self, key: Hashable, make: Callable[[], T]) -> T:
+        """As :meth:`BatchMeta.shared`."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
+
+
 @dataclass
 class TokenBatch:
     """A batch at an operator boundary: the schedule plus named activations (``hidden``, ...)."""
 
     meta: BatchMeta
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    # set on a static-shape decode step (then ``meta`` is not consulted, see :mod:`.decode`)
+    step: StepMeta | None = None
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.tensors[name]
@@ -116,7 +139,7 @@ class TokenBatch:
         """A new batch with ``drop`` removed and ``updates`` set; the input batch is unchanged."""
         tensors = {k: v for k, v in self.tensors.items() if k not in drop}
         tensors.update(updates)
-        return TokenBatch(self.meta, tensors)
+        return TokenBatch(self.meta, tensors, self.step)
 
 
 def pack(batch: TokenBatch) -> torch.Tensor:

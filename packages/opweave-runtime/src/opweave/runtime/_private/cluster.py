@@ -405,6 +405,7 @@ class Cluster:
         start_method: str = "auto",
         dtype: str | None = None,
         kernels: str = "opweave",
+        decode_step: str = "per-request",
         threads: int = 1,
         torchrun: bool = False,
     ) -> None:
@@ -485,6 +486,7 @@ class Cluster:
                     control=control,
                     dtype=dtype,
                     kernels=kernels,
+                    decode_step=decode_step,
                     join_timeout_s=self.join_timeout_s,
                     threads=threads,
                 )
@@ -981,6 +983,7 @@ def run_node(
     join_timeout_s: float = 600.0,
     dtype: str | None = None,
     kernels: str = "opweave",
+    decode_step: str = "per-request",
     threads: int = 1,
 ) -> None:
     """A node other than 0: start its ranks, which join node 0's driver, and wait for them.
@@ -1016,6 +1019,7 @@ def run_node(
                 control=None,
                 dtype=dtype,
                 kernels=kernels,
+                decode_step=decode_step,
                 join_timeout_s=join_timeout_s,
                 threads=threads,
             )
@@ -1060,6 +1064,7 @@ def run_torchrun_rank(
     join_timeout_s: float = 600.0,
     dtype: str | None = None,
     kernels: str = "opweave",
+    decode_step: str = "per-request",
     threads: int = 1,
 ) -> None:
     """This process is a rank torchrun started (other than 0): run it here, joining the driver
@@ -1083,6 +1088,7 @@ def run_torchrun_rank(
         control=None,
         dtype=dtype,
         kernels=kernels,
+        decode_step=decode_step,
         join_timeout_s=join_timeout_s,
         threads=threads,
     )

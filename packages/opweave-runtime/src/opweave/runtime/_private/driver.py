@@ -199,6 +199,7 @@ def run_plan(
     timeout_s: float = 60.0,
     dtype: str | None = None,
     kernels: str = "opweave",
+    decode_step: str = "per-request",
     start_method: str = "auto",
 ) -> RunResult | None:
     """Run ``requests`` under ``plan``; the result on node 0, ``None`` on the other nodes.
@@ -223,7 +224,14 @@ def run_plan(
     torchrun = torchrun_env()
     if torchrun is not None and torchrun["RANK"] != "0":
         run_torchrun_rank(
-            plan, model, model_dir, device=device, timeout_s=timeout_s, dtype=dtype, kernels=kernels
+            plan,
+            model,
+            model_dir,
+            device=device,
+            timeout_s=timeout_s,
+            dtype=dtype,
+            kernels=kernels,
+            decode_step=decode_step,
         )
         return None
     if node_rank > 0:
@@ -242,6 +250,7 @@ def run_plan(
             timeout_s=timeout_s,
             dtype=dtype,
             kernels=kernels,
+            decode_step=decode_step,
         )
         return None
     cluster = Cluster(
@@ -257,6 +266,7 @@ def run_plan(
         start_method=start_method,
         dtype=dtype,
         kernels=kernels,
+        decode_step=decode_step,
         torchrun=torchrun is not None,
     )
     try:

@@ -17,6 +17,7 @@ import torch
 
 from ..errors import RequestStateError
 from .batch import BatchMeta, TokenBatch, pack, unpack
+from .decode import DECODE_STEPS
 from .graph import operator_sequence
 from .stage import StageModule
 
@@ -43,7 +44,8 @@ class LocalModel:
 
     ``cuts`` (indices into :func:`operator_sequence`) split the model into consecutive stages whose
     activations cross each cut through :func:`pack`/:func:`unpack`, as a pipeline's sends would;
-    the tokens must not change.
+    the tokens must not change. ``decode_step`` is how decode steps run (see
+    :data:`~.decode.DECODE_STEPS`): each stage's static step has one row per running request.
 
     Example (``model_dir`` from :func:`write_tiny_model`)::
 
@@ -59,7 +61,10 @@ class LocalModel:
         dtype: torch.dtype | None = None,
         max_running: int | None = None,
         cuts: Sequence[int] = (),
+        decode_step: str = "per-request",
     ) -> None:
+        if decode_step not in DECODE_STEPS:
+            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}")
         seq = operator_sequence(model_dir)
         bounds = [0, *sorted(cuts), len(seq)]
         if len(set(bounds)) != len(bounds):
@@ -70,6 +75,9 @@ class LocalModel:
             StageModule(model_dir, seq[lo:hi], device=device, dtype=dtype)
             for lo, hi in itertools.pairwise(bounds)
         ]
+        if decode_step != "per-request":
+            for stage in self.stages:
+                stage.use_static_decode(rows=max_running or 0, compile=DECODE_STEPS[decode_step])
         self.arch = self.stages[0].arch
         self.device = torch.device(device)
         self.max_running = max_running

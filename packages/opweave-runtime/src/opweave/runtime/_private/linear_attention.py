@@ -11,6 +11,8 @@ the same form at the same step keeps tokens identical.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -100,17 +102,18 @@ def recurrent_step(
     g: torch.Tensor,
     beta: torch.Tensor,
 ) -> torch.Tensor:
-    """One token of the gated delta rule: updates ``state [H, dk, dv]`` in place.
+    """One token of the gated delta rule: updates ``state [..., H, dk, dv]`` in place
+    (``q``/``k`` ``[..., H, dk]``, ``v`` ``[..., H, dv]``, ``g``/``beta`` ``[..., H]``).
 
     Decay the memory, read what it predicts for ``k``, write back ``beta`` of the error. ``q`` is
     scaled by division here but by multiplication in the chunked form, as in transformers.
     """
     q = q / q.shape[-1] ** 0.5
-    state.mul_(g.exp()[:, None, None])
-    predicted = (state * k[:, :, None]).sum(dim=-2)
-    delta = (v - predicted) * beta[:, None]
-    state.add_(k[:, :, None] * delta[:, None, :])
-    return (state * q[:, :, None]).sum(dim=-2)
+    state.mul_(g.exp()[..., None, None])
+    predicted = (state * k[..., :, None]).sum(dim=-2)
+    delta = (v - predicted) * beta[..., None]
+    state.add_(k[..., :, None] * delta[..., None, :])
+    return (state * q[..., :, None]).sum(dim=-2)
 
 
 def chunked_delta_rule(
@@ -193,6 +196,10 @@ class LinearCoreAttention(StatefulOperator):
         self._conv: dict[str, torch.Tensor] = {}
         self._recurrent: dict[str, torch.Tensor] = {}
         self._kv_repeat = self.la.num_v_heads // self.la.num_k_heads
+        # the static decode step's state: conv [rows + 1, conv_dim, conv_kernel - 1] and
+        # recurrent [rows + 1, v_heads, k_head_dim, v_head_dim] slabs; a request's entries become
+        # views of its row when it first decodes that way
+        self._slabs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _init_state(self, request_id: str) -> None:
         la = self.la
@@ -209,7 +216,80 @@ class LinearCoreAttention(StatefulOperator):
     def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
         return [self._conv[request_id], self._recurrent[request_id]]
 
+    # -- the static decode step (see .decode) --------------------------------------------------
+    def reserve(self, rows: int, tokens: int) -> None:
+        """Size the slabs for ``rows`` requests (the state does not grow with ``tokens``)."""
+        self._grow_slabs(rows + 1)
+
+    def _grow_slabs(self, rows: int) -> None:
+        old = self._slabs
+        if old is not None:
+            if old[0].shape[0] >= rows:
+                return
+            rows = max(rows, 2 * old[0].shape[0])
+        la = self.la
+        new = (
+            torch.zeros(
+                rows, la.conv_dim, la.conv_kernel - 1, dtype=self.dtype, device=self.device
+            ),
+            torch.zeros(
+                rows,
+                la.num_v_heads,
+                la.k_head_dim,
+                la.v_head_dim,
+                dtype=torch.float32,
+                device=self.device,
+            ),
+        )
+        if old is not None:
+            for slab, prev in zip(new, old, strict=True):
+                slab[: prev.shape[0]] = prev
+            for rid, row in self._rows.items():
+                if row < len(old[0]) and self._conv[rid].data_ptr() == old[0][row].data_ptr():
+                    self._conv[rid], self._recurrent[rid] = new[0][row], new[1][row]
+        self._slabs = new
+
+    def begin_step(
+        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int
+    ) -> None:
+        self._grow_slabs(rows)
+        assert self._slabs is not None
+        conv, recurrent = self._slabs
+        for rid, start in zip(request_ids, context_lens, strict=True):
+            self._advance(rid, start, 1)
+            row = self._rows[rid]
+            if self._conv[rid].data_ptr() != conv[row].data_ptr():  # first static step
+                conv[row] = self._conv[rid]
+                recurrent[row] = self._recurrent[rid]
+                self._conv[rid], self._recurrent[rid] = conv[row], recurrent[row]
+
+    def _decode_static(self, batch: TokenBatch) -> TokenBatch:
+        """One new token per row, all rows at once, each on its row of the slabs."""
+        assert batch.step is not None and self._slabs is not None
+        la, rows = self.la, batch.step.rows
+        conv_slab, recurrent_slab = self._slabs
+        mixed = batch["mixed_qkv"]
+        n = mixed.shape[0]
+        window = torch.cat((conv_slab[rows], mixed[:, :, None].to(conv_slab.dtype)), dim=-1)
+        conv_slab[rows] = window[:, :, 1:]
+        conv = F.conv1d(window, self.conv_weight, self.conv_bias, groups=window.shape[1])
+        conv = self.act(conv)[:, :, 0].to(mixed.dtype)
+        q, k, v = torch.split(conv, [la.key_dim, la.key_dim, la.value_dim], -1)
+        q, k = (
+            _l2norm(t.reshape(n, la.num_k_heads, -1).repeat_interleave(self._kv_repeat, 1).float())
+            for t in (q, k)
+        )
+        v = v.reshape(n, la.num_v_heads, -1).float()
+        g = self.neg_a * F.softplus(batch["a"].float() + self.dt_bias)
+        state = recurrent_slab[rows]
+        core = recurrent_step(state, q, k, v, g, batch["b"].sigmoid().float())
+        recurrent_slab[rows] = state
+        hidden = self._gated_norm(core.to(self.dtype), batch["z"]).reshape(n, -1)
+        return batch.replace(drop=("mixed_qkv", "z", "b", "a"), hidden=hidden)
+
     def forward(self, batch: TokenBatch) -> TokenBatch:
+        if batch.step is not None:
+            return self._decode_static(batch)
         la, meta = self.la, batch.meta
         beta = batch["b"].sigmoid()
         g = self.neg_a * F.softplus(batch["a"].float() + self.dt_bias)

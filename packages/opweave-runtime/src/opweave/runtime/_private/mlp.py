@@ -133,6 +133,8 @@ class Experts(Operator):
         self.ends_layer = moe.shared_intermediate_size == 0
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
+        if batch.step is not None:
+            return self._finish(batch, self._gathered(batch))
         x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
@@ -141,6 +143,20 @@ class Experts(Operator):
             y = F.linear(self.act(gate) * up, self.down[expert]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return self._finish(batch, out)
+
+    def _gathered(self, batch: TokenBatch) -> torch.Tensor:
+        """The static decode step's form: each row multiplies the weights of its own top-k
+        experts (gathered, so the shapes do not depend on the routing), and the k results are
+        summed in ascending expert order, as the per-expert form adds them."""
+        x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
+        ids, order = torch.sort(ids, dim=-1)
+        weights = torch.gather(weights, 1, order)
+        gate, up = (self.gate_up[ids] @ x[:, None, :, None])[..., 0].chunk(2, dim=-1)
+        y = (self.down[ids] @ (self.act(gate) * up)[..., None])[..., 0] * weights[..., None]
+        out = torch.zeros_like(x)
+        for j in range(ids.shape[1]):
+            out = out + y[:, j].to(out.dtype)
+        return out
 
     def _finish(self, batch: TokenBatch, out: torch.Tensor) -> TokenBatch:
         """The layer's residual add (after the TP reduce), or the routed sum handed to the

@@ -71,6 +71,9 @@ class Operator:
 
     name: ClassVar[str]
     op_class: ClassVar[OpClass]
+    # whether :meth:`forward` also runs a static-shape decode step (``batch.step``, see
+    # :mod:`.decode`): tensor code only, no host synchronisation, traceable by torch.compile
+    static_decode: ClassVar[bool] = True
     # attributes holding projection weights that :func:`linear` multiplies by (packable)
     linear_weights: ClassVar[tuple[str, ...]] = ()
     # groups of those that multiply one and the same input (a prepacked GEMM may run each
@@ -158,22 +161,55 @@ class Operator:
 
 
 class StatefulOperator(Operator):
-    """An operator that keeps per-request state between iterations (KV cache, recurrent state)."""
+    """An operator that keeps per-request state between iterations (KV cache, recurrent state).
+
+    Each admitted request has a state *row*: its index in the layer's state slabs, which a
+    static-shape decode step reads and writes for all requests at once (:mod:`.decode`). A rank
+    gives each request the row of its batch slot; otherwise the lowest free row is taken.
+    """
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
         self._context_lens: dict[str, int] = {}
+        self._rows: dict[str, int] = {}
 
-    def admit(self, request_id: str) -> None:
+    def admit(self, request_id: str, row: int | None = None) -> None:
         if request_id in self._context_lens:
             raise RequestStateError(f"request {request_id!r} is already admitted")
+        taken = set(self._rows.values())
+        if row is None:
+            row = next(r for r in range(len(taken) + 1) if r not in taken)
+        elif row in taken:
+            raise RequestStateError(f"state row {row} of layer {self.layer} is taken")
         self._context_lens[request_id] = 0
+        self._rows[request_id] = row
         self._init_state(request_id)
 
     def free(self, request_id: str) -> None:
         if self._context_lens.pop(request_id, None) is None:
             raise RequestStateError(f"request {request_id!r} is not admitted")
         self._drop_state(request_id)
+        del self._rows[request_id]
+
+    def row_of(self, request_id: str) -> int:
+        return self._rows[request_id]
+
+    def reserve(self, rows: int, tokens: int) -> None:
+        """Size the state slabs for ``rows`` requests of up to ``tokens`` tokens (plus the
+        scratch row), so a static decode step's shapes stay fixed."""
+        raise NotImplementedError
+
+    def begin_step(
+        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int
+    ) -> None:
+        """Host side of a static decode step, before it runs: check and count each request's
+        one new token, grow the slabs to at least ``rows`` rows (the last of which is the
+        step's scratch row, where padding rows write) and have every request's state in its
+        row."""
+        raise NotImplementedError
+
+    def end_step(self, request_ids: Sequence[str]) -> None:
+        """Host side of a static decode step, after it ran."""
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -329,8 +365,10 @@ class FinalNorm(Operator):
         )
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        last = batch["hidden"][batch.meta.last_rows.to(self.device)]
-        return TokenBatch(batch.meta, {"hidden": self.norm(last)})
+        hidden = batch["hidden"]
+        if batch.step is None:  # a decode step's rows are all last rows
+            hidden = hidden[batch.meta.last_rows.to(self.device)]
+        return TokenBatch(batch.meta, {"hidden": self.norm(hidden)}, batch.step)
 
 
 class LmHead(Operator):

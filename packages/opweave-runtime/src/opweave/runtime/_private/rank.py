@@ -43,6 +43,7 @@ from opweave.costmodel import Plan, load_model
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import TokenBatch
 from .control import ChannelClosed, ControlClient, store_namespace
+from .decode import DECODE_STEPS
 from .placement import Placement
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
@@ -79,6 +80,7 @@ class RankSpec:
     control: tuple[str, int] | None = None
     dtype: str | None = None
     kernels: str = "opweave"
+    decode_step: str = "per-request"  # see .decode.DECODE_STEPS
     join_timeout_s: float = 600.0
     threads: int = 1
     log: str | None = None  # where a launcher-forked rank writes its output
@@ -155,6 +157,16 @@ class StageWorker:
             model=placement.model,
         )
         self.kernels = apply_kernels(self.module, spec.kernels)
+        if spec.decode_step not in DECODE_STEPS:
+            raise OpWeaveRuntimeError(
+                f"unknown decode step {spec.decode_step!r}; one of {', '.join(DECODE_STEPS)}"
+            )
+        if spec.decode_step != "per-request":  # slabs for every slot, of the plan's context
+            self.module.use_static_decode(
+                rows=len(self.mine),
+                tokens=min(placement.plan.context_tokens, placement.model.max_context_tokens),
+                compile=DECODE_STEPS[spec.decode_step],
+            )
         self.held: dict[str, _Request] = {}
         self._works: dict[tuple[int, int], Work] = {}
         self._synced: set[tuple[int, int]] = set()
@@ -239,7 +251,7 @@ class StageWorker:
             if ctx == 0:
                 if rid in self.held:
                     self.module.free(rid)
-                self.module.admit(rid)
+                self.module.admit(rid, rows=[work.slots[i] - self.mine.start])
                 params = work.params.get(rid, GREEDY)
                 gen = None
                 if params.seed is not None:
@@ -282,7 +294,9 @@ class StageWorker:
             ops = slice(action.ops.start, action.ops.stop - 1)  # sampled below, or not at all
         start = time.perf_counter()
         tp_before = self.comm.comm_s if self.comm is not None else 0.0
-        batch = self.module.run(batch, ops)
+        at = action.slots.start  # a static decode step has a row per slot of the action
+        place = [slot - at for slot in batch.meta.slots]
+        batch = self.module.run(batch, ops, size=len(action.slots), place=place)
         if action.last and sample_here and not greedy:
             batch = self._sample(batch)
         tp_comm = (self.comm.comm_s - tp_before) if self.comm is not None else 0.0
@@ -341,6 +355,10 @@ class StageWorker:
             "wait": "spin" if self.transport.spin_s > 0 else "block",
             "iterations": self.iterations,
             "computes_per_iteration": len(self.actions),
+            "decode_step": self.spec.decode_step,
+            "submissions_per_token": self.module.submissions / max(self.iterations, 1),
+            "host_s_per_token": max(loop - self.clock.compute_s - comm, 0.0)
+            / max(self.iterations, 1),
             "timeline": line,
             "requests_held_at_end": len(self.held),
             "state_bytes_at_end": self.module.state_bytes(),

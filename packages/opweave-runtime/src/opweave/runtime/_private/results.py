@@ -58,6 +58,16 @@ class RankStats(_Frozen):
     wait: str = Field(description='"spin" or "block": how it waited for its peers.')
     iterations: int
     computes_per_iteration: int = Field(description="(segment, microbatch) actions each.")
+    decode_step: str = Field(
+        description='How decode steps ran: "per-request", "static", "compiled" or "traced".'
+    )
+    submissions_per_token: float = Field(
+        description="Launches from Python per iteration: one per operator run, or one per "
+        "action whose decode step ran as a static step (1 per token for one compiled segment)."
+    )
+    host_s_per_token: float = Field(
+        description="overhead_s per iteration: host time outside operators and transfers."
+    )
     timeline: RankTimeline
     requests_held_at_end: int
     state_bytes_at_end: int

@@ -66,7 +66,8 @@ class Rope(Operator):
                 f"RoPE type {rope.rope_type!r} is not implemented ({', '.join(ROPE_TYPES)} are)"
             )
         self.inv_freq = inverse_frequencies(rope, self.arch.head_dim).to(self.device)
-        self._table_key = ("rope", rope, self.arch.head_dim, self.device, self.dtype)
+        # plain strings, so a compiled step's trace can hash it
+        self._table_key = ("rope", rope.model_dump_json(), self.arch.head_dim, str(self.dtype))
         if self.sharded:  # head-wise: works on full or sharded heads alike
             self.tp_pass = frozenset(("q", "k", "v", "attn_gate"))
 
@@ -77,6 +78,6 @@ class Rope(Operator):
         return emb.cos().to(self.dtype)[:, None, :], emb.sin().to(self.dtype)[:, None, :]
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        meta = batch.meta  # layers with the same RoPE share one cos/sin per step
+        meta = batch.step or batch.meta  # layers with the same RoPE share one cos/sin per step
         cos, sin = meta.shared(self._table_key, lambda: self.cos_sin(meta.positions))
         return batch.replace(q=rotate(batch["q"], cos, sin), k=rotate(batch["k"], cos, sin))

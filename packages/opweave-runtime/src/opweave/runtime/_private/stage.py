@@ -9,7 +9,9 @@ import torch
 
 from opweave.costmodel import ModelSpec
 
+from ..errors import OpWeaveRuntimeError
 from .batch import TokenBatch
+from .decode import DecodeStep, is_decode, why_not_static
 from .graph import OpRef, compute_dtype, model_spec, operator_from, operator_sequence
 from .ops import OpContext, Operator, StatefulOperator
 from .tensor_parallel import Shard, TPComm, run_ops
@@ -55,6 +57,9 @@ class StageModule:
         self.refs: tuple[OpRef, ...] = tuple(OpRef(*ref) for ref in ops)
         self.operators: list[Operator] = [operator_from(self.model, ctx, r) for r in self.refs]
         self.checkpoint.close()
+        self._static: tuple[int, str | None] | None = None
+        self._steps: dict[tuple[int | None, int | None, int], DecodeStep] = {}
+        self.submissions = 0  # launches from Python so far (see run)
 
     @classmethod
     def whole_model(cls, model_dir: str | Path, **kwargs: object) -> StageModule:
@@ -85,20 +90,73 @@ class StageModule:
     def state_bytes(self, request_id: str | None = None) -> int:
         return sum(op.state_bytes(request_id) for op in self._stateful)
 
-    def admit(self, request_ids: str | Sequence[str]) -> None:
-        for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+    def admit(self, request_ids: str | Sequence[str], rows: Sequence[int] | None = None) -> None:
+        """Admit requests, each in state row ``rows[i]`` (default: the lowest free rows)."""
+        rids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if rows is not None and len(rows) != len(rids):
+            raise ValueError("rows, when given, must name one state row per request")
+        for i, rid in enumerate(rids):
+            row = None if rows is None else rows[i]
             for op in self._stateful:
-                op.admit(rid)
+                op.admit(rid, row)
+                row = op.row_of(rid)  # every layer holds the request in the same row
 
     def free(self, request_ids: str | Sequence[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             for op in self._stateful:
                 op.free(rid)
 
+    def use_static_decode(
+        self, *, rows: int = 0, tokens: int = 0, compile: str | None = None
+    ) -> None:
+        """Run decode steps static-shape (:mod:`.decode`), on state slabs sized up front for
+        ``rows`` requests of ``tokens`` tokens (they grow if exceeded, which recompiles), and
+        compiled with the torch.compile backend ``compile`` (None: eagerly)."""
+        why = why_not_static(self.operators)
+        if why is not None:
+            raise OpWeaveRuntimeError(f"no static decode step: {why}; use --kernels opweave")
+        for op in self._stateful:
+            op.reserve(rows, tokens)
+        self._static = (rows, compile)
+        self._steps = {}
+
+    @property
+    def static_decode(self) -> str | None:
+        """``None`` (per-request decode), ``"eager"`` or the compiler of the static step."""
+        if self._static is None:
+            return None
+        return self._static[1] or "eager"
+
     @torch.inference_mode()
-    def run(self, batch: TokenBatch, ops: slice = slice(None)) -> TokenBatch:
-        """Run ``ops`` (default all) of this stage's operators on ``batch``."""
-        return run_ops(self.operators[ops], batch, self.comm)
+    def run(
+        self,
+        batch: TokenBatch,
+        ops: slice = slice(None),
+        *,
+        size: int | None = None,
+        place: Sequence[int] | None = None,
+    ) -> TokenBatch:
+        """Run ``ops`` (default all) of this stage's operators on ``batch``.
+
+        With :meth:`use_static_decode`, a decode step runs as one static-shape step of ``size``
+        rows (default: one per request) with request ``i`` at row ``place[i]``. Each call adds
+        to :attr:`submissions` what it launched from Python: 1 for a compiled (native) step,
+        one per operator otherwise.
+        """
+        chosen = self.operators[ops]
+        if self._static is not None and is_decode(batch.meta):
+            size = len(batch.meta.request_ids) if size is None else size
+            key = (ops.start, ops.stop, size)
+            step = self._steps.get(key)
+            if step is None:
+                rows, compile = self._static
+                step = self._steps[key] = DecodeStep(
+                    chosen, self.comm, size, reserved_rows=rows, compile=compile
+                )
+            self.submissions += 1 if step.native else len(chosen)
+            return step(batch, place)
+        self.submissions += len(chosen)
+        return run_ops(chosen, batch, self.comm)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         return self.run(batch)

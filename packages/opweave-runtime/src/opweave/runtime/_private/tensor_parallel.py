@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..errors import ShardingError
 from .batch import TokenBatch
@@ -102,6 +103,8 @@ class TPComm:
     comm_s: float = field(default=0.0)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # inside a compiled decode step: the traceable form
+            return funcol.all_reduce(x, "sum", self.group)  # type: ignore[arg-type]
         start = time.perf_counter()
         x = x.contiguous()
         dist.all_reduce(x, group=self.group)  # type: ignore[arg-type]
@@ -109,6 +112,9 @@ class TPComm:
         return x
 
     def gather(self, local: torch.Tensor, layout: Layout) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            stacked = funcol.all_gather_tensor(local.contiguous(), 0, self.group)  # type: ignore[arg-type]
+            return layout.assemble(torch.chunk(stacked, self.shard.size), self.shard)
         start = time.perf_counter()
         local = local.contiguous()
         bufs = [torch.empty_like(local) for _ in range(self.shard.size)]
@@ -134,7 +140,7 @@ def run_ops(ops: Sequence[Operator], batch: TokenBatch, comm: TPComm | None) -> 
             if name in tensors and name not in layouts:
                 tensors[name] = lay.local(tensors[name], comm.shard)
                 layouts[name] = lay
-        batch = op(TokenBatch(batch.meta, tensors))
+        batch = op(TokenBatch(batch.meta, tensors, batch.step))
         kept = {n: lay for n, lay in layouts.items() if n in op.tp_pass}
         layouts = {n: op.tp_out[n] for n in batch.tensors if n in op.tp_out}
         layouts.update((n, lay) for n, lay in kept.items() if n in batch.tensors)
@@ -142,5 +148,5 @@ def run_ops(ops: Sequence[Operator], batch: TokenBatch, comm: TPComm | None) -> 
         tensors = dict(batch.tensors)
         for name, lay in layouts.items():
             tensors[name] = comm.gather(tensors[name], lay)
-        batch = TokenBatch(batch.meta, tensors)
+        batch = TokenBatch(batch.meta, tensors, batch.step)
     return batch

@@ -15,7 +15,8 @@ cut by a plan's segments::
 
 Each rank of the plan is a process of its own (this process is their driver: it turns every
 engine step into one iteration of the plan); other keys of ``additional_config``:
-``opweave_device``, ``opweave_timeout_s``, ``opweave_kernels`` and ``opweave_nodes``.
+``opweave_device``, ``opweave_timeout_s``, ``opweave_kernels``, ``opweave_decode_step`` and
+``opweave_nodes``.
 
 Importing this package does not import vLLM; ``OpWeaveExecutor`` is built on first access.
 """
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._executor import (
+    DECODE_KEY,
     DEVICE_KEY,
     KERNELS_KEY,
     NODES_KEY,
@@ -40,6 +42,7 @@ __all__ = [
     "DEVICE_KEY",
     "TIMEOUT_KEY",
     "KERNELS_KEY",
+    "DECODE_KEY",
     "NODES_KEY",
     "executor_class",
     "load_plan",

@@ -23,6 +23,7 @@ PLAN_KEY = "opweave_plan"  # additional_config: plan file path, or the plan as a
 DEVICE_KEY = "opweave_device"  # cpu or cuda (default: cuda where visible)
 TIMEOUT_KEY = "opweave_timeout_s"  # longest wait of a rank for a step's messages (60 s)
 KERNELS_KEY = "opweave_kernels"  # "opweave" (default), "vllm" or "vllm-all"
+DECODE_KEY = "opweave_decode_step"  # "per-request" (default), "static", "compiled" or "traced"
 NODES_KEY = "opweave_nodes"  # {"nnodes", "master_addr", "master_port", "layout"}: several nodes
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # a file to leave the failure's one line in (opweave run)
 
@@ -62,6 +63,7 @@ def _build() -> type:
     from opweave.costmodel import canonical_plan, load_model
 
     from .._private.cluster import Cluster
+    from .._private.decode import DECODE_STEPS
     from .._private.driver import resolve_device_name
     from .._private.graph import check_runtime_support
     from .._private.stepping import StepDriver, StepItem
@@ -115,6 +117,11 @@ def _build() -> type:
                 raise ValueError(
                     f"{KERNELS_KEY} must be opweave, vllm or vllm-all, not {kernels!r}"
                 )
+            decode_step = str(extra.get(DECODE_KEY, "per-request"))
+            if decode_step not in DECODE_STEPS:
+                raise ValueError(
+                    f"{DECODE_KEY} must be one of {', '.join(DECODE_STEPS)}, not {decode_step!r}"
+                )
             self.cluster = Cluster(
                 plan,
                 model,
@@ -128,6 +135,7 @@ def _build() -> type:
                 start_method="launcher",  # this process runs vLLM's threads: never fork it
                 dtype=dtype,
                 kernels=kernels,
+                decode_step=decode_step,
             )
             self.cluster.on_failure.append(self._notify_failure)
             gb = self.cluster.global_batch

@@ -176,8 +176,11 @@ def use_vllm_kernels(
     pagings: dict[tuple[Any, ...], _Paging] = {}  # one block table per request for the stage
     for i, op in enumerate(stage.operators):
         where = f"{'-' if op.layer is None else op.layer}.{op.name}"
-        switched += [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, exact)]
-        switched += [f"{where}.{attr}:onednn_mm" for attr in _pack_linears(op, exact)]
+        swapped = [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, exact)]
+        swapped += [f"{where}.{attr}:onednn_mm" for attr in _pack_linears(op, exact)]
+        if swapped:  # vLLM's CPU ops are not traceable: no static decode step over them
+            setattr(op, "static_decode", False)  # noqa: B010 (an instance flag over the class's)
+        switched += swapped
         cls = _KERNEL_OPERATORS.get(type(op))
         if cls is not None:
             why = cls.unsupported(op)
@@ -320,6 +323,8 @@ class _KernelOperator:
 
     kernel: str
     _context_lens: dict[str, int]
+    _rows: dict[str, int]
+    static_decode = False  # vLLM's CPU ops have no tracing (fake tensor) implementations
 
     @classmethod
     def unsupported(cls, op: Any) -> str | None:
@@ -330,7 +335,7 @@ class _KernelOperator:
     def from_operator(cls, op: Any) -> Any:
         new = cls.__new__(cls)
         new.__dict__.update(op.__dict__)  # weights and settings; per-request state starts empty
-        new._context_lens = {}
+        new._context_lens, new._rows = {}, {}
         new._setup_kernel()
         return new
 

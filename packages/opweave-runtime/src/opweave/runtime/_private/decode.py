@@ -1,0 +1,168 @@
+"""The static-shape decode step: a segment's operators over a fixed number of rows.
+
+A decode step (every request runs one new token after some cached ones) is where a serving
+rank spends its time, and the per-request form of the operators (a Python loop over requests in
+attention, the experts a batch happens to route to) makes its cost and its shapes depend on the
+batch. :class:`DecodeStep` runs the same operators on shapes fixed at install:
+
+- the step has ``size`` rows (a rank: its replica's slots in the microbatch); request ``i`` sits
+  at row ``place[i]`` and the other rows are padding;
+- stateful operators keep their state in slabs with one row per state row (a rank: per slot of
+  its replica) plus a scratch row; padding rows read and write the scratch row;
+- the schedule reaches the operators as two tensors (:class:`~.batch.StepMeta`): each row's
+  position and state row. Attention masks the slots past a row's position; the experts gather
+  each row's own top-k weights.
+
+No operator synchronises with the host inside the step, so it traces as one graph:
+``compile="inductor"`` runs it through ``torch.compile(fullgraph=True)`` (a graph break is an
+error, not a silent fallback) with inductor's C++ wrapper, so each segment's step is one native
+program, launched once per token with no Python between its kernels. The
+host does only the bookkeeping around it (:meth:`~.ops.StatefulOperator.begin_step`): checking
+each request's length, and moving a request's prefilled state into its slab row the first time
+it decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import OpWeaveRuntimeError
+from .batch import BatchMeta, StepMeta, TokenBatch
+from .ops import Operator, PackedWeight, StatefulOperator
+from .tensor_parallel import TPComm, run_ops
+
+COMPILERS = ("inductor", "aot_eager", "eager")  # torch.compile backends a step may use
+# how a rank runs its decode steps (``opweave run --decode-step``): the operators' per-request
+# form; the static step run op by op; compiled by inductor into one program per segment; or
+# traced as one graph but run op by op (aot_eager: checks the trace without compiling code)
+DECODE_STEPS = {"per-request": None, "static": None, "compiled": "inductor", "traced": "aot_eager"}
+_NO_META = BatchMeta((), (), ())  # a static step's batch: the schedule is in ``batch.step``
+
+
+def is_decode(meta: BatchMeta) -> bool:
+    """Every request runs exactly one new token after at least one cached token."""
+    return (
+        bool(meta.request_ids)
+        and all(q == 1 for q in meta.query_lens)
+        and min(meta.context_lens) > 0
+    )
+
+
+def why_not_static(ops: Sequence[Operator]) -> str | None:
+    """The first operator that cannot run a static decode step, and why (None: all can)."""
+    for op in ops:
+        where = f"{'' if op.layer is None else f'L{op.layer}.'}{op.name}"
+        if not op.static_decode:
+            return f"{where} ({type(op).__name__}) runs a kernel without a traceable form"
+        if any(isinstance(v, PackedWeight) for v in vars(op).values()):
+            return f"{where} multiplies by a prepacked vLLM weight, which does not trace"
+    return None
+
+
+class DecodeStep:
+    """A segment's decode step on ``size`` rows, run eagerly or as one compiled graph."""
+
+    def __init__(
+        self,
+        ops: Sequence[Operator],
+        comm: TPComm | None,
+        size: int,
+        *,
+        reserved_rows: int = 0,
+        compile: str | None = None,
+    ) -> None:
+        why = why_not_static(ops)
+        if why is not None:
+            raise OpWeaveRuntimeError(f"no static decode step: {why}; use --kernels opweave")
+        self.ops = list(ops)
+        self.stateful = [op for op in self.ops if isinstance(op, StatefulOperator)]
+        self.comm = comm
+        self.size = size
+        self.reserved_rows = reserved_rows
+        self.device = self.ops[0].device if self.ops else torch.device("cpu")
+        fn: Callable[..., dict[str, torch.Tensor]] = self._step
+        if compile is not None:
+            if compile not in COMPILERS:
+                raise OpWeaveRuntimeError(
+                    f"unknown compiler {compile!r}; one of {', '.join(COMPILERS)}"
+                )
+            _allow_many_graphs()
+            # inductor's C++ wrapper: the step is one native call (no Python between kernels)
+            options: dict[str, Any] | None = None
+            if compile == "inductor":
+                options = {"cpp_wrapper": True}
+            fn = torch.compile(
+                fn, fullgraph=True, dynamic=False, backend=compile, options=options
+            )
+        self.native = compile == "inductor"
+        self._fn = fn
+
+    def _step(
+        self, tensors: dict[str, torch.Tensor], positions: torch.Tensor, rows: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        batch = TokenBatch(_NO_META, tensors, StepMeta(positions, rows))
+        return run_ops(self.ops, batch, self.comm).tensors
+
+    def __call__(self, batch: TokenBatch, place: Sequence[int] | None = None) -> TokenBatch:
+        """Run ``batch`` (a decode step, :func:`is_decode`) with request ``i`` at row
+        ``place[i]`` (default: row ``i``)."""
+        meta = batch.meta
+        n, size = len(meta.request_ids), self.size
+        place = list(range(n)) if place is None else list(place)
+        if len(place) != n or len(set(place)) != n or not all(0 <= p < size for p in place):
+            raise OpWeaveRuntimeError(f"a decode step of {size} rows cannot place rows {place}")
+        rows = self._state_rows(meta.request_ids)
+        if rows:
+            scratch = max(max(rows) + 1, self.reserved_rows)
+            for op in self.stateful:
+                op.begin_step(meta.request_ids, meta.context_lens, scratch + 1)
+        else:
+            scratch = 0
+        padded = n != size or place != list(range(n))
+        at = torch.tensor(place, dtype=torch.int64, device=self.device)
+        positions = torch.zeros(size, dtype=torch.int64)
+        positions[place] = torch.tensor(meta.context_lens, dtype=torch.int64)
+        state_rows = torch.full((size,), scratch, dtype=torch.int64)
+        if rows:
+            state_rows[place] = torch.tensor(rows, dtype=torch.int64)
+        tensors = batch.tensors
+        if padded:
+            tensors = {}
+            for name, t in batch.tensors.items():
+                full = t.new_zeros((size, *t.shape[1:]))
+                full[at] = t
+                tensors[name] = full
+        out = self._fn(tensors, positions.to(self.device), state_rows.to(self.device))
+        for op in self.stateful:
+            op.end_step(meta.request_ids)
+        if padded:
+            out = {name: t[at] for name, t in out.items()}
+        return TokenBatch(meta, out)
+
+    def _state_rows(self, request_ids: Sequence[str]) -> list[int]:
+        """Each request's state row (every stateful operator of a stage admits alike)."""
+        if not self.stateful:
+            return []
+        first = self.stateful[0]
+        rows = [first.row_of(rid) for rid in request_ids]
+        for op in self.stateful[1:]:
+            if [op.row_of(rid) for rid in request_ids] != rows:
+                raise OpWeaveRuntimeError(
+                    f"L{op.layer}.{op.name} holds the requests in other state rows than "
+                    f"L{first.layer}.{first.name}; admit requests through the stage"
+                )
+        return rows
+
+
+def _allow_many_graphs() -> None:
+    """One compiled graph per segment and step size: a rank may hold many more than dynamo's
+    default of 8 per function before it would stop compiling."""
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    config.cache_size_limit = max(config.cache_size_limit, 256)
+    config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 1024)
+    config.fail_on_recompile_limit_hit = True  # never fall back to eager unnoticed

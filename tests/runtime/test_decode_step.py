@@ -1,0 +1,160 @@
+"""The static-shape decode step: one traceable graph per segment, tokens still transformers'."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from opweave.costmodel import canonical_plan, load_model
+from opweave.runtime import (
+    TINY_CONFIGS,
+    BatchMeta,
+    LocalModel,
+    Request,
+    StageModule,
+    TokenBatch,
+    operator_sequence,
+    run_plan,
+)
+from opweave.runtime._private.decode import DecodeStep
+
+MAX_NEW_TOKENS = 12
+
+
+def _cut_after_attention(model_dir) -> list[int]:
+    """Cuts that put layer 0's core_attn in a segment of its own, as CAD does: segments then
+    begin and end at q/k/v, at attention's output and mid-layer."""
+    seq = operator_sequence(model_dir)
+    attn = next(i for i, ref in enumerate(seq) if ref[1] == "core_attn")
+    return [attn, attn + 1]
+
+
+@pytest.mark.parametrize("family", tuple(TINY_CONFIGS))
+def test_every_segments_decode_step_traces_as_one_graph(family, tiny_model, hf_greedy, prompts):
+    """torch.compile(fullgraph=True) of each segment's decode step (a graph break would raise),
+    and the traced steps' greedy tokens equal transformers'."""
+    model_dir = tiny_model(family)
+    model = LocalModel(model_dir, cuts=_cut_after_attention(model_dir), decode_step="traced")
+
+    ours = model.generate(prompts, MAX_NEW_TOKENS)
+
+    assert ours == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    for stage in model.stages:  # every segment's decode ran as its traced step
+        assert stage.static_decode == "aot_eager"
+        assert stage._steps and all(key[2] == len(prompts) for key in stage._steps)
+
+
+def test_a_graph_break_in_a_step_is_an_error(tiny_model, monkeypatch):
+    """fullgraph: an operator that reads a tensor back to the host fails the trace, rather than
+    silently splitting the step into several programs."""
+    from opweave.runtime._private.ops import FinalNorm
+
+    model_dir = tiny_model("llama")
+    stage = StageModule.whole_model(model_dir)
+    stage.use_static_decode(compile="aot_eager")
+    forward = FinalNorm.forward
+
+    def host_sync(self, batch):
+        if float(batch["hidden"].sum()) > 1e30:  # .item(): a host synchronisation
+            raise AssertionError
+        return forward(self, batch)
+
+    monkeypatch.setattr(FinalNorm, "forward", host_sync)
+    stage.admit("a")
+    stage(TokenBatch(BatchMeta(("a",), (3,), (0,)), {"token_ids": torch.tensor([5, 6, 7])}))
+    with pytest.raises(Exception, match="(?i)graph break|unsupported|data-dependent|item"):
+        stage.run(TokenBatch(BatchMeta(("a",), (1,), (3,)), {"token_ids": torch.tensor([8])}))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next", "mixtral"])
+def test_padding_rows_leave_requests_outside_the_step_intact(family, tiny_model):
+    """A rank's step has a row per slot: requests sit at their slot's row, empty rows pad, and
+    a held request that is not in a step (its row padded) continues as if never touched."""
+    model_dir = tiny_model(family)
+    plain, static = StageModule.whole_model(model_dir), StageModule.whole_model(model_dir)
+    static.use_static_decode(rows=4, tokens=8)  # slabs smaller than the contexts: they grow
+    rids, prompts = ("a", "b", "c"), ([5, 6, 7], list(range(10, 21)), [9, 4])
+    last: dict[str, dict[str, int]] = {"plain": {}, "static": {}}
+    ctx = {rid: len(p) for rid, p in zip(rids, prompts, strict=True)}
+    for name, stage in (("plain", plain), ("static", static)):
+        stage.admit(list(rids), rows=[3, 0, 1])
+        for rid, p in zip(rids, prompts, strict=True):
+            meta = BatchMeta((rid,), (len(p),), (0,))
+            last[name][rid] = int(
+                stage(TokenBatch(meta, {"token_ids": torch.tensor(p)}))["token_ids"][0]
+            )
+
+    def decode(stage: StageModule, name: str, who: tuple[str, ...], rows: list[int]) -> None:
+        meta = BatchMeta(who, (1,) * len(who), tuple(ctx[r] for r in who))
+        ids = torch.tensor([last[name][r] for r in who])
+        out = stage.run(TokenBatch(meta, {"token_ids": ids}), size=4, place=rows)
+        last[name].update(zip(who, out["token_ids"].tolist(), strict=True))
+
+    schedule = [(("a", "c"), [3, 1])] * 6 + [(("b",), [0])] * 3 + [(rids, [3, 0, 1])] * 12
+    for who, rows in schedule:
+        decode(plain, "plain", who, rows)
+        decode(static, "static", who, rows)
+        assert last["static"] == last["plain"], who
+        for r in who:
+            ctx[r] += 1
+    assert len(static._steps) == 1  # one step of 4 rows served every schedule
+    # run eagerly, a static step still launches its operators one by one
+    assert static.submissions == plain.submissions == (len(rids) + len(schedule)) * len(
+        static.operators
+    )
+
+
+def test_a_step_refuses_a_row_outside_it(tiny_model):
+    stage = StageModule.whole_model(tiny_model("llama"))
+    step = DecodeStep(stage.operators, None, 2)
+    stage.admit("a")
+    with pytest.raises(Exception, match="cannot place rows"):
+        step(TokenBatch(BatchMeta(("a",), (1,), (1,)), {"token_ids": torch.tensor([1])}), [2])
+
+
+@pytest.mark.parametrize(
+    ("strategy", "tp", "replicas", "decode_step"),
+    [
+        ("colocated", 1, 1, "compiled"),
+        ("colocated", 2, 1, "traced"),
+        ("cad", 2, 2, "static"),
+        ("afd", 1, 1, "static"),
+    ],
+)
+def test_plans_serve_the_same_tokens_with_static_steps(
+    strategy, tp, replicas, decode_step, tiny_model
+):
+    """Over rank processes (TP all-reduces inside the traced graph, replicas, microbatches, a
+    rank's slots padding its step) the tokens equal the per-request runtime's; each rank says how
+    it ran, and a compiled step is one launch per segment and token."""
+    model_dir = tiny_model("qwen3")
+    spec = load_model(model_dir)
+    plan = canonical_plan(spec, strategy, gpu="cpu", batch=4, microbatches=2)
+    owners = [
+        ow.model_copy(update={"tp": tp, "replicas": replicas, "resident_batch": 4 // replicas})
+        for ow in plan.owners
+    ]
+    plan = plan.model_copy(update={"owners": tuple(owners)})
+    requests = [Request(tuple(range(5, 8 + 3 * i)), MAX_NEW_TOKENS) for i in range(3)]
+
+    base = run_plan(plan, model_dir, requests, timeout_s=300, device="cpu")
+    static = run_plan(
+        plan, model_dir, requests, timeout_s=300, device="cpu", decode_step=decode_step
+    )
+    assert base is not None and static is not None
+
+    assert [o.token_ids for o in static.outputs] == [o.token_ids for o in base.outputs]
+    for before, after in zip(base.ranks, static.ranks, strict=True):
+        assert (before.decode_step, after.decode_step) == ("per-request", decode_step)
+        assert after.host_s_per_token >= 0
+        if decode_step != "compiled":  # the operators still launch one by one
+            assert after.submissions_per_token == before.submissions_per_token
+            continue
+        # the prefill iteration launches every operator of every action (microbatch), each
+        # decode iteration one program per action
+        actions = after.computes_per_iteration
+        per_iteration = actions * len(operator_sequence(model_dir))
+        worked = round(before.submissions_per_token * before.iterations) // per_iteration
+        launches = round(after.submissions_per_token * after.iterations)
+        assert launches == per_iteration + (worked - 1) * actions
+        assert worked == MAX_NEW_TOKENS  # one prefill and 11 decode iterations ran
