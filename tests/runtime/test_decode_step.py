@@ -66,18 +66,32 @@ def test_a_graph_break_in_a_step_is_an_error(tiny_model, monkeypatch):
         stage.run(TokenBatch(BatchMeta(("a",), (1,), (3,)), {"token_ids": torch.tensor([8])}))
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next", "mixtral"])
-def test_padding_rows_leave_requests_outside_the_step_intact(family, tiny_model):
+@pytest.mark.parametrize(
+    ("family", "reserved", "state_rows"),
+    [
+        ("llama", 4, [3, 0, 1]),
+        ("gemma3_text", 4, [3, 0, 1]),
+        ("qwen3_next", 4, [3, 0, 1]),
+        ("mixtral", 4, [3, 0, 1]),
+        # nothing reserved, and the request left out holds the row after the step's rows: the
+        # padding must still write past every held row
+        ("llama", 0, [0, 2, 1]),
+        ("qwen3_next", 0, [0, 2, 1]),
+    ],
+)
+def test_padding_rows_leave_requests_outside_the_step_intact(
+    family, reserved, state_rows, tiny_model
+):
     """A rank's step has a row per slot: requests sit at their slot's row, empty rows pad, and
     a held request that is not in a step (its row padded) continues as if never touched."""
     model_dir = tiny_model(family)
     plain, static = StageModule.whole_model(model_dir), StageModule.whole_model(model_dir)
-    static.use_static_decode(rows=4, tokens=8)  # slabs smaller than the contexts: they grow
+    static.use_static_decode(rows=reserved, tokens=8)  # slabs smaller than the contexts
     rids, prompts = ("a", "b", "c"), ([5, 6, 7], list(range(10, 21)), [9, 4])
     last: dict[str, dict[str, int]] = {"plain": {}, "static": {}}
     ctx = {rid: len(p) for rid, p in zip(rids, prompts, strict=True)}
     for name, stage in (("plain", plain), ("static", static)):
-        stage.admit(list(rids), rows=[3, 0, 1])
+        stage.admit(list(rids), rows=state_rows)
         for rid, p in zip(rids, prompts, strict=True):
             meta = BatchMeta((rid,), (len(p),), (0,))
             last[name][rid] = int(
@@ -99,8 +113,10 @@ def test_padding_rows_leave_requests_outside_the_step_intact(family, tiny_model)
             ctx[r] += 1
     assert len(static._steps) == 1  # one step of 4 rows served every schedule
     # run eagerly, a static step still launches its operators one by one
-    assert static.submissions == plain.submissions == (len(rids) + len(schedule)) * len(
-        static.operators
+    assert (
+        static.submissions
+        == plain.submissions
+        == (len(rids) + len(schedule)) * len(static.operators)
     )
 
 

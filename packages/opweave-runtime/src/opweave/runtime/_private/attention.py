@@ -218,7 +218,9 @@ class CoreAttention(StatefulOperator):
     def begin_step(
         self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int
     ) -> None:
-        self._grow_slabs(rows, max(context_lens, default=0) + 1)
+        # one slot of headroom: a span never fills the slab, so a compiled step's trace never
+        # sees the two sizes equal (and recompiles when they are not)
+        self._grow_slabs(rows, max(context_lens, default=0) + 2)
         assert self._slabs is not None
         keys, values = self._slabs
         for rid, start in zip(request_ids, context_lens, strict=True):
@@ -230,13 +232,17 @@ class CoreAttention(StatefulOperator):
                 values[row, :, :used] = state.v[:, :used]
                 state.k, state.v = keys[row], values[row]
 
+    def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        return [(slab, (0, 2)) for slab in self._slabs or ()]
+
     def end_step(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._states[rid].length += 1
 
     def _decode_static(self, batch: TokenBatch) -> TokenBatch:
         """One new token per row, all rows at once: store each row's key/value at its position's
-        slot, attend over the row's whole slab row with the slots past its position masked."""
+        slot, attend over the row's first ``span`` slots (a sliding layer: its whole ring) with
+        the slots past its position masked."""
         assert batch.step is not None and self._slabs is not None
         keys, values = self._slabs
         rows, pos = batch.step.rows, batch.step.positions
@@ -244,6 +250,8 @@ class CoreAttention(StatefulOperator):
         keys[rows, :, slot] = batch["k"]
         values[rows, :, slot] = batch["v"]
         k, v = keys[rows], values[rows]  # [B, kv_heads, capacity, head_dim]
+        if self.window is None:  # no row holds a slot past the span (begin_step grew them)
+            k, v = k.narrow(2, 0, batch.step.span), v.narrow(2, 0, batch.step.span)
         visible = torch.arange(k.shape[2], device=pos.device)[None, :] <= pos[:, None]
         q = batch["q"][:, :, None, :]  # [B, heads, 1, head_dim]
         if self.arch.attn_softcap is not None:

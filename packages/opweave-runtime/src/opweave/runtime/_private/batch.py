@@ -107,13 +107,15 @@ class StepMeta:
 
     Every row is one request's single new token: ``positions[i]`` is its position (the tokens it
     already holds) and ``rows[i]`` the row of the stage's state slabs it reads and writes (a
-    padding row names the slabs' scratch row). Nothing here is a Python number, so one compiled
+    padding row names the slabs' scratch row). ``span`` is one more than the largest position:
+    how many slots of a slab row attention has to read. Compiled, it is a symbolic size, so one
     graph serves every step whatever the requests and their lengths.
     """
 
-    def __init__(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
+    def __init__(self, positions: torch.Tensor, rows: torch.Tensor, span: int) -> None:
         self.positions = positions
         self.rows = rows
+        self.span = span
         self._shared: dict[Hashable, Any] = {}
 
     def shared(self, key: Hashable, make: Callable[[], T]) -> T:

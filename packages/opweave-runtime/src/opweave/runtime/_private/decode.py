@@ -13,6 +13,9 @@ batch. :class:`DecodeStep` runs the same operators on shapes fixed at install:
   position and state row. Attention masks the slots past a row's position; the experts gather
   each row's own top-k weights.
 
+The number of rows is static; how far attention reads (the largest position) and the slabs' sizes
+are symbolic, so neither longer contexts nor grown slabs recompile anything.
+
 No operator synchronises with the host inside the step, so it traces as one graph:
 ``compile="inductor"`` runs it through ``torch.compile(fullgraph=True)`` (a graph break is an
 error, not a silent fallback) with inductor's C++ wrapper, so each segment's step is one native
@@ -90,20 +93,26 @@ class DecodeStep:
                     f"unknown compiler {compile!r}; one of {', '.join(COMPILERS)}"
                 )
             _allow_many_graphs()
-            # inductor's C++ wrapper: the step is one native call (no Python between kernels)
+            # one native submission per step: on CPU inductor's C++ wrapper (no Python between
+            # kernels), on CUDA a CUDA-graph replay
             options: dict[str, Any] | None = None
             if compile == "inductor":
-                options = {"cpp_wrapper": True}
-            fn = torch.compile(
-                fn, fullgraph=True, dynamic=False, backend=compile, options=options
-            )
+                cuda = self.device.type == "cuda"
+                options = {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True}
+            fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile, options=options)
         self.native = compile == "inductor"
+        self.compiled = compile is not None
         self._fn = fn
 
     def _step(
-        self, tensors: dict[str, torch.Tensor], positions: torch.Tensor, rows: torch.Tensor
+        self,
+        tensors: dict[str, torch.Tensor],
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        span: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        batch = TokenBatch(_NO_META, tensors, StepMeta(positions, rows))
+        # ``span``'s length is the slots attention reads (a dynamic size when compiled)
+        batch = TokenBatch(_NO_META, tensors, StepMeta(positions, rows, span.shape[0]))
         return run_ops(self.ops, batch, self.comm).tensors
 
     def __call__(self, batch: TokenBatch, place: Sequence[int] | None = None) -> TokenBatch:
@@ -115,8 +124,8 @@ class DecodeStep:
         if len(place) != n or len(set(place)) != n or not all(0 <= p < size for p in place):
             raise OpWeaveRuntimeError(f"a decode step of {size} rows cannot place rows {place}")
         rows = self._state_rows(meta.request_ids)
-        if rows:
-            scratch = max(max(rows) + 1, self.reserved_rows)
+        if rows:  # past every held request's row, not only this step's
+            scratch = max(self.stateful[0].highest_row() + 1, self.reserved_rows)
             for op in self.stateful:
                 op.begin_step(meta.request_ids, meta.context_lens, scratch + 1)
         else:
@@ -135,7 +144,16 @@ class DecodeStep:
                 full = t.new_zeros((size, *t.shape[1:]))
                 full[at] = t
                 tensors[name] = full
-        out = self._fn(tensors, positions.to(self.device), state_rows.to(self.device))
+        span = torch.empty(max(meta.context_lens) + 1, dtype=torch.uint8)
+        if self.compiled:  # one graph for every span and slab size: growing recompiles nothing
+            from torch._dynamo import maybe_mark_dynamic
+
+            maybe_mark_dynamic(span, 0)
+            for op in self.stateful:
+                for slab, dims in op.growing_dims():
+                    for dim in dims:
+                        maybe_mark_dynamic(slab, dim)
+        out = self._fn(tensors, positions.to(self.device), state_rows.to(self.device), span)
         for op in self.stateful:
             op.end_step(meta.request_ids)
         if padded:

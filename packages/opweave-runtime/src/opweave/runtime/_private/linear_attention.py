@@ -263,6 +263,9 @@ class LinearCoreAttention(StatefulOperator):
                 recurrent[row] = self._recurrent[rid]
                 self._conv[rid], self._recurrent[rid] = conv[row], recurrent[row]
 
+    def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        return [(slab, (0,)) for slab in self._slabs or ()]
+
     def _decode_static(self, batch: TokenBatch) -> TokenBatch:
         """One new token per row, all rows at once, each on its row of the slabs."""
         assert batch.step is not None and self._slabs is not None

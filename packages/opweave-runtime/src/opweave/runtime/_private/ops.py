@@ -194,6 +194,10 @@ class StatefulOperator(Operator):
     def row_of(self, request_id: str) -> int:
         return self._rows[request_id]
 
+    def highest_row(self) -> int:
+        """The highest state row an admitted request holds (-1: none)."""
+        return max(self._rows.values(), default=-1)
+
     def reserve(self, rows: int, tokens: int) -> None:
         """Size the state slabs for ``rows`` requests of up to ``tokens`` tokens (plus the
         scratch row), so a static decode step's shapes stay fixed."""
@@ -210,6 +214,11 @@ class StatefulOperator(Operator):
 
     def end_step(self, request_ids: Sequence[str]) -> None:
         """Host side of a static decode step, after it ran."""
+
+    def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """The state slabs and their dimensions that grow (rows, tokens), which a compiled
+        step treats as symbolic sizes."""
+        return []
 
     @property
     def request_ids(self) -> tuple[str, ...]:

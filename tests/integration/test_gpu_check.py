@@ -1,0 +1,35 @@
+"""tools/gpu/check.py, the device check, rehearsed on CPU (--quick): its figures and profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from opweave.costmodel import Profile
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_device_check_rehearses_on_cpu(tmp_path):
+    out = tmp_path / "check"
+    proc = subprocess.run(
+        [sys.executable, "tools/gpu/check.py", "--out", str(out), "--device", "cpu", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    figures = json.loads((out / "figures.json").read_text())
+    assert figures["environment"]["device"] == "cpu"
+    rows = figures["tokens"]["rows"]
+    # two families, one stage and three, per-request and traced steps
+    assert len(rows) == 8 and all(r["equal_to_transformers"] for r in rows)
+    sub = figures["submission"]
+    assert sub["ok"] and sub["traced_tokens_equal"] and sub["per-request_ms_per_token"] > 0
+    (row,) = figures["profiles"]["rows"]
+    assert row["ok"] and row["tables"] > 0
+    profile = Profile.model_validate_json(Path(row["profile"]).read_text())
+    assert profile.ops
