@@ -137,13 +137,13 @@ class DecodeStep:
         state_rows = torch.full((size,), scratch, dtype=torch.int64)
         if rows:
             state_rows[place] = torch.tensor(rows, dtype=torch.int64)
-        tensors = batch.tensors
-        if padded:
-            tensors = {}
-            for name, t in batch.tensors.items():
-                full = t.new_zeros((size, *t.shape[1:]))
-                full[at] = t
-                tensors[name] = full
+        # fresh inputs every step, padded or not: the compiled graph's guards see tensors of
+        # one kind (made here, under the stage's inference mode), whatever made the batch's
+        tensors = {}
+        for name, t in batch.tensors.items():
+            full = t.new_zeros((size, *t.shape[1:]))
+            full[at] = t
+            tensors[name] = full
         span = torch.empty(max(meta.context_lens) + 1, dtype=torch.uint8)
         if self.compiled:  # one graph for every span and slab size: growing recompiles nothing
             from torch._dynamo import maybe_mark_dynamic
