@@ -186,7 +186,7 @@ class CoreAttention(StatefulOperator):
 
     def _grow_slabs(self, rows: int, capacity: int) -> None:
         """At least ``rows`` rows of ``capacity`` tokens; a slab that must grow doubles what is
-        short (few regrowths, each of which a compiled step recompiles for)."""
+        short, so it regrows (a copy of the whole slab) only a few times."""
         old = self._slabs
         if old is not None:
             have_rows, have_capacity = old[0].shape[0], old[0].shape[2]

@@ -201,13 +201,21 @@ class LinearCoreAttention(StatefulOperator):
         # views of its row when it first decodes that way
         self._slabs: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    def _init_state(self, request_id: str) -> None:
+    @property
+    def conv_shape(self) -> tuple[int, int]:
+        """One request's conv state: its last ``conv_kernel - 1`` inputs per channel."""
+        return self.la.conv_dim, self.la.conv_kernel - 1
+
+    @property
+    def recurrent_shape(self) -> tuple[int, int, int]:
+        """One request's recurrent state (float32): ``[v_heads, k_head_dim, v_head_dim]``."""
         la = self.la
-        self._conv[request_id] = torch.zeros(
-            la.conv_dim, la.conv_kernel - 1, dtype=self.dtype, device=self.device
-        )
+        return la.num_v_heads, la.k_head_dim, la.v_head_dim
+
+    def _init_state(self, request_id: str) -> None:
+        self._conv[request_id] = torch.zeros(self.conv_shape, dtype=self.dtype, device=self.device)
         self._recurrent[request_id] = torch.zeros(
-            la.num_v_heads, la.k_head_dim, la.v_head_dim, dtype=torch.float32, device=self.device
+            self.recurrent_shape, dtype=torch.float32, device=self.device
         )
 
     def _drop_state(self, request_id: str) -> None:
@@ -227,19 +235,9 @@ class LinearCoreAttention(StatefulOperator):
             if old[0].shape[0] >= rows:
                 return
             rows = max(rows, 2 * old[0].shape[0])
-        la = self.la
         new = (
-            torch.zeros(
-                rows, la.conv_dim, la.conv_kernel - 1, dtype=self.dtype, device=self.device
-            ),
-            torch.zeros(
-                rows,
-                la.num_v_heads,
-                la.k_head_dim,
-                la.v_head_dim,
-                dtype=torch.float32,
-                device=self.device,
-            ),
+            torch.zeros((rows, *self.conv_shape), dtype=self.dtype, device=self.device),
+            torch.zeros((rows, *self.recurrent_shape), dtype=torch.float32, device=self.device),
         )
         if old is not None:
             for slab, prev in zip(new, old, strict=True):

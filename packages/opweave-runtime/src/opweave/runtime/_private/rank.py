@@ -335,6 +335,8 @@ class StageWorker:
         line = self.clock.timeline
         loop = line["end_s"][-1] if line["end_s"] else 0.0
         comm = self.transport.comm_s
+        overhead = max(loop - self.clock.compute_s - comm, 0.0)
+        iterations = max(self.iterations, 1)
         return {
             "rank": self.rank,
             "owner": info.owner,
@@ -351,14 +353,13 @@ class StageWorker:
             "busy_s": self.clock.compute_s,
             "comm_s": comm,
             "loop_s": loop,
-            "overhead_s": max(loop - self.clock.compute_s - comm, 0.0),
+            "overhead_s": overhead,
             "wait": "spin" if self.transport.spin_s > 0 else "block",
             "iterations": self.iterations,
             "computes_per_iteration": len(self.actions),
             "decode_step": self.spec.decode_step,
-            "submissions_per_token": self.module.submissions / max(self.iterations, 1),
-            "host_s_per_token": max(loop - self.clock.compute_s - comm, 0.0)
-            / max(self.iterations, 1),
+            "submissions_per_token": self.module.submissions / iterations,
+            "host_s_per_token": overhead / iterations,
             "timeline": line,
             "requests_held_at_end": len(self.held),
             "state_bytes_at_end": self.module.state_bytes(),

@@ -110,8 +110,8 @@ class StageModule:
         self, *, rows: int = 0, tokens: int = 0, compile: str | None = None
     ) -> None:
         """Run decode steps static-shape (:mod:`.decode`), on state slabs sized up front for
-        ``rows`` requests of ``tokens`` tokens (they grow if exceeded, which recompiles), and
-        compiled with the torch.compile backend ``compile`` (None: eagerly)."""
+        ``rows`` requests of ``tokens`` tokens (they grow if exceeded), and compiled with the
+        torch.compile backend ``compile`` (None: eagerly)."""
         why = why_not_static(self.operators)
         if why is not None:
             raise OpWeaveRuntimeError(f"no static decode step: {why}; use --kernels opweave")

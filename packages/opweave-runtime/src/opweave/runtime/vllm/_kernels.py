@@ -620,21 +620,14 @@ class ChunkedDeltaRuleAttention(_KernelOperator, LinearCoreAttention):
         return None
 
     def _setup_kernel(self) -> None:
-        la = self.la
         self._pool = torch.zeros(
-            _MIN_BLOCKS,
-            la.num_v_heads,
-            la.k_head_dim,
-            la.v_head_dim,
-            dtype=torch.float32,
-            device=self.device,
+            (_MIN_BLOCKS, *self.recurrent_shape), dtype=torch.float32, device=self.device
         )
         self._conv, self._recurrent = {}, {}
         self._slot: dict[str, int] = {}
         self._free_slots = list(range(_MIN_BLOCKS - 1, -1, -1))
 
     def _init_state(self, request_id: str) -> None:
-        la = self.la
         if not self._free_slots:
             old = self._pool
             self._pool = torch.cat((old, torch.zeros_like(old)))
@@ -645,9 +638,7 @@ class ChunkedDeltaRuleAttention(_KernelOperator, LinearCoreAttention):
         self._slot[request_id] = slot
         self._pool[slot].zero_()
         self._recurrent[request_id] = self._pool[slot]
-        self._conv[request_id] = torch.zeros(
-            la.conv_dim, la.conv_kernel - 1, dtype=self.dtype, device=self.device
-        )
+        self._conv[request_id] = torch.zeros(self.conv_shape, dtype=self.dtype, device=self.device)
 
     def _drop_state(self, request_id: str) -> None:
         super()._drop_state(request_id)
