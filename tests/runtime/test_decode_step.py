@@ -163,6 +163,10 @@ def test_plans_serve_the_same_tokens_with_static_steps(
     for before, after in zip(base.ranks, static.ranks, strict=True):
         assert (before.decode_step, after.decode_step) == ("per-request", decode_step)
         assert after.host_s_per_token >= 0
+        if decode_step in ("compiled", "traced"):  # compiled at the warm-up, not by traffic
+            assert after.warm_up_s > 0 and after.traffic_compiles == 0
+        else:
+            assert after.warm_up_s == 0
         if decode_step != "compiled":  # the operators still launch one by one
             assert after.submissions_per_token == before.submissions_per_token
             continue

@@ -22,11 +22,20 @@ COMMON = {
 }
 
 
-def _generate(model_dir, **kwargs) -> list[list[int]]:
+def _generate(model_dir, sampled=(), **kwargs) -> list[list[int]]:
+    """Greedy tokens, except for the prompts in ``sampled`` (temperature 1, a seed each)."""
     import vllm
 
     llm = vllm.LLM(model=str(model_dir), **COMMON, **kwargs)
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = [
+        vllm.SamplingParams(
+            temperature=1.0 if i in sampled else 0.0,
+            seed=i if i in sampled else None,
+            max_tokens=MAX_TOKENS,
+            ignore_eos=True,
+        )
+        for i in range(len(PROMPTS))
+    ]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     llm.llm_engine.engine_core.shutdown()
@@ -93,3 +102,22 @@ def test_executor_by_dotted_name_with_plan_file(model_dir, plain_vllm, tmp_path)
     )
     # a global batch of 2 holds at most 2 of the 4 requests at a time: same tokens
     assert tokens == plain_vllm
+
+
+def test_a_traced_decode_step_serves_greedy_and_sampled_requests(model_dir, plain_vllm) -> None:
+    """With ``opweave_decode_step`` the ranks compile their decode steps before vLLM's engine
+    is up (the warm-up); a step then serves greedy and sampled requests side by side: the
+    greedy ones keep plain vLLM's tokens, the sampled ones get their tokens from the step's
+    logits."""
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, OpWeaveExecutor
+
+    plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=4, microbatches=2)
+    tokens = _generate(
+        model_dir,
+        sampled=(1, 3),
+        distributed_executor_backend=OpWeaveExecutor,
+        additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: "traced"},
+    )
+    assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
+    assert (tokens[0], tokens[2]) == (plain_vllm[0], plain_vllm[2])

@@ -43,18 +43,9 @@ SERVERS = {
     "afd": ["--strategy", "afd"],
     "cad": ["--strategy", "cad"],
     "tp2": ["--strategy", "colocated", "--tp", "2"],
-    # the static decode step compiled into one native program (the runtime's own operators);
-    # the rank compiles it during the warm-up request
-    "compiled": [
-        "--strategy",
-        "colocated",
-        "--decode-step",
-        "compiled",
-        "--kernels",
-        "opweave",
-        "--timeout-s",
-        "900",
-    ],
+    # the static decode step compiled into one native program (the runtime's own operators),
+    # before the server reports healthy
+    "compiled": ["--strategy", "colocated", "--decode-step", "compiled", "--kernels", "opweave"],
 }
 
 

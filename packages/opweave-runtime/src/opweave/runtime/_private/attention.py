@@ -216,11 +216,11 @@ class CoreAttention(StatefulOperator):
         self._slabs = new
 
     def begin_step(
-        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int
+        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int, span: int = 0
     ) -> None:
         # one slot of headroom: a span never fills the slab, so a compiled step's trace never
         # sees the two sizes equal (and recompiles when they are not)
-        self._grow_slabs(rows, max(context_lens, default=0) + 2)
+        self._grow_slabs(rows, max(max(context_lens, default=0) + 1, span) + 1)
         assert self._slabs is not None
         keys, values = self._slabs
         for rid, start in zip(request_ids, context_lens, strict=True):

@@ -56,6 +56,7 @@ from .control import (
     run_secret,
     server_handshake,
 )
+from .decode import DECODE_STEPS
 from .placement import Placement, check_plan, total_ranks
 from .rank import CONTROL_KEY, RankSpec, in_namespace, run_rank
 from .results import RankStats
@@ -287,6 +288,7 @@ class _Conn:
     ready: dict[str, Any] | None = None
     report: dict[str, Any] | None = None
     stats: dict[str, Any] | None = None
+    warmed: bool = False  # compiled its decode steps (Cluster.warm_up)
 
 
 def rank_env(host: str, threads: int) -> dict[str, str]:
@@ -513,6 +515,9 @@ class Cluster:
             self._io = threading.Thread(target=self._loop, name="opweave-driver-io", daemon=True)
             self._io.start()
             self._wait_ready()
+            self.first_iteration = 0  # the drivers' first iteration (1 after a warm-up)
+            if DECODE_STEPS.get(decode_step) is not None:
+                self.warm_up()
         except BaseException:
             self.close()
             raise
@@ -535,6 +540,53 @@ class Cluster:
         """How many result messages one iteration of ``microbatch`` yields (one per replica of
         the last segment's owner that serves it)."""
         return len(self._result_ranks[microbatch])
+
+    def warm_up(self) -> None:
+        """Compile every rank's decode steps before any traffic (``--decode-step compiled`` or
+        ``traced``): compiling a step takes from seconds to minutes, longer than a rank waits
+        for its peers, and would otherwise fall on the first requests.
+
+        Iteration 0 prefills two tokens for a warm-up request in every slot, so each rank sees
+        the inputs of each of its actions; then every rank builds each action's static decode
+        step, runs it once on padding rows (compiling it), frees the warm-up's requests and
+        says so, within ``join_timeout_s``. The drivers start at :attr:`first_iteration`.
+        """
+        m = self.microbatches
+        everyone: list[str] = []
+        for k in range(m):
+            slots = tuple(self.placement.microbatch_slots(k))
+            rids = tuple(f"opweave-warm-up-{s}" for s in slots)
+            everyone += rids
+            n = len(slots)
+            self.submit(
+                Work(
+                    iteration=0,
+                    microbatch=k,
+                    request_ids=rids,
+                    slots=slots,
+                    context_lens=(0,) * n,
+                    query_lens=(2,) * n,
+                    sample=(True,) * n,
+                    token_ids=(0,) * (2 * n),
+                )
+            )
+        for _ in range(sum(self.result_parts(k) for k in range(m))):
+            self.result()
+        start = time.monotonic()
+        for rank in range(self.world):
+            self._send(rank, {"t": "warm", "r": everyone})
+        while True:
+            self.check()
+            waiting = [c.rank for c in self._conns.values() if not c.warmed]
+            if not waiting:
+                break
+            if time.monotonic() - start > self.join_timeout_s:
+                raise RunFailedError(
+                    f"{self.describe(min(waiting))} did not compile its decode steps within "
+                    f"{self.join_timeout_s:g} s (see its log with OPWEAVE_DEBUG=1)"
+                )
+            time.sleep(_POLL_S)
+        self.first_iteration = 1
 
     def submit(self, work: Work) -> None:
         """Send ``work`` to every rank serving its microbatch; its result is then expected
@@ -778,6 +830,8 @@ class Cluster:
                     if not waiting:
                         del self._expected[key]
             self._results.put(msg)
+        elif kind == "warmed":
+            conn.warmed = True
         elif kind == "stats":
             conn.stats = msg["stats"]
         elif kind == "error":

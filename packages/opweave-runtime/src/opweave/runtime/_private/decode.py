@@ -27,7 +27,7 @@ it decodes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -115,6 +115,24 @@ class DecodeStep:
         batch = TokenBatch(_NO_META, tensors, StepMeta(positions, rows, span.shape[0]))
         return run_ops(self.ops, batch, self.comm).tensors
 
+    def warm_up(self, inputs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        """Run the step once with every row padding (nothing held changes), so a compiled step
+        compiles now rather than at its first token. ``inputs``: each input tensor's dtype and
+        shape past the row dimension, as the segment receives them."""
+        scratch = 0
+        if self.stateful:
+            scratch = max(self.stateful[0].highest_row() + 1, self.reserved_rows)
+            for op in self.stateful:
+                op.begin_step((), (), scratch + 1, span=2)
+        tensors = {
+            name: torch.zeros((self.size, *shape), dtype=dtype, device=self.device)
+            for name, (dtype, shape) in inputs.items()
+        }
+        positions = torch.zeros(self.size, dtype=torch.int64)
+        state_rows = torch.full((self.size,), scratch, dtype=torch.int64)
+        # a span of 2, the shortest a decode step has: a size of 1 would be specialised
+        self._launch(tensors, positions, state_rows, torch.empty(2, dtype=torch.uint8))
+
     def __call__(self, batch: TokenBatch, place: Sequence[int] | None = None) -> TokenBatch:
         """Run ``batch`` (a decode step, :func:`is_decode`) with request ``i`` at row
         ``place[i]`` (default: row ``i``)."""
@@ -145,6 +163,20 @@ class DecodeStep:
             full[at] = t
             tensors[name] = full
         span = torch.empty(max(meta.context_lens) + 1, dtype=torch.uint8)
+        out = self._launch(tensors, positions, state_rows, span)
+        for op in self.stateful:
+            op.end_step(meta.request_ids)
+        if padded:
+            out = {name: t[at] for name, t in out.items()}
+        return TokenBatch(meta, out)
+
+    def _launch(
+        self,
+        tensors: dict[str, torch.Tensor],
+        positions: torch.Tensor,
+        state_rows: torch.Tensor,
+        span: torch.Tensor,
+    ) -> dict[str, torch.Tensor]:
         if self.compiled:  # one graph for every span and slab size: growing recompiles nothing
             from torch._dynamo import maybe_mark_dynamic
 
@@ -153,12 +185,7 @@ class DecodeStep:
                 for slab, dims in op.growing_dims():
                     for dim in dims:
                         maybe_mark_dynamic(slab, dim)
-        out = self._fn(tensors, positions.to(self.device), state_rows.to(self.device), span)
-        for op in self.stateful:
-            op.end_step(meta.request_ids)
-        if padded:
-            out = {name: t[at] for name, t in out.items()}
-        return TokenBatch(meta, out)
+        return self._fn(tensors, positions.to(self.device), state_rows.to(self.device), span)
 
     def _state_rows(self, request_ids: Sequence[str]) -> list[int]:
         """Each request's state row (every stateful operator of a stage admits alike)."""
@@ -175,6 +202,13 @@ class DecodeStep:
         return rows
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _allow_many_graphs() -> None:
     """One compiled graph per segment and step size: a rank may hold many more than dynamo's
     default of 8 per function before it would stop compiling."""
@@ -184,3 +218,8 @@ def _allow_many_graphs() -> None:
     config.cache_size_limit = max(config.cache_size_limit, 256)
     config.accumulated_cache_size_limit = max(config.accumulated_cache_size_limit, 1024)
     config.fail_on_recompile_limit_hit = True  # never fall back to eager unnoticed
+    # no "duck" sizes: a span and a slab that happen to be equally long when a step is traced
+    # (the warm-up's) would otherwise share one symbol, and every later step recompile
+    import torch.fx.experimental._config as fx_config
+
+    fx_config.use_duck_shape = False

@@ -248,8 +248,9 @@ class LinearCoreAttention(StatefulOperator):
         self._slabs = new
 
     def begin_step(
-        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int
+        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int, span: int = 0
     ) -> None:
+        del span  # a recurrent state has no length
         self._grow_slabs(rows)
         assert self._slabs is not None
         conv, recurrent = self._slabs

@@ -204,12 +204,12 @@ class StatefulOperator(Operator):
         raise NotImplementedError
 
     def begin_step(
-        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int
+        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int, span: int = 0
     ) -> None:
         """Host side of a static decode step, before it runs: check and count each request's
         one new token, grow the slabs to at least ``rows`` rows (the last of which is the
-        step's scratch row, where padding rows write) and have every request's state in its
-        row."""
+        step's scratch row, where padding rows write) and past ``span`` slots (how far the
+        step's attention reads), and have every request's state in its row."""
         raise NotImplementedError
 
     def end_step(self, request_ids: Sequence[str]) -> None:
@@ -409,10 +409,15 @@ class LmHead(Operator):
 
 
 class Sample(Operator):
-    """Greedy sampling: the first index of the largest logit (ties as transformers' argmax)."""
+    """Greedy sampling: the first index of the largest logit (ties as transformers' argmax).
+
+    A static decode step keeps the logits beside the tokens, so one compiled step serves greedy
+    requests (its tokens) and sampled ones (their logits, sampled on the host) alike.
+    """
 
     name, op_class = "sample", "small"
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         token_ids = torch.argmax(batch["logits"].float(), dim=-1)
-        return batch.replace(drop=("logits",), token_ids=token_ids)
+        drop = () if batch.step is not None else ("logits",)
+        return batch.replace(drop=drop, token_ids=token_ids)

@@ -43,7 +43,7 @@ from opweave.costmodel import Plan, load_model
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import TokenBatch
 from .control import ChannelClosed, ControlClient, store_namespace
-from .decode import DECODE_STEPS
+from .decode import DECODE_STEPS, compiled_graphs, is_decode
 from .placement import Placement
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
@@ -172,7 +172,13 @@ class StageWorker:
         self._synced: set[tuple[int, int]] = set()
         self.clock = _Clock()
         self.iterations = 0
+        self._warm_up_iterations = 0  # the warm-up's, left out of the figures
+        self._warm_up_s = 0.0
+        self._graphs_at_warm_up = 0
         self._fault = _parse_fault(spec.rank)
+        # (segment, microbatch) -> each input tensor's dtype and shape past the token dimension,
+        # as the first batch brought them (what the warm-up builds its padding from)
+        self._inputs: dict[tuple[int, int], dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
 
     # -- the loop -----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -224,6 +230,9 @@ class StageWorker:
         kind = msg["t"]
         if kind == "shutdown":
             raise _Shutdown
+        if kind == "warm":
+            self._warm(msg)
+            return
         if kind != "work":
             raise OpWeaveRuntimeError(f"unexpected control message {kind!r} from the driver")
         work = Work.from_message(msg)
@@ -277,6 +286,11 @@ class StageWorker:
             start = time.perf_counter()
             batch = merge([as_batch(p) for p in parts])
             self.transport.comm_s += time.perf_counter() - start  # unpacking is transfer
+        if batch.meta.request_ids:
+            self._inputs.setdefault(
+                (action.segment, action.microbatch),
+                {name: (t.dtype, tuple(t.shape[1:])) for name, t in batch.tensors.items()},
+            )
         batch = self._run(action, batch) if batch.meta.request_ids else TokenBatch(batch.meta, {})
         if not leader:
             return
@@ -286,12 +300,39 @@ class StageWorker:
             for link in action.dests:
                 self.transport.send(link, select(batch, link.slots), i)
 
+    def _warm(self, msg: dict[str, Any]) -> None:
+        """The driver's warm-up (:meth:`~.cluster.Cluster.warm_up`): its requests have been
+        prefilled, so every action's inputs are known. Build (and compile) each action's static
+        decode step and run it once on padding rows, free the warm-up's requests, and start the
+        counters afresh, so the run's figures are the traffic's alone."""
+        start = time.perf_counter()
+        for action in self.actions:  # TP ranks of a group: the same steps in the same order
+            inputs = self._inputs.get((action.segment, action.microbatch))
+            if inputs is not None and self.module.static_decode is not None:
+                ops = self._ops(action, sample=action.last and self.info.is_leader)
+                self.module.warm_up(ops, size=len(action.slots), inputs=inputs)
+        for rid in msg.get("r", ()):
+            if rid in self.held:
+                self.module.free(rid)
+                del self.held[rid]
+        self.module.submissions = 0
+        self.transport.comm_s = 0.0
+        self.transport.bytes_sent = self.transport.messages_sent = 0
+        if self.comm is not None:
+            self.comm.comm_s = 0.0
+        self.clock = _Clock()
+        self._warm_up_iterations = self.iterations
+        self._warm_up_s = time.perf_counter() - start
+        self._graphs_at_warm_up = compiled_graphs()
+        self.control.send({"t": "warmed", "rank": self.rank})
+
     def _run(self, action: Compute, batch: TokenBatch) -> TokenBatch:
-        ops = slice(action.ops.start, action.ops.stop)
         sample_here = action.last and self.info.is_leader
         greedy = all(self.held[rid].params.greedy for rid in batch.meta.request_ids)
-        if action.last and not (sample_here and greedy):
-            ops = slice(action.ops.start, action.ops.stop - 1)  # sampled below, or not at all
+        # the leader's static decode step always ends in the sample operator, which keeps the
+        # logits: one step (compiled once, at the warm-up) for greedy and sampled requests
+        static = self.module.static_decode is not None and is_decode(batch.meta)
+        ops = self._ops(action, sample=sample_here and (greedy or static))
         start = time.perf_counter()
         tp_before = self.comm.comm_s if self.comm is not None else 0.0
         at = action.slots.start  # a static decode step has a row per slot of the action
@@ -303,6 +344,13 @@ class StageWorker:
         self.transport.comm_s += tp_comm  # TP collectives count as communication
         self.clock.compute_s += time.perf_counter() - start - tp_comm
         return batch
+
+    @staticmethod
+    def _ops(action: Compute, *, sample: bool) -> slice:
+        """The action's operators; the last one's ``sample`` only if ``sample`` (otherwise its
+        tokens are sampled on the host, or, on a TP follower, not at all)."""
+        stop = action.ops.stop - (1 if action.last and not sample else 0)
+        return slice(action.ops.start, stop)
 
     def _sample(self, batch: TokenBatch) -> TokenBatch:
         rids = batch.meta.request_ids
@@ -336,7 +384,7 @@ class StageWorker:
         loop = line["end_s"][-1] if line["end_s"] else 0.0
         comm = self.transport.comm_s
         overhead = max(loop - self.clock.compute_s - comm, 0.0)
-        iterations = max(self.iterations, 1)
+        iterations = max(self.iterations - self._warm_up_iterations, 1)
         return {
             "rank": self.rank,
             "owner": info.owner,
@@ -355,11 +403,17 @@ class StageWorker:
             "loop_s": loop,
             "overhead_s": overhead,
             "wait": "spin" if self.transport.spin_s > 0 else "block",
-            "iterations": self.iterations,
+            "iterations": self.iterations - self._warm_up_iterations,
             "computes_per_iteration": len(self.actions),
             "decode_step": self.spec.decode_step,
             "submissions_per_token": self.module.submissions / iterations,
             "host_s_per_token": overhead / iterations,
+            "warm_up_s": self._warm_up_s,
+            "traffic_compiles": (
+                compiled_graphs() - self._graphs_at_warm_up
+                if DECODE_STEPS[self.spec.decode_step] is not None
+                else 0
+            ),
             "timeline": line,
             "requests_held_at_end": len(self.held),
             "state_bytes_at_end": self.module.state_bytes(),

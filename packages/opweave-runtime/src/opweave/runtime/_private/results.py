@@ -68,6 +68,15 @@ class RankStats(_Frozen):
     host_s_per_token: float = Field(
         description="overhead_s per iteration: host time outside operators and transfers."
     )
+    warm_up_s: float = Field(
+        default=0.0,
+        description="Time the warm-up took to build (compile) the decode steps before traffic.",
+    )
+    traffic_compiles: int = Field(
+        default=0,
+        description="Graphs torch.compile built after the warm-up, while serving: 0 unless a "
+        "decode step recompiled.",
+    )
     timeline: RankTimeline
     requests_held_at_end: int
     state_bytes_at_end: int

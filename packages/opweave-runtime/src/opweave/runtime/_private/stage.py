@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -146,17 +146,36 @@ class StageModule:
         chosen = self.operators[ops]
         if self._static is not None and is_decode(batch.meta):
             size = len(batch.meta.request_ids) if size is None else size
-            key = (ops.start, ops.stop, size)
-            step = self._steps.get(key)
-            if step is None:
-                rows, compile = self._static
-                step = self._steps[key] = DecodeStep(
-                    chosen, self.comm, size, reserved_rows=rows, compile=compile
-                )
+            step = self._step(ops, size)
             self.submissions += 1 if step.native else len(chosen)
             return step(batch, place)
         self.submissions += len(chosen)
         return run_ops(chosen, batch, self.comm)
+
+    @torch.inference_mode()
+    def warm_up(
+        self,
+        ops: slice,
+        size: int,
+        inputs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    ) -> None:
+        """Build the static decode step of ``ops`` on ``size`` rows and run it once on padding
+        rows only (:meth:`.decode.DecodeStep.warm_up`): a compiled step compiles here, ahead of
+        traffic. ``inputs``: the step's input tensors (dtype, shape past the row dimension)."""
+        if self._static is None:
+            raise OpWeaveRuntimeError("warm_up needs use_static_decode first")
+        self._step(ops, size).warm_up(inputs)
+
+    def _step(self, ops: slice, size: int) -> DecodeStep:
+        key = (ops.start, ops.stop, size)
+        step = self._steps.get(key)
+        if step is None:
+            assert self._static is not None
+            rows, compile = self._static
+            step = self._steps[key] = DecodeStep(
+                self.operators[ops], self.comm, size, reserved_rows=rows, compile=compile
+            )
+        return step
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         return self.run(batch)

@@ -46,6 +46,7 @@ class StepDriver:
     iteration: int = 0
 
     def __post_init__(self) -> None:
+        self.iteration = max(self.iteration, self.cluster.first_iteration)  # after a warm-up
         self._owner_of: list[str | None] = [None] * self.cluster.global_batch
         self._free: dict[int, list[str]] = {k: [] for k in range(self.cluster.microbatches)}
 
