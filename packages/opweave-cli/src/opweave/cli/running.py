@@ -263,11 +263,6 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}")
     if o["decode_step"] not in DECODE_STEPS:
         raise typer.BadParameter(f"--decode-step must be one of {', '.join(DECODE_STEPS)}")
-    if o["decode_step"] != "per-request" and o["kernels"] != "opweave":
-        raise typer.BadParameter(
-            f"--decode-step {o['decode_step']} runs the runtime's own operators: use it with "
-            "--kernels opweave (vLLM's CPU kernels do not trace)"
-        )
     if o["device"] not in ("auto", "cpu", "cuda"):
         raise typer.BadParameter("--device must be auto, cpu or cuda")
     if o["prompt"] is not None and o["prompts_file"] is not None:

@@ -34,7 +34,7 @@ import torch
 
 from ..errors import OpWeaveRuntimeError
 from .batch import BatchMeta, StepMeta, TokenBatch
-from .ops import Operator, PackedWeight, StatefulOperator
+from .ops import Operator, StatefulOperator
 from .tensor_parallel import TPComm, run_ops
 
 COMPILERS = ("inductor", "aot_eager", "eager")  # torch.compile backends a step may use
@@ -60,8 +60,6 @@ def why_not_static(ops: Sequence[Operator]) -> str | None:
         where = f"{'' if op.layer is None else f'L{op.layer}.'}{op.name}"
         if not op.static_decode:
             return f"{where} ({type(op).__name__}) runs a kernel without a traceable form"
-        if any(isinstance(v, PackedWeight) for v in vars(op).values()):
-            return f"{where} multiplies by a prepacked vLLM weight, which does not trace"
     return None
 
 

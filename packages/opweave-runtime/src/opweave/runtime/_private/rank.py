@@ -156,7 +156,9 @@ class StageWorker:
             comm=self.comm,
             model=placement.model,
         )
-        self.kernels = apply_kernels(self.module, spec.kernels)
+        # a static decode step takes vLLM's GEMMs only (the rest of its kernels do not trace)
+        static = spec.decode_step != "per-request"
+        self.kernels = apply_kernels(self.module, spec.kernels, gemms_only=static)
         if spec.decode_step not in DECODE_STEPS:
             raise OpWeaveRuntimeError(
                 f"unknown decode step {spec.decode_step!r}; one of {', '.join(DECODE_STEPS)}"
@@ -422,14 +424,15 @@ class StageWorker:
         }
 
 
-def apply_kernels(module: StageModule, choice: str) -> list[str]:
-    """Swap operators for vLLM-kernel-backed ones (``vllm`` / ``vllm-all``); ``opweave``: none."""
+def apply_kernels(module: StageModule, choice: str, *, gemms_only: bool = False) -> list[str]:
+    """Swap operators for vLLM-kernel-backed ones (``vllm`` / ``vllm-all``); ``opweave``: none.
+    ``gemms_only``: only prepack the projections for vLLM's oneDNN GEMM."""
     if choice == "opweave":
         return []
     from ..vllm import KERNELS_KEY
     from ..vllm._kernels import apply_kernel_choice
 
-    return apply_kernel_choice(module, {KERNELS_KEY: choice})
+    return apply_kernel_choice(module, {KERNELS_KEY: choice}, gemms_only=gemms_only)
 
 
 @contextlib.contextmanager

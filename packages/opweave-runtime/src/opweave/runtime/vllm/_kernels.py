@@ -136,7 +136,7 @@ def kernel_choice(additional_config: Mapping[str, Any] | None) -> str:
 
 
 def apply_kernel_choice(
-    stage: StageModule, additional_config: Mapping[str, Any] | None
+    stage: StageModule, additional_config: Mapping[str, Any] | None, *, gemms_only: bool = False
 ) -> list[str]:
     """:func:`use_vllm_kernels` if the configuration asks for vLLM kernels, else nothing."""
     choice = kernel_choice(additional_config)
@@ -144,11 +144,15 @@ def apply_kernel_choice(
         return []
     if not vllm_kernels_available():
         raise RuntimeError(f'{KERNELS_KEY}="vllm" but vLLM\'s CPU kernels do not load here')
-    return use_vllm_kernels(stage, exact=choice == "vllm")
+    return use_vllm_kernels(stage, exact=choice == "vllm", gemms_only=gemms_only)
 
 
 def use_vllm_kernels(
-    stage: StageModule, device: torch.device | str | None = None, *, exact: bool = True
+    stage: StageModule,
+    device: torch.device | str | None = None,
+    *,
+    exact: bool = True,
+    gemms_only: bool = False,
 ) -> list[str]:
     """Swap ``stage``'s operators for vLLM-kernel-backed ones where they apply.
 
@@ -162,6 +166,10 @@ def use_vllm_kernels(
     float32 and round once where the runtime (like transformers) rounds per step, a one-ulp
     difference that flips near-tied tokens of small random models; ``exact=False`` accepts that
     (vLLM's own numerics) and enables the fused MoE, DeltaNet and attention kernels in bfloat16.
+
+    ``gemms_only``: prepack the projections for ``onednn_mm`` and swap nothing else. That is
+    what a static decode step takes (``--decode-step``): ``onednn_mm`` traces into its graph,
+    vLLM's other CPU ops do not.
     """
     if stage.request_ids:
         raise RequestStateError("swap kernels before admitting requests")
@@ -176,11 +184,13 @@ def use_vllm_kernels(
     pagings: dict[tuple[Any, ...], _Paging] = {}  # one block table per request for the stage
     for i, op in enumerate(stage.operators):
         where = f"{'-' if op.layer is None else op.layer}.{op.name}"
-        swapped = [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, exact)]
-        swapped += [f"{where}.{attr}:onednn_mm" for attr in _pack_linears(op, exact)]
-        if swapped:  # vLLM's CPU ops are not traceable: no static decode step over them
+        switched += [f"{where}.{attr}:onednn_mm" for attr in _pack_linears(op, exact)]
+        if gemms_only:
+            continue
+        norms = [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, exact)]
+        if norms:  # vLLM's norm kernel does not trace: no static decode step over it
             setattr(op, "static_decode", False)  # noqa: B010 (an instance flag over the class's)
-        switched += swapped
+        switched += norms
         cls = _KERNEL_OPERATORS.get(type(op))
         if cls is not None:
             why = cls.unsupported(op)
