@@ -572,20 +572,15 @@ class Cluster:
             )
         for _ in range(sum(self.result_parts(k) for k in range(m))):
             self.result()
-        start = time.monotonic()
+        deadline = time.monotonic() + self.join_timeout_s
         for rank in range(self.world):
             self._send(rank, {"t": "warm", "r": everyone})
-        while True:
-            self.check()
-            waiting = [c.rank for c in self._conns.values() if not c.warmed]
-            if not waiting:
-                break
-            if time.monotonic() - start > self.join_timeout_s:
-                raise RunFailedError(
-                    f"{self.describe(min(waiting))} did not compile its decode steps within "
-                    f"{self.join_timeout_s:g} s (see its log with OPWEAVE_DEBUG=1)"
-                )
-            time.sleep(_POLL_S)
+        self._await_ranks(
+            lambda c: c.warmed,
+            deadline,
+            f"did not compile its decode steps within {self.join_timeout_s:g} s "
+            "(see its log with OPWEAVE_DEBUG=1)",
+        )
         self.first_iteration = 1
 
     def submit(self, work: Work) -> None:
@@ -694,19 +689,24 @@ class Cluster:
 
     def _wait_ready(self) -> None:
         """Until every rank has loaded its weights and said so; at most ``join_timeout_s``."""
-        deadline = self._started + self.join_timeout_s
+        self._await_ranks(
+            lambda c: c.state == "ready",
+            self._started + self.join_timeout_s,
+            f"was not ready {self.join_timeout_s:g} s after the start (stuck loading or "
+            "starting; see its log with OPWEAVE_DEBUG=1)",
+        )
+
+    def _await_ranks(self, done: Callable[[_Conn], bool], deadline: float, late: str) -> None:
+        """Until ``done`` holds for every rank's connection; past ``deadline`` (monotonic), a
+        :class:`RunFailedError` naming the first rank it does not hold for, then ``late``."""
         while True:
             self.check()
-            conns = list(self._conns.values())
-            ready = {c.rank for c in conns if c.state == "ready"}
-            if len(ready) == self.world:
+            finished = {c.rank for c in list(self._conns.values()) if done(c)}
+            waiting = set(range(self.world)) - finished
+            if not waiting:
                 return
             if time.monotonic() > deadline:
-                late = min(set(range(self.world)) - ready)
-                raise RunFailedError(
-                    f"{self.describe(late)} was not ready {self.join_timeout_s:g} s after the "
-                    "start (stuck loading or starting; see its log with OPWEAVE_DEBUG=1)"
-                )
+                raise RunFailedError(f"{self.describe(min(waiting))} {late}")
             time.sleep(_POLL_S)
 
     # -- sending ------------------------------------------------------------------------------

@@ -117,19 +117,16 @@ class DecodeStep:
         """Run the step once with every row padding (nothing held changes), so a compiled step
         compiles now rather than at its first token. ``inputs``: each input tensor's dtype and
         shape past the row dimension, as the segment receives them."""
-        scratch = 0
-        if self.stateful:
-            scratch = max(self.stateful[0].highest_row() + 1, self.reserved_rows)
-            for op in self.stateful:
-                op.begin_step((), (), scratch + 1, span=2)
+        # a span of 2, the shortest a decode step has: a size of 1 would be specialised
+        span = torch.empty(2, dtype=torch.uint8)
+        scratch = self._begin((), (), span.shape[0])
         tensors = {
             name: torch.zeros((self.size, *shape), dtype=dtype, device=self.device)
             for name, (dtype, shape) in inputs.items()
         }
         positions = torch.zeros(self.size, dtype=torch.int64)
         state_rows = torch.full((self.size,), scratch, dtype=torch.int64)
-        # a span of 2, the shortest a decode step has: a size of 1 would be specialised
-        self._launch(tensors, positions, state_rows, torch.empty(2, dtype=torch.uint8))
+        self._launch(tensors, positions, state_rows, span)
 
     def __call__(self, batch: TokenBatch, place: Sequence[int] | None = None) -> TokenBatch:
         """Run ``batch`` (a decode step, :func:`is_decode`) with request ``i`` at row
@@ -140,12 +137,8 @@ class DecodeStep:
         if len(place) != n or len(set(place)) != n or not all(0 <= p < size for p in place):
             raise OpWeaveRuntimeError(f"a decode step of {size} rows cannot place rows {place}")
         rows = self._state_rows(meta.request_ids)
-        if rows:  # past every held request's row, not only this step's
-            scratch = max(self.stateful[0].highest_row() + 1, self.reserved_rows)
-            for op in self.stateful:
-                op.begin_step(meta.request_ids, meta.context_lens, scratch + 1)
-        else:
-            scratch = 0
+        span = torch.empty(max(meta.context_lens) + 1, dtype=torch.uint8)
+        scratch = self._begin(meta.request_ids, meta.context_lens, span.shape[0])
         padded = n != size or place != list(range(n))
         at = torch.tensor(place, dtype=torch.int64, device=self.device)
         positions = torch.zeros(size, dtype=torch.int64)
@@ -160,13 +153,22 @@ class DecodeStep:
             full = t.new_zeros((size, *t.shape[1:]))
             full[at] = t
             tensors[name] = full
-        span = torch.empty(max(meta.context_lens) + 1, dtype=torch.uint8)
         out = self._launch(tensors, positions, state_rows, span)
         for op in self.stateful:
             op.end_step(meta.request_ids)
         if padded:
             out = {name: t[at] for name, t in out.items()}
         return TokenBatch(meta, out)
+
+    def _begin(self, request_ids: Sequence[str], context_lens: Sequence[int], span: int) -> int:
+        """Every stateful operator's ``begin_step`` for a step reading ``span`` slots; returns
+        the step's scratch row, past every held request's row (not only this step's)."""
+        if not self.stateful:
+            return 0
+        scratch = max(self.stateful[0].highest_row() + 1, self.reserved_rows)
+        for op in self.stateful:
+            op.begin_step(request_ids, context_lens, scratch + 1, span=span)
+        return scratch
 
     def _launch(
         self,
