@@ -120,6 +120,53 @@ def test_padding_rows_leave_requests_outside_the_step_intact(
     )
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "qwen3_next"])
+def test_state_that_outgrows_its_slab_row_between_steps_moves_back_in(family, tiny_model):
+    """A request decodes in the static step, then in mixed batches (a prefill beside it runs
+    the per-request operators) until its keys outgrow their slab row, then statically again:
+    its state is copied back into its row, and every token equals a stage without slabs."""
+    model_dir = tiny_model(family)
+    plain, static = StageModule.whole_model(model_dir), StageModule.whole_model(model_dir)
+    static.use_static_decode(rows=2, tokens=4)  # slabs far shorter than the context
+    last: dict[str, list[int]] = {"plain": [], "static": []}
+    ctx = {"a": 0, "p": 0}
+    prompt = list(range(10, 20))
+
+    def step(who: tuple[str, ...], queries: tuple[int, ...], ids: dict[str, list[int]]) -> None:
+        meta = BatchMeta(who, queries, tuple(ctx[r] for r in who))
+        for name, stage in (("plain", plain), ("static", static)):
+            tokens = [t for r in who for t in (ids[r] if r != "a" else ids[r] or last[name][-1:])]
+            out = stage.run(TokenBatch(meta, {"token_ids": torch.tensor(tokens)}), size=2)
+            last[name].append(int(out["token_ids"][0]))
+        for r, q in zip(who, queries, strict=True):
+            ctx[r] += q
+
+    for stage in (plain, static):
+        stage.admit(["a", "p"], rows=[0, 1])
+    step(("a",), (len(prompt),), {"a": prompt})
+    for _ in range(3):  # static steps: a's state moves into its slab row
+        step(("a",), (1,), {"a": []})
+    for i in range(12):  # mixed: per-request operators, past the slab row's length
+        step(("a", "p"), (1, 2), {"a": [], "p": [30 + 2 * i, 31 + 2 * i]})
+    stateful = [op for op in static.operators if hasattr(op, "_outside")]
+    assert any("a" in op._outside for op in stateful)  # its keys left the slab row
+    for _ in range(4):  # static again: moved back in
+        step(("a", "p"), (1, 1), {"a": [], "p": [7]})
+    assert last["static"] == last["plain"]
+    assert not any(op._outside for op in stateful)  # every state back in its row
+
+
+def test_a_step_whose_context_disagrees_with_the_state_is_an_error(tiny_model):
+    stage = StageModule.whole_model(tiny_model("llama"))
+    stage.use_static_decode(rows=1, tokens=8)
+    stage.admit("a")
+    stage(TokenBatch(BatchMeta(("a",), (3,), (0,)), {"token_ids": torch.tensor([5, 6, 7])}))
+    with pytest.raises(Exception, match="request 'a': layer 0 holds 3 tokens, batch says 4"):
+        stage.run(TokenBatch(BatchMeta(("a",), (1,), (4,)), {"token_ids": torch.tensor([8])}))
+    with pytest.raises(Exception, match="request 'b' is not admitted on layer 0"):
+        stage.run(TokenBatch(BatchMeta(("b",), (1,), (3,)), {"token_ids": torch.tensor([8])}))
+
+
 def test_a_step_refuses_a_row_outside_it(tiny_model):
     stage = StageModule.whole_model(tiny_model("llama"))
     step = DecodeStep(stage.operators, None, 2)

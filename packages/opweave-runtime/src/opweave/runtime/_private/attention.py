@@ -8,8 +8,6 @@ Keys are stored after RoPE, so slot order within the ring does not matter to the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
@@ -210,34 +208,27 @@ class CoreAttention(StatefulOperator):
             for slab, prev in zip(new, old, strict=True):
                 slab[:r, :, :c] = prev
             for rid, state in self._states.items():
-                row = self._rows[rid]
-                if row < r and state.k.data_ptr() == old[0][row].data_ptr():
+                if rid not in self._outside:
+                    row = self._rows[rid]
                     state.k, state.v = new[0][row], new[1][row]
         self._slabs = new
 
-    def begin_step(
-        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int, span: int = 0
-    ) -> None:
+    def _grow_slabs_for(self, rows: int, tokens: int, span: int) -> None:
         # one slot of headroom: a span never fills the slab, so a compiled step's trace never
         # sees the two sizes equal (and recompiles when they are not)
-        self._grow_slabs(rows, max(max(context_lens, default=0) + 1, span) + 1)
+        self._grow_slabs(rows, max(tokens, span) + 1)
+
+    def _move_in(self, request_id: str, length: int) -> None:
         assert self._slabs is not None
         keys, values = self._slabs
-        for rid, start in zip(request_ids, context_lens, strict=True):
-            self._advance(rid, start, 1)
-            state, row = self._states[rid], self._rows[rid]
-            if state.k.data_ptr() != keys[row].data_ptr():  # first static step: move it in
-                used = min(state.length, state.k.shape[1])
-                keys[row, :, :used] = state.k[:, :used]
-                values[row, :, :used] = state.v[:, :used]
-                state.k, state.v = keys[row], values[row]
+        state, row = self._states[request_id], self._rows[request_id]
+        used = min(length, state.k.shape[1])
+        keys[row, :, :used] = state.k[:, :used]
+        values[row, :, :used] = state.v[:, :used]
+        state.k, state.v = keys[row], values[row]
 
     def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         return [(slab, (0, 2)) for slab in self._slabs or ()]
-
-    def end_step(self, request_ids: Sequence[str]) -> None:
-        for rid in request_ids:
-            self._states[rid].length += 1
 
     def _decode_static(self, batch: TokenBatch) -> TokenBatch:
         """One new token per row, all rows at once: store each row's key/value at its position's
@@ -288,6 +279,8 @@ class CoreAttention(StatefulOperator):
             lo, hi = meta.row_offsets[i], meta.row_offsets[i + 1]
             self._advance(rid, meta.context_lens[i], hi - lo)
             state = self._states[rid]
+            state.length = meta.context_lens[i]  # static steps count in _context_lens alone
+            held = state.k
             # [n, heads, d] -> [heads, n, d]
             q_r, k_r, v_r = (t[lo:hi].transpose(0, 1) for t in (q, k, v))
             if hi - lo == 1:
@@ -301,6 +294,8 @@ class CoreAttention(StatefulOperator):
                 state.append(k_r, v_r)
                 o = self._attend(q_r, keys, values, mask=mask)
             out[lo:hi] = o.transpose(0, 1).reshape(hi - lo, -1)
+            if state.k is not held:  # it outgrew its slab row (or had none): not in the slab
+                self._outside.add(rid)
         if self.arch.attn_output_gate:
             out = out * torch.sigmoid(batch["attn_gate"])
         return batch.replace(drop=("q", "k", "v", "attn_gate"), hidden=out)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ..errors import OpWeaveRuntimeError
+from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, StepMeta, TokenBatch
 from .ops import Operator, StatefulOperator
 from .tensor_parallel import TPComm, run_ops
@@ -139,24 +139,29 @@ class DecodeStep:
         rows = self._state_rows(meta.request_ids)
         span = torch.empty(max(meta.context_lens) + 1, dtype=torch.uint8)
         scratch = self._begin(meta.request_ids, meta.context_lens, span.shape[0])
+        positions, state_rows = [0] * size, [scratch] * size
+        for p, context_len in zip(place, meta.context_lens, strict=True):
+            positions[p] = context_len
+        for p, row in zip(place, rows, strict=False):  # no rows: a stage without state
+            state_rows[p] = row
         padded = n != size or place != list(range(n))
-        at = torch.tensor(place, dtype=torch.int64, device=self.device)
-        positions = torch.zeros(size, dtype=torch.int64)
-        positions[place] = torch.tensor(meta.context_lens, dtype=torch.int64)
-        state_rows = torch.full((size,), scratch, dtype=torch.int64)
-        if rows:
-            state_rows[place] = torch.tensor(rows, dtype=torch.int64)
+        at = torch.tensor(place, dtype=torch.int64, device=self.device) if padded else None
         # fresh inputs every step, padded or not: the compiled graph's guards see tensors of
         # one kind (made here, under the stage's inference mode), whatever made the batch's
         tensors = {}
         for name, t in batch.tensors.items():
-            full = t.new_zeros((size, *t.shape[1:]))
-            full[at] = t
-            tensors[name] = full
-        out = self._launch(tensors, positions, state_rows, span)
-        for op in self.stateful:
-            op.end_step(meta.request_ids)
-        if padded:
+            if at is None:
+                tensors[name] = t.clone(memory_format=torch.contiguous_format)
+            else:
+                tensors[name] = t.new_zeros((size, *t.shape[1:]))
+                tensors[name][at] = t
+        out = self._launch(
+            tensors,
+            torch.tensor(positions, dtype=torch.int64),
+            torch.tensor(state_rows, dtype=torch.int64),
+            span,
+        )
+        if at is not None:
             out = {name: t[at] for name, t in out.items()}
         return TokenBatch(meta, out)
 
@@ -192,14 +197,18 @@ class DecodeStep:
         if not self.stateful:
             return []
         first = self.stateful[0]
-        rows = [first.row_of(rid) for rid in request_ids]
         for op in self.stateful[1:]:
-            if [op.row_of(rid) for rid in request_ids] != rows:
+            if op._rows != first._rows:
                 raise OpWeaveRuntimeError(
                     f"L{op.layer}.{op.name} holds the requests in other state rows than "
                     f"L{first.layer}.{first.name}; admit requests through the stage"
                 )
-        return rows
+        try:
+            return list(map(first._rows.__getitem__, request_ids))
+        except KeyError as missing:
+            raise RequestStateError(
+                f"request {missing.args[0]!r} is not admitted on layer {first.layer}"
+            ) from None
 
 
 def compiled_graphs() -> int:

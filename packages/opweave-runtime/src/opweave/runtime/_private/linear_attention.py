@@ -11,8 +11,6 @@ the same form at the same step keeps tokens identical.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.nn.functional as F
 
@@ -243,24 +241,22 @@ class LinearCoreAttention(StatefulOperator):
             for slab, prev in zip(new, old, strict=True):
                 slab[: prev.shape[0]] = prev
             for rid, row in self._rows.items():
-                if row < len(old[0]) and self._conv[rid].data_ptr() == old[0][row].data_ptr():
+                if rid not in self._outside:
                     self._conv[rid], self._recurrent[rid] = new[0][row], new[1][row]
         self._slabs = new
 
-    def begin_step(
-        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int, span: int = 0
-    ) -> None:
-        del span  # a recurrent state has no length
+    def _grow_slabs_for(self, rows: int, tokens: int, span: int) -> None:
+        del tokens, span  # a recurrent state has no length
         self._grow_slabs(rows)
+
+    def _move_in(self, request_id: str, length: int) -> None:
+        del length
         assert self._slabs is not None
         conv, recurrent = self._slabs
-        for rid, start in zip(request_ids, context_lens, strict=True):
-            self._advance(rid, start, 1)
-            row = self._rows[rid]
-            if self._conv[rid].data_ptr() != conv[row].data_ptr():  # first static step
-                conv[row] = self._conv[rid]
-                recurrent[row] = self._recurrent[rid]
-                self._conv[rid], self._recurrent[rid] = conv[row], recurrent[row]
+        row = self._rows[request_id]
+        conv[row] = self._conv[request_id]
+        recurrent[row] = self._recurrent[request_id]
+        self._conv[request_id], self._recurrent[request_id] = conv[row], recurrent[row]
 
     def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         return [(slab, (0,)) for slab in self._slabs or ()]

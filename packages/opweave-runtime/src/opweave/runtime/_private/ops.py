@@ -172,6 +172,7 @@ class StatefulOperator(Operator):
         super().__init__(ctx, layer)
         self._context_lens: dict[str, int] = {}
         self._rows: dict[str, int] = {}
+        self._outside: set[str] = set()  # admitted, state not yet in the static step's slabs
 
     def admit(self, request_id: str, row: int | None = None) -> None:
         if request_id in self._context_lens:
@@ -183,6 +184,7 @@ class StatefulOperator(Operator):
             raise RequestStateError(f"state row {row} of layer {self.layer} is taken")
         self._context_lens[request_id] = 0
         self._rows[request_id] = row
+        self._outside.add(request_id)
         self._init_state(request_id)
 
     def free(self, request_id: str) -> None:
@@ -190,6 +192,7 @@ class StatefulOperator(Operator):
             raise RequestStateError(f"request {request_id!r} is not admitted")
         self._drop_state(request_id)
         del self._rows[request_id]
+        self._outside.discard(request_id)
 
     def row_of(self, request_id: str) -> int:
         return self._rows[request_id]
@@ -206,14 +209,45 @@ class StatefulOperator(Operator):
     def begin_step(
         self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int, span: int = 0
     ) -> None:
-        """Host side of a static decode step, before it runs: check and count each request's
-        one new token, grow the slabs to at least ``rows`` rows (the last of which is the
-        step's scratch row, where padding rows write) and past ``span`` slots (how far the
-        step's attention reads), and have every request's state in its row."""
+        """Host side of a static decode step, before it runs: grow the slabs to at least
+        ``rows`` rows (the last of which is the step's scratch row, where padding rows write)
+        and past ``span`` slots (how far the step's attention reads), check and count each
+        request's one new token, and have every request's state in its row.
+
+        It runs for every stateful layer every token, so once every request's state is in
+        its row it is a few dictionary operations over the step's requests, with no Python
+        loop over them.
+        """
+        self._grow_slabs_for(rows, max(context_lens, default=0) + 1, span)
+        self._count_one_token(request_ids, context_lens)
+        if self._outside:  # requests decoding statically for the first time
+            for rid, held in zip(request_ids, context_lens, strict=True):
+                if rid in self._outside:
+                    self._move_in(rid, held)
+                    self._outside.discard(rid)
+
+    def _count_one_token(self, request_ids: Sequence[str], context_lens: Sequence[int]) -> None:
+        """:meth:`_advance` by one token for every request at once."""
+        lens = self._context_lens
+        try:
+            held = list(map(lens.__getitem__, request_ids))
+        except KeyError as missing:
+            raise RequestStateError(
+                f"request {missing.args[0]!r} is not admitted on layer {self.layer}"
+            ) from None
+        if held != list(context_lens):
+            for rid, context_len in zip(request_ids, context_lens, strict=True):
+                self._advance(rid, context_len, 0)  # raises for the first that disagrees
+        lens.update(zip(request_ids, map((1).__add__, context_lens), strict=True))
+
+    def _grow_slabs_for(self, rows: int, tokens: int, span: int) -> None:
+        """Slabs of at least ``rows`` rows holding ``tokens`` tokens, read ``span`` slots far."""
         raise NotImplementedError
 
-    def end_step(self, request_ids: Sequence[str]) -> None:
-        """Host side of a static decode step, after it ran."""
+    def _move_in(self, request_id: str, length: int) -> None:
+        """Copy a request's state (``length`` tokens so far) into its slab row, and keep it
+        there: from now on its state is a view of that row."""
+        raise NotImplementedError
 
     def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The state slabs and their dimensions that grow (rows, tokens), which a compiled

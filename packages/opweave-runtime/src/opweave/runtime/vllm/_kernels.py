@@ -334,6 +334,7 @@ class _KernelOperator:
     kernel: str
     _context_lens: dict[str, int]
     _rows: dict[str, int]
+    _outside: set[str]
     static_decode = False  # vLLM's CPU ops have no tracing (fake tensor) implementations
 
     @classmethod
@@ -345,7 +346,7 @@ class _KernelOperator:
     def from_operator(cls, op: Any) -> Any:
         new = cls.__new__(cls)
         new.__dict__.update(op.__dict__)  # weights and settings; per-request state starts empty
-        new._context_lens, new._rows = {}, {}
+        new._context_lens, new._rows, new._outside = {}, {}, set()
         new._setup_kernel()
         return new
 
