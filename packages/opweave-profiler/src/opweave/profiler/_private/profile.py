@@ -49,12 +49,14 @@ from .operators import (
     ModelSource,
     OpTarget,
     build_chains,
+    check_kernels,
     decode_batch,
     plan_block,
     plan_chains,
     request_ids,
     resolve_model,
     select_targets,
+    use_kernels,
 )
 from .orchestration import OrchestrationFit, measure_orchestration
 from .progress import Progress
@@ -391,6 +393,7 @@ def profile_model(
     fit: bool = True,
     usd_per_hour: float | None = None,
     random_weights: bool = False,
+    kernels: str = "opweave",
     seed: int = 0,
     progress: bool = True,
 ) -> ProfileRun:
@@ -410,6 +413,10 @@ def profile_model(
     twice the device's largest cache, so that no operator finds its weights still cached, as
     in a stage of the model; see :func:`plan_block`).
 
+    ``kernels``: which kernels the timed operators run, as ``opweave run --kernels`` chooses
+    them: ``"opweave"`` (the runtime's own), ``"vllm"`` or ``"vllm-all"`` (vLLM's CPU kernels
+    where they apply: only the exact ones, or all); the profile's provenance lists what ran.
+
     On CPU, with the model's weights at hand, ``orchestration`` also measures the serving loop's
     host time per stage and per driven microbatch in two short colocated runs of the runtime
     (see :mod:`.orchestration`), and ``idle`` how much slower data the caches held is read
@@ -422,6 +429,7 @@ def profile_model(
             f"--tp {','.join(map(str, tp))}: the profiler measures the runtime's operators on "
             f"one {dev.type} rank only, so only --tp 1 can be measured for now"
         )
+    check_kernels(kernels, dev)
     default_b, default_s = default_grid(dev)
     grid_b = _grid(batches or default_b, "batches")
     grid_s = _grid(contexts or default_s, "contexts")
@@ -461,6 +469,7 @@ def profile_model(
     with pinned_cpu(threads) as cores, torch.inference_mode():
         n_threads = torch.get_num_threads()
         weights = build_chains(source, chains, dev, seed=seed)
+        kernel_ops = use_kernels(chains, kernels)
         runner = _Runner(source, dev, make_timer(dev, settings), grid_b, grid_s, bar, seed)
         for _ in range(settings.passes):
             for chain in chains:
@@ -524,6 +533,8 @@ def profile_model(
         "contexts": list(grid_s),
         "tp": [1],
         "weights": weights,
+        "kernels": kernels,
+        "kernel_ops": kernel_ops,
         "seed": seed,
         "state_fill": runner.state_fill,
         "aliased_state": sorted(f"{k} s={c}" for k, c in runner.aliased),

@@ -8,7 +8,10 @@ the state is written directly, the way the runtime stores it:
 * softmax attention (full or sliding): each request's ``_KvState`` gets random keys/values of
   ``s`` tokens (a ring of ``window`` slots for sliding layers) and its length is set to ``s``;
 * linear attention: the fixed-size conv/recurrent state is admitted as the runtime does, and
-  only the request's context counter is moved (its cost does not depend on ``s``).
+  only the request's context counter is moved (its cost does not depend on ``s``);
+* paged attention (vLLM's kernel, ``--kernels vllm-all``): each request gets the blocks of
+  ``s + 1`` tokens in the stage's block table, and the layer's cache the blocks, filled with
+  random keys/values.
 
 Every timed call appends one token; the state is rewound to ``s`` before each repeat, outside
 the clock, so every repeat reads exactly ``s + 1`` tokens.
@@ -26,6 +29,7 @@ advance by one per call.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -53,28 +57,35 @@ class StateWriter:
         self.budget_bytes = budget_bytes
         self.context: dict[str, int] = {}  # tokens each admitted request holds now
         self.aliased = False
+        self._borrowed: set[str] = set()  # paged: requests whose table is another's blocks
         self._gen = torch.Generator(device=op.device)
         self._gen.manual_seed(seed)
-        self.direct = self._probe()
+        self.layout = self._probe()
 
-    def _probe(self) -> bool:
-        """Whether the runtime stores state the way this module writes it."""
+    def _probe(self) -> str | None:
+        """How the runtime stores this operator's state, if this module writes it that way:
+        ``"kv"`` (per-request keys/values), ``"paged"`` (vLLM's block tables and cache),
+        ``"counter"`` (a fixed-size state: only the context counter moves); None: unknown."""
         op = self.op
         if not isinstance(getattr(op, "_context_lens", None), dict):
-            return False
+            return None
+        if hasattr(op, "_paging") and hasattr(op, "_cache") and hasattr(op, "_new_blocks"):
+            return "paged"
         if op.name == "core_attn" and not hasattr(op, "_states"):
-            return hasattr(op, "_recurrent")  # linear attention: only the counter moves
+            return "counter" if hasattr(op, "_recurrent") else None
         probe = "__opweave_probe__"
         op.admit(probe)
         try:
-            state = op._states[probe]  # type: ignore[attr-defined]
-            return all(hasattr(state, a) for a in ("k", "v", "length")) and state.k.dim() == 3
+            state = op._states.get(probe)  # type: ignore[attr-defined]
+            if state is None or not all(hasattr(state, a) for a in ("k", "v", "length")):
+                return None
+            return "kv" if state.k.dim() == 3 else None
         finally:
             op.free(probe)
 
     @property
-    def kv(self) -> bool:
-        return hasattr(self.op, "_states")
+    def direct(self) -> bool:
+        return self.layout is not None
 
     def fill(self, request_ids: Sequence[str], context: int) -> None:
         """Admit ``request_ids`` (if needed) and give each ``context`` tokens of state."""
@@ -85,9 +96,17 @@ class StateWriter:
             return
         for rid in request_ids:
             op.admit(rid)
-        if self.kv:
+        if self.layout == "kv":
             self._write_kv(request_ids, context)
+        elif self.layout == "paged":
+            self._write_pages(request_ids, context)
         self.rewind(request_ids, context)
+
+    def _slots(self, requests: int, per_request_bytes: float) -> int:
+        """How many requests get buffers of their own within the budget (the rest share)."""
+        slots = int(max(1, min(requests, self.budget_bytes // max(per_request_bytes, 1))))
+        self.aliased = slots < requests
+        return slots
 
     def _write_kv(self, request_ids: Sequence[str], context: int) -> None:
         op = self.op
@@ -97,8 +116,7 @@ class StateWriter:
         capacity = context + 1 if window is None else min(context + 1, window)
         heads, dim = template.shape[0], template.shape[2]
         per_request = 2 * heads * capacity * dim * template.element_size()
-        slots = int(max(1, min(len(request_ids), self.budget_bytes // max(per_request, 1))))
-        self.aliased = slots < len(request_ids)
+        slots = self._slots(len(request_ids), per_request)
         shape = (slots, heads, capacity, dim)
         keys = torch.empty(shape, dtype=template.dtype, device=template.device)
         values = torch.empty_like(keys)
@@ -109,10 +127,34 @@ class StateWriter:
             state = states[rid]
             state.k, state.v = keys[i % slots], values[i % slots]
 
+    def _write_pages(self, request_ids: Sequence[str], context: int) -> None:
+        """Blocks for ``context + 1`` tokens per request in the stage's block tables (requests
+        past the budget share the first ones' blocks) and random keys/values in this layer's
+        cache. Layers sharing the tables find them reserved already."""
+        op: Any = self.op
+        paging, cache = op._paging, op._cache
+        block_tokens = cache.shape[2]
+        blocks = -(-(context + 1) // block_tokens)
+        per_request = blocks * cache[0].numel() * cache.element_size()
+        slots = self._slots(len(request_ids), per_request)
+        owners = request_ids[:slots]
+        for rid in owners:
+            paging._reserve(rid, context + 1)
+        for i, rid in enumerate(request_ids[slots:]):
+            if len(paging.tables[rid]) < blocks:  # shares an owner's blocks, frees none
+                paging.tables[rid] = list(paging.tables[owners[i % slots]][:blocks])
+                self._borrowed.add(rid)
+        if cache.shape[0] < paging.num_blocks:
+            cache = op._cache = torch.cat(
+                (cache, op._new_blocks(paging.num_blocks - cache.shape[0]))
+            )
+        if cache.dtype.is_floating_point:
+            cache.normal_(generator=self._gen)
+
     def rewind(self, request_ids: Sequence[str], context: int) -> None:
         """Make every request hold ``context`` tokens again (direct mode only)."""
         lens = self.op._context_lens
-        states = getattr(self.op, "_states", None)
+        states = getattr(self.op, "_states", None) if self.layout == "kv" else None
         for rid in request_ids:
             lens[rid] = context
             self.context[rid] = context
@@ -163,6 +205,11 @@ class StateWriter:
 
     def release(self) -> None:
         """Free every request this writer admitted (and with them their state)."""
+        tables = getattr(self.op, "_paging", None)
+        for rid in self._borrowed:  # its blocks are another request's: free none of them
+            if tables is not None and rid in tables.tables:
+                tables.tables[rid] = []
+        self._borrowed.clear()
         for rid in list(self.context):
             self.op.free(rid)
         self.context.clear()

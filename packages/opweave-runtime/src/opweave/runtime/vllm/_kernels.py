@@ -173,7 +173,19 @@ def use_vllm_kernels(
     """
     if stage.request_ids:
         raise RequestStateError("swap kernels before admitting requests")
-    dev = torch.device(device) if device is not None else _stage_device(stage)
+    return swap_operators(stage.operators, device, exact=exact, gemms_only=gemms_only)
+
+
+def swap_operators(
+    operators: list[Operator],
+    device: torch.device | str | None = None,
+    *,
+    exact: bool = True,
+    gemms_only: bool = False,
+) -> list[str]:
+    """:func:`use_vllm_kernels` on a list of operators (replaced in place) that hold no
+    request: the operators of one stage, or of the profiler's chain."""
+    dev = torch.device(device) if device is not None else _stage_device(operators)
     if dev.type != "cpu":
         _note_once("all operators", f"vLLM's CPU kernels do not run on {dev.type}")
         return []
@@ -182,7 +194,7 @@ def use_vllm_kernels(
         return []
     switched: list[str] = []
     pagings: dict[tuple[Any, ...], _Paging] = {}  # one block table per request for the stage
-    for i, op in enumerate(stage.operators):
+    for i, op in enumerate(operators):
         where = f"{'-' if op.layer is None else op.layer}.{op.name}"
         switched += [f"{where}.{attr}:onednn_mm" for attr in _pack_linears(op, exact)]
         if gemms_only:
@@ -197,7 +209,7 @@ def use_vllm_kernels(
             if why is None and exact and op.dtype != torch.float32:
                 why = _inexact(op.dtype)
             if why is None:
-                new = stage.operators[i] = cls.from_operator(op)
+                new = operators[i] = cls.from_operator(op)
                 if isinstance(new, PagedCoreAttention):
                     new._paging = pagings.setdefault(new.paging_key(), new._paging)
                 switched.append(f"{where}:{cls.kernel}")
@@ -206,8 +218,8 @@ def use_vllm_kernels(
     return switched
 
 
-def _stage_device(stage: StageModule) -> torch.device:
-    return stage.operators[0].device if stage.operators else torch.device("cpu")
+def _stage_device(operators: list[Operator]) -> torch.device:
+    return operators[0].device if operators else torch.device("cpu")
 
 
 def _ops() -> Any:
