@@ -163,10 +163,10 @@ class CoreAttention(StatefulOperator):
             self.tp_in = attention_layouts(a)
             self.tp_out = {"hidden": Layout(1, (a.num_heads * a.head_dim,))}
 
-        # the static decode step's state: one key and one value slab
-        # [rows + 1 (scratch), kv_heads, capacity, head_dim]; a request's _KvState becomes a view
-        # of its row when it first decodes that way
-        self._slabs: tuple[torch.Tensor, torch.Tensor] | None = None
+        # the static decode step's state: one key and one value slab per layer
+        # [rows + 1 (scratch), kv_heads, capacity, head_dim], stacked with the stage's other
+        # layers of this window in a SlabPool; a request's _KvState becomes a view of its row
+        # when it first decodes that way
 
     def _init_state(self, request_id: str) -> None:
         self._states[request_id] = _KvState(
@@ -182,36 +182,26 @@ class CoreAttention(StatefulOperator):
         its window) up front, so the step's shapes never change while serving."""
         self._grow_slabs(rows + 1, tokens)
 
-    def _grow_slabs(self, rows: int, capacity: int) -> None:
-        """At least ``rows`` rows of ``capacity`` tokens; a slab that must grow doubles what is
-        short, so it regrows (a copy of the whole slab) only a few times."""
-        old = self._slabs
-        if old is not None:
-            have_rows, have_capacity = old[0].shape[0], old[0].shape[2]
-            if self.window is not None:
-                capacity = min(capacity, self.window)
-            if have_rows >= rows and have_capacity >= capacity:
-                return
-            rows = have_rows if have_rows >= rows else max(rows, 2 * have_rows)
-            capacity = (
-                have_capacity if have_capacity >= capacity else max(capacity, 2 * have_capacity)
-            )
-        if self.window is not None:
-            capacity = min(capacity, self.window)
-        shape = (rows, self.num_kv_heads, capacity, self.arch.head_dim)
-        new = (
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-            torch.zeros(shape, dtype=self.dtype, device=self.device),
-        )
-        if old is not None:  # positions keep their slots: p, or p % window (capacity <= window)
-            r, c = old[0].shape[0], old[0].shape[2]
-            for slab, prev in zip(new, old, strict=True):
-                slab[:r, :, :c] = prev
-            for rid, state in self._states.items():
-                if rid not in self._outside:
-                    row = self._rows[rid]
-                    state.k, state.v = new[0][row], new[1][row]
-        self._slabs = new
+    def slab_key(self) -> tuple[object, ...]:
+        return ("kv", self.window, self.num_kv_heads, self.arch.head_dim, self.dtype, self.device)
+
+    def slab_layout(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        shape = (rows, self.num_kv_heads, tokens, self.arch.head_dim)
+        return [(shape, self.dtype), (shape, self.dtype)]
+
+    def slab_size(self, slab: torch.Tensor) -> tuple[int, int]:
+        return slab.shape[0], slab.shape[2]
+
+    def slab_token_limit(self) -> int | None:
+        return self.window
+
+    def _states_to_slabs(self) -> None:
+        assert self._slabs is not None
+        keys, values = self._slabs
+        for rid, state in self._states.items():
+            if rid not in self._outside:
+                row = self._rows[rid]
+                state.k, state.v = keys[row], values[row]
 
     def _grow_slabs_for(self, rows: int, tokens: int, span: int) -> None:
         # one slot of headroom: a span never fills the slab, so a compiled step's trace never
@@ -228,19 +218,20 @@ class CoreAttention(StatefulOperator):
         state.k, state.v = keys[row], values[row]
 
     def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        return [(slab, (0, 2)) for slab in self._slabs or ()]
+        return [(slab, (1, 3)) for slab in self._slab_pool.tensors] if self._slab_pool else []
 
     def _decode_static(self, batch: TokenBatch) -> TokenBatch:
         """One new token per row, all rows at once: store each row's key/value at its position's
         slot, attend over the row's first ``span`` slots (a sliding layer: its whole ring) with
         the slots past its position masked."""
-        assert batch.step is not None and self._slabs is not None
-        keys, values = self._slabs
+        assert batch.step is not None and self._slab_pool is not None
+        keys, values = self._slab_pool.tensors  # [layers, rows, kv_heads, capacity, head_dim]
         rows, pos = batch.step.rows, batch.step.positions
+        layer = self._slab_rows(rows)
         slot = pos if self.window is None else pos % self.window
-        keys[rows, :, slot] = batch["k"]
-        values[rows, :, slot] = batch["v"]
-        k, v = keys[rows], values[rows]  # [B, kv_heads, capacity, head_dim]
+        keys[layer, rows, :, slot] = batch["k"]
+        values[layer, rows, :, slot] = batch["v"]
+        k, v = keys[layer, rows], values[layer, rows]  # [B, kv_heads, capacity, head_dim]
         if self.window is None:  # no row holds a slot past the span (begin_step grew them)
             k, v = k.narrow(2, 0, batch.step.span), v.narrow(2, 0, batch.step.span)
         visible = torch.arange(k.shape[2], device=pos.device)[None, :] <= pos[:, None]

@@ -186,10 +186,13 @@ class DecodeStep:
             from torch._dynamo import maybe_mark_dynamic
 
             maybe_mark_dynamic(span, 0)
+            marked: set[int] = set()  # layers of one pool share its tensors
             for op in self.stateful:
                 for slab, dims in op.growing_dims():
-                    for dim in dims:
-                        maybe_mark_dynamic(slab, dim)
+                    if id(slab) not in marked:
+                        marked.add(id(slab))
+                        for dim in dims:
+                            maybe_mark_dynamic(slab, dim)
         return self._fn(tensors, positions.to(self.device), state_rows.to(self.device), span)
 
     def _state_rows(self, request_ids: Sequence[str]) -> list[int]:

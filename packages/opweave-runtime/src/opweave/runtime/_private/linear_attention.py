@@ -195,9 +195,9 @@ class LinearCoreAttention(StatefulOperator):
         self._recurrent: dict[str, torch.Tensor] = {}
         self._kv_repeat = self.la.num_v_heads // self.la.num_k_heads
         # the static decode step's state: conv [rows + 1, conv_dim, conv_kernel - 1] and
-        # recurrent [rows + 1, v_heads, k_head_dim, v_head_dim] slabs; a request's entries become
-        # views of its row when it first decodes that way
-        self._slabs: tuple[torch.Tensor, torch.Tensor] | None = None
+        # recurrent [rows + 1, v_heads, k_head_dim, v_head_dim] slabs per layer, stacked with the
+        # stage's other linear-attention layers in a SlabPool; a request's entries become views
+        # of its row when it first decodes that way
 
     @property
     def conv_shape(self) -> tuple[int, int]:
@@ -227,23 +227,22 @@ class LinearCoreAttention(StatefulOperator):
         """Size the slabs for ``rows`` requests (the state does not grow with ``tokens``)."""
         self._grow_slabs(rows + 1)
 
-    def _grow_slabs(self, rows: int) -> None:
-        old = self._slabs
-        if old is not None:
-            if old[0].shape[0] >= rows:
-                return
-            rows = max(rows, 2 * old[0].shape[0])
-        new = (
-            torch.zeros((rows, *self.conv_shape), dtype=self.dtype, device=self.device),
-            torch.zeros((rows, *self.recurrent_shape), dtype=torch.float32, device=self.device),
-        )
-        if old is not None:
-            for slab, prev in zip(new, old, strict=True):
-                slab[: prev.shape[0]] = prev
-            for rid, row in self._rows.items():
-                if rid not in self._outside:
-                    self._conv[rid], self._recurrent[rid] = new[0][row], new[1][row]
-        self._slabs = new
+    def slab_key(self) -> tuple[object, ...]:
+        return ("linear", self.conv_shape, self.recurrent_shape, self.dtype, self.device)
+
+    def slab_layout(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        del tokens  # a recurrent state has no length
+        return [
+            ((rows, *self.conv_shape), self.dtype),
+            ((rows, *self.recurrent_shape), torch.float32),
+        ]
+
+    def _states_to_slabs(self) -> None:
+        assert self._slabs is not None
+        conv, recurrent = self._slabs
+        for rid, row in self._rows.items():
+            if rid not in self._outside:
+                self._conv[rid], self._recurrent[rid] = conv[row], recurrent[row]
 
     def _grow_slabs_for(self, rows: int, tokens: int, span: int) -> None:
         del tokens, span  # a recurrent state has no length
@@ -259,17 +258,19 @@ class LinearCoreAttention(StatefulOperator):
         self._conv[request_id], self._recurrent[request_id] = conv[row], recurrent[row]
 
     def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        return [(slab, (0,)) for slab in self._slabs or ()]
+        return [(slab, (1,)) for slab in self._slab_pool.tensors] if self._slab_pool else []
 
     def _decode_static(self, batch: TokenBatch) -> TokenBatch:
         """One new token per row, all rows at once, each on its row of the slabs."""
-        assert batch.step is not None and self._slabs is not None
+        assert batch.step is not None and self._slab_pool is not None
         la, rows = self.la, batch.step.rows
-        conv_slab, recurrent_slab = self._slabs
+        conv_slab, recurrent_slab = self._slab_pool.tensors  # [layers, rows, ...]
+        layer = self._slab_rows(rows)
         mixed = batch["mixed_qkv"]
         n = mixed.shape[0]
-        window = torch.cat((conv_slab[rows], mixed[:, :, None].to(conv_slab.dtype)), dim=-1)
-        conv_slab[rows] = window[:, :, 1:]
+        past = conv_slab[layer, rows]
+        window = torch.cat((past, mixed[:, :, None].to(conv_slab.dtype)), dim=-1)
+        conv_slab[layer, rows] = window[:, :, 1:]
         conv = F.conv1d(window, self.conv_weight, self.conv_bias, groups=window.shape[1])
         conv = self.act(conv)[:, :, 0].to(mixed.dtype)
         q, k, v = torch.split(conv, [la.key_dim, la.key_dim, la.value_dim], -1)
@@ -279,9 +280,9 @@ class LinearCoreAttention(StatefulOperator):
         )
         v = v.reshape(n, la.num_v_heads, -1).float()
         g = self.neg_a * F.softplus(batch["a"].float() + self.dt_bias)
-        state = recurrent_slab[rows]
+        state = recurrent_slab[layer, rows]
         core = recurrent_step(state, q, k, v, g, batch["b"].sigmoid().float())
-        recurrent_slab[rows] = state
+        recurrent_slab[layer, rows] = state
         hidden = self._gated_norm(core.to(self.dtype), batch["z"]).reshape(n, -1)
         return batch.replace(drop=("mixed_qkv", "z", "b", "a"), hidden=hidden)
 

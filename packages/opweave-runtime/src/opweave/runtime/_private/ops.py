@@ -160,6 +160,56 @@ class Operator:
         return f"{type(self).__name__}(layer={self.layer}, name={self.name!r})"
 
 
+class SlabPool:
+    """The static decode step's state slabs of all of a stage's layers of one kind, stacked.
+
+    Every member layer's slab ``j`` is ``tensors[j][i]`` (``i``: the layer's index in the pool),
+    with a row per state row and, for attention, a slot per cached token. One stacked tensor per
+    kind instead of one per layer means a compiled step has one set of (symbolic) slab sizes,
+    not one per layer, so its launch checks and converts a handful of sizes whatever the depth.
+    The members grow together (they hold the same requests): a slab short of rows or tokens
+    doubles what is short, copying what it held, and the members' state views move along.
+    """
+
+    def __init__(self, members: Sequence[StatefulOperator]) -> None:
+        self.members = list(members)
+        self.tensors: tuple[torch.Tensor, ...] = ()
+        for i, op in enumerate(self.members):
+            op._slab_pool, op._slab_index = self, i
+
+    def grow(self, rows: int, tokens: int = 0) -> None:
+        """At least ``rows`` rows and (attention) room for ``tokens`` tokens."""
+        first = self.members[0]
+        limit = first.slab_token_limit()
+        tokens = tokens if limit is None else min(tokens, limit)
+        old = self.tensors
+        if old:
+            have_rows, have_tokens = first.slab_size(old[0][0])
+            if have_rows >= rows and have_tokens >= tokens:
+                return
+            rows = have_rows if have_rows >= rows else max(rows, 2 * have_rows)
+            tokens = have_tokens if have_tokens >= tokens else max(tokens, 2 * have_tokens)
+            tokens = tokens if limit is None else min(tokens, limit)
+        self.tensors = tuple(
+            torch.zeros((len(self.members), *shape), dtype=dtype, device=first.device)
+            for shape, dtype in first.slab_layout(rows, tokens)
+        )
+        if old:  # positions keep their slots (p, or p % window: the capacity stays <= window)
+            for new, prev in zip(self.tensors, old, strict=True):
+                new[tuple(slice(0, n) for n in prev.shape)] = prev
+            for op in self.members:
+                op._states_to_slabs()
+
+
+def share_slabs(ops: Sequence[StatefulOperator]) -> None:
+    """Give ``ops`` (a stage's stateful layers) one :class:`SlabPool` per kind of slab."""
+    groups: dict[tuple[object, ...], list[StatefulOperator]] = {}
+    for op in ops:
+        groups.setdefault(op.slab_key(), []).append(op)
+    for members in groups.values():
+        SlabPool(members)
+
+
 class StatefulOperator(Operator):
     """An operator that keeps per-request state between iterations (KV cache, recurrent state).
 
@@ -173,6 +223,8 @@ class StatefulOperator(Operator):
         self._context_lens: dict[str, int] = {}
         self._rows: dict[str, int] = {}
         self._outside: set[str] = set()  # admitted, state not yet in the static step's slabs
+        self._slab_pool: SlabPool | None = None  # this layer's slabs: the pool's tensors at index
+        self._slab_index = 0
 
     def admit(self, request_id: str, row: int | None = None) -> None:
         if request_id in self._context_lens:
@@ -244,14 +296,53 @@ class StatefulOperator(Operator):
         """Slabs of at least ``rows`` rows holding ``tokens`` tokens, read ``span`` slots far."""
         raise NotImplementedError
 
+    # -- the slabs (shared with the stage's layers of the same kind, see SlabPool) ----------
+    @property
+    def _slabs(self) -> tuple[torch.Tensor, ...] | None:
+        if self._slab_pool is None or not self._slab_pool.tensors:
+            return None
+        return tuple(t[self._slab_index] for t in self._slab_pool.tensors)
+
+    def _slab_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """This layer's index in its pool, one per row: with ``rows`` it indexes the stacked
+        slabs directly (a write through the layer's view of them would, once compiled, copy
+        the whole stack back every step)."""
+        return torch.full_like(rows, self._slab_index)
+
+    def _grow_slabs(self, rows: int, tokens: int = 0) -> None:
+        if self._slab_pool is None:  # not shared (a step built outside a stage): a pool of its own
+            SlabPool([self])
+        assert self._slab_pool is not None
+        self._slab_pool.grow(rows, tokens)
+
+    def slab_key(self) -> tuple[object, ...]:
+        """Layers with equal keys can stack their slabs in one :class:`SlabPool`."""
+        raise NotImplementedError
+
+    def slab_layout(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape (of one layer) and dtype of each slab for ``rows`` rows of ``tokens`` tokens."""
+        raise NotImplementedError
+
+    def slab_size(self, slab: torch.Tensor) -> tuple[int, int]:
+        """(rows, tokens) a layer's first slab holds (tokens 0: a state without length)."""
+        return slab.shape[0], 0
+
+    def slab_token_limit(self) -> int | None:
+        """The most tokens a slab ever holds (a sliding window's), or None."""
+        return None
+
+    def _states_to_slabs(self) -> None:
+        """The slabs were reallocated: point the requests' states at their rows again."""
+        raise NotImplementedError
+
     def _move_in(self, request_id: str, length: int) -> None:
         """Copy a request's state (``length`` tokens so far) into its slab row, and keep it
         there: from now on its state is a view of that row."""
         raise NotImplementedError
 
     def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """The state slabs and their dimensions that grow (rows, tokens), which a compiled
-        step treats as symbolic sizes."""
+        """The state slabs (the pool's stacked tensors) and their dimensions that grow (rows,
+        tokens), which a compiled step treats as symbolic sizes."""
         return []
 
     @property

@@ -13,7 +13,7 @@ from ..errors import OpWeaveRuntimeError
 from .batch import TokenBatch
 from .decode import DecodeStep, is_decode, why_not_static
 from .graph import OpRef, compute_dtype, model_spec, operator_from, operator_sequence
-from .ops import OpContext, Operator, StatefulOperator
+from .ops import OpContext, Operator, StatefulOperator, share_slabs
 from .tensor_parallel import Shard, TPComm, run_ops
 from .weights import Checkpoint
 
@@ -115,6 +115,7 @@ class StageModule:
         why = why_not_static(self.operators)
         if why is not None:
             raise OpWeaveRuntimeError(f"no static decode step: {why}; use --kernels opweave")
+        share_slabs([op for op in self._stateful if op._slab_pool is None])
         for op in self._stateful:
             op.reserve(rows, tokens)
         self._static = (rows, compile)
