@@ -219,3 +219,121 @@ def test_config_nesting_and_odd_json(write_config, tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
     assert "nests JSON too deeply" in _error(["estimate", str(folder), "--gpu", "h100"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["plan", "qwen3-32b", "--gpus", "h100,,a100", "--tpot-slo-ms", "50", "--context", "1K"],
+            "has an empty item",
+        ),
+        (
+            ["plan", "qwen3-32b", "--gpus", "h100", "--tpot-slo-ms", "50,", "--context", "1K"],
+            "has an empty item",
+        ),
+        (["analyze", "qwen3-32b", "--gpus", "h100", "--contexts", "1K,1024"], "more than once"),
+        (
+            [
+                "plan",
+                "qwen3-32b",
+                "--gpus",
+                "h100",
+                "--tpot-slo-ms",
+                "50",
+                "--microbatches",
+                "2,2",
+                "--context",
+                "1K",
+            ],
+            "--microbatches '2,2' names 2 more than once",
+        ),
+        (
+            [
+                "plan",
+                "qwen3-32b",
+                "--gpus",
+                "h100",
+                "--gpus",
+                "a100",
+                "--tpot-slo-ms",
+                "50",
+                "--context",
+                "1K",
+            ],
+            "--gpus is given more than once",
+        ),
+        (["estimate", "qwen3-32b", "--gpu", "h100", "--batch", "2", "--batch=3"], "--batch is"),
+        (["estimate", "", "--gpu", "h100"], "an argument is empty"),
+        (["estimate", "qwen3-32b", "--gpu="], "--gpu is empty"),
+        (
+            [
+                "plan",
+                "qwen3-32b",
+                "--gpus",
+                "h100:99999999999999999999",
+                "--tpot-slo-ms",
+                "50",
+                "--context",
+                "1K",
+            ],
+            "at most 100,000 GPUs of one type",
+        ),
+    ],
+)
+def test_what_click_would_take_silently(args: list[str], message: str) -> None:
+    assert message in _error(args)
+
+
+def test_estimate_refuses_a_degree_the_model_does_not_split_over(write_config) -> None:
+    config = write_config({**TINY_LLAMA, "num_attention_heads": 12, "num_key_value_heads": 4})
+    for command in (["estimate", str(config), "--gpu", "h100"], ["analyze", str(config)]):
+        flag = ["--gpus", "h100"] if command[0] == "analyze" else []
+        assert "does not split over tp 8" in _error([*command, *flag, "--tp", "8"])
+
+
+def test_a_hardware_file_cannot_take_another_gpus_alias_or_an_unlistable_id(
+    tmp_path: Path,
+) -> None:
+    steal = tmp_path / "steal.toml"
+    steal.write_text('[[gpus]]\nid = "h100"\naliases = ["a100"]\n')
+    assert "alias 'a100' already names a100-sxm-80gb" in _error(
+        ["estimate", "qwen3-32b", "--gpu", "a100", "--hardware", str(steal)]
+    )
+    odd = tmp_path / "odd.toml"
+    odd.write_text('[[gpus]]\nid = "my gpu,x:3"\nmemory_bytes = 1e10\n')
+    assert "may hold only letters, digits" in _error(["gpus", "--hardware", str(odd)])
+    small = tmp_path / "small.toml"
+    small.write_text('[[gpus]]\nid = "h100"\ngpus_per_node = 2\n')
+    assert "h100-sxm has 2 GPUs per node" in _error(
+        ["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "4", "--hardware", str(small)]
+    )
+    version = tmp_path / "version.toml"
+    version.write_text('schema_version = true\n[[gpus]]\nid = "h100"\n')
+    assert "schema_version" in _error(["gpus", "--hardware", str(version)])
+
+
+def test_deploy_refuses_what_kubernetes_would_and_leaves_no_stale_node_groups(
+    tmp_path: Path,
+) -> None:
+    plan = tmp_path / "p.json"
+    args = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K", "--tpot-slo-ms", "50", "-o"]
+    code, _, err, _ = invoke([*args, str(plan)])
+    assert code == 0, err
+    out = tmp_path / "d"
+    for flag, value in (
+        ("--namespace", "Bad NS"),
+        ("--model-pvc", "x y"),
+        ("--node-selector-key", "bad key!"),
+    ):
+        assert flag in _error(["deploy", str(plan), "-o", str(out), flag, value])
+    (out / "k8s").mkdir(parents=True)
+    (out / "launch").mkdir()
+    (out / "k8s" / "node-group-5.yaml").write_text("old")
+    (out / "launch" / "node-5.sh").write_text("old")
+    code, _, err, _ = invoke(["deploy", str(plan), "-o", str(out)])
+    assert code == 0, err
+    assert not (out / "k8s" / "node-group-5.yaml").exists()
+    assert not (out / "launch" / "node-5.sh").exists()
+    assert (out / "k8s" / "node-group-0.yaml").exists()
+    assert (out / "k8s" / "secret.yaml").stat().st_mode & 0o077 == 0

@@ -102,15 +102,25 @@ def check_context(spec: Any, tokens: int, flag: str) -> int:
     return tokens
 
 
-def parse_list(text: str, kind: type = str) -> list[Any]:
-    """Split ``"a,b"`` into items; a bad item is a one-line usage error."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if not items:
+def parse_list(text: str, kind: type = str, what: str = "") -> list[Any]:
+    """Split ``"a,b"`` (the value of option ``what``) into items; a bad, empty or repeated item
+    is a one-line usage error."""
+    text_ = f"{what} {text!r}" if what else repr(text)
+    items = [t.strip() for t in text.split(",")]
+    if not any(items):
         raise typer.BadParameter(f"expected a comma-separated list, got {text!r}")
+    if not all(items):
+        raise typer.BadParameter(f"{text_} has an empty item; separate items by one comma")
     try:
-        return [kind(_parse_size(t) if kind is int else t) for t in items]
+        values = [kind(_parse_size(t) if kind is int else t) for t in items]
     except (ValueError, IndexError, OverflowError):
-        raise typer.BadParameter(f"{text!r} is not a list of {kind.__name__}s") from None
+        raise typer.BadParameter(f"{text_} is not a list of {kind.__name__}s") from None
+    seen: set[Any] = set()
+    for raw, value in zip(items, values, strict=True):
+        if value in seen:
+            raise typer.BadParameter(f"{text_} names {raw} more than once; give each once")
+        seen.add(value)
+    return values
 
 
 def _parse_size(token: str) -> int:

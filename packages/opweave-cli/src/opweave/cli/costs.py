@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -69,6 +69,7 @@ def estimate(
     check_context(spec, tokens, "--context")
     hw = catalog(hardware).get(gpu)
     profile = None if host is None else host_profile(host)
+    _check_tp(spec, hw, tp)
     est = estimate_step(spec, hw, tp=tp, batch=batch, context=tokens, host=profile)
     if json_out:
         emit_json(est.model_dump())
@@ -118,7 +119,9 @@ def analyze(
 
     if tp is not None and tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
-    points = [parse_size(c) for c in parse_list(contexts)]
+    points = [parse_size(c) for c in parse_list(contexts, what="--contexts")]
+    if len(set(points)) < len(points):
+        raise typer.BadParameter(f"--contexts {contexts!r} names a context more than once")
     output_file(plot, "--plot", PLOT_SUFFIXES)
     spec = load_model(model)
     if contexts == DEFAULT_CONTEXTS:  # the default grid stops at the model's context
@@ -126,10 +129,13 @@ def analyze(
     for s in points:
         check_context(spec, s, "--contexts:")
     cat = catalog(hardware)
-    names = parse_list(gpus)
+    names = parse_list(gpus, what="--gpus")
     if len(names) > 2:
         raise typer.BadParameter("--gpus takes one or two GPU ids")
     devices = [cat.get(n) for n in names]
+    if tp is not None:
+        for hw in devices:
+            _check_tp(spec, hw, tp)
     result = run_analysis(spec, devices, points, tp=tp)
     if plot is not None:
         from ._plots import plot_analysis
@@ -141,3 +147,17 @@ def analyze(
     typer.echo(result.summary())
     if plot is not None:
         typer.echo(f"plot written to {plot}")
+
+
+def _check_tp(spec: Any, hw: Any, tp: int) -> None:
+    """That ``spec`` splits over ``tp`` GPUs of ``hw`` within one node, as plan requires."""
+    from opweave.costmodel import ConfigError, tp_problem
+
+    problem = tp_problem(spec, tp)
+    if problem is not None:
+        raise ConfigError(f"--tp {tp}: {problem}; choose a degree the model splits over")
+    if tp > hw.gpus_per_node:
+        raise ConfigError(
+            f"--tp {tp}: {hw.id} has {hw.gpus_per_node} GPUs per node and a TP group stays "
+            "within one node; choose a smaller --tp"
+        )

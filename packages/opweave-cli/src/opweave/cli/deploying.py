@@ -72,6 +72,7 @@ def deploy(
             f"--name {name!r} is not a Kubernetes name (lowercase letters, digits and '-', "
             "at most 40 characters); try --name " + prefix
         )
+    _check_k8s_values(image, model_pvc, node_selector_key, namespace)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"{output} exists and is not a directory")
     plan_text = the_plan.model_dump_json(indent=2) + "\n"
@@ -101,9 +102,21 @@ def deploy(
         f.write(secret + "\n")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.name == "secret.yaml":  # holds the run's secret, as run-secret does
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            continue
         path.write_text(text)
         if path.suffix == ".sh":
             path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    # an earlier deployment of more nodes into DIR left scripts and node groups this one has
+    # not: kubectl apply -f DIR/k8s/ would start them too
+    for folder, pattern in (("launch", "node-*.sh"), ("k8s", "node-group-*.yaml")):
+        for stale in (output / folder).glob(pattern):
+            if stale not in files:
+                stale.unlink()
     if json_out:
         emit_json(
             {
@@ -142,3 +155,34 @@ def _gpu_resource(hw: Any) -> str | None:
     if hw.id == "cpu":
         return None  # CPU ranks (tests, profiling): no accelerator to request
     return "amd.com/gpu" if "AMD" in hw.name else "nvidia.com/gpu"
+
+
+def _check_k8s_values(
+    image: str, model_pvc: str | None, node_selector_key: str, namespace: str | None
+) -> None:
+    """Kubernetes would refuse these manifests later, one resource at a time: refuse now."""
+    import re
+
+    from opweave.costmodel import ConfigError
+
+    label = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"  # RFC 1123 label
+    subdomain = rf"{label}(\.{label})*"
+    if namespace is not None and not re.fullmatch(label, namespace):
+        raise ConfigError(
+            f"--namespace {namespace!r} is not a Kubernetes namespace (lowercase letters, "
+            "digits and '-', at most 63 characters)"
+        )
+    if model_pvc is not None and (len(model_pvc) > 253 or not re.fullmatch(subdomain, model_pvc)):
+        raise ConfigError(
+            f"--model-pvc {model_pvc!r} is not a PersistentVolumeClaim name (lowercase "
+            "letters, digits, '-' and '.')"
+        )
+    prefix, _, key = node_selector_key.rpartition("/")
+    name_ok = re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", key)
+    if not name_ok or (prefix and (len(prefix) > 253 or not re.fullmatch(subdomain, prefix))):
+        raise ConfigError(
+            f"--node-selector-key {node_selector_key!r} is not a Kubernetes label key "
+            "([prefix/]name: a DNS prefix, a name of letters, digits, '-', '_', '.')"
+        )
+    if not image.strip() or any(c.isspace() for c in image):
+        raise ConfigError(f"--image {image!r} is not a container image reference")

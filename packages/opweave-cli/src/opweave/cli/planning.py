@@ -298,13 +298,16 @@ def _write_plans(results: list[Any], output: Path | None) -> list[tuple[Path, An
     return written
 
 
+MAX_GPUS_PER_TYPE = 100_000  # an inventory bound beyond any cluster's; larger is a typo
+
+
 def parse_gpus(text: str) -> tuple[list[str], dict[str, int]]:
     """``h100:16,a100`` -> (["h100", "a100"], {"h100": 16}); bad counts are one-line errors."""
     from opweave.costmodel import ConfigError
 
     names: list[str] = []
     inventory: dict[str, int] = {}
-    for item in parse_list(text):
+    for item in parse_list(text, what="--gpus"):
         name, sep, count = item.partition(":")
         name = name.strip()
         if not name:
@@ -319,6 +322,10 @@ def parse_gpus(text: str) -> tuple[list[str], dict[str, int]]:
                 f"--gpus {item!r}: the count of {name} must be a positive whole number of GPUs, "
                 f"got {count.strip()!r}"
             )
+        if len(count.strip()) > 6 or int(count) > MAX_GPUS_PER_TYPE:
+            raise ConfigError(
+                f"--gpus {item!r}: at most {MAX_GPUS_PER_TYPE:,} GPUs of one type can be planned"
+            )
         inventory[name] = int(count)
     if len(names) > 2:
         raise ConfigError(f"--gpus takes one or two GPU types, got {len(names)}")
@@ -332,7 +339,7 @@ def parse_slos(text: str) -> list[float]:
     from opweave.costmodel import ConfigError
 
     slos = []
-    for item in parse_list(text):
+    for item in parse_list(text, what="--tpot-slo-ms"):
         try:
             value = float(item)
         except ValueError:
@@ -354,7 +361,7 @@ def _batching(batch: int | None, microbatches: str | None) -> dict[str, Any]:
     """
     counts = None
     if microbatches is not None:
-        counts = sorted(set(parse_list(microbatches, int)))
+        counts = sorted(set(parse_list(microbatches, int, "--microbatches")))
         if counts[0] < 1 or counts[-1] > MAX_BATCH:
             raise typer.BadParameter(
                 f"--microbatches takes counts from 1 to {MAX_BATCH}, got {microbatches!r}"

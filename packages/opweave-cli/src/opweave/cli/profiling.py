@@ -210,14 +210,14 @@ def profile(
     dev = _device(device)
     if kernels not in KERNELS:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
-    tps = parse_list(tp, int)
+    tps = parse_list(tp, int, "--tp")
     if any(t not in TP_DEGREES for t in tps):
         raise typer.BadParameter(f"--tp takes degrees among {', '.join(map(str, TP_DEGREES))}")
-    grid_b = parse_list(batches, int) if batches else None
+    grid_b = parse_list(batches, int, "--batches") if batches else None
     if grid_b is not None and max(grid_b) > MAX_BATCH:  # the profiler refuses those below 1
         raise typer.BadParameter(f"--batches takes batch sizes up to {MAX_BATCH}")
-    grid_s = parse_list(contexts, int) if contexts else None
-    only = parse_list(ops) if ops else None
+    grid_s = parse_list(contexts, int, "--contexts") if contexts else None
+    only = parse_list(ops, what="--ops") if ops else None
     output_file(output, "-o")
     spec = load_model(model)  # a bad config fails here, before torch loads
     for s in grid_s or []:

@@ -50,6 +50,7 @@ Where no measurement was found the factor is marked ASSUMED; override any field 
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -321,6 +322,9 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
 )
 
 
+_GPU_ID = re.compile(r"[a-z0-9][a-z0-9._-]*")  # what --gpus lists can name
+
+
 class HardwareCatalog:
     """GPU lookup by id or alias, with user overrides layered on the built-ins."""
 
@@ -381,6 +385,27 @@ class HardwareCatalog:
                     "merge the two entries into one"
                 )
             seen[gpu_id] = raw
+            if not _GPU_ID.fullmatch(gpu_id):
+                raise ConfigError(
+                    f"{source}: GPU id {raw!r} may hold only letters, digits, '.', '_' and '-' "
+                    "(ids are written in --gpus lists such as h100:8,a100)"
+                )
+            aliases = merged.get("aliases") or ()
+            if not isinstance(aliases, list | tuple):
+                raise ConfigError(f"{source}: GPU {raw!r}: aliases must be a list of GPU ids")
+            for alias in aliases:
+                key = alias.strip().lower() if isinstance(alias, str) else alias
+                if not isinstance(key, str) or not _GPU_ID.fullmatch(key):
+                    raise ConfigError(f"{source}: GPU {raw!r}: alias {alias!r} is not a GPU id")
+                try:
+                    owner = out.resolve(key)
+                except UnknownGPUError:
+                    continue
+                if owner != gpu_id:
+                    raise ConfigError(
+                        f"{source}: GPU {raw!r}: alias {alias!r} already names {owner}; "
+                        "choose another alias"
+                    )
             try:
                 out.add(HardwareSpec.model_validate(merged))
             except ValidationError as exc:
@@ -423,7 +448,7 @@ def load_hardware_file(path: str | Path, base: HardwareCatalog | None = None) ->
             "schema_version and [[gpus]] entries)"
         )
     version = data.get("schema_version", HARDWARE_SCHEMA_VERSION)
-    if version != HARDWARE_SCHEMA_VERSION:
+    if isinstance(version, bool) or version != HARDWARE_SCHEMA_VERSION:
         raise ConfigError(
             f"hardware file {path} has schema_version {version}; this OpWeave "
             f"reads version {HARDWARE_SCHEMA_VERSION}"
