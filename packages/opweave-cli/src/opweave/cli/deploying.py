@@ -97,16 +97,11 @@ def deploy(
         files[output / "k8s" / fname] = _deploy.to_yaml(manifest)
     output.mkdir(parents=True, exist_ok=True)
     key_file = output / "run-secret"
-    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret + "\n")
+    _write_private(key_file, secret + "\n")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.name == "secret.yaml":  # holds the run's secret, as run-secret does
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.fchmod(fd, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
+            _write_private(path, text)
             continue
         path.write_text(text)
         if path.suffix == ".sh":
@@ -155,6 +150,14 @@ def _gpu_resource(hw: Any) -> str | None:
     if hw.id == "cpu":
         return None  # CPU ranks (tests, profiling): no accelerator to request
     return "amd.com/gpu" if "AMD" in hw.name else "nvidia.com/gpu"
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` readable by its owner only (also if it existed before)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.fchmod(fd, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 def _check_k8s_values(

@@ -23,8 +23,7 @@ from ._common import (
     parse_list,
     positive_price,
 )
-
-KERNELS = ("opweave", "vllm", "vllm-all")  # as opweave run --kernels
+from .running import KERNELS  # the same choices as opweave run --kernels
 
 
 def register(app: typer.Typer) -> None:

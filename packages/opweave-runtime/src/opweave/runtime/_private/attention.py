@@ -147,6 +147,7 @@ class CoreAttention(StatefulOperator):
     """Softmax attention over each request's cached keys; the operator that holds the KV cache."""
 
     name, op_class = "core_attn", "attention"
+    slab_token_dim = 2  # [rows, kv_heads, capacity, head_dim]
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
@@ -189,9 +190,6 @@ class CoreAttention(StatefulOperator):
         shape = (rows, self.num_kv_heads, tokens, self.arch.head_dim)
         return [(shape, self.dtype), (shape, self.dtype)]
 
-    def slab_size(self, slab: torch.Tensor) -> tuple[int, int]:
-        return slab.shape[0], slab.shape[2]
-
     def slab_token_limit(self) -> int | None:
         return self.window
 
@@ -216,9 +214,6 @@ class CoreAttention(StatefulOperator):
         keys[row, :, :used] = state.k[:, :used]
         values[row, :, :used] = state.v[:, :used]
         state.k, state.v = keys[row], values[row]
-
-    def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        return [(slab, (1, 3)) for slab in self._slab_pool.tensors] if self._slab_pool else []
 
     def _decode_static(self, batch: TokenBatch) -> TokenBatch:
         """One new token per row, all rows at once: store each row's key/value at its position's

@@ -257,9 +257,6 @@ class LinearCoreAttention(StatefulOperator):
         recurrent[row] = self._recurrent[request_id]
         self._conv[request_id], self._recurrent[request_id] = conv[row], recurrent[row]
 
-    def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        return [(slab, (1,)) for slab in self._slab_pool.tensors] if self._slab_pool else []
-
     def _decode_static(self, batch: TokenBatch) -> TokenBatch:
         """One new token per row, all rows at once, each on its row of the slabs."""
         assert batch.step is not None and self._slab_pool is not None

@@ -218,6 +218,8 @@ class StatefulOperator(Operator):
     gives each request the row of its batch slot; otherwise the lowest free row is taken.
     """
 
+    slab_token_dim: int | None = None  # a layer slab's dimension of tokens (None: no length)
+
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
         super().__init__(ctx, layer)
         self._context_lens: dict[str, int] = {}
@@ -325,7 +327,8 @@ class StatefulOperator(Operator):
 
     def slab_size(self, slab: torch.Tensor) -> tuple[int, int]:
         """(rows, tokens) a layer's first slab holds (tokens 0: a state without length)."""
-        return slab.shape[0], 0
+        dim = self.slab_token_dim
+        return slab.shape[0], 0 if dim is None else slab.shape[dim]
 
     def slab_token_limit(self) -> int | None:
         """The most tokens a slab ever holds (a sliding window's), or None."""
@@ -343,7 +346,11 @@ class StatefulOperator(Operator):
     def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         """The state slabs (the pool's stacked tensors) and their dimensions that grow (rows,
         tokens), which a compiled step treats as symbolic sizes."""
-        return []
+        if self._slab_pool is None:
+            return []
+        dim = self.slab_token_dim  # of one layer's slab; the stack adds the layer dimension
+        dims = (1,) if dim is None else (1, dim + 1)
+        return [(slab, dims) for slab in self._slab_pool.tensors]
 
     @property
     def request_ids(self) -> tuple[str, ...]:
