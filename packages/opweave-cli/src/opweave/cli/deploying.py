@@ -64,7 +64,7 @@ def deploy(
     from .planning import load_plan_file, load_profiles
 
     the_plan = load_plan_file(plan_file)
-    specs = _hardware(the_plan, catalog(hardware), load_profiles(profile))
+    specs = _hardware(the_plan, hardware, load_profiles(profile))
     nodes = plan_nodes(the_plan, {gpu: hw.gpus_per_node for gpu, hw in specs.items()})
     prefix = _deploy.dns_name(name or f"opweave-{the_plan.model.name}")
     if name is not None and prefix != name:
@@ -137,9 +137,14 @@ def deploy(
     )
 
 
-def _hardware(plan: Any, cat: Any, profiles: list[Any]) -> dict[str, Any]:
-    """Each GPU type of the plan: its profile's device, else the catalog's entry."""
-    by_profile = {p.device.id: p.device for p in profiles}
+def _hardware(plan: Any, hardware: Path | None, profiles: list[Any]) -> dict[str, Any]:
+    """Each GPU type of the plan: its profile's device, else the --hardware file's entry, else
+    the spec the plan was made with (the built-in entry for a plan that recorded none)."""
+    from opweave.costmodel import planned_catalog
+    from opweave.planner import profile_device_id
+
+    cat = planned_catalog(plan, None if hardware is None else catalog(hardware))
+    by_profile = {profile_device_id(p, cat): p.device for p in profiles}
     return {
         o.gpu: by_profile[o.gpu] if o.gpu in by_profile else cat.get(o.gpu) for o in plan.owners
     }

@@ -46,7 +46,7 @@ def load_profiles(paths: list[Path] | None) -> list[Any]:
         if not path.is_file():
             raise ConfigError(f"profile file {path} {missing_file(path)}")
         try:
-            profiles.append(Profile.model_validate_json(path.read_bytes()))
+            profiles.append(Profile.model_validate_json(path.read_bytes(), strict=True))
         except OSError as exc:
             raise ConfigError(f"cannot read profile file {path}: {exc.strerror or exc}") from None
         except (ValidationError, UnicodeDecodeError) as exc:
@@ -71,7 +71,7 @@ def load_plan_file(path: Path):  # -> Plan
     if not path.is_file():
         raise ConfigError(f"plan file {path} {missing_file(path)}")
     try:
-        return Plan.model_validate_json(path.read_bytes())
+        return Plan.model_validate_json(path.read_bytes(), strict=True)
     except OSError as exc:
         raise ConfigError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
     except (ValidationError, UnicodeDecodeError) as exc:
@@ -424,7 +424,14 @@ def simulate(
             f"plan {plan_file} was made for a different {the_plan.model.name} "
             "config; pass --model with the config it was planned for"
         )
-    sim = simulate_plan(the_plan, spec, catalog=catalog(hardware), profiles=load_profiles(profile))
+    sim = simulate_plan(
+        the_plan,
+        spec,
+        catalog=None if hardware is None else catalog(hardware),
+        profiles=load_profiles(profile),
+    )
+    for note in sim.notes:
+        typer.echo(f"note: simulating other specs than the plan was made with: {note}", err=True)
     if gantt is not None:
         draw_gantt(sim, gantt)
     if json_out:

@@ -96,7 +96,9 @@ from ._private.plan import (
     canonical_plan,
     check_template,
     colocated_template,
+    hardware_drift,
     plan_model,
+    planned_catalog,
     segments,
 )
 from ._private.profile import (
@@ -207,7 +209,9 @@ __all__ = [
     "canonical_plan",
     "check_template",
     "colocated_template",
+    "hardware_drift",
     "plan_model",
+    "planned_catalog",
     "segments",
     # deployment: nodes and inventories
     "Node",

@@ -10,7 +10,7 @@ installs. Depends on opweave-costmodel and numpy only (matplotlib for Gantt char
 from __future__ import annotations
 
 from ._private.api import plan
-from ._private.devices import Device, resolve_devices
+from ._private.devices import Device, profile_device_id, resolve_devices
 from ._private.evaluate import SimResult, simulate_plan
 from ._private.gantt import gantt
 from ._private.host import NO_HOST, Draft, HostModel, host_effects, host_time, with_cold_caches
@@ -53,6 +53,7 @@ __all__ = [
     "U_GRID",
     # devices
     "Device",
+    "profile_device_id",
     "resolve_devices",
     # host-side effects (CPU ranks; none on GPUs)
     "HostModel",

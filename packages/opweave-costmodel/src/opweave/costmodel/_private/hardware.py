@@ -54,7 +54,7 @@ import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, ValidationError
 
@@ -67,41 +67,50 @@ TB = 1e12
 TFLOPS = 1e12
 US = 1e-6
 
+# A hardware entry's numbers are numbers (strict: "2.0" is refused, not read as 2.0), bounded far
+# beyond any device: a petabyte or a petabyte per second, an exaflop, a second of fixed latency,
+# $10,000 per device-hour. Past them an entry is a unit slip or corrupt (1e300 B/s would also
+# overflow the simulator's arithmetic).
+_Bytes = Annotated[float, Field(strict=True, gt=0, le=1e15)]
+_Rate = Annotated[float, Field(strict=True, gt=0, le=1e15)]
+_Flops = Annotated[float, Field(strict=True, gt=0, le=1e18)]
+_Seconds = Annotated[float, Field(strict=True, ge=0, le=1.0)]
+_Fraction = Annotated[float, Field(strict=True, gt=0, le=1)]
+
 
 class HardwareSpec(FileSchema):
     """One device type as the cost model sees it (per device; one direction for links)."""
 
     id: str = Field(min_length=1, max_length=200)
     name: str
-    memory_bytes: float = Field(gt=0)
-    mem_bandwidth_bytes_per_s: float = Field(gt=0, description="Datasheet peak.")
-    dense_flops_per_s: float = Field(gt=0, description="Datasheet dense BF16 tensor peak.")
+    memory_bytes: _Bytes
+    mem_bandwidth_bytes_per_s: _Rate = Field(description="Datasheet peak.")
+    dense_flops_per_s: _Flops = Field(description="Datasheet dense BF16 tensor peak.")
     intra_node_link: str = ""
-    intra_node_bandwidth_bytes_per_s: float = Field(gt=0, description="Per direction.")
-    intra_node_latency_s: float = Field(default=4 * US, ge=0)
-    network_bandwidth_bytes_per_s: float = Field(gt=0, description="Inter-node, per direction.")
-    network_latency_s: float = Field(default=8 * US, ge=0)
-    gpus_per_node: int = Field(default=8, ge=1, le=1024)
-    usd_per_hour: float | None = Field(
-        default=None, gt=0, description="On-demand price per device-hour."
+    intra_node_bandwidth_bytes_per_s: _Rate = Field(description="Per direction.")
+    intra_node_latency_s: _Seconds = 4 * US
+    network_bandwidth_bytes_per_s: _Rate = Field(description="Inter-node, per direction.")
+    network_latency_s: _Seconds = 8 * US
+    gpus_per_node: int = Field(default=8, strict=True, ge=1, le=1024)
+    usd_per_hour: Annotated[float, Field(strict=True, gt=0, le=1e4)] | None = Field(
+        default=None, description="On-demand price per device-hour."
     )
     price_source: str = ""
-    memory_efficiency: float = Field(default=0.85, gt=0, le=1)
-    compute_efficiency: float = Field(default=0.80, gt=0, le=1)
-    link_efficiency: float = Field(default=0.85, gt=0, le=1)
+    memory_efficiency: _Fraction = 0.85
+    compute_efficiency: _Fraction = 0.80
+    link_efficiency: _Fraction = 0.85
     # [HAZY]: (1/0.50 - 1/0.78) x 2.48 GB / 3.35 TB/s = 0.53 ms per Llama-1B step, less the
     # 0.16 ms step gap, over ~100 kernels: 3.7 us per kernel boundary (launch, fill, drain).
-    kernel_overhead_s: float = Field(
-        default=3.7 * US, ge=0, description="Per kernel launch (launch, pipeline fill, drain)."
+    kernel_overhead_s: _Seconds = Field(
+        default=3.7 * US, description="Per kernel launch (launch, pipeline fill, drain)."
     )
     # [SGL-AR] fitted to latency + 2(t-1)/t x bytes / bandwidth: 9 us and 53 GB/s (ring-equivalent)
     # reproduce the 18 measurements within 2.2 us, except 256-512 KiB at TP 4-8 (up to 6.4 us low).
-    allreduce_latency_s: float = Field(
-        default=9 * US, ge=0, description="Latency floor of one TP all-reduce / all-gather."
+    allreduce_latency_s: _Seconds = Field(
+        default=9 * US, description="Latency floor of one TP all-reduce / all-gather."
     )
-    allreduce_bandwidth_bytes_per_s: float | None = Field(
+    allreduce_bandwidth_bytes_per_s: _Rate | None = Field(
         default=None,
-        gt=0,
         description="Ring-equivalent bandwidth of decode-size (up to 1 MiB) TP collectives; "
         "None: the intra-node link at link_efficiency.",
     )
@@ -109,32 +118,28 @@ class HardwareSpec(FileSchema):
     # TensorRT-LLM's overlap schedulers; OpWeave's runtime runs compiled schedules, paper §6.2)
     # leave only this gap. An engine that does not pays more, per its version: host.py's
     # HOST_PROFILES (``opweave estimate --host``) carry measured values, e.g. [SGL-HOST].
-    step_overhead_s: float = Field(
+    step_overhead_s: _Seconds = Field(
         default=160 * US,  # [VLLM-GAP]
-        ge=0,
         description="Per decode step and microbatch: scheduling, sampling launch and the "
         "host-device round trip the GPU waits for.",
     )
-    step_overhead_per_request_s: float = Field(
+    step_overhead_per_request_s: _Seconds = Field(
         default=0.0,
-        ge=0,
         description="... and per request of the step (host work the engine does not overlap).",
     )
     # [MOE-K] the H200 series fits 22.6 us + experts touched x (their bytes at the dense
     # bandwidth + 0.33 us) within 6% at every batch size; the same numbers give the H100 and B200
     # points 28.6 us (29.45 measured) and 37.0 us (39.6).
-    expert_fixed_latency_s: float = Field(
+    expert_fixed_latency_s: _Seconds = Field(
         default=22.6 * US,
-        ge=0,
         description="Fixed time of one MoE layer's routed-expert kernels (align, two grouped "
         "GEMMs, activation, combine), in place of their per-kernel launch costs.",
     )
-    expert_overhead_s: float = Field(
+    expert_overhead_s: _Seconds = Field(
         default=0.33 * US,
-        ge=0,
         description="Extra time per expert a step touches (one small GEMM's ramp and tail).",
     )
-    usable_memory_fraction: float = Field(default=0.9, gt=0, le=1)
+    usable_memory_fraction: _Fraction = 0.9
     aliases: tuple[str, ...] = ()
 
     @property

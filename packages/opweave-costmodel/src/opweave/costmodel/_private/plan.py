@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 
 from ..errors import ConfigError
 from .base import FileSchema
+from .hardware import HardwareCatalog, HardwareSpec
 from .model import ModelSpec, OpClass, OperatorSpec
 
 PLAN_SCHEMA_VERSION = 1
@@ -98,9 +99,22 @@ class Plan(FileSchema):
     profiles: tuple[str, ...] = Field(
         default=(), description="Provenance of the latency profiles used."
     )
+    hardware: tuple[HardwareSpec, ...] = Field(
+        default=(),
+        max_length=16,
+        description="The owners' GPU types as the planner saw them (a built-in entry, a "
+        "--hardware file's or a profile's device): re-simulating or deploying the plan uses "
+        "these unless handed other specs.",
+    )
 
     @model_validator(mode="after")
     def _balanced(self) -> Plan:
+        ids = [hw.id for hw in self.hardware]
+        if len(set(ids)) != len(ids):
+            raise ValueError("hardware lists a GPU type twice")
+        stray = set(ids) - {o.gpu for o in self.owners}
+        if stray:
+            raise ValueError(f"hardware describes {sorted(stray)[0]}, which no owner uses")
         gpus = sum(o.replicas * o.tp for o in self.owners)
         if gpus > MAX_GPUS:
             raise ValueError(f"the plan uses {gpus} GPUs; at most {MAX_GPUS} are supported")
@@ -202,6 +216,28 @@ def segments(model: ModelSpec, template: StageTemplate, num_owners: int) -> list
             )
             ops = []
     return out
+
+
+def planned_catalog(plan: Plan, catalog: HardwareCatalog | None = None) -> HardwareCatalog:
+    """The catalog to re-evaluate ``plan`` with: ``catalog`` when one is given (a what-if
+    with other specs), else the built-ins with the GPU specs the plan was made with over them."""
+    if catalog is not None:
+        return catalog
+    out = HardwareCatalog()
+    for hw in plan.hardware:
+        out.add(hw)
+    return out
+
+
+def hardware_drift(plan: Plan, hw: HardwareSpec) -> str | None:
+    """How ``hw`` differs from the spec of the same GPU type the plan was made with, or None
+    (also when the plan recorded none)."""
+    planned = next((p for p in plan.hardware if p.id == hw.id), None)
+    if planned is None or planned == hw:
+        return None
+    old, new = planned.model_dump(), hw.model_dump()
+    changed = [f"{k} {old[k]} -> {new[k]}" for k in new if old[k] != new[k]]
+    return f"{hw.id}: {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}"
 
 
 # -- canonical templates --------------------------------------------------------------------

@@ -88,6 +88,15 @@ def _profiled_tps(profile: Profile, model: ModelSpec) -> tuple[int, ...]:
     return tps
 
 
+def profile_device_id(profile: Profile, catalog: HardwareCatalog) -> str:
+    """The device id a profile is for: the catalog's id when the profile names a catalog GPU
+    (by its id or an alias, in any case), else its own id in lower case."""
+    try:
+        return catalog.resolve(profile.device.id)
+    except UnknownGPUError:
+        return profile.device.id.strip().lower()
+
+
 def resolve_devices(
     gpus: Sequence[str],
     model: ModelSpec,
@@ -104,11 +113,12 @@ def resolve_devices(
                 f"profile for {prof.device.id} was measured on model {prof.model!r}, not "
                 f"{model.name!r}; profile this model with `opweave profile --model`"
             )
-        if prof.device.id.lower() in by_id:
-            raise ConfigError(
-                f"two profiles are for device {prof.device.id}; give one --profile per device"
-            )
-        by_id[prof.device.id.lower()] = prof
+        key = profile_device_id(prof, cat)
+        if key in by_id:
+            raise ConfigError(f"two profiles are for device {key}; give one --profile per device")
+        if key != prof.device.id:  # an alias (h100) or other spelling of a catalog id
+            prof = prof.model_copy(update={"device": prof.device.model_copy(update={"id": key})})
+        by_id[key] = prof
     if not gpus:
         raise ConfigError("no GPU types given; pass at least one with --gpus")
     out: list[Device] = []

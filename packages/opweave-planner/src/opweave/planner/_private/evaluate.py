@@ -36,10 +36,12 @@ from opweave.costmodel import (
     afd_template,
     boundary_transfer_s,
     cad_template,
+    hardware_drift,
     intra_node_link,
     max_resident_batch,
     memory_bytes_per_rank,
     plan_model,
+    planned_catalog,
     replica_counts,
     usd_per_hour_per_request,
     weight_bytes_per_rank,
@@ -260,6 +262,7 @@ def make_plan(
         microbatches=microbatches,
         prediction=ev.prediction(reps[0] * owners[0].resident_batch),
         profiles=provenance,
+        hardware=tuple({ch.device.id: ch.device.hardware for ch in owners}.values()),
     )
 
 
@@ -282,6 +285,8 @@ class SimResult:
     memory_capacity_bytes: tuple[float, ...]
     event_periods_s: tuple[float, ...]
     pipeline: Pipeline = field(repr=False)
+    # where the specs or latencies simulated differ from those the plan was made with
+    notes: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -294,6 +299,7 @@ class SimResult:
             "occupancy": self.occupancy,
             "memory_bytes_per_gpu": list(self.memory_bytes_per_gpu),
             "memory_capacity_bytes": list(self.memory_capacity_bytes),
+            "notes": list(self.notes),
             "trace": [
                 {
                     "resource": e.resource,
@@ -308,23 +314,39 @@ class SimResult:
 
 def _owner_choices(
     plan: Plan, model: ModelSpec, catalog: HardwareCatalog | None, profiles: Sequence[Profile]
-) -> list[OwnerChoice]:
+) -> tuple[list[OwnerChoice], tuple[str, ...]]:
+    """The plan's owners as devices, and where those differ from what the plan was made with."""
     if plan.model.config_sha256 != model.config_sha256:
         raise ConfigError(
             f"plan was made for model {plan.model.name!r}, not {model.name!r}; "
             "pass the model the plan was made for"
         )
+    cat = planned_catalog(plan, catalog)
     by_name = {
-        name: resolve_devices([name], model, catalog=catalog, profiles=profiles)[0]
+        name: resolve_devices([name], model, catalog=cat, profiles=profiles)[0]
         for name in dict.fromkeys(o.gpu for o in plan.owners)
     }
+    notes: list[str] = []
+    for dev in by_name.values():
+        source = next((p for p in plan.profiles if p.startswith(f"{dev.id}:")), None)
+        if source is not None and source != dev.provenance:
+            if dev.provenance.endswith(":roofline"):
+                raise ConfigError(
+                    f"the plan's {dev.id} latencies come from a measured profile "
+                    f"({source.removeprefix(dev.id + ':')}); pass that profile with --profile"
+                )
+            notes.append(f"{dev.id} latencies: {source} -> {dev.provenance}")
+        drift = hardware_drift(plan, dev.hardware)
+        if drift is not None:
+            notes.append(drift)
     for o in plan.owners:
         if o.tp not in by_name[o.gpu].tps:
             raise ConfigError(
                 f"owner {o.gpu} has tp={o.tp}, which its latency profile does "
                 f"not cover ({by_name[o.gpu].tps}); re-profile with that TP"
             )
-    return [OwnerChoice(by_name[o.gpu], o.tp, o.resident_batch) for o in plan.owners]
+    choices = [OwnerChoice(by_name[o.gpu], o.tp, o.resident_batch) for o in plan.owners]
+    return choices, tuple(notes)
 
 
 def simulate_plan(
@@ -338,10 +360,15 @@ def simulate_plan(
 ) -> SimResult:
     """Re-simulate a plan: exact steady-state TPOT, cost, occupancy, one iteration's trace.
 
+    Without ``catalog`` the plan's GPU types have the specs it was made with (``plan.hardware``);
+    with one, that catalog's (a what-if). ``notes`` of the result say where the specs or
+    latency sources simulated differ from the plan's; a plan made from a measured profile needs
+    a profile of that device in ``profiles``.
+
     Raises :class:`InfeasibleError` when an owner's replica does not fit in memory (pass
     ``check_memory=False`` to simulate it anyway).
     """
-    owners = _owner_choices(plan, model, catalog, profiles)
+    owners, notes = _owner_choices(plan, model, catalog, profiles)
     tables = OpTables(model, plan.context_tokens)
     st = build_structure(model, tables, plan.template, len(owners))
     mem, cap = [], []
@@ -377,4 +404,5 @@ def simulate_plan(
         memory_capacity_bytes=tuple(cap),
         event_periods_s=tuple(run.periods_s()),
         pipeline=ev.pipeline,
+        notes=notes,
     )

@@ -10,6 +10,7 @@ from typing import Any
 from opweave.costmodel import (
     ModelSpec,
     Plan,
+    ProfiledLatency,
     copies_in_inventory,
     memory_bytes_per_rank,
     plan_nodes,
@@ -247,7 +248,35 @@ class PlanResult:
             "overridable with --hardware; cost counts only the GPUs a plan uses",
             "GPU counts with no given number are unbounded (cost per token does not depend on "
             "the number of replica sets)",
+            *(self._extrapolated(self.best) if self.best is not None else []),
         ]
+
+    def _extrapolated(self, plan: Plan) -> list[str]:
+        """Where ``plan`` looks a profile up outside the batches or contexts it measured."""
+        out = []
+        for o in {(o.gpu, o.tp): o for o in plan.owners}.values():
+            dev = next((d for d in self.devices if d.id == o.gpu), None)
+            if dev is None or not isinstance(dev.latency, ProfiledLatency):
+                continue
+            tables = [t for t in dev.latency.profile.ops if t.tp == o.tp]
+            batch = -(-o.resident_batch // plan.microbatches)
+            lo_b = max(t.batches[0] for t in tables)
+            hi_b = min(t.batches[-1] for t in tables)
+            beyond = []
+            if not lo_b <= batch <= hi_b:
+                beyond.append(f"microbatches of {batch} requests (measured {lo_b}-{hi_b})")
+            by_context = [t for t in tables if len(t.contexts) > 1]
+            if by_context:
+                lo_c = max(t.contexts[0] for t in by_context)
+                hi_c = min(t.contexts[-1] for t in by_context)
+                if not lo_c <= plan.context_tokens <= hi_c:
+                    beyond.append(f"context {plan.context_tokens} (measured {lo_c}-{hi_c} tokens)")
+            if beyond:
+                out.append(
+                    f"{o.gpu} tp{o.tp} latencies are extrapolated beyond its profile's grid: "
+                    f"{' and '.join(beyond)}; profile --batches/--contexts covering them"
+                )
+        return out
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {

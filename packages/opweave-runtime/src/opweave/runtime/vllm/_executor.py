@@ -52,7 +52,7 @@ def load_plan(plan: Any) -> Any:  # -> opweave.costmodel.Plan | None
     path = Path(plan)
     if not path.is_file():
         raise ConfigError(f"opweave plan file {path} does not exist")
-    return Plan.model_validate_json(path.read_text())
+    return Plan.model_validate_json(path.read_text(), strict=True)
 
 
 def _build() -> type:
