@@ -59,3 +59,42 @@ def test_positions_and_last_rows_follow_the_schedule():
 def test_meta_rejects_duplicate_requests():
     with pytest.raises(ValueError, match="once per batch"):
         BatchMeta(("a", "a"), (1, 1), (0, 0))
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor(3.5),  # no dimension
+        torch.ones(2, 0),  # no elements
+        torch.tensor([True, False]),
+        torch.arange(12, dtype=torch.int32).reshape(2, 6)[:, 1::2],
+        torch.randn(2, 3, dtype=torch.float16),
+        torch.randn(2, 3, requires_grad=True),
+    ],
+)
+def test_round_trip_of_every_kind_of_tensor(tensor: torch.Tensor) -> None:
+    meta = BatchMeta(("a", "b"), (1, 1), (3, 4), slots=(0, 1))
+    out = unpack(pack(TokenBatch(meta, {"x": tensor})))
+    assert out.meta == meta
+    assert out["x"].dtype == tensor.dtype and out["x"].shape == tensor.shape
+    assert torch.equal(out["x"], tensor.detach())
+
+
+def test_round_trip_of_a_header_larger_than_the_first_read() -> None:
+    ids = tuple(f"request-{i:04d}-" + "x" * 40 for i in range(300))  # ~18 KB of header
+    meta = BatchMeta(ids, (1,) * 300, tuple(range(300)), slots=tuple(range(300)))
+    hidden = torch.randn(300, 8)
+    out = unpack(pack(TokenBatch(meta, {"hidden": hidden})))
+    assert out.meta == meta and torch.equal(out["hidden"], hidden)
+
+
+def test_unpack_of_a_message_inside_a_larger_buffer() -> None:
+    """A transport may hand over a view into its receive buffer, at an aligned offset."""
+    batch = _batch()
+    packed = pack(batch)
+    arena = torch.zeros(64 + packed.numel() + 32, dtype=torch.uint8)
+    arena[64 : 64 + packed.numel()] = packed
+    out = unpack(arena[64 : 64 + packed.numel()])
+    assert out.meta == batch.meta
+    for name, t in batch.tensors.items():
+        assert torch.equal(out[name], t), name

@@ -190,6 +190,18 @@ def test_a_driver_with_other_threads_starts_its_ranks_from_the_launcher(
     assert [_tokens(r) for r in runs] == [expected, expected]
 
 
+@pytest.mark.parametrize("strategy", ["afd", "cad"])
+def test_gloo_point_to_point_transfers_keep_the_tokens(
+    strategy, tiny_model, hf_greedy, prompts, monkeypatch
+):
+    """OPWEAVE_P2P=torch: activations cross the cut through gloo's isend/irecv, whose receive
+    buffers the batch is read from in place."""
+    model_dir = tiny_model("llama")
+    monkeypatch.setenv("OPWEAVE_P2P", "torch")
+    result = _run(model_dir, _plan(model_dir, strategy), prompts)
+    assert _tokens(result) == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+
+
 def test_requests_join_as_slots_free_up(tiny_model, hf_greedy, prompts):
     """Six requests, two slots (one per microbatch), different lengths and budgets: requests
     join mid-run as others leave, prefill mixing with decode; every finished request is freed."""

@@ -288,11 +288,11 @@ class StageWorker:
             start = time.perf_counter()
             batch = merge([as_batch(p) for p in parts])
             self.transport.comm_s += time.perf_counter() - start  # unpacking is transfer
-        if batch.meta.request_ids:
-            self._inputs.setdefault(
-                (action.segment, action.microbatch),
-                {name: (t.dtype, tuple(t.shape[1:])) for name, t in batch.tensors.items()},
-            )
+        key = (action.segment, action.microbatch)
+        if batch.meta.request_ids and key not in self._inputs:
+            self._inputs[key] = {
+                name: (t.dtype, tuple(t.shape[1:])) for name, t in batch.tensors.items()
+            }
         batch = self._run(action, batch) if batch.meta.request_ids else TokenBatch(batch.meta, {})
         if not leader:
             return
