@@ -361,7 +361,7 @@ def _batching(batch: int | None, microbatches: str | None) -> dict[str, Any]:
     """
     counts = None
     if microbatches is not None:
-        counts = sorted(set(parse_list(microbatches, int, "--microbatches")))
+        counts = sorted(parse_list(microbatches, int, "--microbatches"))  # distinct
         if counts[0] < 1 or counts[-1] > MAX_BATCH:
             raise typer.BadParameter(
                 f"--microbatches takes counts from 1 to {MAX_BATCH}, got {microbatches!r}"

@@ -108,13 +108,17 @@ class Plan(FileSchema):
     )
 
     @model_validator(mode="after")
-    def _balanced(self) -> Plan:
+    def _hardware_of_owners(self) -> Plan:
         ids = [hw.id for hw in self.hardware]
         if len(set(ids)) != len(ids):
             raise ValueError("hardware lists a GPU type twice")
         stray = set(ids) - {o.gpu for o in self.owners}
         if stray:
             raise ValueError(f"hardware describes {sorted(stray)[0]}, which no owner uses")
+        return self
+
+    @model_validator(mode="after")
+    def _balanced(self) -> Plan:
         gpus = sum(o.replicas * o.tp for o in self.owners)
         if gpus > MAX_GPUS:
             raise ValueError(f"the plan uses {gpus} GPUs; at most {MAX_GPUS} are supported")

@@ -219,9 +219,10 @@ def unpack(buf: torch.Tensor) -> TokenBatch:
     """Inverse of :func:`pack`; the tensors are views into ``buf`` (no copy), so keep it intact."""
     head = buf[: min(buf.numel(), _PEEK_BYTES)].cpu().numpy()  # on CPU a view, no copy
     end = _HEADER_LEN_BYTES + int.from_bytes(head[:_HEADER_LEN_BYTES].tobytes(), "little")
-    text = head[_HEADER_LEN_BYTES:end] if end <= len(head) else buf[_HEADER_LEN_BYTES:end].cpu()
-    header = text.numpy().tobytes() if isinstance(text, torch.Tensor) else text.tobytes()
-    request_ids, query_lens, context_lens, slots, entries = json.loads(header)
+    text = head if end <= len(head) else buf[:end].cpu().numpy()  # a header past the peek
+    request_ids, query_lens, context_lens, slots, entries = json.loads(
+        text[_HEADER_LEN_BYTES:end].tobytes()
+    )
     start = -(-end // _ALIGN) * _ALIGN
     tensors, views = {}, {}
     for name, dtype_name, shape, offset in entries:
