@@ -127,11 +127,11 @@ def steady_split(rank: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def tiny_llama(hidden: int, layers: int) -> str:
+def tiny_llama(hidden: int, layers: int, parent: str) -> str:
     return str(
         write_tiny_model(
             "llama",
-            tempfile.mkdtemp(prefix="opweave-bench-"),
+            os.path.join(parent, f"llama-{hidden}x{layers}"),
             hidden_size=hidden,
             intermediate_size=4 * hidden,
             num_hidden_layers=layers,
@@ -237,10 +237,11 @@ def main() -> None:
 
     torch.set_num_threads(1)
     models = [(args.hidden, args.layers)] + ([(512, 4)] if args.small else [])
-    for hidden, layers in models:
-        model_dir = tiny_llama(hidden, layers)
-        LocalModel(model_dir).generate([[5, 6, 7]], 4)  # warm-up
-        run_model(model_dir, f"llama hidden {hidden}, {layers} layers", args)
+    with tempfile.TemporaryDirectory(prefix="opweave-bench-") as tmp:
+        for hidden, layers in models:
+            model_dir = tiny_llama(hidden, layers, tmp)
+            LocalModel(model_dir).generate([[5, 6, 7]], 4)  # warm-up
+            run_model(model_dir, f"llama hidden {hidden}, {layers} layers", args)
     rtt = gloo_round_trip_us()
     print(f"\nidle gloo loopback round trip (4 KB): {rtt:.0f} us")
 

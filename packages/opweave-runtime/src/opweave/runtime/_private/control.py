@@ -36,6 +36,8 @@ SECRET_ENV = "OPWEAVE_RUN_SECRET"
 MAX_FRAME_BYTES = 256 << 20  # the largest control message (a long prompt's ids, a rank's stats)
 HANDSHAKE_TIMEOUT_S = 10.0
 _LEN = struct.Struct("<Q")
+_JSON = json.JSONEncoder(separators=(",", ":"))  # made once: json.dumps builds one per call
+_RECV_BYTES = 64 << 10  # what one read takes from the socket (a longer frame takes several)
 _MAGIC = b"OPWEAVE1"
 _NONCE = 32
 
@@ -116,7 +118,7 @@ def client_handshake(sock: socket.socket, key: bytes, ident: int) -> None:
 
 
 def encode(message: dict[str, Any]) -> bytes:
-    body = json.dumps(message, separators=(",", ":")).encode()
+    body = _JSON.encode(message).encode()
     if len(body) > MAX_FRAME_BYTES:
         raise OpWeaveRuntimeError(
             f"a control message of {len(body)} bytes exceeds the limit of {MAX_FRAME_BYTES}"
@@ -130,7 +132,7 @@ class FrameReader:
     def __init__(self) -> None:
         self._buf = bytearray()
 
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
+    def feed(self, data: bytes | memoryview) -> list[dict[str, Any]]:
         self._buf += data
         out = []
         while len(self._buf) >= _LEN.size:
@@ -160,7 +162,7 @@ class ControlClient:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                self.sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
+                sock = socket.create_connection((host, port), timeout=HANDSHAKE_TIMEOUT_S)
                 break
             except OSError as exc:
                 if time.monotonic() > deadline:
@@ -168,10 +170,17 @@ class ControlClient:
                         f"cannot reach the driver at {host}:{port}: {exc}"
                     ) from None
                 time.sleep(0.2)
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        client_handshake(self.sock, key, rank)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        client_handshake(sock, key, rank)
+        self._attach(sock)
+
+    def _attach(self, sock: socket.socket) -> None:
+        """Read and write messages on ``sock`` (connected and authenticated; blocking)."""
+        self.sock = sock
         self._reader = FrameReader()
         self._inbox: list[dict[str, Any]] = []
+        self._buf = bytearray(_RECV_BYTES)
+        self._view = memoryview(self._buf)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -184,37 +193,29 @@ class ControlClient:
 
     def poll(self) -> bool:
         """Whether a whole message is waiting (reads what has arrived, never blocks)."""
-        if self._inbox:
-            return True
-        self.sock.setblocking(False)
-        try:
-            while True:
-                try:
-                    data = self.sock.recv(1 << 20)
-                except (BlockingIOError, InterruptedError):
-                    break
-                except OSError as exc:
-                    raise ChannelClosed(f"the driver's connection failed ({exc})") from None
-                if not data:
-                    if not self._inbox:
-                        raise ChannelClosed("the driver closed the control connection")
-                    break
-                self._inbox += self._reader.feed(data)
-        finally:
-            self.sock.setblocking(True)
+        while not self._inbox and self._read(socket.MSG_DONTWAIT):
+            pass
         return bool(self._inbox)
 
     def recv(self) -> dict[str, Any]:
         """The next message (blocks until one arrives)."""
         while not self._inbox:
-            try:
-                data = self.sock.recv(1 << 20)
-            except OSError as exc:
-                raise ChannelClosed(f"the driver's connection failed ({exc})") from None
-            if not data:
-                raise ChannelClosed("the driver closed the control connection")
-            self._inbox += self._reader.feed(data)
+            self._read(0)
         return self._inbox.pop(0)
+
+    def _read(self, flags: int) -> bool:
+        """One read of the socket into the inbox; False if nothing was waiting (with
+        ``MSG_DONTWAIT``). The socket stays blocking: a non-blocking read is a flag of its own."""
+        try:
+            n = self.sock.recv_into(self._buf, _RECV_BYTES, flags)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as exc:
+            raise ChannelClosed(f"the driver's connection failed ({exc})") from None
+        if n == 0:
+            raise ChannelClosed("the driver closed the control connection")
+        self._inbox += self._reader.feed(self._view[:n])
+        return True
 
     def close(self) -> None:
         self.sock.close()

@@ -110,7 +110,7 @@ class Work:
             slots=tuple(msg["s"]),
             context_lens=tuple(msg["c"]),
             query_lens=tuple(msg["q"]),
-            sample=tuple(bool(s) for s in msg.get("o", [1] * n)),
+            sample=tuple(map(bool, msg.get("o", [1] * n))),
             token_ids=tuple(msg["x"]) if "x" in msg else None,
             free=tuple(msg.get("f", ())),
             params={rid: SamplingParams.from_json(p) for rid, p in msg.get("p", {}).items()},
@@ -126,16 +126,20 @@ class Work:
         if self.token_ids is None:
             raise RequestStateError("work without token ids reached the first segment")
         idx = self.requests_in(slots)
-        offsets = [0]
-        for q in self.query_lens:
-            offsets.append(offsets[-1] + q)
-        ids = [t for i in idx for t in self.token_ids[offsets[i] : offsets[i + 1]]]
-        meta = BatchMeta(
-            tuple(self.request_ids[i] for i in idx),
-            tuple(self.query_lens[i] for i in idx),
-            tuple(self.context_lens[i] for i in idx),
-            slots=tuple(self.slots[i] for i in idx),
-        )
+        if len(idx) == len(self.slots):  # every request is this replica's (one replica)
+            ids: Sequence[int] = self.token_ids
+            meta = BatchMeta(self.request_ids, self.query_lens, self.context_lens, self.slots)
+        else:
+            offsets = [0]
+            for q in self.query_lens:
+                offsets.append(offsets[-1] + q)
+            ids = [t for i in idx for t in self.token_ids[offsets[i] : offsets[i + 1]]]
+            meta = BatchMeta(
+                tuple(self.request_ids[i] for i in idx),
+                tuple(self.query_lens[i] for i in idx),
+                tuple(self.context_lens[i] for i in idx),
+                slots=tuple(self.slots[i] for i in idx),
+            )
         return TokenBatch(meta, {"token_ids": torch.tensor(ids, dtype=torch.int64, device=device)})
 
 
