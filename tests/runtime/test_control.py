@@ -24,7 +24,7 @@ def _client() -> tuple[ControlClient, socket.socket]:
     """A client on one end of a socket pair (the handshake is tested with the driver)."""
     ours, theirs = socket.socketpair()
     client = ControlClient.__new__(ControlClient)
-    ControlClient._attach(client, ours)
+    client._attach(ours)
     return client, theirs
 
 

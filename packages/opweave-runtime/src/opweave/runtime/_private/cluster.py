@@ -797,21 +797,19 @@ class Cluster:
     def _read(self, conn: _Conn) -> None:
         while True:
             try:
-                data = conn.sock.recv(1 << 20)
+                messages = conn.reader.read(conn.sock)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                data = b""
-            if not data:
-                self._lost(conn)
-                return
-            conn.last_seen = time.monotonic()
-            try:
-                messages = conn.reader.feed(data)
+                messages = None
             except OpWeaveRuntimeError as exc:
                 conn.report = {"kind": "error", "message": f"sent a malformed message: {exc}"}
                 self._lost(conn)
                 return
+            if messages is None:
+                self._lost(conn)
+                return
+            conn.last_seen = time.monotonic()
             for msg in messages:
                 self._handle(conn, msg)
 

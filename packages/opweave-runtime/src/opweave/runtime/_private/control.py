@@ -131,6 +131,14 @@ class FrameReader:
 
     def __init__(self) -> None:
         self._buf = bytearray()
+        self._chunk = bytearray(_RECV_BYTES)  # reused by every read
+        self._view = memoryview(self._chunk)
+
+    def read(self, sock: socket.socket, flags: int = 0) -> list[dict[str, Any]] | None:
+        """One read of ``sock`` (raising what ``recv`` raises): the frames it completes, or
+        None at the end of the stream."""
+        n = sock.recv_into(self._chunk, _RECV_BYTES, flags)
+        return None if n == 0 else self.feed(self._view[:n])
 
     def feed(self, data: bytes | memoryview) -> list[dict[str, Any]]:
         self._buf += data
@@ -179,8 +187,6 @@ class ControlClient:
         self.sock = sock
         self._reader = FrameReader()
         self._inbox: list[dict[str, Any]] = []
-        self._buf = bytearray(_RECV_BYTES)
-        self._view = memoryview(self._buf)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -207,14 +213,14 @@ class ControlClient:
         """One read of the socket into the inbox; False if nothing was waiting (with
         ``MSG_DONTWAIT``). The socket stays blocking: a non-blocking read is a flag of its own."""
         try:
-            n = self.sock.recv_into(self._buf, _RECV_BYTES, flags)
+            messages = self._reader.read(self.sock, flags)
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as exc:
             raise ChannelClosed(f"the driver's connection failed ({exc})") from None
-        if n == 0:
+        if messages is None:
             raise ChannelClosed("the driver closed the control connection")
-        self._inbox += self._reader.feed(self._view[:n])
+        self._inbox += messages
         return True
 
     def close(self) -> None:
