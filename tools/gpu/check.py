@@ -177,39 +177,38 @@ def main() -> int:
     from opweave.runtime import TINY_CONFIGS
 
     args.out.mkdir(parents=True, exist_ok=True)
-    root = Path(tempfile.mkdtemp(prefix="opweave-gpu-check-"))
-    if args.quick:  # a rehearsal: no code generation, so no compile time
-        families, steps, compiled = ["llama", "qwen3_next"], ["per-request", "traced"], "traced"
-        models = [str(root / "llama")]
-        grid = {"--batches": "1,2", "--contexts": "64", "--repeats": "3", "--warmup": "1"}
-    else:
-        families, steps, compiled = (
-            list(TINY_CONFIGS),
-            ["per-request", "static", "compiled"],
-            ("compiled"),
-        )
-        models = list(PROFILED)
-        grid = {"--batches": "1,8,32", "--contexts": "1K,8K", "--repeats": "10"}
-    sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-        ("tokens", lambda: tokens(args.device, families, steps, root)),
-        ("submission", lambda: submission(args.device, compiled, root)),
-        ("profiles", lambda: profiles(args.device, models, grid, args.out)),
-    ]
-    figures: dict[str, Any] = {"environment": environment(args.device)}
-    failed = []
-    for name, run in sections:
-        print(f"{name}:", flush=True)
-        start = time.perf_counter()
-        try:
-            result = run()
-        except Exception as exc:  # record it; the next section still runs
-            result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            traceback.print_exc()
-        result["wall_s"] = round(time.perf_counter() - start, 1)
-        figures[name] = result
-        if not result["ok"]:
-            failed.append(name)
-        (args.out / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
+    # the tiny models live only as long as the run; figures and profiles go under --out
+    with tempfile.TemporaryDirectory(prefix="opweave-gpu-check-") as tmp:
+        root = Path(tmp)
+        if args.quick:  # a rehearsal: no code generation, so no compile time
+            families, steps, compiled = ["llama", "qwen3_next"], ["per-request", "traced"], "traced"
+            models = [str(root / "llama")]
+            grid = {"--batches": "1,2", "--contexts": "64", "--repeats": "3", "--warmup": "1"}
+        else:
+            families, steps = list(TINY_CONFIGS), ["per-request", "static", "compiled"]
+            compiled = "compiled"
+            models = list(PROFILED)
+            grid = {"--batches": "1,8,32", "--contexts": "1K,8K", "--repeats": "10"}
+        sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+            ("tokens", lambda: tokens(args.device, families, steps, root)),
+            ("submission", lambda: submission(args.device, compiled, root)),
+            ("profiles", lambda: profiles(args.device, models, grid, args.out)),
+        ]
+        figures: dict[str, Any] = {"environment": environment(args.device)}
+        failed = []
+        for name, run in sections:
+            print(f"{name}:", flush=True)
+            start = time.perf_counter()
+            try:
+                result = run()
+            except Exception as exc:  # record it; the next section still runs
+                result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                traceback.print_exc()
+            result["wall_s"] = round(time.perf_counter() - start, 1)
+            figures[name] = result
+            if not result["ok"]:
+                failed.append(name)
+            (args.out / "figures.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(f"figures: {args.out / 'figures.json'}; failed: {', '.join(failed) or 'none'}")
     return 1 if failed else 0
 
