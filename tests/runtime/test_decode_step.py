@@ -16,7 +16,7 @@ from opweave.runtime import (
     operator_sequence,
     run_plan,
 )
-from opweave.runtime._private.decode import DecodeStep
+from opweave.runtime._private.decode import DecodeStep, compiled_graphs, trust_warm_graphs
 
 MAX_NEW_TOKENS = 12
 
@@ -42,6 +42,30 @@ def test_every_segments_decode_step_traces_as_one_graph(family, tiny_model, hf_g
     for stage in model.stages:  # every segment's decode ran as its traced step
         assert stage.static_decode == "aot_eager"
         assert stage._steps and all(key[2] == len(prompts) for key in stage._steps)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_next"])
+def test_trusted_steps_of_several_segments_keep_their_own_graphs(
+    family, tiny_model, hf_greedy, prompts
+):
+    """After the warm-up a rank checks only the guards that tell its steps apart
+    (``trust_warm_graphs``). Three segments' steps share one traced function: each must still
+    run its own graph (no other segment's, no new one), over longer contexts and grown slabs
+    than it was compiled with, and the tokens stay transformers'."""
+    model_dir = tiny_model(family)
+    cuts = _cut_after_attention(model_dir)
+    model = LocalModel(model_dir, cuts=cuts, decode_step="traced", max_running=len(prompts))
+    model.generate([p[:3] for p in prompts], 3)  # the warm-up: compiles each segment's step
+    graphs = compiled_graphs()
+    try:
+        trust_warm_graphs()
+        ours = model.generate(prompts, MAX_NEW_TOKENS)
+    finally:
+        torch.compiler.set_stance("default")
+
+    assert ours == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    assert compiled_graphs() == graphs
+    assert [len(stage._steps) for stage in model.stages] == [1, 1, 1]
 
 
 def test_a_graph_break_in_a_step_is_an_error(tiny_model, monkeypatch):

@@ -221,6 +221,23 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+def trust_warm_graphs() -> None:
+    """Check only part of a compiled step's guards on each call, once the warm-up has compiled
+    every step this process runs.
+
+    A call of a compiled step first checks, in C++, every Python attribute, weight and slab the
+    step was traced with: on CPU about 70 us plus 9 us per layer of host time before each launch
+    (on CUDA, before each graph replay; ``tools/bench/step_host.py``). With torch's
+    ``skip_guard_eval_unsafe`` stance only the guards that can tell the graphs apart still run:
+    every tensor's dtype, shape and strides, and those that failed when a graph was added (which
+    step is which). The ones skipped check the operators' Python attributes (layer indices,
+    head counts, flags), which a rank fixes when it installs its segments: it builds and compiles
+    every step at its warm-up and changes none of them after, so nothing they guard can change.
+    Not for a process that compiles its steps lazily.
+    """
+    torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+
+
 def _allow_many_graphs() -> None:
     """One compiled graph per segment and step size: a rank may hold many more than dynamo's
     default of 8 per function before it would stop compiling."""

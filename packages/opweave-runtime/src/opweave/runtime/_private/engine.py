@@ -45,7 +45,8 @@ class LocalModel:
     ``cuts`` (indices into :func:`operator_sequence`) split the model into consecutive stages whose
     activations cross each cut through :func:`pack`/:func:`unpack`, as a pipeline's sends would;
     the tokens must not change. ``decode_step`` is how decode steps run (see
-    :data:`~.decode.DECODE_STEPS`): each stage's static step has one row per running request.
+    :data:`~.decode.DECODE_STEPS`): each stage's static step has ``max_running`` rows (one per
+    running request without a limit).
 
     Example (``model_dir`` from :func:`write_tiny_model`)::
 
@@ -138,9 +139,11 @@ class LocalModel:
         token_ids = torch.tensor(
             [t for f in feed for t in f], dtype=torch.int64, device=self.device
         )
-        batch = self.stages[0](TokenBatch(meta, {"token_ids": token_ids}))
+        # a static decode step has max_running rows (one graph however many are running)
+        size = self.max_running
+        batch = self.stages[0].run(TokenBatch(meta, {"token_ids": token_ids}), size=size)
         for stage in self.stages[1:]:
-            batch = stage(unpack(pack(batch)))
+            batch = stage.run(unpack(pack(batch)), size=size)
         sampled = batch["token_ids"].tolist()
         finished = []
         for gen, token in zip(gens, sampled, strict=True):

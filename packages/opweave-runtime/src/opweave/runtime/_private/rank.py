@@ -43,7 +43,7 @@ from opweave.costmodel import Plan, load_model
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import TokenBatch
 from .control import ChannelClosed, ControlClient, store_namespace
-from .decode import DECODE_STEPS, compiled_graphs, is_decode
+from .decode import DECODE_STEPS, compiled_graphs, is_decode, trust_warm_graphs
 from .placement import Placement
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
@@ -326,6 +326,8 @@ class StageWorker:
         self._warm_up_iterations = self.iterations
         self._warm_up_s = time.perf_counter() - start
         self._graphs_at_warm_up = compiled_graphs()
+        if DECODE_STEPS[self.spec.decode_step] is not None:
+            trust_warm_graphs()  # every step this rank runs is compiled now
         self.control.send({"t": "warmed", "rank": self.rank})
 
     def _run(self, action: Compute, batch: TokenBatch) -> TokenBatch:
