@@ -227,7 +227,7 @@ class CoreAttention(StatefulOperator):
         keys[layer, rows, :, slot] = batch["k"]
         values[layer, rows, :, slot] = batch["v"]
         k, v = keys[layer, rows], values[layer, rows]  # [B, kv_heads, capacity, head_dim]
-        if self.window is None:  # no row holds a slot past the span (begin_step grew them)
+        if self.window is None:  # no row holds a slot past the span (begin_static_step grew them)
             k, v = k.narrow(2, 0, batch.step.span), v.narrow(2, 0, batch.step.span)
         visible = torch.arange(k.shape[2], device=pos.device)[None, :] <= pos[:, None]
         q = batch["q"][:, :, None, :]  # [B, heads, 1, head_dim]

@@ -20,7 +20,7 @@ No operator synchronises with the host inside the step, so it traces as one grap
 ``compile="inductor"`` runs it through ``torch.compile(fullgraph=True)`` (a graph break is an
 error, not a silent fallback) with inductor's C++ wrapper, so each segment's step is one native
 program, launched once per token with no Python between its kernels. The
-host does only the bookkeeping around it (:meth:`~.ops.StatefulOperator.begin_step`): checking
+host does only the bookkeeping around it (:func:`~.ops.begin_static_step`): checking
 each request's length, and moving a request's prefilled state into its slab row the first time
 it decodes.
 """
@@ -34,7 +34,7 @@ import torch
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, StepMeta, TokenBatch
-from .ops import Operator, StatefulOperator
+from .ops import Operator, StatefulOperator, begin_static_step
 from .tensor_parallel import TPComm, run_ops
 
 COMPILERS = ("inductor", "aot_eager", "eager")  # torch.compile backends a step may use
@@ -166,13 +166,13 @@ class DecodeStep:
         return TokenBatch(meta, out)
 
     def _begin(self, request_ids: Sequence[str], context_lens: Sequence[int], span: int) -> int:
-        """Every stateful operator's ``begin_step`` for a step reading ``span`` slots; returns
-        the step's scratch row, past every held request's row (not only this step's)."""
+        """:func:`~.ops.begin_static_step` of the stateful operators for a step reading
+        ``span`` slots; returns the step's scratch row, past every held request's row (not only
+        this step's)."""
         if not self.stateful:
             return 0
         scratch = max(self.stateful[0].highest_row() + 1, self.reserved_rows)
-        for op in self.stateful:
-            op.begin_step(request_ids, context_lens, scratch + 1, span=span)
+        begin_static_step(self.stateful, request_ids, context_lens, scratch + 1, span=span)
         return scratch
 
     def _launch(

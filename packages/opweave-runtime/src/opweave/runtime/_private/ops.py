@@ -174,26 +174,31 @@ class SlabPool:
     def __init__(self, members: Sequence[StatefulOperator]) -> None:
         self.members = list(members)
         self.tensors: tuple[torch.Tensor, ...] = ()
+        self._size = (0, 0)  # (rows, tokens) a member's slabs hold
+        self._limit = self.members[0].slab_token_limit()  # a window, or None
         for i, op in enumerate(self.members):
             op._slab_pool, op._slab_index = self, i
 
     def grow(self, rows: int, tokens: int = 0) -> None:
-        """At least ``rows`` rows and (attention) room for ``tokens`` tokens."""
-        first = self.members[0]
-        limit = first.slab_token_limit()
+        """At least ``rows`` rows and (attention) room for ``tokens`` tokens (at most a
+        window's). Every member asks before every static step: when nothing is short, the
+        answer is two integer comparisons."""
+        limit = self._limit
         tokens = tokens if limit is None else min(tokens, limit)
+        have_rows, have_tokens = self._size
         old = self.tensors
         if old:
-            have_rows, have_tokens = first.slab_size(old[0][0])
             if have_rows >= rows and have_tokens >= tokens:
                 return
             rows = have_rows if have_rows >= rows else max(rows, 2 * have_rows)
             tokens = have_tokens if have_tokens >= tokens else max(tokens, 2 * have_tokens)
             tokens = tokens if limit is None else min(tokens, limit)
+        first = self.members[0]
         self.tensors = tuple(
             torch.zeros((len(self.members), *shape), dtype=dtype, device=first.device)
             for shape, dtype in first.slab_layout(rows, tokens)
         )
+        self._size = first.slab_size(self.tensors[0][0])
         if old:  # positions keep their slots (p, or p % window: the capacity stays <= window)
             for new, prev in zip(self.tensors, old, strict=True):
                 new[tuple(slice(0, n) for n in prev.shape)] = prev
@@ -259,26 +264,6 @@ class StatefulOperator(Operator):
         """Size the state slabs for ``rows`` requests of up to ``tokens`` tokens (plus the
         scratch row), so a static decode step's shapes stay fixed."""
         raise NotImplementedError
-
-    def begin_step(
-        self, request_ids: Sequence[str], context_lens: Sequence[int], rows: int, span: int = 0
-    ) -> None:
-        """Host side of a static decode step, before it runs: grow the slabs to at least
-        ``rows`` rows (the last of which is the step's scratch row, where padding rows write)
-        and past ``span`` slots (how far the step's attention reads), check and count each
-        request's one new token, and have every request's state in its row.
-
-        It runs for every stateful layer every token, so once every request's state is in
-        its row it is a few dictionary operations over the step's requests, with no Python
-        loop over them.
-        """
-        self._grow_slabs_for(rows, max(context_lens, default=0) + 1, span)
-        self._count_one_token(request_ids, context_lens)
-        if self._outside:  # requests decoding statically for the first time
-            for rid, held in zip(request_ids, context_lens, strict=True):
-                if rid in self._outside:
-                    self._move_in(rid, held)
-                    self._outside.discard(rid)
 
     def _count_one_token(self, request_ids: Sequence[str], context_lens: Sequence[int]) -> None:
         """:meth:`_advance` by one token for every request at once."""
@@ -553,3 +538,35 @@ class Sample(Operator):
         token_ids = torch.argmax(batch["logits"].float(), dim=-1)
         drop = () if batch.step is not None else ("logits",)
         return batch.replace(drop=drop, token_ids=token_ids)
+
+
+def begin_static_step(
+    ops: Sequence[StatefulOperator],
+    request_ids: Sequence[str],
+    context_lens: Sequence[int],
+    rows: int,
+    span: int = 0,
+) -> None:
+    """Host side of a static decode step over ``ops``, before it runs: grow the slabs to at
+    least ``rows`` rows (the last of which is the step's scratch row, where padding rows write)
+    and past ``span`` slots (how far the step's attention reads), check and count each request's
+    one new token on every layer, and have every request's state in its row.
+
+    It runs before every step, so each slab pool is asked to grow once (its members share the
+    slabs), and once every request's state is in its row a layer costs a few dictionary
+    operations over the step's requests, with no Python loop over them.
+    """
+    tokens = max(context_lens, default=0) + 1
+    grown: set[int] = set()
+    for op in ops:
+        if op._slab_pool is None or id(op._slab_pool) not in grown:
+            op._grow_slabs_for(rows, tokens, span)
+            assert op._slab_pool is not None  # growing makes a layer's pool if it had none
+            grown.add(id(op._slab_pool))
+    for op in ops:
+        op._count_one_token(request_ids, context_lens)
+        if op._outside:  # requests decoding statically for the first time
+            for rid, held in zip(request_ids, context_lens, strict=True):
+                if rid in op._outside:
+                    op._move_in(rid, held)
+                    op._outside.discard(rid)
