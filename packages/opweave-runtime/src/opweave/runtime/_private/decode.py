@@ -34,7 +34,7 @@ import torch
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, StepMeta, TokenBatch
-from .ops import Operator, StatefulOperator, begin_static_step
+from .ops import Operator, SlabPool, StatefulOperator, begin_static_step
 from .tensor_parallel import TPComm, run_ops
 
 COMPILERS = ("inductor", "aot_eager", "eager")  # torch.compile backends a step may use
@@ -98,6 +98,8 @@ class DecodeStep:
                 cuda = self.device.type == "cuda"
                 options = {"triton.cudagraphs": True} if cuda else {"cpp_wrapper": True}
             fn = torch.compile(fn, fullgraph=True, dynamic=False, backend=compile, options=options)
+        self._pools: list[SlabPool] | None = None  # the stateful layers' slab pools
+        self._marked: dict[int, int] = {}  # id of a pool -> its version last marked dynamic
         self.native = compile == "inductor"
         self.compiled = compile is not None
         self._fn = fn
@@ -182,18 +184,26 @@ class DecodeStep:
         state_rows: torch.Tensor,
         span: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        if self.compiled:  # one graph for every span and slab size: growing recompiles nothing
-            from torch._dynamo import maybe_mark_dynamic
-
-            maybe_mark_dynamic(span, 0)
-            marked: set[int] = set()  # layers of one pool share its tensors
-            for op in self.stateful:
-                for slab, dims in op.growing_dims():
-                    if id(slab) not in marked:
-                        marked.add(id(slab))
-                        for dim in dims:
-                            maybe_mark_dynamic(slab, dim)
+        if self.compiled:
+            self._mark_dynamic(span)
         return self._fn(tensors, positions.to(self.device), state_rows.to(self.device), span)
+
+    def _mark_dynamic(self, span: torch.Tensor) -> None:
+        """One graph for every span and slab size: mark them symbolic, so that growing
+        recompiles nothing. A slab pool's tensors are marked when it allocates them (its
+        ``version`` changes), not before every step."""
+        from torch._dynamo import maybe_mark_dynamic
+
+        maybe_mark_dynamic(span, 0)
+        if self._pools is None:  # after the first _begin every stateful layer has its pool
+            pools = {id(op._slab_pool): op._slab_pool for op in self.stateful}
+            self._pools = [pool for pool in pools.values() if pool is not None]
+        for pool in self._pools:
+            if self._marked.get(id(pool)) != pool.version:
+                self._marked[id(pool)] = pool.version
+                for slab in pool.tensors:
+                    for dim in pool.growing_dims:
+                        maybe_mark_dynamic(slab, dim)
 
     def _state_rows(self, request_ids: Sequence[str]) -> list[int]:
         """Each request's state row (every stateful operator of a stage admits alike)."""

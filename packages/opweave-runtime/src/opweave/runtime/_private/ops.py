@@ -176,8 +176,16 @@ class SlabPool:
         self.tensors: tuple[torch.Tensor, ...] = ()
         self._size = (0, 0)  # (rows, tokens) a member's slabs hold
         self._limit = self.members[0].slab_token_limit()  # a window, or None
+        self.version = 0  # how many times the slabs were allocated
         for i, op in enumerate(self.members):
             op._slab_pool, op._slab_index = self, i
+
+    @property
+    def growing_dims(self) -> tuple[int, ...]:
+        """The stacked slabs' dimensions that grow (rows, and tokens for attention), which a
+        compiled step treats as symbolic sizes."""
+        dim = self.members[0].slab_token_dim  # of one layer's slab; the stack adds the layers
+        return (1,) if dim is None else (1, dim + 1)
 
     def grow(self, rows: int, tokens: int = 0) -> None:
         """At least ``rows`` rows and (attention) room for ``tokens`` tokens (at most a
@@ -199,6 +207,7 @@ class SlabPool:
             for shape, dtype in first.slab_layout(rows, tokens)
         )
         self._size = first.slab_size(self.tensors[0][0])
+        self.version += 1
         if old:  # positions keep their slots (p, or p % window: the capacity stays <= window)
             for new, prev in zip(self.tensors, old, strict=True):
                 new[tuple(slice(0, n) for n in prev.shape)] = prev
@@ -327,15 +336,6 @@ class StatefulOperator(Operator):
         """Copy a request's state (``length`` tokens so far) into its slab row, and keep it
         there: from now on its state is a view of that row."""
         raise NotImplementedError
-
-    def growing_dims(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """The state slabs (the pool's stacked tensors) and their dimensions that grow (rows,
-        tokens), which a compiled step treats as symbolic sizes."""
-        if self._slab_pool is None:
-            return []
-        dim = self.slab_token_dim  # of one layer's slab; the stack adds the layer dimension
-        dims = (1,) if dim is None else (1, dim + 1)
-        return [(slab, dims) for slab in self._slab_pool.tensors]
 
     @property
     def request_ids(self) -> tuple[str, ...]:
