@@ -68,6 +68,27 @@ def test_trusted_steps_of_several_segments_keep_their_own_graphs(
     assert [len(stage._steps) for stage in model.stages] == [1, 1, 1]
 
 
+def test_a_step_built_after_the_warm_up_turns_the_full_guards_back_on(
+    tiny_model, hf_greedy, prompts
+):
+    """Trusting the warm-up's graphs is for a process that builds no step after it: one built
+    later (here: a second model, whose steps share the traced function) gets every guard again,
+    so it compiles its own graph rather than running another's."""
+    first, second = tiny_model("llama"), tiny_model("qwen3_next")
+    model = LocalModel(first, decode_step="traced", max_running=len(prompts))
+    model.generate([p[:3] for p in prompts], 3)
+    try:
+        trust_warm_graphs()
+        late = LocalModel(second, decode_step="traced", max_running=len(prompts))
+        ours = late.generate(prompts, MAX_NEW_TOKENS)
+        from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
+
+        assert not _is_skip_guard_eval_unsafe_stance()
+    finally:
+        torch.compiler.set_stance("default")
+    assert ours == hf_greedy(second, prompts, MAX_NEW_TOKENS)
+
+
 def test_a_graph_break_in_a_step_is_an_error(tiny_model, monkeypatch):
     """fullgraph: an operator that reads a tensor back to the host fails the trace, rather than
     silently splitting the step into several programs."""

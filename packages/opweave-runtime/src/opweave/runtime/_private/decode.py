@@ -91,6 +91,7 @@ class DecodeStep:
                     f"unknown compiler {compile!r}; one of {', '.join(COMPILERS)}"
                 )
             _allow_many_graphs()
+            _distrust_graphs()
             # one native submission per step: on CPU inductor's C++ wrapper (no Python between
             # kernels), on CUDA a CUDA-graph replay
             options: dict[str, Any] | None = None
@@ -243,9 +244,24 @@ def trust_warm_graphs() -> None:
     step is which). The ones skipped check the operators' Python attributes (layer indices,
     head counts, flags), which a rank fixes when it installs its segments: it builds and compiles
     every step at its warm-up and changes none of them after, so nothing they guard can change.
-    Not for a process that compiles its steps lazily.
+    Not for a process that compiles its steps lazily: a compiled step built after this call
+    turns the full guards back on (:func:`_distrust_graphs`) before it runs.
     """
+    global _trusted
     torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+    _trusted = True
+
+
+def _distrust_graphs() -> None:
+    """Every guard of every compiled step again: a new step shares its traced function with the
+    trusted ones, and only the full guards tell it apart from them."""
+    global _trusted
+    if _trusted:
+        torch.compiler.set_stance("default")
+        _trusted = False
+
+
+_trusted = False  # trust_warm_graphs is in force
 
 
 def _allow_many_graphs() -> None:
