@@ -89,6 +89,40 @@ def test_a_step_built_after_the_warm_up_turns_the_full_guards_back_on(
     assert ours == hf_greedy(second, prompts, MAX_NEW_TOKENS)
 
 
+def test_a_trusted_step_given_inputs_it_was_not_compiled_for_compiles_them(tiny_model):
+    """A trusted rank still checks each input's dtype and shape: a step fed token ids of
+    another dtype than at its warm-up compiles a graph for them (counted, as a rank's
+    ``traffic_compiles`` counts it), rather than failing the rank, and trusts again after."""
+    from torch._dynamo.eval_frame import _is_skip_guard_eval_unsafe_stance
+
+    stage = StageModule.whole_model(tiny_model("llama"))
+    stage.use_static_decode(compile="aot_eager")
+    prompt = torch.tensor([5, 6, 7])
+    for rid in ("a", "b", "c"):  # requests in the same state
+        stage.admit(rid)
+        stage(TokenBatch(BatchMeta((rid,), (3,), (0,)), {"token_ids": prompt}))
+
+    def decode(rid: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        ids = torch.tensor([8], dtype=dtype)
+        return stage.run(TokenBatch(BatchMeta((rid,), (1,), (3,)), {"token_ids": ids})).tensors
+
+    warm = decode("a", torch.int64)  # the warm-up compiles the int64 step
+    graphs = compiled_graphs()
+    try:
+        trust_warm_graphs()
+        late = decode("b", torch.int32)
+        assert _is_skip_guard_eval_unsafe_stance()
+        again = decode("c", torch.int32)  # the new graph, found under trust
+    finally:
+        torch.compiler.set_stance("default")
+
+    assert compiled_graphs() == graphs + 1
+    assert warm.keys() == late.keys()
+    for name in warm:
+        torch.testing.assert_close(late[name], warm[name])
+        torch.testing.assert_close(again[name], warm[name])
+
+
 def test_a_graph_break_in_a_step_is_an_error(tiny_model, monkeypatch):
     """fullgraph: an operator that reads a tensor back to the host fails the trace, rather than
     silently splitting the step into several programs."""
@@ -97,14 +131,17 @@ def test_a_graph_break_in_a_step_is_an_error(tiny_model, monkeypatch):
     model_dir = tiny_model("llama")
     stage = StageModule.whole_model(model_dir)
     stage.use_static_decode(compile="aot_eager")
-    forward = FinalNorm.forward
+    norm = next(op for op in stage.operators if isinstance(op, FinalNorm))
+    forward = norm.forward
 
-    def host_sync(self, batch):
+    def host_sync(batch):
         if float(batch["hidden"].sum()) > 1e30:  # .item(): a host synchronisation
             raise AssertionError
-        return forward(self, batch)
+        return forward(batch)
 
-    monkeypatch.setattr(FinalNorm, "forward", host_sync)
+    # on the instance: a graph another test built for this model's step (the class's own
+    # methods are not among a graph's guards) does not match it
+    monkeypatch.setattr(norm, "forward", host_sync)
     stage.admit("a")
     stage(TokenBatch(BatchMeta(("a",), (3,), (0,)), {"token_ids": torch.tensor([5, 6, 7])}))
     with pytest.raises(Exception, match="(?i)graph break|unsupported|data-dependent|item"):

@@ -185,9 +185,25 @@ class DecodeStep:
         state_rows: torch.Tensor,
         span: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
-        if self.compiled:
-            self._mark_dynamic(span)
-        return self._fn(tensors, positions.to(self.device), state_rows.to(self.device), span)
+        args = (tensors, positions.to(self.device), state_rows.to(self.device), span)
+        if not self.compiled:
+            return self._fn(*args)
+        self._mark_dynamic(span)
+        if not _trusted:
+            return self._fn(*args)
+        try:
+            return self._fn(*args)
+        except RuntimeError as err:  # raised before the step runs anything
+            if _SKIP_STANCE_RECOMPILE not in str(err):
+                raise
+        # a guard that can change failed: inputs no graph was built for (a dtype, a shape, an
+        # index width). Compile the step for them under every guard, then trust again: a
+        # recompilation adds the guard that failed to those a trusted call checks.
+        _distrust_graphs()
+        try:
+            return self._fn(*args)
+        finally:
+            trust_warm_graphs()
 
     def _mark_dynamic(self, span: torch.Tensor) -> None:
         """One graph for every span and slab size: mark them symbolic, so that growing
@@ -245,7 +261,11 @@ def trust_warm_graphs() -> None:
     head counts, flags), which a rank fixes when it installs its segments: it builds and compiles
     every step at its warm-up and changes none of them after, so nothing they guard can change.
     Not for a process that compiles its steps lazily: a compiled step built after this call
-    turns the full guards back on (:func:`_distrust_graphs`) before it runs.
+    turns the full guards back on (:func:`_distrust_graphs`) before it runs. A step whose
+    checked guards fail (inputs of a dtype or shape no graph was built for) compiles under the
+    full guards and counts in :func:`compiled_graphs`, as without this call. What it does not
+    catch: an operator's Python attribute changed after the warm-up is used as it was when
+    traced, silently; nothing in a rank changes one.
     """
     global _trusted
     torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
@@ -262,6 +282,8 @@ def _distrust_graphs() -> None:
 
 
 _trusted = False  # trust_warm_graphs is in force
+# the start of torch's error when a call under the skip_guard_eval_unsafe stance would compile
+_SKIP_STANCE_RECOMPILE = "Recompilation triggered with skip_guard_eval_unsafe stance"
 
 
 def _allow_many_graphs() -> None:

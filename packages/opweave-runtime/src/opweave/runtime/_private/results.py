@@ -75,7 +75,7 @@ class RankStats(_Frozen):
     traffic_compiles: int = Field(
         default=0,
         description="Graphs torch.compile built after the warm-up, while serving: 0 unless a "
-        "decode step recompiled.",
+        "decode step met inputs (dtype, shape) the warm-up did not compile it for.",
     )
     timeline: RankTimeline
     requests_held_at_end: int
