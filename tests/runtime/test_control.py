@@ -91,3 +91,40 @@ def test_encode_refuses_a_message_over_the_limit(monkeypatch):
     monkeypatch.setattr(control, "MAX_FRAME_BYTES", 16)
     with pytest.raises(OpWeaveRuntimeError, match="exceeds the limit of 16"):
         encode({"t": "work", "x": list(range(10))})
+
+
+def test_a_rank_counts_writing_its_result_to_a_slow_driver_as_communication():
+    """A result the driver's socket cannot take at once blocks the rank: that wait is a
+    transfer (``comm_s``, as a send to another rank is), not the rank's own host time."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from opweave.runtime import BatchMeta, TokenBatch
+    from opweave.runtime._private.rank import StageWorker
+    from opweave.runtime._private.work import Work
+
+    client, driver = _client()
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    driver.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    rids = tuple(f"request-{i:05d}" for i in range(20_000))  # ~400 KB: more than the buffers
+    batch = TokenBatch(
+        BatchMeta(rids, (1,) * len(rids), (3,) * len(rids)),
+        {"token_ids": torch.arange(len(rids))},
+    )
+    rank = SimpleNamespace(control=client, transport=SimpleNamespace(comm_s=0.0))
+    received = FrameReader()
+    got: list = []
+
+    def slow_driver() -> None:
+        threading.Event().wait(0.3)  # busy elsewhere before it reads
+        while not got:
+            got.extend(received.read(driver, 0) or ())
+
+    reader = threading.Thread(target=slow_driver)
+    reader.start()
+    StageWorker._reply(rank, Work(iteration=4, microbatch=1), batch)  # type: ignore[arg-type]
+    reader.join()
+
+    assert got == [{"t": "result", "i": 4, "k": 1, "r": list(rids), "x": list(range(len(rids)))}]
+    assert rank.transport.comm_s >= 0.2

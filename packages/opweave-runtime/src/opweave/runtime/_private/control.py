@@ -192,8 +192,12 @@ class ControlClient:
         return self.sock.fileno()
 
     def send(self, message: dict[str, Any]) -> None:
+        self.send_frame(encode(message))
+
+    def send_frame(self, frame: bytes) -> None:
+        """Write one :func:`encode`-d message (blocks until the socket has taken it)."""
         try:
-            self.sock.sendall(encode(message))
+            self.sock.sendall(frame)
         except OSError as exc:
             raise ChannelClosed(f"the driver is gone ({exc})") from None
 
