@@ -192,12 +192,8 @@ class ControlClient:
         return self.sock.fileno()
 
     def send(self, message: dict[str, Any]) -> None:
-        self.send_frame(encode(message))
-
-    def send_frame(self, frame: bytes) -> None:
-        """Write one :func:`encode`-d message (blocks until the socket has taken it)."""
         try:
-            self.sock.sendall(frame)
+            self.sock.sendall(encode(message))
         except OSError as exc:
             raise ChannelClosed(f"the driver is gone ({exc})") from None
 

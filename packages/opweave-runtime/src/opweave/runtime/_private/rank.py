@@ -42,7 +42,7 @@ from opweave.costmodel import Plan, load_model
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import TokenBatch
-from .control import ChannelClosed, ControlClient, encode, store_namespace
+from .control import ChannelClosed, ControlClient, store_namespace
 from .decode import DECODE_STEPS, compiled_graphs, is_decode, trust_warm_graphs
 from .placement import Placement
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
@@ -366,14 +366,9 @@ class StageWorker:
     def _reply(self, work: Work, batch: TokenBatch) -> None:
         rids = list(batch.meta.request_ids)
         tokens = batch["token_ids"].tolist() if rids else []
-        frame = encode(
+        self.control.send(
             {"t": "result", "i": work.iteration, "k": work.microbatch, "r": rids, "x": tokens}
         )
-        start = time.perf_counter()
-        self.control.send_frame(frame)
-        # a transfer, as a send to the next segment's ranks is: writing to a socket the
-        # driver waits on wakes it, which takes tens of microseconds of this rank's time
-        self.transport.comm_s += time.perf_counter() - start
 
     def _maybe_fault(self, iteration: int) -> None:
         if self._fault is None or self._fault[0] != iteration:

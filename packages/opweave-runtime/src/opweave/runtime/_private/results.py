@@ -52,10 +52,7 @@ class RankStats(_Frozen):
     load_s: float
     kernels: tuple[str, ...] = Field(description="Operators switched to vLLM's kernels.")
     busy_s: float = Field(description="Time in operators (TP collectives excluded).")
-    comm_s: float = Field(
-        description="Blocked in transfers (the sampled tokens' send to the driver included), TP "
-        "collectives or on the driver."
-    )
+    comm_s: float = Field(description="Blocked in transfers, TP collectives or on the driver.")
     loop_s: float = Field(description="From its first work to its last iteration's end.")
     overhead_s: float = Field(description="The rest of the loop: host work between actions.")
     wait: str = Field(description='"spin" or "block": how it waited for its peers.')
