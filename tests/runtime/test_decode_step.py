@@ -16,7 +16,12 @@ from opweave.runtime import (
     operator_sequence,
     run_plan,
 )
-from opweave.runtime._private.decode import DecodeStep, compiled_graphs, trust_warm_graphs
+from opweave.runtime._private.decode import (
+    DecodeStep,
+    _distrust_graphs,
+    compiled_graphs,
+    trust_warm_graphs,
+)
 
 MAX_NEW_TOKENS = 12
 
@@ -61,7 +66,7 @@ def test_trusted_steps_of_several_segments_keep_their_own_graphs(
         trust_warm_graphs()
         ours = model.generate(prompts, MAX_NEW_TOKENS)
     finally:
-        torch.compiler.set_stance("default")
+        _distrust_graphs()
 
     assert ours == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     assert compiled_graphs() == graphs
@@ -85,11 +90,11 @@ def test_a_step_built_after_the_warm_up_turns_the_full_guards_back_on(
 
         assert not _is_skip_guard_eval_unsafe_stance()
     finally:
-        torch.compiler.set_stance("default")
+        _distrust_graphs()
     assert ours == hf_greedy(second, prompts, MAX_NEW_TOKENS)
 
 
-def test_a_trusted_step_given_inputs_it_was_not_compiled_for_compiles_them(tiny_model):
+def test_a_trusted_step_given_inputs_it_was_not_compiled_for_compiles_them(tiny_model, capsys):
     """A trusted rank still checks each input's dtype and shape: a step fed token ids of
     another dtype than at its warm-up compiles a graph for them (counted, as a rank's
     ``traffic_compiles`` counts it), rather than failing the rank, and trusts again after."""
@@ -114,9 +119,11 @@ def test_a_trusted_step_given_inputs_it_was_not_compiled_for_compiles_them(tiny_
         assert _is_skip_guard_eval_unsafe_stance()
         again = decode("c", torch.int32)  # the new graph, found under trust
     finally:
-        torch.compiler.set_stance("default")
+        _distrust_graphs()
 
     assert compiled_graphs() == graphs + 1
+    said = capsys.readouterr().err
+    assert said.count("met inputs its warm-up did not compile it for (token_ids int32[1])") == 1
     assert warm.keys() == late.keys()
     for name in warm:
         torch.testing.assert_close(late[name], warm[name])

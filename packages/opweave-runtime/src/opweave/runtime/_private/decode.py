@@ -27,6 +27,7 @@ it decodes.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -199,6 +200,16 @@ class DecodeStep:
         # a guard that can change failed: inputs no graph was built for (a dtype, a shape, an
         # index width). Compile the step for them under every guard, then trust again: a
         # recompilation adds the guard that failed to those a trusted call checks.
+        inputs = ", ".join(
+            f"{name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+            for name, t in tensors.items()
+        )
+        print(
+            f"opweave: a decode step of {self.size} rows met inputs its warm-up did not compile "
+            f"it for ({inputs}); compiling it now (a run's other ranks wait up to --timeout-s)",
+            file=sys.stderr,
+            flush=True,
+        )
         _distrust_graphs()
         try:
             return self._fn(*args)
@@ -265,7 +276,8 @@ def trust_warm_graphs() -> None:
     checked guards fail (inputs of a dtype or shape no graph was built for) compiles under the
     full guards and counts in :func:`compiled_graphs`, as without this call. What it does not
     catch: an operator's Python attribute changed after the warm-up is used as it was when
-    traced, silently; nothing in a rank changes one.
+    traced, silently, and a step called with other input names than at its warm-up fails
+    (``KeyError``); a rank's plan fixes both.
     """
     global _trusted
     torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
