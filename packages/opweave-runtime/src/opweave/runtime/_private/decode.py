@@ -187,22 +187,24 @@ class DecodeStep:
         span: torch.Tensor,
     ) -> dict[str, torch.Tensor]:
         args = (tensors, positions.to(self.device), state_rows.to(self.device), span)
-        if not self.compiled:
-            return self._fn(*args)
-        self._mark_dynamic(span)
-        if not _trusted:
-            return self._fn(*args)
+        if self.compiled:
+            self._mark_dynamic(span)
         try:
             return self._fn(*args)
-        except RuntimeError as err:  # raised before the step runs anything
-            if _SKIP_STANCE_RECOMPILE not in str(err):
+        except RuntimeError as err:  # under trust, raised before the step runs anything
+            if not (_trusted and _SKIP_STANCE_RECOMPILE in str(err)):
                 raise
-        # a guard that can change failed: inputs no graph was built for (a dtype, a shape, an
-        # index width). Compile the step for them under every guard, then trust again: a
-        # recompilation adds the guard that failed to those a trusted call checks.
+        return self._compile_trusted(args)
+
+    def _compile_trusted(
+        self, args: tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """Run the step on inputs no graph was built for (a guard that can change failed: a
+        dtype, a shape, an index width): compile it for them under every guard, then trust
+        again (a recompilation adds the guard that failed to those a trusted call checks)."""
         inputs = ", ".join(
             f"{name} {str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
-            for name, t in tensors.items()
+            for name, t in args[0].items()  # the step's input tensors
         )
         print(
             f"opweave: a decode step of {self.size} rows met inputs its warm-up did not compile "
