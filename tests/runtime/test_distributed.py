@@ -202,6 +202,20 @@ def test_gloo_point_to_point_transfers_keep_the_tokens(
     assert _tokens(result) == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
 
 
+def test_gloo_carries_static_steps_rows_and_fans_them_out(
+    tiny_model, hf_greedy, prompts, monkeypatch
+):
+    """OPWEAVE_P2P=torch with static decode steps: decode iterations send each link's rows in
+    one headerless transfer, received into the step's own rows; a TP-2 core-attention owner's
+    leader broadcasts them to its group."""
+    model_dir = tiny_model("llama")
+    monkeypatch.setenv("OPWEAVE_P2P", "torch")
+    plan = _plan(model_dir, "cad", owners=_owners((1, 1, 4), (2, 1, 4)))
+    result = _run(model_dir, plan, prompts, decode_step="static")
+    assert _tokens(result) == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    assert {rank["decode_step"] for rank in result["ranks"]} == {"static"}
+
+
 def test_requests_join_as_slots_free_up(tiny_model, hf_greedy, prompts):
     """Six requests, two slots (one per microbatch), different lengths and budgets: requests
     join mid-run as others leave, prefill mixing with decode; every finished request is freed."""

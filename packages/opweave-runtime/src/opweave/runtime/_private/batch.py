@@ -192,20 +192,20 @@ def pack(batch: TokenBatch) -> torch.Tensor:
         host = np.zeros(start + offset, dtype=np.uint8)
         host[: len(prefix)] = np.frombuffer(prefix, dtype=np.uint8)
         for entry, t in zip(entries, batch.tensors.values(), strict=True):
-            raw = _bytes_of(t).numpy().reshape(-1)
+            raw = byte_view(t).numpy().reshape(-1)
             begin = start + entry[3]
             host[begin : begin + raw.size] = raw
         return torch.from_numpy(host)
     buf = torch.zeros(start + offset, dtype=torch.uint8, device=device)
     buf[: len(prefix)] = torch.frombuffer(bytearray(prefix), dtype=torch.uint8).to(device)
     for entry, t in zip(entries, batch.tensors.values(), strict=True):
-        raw = _bytes_of(t).reshape(-1)
+        raw = byte_view(t).reshape(-1)
         begin = start + entry[3]
         buf[begin : begin + raw.numel()] = raw
     return buf
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+def byte_view(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as uint8 (a view when ``t`` is contiguous; the last dimension scaled by
     the element size)."""
     if t.requires_grad:

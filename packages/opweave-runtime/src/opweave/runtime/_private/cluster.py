@@ -516,7 +516,7 @@ class Cluster:
             self._io.start()
             self._wait_ready()
             self.first_iteration = 0  # the drivers' first iteration (1 after a warm-up)
-            if DECODE_STEPS.get(decode_step) is not None:
+            if decode_step in DECODE_STEPS and decode_step != "per-request":
                 self.warm_up()
         except BaseException:
             self.close()
@@ -542,14 +542,16 @@ class Cluster:
         return len(self._result_ranks[microbatch])
 
     def warm_up(self) -> None:
-        """Compile every rank's decode steps before any traffic (``--decode-step compiled`` or
-        ``traced``): compiling a step takes from seconds to minutes, longer than a rank waits
-        for its peers, and would otherwise fall on the first requests.
+        """Build every rank's static decode steps before any traffic (every ``--decode-step``
+        but ``per-request``): compiling a step (``compiled``, ``traced``) takes from seconds to
+        minutes, longer than a rank waits for its peers, and would otherwise fall on the first
+        requests; and the rows a decode step receives into are laid out from what it saw here.
 
         Iteration 0 prefills two tokens for a warm-up request in every slot, so each rank sees
         the inputs of each of its actions; then every rank builds each action's static decode
-        step, runs it once on padding rows (compiling it), frees the warm-up's requests and
-        says so, within ``join_timeout_s``. The drivers start at :attr:`first_iteration`.
+        step, runs it once on padding rows (compiling it), allocates its input rows, frees the
+        warm-up's requests and says so, within ``join_timeout_s``. The drivers start at
+        :attr:`first_iteration`.
         """
         m = self.microbatches
         everyone: list[str] = []

@@ -117,10 +117,13 @@ class DecodeStep:
         batch = TokenBatch(_NO_META, tensors, StepMeta(positions, rows, span.shape[0]))
         return run_ops(self.ops, batch, self.comm).tensors
 
-    def warm_up(self, inputs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    def warm_up(
+        self, inputs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> dict[str, torch.Tensor]:
         """Run the step once with every row padding (nothing held changes), so a compiled step
         compiles now rather than at its first token. ``inputs``: each input tensor's dtype and
-        shape past the row dimension, as the segment receives them."""
+        shape past the row dimension, as the segment receives them. Returns the step's outputs
+        (every row padding): what a step of this segment yields, name by name."""
         # a span of 2, the shortest a decode step has: a size of 1 would be specialised
         span = torch.empty(2, dtype=torch.uint8)
         scratch = self._begin((), (), span.shape[0])
@@ -130,7 +133,7 @@ class DecodeStep:
         }
         positions = torch.zeros(self.size, dtype=torch.int64)
         state_rows = torch.full((self.size,), scratch, dtype=torch.int64)
-        self._launch(tensors, positions, state_rows, span)
+        return self._launch(tensors, positions, state_rows, span)
 
     def __call__(self, batch: TokenBatch, place: Sequence[int] | None = None) -> TokenBatch:
         """Run ``batch`` (a decode step, :func:`is_decode`) with request ``i`` at row
@@ -138,18 +141,9 @@ class DecodeStep:
         meta = batch.meta
         n, size = len(meta.request_ids), self.size
         place = list(range(n)) if place is None else list(place)
-        if len(place) != n or len(set(place)) != n or not all(0 <= p < size for p in place):
-            raise OpWeaveRuntimeError(f"a decode step of {size} rows cannot place rows {place}")
-        rows = self._state_rows(meta.request_ids)
-        span = torch.empty(max(meta.context_lens) + 1, dtype=torch.uint8)
-        scratch = self._begin(meta.request_ids, meta.context_lens, span.shape[0])
-        positions, state_rows = [0] * size, [scratch] * size
-        for p, context_len in zip(place, meta.context_lens, strict=True):
-            positions[p] = context_len
-        for p, row in zip(place, rows, strict=False):  # no rows: a stage without state
-            state_rows[p] = row
         padded = n != size or place != list(range(n))
         at = torch.tensor(place, dtype=torch.int64, device=self.device) if padded else None
+        schedule = self._schedule(meta.request_ids, meta.context_lens, place)
         # fresh inputs every step, padded or not: the compiled graph's guards see tensors of
         # one kind (made here, under the stage's inference mode), whatever made the batch's
         tensors = {}
@@ -159,15 +153,47 @@ class DecodeStep:
             else:
                 tensors[name] = t.new_zeros((size, *t.shape[1:]))
                 tensors[name][at] = t
-        out = self._launch(
-            tensors,
+        out = self._launch(tensors, *schedule)
+        if at is not None:
+            out = {name: t[at] for name, t in out.items()}
+        return TokenBatch(meta, out)
+
+    def run_rows(
+        self,
+        tensors: dict[str, torch.Tensor],
+        request_ids: Sequence[str],
+        context_lens: Sequence[int],
+        place: Sequence[int],
+    ) -> dict[str, torch.Tensor]:
+        """The step on inputs already laid out in its rows: ``tensors`` has ``size`` rows,
+        request ``request_ids[i]`` (``context_lens[i]`` tokens held) in row ``place[i]`` and
+        padding in the others, and so do the outputs. No copy in or out: how a rank runs a step
+        whose inputs arrived straight into its buffers (``tensors`` made under inference mode,
+        the same ones step after step)."""
+        return self._launch(tensors, *self._schedule(request_ids, context_lens, place))
+
+    def _schedule(
+        self, request_ids: Sequence[str], context_lens: Sequence[int], place: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The host side of a step with request ``i`` in row ``place[i]``: check the rows,
+        bring every request's state into its slab row, and return each row's position and state
+        row, and the span attention reads."""
+        n, size = len(request_ids), self.size
+        if len(place) != n or len(set(place)) != n or not all(0 <= p < size for p in place):
+            raise OpWeaveRuntimeError(f"a decode step of {size} rows cannot place rows {place}")
+        rows = self._state_rows(request_ids)
+        span = torch.empty(max(context_lens) + 1, dtype=torch.uint8)
+        scratch = self._begin(request_ids, context_lens, span.shape[0])
+        positions, state_rows = [0] * size, [scratch] * size
+        for p, context_len in zip(place, context_lens, strict=True):
+            positions[p] = context_len
+        for p, row in zip(place, rows, strict=False):  # no rows: a stage without state
+            state_rows[p] = row
+        return (
             torch.tensor(positions, dtype=torch.int64),
             torch.tensor(state_rows, dtype=torch.int64),
             span,
         )
-        if at is not None:
-            out = {name: t[at] for name, t in out.items()}
-        return TokenBatch(meta, out)
 
     def _begin(self, request_ids: Sequence[str], context_lens: Sequence[int], span: int) -> int:
         """:func:`~.ops.begin_static_step` of the stateful operators for a step reading

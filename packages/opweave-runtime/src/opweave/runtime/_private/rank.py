@@ -181,6 +181,13 @@ class StageWorker:
         # (segment, microbatch) -> each input tensor's dtype and shape past the token dimension,
         # as the first batch brought them (what the warm-up builds its padding from)
         self._inputs: dict[tuple[int, int], dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
+        # static decode steps, from the warm-up on (_warm): per (segment, microbatch) the step's
+        # input rows, one set per iteration parity (a set is refilled two iterations later,
+        # once the sends that may still read it are reaped), and the step's last outputs (what
+        # goes out while the rank's slots of a microbatch are empty); a message carries its
+        # tensors in name order
+        self._rows_in: dict[tuple[int, int], tuple[dict[str, torch.Tensor], ...]] = {}
+        self._rows_out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     # -- the loop -----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -274,6 +281,9 @@ class StageWorker:
                 )
 
     def _compute(self, action: Compute, work: Work, i: int) -> None:
+        if self._rows_in and work.decode:
+            self._compute_rows(action, work, i)
+            return
         leader = self.info.is_leader
         if action.first:
             batch = work.batch_for(action.slots, self.device)
@@ -302,17 +312,82 @@ class StageWorker:
             for link in action.dests:
                 self.transport.send(link, select(batch, link.slots), i)
 
+    @torch.inference_mode()
+    def _compute_rows(self, action: Compute, work: Work, i: int) -> None:
+        """``action`` as a static decode step whose rows move between ranks as they are: the
+        inputs arrive into this action's rows (a row per slot, the requests at their slots'
+        rows), the step runs on them, and each destination gets its slots' rows of the outputs
+        (:meth:`~.transport.Transport.send_rows`); no batch is built, packed or unpacked."""
+        key = (action.segment, action.microbatch)
+        at, leader = action.slots.start, self.info.is_leader
+        inputs = self._rows_in[key][i & 1]
+        idx = work.requests_in(action.slots)
+        place = [work.slots[j] - at for j in idx]
+        if action.first:
+            assert work.token_ids is not None  # a decode step's work: a token per request
+            ids = inputs["token_ids"]
+            ids[torch.tensor(place, dtype=torch.int64, device=ids.device)] = torch.tensor(
+                [work.token_ids[j] for j in idx], dtype=torch.int64, device=ids.device
+            )
+        else:
+            if leader:
+                what = f"receiving segment {action.segment} microbatch {action.microbatch}"
+                names = sorted(inputs)  # the order the sender sends in
+                for link in action.sources:
+                    lo, hi = link.slots.start - at, link.slots.stop - at
+                    self.transport.recv_rows(link, [inputs[n][lo:hi] for n in names], what)
+            if self.info.tp_size > 1:
+                self.transport.fanout_rows(list(inputs.values()), self.info.leader, self.group)
+        if idx:
+            rids = [work.request_ids[j] for j in idx]
+            with self._computing():
+                out = self.module.run_rows(
+                    inputs,
+                    self._ops(action, sample=action.last and leader),
+                    request_ids=rids,
+                    context_lens=[work.context_lens[j] for j in idx],
+                    place=place,
+                )
+            self._rows_out[key] = out
+        else:  # none of the microbatch's requests is this replica's: its rows go out as padding
+            rids, out = [], self._rows_out[key]
+        if not leader:
+            return
+        if action.last:
+            self._reply_rows(work, rids, out, place)
+            return
+        names = sorted(out)
+        for link in action.dests:
+            lo, hi = link.slots.start - at, link.slots.stop - at
+            self.transport.send_rows(link, [out[name][lo:hi] for name in names], i)
+
+    def _reply_rows(
+        self, work: Work, rids: list[str], out: dict[str, torch.Tensor], place: list[int]
+    ) -> None:
+        """The sampled tokens of a static step's requests, from their rows, to the driver."""
+        tokens: list[int] = []
+        if rids:
+            rows = torch.tensor(place, dtype=torch.int64, device=out["token_ids"].device)
+            if all(self.held[rid].params.greedy for rid in rids):
+                tokens = out["token_ids"][rows].tolist()
+            else:
+                params = [self.held[rid].params for rid in rids]
+                gens = [self.held[rid].generator for rid in rids]
+                tokens = sample_rows(out["logits"][rows], params, gens)
+        self.control.send(
+            {"t": "result", "i": work.iteration, "k": work.microbatch, "r": rids, "x": tokens}
+        )
+
     def _warm(self, msg: dict[str, Any]) -> None:
         """The driver's warm-up (:meth:`~.cluster.Cluster.warm_up`): its requests have been
         prefilled, so every action's inputs are known. Build (and compile) each action's static
-        decode step and run it once on padding rows, free the warm-up's requests, and start the
-        counters afresh, so the run's figures are the traffic's alone."""
+        decode step and run it once on padding rows, set up the rows its decode steps receive
+        into, free the warm-up's requests, and start the counters afresh, so the run's figures
+        are the traffic's alone."""
         start = time.perf_counter()
-        for action in self.actions:  # TP ranks of a group: the same steps in the same order
-            inputs = self._inputs.get((action.segment, action.microbatch))
-            if inputs is not None and self.module.static_decode is not None:
-                ops = self._ops(action, sample=action.last and self.info.is_leader)
-                self.module.warm_up(ops, size=len(action.slots), inputs=inputs)
+        if self.module.static_decode is not None:
+            for action in self.actions:  # TP ranks of a group: the same steps in the same order
+                self._warm_action(action)
         for rid in msg.get("r", ()):
             if rid in self.held:
                 self.module.free(rid)
@@ -330,6 +405,28 @@ class StageWorker:
             trust_warm_graphs()  # every step this rank runs is compiled now
         self.control.send({"t": "warmed", "rank": self.rank})
 
+    @torch.inference_mode()
+    def _warm_action(self, action: Compute) -> None:
+        """Compile ``action``'s static decode step, run it on padding rows, and allocate the
+        rows its decode steps receive into (under inference mode, as the step's own tensors)."""
+        key = (action.segment, action.microbatch)
+        inputs = self._inputs.get(key)
+        if inputs is None:  # the warm-up puts a request in every slot: every action saw inputs
+            raise OpWeaveRuntimeError(
+                f"rank {self.rank}: the warm-up brought no inputs to segment {action.segment} "
+                f"microbatch {action.microbatch}"
+            )
+        size = len(action.slots)
+        ops = self._ops(action, sample=action.last and self.info.is_leader)
+        self._rows_out[key] = self.module.warm_up(ops, size=size, inputs=inputs)
+        self._rows_in[key] = tuple(  # in the warm-up's order: a step's guards check it
+            {
+                name: torch.zeros((size, *shape), dtype=dtype, device=self.device)
+                for name, (dtype, shape) in inputs.items()
+            }
+            for _ in range(2)
+        )
+
     def _run(self, action: Compute, batch: TokenBatch) -> TokenBatch:
         sample_here = action.last and self.info.is_leader
         greedy = all(self.held[rid].params.greedy for rid in batch.meta.request_ids)
@@ -337,17 +434,24 @@ class StageWorker:
         # logits: one step (compiled once, at the warm-up) for greedy and sampled requests
         static = self.module.static_decode is not None and is_decode(batch.meta)
         ops = self._ops(action, sample=sample_here and (greedy or static))
-        start = time.perf_counter()
-        tp_before = self.comm.comm_s if self.comm is not None else 0.0
         at = action.slots.start  # a static decode step has a row per slot of the action
         place = [slot - at for slot in batch.meta.slots]
-        batch = self.module.run(batch, ops, size=len(action.slots), place=place)
-        if action.last and sample_here and not greedy:
-            batch = self._sample(batch)
-        tp_comm = (self.comm.comm_s - tp_before) if self.comm is not None else 0.0
-        self.transport.comm_s += tp_comm  # TP collectives count as communication
-        self.clock.compute_s += time.perf_counter() - start - tp_comm
+        with self._computing():
+            batch = self.module.run(batch, ops, size=len(action.slots), place=place)
+            if action.last and sample_here and not greedy:
+                batch = self._sample(batch)
         return batch
+
+    @contextlib.contextmanager
+    def _computing(self) -> Iterator[None]:
+        """Time the operators run inside as compute, less their TP collectives, which count as
+        communication."""
+        start = time.perf_counter()
+        tp_before = self.comm.comm_s if self.comm is not None else 0.0
+        yield
+        tp_comm = (self.comm.comm_s - tp_before) if self.comm is not None else 0.0
+        self.transport.comm_s += tp_comm
+        self.clock.compute_s += time.perf_counter() - start - tp_comm
 
     @staticmethod
     def _ops(action: Compute, *, sample: bool) -> slice:

@@ -154,18 +154,40 @@ class StageModule:
         return run_ops(chosen, batch, self.comm)
 
     @torch.inference_mode()
+    def run_rows(
+        self,
+        tensors: dict[str, torch.Tensor],
+        ops: slice,
+        *,
+        request_ids: Sequence[str],
+        context_lens: Sequence[int],
+        place: Sequence[int],
+    ) -> dict[str, torch.Tensor]:
+        """Run ``ops`` as one static decode step on inputs laid out in its rows
+        (:meth:`.decode.DecodeStep.run_rows`: ``size`` rows, request ``i`` in row ``place[i]``,
+        padding elsewhere); the outputs keep that layout. Counts :attr:`submissions` as
+        :meth:`run`."""
+        if self._static is None:
+            raise OpWeaveRuntimeError("run_rows needs use_static_decode first")
+        size = next(iter(tensors.values())).shape[0]
+        step = self._step(ops, size)
+        self.submissions += 1 if step.native else len(self.operators[ops])
+        return step.run_rows(tensors, request_ids, context_lens, place)
+
+    @torch.inference_mode()
     def warm_up(
         self,
         ops: slice,
         size: int,
         inputs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-    ) -> None:
+    ) -> dict[str, torch.Tensor]:
         """Build the static decode step of ``ops`` on ``size`` rows and run it once on padding
         rows only (:meth:`.decode.DecodeStep.warm_up`): a compiled step compiles here, ahead of
-        traffic. ``inputs``: the step's input tensors (dtype, shape past the row dimension)."""
+        traffic. ``inputs``: the step's input tensors (dtype, shape past the row dimension).
+        Returns its outputs, every row padding."""
         if self._static is None:
             raise OpWeaveRuntimeError("warm_up needs use_static_decode first")
-        self._step(ops, size).warm_up(inputs)
+        return self._step(ops, size).warm_up(inputs)
 
     def _step(self, ops: slice, size: int) -> DecodeStep:
         key = (ops.start, ops.stop, size)

@@ -17,6 +17,13 @@ Receives are bounded: a peer that died fails the wait at once, one that hangs fa
 
 A tensor-parallel destination receives once, at its leader, which broadcasts the raw bytes to its
 group (one length vector + one payload), rather than every TP rank receiving its own copy.
+
+Static decode steps move *rows* instead (:meth:`Transport.send_rows`, :meth:`Transport.recv_rows`):
+when every request of a microbatch decodes one token and the ranks run static-shape steps, each
+side knows a message's layout before it travels (the link's slots, the cut's tensors as the
+warm-up saw them), so it goes without a header or a length: the rows of each tensor, back to
+back, straight from the sender's step outputs into the receiver's step inputs. Nothing in it is
+read on the host, so on a GPU nothing waits for the device.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import OpWeaveRuntimeError
-from .batch import BatchMeta, TokenBatch, pack, unpack
+from .batch import BatchMeta, TokenBatch, byte_view, pack, unpack
 from .schedule import Message
 from .wire import PeerError, SocketWire
 
@@ -81,6 +88,7 @@ class Transport:
             else None
         )
         self._wire_oldest: int | None = None  # epoch of the oldest send posted since a drain
+        self._row_buffers: dict[tuple[int, int], torch.Tensor] = {}  # (peer, tag) -> receive
 
     @property
     def spin_s(self) -> float:
@@ -93,25 +101,33 @@ class Transport:
         start = time.perf_counter()
         buf = pack(batch).to(self.device)
         if self._wire is not None:
-            self._wire.post(message.peer, message.tag, buf)
-            if self._wire_oldest is None:
-                self._wire_oldest = epoch
-            self.bytes_sent += buf.numel()
-            self.messages_sent += 1
-            self.comm_s += time.perf_counter() - start
-            return
-        head = EAGER_BYTES - _LEN
-        chunk = torch.zeros(EAGER_BYTES, dtype=torch.uint8, device=self.device)
-        chunk[:8] = torch.tensor([buf.numel()], dtype=torch.int64).view(torch.uint8)
-        chunk[_LEN : _LEN + min(head, buf.numel())] = buf[:head]
-        transfers = [chunk] if buf.numel() <= head else [chunk, buf[head:]]
+            self._post(message, (buf,), epoch)
+        else:
+            head = EAGER_BYTES - _LEN
+            chunk = torch.zeros(EAGER_BYTES, dtype=torch.uint8, device=self.device)
+            chunk[:8] = torch.tensor([buf.numel()], dtype=torch.int64).view(torch.uint8)
+            chunk[_LEN : _LEN + min(head, buf.numel())] = buf[:head]
+            self._isend(message, [chunk] if buf.numel() <= head else [chunk, buf[head:]], epoch)
+        self._sent(buf.numel(), start)
+
+    def _post(self, message: Message, parts: Sequence[torch.Tensor], epoch: int) -> None:
+        """One message of ``parts`` onto the socket wire."""
+        assert self._wire is not None
+        self._wire.post(message.peer, message.tag, *parts)
+        if self._wire_oldest is None:
+            self._wire_oldest = epoch
+
+    def _isend(self, message: Message, transfers: Sequence[torch.Tensor], epoch: int) -> None:
+        """``transfers`` to ``message.peer`` through torch.distributed, reaped by epoch."""
         try:
             for tensor in transfers:
                 work = dist.isend(tensor, dst=message.peer, tag=message.tag)
                 self._pending.append((epoch, work, tensor, message.peer))
         except RuntimeError as exc:
             raise PeerError(message.peer, f"sending to rank {message.peer} failed: {exc}") from None
-        self.bytes_sent += buf.numel()
+
+    def _sent(self, size: int, start: float) -> None:
+        self.bytes_sent += size
         self.messages_sent += 1
         self.comm_s += time.perf_counter() - start
 
@@ -136,6 +152,73 @@ class Transport:
             )
         self.comm_s += time.perf_counter() - start
         return buf
+
+    # -- rows of static decode steps ----------------------------------------------------------
+    def send_rows(self, message: Message, parts: Sequence[torch.Tensor], epoch: int) -> None:
+        """Queue ``parts`` (contiguous row ranges of a step's outputs, in the order the
+        receiver expects them) for ``message.peer`` as one headerless message, without blocking.
+        On the socket wire the bytes go out of the tensors themselves: leave them unchanged
+        until the sends of ``epoch`` are reaped (:meth:`reap`). Through ``torch.distributed``
+        they are copied into one buffer on the device, sent in one transfer."""
+        start = time.perf_counter()
+        raw = [byte_view(t).reshape(-1) for t in parts]
+        if self._wire is not None:
+            self._post(message, raw, epoch)
+        else:
+            self._isend(message, [torch.cat(raw) if len(raw) != 1 else raw[0].clone()], epoch)
+        self._sent(sum(r.numel() for r in raw), start)
+
+    def recv_rows(self, message: Message, into: Sequence[torch.Tensor], what: str) -> None:
+        """Receive ``message`` (sent by :meth:`send_rows`) into ``into``: contiguous row ranges
+        of a step's inputs, filled in order. A message of another size than ``into`` is an
+        error naming the peer (its schedule differs)."""
+        start = time.perf_counter()
+        if not all(t.is_contiguous() for t in into):
+            raise OpWeaveRuntimeError("rows are received into contiguous tensors only")
+        raw = [byte_view(t).reshape(-1) for t in into]
+        size = sum(r.numel() for r in raw)
+        peer = message.peer
+        if self._wire is not None:
+            buf = self._wire.take(peer, message.tag, what)
+        else:
+            key = (peer, message.tag)
+            buf = self._row_buffers.get(key)
+            if buf is None or buf.numel() != size:
+                buf = self._row_buffers[key] = torch.empty(
+                    size, dtype=torch.uint8, device=self.device
+                )
+            try:
+                work = dist.irecv(buf, src=peer, tag=message.tag)
+            except RuntimeError as exc:
+                raise PeerError(peer, f"lost rank {peer} while {what}: {exc}") from None
+            if self.device.type == "cuda":
+                assert work is not None
+                work.wait()  # the device waits for the transfer, the host goes on
+            else:
+                self._wait(work, peer, what)
+        if buf.numel() != size:
+            raise PeerError(
+                peer,
+                f"rank {peer} sent {buf.numel()} bytes while {what} expected {size}: "
+                "schedules differ",
+            )
+        offset = 0
+        for r in raw:
+            r.copy_(buf[offset : offset + r.numel()])
+            offset += r.numel()
+        self.comm_s += time.perf_counter() - start
+
+    def fanout_rows(self, tensors: Sequence[torch.Tensor], leader: int, group: object) -> None:
+        """Broadcast the leader's received step inputs ``tensors`` to its TP group, in place."""
+        start = time.perf_counter()
+        try:
+            for t in tensors:
+                dist.broadcast(t, src=leader, group=group)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            raise PeerError(
+                leader, f"tensor-parallel fan-out from rank {leader} failed: {exc}"
+            ) from None
+        self.comm_s += time.perf_counter() - start
 
     def _wait(self, work: object, peer: int | None, what: str) -> None:
         try:

@@ -159,14 +159,19 @@ class SocketWire:
         self.peers[peer] = _Peer(peer, sock)
 
     # -- the interface the Transport uses -------------------------------------------------------
-    def post(self, peer: int, tag: int, payload: torch.Tensor) -> None:
-        """Queue ``payload`` (a contiguous uint8 CPU tensor) for ``peer``; write what fits now."""
+    def post(self, peer: int, tag: int, *parts: torch.Tensor) -> None:
+        """Queue one message for ``peer``: the bytes of ``parts`` (contiguous uint8 CPU
+        tensors) one after the other; write what fits now. What does not fit stays queued as
+        a view of the tensors, not a copy: the caller leaves them unchanged until the next
+        :meth:`drain`."""
         p = self.peers[peer]
-        array: Any = payload.numpy()
-        data = memoryview(array).cast("B") if payload.numel() else memoryview(b"")
-        p.out.append(memoryview(_HEADER.pack(payload.numel(), tag)))
-        if len(data):
-            p.out.append(data)
+        views = []
+        for t in parts:
+            if t.numel():
+                array: Any = t.numpy()
+                views.append(memoryview(array).cast("B"))
+        p.out.append(memoryview(_HEADER.pack(sum(len(v) for v in views), tag)))
+        p.out.extend(views)
         self._write(p)
 
     def take(self, peer: int, tag: int, what: str) -> torch.Tensor:

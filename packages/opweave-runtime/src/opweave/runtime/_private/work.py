@@ -117,6 +117,16 @@ class Work:
             final=bool(msg.get("e", False)),
         )
 
+    @property
+    def decode(self) -> bool:
+        """Every request of the microbatch runs one new token after cached ones (what a static
+        decode step runs; every rank serving the microbatch sees the same answer)."""
+        return (
+            bool(self.request_ids)
+            and all(q == 1 for q in self.query_lens)
+            and min(self.context_lens) > 0
+        )
+
     def requests_in(self, slots: range) -> list[int]:
         """Indices of the requests whose slot lies in ``slots``."""
         return [i for i, s in enumerate(self.slots) if s in slots]
