@@ -216,6 +216,18 @@ def test_gloo_carries_static_steps_rows_and_fans_them_out(
     assert {rank["decode_step"] for rank in result["ranks"]} == {"static"}
 
 
+def test_a_replica_without_requests_sends_padding_rows(tiny_model, hf_greedy, prompts):
+    """Static steps, one microbatch over two attention replicas, two requests: both sit in the
+    first replica's slots, so the second one's decode steps have no request to run and its
+    rows go to the FFN rank as padding, which leaves the requests' tokens alone."""
+    model_dir = tiny_model("llama")
+    plan = _plan(model_dir, "afd", mb=1, owners=_owners((1, 2, 2), (1, 1, 4)))
+    result = _run(model_dir, plan, prompts[:2], decode_step="static")
+    assert _tokens(result) == hf_greedy(model_dir, prompts[:2], MAX_NEW_TOKENS)
+    idle = next(r for r in result["ranks"] if r["owner"] == 0 and r["replica"] == 1)
+    assert idle["busy_s"] == 0 and idle["bytes_sent"] > 0  # it ran nothing, yet sent its rows
+
+
 def test_requests_join_as_slots_free_up(tiny_model, hf_greedy, prompts):
     """Six requests, two slots (one per microbatch), different lengths and budgets: requests
     join mid-run as others leave, prefill mixing with decode; every finished request is freed."""

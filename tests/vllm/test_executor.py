@@ -64,16 +64,21 @@ def plain_vllm(model_dir) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(
-    ("strategy", "tp", "extra"),
+    ("strategy", "tp", "decode_step", "extra"),
     [
-        ("afd", 1, {}),
+        ("afd", 1, "per-request", {}),
         # chunked prefill: the 19-token prompt is split over several steps
-        ("cad", 2, {"max_num_batched_tokens": 8}),
+        ("cad", 2, "per-request", {"max_num_batched_tokens": 8}),
+        # static steps: decode iterations move rows (fanned out to the TP-2 attention group)
+        # between mixed ones, which move packed batches
+        ("cad", 2, "static", {"max_num_batched_tokens": 8}),
     ],
 )
-def test_greedy_tokens_equal_plain_vllm(model_dir, plain_vllm, strategy, tp, extra) -> None:
+def test_greedy_tokens_equal_plain_vllm(
+    model_dir, plain_vllm, strategy, tp, decode_step, extra
+) -> None:
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime.vllm import PLAN_KEY, OpWeaveExecutor
+    from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, OpWeaveExecutor
 
     plan = canonical_plan(
         load_model(model_dir), strategy, gpu="cpu", batch=4, microbatches=2, tp=tp
@@ -81,7 +86,7 @@ def test_greedy_tokens_equal_plain_vllm(model_dir, plain_vllm, strategy, tp, ext
     tokens = _generate(
         model_dir,
         distributed_executor_backend=OpWeaveExecutor,
-        additional_config={PLAN_KEY: plan.model_dump(mode="json")},
+        additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: decode_step},
         **extra,
     )
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)

@@ -183,11 +183,11 @@ class StageWorker:
         self._inputs: dict[tuple[int, int], dict[str, tuple[torch.dtype, tuple[int, ...]]]] = {}
         # static decode steps, from the warm-up on (_warm): per (segment, microbatch) the step's
         # input rows, one set per iteration parity (a set is refilled two iterations later,
-        # once the sends that may still read it are reaped), and the step's last outputs (what
-        # goes out while the rank's slots of a microbatch are empty); a message carries its
-        # tensors in name order
+        # once the sends that may still read it are reaped), and zero rows shaped as its
+        # outputs (what goes out while none of the microbatch's requests is this replica's); a
+        # message carries its tensors in name order
         self._rows_in: dict[tuple[int, int], tuple[dict[str, torch.Tensor], ...]] = {}
-        self._rows_out: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._rows_pad: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     # -- the loop -----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -348,9 +348,8 @@ class StageWorker:
                     context_lens=[work.context_lens[j] for j in idx],
                     place=place,
                 )
-            self._rows_out[key] = out
         else:  # none of the microbatch's requests is this replica's: its rows go out as padding
-            rids, out = [], self._rows_out[key]
+            rids, out = [], self._rows_pad[key]
         if not leader:
             return
         if action.last:
@@ -418,7 +417,9 @@ class StageWorker:
             )
         size = len(action.slots)
         ops = self._ops(action, sample=action.last and self.info.is_leader)
-        self._rows_out[key] = self.module.warm_up(ops, size=size, inputs=inputs)
+        # zeros, not the outputs themselves: a CUDA graph's outputs are overwritten by its replays
+        outputs = self.module.warm_up(ops, size=size, inputs=inputs)
+        self._rows_pad[key] = {name: torch.zeros_like(t) for name, t in outputs.items()}
         self._rows_in[key] = tuple(  # in the warm-up's order: a step's guards check it
             {
                 name: torch.zeros((size, *shape), dtype=dtype, device=self.device)
