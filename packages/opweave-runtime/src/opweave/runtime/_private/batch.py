@@ -123,6 +123,12 @@ class BatchMeta:
         )
 
 
+def one_new_token_each(query_lens: Sequence[int], context_lens: Sequence[int]) -> bool:
+    """A decode step: some requests, each running exactly one new token after at least one
+    cached token."""
+    return bool(query_lens) and all(q == 1 for q in query_lens) and min(context_lens) > 0
+
+
 class StepMeta:
     """The schedule of a static-shape decode step (:mod:`.decode`), as tensors only.
 

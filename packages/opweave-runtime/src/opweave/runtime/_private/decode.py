@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
-from .batch import BatchMeta, StepMeta, TokenBatch
+from .batch import BatchMeta, StepMeta, TokenBatch, one_new_token_each
 from .ops import Operator, SlabPool, StatefulOperator, begin_static_step
 from .tensor_parallel import TPComm, run_ops
 
@@ -48,11 +48,7 @@ _NO_META = BatchMeta((), (), ())  # a static step's batch: the schedule is in ``
 
 def is_decode(meta: BatchMeta) -> bool:
     """Every request runs exactly one new token after at least one cached token."""
-    return (
-        bool(meta.request_ids)
-        and all(q == 1 for q in meta.query_lens)
-        and min(meta.context_lens) > 0
-    )
+    return one_new_token_each(meta.query_lens, meta.context_lens)
 
 
 def why_not_static(ops: Sequence[Operator]) -> str | None:

@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -370,12 +370,8 @@ class StageWorker:
             if all(self.held[rid].params.greedy for rid in rids):
                 tokens = out["token_ids"][rows].tolist()
             else:
-                params = [self.held[rid].params for rid in rids]
-                gens = [self.held[rid].generator for rid in rids]
-                tokens = sample_rows(out["logits"][rows], params, gens)
-        self.control.send(
-            {"t": "result", "i": work.iteration, "k": work.microbatch, "r": rids, "x": tokens}
-        )
+                tokens = self._sample_tokens(rids, out["logits"][rows])
+        self._send_result(work, rids, tokens)
 
     def _warm(self, msg: dict[str, Any]) -> None:
         """The driver's warm-up (:meth:`~.cluster.Cluster.warm_up`): its requests have been
@@ -462,15 +458,20 @@ class StageWorker:
         return slice(action.ops.start, stop)
 
     def _sample(self, batch: TokenBatch) -> TokenBatch:
-        rids = batch.meta.request_ids
+        tokens = self._sample_tokens(batch.meta.request_ids, batch["logits"])
+        return batch.replace(drop=("logits",), token_ids=torch.tensor(tokens, dtype=torch.int64))
+
+    def _sample_tokens(self, rids: Sequence[str], logits: torch.Tensor) -> list[int]:
+        """A token per row of ``logits`` under each request's sampling parameters."""
         params = [self.held[rid].params for rid in rids]
         gens = [self.held[rid].generator for rid in rids]
-        tokens = sample_rows(batch["logits"], params, gens)
-        return batch.replace(drop=("logits",), token_ids=torch.tensor(tokens, dtype=torch.int64))
+        return sample_rows(logits, params, gens)
 
     def _reply(self, work: Work, batch: TokenBatch) -> None:
         rids = list(batch.meta.request_ids)
-        tokens = batch["token_ids"].tolist() if rids else []
+        self._send_result(work, rids, batch["token_ids"].tolist() if rids else [])
+
+    def _send_result(self, work: Work, rids: list[str], tokens: list[int]) -> None:
         self.control.send(
             {"t": "result", "i": work.iteration, "k": work.microbatch, "r": rids, "x": tokens}
         )

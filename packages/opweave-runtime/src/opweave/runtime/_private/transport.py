@@ -211,13 +211,8 @@ class Transport:
     def fanout_rows(self, tensors: Sequence[torch.Tensor], leader: int, group: object) -> None:
         """Broadcast the leader's received step inputs ``tensors`` to its TP group, in place."""
         start = time.perf_counter()
-        try:
-            for t in tensors:
-                dist.broadcast(t, src=leader, group=group)  # type: ignore[arg-type]
-        except RuntimeError as exc:
-            raise PeerError(
-                leader, f"tensor-parallel fan-out from rank {leader} failed: {exc}"
-            ) from None
+        for t in tensors:
+            _broadcast(t, leader, group)
         self.comm_s += time.perf_counter() - start
 
     def _wait(self, work: object, peer: int | None, what: str) -> None:
@@ -277,23 +272,25 @@ class Transport:
             lengths = torch.tensor([b.numel() for b in bufs], dtype=torch.int64, device=self.device)
         else:
             lengths = torch.empty(count, dtype=torch.int64, device=self.device)
-        try:
-            dist.broadcast(lengths, src=leader, group=group)  # type: ignore[arg-type]
-            if parts is not None:
-                payload = (
-                    torch.cat(bufs)
-                    if bufs
-                    else torch.empty(0, dtype=torch.uint8, device=self.device)
-                )
-            else:
-                payload = torch.empty(int(lengths.sum()), dtype=torch.uint8, device=self.device)
-            dist.broadcast(payload, src=leader, group=group)  # type: ignore[arg-type]
-        except RuntimeError as exc:
-            raise PeerError(
-                leader, f"tensor-parallel fan-out from rank {leader} failed: {exc}"
-            ) from None
+        _broadcast(lengths, leader, group)
+        if parts is not None:
+            payload = (
+                torch.cat(bufs) if bufs else torch.empty(0, dtype=torch.uint8, device=self.device)
+            )
+        else:
+            payload = torch.empty(int(lengths.sum()), dtype=torch.uint8, device=self.device)
+        _broadcast(payload, leader, group)
         self.comm_s += time.perf_counter() - start
         return list(torch.split(payload, lengths.tolist()))
+
+
+def _broadcast(tensor: torch.Tensor, leader: int, group: object) -> None:
+    """``tensor`` from the TP group's ``leader`` to every rank of ``group``, in place."""
+    try:
+        dist.broadcast(tensor, src=leader, group=group)  # type: ignore[arg-type]
+    except RuntimeError as exc:
+        message = f"tensor-parallel fan-out from rank {leader} failed: {exc}"
+        raise PeerError(leader, message) from None
 
 
 def as_batch(part: Part) -> TokenBatch:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import RequestStateError
-from .batch import BatchMeta, TokenBatch
+from .batch import BatchMeta, TokenBatch, one_new_token_each
 
 
 @dataclass(frozen=True)
@@ -121,11 +121,7 @@ class Work:
     def decode(self) -> bool:
         """Every request of the microbatch runs one new token after cached ones (what a static
         decode step runs; every rank serving the microbatch sees the same answer)."""
-        return (
-            bool(self.request_ids)
-            and all(q == 1 for q in self.query_lens)
-            and min(self.context_lens) > 0
-        )
+        return one_new_token_each(self.query_lens, self.context_lens)
 
     def requests_in(self, slots: range) -> list[int]:
         """Indices of the requests whose slot lies in ``slots``."""
