@@ -180,10 +180,16 @@ class Transport:
         peer = message.peer
         if self._wire is not None:
             buf = self._wire.take(peer, message.tag, what)
-        else:
+            if buf.numel() != size:
+                raise PeerError(
+                    peer,
+                    f"rank {peer} sent {buf.numel()} bytes while {what} expected {size}: "
+                    "schedules differ",
+                )
+        else:  # one receive buffer per link: its rows' size is fixed by the plan
             key = (peer, message.tag)
             buf = self._row_buffers.get(key)
-            if buf is None or buf.numel() != size:
+            if buf is None:
                 buf = self._row_buffers[key] = torch.empty(
                     size, dtype=torch.uint8, device=self.device
                 )
@@ -196,12 +202,6 @@ class Transport:
                 work.wait()  # the device waits for the transfer, the host goes on
             else:
                 self._wait(work, peer, what)
-        if buf.numel() != size:
-            raise PeerError(
-                peer,
-                f"rank {peer} sent {buf.numel()} bytes while {what} expected {size}: "
-                "schedules differ",
-            )
         offset = 0
         for r in raw:
             r.copy_(buf[offset : offset + r.numel()])
