@@ -296,6 +296,8 @@ def test_plans_serve_the_same_tokens_with_static_steps(
     assert base is not None and static is not None
 
     assert [o.token_ids for o in static.outputs] == [o.token_ids for o in base.outputs]
+    # the driver ran ahead of static steps (the ranks kept their tokens), never of the others
+    assert static.driver.works_ahead > 0 and base.driver.works_ahead == 0
     for before, after in zip(base.ranks, static.ranks, strict=True):
         assert (before.decode_step, after.decode_step) == ("per-request", decode_step)
         assert after.host_s_per_token >= 0
@@ -318,8 +320,9 @@ def test_static_steps_send_their_rows_and_nothing_else(tiny_model):
     """In a decode iteration of static steps a message is the link's rows of what crosses the
     cut, padding rows included, with no header. In this AFD plan (4 slots, 2 microbatches, 3
     requests) only the hidden state crosses each cut: per iteration the attention rank sends
-    every layer's rows of the 4 slots to the FFN rank, which sends one layer fewer back (its
-    last segment's tokens go to the driver), so 5 more tokens cost exactly 5 times that."""
+    every layer's rows of the 4 slots to the FFN rank, which sends one layer fewer back, and its
+    last segment's tokens (an int64 per slot) to the attention rank, which embeds them in the
+    next iteration; so 5 more tokens cost exactly 5 times that."""
     model_dir = tiny_model("llama")
     spec = load_model(model_dir)
     plan = canonical_plan(spec, "afd", gpu="cpu", batch=4, microbatches=2)
@@ -348,4 +351,4 @@ def test_static_steps_send_their_rows_and_nothing_else(tiny_model):
     sent = {r.rank: r.bytes_sent for r in long.ranks}
     before = {r.rank: r.bytes_sent for r in short.ranks}
     assert sent[attention.rank] - before[attention.rank] == 5 * layers * 4 * row
-    assert sent[ffn.rank] - before[ffn.rank] == 5 * (layers - 1) * 4 * row
+    assert sent[ffn.rank] - before[ffn.rank] == 5 * ((layers - 1) * 4 * row + 4 * 8)

@@ -246,6 +246,38 @@ def test_requests_join_as_slots_free_up(tiny_model, hf_greedy, prompts):
         assert r["requests_held_at_end"] == 0 and r["state_bytes_at_end"] == 0
 
 
+def test_tokens_stay_on_the_ranks_between_static_steps(tiny_model, hf_greedy, prompts):
+    """Static steps: the driver runs ahead, the FFN owner's TP leader forwarding each decode
+    step's tokens to both attention replicas. Two requests stop on a token the driver cannot
+    foresee (each runs one step more, whose token is dropped), the others on their budgets, and
+    two more wait for slots, so the running ahead pauses for their admission and resumes: the
+    tokens are transformers', and every request's state is freed on every rank."""
+    model_dir = tiny_model("llama")
+    more = [*prompts, (9, 8, 7, 6), tuple(range(200, 230))]
+    reference = hf_greedy(model_dir, more, MAX_NEW_TOKENS)
+    limits = [16, 5, 16, 9, 16, 7]
+    stops: list[tuple[int, ...]] = [(reference[0][3],), (), (reference[2][6],), (), (), ()]
+    expected = []
+    for tokens, limit, stop in zip(reference, limits, stops, strict=True):
+        end = next((j + 1 for j, t in enumerate(tokens) if t in stop), len(tokens))
+        expected.append(tokens[: min(end, limit)])
+    assert len(expected[0]) < 16 and len(expected[2]) < 16  # both stop early
+    plan = _plan(model_dir, "afd", mb=1, owners=_owners((1, 2, 2), (2, 1, 4)))
+    requests = [
+        Request(tuple(p), n, stop_token_ids=stop)
+        for p, n, stop in zip(more, limits, stops, strict=True)
+    ]
+
+    result = run_plan(plan, model_dir, requests, timeout_s=TIMEOUT_S, decode_step="static")
+
+    assert result is not None
+    assert [list(o.token_ids) for o in result.outputs] == expected
+    assert [o.finish_reason for o in result.outputs] == ["stop", "length", "stop", *["length"] * 3]
+    assert result.driver.works_ahead > 0
+    for r in result.ranks:
+        assert r.requests_held_at_end == 0 and r.state_bytes_at_end == 0
+
+
 def test_two_replicas_and_a_tensor_parallel_owner(tiny_model, hf_greedy, prompts):
     """Owner 0 as two replicas (each holding half the slots), owner 1 sharded over TP 2."""
     model_dir = tiny_model("qwen3_moe")

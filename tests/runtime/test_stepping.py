@@ -143,3 +143,75 @@ def test_a_rank_killed_between_steps_fails_the_next_one(tiny_model):
     finally:
         cluster.close()
     assert not any(_alive(p) for p in pids)
+
+
+def test_carried_works_embed_the_tokens_the_ranks_sampled(tiny_model, hf_greedy):
+    """A work can leave its tokens to the ranks: after a forward work the last segment's leader
+    sends the tokens it sampled (a seeded sampled request's as well as a greedy one's) to the
+    first segment's, and a carried work, which names no token ids, embeds those. Submitted all
+    at once, before any result, carried works give the tokens that naming them one step at a
+    time gives."""
+    from opweave.runtime import Work
+
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir)
+    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=1)
+    prompts = ((5, 6, 7), (8, 9))
+    steps = 6
+    cluster = Cluster(plan, model, model_dir, timeout_s=20, decode_step="static")
+    i = cluster.first_iteration
+
+    def prefill(rids: tuple[str, str], free: tuple[str, ...]) -> dict[str, list[int]]:
+        nonlocal i
+        params = {rids[1]: SamplingParams(temperature=1.0, seed=7)}
+        lens = tuple(len(p) for p in prompts)
+        ids = tuple(t for p in prompts for t in p)
+        cluster.submit(Work(i, 0, rids, (0, 1), (0, 0), lens, (True,) * 2, ids, free, params))
+        i += 1
+        msg = cluster.result()
+        return {rid: [t] for rid, t in zip(msg["r"], msg["x"], strict=True)}
+
+    def contexts(step: int) -> tuple[int, int]:
+        return (len(prompts[0]) + step, len(prompts[1]) + step)
+
+    try:
+        named = prefill(("g1", "s1"), ())
+        for step in range(steps):
+            last = tuple(named[rid][-1] for rid in ("g1", "s1"))
+            work = Work(i, 0, ("g1", "s1"), (0, 1), contexts(step), (1, 1), (True,) * 2, last)
+            cluster.submit(work)
+            i += 1
+            msg = cluster.result()
+            for rid, t in zip(msg["r"], msg["x"], strict=True):
+                named[rid].append(t)
+
+        kept = prefill(("g2", "s2"), ("g1", "s1"))
+        last = tuple(kept[rid][-1] for rid in ("g2", "s2"))
+        for step in range(steps):  # every step submitted before the first result
+            cluster.submit(
+                Work(
+                    i + step,
+                    0,
+                    ("g2", "s2"),
+                    (0, 1),
+                    contexts(step),
+                    (1, 1),
+                    (True,) * 2,
+                    None if step else last,
+                    forward=step < steps - 1,  # the last one's tokens go nowhere
+                    carried=step > 0,
+                )
+            )
+        for _ in range(steps):
+            msg = cluster.result()
+            for rid, t in zip(msg["r"], msg["x"], strict=True):
+                kept[rid].append(t)
+        stats = [r.model_dump(mode="json") for r in cluster.shutdown()]
+    finally:
+        cluster.close()
+    assert kept["g2"] == named["g1"] and kept["s2"] == named["s1"]
+    assert named["g1"] == hf_greedy(model_dir, prompts[:1], steps + 1)[0]
+    # the sampled request's tokens are not greedy ones: the sampler's, not the step's, went on
+    assert named["s1"] != hf_greedy(model_dir, prompts[1:], steps + 1)[0]
+    ffn = next(r for r in stats if r["owner"] == 1)
+    assert ffn["stages"][-1].endswith("sample")  # the owner that forwarded the tokens

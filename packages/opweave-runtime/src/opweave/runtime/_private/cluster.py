@@ -516,7 +516,10 @@ class Cluster:
             self._io.start()
             self._wait_ready()
             self.first_iteration = 0  # the drivers' first iteration (1 after a warm-up)
-            if decode_step in DECODE_STEPS and decode_step != "per-request":
+            # whether decode steps are static (built at the warm-up): a driver may then keep
+            # the sampled tokens on the ranks (Work.forward, Work.carried)
+            self.static_decode = decode_step in DECODE_STEPS and decode_step != "per-request"
+            if self.static_decode:
                 self.warm_up()
         except BaseException:
             self.close()

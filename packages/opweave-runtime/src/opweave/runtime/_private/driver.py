@@ -9,6 +9,15 @@ the stages across iterations, and prefill (a new request's whole prompt) mixes w
 
 A microbatch whose slots are all empty while nobody waits is submitted once more as ``final``
 and then never again; the run ends when every microbatch went final.
+
+Over static decode steps the driver runs one iteration ahead of the ranks: a decode step's work
+asks them to forward the tokens they sample (``Work.forward``), and the microbatch's next work,
+if it only continues the same requests, is submitted at once, *carried*: without token ids, the
+ranks embed the tokens they forwarded to themselves. The ranks then never wait for the driver
+between decode steps. A request that samples a stop token has one more step in flight; its
+token from that step is dropped, and it is freed in the next work. A slot that frees up while
+requests wait stops the running ahead until the microbatch's last result is in, so the new
+request is admitted with its prompt.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from pathlib import Path
 from opweave.costmodel import ModelSpec, Plan
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
+from .batch import one_new_token_each
 from .cluster import Cluster, run_node, run_torchrun_rank, torchrun_env
 from .engine import Generation
 from .results import DriverStats, DriverTimeline, Output, RunResult
@@ -85,40 +95,63 @@ class OfflineDriver:
         self.drive_s = 0.0  # bookkeeping between a microbatch's result and its next work
         self.timeline: dict[str, list[float]] = {"end_s": [], "drive_s": []}
         self.iterations = 0
-        self._final: dict[int, bool] = {}  # whether the microbatch's last work was final
+        self.works_ahead = 0
+        m = self.placement.microbatches
+        # per microbatch: the works submitted whose results are not in yet (two while ahead),
+        # and the requests that finished since its last work (the next one frees them)
+        self._pending: dict[int, deque[Work]] = {k: deque() for k in range(m)}
+        self._free: dict[int, list[str]] = {k: [] for k in range(m)}
+        self._dropped: set[str] = set()  # finished requests with one more step in flight
+        self._freed_ahead: set[str] = set()  # freed by a work submitted before their last token
+        self.carry = cluster.static_decode  # tokens stay on the ranks between decode steps
 
     def run(self) -> None:
         """Generate until every request finished."""
         m = self.placement.microbatches
         parts = {k: self.cluster.result_parts(k) for k in range(m)}
-        free: dict[int, list[str]] = {k: [] for k in range(m)}
-        got: dict[int, list[tuple[list[str], list[int]]]] = {k: [] for k in range(m)}
+        got: dict[tuple[int, int], list[tuple[list[str], list[int]]]] = {}
         live = set(range(m))
         self.started = time.perf_counter()
         first = self.cluster.first_iteration  # after the cluster's warm-up, if it had one
         for k in range(m):
-            self._submit(k, first, free)
+            self._advance(k, first)
         while live:
             msg = self.cluster.result()
             k, i = int(msg["k"]), int(msg["i"])
-            got[k].append((msg["r"], msg["x"]))
-            if len(got[k]) < parts[k]:
+            # with the driver ahead, another replica's part of the next iteration may come first
+            got.setdefault((i, k), []).append((msg["r"], msg["x"]))
+            if len(got[(i, k)]) < parts[k]:
                 continue
             start = time.perf_counter()
-            final = self._final[k]
-            for rids, tokens in got[k]:
-                self._collect(k, rids, tokens, free)
-            got[k] = []
-            if final:
+            done = self._pending[k].popleft()
+            if done.iteration != i:
+                raise RequestStateError(
+                    f"microbatch {k}: a result for iteration {i} came while {done.iteration} "
+                    "was due"
+                )
+            for rids, tokens in got.pop((i, k)):
+                self._collect(k, rids, tokens)
+            if done.final:
                 live.discard(k)
             else:
-                self._submit(k, i + 1, free)
+                self._advance(k, i + 1)
             self.iterations = max(self.iterations, i + 1 - first)
             self.drive_s += time.perf_counter() - start
             self.timeline["end_s"].append(time.perf_counter() - self.started)
             self.timeline["drive_s"].append(self.drive_s)
 
-    def _submit(self, k: int, i: int, free: dict[int, list[str]]) -> None:
+    def _advance(self, k: int, i: int) -> None:
+        """Microbatch ``k``'s results are in up to iteration ``i - 1``: submit iteration ``i``
+        unless it went ahead already, then the one after it if it can go ahead."""
+        pending = self._pending[k]
+        if not pending:
+            pending.append(self._submit(k, i))
+        if len(pending) == 1 and (ahead := self._carried(k, pending[0])) is not None:
+            self.cluster.submit(ahead)
+            pending.append(ahead)
+            self.works_ahead += 1
+
+    def _submit(self, k: int, i: int) -> Work:
         mb = self.placement.microbatch_slots(k)
         for slot in mb:
             if self.slots[slot] is None and self.waiting:
@@ -127,28 +160,69 @@ class OfflineDriver:
         self.max_active = max(self.max_active, sum(g is not None for g in self.slots))
         final = not active and not self.waiting
         feeds = [g.token_ids[-1:] if g.token_ids else g.prompt_token_ids for _, g in active]
+        query_lens = tuple(len(f) for f in feeds)
+        context_lens = tuple(g.context_len for _, g in active)
         work = Work(
             iteration=i,
             microbatch=k,
             request_ids=tuple(g.request_id for _, g in active),
             slots=tuple(s for s, _ in active),
-            context_lens=tuple(g.context_len for _, g in active),
-            query_lens=tuple(len(f) for f in feeds),
+            context_lens=context_lens,
+            query_lens=query_lens,
             sample=(True,) * len(active),
             token_ids=tuple(t for f in feeds for t in f),
-            free=tuple(free[k]),
+            free=self._take_free(k),
             final=final,
+            forward=self.carry and one_new_token_each(query_lens, context_lens),
         )
-        free[k] = []
-        self._final[k] = final
         self.cluster.submit(work)
+        return work
 
-    def _collect(
-        self, k: int, rids: Sequence[str], tokens: Sequence[int], free: dict[int, list[str]]
-    ) -> None:
+    def _carried(self, k: int, prev: Work) -> Work | None:
+        """The work after ``prev`` (whose result is not in yet) if it can go now: ``prev``
+        forwards its tokens and no waiting request could take a slot it leaves. Its requests are
+        ``prev``'s that go on (not finished, and ``prev`` does not yield their last token)."""
+        if not prev.forward:
+            return None
+        go_on, last = [], []
+        for rid, slot, ctx in zip(prev.request_ids, prev.slots, prev.context_lens, strict=True):
+            g = self.slots[slot]
+            if g is None or g.request_id != rid:  # it stopped: prev's token for it is dropped
+                continue
+            if len(g.token_ids) + 1 < g.max_new_tokens:
+                go_on.append((slot, rid, ctx + 1))
+            else:
+                last.append(rid)
+        if self.waiting and len(go_on) < len(self.placement.microbatch_slots(k)):
+            return None
+        self._freed_ahead.update(last)  # freed here: their last token is prev's
+        n = len(go_on)
+        return Work(
+            iteration=prev.iteration + 1,
+            microbatch=k,
+            request_ids=tuple(rid for _, rid, _ in go_on),
+            slots=tuple(slot for slot, _, _ in go_on),
+            context_lens=tuple(ctx for _, _, ctx in go_on),
+            query_lens=(1,) * n,
+            sample=(True,) * n,
+            token_ids=None if n else (),
+            free=self._take_free(k) + tuple(last),
+            final=not n and not self.waiting,
+            forward=bool(n),
+            carried=bool(n),
+        )
+
+    def _take_free(self, k: int) -> tuple[str, ...]:
+        free, self._free[k] = tuple(self._free[k]), []
+        return free
+
+    def _collect(self, k: int, rids: Sequence[str], tokens: Sequence[int]) -> None:
         now = time.perf_counter()
         by_id = {g.request_id: (s, g) for s, g in enumerate(self.slots) if g is not None}
         for rid, token in zip(rids, tokens, strict=True):
+            if rid in self._dropped:  # a step it ran after its stop token
+                self._dropped.discard(rid)
+                continue
             if rid not in by_id:
                 raise RequestStateError(f"a token came back for unknown request {rid!r}")
             slot, gen = by_id[rid]
@@ -160,7 +234,12 @@ class OfflineDriver:
                 gen.finish_reason = "length"
             if gen.finish_reason is not None:
                 self.slots[slot] = None
-                free[k].append(rid)
+                if rid in self._freed_ahead:
+                    self._freed_ahead.discard(rid)
+                else:
+                    self._free[k].append(rid)
+                if any(rid in w.request_ids for w in self._pending[k]):
+                    self._dropped.add(rid)
 
     def tpot_s(self) -> float | None:
         """Mean over requests of (last token time - first token time) / (tokens - 1)."""
@@ -288,6 +367,7 @@ def run_plan(
             microbatches_per_iteration=plan.microbatches,
             start_method=cluster.start_method,
             timeline=DriverTimeline.model_validate(driver.timeline),
+            works_ahead=driver.works_ahead,
         ),
         ranks=tuple(stats),
     )

@@ -188,6 +188,12 @@ class StageWorker:
         # message carries its tensors in name order
         self._rows_in: dict[tuple[int, int], tuple[dict[str, torch.Tensor], ...]] = {}
         self._rows_pad: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        # tokens that stay on the ranks (forward and carried works): the microbatches whose
+        # next first action takes forwarded tokens, those this rank forwarded to itself, and
+        # those it sent, kept until the sends of their iteration are reaped
+        self._tokens_due: set[int] = set()
+        self._tokens_here: dict[int, torch.Tensor] = {}
+        self._tokens_sent: dict[tuple[int, int], torch.Tensor] = {}
 
     # -- the loop -----------------------------------------------------------------------------
     def serve(self) -> None:
@@ -281,6 +287,13 @@ class StageWorker:
                 )
 
     def _compute(self, action: Compute, work: Work, i: int) -> None:
+        if (work.forward or work.carried) and not self._rows_in:
+            raise OpWeaveRuntimeError(
+                f"rank {self.rank}: tokens stay on the ranks only between static decode steps "
+                "(--decode-step static, compiled or traced)"
+            )
+        if action.first:
+            self._take_tokens(action, work, i)
         if self._rows_in and work.decode:
             self._compute_rows(action, work, i)
             return
@@ -323,7 +336,7 @@ class StageWorker:
         inputs = self._rows_in[key][i & 1]
         idx = work.requests_in(action.slots)
         place = [work.slots[j] - at for j in idx]
-        if action.first:
+        if action.first and not work.carried:  # a carried work's tokens are in place
             assert work.token_ids is not None  # a decode step's work: a token per request
             ids = inputs["token_ids"]
             ids[torch.tensor(place, dtype=torch.int64, device=ids.device)] = torch.tensor(
@@ -353,7 +366,9 @@ class StageWorker:
         if not leader:
             return
         if action.last:
-            self._reply_rows(work, rids, out, place)
+            tokens = self._reply_rows(work, rids, out, place)
+            if work.forward:
+                self._forward_tokens(action, out, rids, place, tokens, i)
             return
         names = sorted(out)
         for link in action.dests:
@@ -362,16 +377,76 @@ class StageWorker:
 
     def _reply_rows(
         self, work: Work, rids: list[str], out: dict[str, torch.Tensor], place: list[int]
-    ) -> None:
-        """The sampled tokens of a static step's requests, from their rows, to the driver."""
+    ) -> list[int]:
+        """The sampled tokens of a static step's requests, from their rows, to the driver;
+        returns them."""
         tokens: list[int] = []
         if rids:
             rows = torch.tensor(place, dtype=torch.int64, device=out["token_ids"].device)
-            if all(self.held[rid].params.greedy for rid in rids):
+            if self._all_greedy(rids):
                 tokens = out["token_ids"][rows].tolist()
             else:
                 tokens = self._sample_tokens(rids, out["logits"][rows])
         self._send_result(work, rids, tokens)
+        return tokens
+
+    def _all_greedy(self, rids: Sequence[str]) -> bool:
+        return all(self.held[rid].params.greedy for rid in rids)
+
+    def _forward_tokens(
+        self,
+        action: Compute,
+        out: dict[str, torch.Tensor],
+        rids: list[str],
+        place: list[int],
+        tokens: list[int],
+        i: int,
+    ) -> None:
+        """A forward work's sampled tokens, a row per slot (the step's greedy ones, a
+        sampled request's from the host), to the first segment's leaders holding them."""
+        ids = out["token_ids"].clone()  # a CUDA graph's outputs change at its next replay
+        if rids and not self._all_greedy(rids):
+            rows = torch.tensor(place, dtype=torch.int64, device=ids.device)
+            ids[rows] = torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
+        self._tokens_sent[(action.microbatch, i & 1)] = ids
+        at = action.slots.start
+        for link in action.feeds:
+            lo, hi = link.slots.start - at, link.slots.stop - at
+            if link.peer == self.rank:
+                self._tokens_here[action.microbatch] = ids[lo:hi]
+            else:
+                self.transport.send_rows(link, [ids[lo:hi]], i)
+
+    @torch.inference_mode()
+    def _take_tokens(self, action: Compute, work: Work, i: int) -> None:
+        """At a first action: the tokens forwarded by the microbatch's previous iteration, into
+        this iteration's token rows (the schedule sends them whatever this work is: a carried
+        work embeds them, any other overwrites them with its own); then note whether this work
+        forwards its own."""
+        k = action.microbatch
+        due = k in self._tokens_due
+        self._tokens_due.discard(k)
+        if work.forward:
+            self._tokens_due.add(k)
+        if not due:
+            if work.carried:
+                raise RequestStateError(
+                    f"rank {self.rank}: microbatch {k} iteration {i} carries tokens its previous "
+                    "iteration did not forward"
+                )
+            return
+        rows = self._rows_in[(action.segment, k)][i & 1]["token_ids"]
+        if self.info.is_leader:
+            what = f"receiving the sampled tokens of microbatch {k}"
+            at = action.slots.start
+            for link in action.fed_by:
+                lo, hi = link.slots.start - at, link.slots.stop - at
+                if link.peer == self.rank:
+                    rows[lo:hi] = self._tokens_here.pop(k)
+                else:
+                    self.transport.recv_rows(link, [rows[lo:hi]], what)
+        if self.info.tp_size > 1 and work.carried:
+            self.transport.fanout_rows([rows], self.info.leader, self.group)
 
     def _warm(self, msg: dict[str, Any]) -> None:
         """The driver's warm-up (:meth:`~.cluster.Cluster.warm_up`): its requests have been
@@ -426,7 +501,7 @@ class StageWorker:
 
     def _run(self, action: Compute, batch: TokenBatch) -> TokenBatch:
         sample_here = action.last and self.info.is_leader
-        greedy = all(self.held[rid].params.greedy for rid in batch.meta.request_ids)
+        greedy = self._all_greedy(batch.meta.request_ids)
         # the leader's static decode step always ends in the sample operator, which keeps the
         # logits: one step (compiled once, at the warm-up) for greedy and sampled requests
         static = self.module.static_decode is not None and is_decode(batch.meta)

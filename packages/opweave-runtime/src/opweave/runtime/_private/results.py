@@ -99,6 +99,11 @@ class DriverStats(_Frozen):
         "launcher (forked from a clean interpreter) or spawn."
     )
     timeline: DriverTimeline
+    works_ahead: int = Field(
+        default=0,
+        description="Works submitted before their microbatch's previous iteration returned its "
+        "tokens: carried works, whose tokens the ranks kept (static decode steps only).",
+    )
 
 
 class RunResult(_Frozen):

@@ -10,7 +10,9 @@ Order and deadlock freedom: actions are sorted by ``(segment, microbatch)``. A c
 only on the previous segment of the same microbatch, or, for segment 0, on the driver's work for
 it; both come strictly earlier in the global ``(iteration, segment, microbatch)`` order, and sends
 never block, so by induction every action completes. The same order gives each ordered pair of
-ranks one consistent message sequence, which NCCL (no tags) also needs.
+ranks one consistent message sequence, which NCCL (no tags) also needs. A forward work's tokens
+(:class:`Compute` ``feeds``) keep it: the last segment sorts last, so they are the last thing its
+leaders send in an iteration, and the first segment's leaders take them first in the next.
 
 Message pattern: a message flows between two replica groups for microbatch ``k`` exactly when
 their slot ranges overlap inside the microbatch, whatever the requests are; a message may carry
@@ -41,6 +43,10 @@ class Compute:
     ``sources``/``dests`` are the replica group's messages: only the leader receives and sends,
     but every TP rank knows how many parts the leader fans out. The first segment has no sources
     (its input is the driver's work), the last one no destinations (its tokens go to the driver).
+    ``feeds`` (the last segment's) and ``fed_by`` (the first segment's) link the two ends for a
+    forward work's sampled tokens (:class:`~.work.Work`): from each last-segment leader to the
+    first-segment leaders holding its slots, under the microbatch's tag into segment 0, which no
+    activation uses. A peer may be the rank itself (one owner runs both ends).
     """
 
     segment: int
@@ -51,6 +57,8 @@ class Compute:
     dests: tuple[Message, ...]
     first: bool
     last: bool
+    feeds: tuple[Message, ...] = ()
+    fed_by: tuple[Message, ...] = ()
 
 
 def tag(segment: int, microbatch: int, microbatches: int) -> int:
@@ -80,24 +88,20 @@ def compile_schedule(placement: Placement, rank: int) -> list[Compute]:
             part = overlap(mine, p.microbatch_slots(k))
             if not part:
                 continue
-            sources: tuple[Message, ...] = ()
-            if s > 0:
-                prev = p.segments[s - 1].owner
-                sources = tuple(
-                    Message(p.leader(prev, j), ov, tag(s, k, m))
-                    for j, ov in p.replicas_serving(prev, part)
-                )
-            dests: tuple[Message, ...] = ()
-            if s < num_seg - 1:
-                nxt = p.segments[s + 1].owner
-                dests = tuple(
-                    Message(p.leader(nxt, j), ov, tag(s + 1, k, m))
-                    for j, ov in p.replicas_serving(nxt, part)
-                )
-            action = Compute(s, k, part, ops, sources, dests, s == 0, s == num_seg - 1)
+            first, last = s == 0, s == num_seg - 1
+            sources = () if first else _links(p, p.segments[s - 1].owner, part, tag(s, k, m))
+            dests = () if last else _links(p, p.segments[s + 1].owner, part, tag(s + 1, k, m))
+            feeds = _links(p, p.segments[0].owner, part, tag(0, k, m)) if last else ()
+            fed_by = _links(p, p.segments[-1].owner, part, tag(0, k, m)) if first else ()
+            action = Compute(s, k, part, ops, sources, dests, first, last, feeds, fed_by)
             keyed.append(((s, k), action))
     keyed.sort(key=lambda item: item[0])
     return [action for _, action in keyed]
+
+
+def _links(p: Placement, owner: int, slots: range, tag: int) -> tuple[Message, ...]:
+    """A message to or from each replica leader of ``owner`` holding some of ``slots``."""
+    return tuple(Message(p.leader(owner, j), ov, tag) for j, ov in p.replicas_serving(owner, slots))
 
 
 def microbatches_of(actions: list[Compute]) -> set[int]:

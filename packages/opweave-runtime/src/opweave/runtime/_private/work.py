@@ -7,6 +7,12 @@ free, the sampling parameters of newly admitted ones, and, for the first segment
 token ids to embed. Admission and prefill are one thing: a request at context 0 is admitted by
 every rank whose replica holds its slot, and its prompt runs in the same iteration as the other
 requests' decode steps.
+
+Tokens may also stay on the ranks (offline generation over static decode steps): a *forward*
+work asks the last segment's leaders to send the tokens they sample to the first segment's
+leaders as well, who take them at the start of the microbatch's next iteration; a *carried*
+work then names no token ids at all (each request's input is the token sampled for it in the
+microbatch's previous iteration), so the driver can submit it before that iteration's result.
 """
 
 from __future__ import annotations
@@ -54,7 +60,10 @@ class Work:
 
     Requests are listed in slot order. ``sample[i]`` says whether request ``i``'s last token this
     iteration yields an output (not for a chunk of a prompt that continues next iteration).
-    ``final``: no iteration of this microbatch follows (offline generation only).
+    ``final``: no iteration of this microbatch follows (offline generation only). ``forward``:
+    the sampled tokens also go to the first segment's leaders (a decode step's only). ``carried``:
+    every request's input is the token the ranks sampled for it in the microbatch's previous
+    iteration, which was a forward work; ``token_ids`` is then ``None``.
     """
 
     iteration: int
@@ -68,6 +77,8 @@ class Work:
     free: tuple[str, ...] = ()
     params: Mapping[str, SamplingParams] = field(default_factory=dict)
     final: bool = False
+    forward: bool = False
+    carried: bool = False
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -75,6 +86,10 @@ class Work:
             raise RequestStateError("work: one slot, context and query length per request")
         if self.token_ids is not None and len(self.token_ids) != sum(self.query_lens):
             raise RequestStateError("work: token ids do not add up to the query lengths")
+        if (self.forward or self.carried) and not self.decode:
+            raise RequestStateError("work: only a decode step forwards or carries its tokens")
+        if self.carried and self.token_ids is not None:
+            raise RequestStateError("work: a carried work names no token ids")
 
     def to_message(self, *, tokens: bool, params: bool) -> dict[str, Any]:
         """The control message for one rank (token ids / sampling parameters only if it
@@ -92,6 +107,10 @@ class Work:
             msg["f"] = list(self.free)
         if self.final:
             msg["e"] = True
+        if self.forward:
+            msg["n"] = True
+        if self.carried:
+            msg["y"] = True
         if tokens and self.token_ids is not None:
             msg["x"] = list(self.token_ids)
         if params:
@@ -115,6 +134,8 @@ class Work:
             free=tuple(msg.get("f", ())),
             params={rid: SamplingParams.from_json(p) for rid, p in msg.get("p", {}).items()},
             final=bool(msg.get("e", False)),
+            forward=bool(msg.get("n", False)),
+            carried=bool(msg.get("y", False)),
         )
 
     @property
