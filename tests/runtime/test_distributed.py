@@ -278,6 +278,35 @@ def test_tokens_stay_on_the_ranks_between_static_steps(tiny_model, hf_greedy, pr
         assert r.requests_held_at_end == 0 and r.state_bytes_at_end == 0
 
 
+@pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs Linux's schedstat and two cores",
+)
+def test_a_rank_reports_the_time_another_process_held_its_core(tiny_model, prompts):
+    """A colocated rank pins itself to the last core; a busy loop pinned there too takes about
+    half of it, which the rank reports as time it waited for a CPU (runqueue_s), inside its
+    loop; without the busy loop that time is small."""
+    import subprocess
+    import sys
+
+    model_dir = tiny_model("llama")
+    plan = _plan(model_dir, "colocated", mb=1)
+    core = max(os.sched_getaffinity(0))
+    hog = subprocess.Popen(
+        [sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"]
+    )
+    try:
+        time.sleep(0.5)
+        busy = _run(model_dir, plan, prompts)["ranks"][0]
+    finally:
+        hog.kill()
+        hog.wait()
+    alone = _run(model_dir, plan, prompts)["ranks"][0]
+    assert 0.2 * busy["loop_s"] < busy["runqueue_s"] < busy["loop_s"]
+    assert len(busy["timeline"]["runq_s"]) == busy["iterations"]
+    assert alone["runqueue_s"] < 0.5 * busy["runqueue_s"]
+
+
 def test_two_replicas_and_a_tensor_parallel_owner(tiny_model, hf_greedy, prompts):
     """Owner 0 as two replicas (each holding half the slots), owner 1 sharded over TP 2."""
     model_dir = tiny_model("qwen3_moe")

@@ -15,8 +15,11 @@ Per rank the decode loop's wall time is split into time inside operators (comput
 blocked in transfers and TP collectives (communication wait, which includes waiting for the
 upstream stage) and the remainder: the runtime's own orchestration (batch merge/split,
 admission, packing headers, Python dispatch between actions). Target: orchestration at most 5%
-of the loop. Each case runs ``--repeats`` times, interleaved, and the median is printed; compiled
-cases first run once unmeasured (inductor compiles every segment then, and caches it; each run
+of the loop. Beside them, "descheduled" is the share of the loop the rank was ready to run but
+waited for a CPU (Linux's schedstat): on a machine with fewer cores than ranks plus the driver
+it is the other processes' time, and it inflates whichever of the three shares it falls in.
+Each case runs ``--repeats`` times, interleaved, and the median is printed; compiled cases
+first run once unmeasured (inductor compiles every segment then, and caches it; each run
 builds its programs in the warm-up, before the first request). TPOT is taken from each request's
 third token on, and so are the loop's shares (from each rank's third iteration on). Prints
 figures; asserts nothing but equal tokens.
@@ -108,14 +111,15 @@ def steady_tpot(result: dict[str, Any]) -> float:
 
 def steady_split(rank: dict[str, Any]) -> dict[str, float]:
     """A rank's loop from its third iteration on (the same window as :func:`steady_tpot`): its
-    wall time, compute / communication-wait / orchestration shares, and orchestration seconds
-    per iteration."""
+    wall time, compute / communication-wait / orchestration shares, the share it waited for a
+    CPU, and orchestration seconds per iteration."""
     line = rank["timeline"]
     first = min(2, len(line["end_s"]) - 1)
     loop = line["end_s"][-1] - line["end_s"][first]
     busy = line["busy_s"][-1] - line["busy_s"][first]
     comm = line["comm_s"][-1] - line["comm_s"][first]
     rest = max(loop - busy - comm, 0.0)
+    runq = line["runq_s"][-1] - line["runq_s"][first] if line["runq_s"] else 0.0
     iterations = max(len(line["end_s"]) - 1 - first, 1)
     loop = max(loop, 1e-12)
     return {
@@ -123,6 +127,7 @@ def steady_split(rank: dict[str, Any]) -> dict[str, float]:
         "compute": busy / loop,
         "comm": comm / loop,
         "orchestration": rest / loop,
+        "descheduled": runq / loop,
         "host_s_per_iteration": rest / iterations,
     }
 
@@ -203,19 +208,19 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
         print()
     print(
         f"\n{'case':<22} {'rank':>4} {'stages':<28} {'loop ms':>8} {'compute':>8} "
-        f"{'comm wait':>9} {'orchestration':>13}"
+        f"{'comm wait':>9} {'orchestration':>13} {'descheduled':>11}"
     )
     for label, result, _ in rows:
         for r in result["ranks"]:
             split = steady_split(r)
-            loop, busy, comm, rest = (
-                split[k] for k in ("loop_s", "compute", "comm", "orchestration")
+            loop, busy, comm, rest, runq = (
+                split[k] for k in ("loop_s", "compute", "comm", "orchestration", "descheduled")
             )
             stages = ", ".join(r["stages"])
             stages = stages if len(stages) <= 28 else stages[:25] + "..."
             print(
                 f"{label:<22} {r['rank']:>4} {stages:<28} {loop * 1e3:8.1f} "
-                f"{100 * busy:7.1f}% {100 * comm:8.1f}% {100 * rest:12.1f}%"
+                f"{100 * busy:7.1f}% {100 * comm:8.1f}% {100 * rest:12.1f}% {100 * runq:10.1f}%"
             )
     for kind, share in worst.items():
         verdict = "meets" if share <= 0.05 else "MISSES"

@@ -34,6 +34,9 @@ class RankTimeline(_Frozen):
     end_s: tuple[float, ...] = Field(description="Time since the rank's first work.")
     busy_s: tuple[float, ...] = Field(description="Time in operators.")
     comm_s: tuple[float, ...] = Field(description="Time blocked in transfers or on the driver.")
+    runq_s: tuple[float, ...] = Field(
+        default=(), description="Time ready to run but waiting for a CPU (Linux; else 0)."
+    )
 
 
 class RankStats(_Frozen):
@@ -55,6 +58,12 @@ class RankStats(_Frozen):
     comm_s: float = Field(description="Blocked in transfers, TP collectives or on the driver.")
     loop_s: float = Field(description="From its first work to its last iteration's end.")
     overhead_s: float = Field(description="The rest of the loop: host work between actions.")
+    runqueue_s: float = Field(
+        default=0.0,
+        description="Of the loop, the time the rank was ready to run but waited for a CPU that "
+        "another process held (Linux; else 0): counted in busy_s, comm_s or overhead_s, "
+        "whichever it fell in, and not the rank's own work.",
+    )
     wait: str = Field(description='"spin" or "block": how it waited for its peers.')
     iterations: int
     computes_per_iteration: int = Field(description="(segment, microbatch) actions each.")
