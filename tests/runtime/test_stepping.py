@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections import deque
 
 import pytest
 
@@ -45,8 +46,7 @@ def _greedy(driver: StepDriver, prompts, *, chunk: int | None = None) -> list[li
             count = known - done[rid] if chunk is None else min(chunk, known - done[rid])
             items.append(StepItem(rid, done[rid], count))
             done[rid] += count
-        for rid, token in driver.step(items).items():
-            driver.append_token(rid, token)
+        for rid, token in driver.step(items).items():  # also appended to the requests
             out[rid].append(token)
         for rid in rids:
             if len(out[rid]) >= MAX_NEW_TOKENS and rid in driver.requests:
@@ -98,10 +98,10 @@ def test_slots_restart_and_sampling(tiny_model):
             driver.add("c", [1])
         first = driver.step([StepItem("a", 0, 3), StepItem("b", 0, 2)])
         assert set(first) == {"a", "b"}
-        driver.append_token("a", first["a"])
+        assert driver.requests["a"].token_ids == [5, 6, 7, first["a"]]  # the step appended it
         # preempted, then recomputed from scratch: the same next token as without it
         follow = driver.step([StepItem("a", 3, 1)])["a"]
-        driver.restart("a")
+        driver.restart("a", [5, 6, 7, first["a"]])  # as vLLM resumes it: every token known
         again = driver.step([StepItem("a", 0, 4)])["a"]
         assert again == follow
         driver.drop("b")
@@ -126,12 +126,12 @@ def test_a_rank_killed_between_steps_fails_the_next_one(tiny_model):
     try:
         driver = StepDriver(cluster)
         driver.add("a", [5, 6, 7])
-        driver.append_token("a", driver.step([StepItem("a", 0, 3)])["a"])
+        driver.step([StepItem("a", 0, 3)])
         os.kill(pids[3], signal.SIGKILL)  # owner 1's TP follower
         start = time.monotonic()
         with pytest.raises(RunFailedError) as info:
             while True:  # the loss is seen at once, between steps or in the next one
-                driver.append_token("a", driver.step([StepItem("a", 3, 1)])["a"])
+                driver.step([StepItem("a", 3, 1)])
                 time.sleep(0.05)
         assert time.monotonic() - start < 10
         message = str(info.value)
@@ -215,3 +215,64 @@ def test_carried_works_embed_the_tokens_the_ranks_sampled(tiny_model, hf_greedy)
     assert named["s1"] != hf_greedy(model_dir, prompts[1:], steps + 1)[0]
     ffn = next(r for r in stats if r["owner"] == 1)
     assert ffn["stages"][-1].endswith("sample")  # the owner that forwarded the tokens
+
+
+def test_a_scheduler_running_ahead_over_static_steps(tiny_model, hf_greedy, prompts):
+    """vLLM's asynchronous scheduling, played by the test: step N+1 is submitted before step N's
+    tokens are collected, so its decode items name tokens still in flight. Over static decode
+    steps the ranks keep those tokens (carried works); a request that stops while its next step
+    is in flight has that step's token dropped, and a request joining then needs its prompt run
+    beside the others, so that step first waits for the tokens in flight. Tokens are
+    transformers'; every request is freed on every rank."""
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir)
+    plan = canonical_plan(model, "afd", gpu="cpu", batch=4, microbatches=2)
+    late = (9, 8, 7, 6)
+    reference = hf_greedy(model_dir, [*prompts, late], MAX_NEW_TOKENS)
+    stop_after = {"r1": 5}  # r1 stops early, as on a stop token: one more step is in flight
+    cluster = Cluster(plan, model, model_dir, timeout_s=20, decode_step="static")
+    try:
+        driver = StepDriver(cluster)
+        rids = [f"r{i}" for i in range(len(prompts))]
+        for rid, p in zip(rids, prompts, strict=True):
+            driver.add(rid, p)
+        scheduled = dict.fromkeys(rids, 0)  # vLLM's num_computed_tokens
+        sampled = dict.fromkeys(rids, 0)  # tokens asked for, in flight included
+        out: dict[str, list[int]] = {rid: [] for rid in rids}
+        queue: deque = deque()
+        dropped: list[str] = []
+        while scheduled or queue:
+            items = []
+            for rid in list(scheduled):
+                if sampled[rid] >= MAX_NEW_TOKENS:  # a budget is known ahead; a stop is not
+                    continue
+                count = len(driver.requests[rid].token_ids) if not scheduled[rid] else 1
+                items.append(StepItem(rid, scheduled[rid], count))
+                scheduled[rid] += count
+                sampled[rid] += 1
+            if items:
+                queue.append(driver.submit(items))
+            if len(queue) == 2 or not items:  # the batch queue is full: take the oldest
+                for rid, token in driver.collect(queue.popleft()).items():
+                    if rid in scheduled:
+                        out[rid].append(token)
+                    else:  # a step it ran after it stopped
+                        dropped.append(rid)
+                stopped = [r for r in scheduled if len(out[r]) >= stop_after.get(r, MAX_NEW_TOKENS)]
+                for rid in stopped:
+                    del scheduled[rid]
+                    driver.drop(rid)
+                    if rid == "r1":  # its slot goes to a new request
+                        driver.add("r4", late)
+                        scheduled["r4"] = sampled["r4"] = 0
+                        out["r4"] = []
+        driver.flush()
+        carried = driver.carried_works
+        stats = [r.model_dump(mode="json") for r in cluster.shutdown()]
+    finally:
+        cluster.close()
+    expected = {f"r{i}": tokens for i, tokens in enumerate(reference)}
+    expected["r1"] = expected["r1"][:5]
+    assert out == expected
+    assert dropped == ["r1"] and carried > 0
+    assert all(r["requests_held_at_end"] == 0 and r["state_bytes_at_end"] == 0 for r in stats)

@@ -22,8 +22,10 @@ COMMON = {
 }
 
 
-def _generate(model_dir, sampled=(), **kwargs) -> list[list[int]]:
-    """Greedy tokens, except for the prompts in ``sampled`` (temperature 1, a seed each)."""
+def _generate(model_dir, sampled=(), probe=None, **kwargs) -> list[list[int]]:
+    """Greedy tokens, except for the prompts in ``sampled`` (temperature 1, a seed each).
+    ``probe``: a dict to fill with whether the engine scheduled asynchronously and, from the
+    OpWeave executor's driver, how many works the ranks ran on tokens they kept."""
     import vllm
 
     llm = vllm.LLM(model=str(model_dir), **COMMON, **kwargs)
@@ -38,6 +40,10 @@ def _generate(model_dir, sampled=(), **kwargs) -> list[list[int]]:
     ]
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     tokens = [list(o.outputs[0].token_ids) for o in outs]
+    if probe is not None:
+        core = llm.llm_engine.engine_core.engine_core  # in-process (tests/vllm/conftest.py)
+        probe["async"] = bool(core.async_scheduling)
+        probe["carried"] = core.model_executor.driver.carried_works
     llm.llm_engine.engine_core.shutdown()
     del llm
     gc.collect()
@@ -63,6 +69,23 @@ def plain_vllm(model_dir) -> list[list[int]]:
     return _generate(model_dir)
 
 
+@pytest.fixture
+def gpu_like_scheduling(monkeypatch):
+    """vLLM schedules asynchronously by default where its executor supports it (ours does), but
+    its CPU platform turns that off; keep the engine's choice, so the executor runs under the
+    engine's batch queue as it does on a GPU (step N+1 scheduled before step N's tokens)."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.check_and_update_config.__func__
+
+    def keep_async_scheduling(cls, vllm_config) -> None:
+        chosen = vllm_config.scheduler_config.async_scheduling
+        original(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = chosen
+
+    monkeypatch.setattr(CpuPlatform, "check_and_update_config", classmethod(keep_async_scheduling))
+
+
 @pytest.mark.parametrize(
     ("strategy", "tp", "decode_step", "extra"),
     [
@@ -75,7 +98,7 @@ def plain_vllm(model_dir) -> list[list[int]]:
     ],
 )
 def test_greedy_tokens_equal_plain_vllm(
-    model_dir, plain_vllm, strategy, tp, decode_step, extra
+    model_dir, plain_vllm, strategy, tp, decode_step, extra, gpu_like_scheduling
 ) -> None:
     from opweave.costmodel import canonical_plan, load_model
     from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, OpWeaveExecutor
@@ -83,14 +106,19 @@ def test_greedy_tokens_equal_plain_vllm(
     plan = canonical_plan(
         load_model(model_dir), strategy, gpu="cpu", batch=4, microbatches=2, tp=tp
     )
+    probe: dict = {}
     tokens = _generate(
         model_dir,
+        probe=probe,
         distributed_executor_backend=OpWeaveExecutor,
         additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: decode_step},
         **extra,
     )
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
     assert tokens == plain_vllm
+    # vLLM schedules ahead; over static steps the ranks then keep the decode steps' tokens
+    assert probe["async"]
+    assert (probe["carried"] > 0) == (decode_step != "per-request")
 
 
 def test_executor_by_dotted_name_with_plan_file(model_dir, plain_vllm, tmp_path) -> None:
@@ -109,7 +137,9 @@ def test_executor_by_dotted_name_with_plan_file(model_dir, plain_vllm, tmp_path)
     assert tokens == plain_vllm
 
 
-def test_a_traced_decode_step_serves_greedy_and_sampled_requests(model_dir, plain_vllm) -> None:
+def test_a_traced_decode_step_serves_greedy_and_sampled_requests(
+    model_dir, plain_vllm, gpu_like_scheduling
+) -> None:
     """With ``opweave_decode_step`` the ranks compile their decode steps before vLLM's engine
     is up (the warm-up); a step then serves greedy and sampled requests side by side: the
     greedy ones keep plain vLLM's tokens, the sampled ones get their tokens from the step's
@@ -118,11 +148,23 @@ def test_a_traced_decode_step_serves_greedy_and_sampled_requests(model_dir, plai
     from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, OpWeaveExecutor
 
     plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=4, microbatches=2)
-    tokens = _generate(
-        model_dir,
-        sampled=(1, 3),
-        distributed_executor_backend=OpWeaveExecutor,
-        additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: "traced"},
-    )
+    runs = []
+    for scheduling in (True, False):
+        probe: dict = {}
+        runs.append(
+            _generate(
+                model_dir,
+                sampled=(1, 3),
+                probe=probe,
+                async_scheduling=scheduling,
+                distributed_executor_backend=OpWeaveExecutor,
+                additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: "traced"},
+            )
+        )
+        assert (probe["async"], probe["carried"] > 0) == (scheduling, scheduling)
+    tokens = runs[0]
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
     assert (tokens[0], tokens[2]) == (plain_vllm[0], plain_vllm[2])
+    # the sampled requests' tokens kept on the ranks were the sampler's: scheduling ahead
+    # (tokens carried) and step by step (every token named) sample the same tokens
+    assert tokens == runs[1]

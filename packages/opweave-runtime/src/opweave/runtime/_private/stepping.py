@@ -6,15 +6,28 @@ requests keep a slot of the global batch for their lifetime (so the replicas tha
 state never change), a step's requests are split by their slots' microbatches, every microbatch
 gets its :class:`~.work.Work` (admissions, frees and prefill chunks included), the microbatches
 pipeline through the stages, and the step returns the tokens sampled for the requests that
-reached the end of what they know. Nothing here imports vLLM.
+reached the end of what they know (and appends them to those requests). Nothing here imports
+vLLM.
+
+A scheduler that runs ahead (vLLM's asynchronous scheduling) submits a step (:meth:`submit`)
+before the previous one's tokens are in, asking to run tokens the driver does not know yet:
+each such request's last token is still being sampled. Over static decode steps the ranks keep
+those tokens: every decode step's work forwards its sampled tokens to the first segment's
+leaders, and a microbatch whose requests all run exactly their in-flight token, sampled in the
+microbatch's previous work, gets a carried work (see :class:`~.work.Work`). Any other step that
+needs unknown tokens first waits for the steps in flight (:meth:`collect`), as a synchronous
+scheduler would.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import RequestStateError
+from .batch import one_new_token_each
 from .cluster import Cluster
 from .work import GREEDY, SamplingParams, Work
 
@@ -26,6 +39,20 @@ class _Request:
     params: SamplingParams
     computed: int = 0  # tokens the ranks hold state for
     admitted: bool = False  # the ranks have seen it (its first work carries its parameters)
+    sampled_at: int = -1  # the last iteration whose work samples its next token
+    epoch: int = 0  # renewed by a restart: tokens of steps submitted before it are stale
+
+
+@dataclass
+class Step:
+    """A submitted step: its iteration, the requests it samples a token for (with their epoch
+    at submission), and, once every result is in, the tokens."""
+
+    iteration: int
+    sampling: dict[str, int]
+    parts: int
+    got: list[tuple[list[str], list[int]]] = field(default_factory=list)
+    tokens: dict[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -49,6 +76,11 @@ class StepDriver:
         self.iteration = max(self.iteration, self.cluster.first_iteration)  # after a warm-up
         self._owner_of: list[str | None] = [None] * self.cluster.global_batch
         self._free: dict[int, list[str]] = {k: [] for k in range(self.cluster.microbatches)}
+        self._in_flight: deque[Step] = deque()
+        self._forwarding: set[int] = set()  # microbatches whose last work forwards its tokens
+        self.carry = self.cluster.static_decode  # tokens may stay on the ranks
+        self.carried_works = 0
+        self._epochs = itertools.count(1)
 
     @property
     def capacity(self) -> int:
@@ -78,7 +110,9 @@ class StepDriver:
                 "more requests than the plan's global batch"
             )
         self._owner_of[best] = request_id
-        self.requests[request_id] = _Request(best, list(prompt_token_ids), params)
+        self.requests[request_id] = _Request(
+            best, list(prompt_token_ids), params, epoch=next(self._epochs)
+        )
 
     def drop(self, request_id: str) -> None:
         """Forget a finished or aborted request; its state is freed with the next step."""
@@ -90,20 +124,21 @@ class StepDriver:
             self._free[self._microbatch(req.slot)].append(request_id)
 
     def restart(self, request_id: str, token_ids: Sequence[int] | None = None) -> None:
-        """A preempted request: its state is recomputed from scratch when it next runs."""
+        """A preempted request: its state is recomputed from scratch when it next runs; a token
+        still in flight for it is dropped when it comes."""
         req = self.requests[request_id]
         req.computed = 0
+        req.epoch = next(self._epochs)
+        req.sampled_at = -1
         if token_ids is not None:
             req.token_ids = list(token_ids)
 
     def flush(self) -> None:
         """Free the state of requests dropped since the last step now (an iteration of empty
-        microbatches carries the frees), rather than with the next step."""
-        if any(self._free.values()):
+        microbatches carries the frees, and takes tokens a last work forwarded), rather than
+        with the next step."""
+        if any(self._free.values()) or self._forwarding:
             self.step([])
-
-    def append_token(self, request_id: str, token: int) -> None:
-        self.requests[request_id].token_ids.append(int(token))
 
     def _microbatch(self, slot: int) -> int:
         placement = self.cluster.placement
@@ -113,26 +148,45 @@ class StepDriver:
 
     def step(self, items: Sequence[StepItem]) -> dict[str, int]:
         """One iteration over every microbatch; the sampled token of each request whose run
-        reached the last token it knows (a prompt chunk that continues yields none)."""
+        reached the last token it knows (a prompt chunk that continues yields none), also
+        appended to it."""
+        return self.collect(self.submit(items))
+
+    def submit(self, items: Sequence[StepItem]) -> Step:
+        """Submit one iteration over every microbatch without waiting for its tokens (collect
+        them with :meth:`collect`). An item may end one token past what its request knows when
+        that token is in flight (see the module's notes)."""
         m = self.cluster.microbatches
+        i = self.iteration
         per_k: dict[int, list[tuple[int, StepItem]]] = {k: [] for k in range(m)}
+        ahead: set[int] = set()  # microbatches with an item that runs an in-flight token
         for item in items:
             req = self.requests.get(item.request_id)
             if req is None:
                 raise RequestStateError(f"request {item.request_id!r} was never added")
             end = item.start + item.count
+            k = self._microbatch(req.slot)
             if end > len(req.token_ids):
-                raise RequestStateError(
-                    f"request {item.request_id!r}: asked to run up to token {end}, "
-                    f"only {len(req.token_ids)} are known"
-                )
+                if end > len(req.token_ids) + 1 or req.sampled_at < 0:
+                    raise RequestStateError(
+                        f"request {item.request_id!r}: asked to run up to token {end}, "
+                        f"only {len(req.token_ids)} are known"
+                    )
+                ahead.add(k)
+            per_k[k].append((req.slot, item))
+        if any(not self._can_carry(k, per_k[k], i) for k in ahead):
+            self._wait_in_flight()  # their tokens become known
+        for item in items:
+            req = self.requests[item.request_id]
             if item.start < req.computed:  # behind what the ranks hold: recompute
                 req.computed = 0
-            per_k[self._microbatch(req.slot)].append((req.slot, item))
-        i = self.iteration
-        sampling: set[str] = set()
+        sampling: dict[str, int] = {}
         for k in range(m):
             chosen = sorted(per_k[k], key=lambda pair: pair[0])
+            carried = bool(chosen) and all(
+                item.start + item.count > len(self.requests[item.request_id].token_ids)
+                for _, item in chosen
+            )
             rids, slots, ctx, qlen, sample, tokens = [], [], [], [], [], []
             params: dict[str, SamplingParams] = {}
             for slot, item in chosen:
@@ -144,14 +198,16 @@ class StepDriver:
                 ctx.append(lo)
                 qlen.append(end - lo)
                 tokens += req.token_ids[lo:end]
-                last = end == len(req.token_ids)
+                last = end >= len(req.token_ids)
                 sample.append(last)
                 if last:
-                    sampling.add(item.request_id)
+                    sampling[item.request_id] = req.epoch
+                    req.sampled_at = i
                 if lo == 0:
                     params[item.request_id] = req.params
                 req.computed = end
                 req.admitted = True
+            forward = self.carry and one_new_token_each(qlen, ctx)
             work = Work(
                 iteration=i,
                 microbatch=k,
@@ -160,18 +216,62 @@ class StepDriver:
                 context_lens=tuple(ctx),
                 query_lens=tuple(qlen),
                 sample=tuple(sample),
-                token_ids=tuple(tokens),
+                token_ids=None if carried else tuple(tokens),
                 free=tuple(self._free[k]),
                 params=params,
+                forward=forward,
+                carried=carried,
             )
             self._free[k] = []
+            self._forwarding.discard(k)
+            if forward:
+                self._forwarding.add(k)
+            self.carried_works += carried
             self.cluster.submit(work)
         self.iteration += 1
-        parts = sum(self.cluster.result_parts(k) for k in range(m))
-        out: dict[str, int] = {}
-        for _ in range(parts):
+        step = Step(i, sampling, sum(self.cluster.result_parts(k) for k in range(m)))
+        self._in_flight.append(step)
+        return step
+
+    def _can_carry(self, k: int, chosen: list[tuple[int, StepItem]], i: int) -> bool:
+        """Whether microbatch ``k``'s items can run as a carried work: each runs exactly its
+        in-flight token, sampled by the microbatch's previous work, which forwarded it."""
+        if not self.carry or k not in self._forwarding:
+            return False
+        for _, item in chosen:
+            req = self.requests[item.request_id]
+            if not (
+                item.count == 1
+                and item.start == req.computed == len(req.token_ids)
+                and req.sampled_at == i - 1
+            ):
+                return False
+        return True
+
+    def _wait_in_flight(self) -> None:
+        while self._in_flight:
+            self.collect(self._in_flight[0])
+
+    def collect(self, step: Step) -> dict[str, int]:
+        """Wait for ``step``'s tokens (and those of the steps before it); each goes onto its
+        request unless the request left or restarted since. Returns the step's tokens by
+        request."""
+        while step.tokens is None:
             msg = self.cluster.result()
-            for rid, token in zip(msg["r"], msg["x"], strict=True):
-                if rid in sampling:
-                    out[rid] = int(token)
-        return out
+            done = next((s for s in self._in_flight if s.iteration == int(msg["i"])), None)
+            if done is None:
+                raise RequestStateError(f"a result came for iteration {msg['i']}, not in flight")
+            done.got.append((msg["r"], msg["x"]))
+            if len(done.got) < done.parts:
+                continue
+            done.tokens = {}
+            for rids, tokens in done.got:
+                for rid, token in zip(rids, tokens, strict=True):
+                    if rid not in done.sampling:
+                        continue
+                    done.tokens[rid] = int(token)
+                    req = self.requests.get(rid)
+                    if req is not None and req.epoch == done.sampling[rid]:
+                        req.token_ids.append(int(token))
+            self._in_flight.remove(done)
+        return step.tokens

@@ -15,6 +15,8 @@ import logging
 import math
 import os
 import threading
+from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,33 @@ def load_plan(plan: Any) -> Any:  # -> opweave.costmodel.Plan | None
     return Plan.model_validate_json(path.read_text(), strict=True)
 
 
+class _Deferred(Future):
+    """A future computed by the first thread that asks for its result: the engine core's,
+    when it wants a step's tokens (no thread of ours waits for the ranks)."""
+
+    def __init__(self, compute: Callable[[], Any]) -> None:
+        super().__init__()
+        self._compute: Callable[[], Any] | None = compute
+
+    def result(self, timeout: float | None = None) -> Any:
+        compute, self._compute = self._compute, None
+        if compute is not None:
+            try:
+                self.set_result(compute())
+            except Exception as exc:
+                self.set_exception(exc)
+        return super().result(timeout)
+
+
+def _done(future: Future, value: Any) -> Future:
+    future.set_result(value)
+    return future
+
+
+def _unwrap(value: Any) -> Any:
+    return value.result() if isinstance(value, Future) else value
+
+
 def _build() -> type:
     from vllm.v1.executor.abstract import Executor
     from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -66,7 +95,7 @@ def _build() -> type:
     from .._private.decode import DECODE_STEPS
     from .._private.driver import resolve_device_name
     from .._private.graph import check_runtime_support
-    from .._private.stepping import StepDriver, StepItem
+    from .._private.stepping import Step, StepDriver, StepItem
     from .._private.work import SamplingParams
     from ..errors import OpWeaveRuntimeError
 
@@ -83,6 +112,13 @@ def _build() -> type:
         capped at the plan's global batch (``max_num_seqs``) and the KV capacity reported to it
         covers that many requests of ``max_model_len`` tokens, so vLLM never admits more
         requests than the plan's attention owners hold.
+
+        It supports vLLM's asynchronous scheduling (vLLM's default where the executor does): a
+        step is submitted to the ranks at once and its tokens collected when the engine asks for
+        them, so the engine schedules the next step meanwhile. Over static decode steps
+        (``opweave_decode_step``) a decode step's tokens then stay on the ranks and the next
+        step runs them without waiting for the engine (:class:`StepDriver`); otherwise a step
+        that needs tokens still in flight waits for them first.
 
         A rank that dies or hangs fails the step with an error naming it, makes
         :meth:`check_health` raise and tells vLLM's engine through its failure callback;
@@ -142,8 +178,14 @@ def _build() -> type:
             if self.scheduler_config.max_num_seqs > gb:
                 self.scheduler_config.max_num_seqs = gb
             self.driver = StepDriver(self.cluster)
+            # tokens stay on the ranks only when the engine schedules ahead (not on CPU, whose
+            # platform turns asynchronous scheduling off): otherwise every token is named
+            self.driver.carry = self.cluster.static_decode and bool(
+                self.scheduler_config.async_scheduling
+            )
             self.plan = plan
-            self._pending: tuple[list[str], dict[str, int]] | None = None
+            # submitted steps whose tokens the engine has not asked for yet, oldest first
+            self._steps: deque[tuple[list[str], Step]] = deque()
             self._warned: set[str] = set()
             _log.info(
                 "OpWeave executor: %s plan, %d rank(s), global batch %d, %d microbatch(es)",
@@ -209,13 +251,14 @@ def _build() -> type:
         def _call(self, fn: Any, arg: Any, *, non_block: bool) -> Any:
             self.cluster.check()
             if not non_block:
-                return fn(arg)
+                return _unwrap(fn(arg))
             future: Future[Any] = Future()
             try:
-                future.set_result(fn(arg))
+                out = fn(arg)
             except Exception as exc:  # surfaced by future.result() in the engine core
                 future.set_exception(exc)
-            return future
+                return future
+            return out if isinstance(out, Future) else _done(future, out)
 
         def _execute(self, so: Any) -> None:
             drv = self.driver
@@ -239,27 +282,30 @@ def _build() -> type:
                     drv.restart(rid, all_ids.get(rid))
             order = list(so.num_scheduled_tokens)
             items = [StepItem(rid, starts[rid], so.num_scheduled_tokens[rid]) for rid in order]
-            sampled: dict[str, int] = {}
-            if items:
-                sampled = drv.step(items)
-            else:  # nothing to run: an idle engine still frees what finished
+            if not items:  # nothing to run: an idle engine still frees what finished
                 drv.flush()
-            self._pending = (order, sampled)
+                return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            # submitted now; its tokens are collected when the engine asks for them, so under
+            # vLLM's asynchronous scheduling the next step is scheduled meanwhile
+            self._steps.append((order, drv.submit(items)))
+            return None
 
         def _sample(self, grammar_output: Any) -> Any:
             if grammar_output is not None:
                 raise ValueError("the OpWeave executor does not support structured output")
-            if self._pending is None:
+            if not self._steps:
                 return ModelRunnerOutput(req_ids=[], req_id_to_index={})
-            order, sampled = self._pending
-            self._pending = None
-            for rid, token in sampled.items():
-                self.driver.append_token(rid, token)
-            return ModelRunnerOutput(
-                req_ids=order,
-                req_id_to_index={rid: i for i, rid in enumerate(order)},
-                sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in order],
-            )
+            order, step = self._steps.popleft()
+
+            def output() -> Any:
+                sampled = self.driver.collect(step)
+                return ModelRunnerOutput(
+                    req_ids=order,
+                    req_id_to_index={rid: i for i, rid in enumerate(order)},
+                    sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in order],
+                )
+
+            return _Deferred(output)
 
         def _params(self, p: Any) -> SamplingParams:
             if p is None:
@@ -335,12 +381,15 @@ def _build() -> type:
                 return
             with contextlib.suppress(OpWeaveRuntimeError):
                 if cluster.failed is None:
+                    driver = getattr(self, "driver", None)
+                    if driver is not None:
+                        driver.flush()  # frees, and tokens a last step forwarded, taken
                     cluster.shutdown()
             cluster.close()
 
         @classmethod
         def supports_async_scheduling(cls) -> bool:
-            return False
+            return True
 
     OpWeaveExecutor.__module__ = "opweave.runtime.vllm"
     OpWeaveExecutor.__qualname__ = "OpWeaveExecutor"
