@@ -233,6 +233,7 @@ def test_a_scheduler_running_ahead_over_static_steps(tiny_model, hf_greedy, prom
     cluster = Cluster(plan, model, model_dir, timeout_s=20, decode_step="static")
     try:
         driver = StepDriver(cluster)
+        driver.carry = True  # as the vLLM executor sets it when its engine schedules ahead
         rids = [f"r{i}" for i in range(len(prompts))]
         for rid, p in zip(rids, prompts, strict=True):
             driver.add(rid, p)
@@ -276,3 +277,30 @@ def test_a_scheduler_running_ahead_over_static_steps(tiny_model, hf_greedy, prom
     assert out == expected
     assert dropped == ["r1"] and carried > 0
     assert all(r["requests_held_at_end"] == 0 and r["state_bytes_at_end"] == 0 for r in stats)
+
+
+def test_a_request_added_again_under_its_id_keeps_its_new_state(tiny_model, hf_greedy):
+    """A request dropped and added again under the same id before the next step lands in
+    another microbatch; its old microbatch's free must not reach the ranks after its new
+    admission (both microbatches run on every rank here), or its next step finds no state."""
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir)
+    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2)
+    cluster = Cluster(plan, model, model_dir, timeout_s=20)
+    try:
+        driver = StepDriver(cluster)
+        driver.add("x", [1, 2, 3])
+        driver.add("a", [5, 6, 7])
+        assert (driver.requests["x"].slot, driver.requests["a"].slot) == (0, 1)
+        driver.step([StepItem("x", 0, 3), StepItem("a", 0, 3)])
+        driver.drop("x")
+        driver.drop("a")
+        driver.add("a", [5, 6, 7])
+        assert driver.requests["a"].slot == 0  # the other microbatch
+        tokens = [driver.step([StepItem("a", 0, 3)])["a"]]
+        tokens.append(driver.step([StepItem("a", 3, 1)])["a"])
+        stats = [r.model_dump(mode="json") for r in cluster.shutdown()]
+    finally:
+        cluster.close()
+    assert tokens == hf_greedy(model_dir, [(5, 6, 7)], 2)[0]
+    assert [r["requests_held_at_end"] for r in stats] == [1, 1]

@@ -6,7 +6,8 @@ thread each), side by side in one run:
 
 - Python-driven (``--decode-step per-request``, every operator launched from Python) vs native
   submission (``--decode-step compiled``: each segment's static decode step compiled by inductor
-  into one C++ program, one launch per segment and token);
+  into one C++ program, one launch per segment and token; the sampled tokens stay on the ranks
+  and the driver submits each decode iteration before the previous one's tokens are back);
 - for AFD and CAD (Python-driven), the runtime's CPU point-to-point transport (sockets read and
   written by the ranks' own threads, the default) vs gloo's ``isend``/``irecv``
   (``OPWEAVE_P2P=torch``).

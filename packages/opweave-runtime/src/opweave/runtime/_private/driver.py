@@ -13,11 +13,11 @@ and then never again; the run ends when every microbatch went final.
 Over static decode steps the driver runs one iteration ahead of the ranks: a decode step's work
 asks them to forward the tokens they sample (``Work.forward``), and the microbatch's next work,
 if it only continues the same requests, is submitted at once, *carried*: without token ids, the
-ranks embed the tokens they forwarded to themselves. The ranks then never wait for the driver
-between decode steps. A request that samples a stop token has one more step in flight; its
-token from that step is dropped, and it is freed in the next work. A slot that frees up while
-requests wait stops the running ahead until the microbatch's last result is in, so the new
-request is admitted with its prompt.
+first segment's ranks embed the tokens the last segment's leaders forwarded to them. The ranks
+then never wait for the driver between decode steps. A request that samples a stop token has
+one more step in flight; its token from that step is dropped, and it is freed in the next work.
+A slot that frees up while requests wait stops the running ahead until the microbatch's last
+result is in, so the new request is admitted with its prompt.
 """
 
 from __future__ import annotations

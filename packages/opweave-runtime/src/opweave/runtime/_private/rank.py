@@ -367,12 +367,13 @@ class StageWorker:
         inputs = self._rows_in[key][i & 1]
         idx = work.requests_in(action.slots)
         place = [work.slots[j] - at for j in idx]
-        if action.first and not work.carried:  # a carried work's tokens are in place
-            assert work.token_ids is not None  # a decode step's work: a token per request
-            ids = inputs["token_ids"]
-            ids[torch.tensor(place, dtype=torch.int64, device=ids.device)] = torch.tensor(
-                [work.token_ids[j] for j in idx], dtype=torch.int64, device=ids.device
-            )
+        if action.first:
+            if not work.carried:  # a carried work's tokens are in place (_take_tokens)
+                assert work.token_ids is not None  # a decode step's work: a token per request
+                ids = inputs["token_ids"]
+                ids[torch.tensor(place, dtype=torch.int64, device=ids.device)] = torch.tensor(
+                    [work.token_ids[j] for j in idx], dtype=torch.int64, device=ids.device
+                )
         else:
             if leader:
                 what = f"receiving segment {action.segment} microbatch {action.microbatch}"

@@ -78,7 +78,9 @@ class StepDriver:
         self._free: dict[int, list[str]] = {k: [] for k in range(self.cluster.microbatches)}
         self._in_flight: deque[Step] = deque()
         self._forwarding: set[int] = set()  # microbatches whose last work forwards its tokens
-        self.carry = self.cluster.static_decode  # tokens may stay on the ranks
+        # whether tokens may stay on the ranks: over static decode steps, for a scheduler that
+        # runs ahead (the vLLM executor sets it); otherwise each forward would be wasted
+        self.carry = False
         self.carried_works = 0
         self._epochs = itertools.count(1)
 
@@ -93,6 +95,9 @@ class StepDriver:
         """Give a new request a slot: the emptiest microbatch's first free one."""
         if request_id in self.requests:
             self.drop(request_id)
+        if any(request_id in free for free in self._free.values()):
+            # a free still to come could run after the new admission in the same iteration
+            self.flush()
         if not prompt_token_ids:
             raise RequestStateError(f"request {request_id!r} has an empty prompt")
         placement = self.cluster.placement
@@ -124,19 +129,21 @@ class StepDriver:
             self._free[self._microbatch(req.slot)].append(request_id)
 
     def restart(self, request_id: str, token_ids: Sequence[int] | None = None) -> None:
-        """A preempted request: its state is recomputed from scratch when it next runs; a token
-        still in flight for it is dropped when it comes."""
+        """A preempted request: its state is recomputed from scratch when it next runs. With
+        ``token_ids`` (every token, as vLLM re-sends them on resuming) they replace its own and
+        a token still in flight for it is dropped when it comes; without, that token is still
+        appended (as vLLM appends it)."""
         req = self.requests[request_id]
         req.computed = 0
-        req.epoch = next(self._epochs)
         req.sampled_at = -1
         if token_ids is not None:
             req.token_ids = list(token_ids)
+            req.epoch = next(self._epochs)
 
     def flush(self) -> None:
         """Free the state of requests dropped since the last step now (an iteration of empty
         microbatches carries the frees, and takes tokens a last work forwarded), rather than
-        with the next step."""
+        with the next step. Waits for every step in flight."""
         if any(self._free.values()) or self._forwarding:
             self.step([])
 
@@ -174,19 +181,25 @@ class StepDriver:
                     )
                 ahead.add(k)
             per_k[k].append((req.slot, item))
+        carry = ahead
         if any(not self._can_carry(k, per_k[k], i) for k in ahead):
             self._wait_in_flight()  # their tokens become known
+            carry = set()
         for item in items:
             req = self.requests[item.request_id]
+            end = item.start + item.count
+            if end > len(req.token_ids) and self._microbatch(req.slot) not in carry:
+                raise RequestStateError(  # its token in flight never came (a restart)
+                    f"request {item.request_id!r}: asked to run up to token {end}, "
+                    f"only {len(req.token_ids)} are known"
+                )
             if item.start < req.computed:  # behind what the ranks hold: recompute
                 req.computed = 0
         sampling: dict[str, int] = {}
+        works = []
         for k in range(m):
             chosen = sorted(per_k[k], key=lambda pair: pair[0])
-            carried = bool(chosen) and all(
-                item.start + item.count > len(self.requests[item.request_id].token_ids)
-                for _, item in chosen
-            )
+            carried = k in carry
             rids, slots, ctx, qlen, sample, tokens = [], [], [], [], [], []
             params: dict[str, SamplingParams] = {}
             for slot, item in chosen:
@@ -227,6 +240,8 @@ class StepDriver:
             if forward:
                 self._forwarding.add(k)
             self.carried_works += carried
+            works.append(work)
+        for work in works:  # every work built (checked) before any is submitted
             self.cluster.submit(work)
         self.iteration += 1
         step = Step(i, sampling, sum(self.cluster.result_parts(k) for k in range(m)))

@@ -108,9 +108,9 @@ class Work:
         if self.final:
             msg["e"] = True
         if self.forward:
-            msg["n"] = True
+            msg["fw"] = True
         if self.carried:
-            msg["y"] = True
+            msg["cy"] = True
         if tokens and self.token_ids is not None:
             msg["x"] = list(self.token_ids)
         if params:
@@ -134,8 +134,8 @@ class Work:
             free=tuple(msg.get("f", ())),
             params={rid: SamplingParams.from_json(p) for rid, p in msg.get("p", {}).items()},
             final=bool(msg.get("e", False)),
-            forward=bool(msg.get("n", False)),
-            carried=bool(msg.get("y", False)),
+            forward=bool(msg.get("fw", False)),
+            carried=bool(msg.get("cy", False)),
         )
 
     @property

@@ -59,7 +59,8 @@ def load_plan(plan: Any) -> Any:  # -> opweave.costmodel.Plan | None
 
 class _Deferred(Future):
     """A future computed by the first thread that asks for its result: the engine core's,
-    when it wants a step's tokens (no thread of ours waits for the ranks)."""
+    when it wants a step's tokens (no thread of ours waits for the ranks). Only ``result()``
+    computes it: vLLM's engine core asks nothing else of an executor's futures."""
 
     def __init__(self, compute: Callable[[], Any]) -> None:
         super().__init__()
@@ -70,7 +71,7 @@ class _Deferred(Future):
         if compute is not None:
             try:
                 self.set_result(compute())
-            except Exception as exc:
+            except BaseException as exc:  # raised again just below, to the caller
                 self.set_exception(exc)
         return super().result(timeout)
 
@@ -293,8 +294,8 @@ def _build() -> type:
         def _sample(self, grammar_output: Any) -> Any:
             if grammar_output is not None:
                 raise ValueError("the OpWeave executor does not support structured output")
-            if not self._steps:
-                return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+            if not self._steps:  # its execute_model failed: None makes the engine raise that
+                return None
             order, step = self._steps.popleft()
 
             def output() -> Any:
