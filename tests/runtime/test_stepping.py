@@ -30,6 +30,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _cluster(model_dir, strategy: str = "afd", decode_step: str = "per-request", **plan) -> Cluster:
+    """The ranks of ``strategy``'s canonical CPU plan (``plan``: batch, microbatches, tp, ...)
+    for the model in ``model_dir``."""
+    model = load_model(model_dir)
+    layout = canonical_plan(model, strategy, gpu="cpu", **plan)
+    return Cluster(layout, model, model_dir, timeout_s=20, decode_step=decode_step)
+
+
 def _greedy(driver: StepDriver, prompts, *, chunk: int | None = None) -> list[list[int]]:
     """A scheduler: every request joins at once, prompts in chunks of ``chunk`` tokens."""
     rids = [f"r{i}" for i in range(len(prompts))]
@@ -63,12 +71,10 @@ def test_steps_give_transformers_greedy_tokens(
     strategy, tp, replicas, chunk, tiny_model, hf_greedy, prompts
 ):
     model_dir = tiny_model("qwen3")
-    model = load_model(model_dir)
     mb = 1 if strategy == "colocated" else 2
-    plan = canonical_plan(
-        model, strategy, gpu="cpu", batch=4 // replicas, microbatches=mb, tp=tp, replicas=replicas
+    cluster = _cluster(
+        model_dir, strategy, batch=4 // replicas, microbatches=mb, tp=tp, replicas=replicas
     )
-    cluster = Cluster(plan, model, model_dir, timeout_s=20)
     try:
         driver = StepDriver(cluster)
         assert driver.capacity == len(prompts) == 4
@@ -84,9 +90,7 @@ def test_steps_give_transformers_greedy_tokens(
 
 def test_slots_restart_and_sampling(tiny_model):
     model_dir = tiny_model("llama")
-    model = load_model(model_dir)
-    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2)
-    cluster = Cluster(plan, model, model_dir, timeout_s=20)
+    cluster = _cluster(model_dir, batch=2, microbatches=2)
     try:
         driver = StepDriver(cluster)
         driver.add("a", [5, 6, 7])
@@ -117,9 +121,7 @@ def test_slots_restart_and_sampling(tiny_model):
 
 def test_a_rank_killed_between_steps_fails_the_next_one(tiny_model):
     model_dir = tiny_model("llama")
-    model = load_model(model_dir)
-    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2, tp=2)
-    cluster = Cluster(plan, model, model_dir, timeout_s=20)
+    cluster = _cluster(model_dir, batch=2, microbatches=2, tp=2)
     notified: list[str] = []
     cluster.on_failure.append(lambda: notified.append("failed"))
     pids = cluster.pids
@@ -154,11 +156,9 @@ def test_carried_works_embed_the_tokens_the_ranks_sampled(tiny_model, hf_greedy)
     from opweave.runtime import Work
 
     model_dir = tiny_model("llama")
-    model = load_model(model_dir)
-    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=1)
     prompts = ((5, 6, 7), (8, 9))
     steps = 6
-    cluster = Cluster(plan, model, model_dir, timeout_s=20, decode_step="static")
+    cluster = _cluster(model_dir, decode_step="static", batch=2, microbatches=1)
     i = cluster.first_iteration
 
     def prefill(rids: tuple[str, str], free: tuple[str, ...]) -> dict[str, list[int]]:
@@ -225,12 +225,10 @@ def test_a_scheduler_running_ahead_over_static_steps(tiny_model, hf_greedy, prom
     beside the others, so that step first waits for the tokens in flight. Tokens are
     transformers'; every request is freed on every rank."""
     model_dir = tiny_model("llama")
-    model = load_model(model_dir)
-    plan = canonical_plan(model, "afd", gpu="cpu", batch=4, microbatches=2)
     late = (9, 8, 7, 6)
     reference = hf_greedy(model_dir, [*prompts, late], MAX_NEW_TOKENS)
     stop_after = {"r1": 5}  # r1 stops early, as on a stop token: one more step is in flight
-    cluster = Cluster(plan, model, model_dir, timeout_s=20, decode_step="static")
+    cluster = _cluster(model_dir, decode_step="static", batch=4, microbatches=2)
     try:
         driver = StepDriver(cluster)
         driver.carry = True  # as the vLLM executor sets it when its engine schedules ahead
@@ -284,9 +282,7 @@ def test_a_request_added_again_under_its_id_keeps_its_new_state(tiny_model, hf_g
     another microbatch; its old microbatch's free must not reach the ranks after its new
     admission (both microbatches run on every rank here), or its next step finds no state."""
     model_dir = tiny_model("llama")
-    model = load_model(model_dir)
-    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2)
-    cluster = Cluster(plan, model, model_dir, timeout_s=20)
+    cluster = _cluster(model_dir, batch=2, microbatches=2)
     try:
         driver = StepDriver(cluster)
         driver.add("x", [1, 2, 3])
