@@ -246,12 +246,15 @@ def test_requests_join_as_slots_free_up(tiny_model, hf_greedy, prompts):
         assert r["requests_held_at_end"] == 0 and r["state_bytes_at_end"] == 0
 
 
-def test_tokens_stay_on_the_ranks_between_static_steps(tiny_model, hf_greedy, prompts):
+@pytest.mark.parametrize("decode_step", ["static", "traced"])
+def test_tokens_stay_on_the_ranks_between_static_steps(decode_step, tiny_model, hf_greedy, prompts):
     """Static steps: the driver runs ahead, the FFN owner's TP leader forwarding each decode
     step's tokens to both attention replicas. Two requests stop on a token the driver cannot
     foresee (each runs one step more, whose token is dropped), the others on their budgets, and
     two more wait for slots, so the running ahead pauses for their admission and resumes: the
-    tokens are transformers', and every request's state is freed on every rank."""
+    tokens are transformers', and every request's state is freed on every rank. Traced steps
+    run each decode iteration as a rank program (the forwarded tokens leave from inside it);
+    an iteration that admits a request runs its actions one by one."""
     model_dir = tiny_model("llama")
     more = [*prompts, (9, 8, 7, 6), tuple(range(200, 230))]
     reference = hf_greedy(model_dir, more, MAX_NEW_TOKENS)
@@ -268,7 +271,7 @@ def test_tokens_stay_on_the_ranks_between_static_steps(tiny_model, hf_greedy, pr
         for p, n, stop in zip(more, limits, stops, strict=True)
     ]
 
-    result = run_plan(plan, model_dir, requests, timeout_s=TIMEOUT_S, decode_step="static")
+    result = run_plan(plan, model_dir, requests, timeout_s=TIMEOUT_S, decode_step=decode_step)
 
     assert result is not None
     assert [list(o.token_ids) for o in result.outputs] == expected
@@ -444,14 +447,19 @@ def _child_pids() -> set[int]:
 
 
 @pytest.mark.parametrize(
-    ("fault", "expect"),
+    ("fault", "expect", "decode_step"),
     [
-        ("1:3:exit", "exited with status 1"),
-        ("1:3:kill", "killed by signal 9"),
-        ("1:3:hang", "stopped responding"),
+        ("1:3:exit", "exited with status 1", "per-request"),
+        ("1:3:kill", "killed by signal 9", "per-request"),
+        ("1:3:hang", "stopped responding", "per-request"),
+        # the other rank waits inside its rank program, in the native wire's receive
+        ("1:3:kill", "killed by signal 9", "traced"),
+        ("1:3:hang", "stopped responding", "traced"),
     ],
 )
-def test_a_dying_or_hanging_worker_fails_the_run_naming_it(fault, expect, tiny_model, monkeypatch):
+def test_a_dying_or_hanging_worker_fails_the_run_naming_it(
+    fault, expect, decode_step, tiny_model, monkeypatch
+):
     model_dir = tiny_model("llama")
     plan = _plan(model_dir, "afd")
     monkeypatch.setenv("OPWEAVE_FAULT", fault)
@@ -459,14 +467,17 @@ def test_a_dying_or_hanging_worker_fails_the_run_naming_it(fault, expect, tiny_m
     start = time.monotonic()
 
     with pytest.raises(RunFailedError) as info:
-        run_plan(plan, model_dir, [Request((5, 6, 7), 12)] * 1, timeout_s=3)
+        run_plan(
+            plan, model_dir, [Request((5, 6, 7), 12)] * 1, timeout_s=3, decode_step=decode_step
+        )
 
     elapsed = time.monotonic() - start
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("rank 1 (owner 1, replica 0: stages L0.ffn_norm..L0.down_proj")
     assert expect in message
-    assert elapsed < 3 + 6  # bounded by the timeout plus start-up and grace
+    # bounded by the timeout plus start-up (a traced run's includes tracing its steps) and grace
+    assert elapsed < 3 + (6 if decode_step == "per-request" else 15)
     assert _child_pids() <= before  # every worker process is gone
 
 

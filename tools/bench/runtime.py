@@ -5,9 +5,11 @@ several requests of different prompt lengths on local CPU ranks (one process per
 thread each), side by side in one run:
 
 - Python-driven (``--decode-step per-request``, every operator launched from Python) vs native
-  submission (``--decode-step compiled``: each segment's static decode step compiled by inductor
-  into one C++ program, one launch per segment and token; the sampled tokens stay on the ranks
-  and the driver submits each decode iteration before the previous one's tokens are back);
+  submission (``--decode-step compiled``: each rank's whole decode iteration -- receives,
+  segments' steps, sends -- compiled by inductor into one C++ program over the native wire, one
+  call per token; the sampled tokens stay on the ranks and the driver submits each decode
+  iteration before the previous one's tokens are back), and between them the compiled steps
+  called one segment at a time from Python (``OPWEAVE_RANK_PROGRAM=0``, "segments");
 - for AFD and CAD (Python-driven), the runtime's CPU point-to-point transport (sockets read and
   written by the ranks' own threads, the default) vs gloo's ``isend``/``irecv``
   (``OPWEAVE_P2P=torch``).
@@ -40,7 +42,9 @@ from typing import Any
 from opweave.costmodel import canonical_plan, load_model
 from opweave.runtime import LocalModel, Request, run_plan, write_tiny_model
 
-DECODE_STEPS = ("per-request", "compiled")  # Python-driven, native submission
+# label -> decode step, OPWEAVE_RANK_PROGRAM: Python-driven, compiled steps one segment at a
+# time, native submission (one rank program per token)
+MODES = {"python": ("per-request", "1"), "segments": ("compiled", "0"), "native": ("compiled", "1")}
 
 
 def bench(
@@ -155,30 +159,32 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
         f"tokens), {args.tokens} new tokens each; AFD/CAD with {args.microbatches} microbatches; "
         f"median of {args.repeats} runs"
     )
-    cases = [(s, "socket", d) for s in ("colocated", "afd", "cad") for d in DECODE_STEPS]
-    cases += [(s, "torch", "per-request") for s in ("afd", "cad")]
-    for strategy, _, step in cases:  # compile (and cache) every segment before measuring
-        if step != "per-request":
-            bench(model_dir, strategy, requests, args.microbatches, step)
+    cases = [(s, "socket", mode) for s in ("colocated", "afd", "cad") for mode in MODES]
+    cases += [(s, "torch", "python") for s in ("afd", "cad")]
+
+    def run(strategy: str, p2p: str, mode: str) -> dict[str, Any]:
+        step, program = MODES[mode]
+        os.environ["OPWEAVE_P2P"], os.environ["OPWEAVE_RANK_PROGRAM"] = p2p, program
+        return bench(model_dir, strategy, requests, args.microbatches, step)
+
+    for case in cases:  # compile (and cache) every segment and program before measuring
+        if MODES[case[2]][0] != "per-request":
+            run(*case)
     results: dict[tuple[str, str, str], list[dict[str, Any]]] = {c: [] for c in cases}
     for _ in range(args.repeats):  # interleaved, so machine-speed drift hits every case alike
-        for strategy, p2p, step in cases:
-            os.environ["OPWEAVE_P2P"] = p2p
-            results[(strategy, p2p, step)].append(
-                bench(model_dir, strategy, requests, args.microbatches, step)
-            )
+        for case in cases:
+            results[case].append(run(*case))
     os.environ.pop("OPWEAVE_P2P", None)
+    os.environ.pop("OPWEAVE_RANK_PROGRAM", None)
     reference = None
     rows = []
-    for (strategy, p2p, step), runs in results.items():
+    for (strategy, p2p, mode), runs in results.items():
         runs.sort(key=steady_tpot)
         result = runs[len(runs) // 2]
         tokens = [o["token_ids"] for o in result["outputs"]]
         reference = reference or tokens
-        assert tokens == reference, f"{strategy} ({p2p}, {step}) tokens differ from colocated"
-        label = f"{strategy} {'native' if step == 'compiled' else 'python'}"
-        if p2p == "torch":
-            label += " gloo"
+        assert tokens == reference, f"{strategy} ({p2p}, {mode}) tokens differ from colocated"
+        label = f"{strategy} {mode}" + (" gloo" if p2p == "torch" else "")
         rows.append((label, result, statistics.median(steady_tpot(r) for r in runs)))
 
     print(
@@ -186,7 +192,7 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
         f"{'orchestration':>13}"
     )
     by: dict[str, float] = {}
-    worst: dict[str, float] = {"python": 0.0, "native": 0.0}
+    worst: dict[str, float] = {mode: 0.0 for mode in MODES}
     for label, result, tpot in rows:
         by[label] = tpot
         ranks = result["ranks"]
@@ -201,7 +207,11 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
             f"{100 * share:12.1f}%"
         )
     for s in ("colocated", "afd", "cad"):
-        print(f"{s}: native / python TPOT = {by[f'{s} native'] / by[f'{s} python']:.2f}x", end="")
+        print(
+            f"{s}: native / python TPOT = {by[f'{s} native'] / by[f'{s} python']:.2f}x, "
+            f"native / segments = {by[f'{s} native'] / by[f'{s} segments']:.2f}x",
+            end="",
+        )
         if s != "colocated":
             print(
                 f"; gloo / socket p2p = {by[f'{s} python gloo'] / by[f'{s} python']:.2f}x", end=""

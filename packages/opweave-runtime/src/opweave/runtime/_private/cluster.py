@@ -48,6 +48,7 @@ import torch
 from opweave.costmodel import ModelSpec, Plan
 
 from ..errors import OpWeaveRuntimeError, RunFailedError
+from . import native
 from .control import (
     AuthError,
     ChannelClosed,
@@ -422,6 +423,8 @@ class Cluster:
         check_plan(plan, model)
         check_weights(model_dir, model)
         spin_budget(own_core=False)  # a malformed OPWEAVE_WAIT fails here, before any rank starts
+        if device == "cpu" and DECODE_STEPS.get(decode_step) is not None:
+            native.load()  # built once here (cached), not by every rank at once
         self.plan = plan
         self.placement = Placement(plan, model)
         self.world = total_ranks(plan)

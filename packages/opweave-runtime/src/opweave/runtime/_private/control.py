@@ -28,6 +28,7 @@ import secrets
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from ..errors import OpWeaveRuntimeError
@@ -192,8 +193,12 @@ class ControlClient:
         return self.sock.fileno()
 
     def send(self, message: dict[str, Any]) -> None:
+        self.send_all([message])
+
+    def send_all(self, messages: Sequence[dict[str, Any]]) -> None:
+        """Several messages in one write."""
         try:
-            self.sock.sendall(encode(message))
+            self.sock.sendall(b"".join(map(encode, messages)))
         except OSError as exc:
             raise ChannelClosed(f"the driver is gone ({exc})") from None
 

@@ -139,7 +139,7 @@ class DecodeStep:
         place = list(range(n)) if place is None else list(place)
         padded = n != size or place != list(range(n))
         at = torch.tensor(place, dtype=torch.int64, device=self.device) if padded else None
-        schedule = self._schedule(meta.request_ids, meta.context_lens, place)
+        schedule = self.schedule(meta.request_ids, meta.context_lens, place)
         # fresh inputs every step, padded or not: the compiled graph's guards see tensors of
         # one kind (made here, under the stage's inference mode), whatever made the batch's
         tensors = {}
@@ -166,19 +166,19 @@ class DecodeStep:
         padding in the others, and so do the outputs. No copy in or out: how a rank runs a step
         whose inputs arrived straight into its buffers (``tensors`` made under inference mode,
         the same ones step after step)."""
-        return self._launch(tensors, *self._schedule(request_ids, context_lens, place))
+        return self._launch(tensors, *self.schedule(request_ids, context_lens, place))
 
-    def _schedule(
+    def schedule(
         self, request_ids: Sequence[str], context_lens: Sequence[int], place: Sequence[int]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The host side of a step with request ``i`` in row ``place[i]``: check the rows,
         bring every request's state into its slab row, and return each row's position and state
-        row, and the span attention reads."""
+        row, and the span attention reads (no requests: every row padding, a span of 2)."""
         n, size = len(request_ids), self.size
         if len(place) != n or len(set(place)) != n or not all(0 <= p < size for p in place):
             raise OpWeaveRuntimeError(f"a decode step of {size} rows cannot place rows {place}")
         rows = self._state_rows(request_ids)
-        span = torch.empty(max(context_lens) + 1, dtype=torch.uint8)
+        span = torch.empty(max(context_lens, default=1) + 1, dtype=torch.uint8)
         scratch = self._begin(request_ids, context_lens, span.shape[0])
         positions, state_rows = [0] * size, [scratch] * size
         for p, context_len in zip(place, context_lens, strict=True):
@@ -210,7 +210,7 @@ class DecodeStep:
     ) -> dict[str, torch.Tensor]:
         args = (tensors, positions.to(self.device), state_rows.to(self.device), span)
         if self.compiled:
-            self._mark_dynamic(span)
+            self.mark_dynamic(span)
         try:
             return self._fn(*args)
         except RuntimeError as err:  # under trust, raised before the step runs anything
@@ -240,7 +240,7 @@ class DecodeStep:
         finally:
             trust_warm_graphs()
 
-    def _mark_dynamic(self, span: torch.Tensor) -> None:
+    def mark_dynamic(self, span: torch.Tensor) -> None:
         """One graph for every span and slab size: mark them symbolic, so that growing
         recompiles nothing. A slab pool's tensors are marked when it allocates them (its
         ``version`` changes), not before every step."""

@@ -46,7 +46,9 @@ from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import TokenBatch
 from .control import ChannelClosed, ControlClient, store_namespace
 from .decode import DECODE_STEPS, compiled_graphs, is_decode, trust_warm_graphs
+from .native import peer_error
 from .placement import Placement
+from .program import RankProgram
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
 from .tensor_parallel import Shard, TPComm
@@ -55,6 +57,7 @@ from .wire import PeerError, spin_budget
 from .work import GREEDY, SamplingParams, Work, sample_rows
 
 FAULT_ENV = "OPWEAVE_FAULT"  # "RANK:ITERATION:exit|hang|kill" -- test hook for fault handling
+PROGRAM_ENV = "OPWEAVE_RANK_PROGRAM"  # "0": compiled CPU steps run one by one, no rank program
 CONTROL_KEY = "opweave/control"  # store key under which the driver publishes its address
 _HEARTBEAT_S = 1.0
 
@@ -164,6 +167,12 @@ class StageWorker:
             if spec.rank in ranks:
                 self.group = g
         own_core = self.device.type == "cpu" and pin_to_core(spec.local_rank, spec.local_world_size)
+        # CPU ranks whose steps trace run each decode iteration as one rank program
+        self._programs = (
+            self.device.type == "cpu"
+            and DECODE_STEPS.get(spec.decode_step) is not None
+            and os.environ.get(PROGRAM_ENV, "1") != "0"
+        )
         self.transport = Transport(
             spec.rank,
             self.device,
@@ -171,7 +180,11 @@ class StageWorker:
             host=spec.host,
             key=bytes.fromhex(spec.key),
             spin_s=spin_budget(own_core) if spec.world_size > 1 else 0.0,
+            native=self._programs and spec.world_size > 1,
         )
+        if self._programs and spec.world_size > 1 and self.transport.native is None:
+            self._programs = False  # OPWEAVE_P2P=torch: the steps run one by one
+        self.program: RankProgram | None = None  # built at the warm-up
         shard = Shard(self.info.tp_rank, self.info.tp_size)
         self.comm = TPComm(shard, self.group) if self.info.tp_size > 1 else None
         dtype = None if spec.dtype is None else getattr(torch, spec.dtype)
@@ -237,14 +250,14 @@ class StageWorker:
                     continue
                 self._maybe_fault(i)
                 finals = set()
-                for action in self.actions:
-                    k = action.microbatch
-                    if k in done:
-                        continue
-                    work = self._work(i, k)
-                    self._compute(action, work, i)
-                    if work.final:
-                        finals.add(k)
+                if not self._program_iteration(i, mine, done):
+                    for action in self.actions:
+                        k = action.microbatch
+                        if k in done:
+                            continue
+                        work = self._work(i, k)
+                        self._compute(action, work, i)
+                finals = {k for k in mine - done if self._works[(i, k)].final}
                 done |= finals
                 self._works = {key: w for key, w in self._works.items() if key[0] > i}
                 self._synced = {key for key in self._synced if key[0] > i}
@@ -407,20 +420,106 @@ class StageWorker:
             lo, hi = link.slots.start - at, link.slots.stop - at
             self.transport.send_rows(link, [out[name][lo:hi] for name in names], i)
 
+    def _program_iteration(self, i: int, mine: set[int], done: set[int]) -> bool:
+        """Run iteration ``i`` as the rank program, if it can: every microbatch of this rank
+        still runs and decodes. Waits for all their works first. False: it cannot (the
+        actions then run one by one)."""
+        program = self.program
+        if program is None or done:
+            return False
+        works = {k: self._work(i, k) for k in sorted(mine)}
+        if not all(w.decode for w in works.values()):
+            return False
+        firsts: list[dict[str, torch.Tensor]] = []
+        schedules = []
+        rows: list[tuple[Work, list[str], list[int]]] = []  # per action: work, requests, rows
+        with torch.inference_mode():
+            for action, step in zip(self.actions, program.steps, strict=True):
+                work = works[action.microbatch]
+                idx = work.requests_in(action.slots)
+                place = [work.slots[j] - action.slots.start for j in idx]
+                rids = [work.request_ids[j] for j in idx]
+                if action.first:
+                    self._take_tokens(action, work, i)
+                    inputs = self._rows_in[(action.segment, action.microbatch)][i & 1]
+                    if not work.carried and idx:
+                        assert work.token_ids is not None
+                        inputs["token_ids"][torch.tensor(place, dtype=torch.int64)] = torch.tensor(
+                            [work.token_ids[j] for j in idx], dtype=torch.int64
+                        )
+                    firsts.append(inputs)
+                ctx = [work.context_lens[j] for j in idx]
+                schedules.append(step.schedule(rids, ctx, place))
+                rows.append((work, rids, place))
+        ends = [(a, r) for a, r in zip(self.actions, rows, strict=True) if a.last]
+        # a request sampled on the host forwards its token from the host: then all of them do,
+        # in the schedule's order
+        host_forward = any(w.forward and not self._all_greedy(r) for _, (w, r, _) in ends)
+        forward = [works[k].forward and not host_forward for k in sorted(mine)]
+        native = self.transport.native
+        if native is not None:
+            native.stats()  # start the program's counts from here
+        start = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                outputs = program(firsts, schedules, forward)
+        except RuntimeError as exc:
+            error = peer_error(exc, program.what)
+            if error is None:
+                raise
+            raise error from None
+        took = time.perf_counter() - start
+        waited = 0.0
+        if native is not None:
+            waited, nbytes, messages = native.stats()
+            self.transport.bytes_sent += int(nbytes)
+            self.transport.messages_sent += int(messages)
+        self.transport.comm_s += waited
+        self.clock.compute_s += took - waited
+        self.module.submissions += program.submissions
+        if not self.info.is_leader:
+            return True
+        sampled = [
+            self._tokens_of(rids, out, place)
+            for (_, (_, rids, place)), out in zip(ends, outputs, strict=True)
+        ]
+        self.control.send_all(  # every microbatch's tokens in one write
+            [
+                self._result(work, rids, tokens)
+                for (_, (work, rids, _)), tokens in zip(ends, sampled, strict=True)
+            ]
+        )
+        for (action, (work, rids, place)), out, tokens in zip(ends, outputs, sampled, strict=True):
+            if not work.forward:
+                continue
+            if host_forward:
+                self._forward_tokens(action, out, rids, place, tokens, i)
+                continue
+            at = action.slots.start
+            for link in action.feeds:  # the program sent the others
+                if link.peer == self.rank:
+                    lo, hi = link.slots.start - at, link.slots.stop - at
+                    self._tokens_here[action.microbatch] = out["token_ids"][lo:hi].clone()
+        return True
+
     def _reply_rows(
         self, work: Work, rids: list[str], out: dict[str, torch.Tensor], place: list[int]
     ) -> list[int]:
         """The sampled tokens of a static step's requests, from their rows, to the driver;
         returns them."""
-        tokens: list[int] = []
-        if rids:
-            rows = torch.tensor(place, dtype=torch.int64, device=out["token_ids"].device)
-            if self._all_greedy(rids):
-                tokens = out["token_ids"][rows].tolist()
-            else:
-                tokens = self._sample_tokens(rids, out["logits"][rows])
+        tokens = self._tokens_of(rids, out, place)
         self._send_result(work, rids, tokens)
         return tokens
+
+    def _tokens_of(self, rids: list[str], out: dict[str, torch.Tensor], place: list[int]):
+        """The sampled tokens of a static step's requests, from their rows: the step's own
+        (greedy), or sampled here from their logits."""
+        if not rids:
+            return []
+        rows = torch.tensor(place, dtype=torch.int64, device=out["token_ids"].device)
+        if self._all_greedy(rids):
+            return out["token_ids"][rows].tolist()
+        return self._sample_tokens(rids, out["logits"][rows])
 
     def _all_greedy(self, rids: Sequence[str]) -> bool:
         return all(self.held[rid].params.greedy for rid in rids)
@@ -494,6 +593,8 @@ class StageWorker:
             if rid in self.held:
                 self.module.free(rid)
                 del self.held[rid]
+        if self._programs and self.module.static_decode is not None:
+            self._build_program()
         self.module.submissions = 0
         self.transport.comm_s = 0.0
         self.transport.bytes_sent = self.transport.messages_sent = 0
@@ -506,6 +607,42 @@ class StageWorker:
         if DECODE_STEPS[self.spec.decode_step] is not None:
             trust_warm_graphs()  # every step this rank runs is compiled now
         self.control.send({"t": "warmed", "rank": self.rank})
+
+    @torch.inference_mode()
+    def _build_program(self) -> None:
+        """Trace this rank's iteration as one :class:`~.program.RankProgram` (compiling it) and
+        run it once on padding rows with the native wire dry (no peer takes part)."""
+        if not self.actions:
+            return
+        leader = self.info.is_leader
+        steps = [
+            self.module.decode_step(self._ops(a, sample=a.last and leader), len(a.slots))
+            for a in self.actions
+        ]
+        native = self.transport.native
+        program = RankProgram(
+            self.rank,
+            self.actions,
+            steps,
+            [self._inputs[(a.segment, a.microbatch)] for a in self.actions],
+            wire=native.id if native is not None else None,
+            leader=leader,
+            group=self.group if self.info.tp_size > 1 else None,
+            tp_leader=dist.get_group_rank(self.group, self.info.leader)  # type: ignore[arg-type]
+            if self.info.tp_size > 1
+            else 0,
+            compile=DECODE_STEPS[self.spec.decode_step],
+        )
+        firsts, schedules = program.padding()
+        if native is not None:
+            native.dry(True)
+        try:
+            program(firsts, schedules, [False] * len(program.microbatches))
+        finally:
+            if native is not None:
+                native.dry(False)
+                native.stats()
+        self.program = program
 
     @torch.inference_mode()
     def _warm_action(self, action: Compute) -> None:
@@ -579,9 +716,11 @@ class StageWorker:
         self._send_result(work, rids, batch["token_ids"].tolist() if rids else [])
 
     def _send_result(self, work: Work, rids: list[str], tokens: list[int]) -> None:
-        self.control.send(
-            {"t": "result", "i": work.iteration, "k": work.microbatch, "r": rids, "x": tokens}
-        )
+        self.control.send(self._result(work, rids, tokens))
+
+    @staticmethod
+    def _result(work: Work, rids: list[str], tokens: list[int]) -> dict[str, Any]:
+        return {"t": "result", "i": work.iteration, "k": work.microbatch, "r": rids, "x": tokens}
 
     def _maybe_fault(self, iteration: int) -> None:
         if self._fault is None or self._fault[0] != iteration:

@@ -71,8 +71,9 @@ class RankStats(_Frozen):
         description='How decode steps ran: "per-request", "static", "compiled" or "traced".'
     )
     submissions_per_token: float = Field(
-        description="Launches from Python per iteration: one per operator run, or one per "
-        "action whose decode step ran as a static step (1 per token for one compiled segment)."
+        description="Launches from Python per iteration: one per operator run, one per "
+        "action whose decode step ran as a compiled static step, or one per decode iteration "
+        "run as a compiled rank program (1 per token, CPU)."
     )
     host_s_per_token: float = Field(
         description="overhead_s per iteration: host time outside operators and transfers."

@@ -147,7 +147,7 @@ class StageModule:
         chosen = self.operators[ops]
         if self._static is not None and is_decode(batch.meta):
             size = len(batch.meta.request_ids) if size is None else size
-            step = self._step(ops, size)
+            step = self.decode_step(ops, size)
             self.submissions += 1 if step.native else len(chosen)
             return step(batch, place)
         self.submissions += len(chosen)
@@ -170,7 +170,7 @@ class StageModule:
         if self._static is None:
             raise OpWeaveRuntimeError("run_rows needs use_static_decode first")
         size = next(iter(tensors.values())).shape[0]
-        step = self._step(ops, size)
+        step = self.decode_step(ops, size)
         self.submissions += 1 if step.native else len(self.operators[ops])
         return step.run_rows(tensors, request_ids, context_lens, place)
 
@@ -187,9 +187,10 @@ class StageModule:
         Returns its outputs, every row padding."""
         if self._static is None:
             raise OpWeaveRuntimeError("warm_up needs use_static_decode first")
-        return self._step(ops, size).warm_up(inputs)
+        return self.decode_step(ops, size).warm_up(inputs)
 
-    def _step(self, ops: slice, size: int) -> DecodeStep:
+    def decode_step(self, ops: slice, size: int) -> DecodeStep:
+        """The static decode step of ``ops`` on ``size`` rows (built at its first use)."""
         key = (ops.start, ops.stop, size)
         step = self._steps.get(key)
         if step is None:

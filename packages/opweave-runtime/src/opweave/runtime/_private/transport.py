@@ -23,7 +23,10 @@ when every request of a microbatch decodes one token and the ranks run static-sh
 side knows a message's layout before it travels (the link's slots, the cut's tensors as the
 warm-up saw them), so it goes without a header or a length: the rows of each tensor, back to
 back, straight from the sender's step outputs into the receiver's step inputs. Nothing in it is
-read on the host, so on a GPU nothing waits for the device.
+read on the host, so on a GPU nothing waits for the device. Where ranks run rank programs
+(``native``: CPU ranks compiling their steps), rows travel on the native wire instead
+(:mod:`.native`: a second connection per pair, written and read by C++), whether a program or
+Python sends them; a message there carries its length and tag, which the receiver checks.
 """
 
 from __future__ import annotations
@@ -40,8 +43,9 @@ import torch.distributed as dist
 
 from ..errors import OpWeaveRuntimeError
 from .batch import BatchMeta, TokenBatch, byte_view, pack, unpack
+from .native import NativeWire
 from .schedule import Message
-from .wire import PeerError, SocketWire
+from .wire import PeerError, SocketWire, connect_pairs
 
 P2P_ENV = "OPWEAVE_P2P"  # "socket" (default on CPU) or "torch" (torch.distributed isend/irecv)
 
@@ -67,6 +71,7 @@ class Transport:
         key: bytes = b"",
         p2p: str | None = None,
         spin_s: float = 0.0,
+        native: bool = False,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -87,6 +92,15 @@ class Transport:
             if p2p == "socket"
             else None
         )
+        # rows of static decode steps travel on a second set of connections, the native wire's,
+        # which a rank program (:mod:`.program`) also sends and receives on
+        self.native: NativeWire | None = None
+        if native and self._wire is not None:
+            self.native = NativeWire(
+                connect_pairs(rank, dist.get_world_size(), timeout_s, host, key),
+                timeout_s,
+                spin_s,
+            )
         self._wire_oldest: int | None = None  # epoch of the oldest send posted since a drain
         self._row_buffers: dict[tuple[int, int], torch.Tensor] = {}  # (peer, tag) -> receive
 
@@ -162,7 +176,9 @@ class Transport:
         they are copied into one buffer on the device, sent in one transfer."""
         start = time.perf_counter()
         raw = [byte_view(t).reshape(-1) for t in parts]
-        if self._wire is not None:
+        if self.native is not None:  # copies what the socket does not take at once
+            self.native.send(message.peer, message.tag, raw, self.native.ones)
+        elif self._wire is not None:
             self._post(message, raw, epoch)
         else:
             self._isend(message, [torch.cat(raw) if len(raw) != 1 else raw[0].clone()], epoch)
@@ -178,7 +194,9 @@ class Transport:
         raw = [byte_view(t).reshape(-1) for t in into]
         size = sum(r.numel() for r in raw)
         peer = message.peer
-        if self._wire is not None:
+        if self.native is not None:
+            buf = self.native.recv(peer, message.tag, size, what)
+        elif self._wire is not None:
             buf = self._wire.take(peer, message.tag, what)
             if buf.numel() != size:
                 raise PeerError(
@@ -244,6 +262,8 @@ class Transport:
 
     def flush(self) -> None:
         self.reap(before_epoch=1 << 62)
+        if self.native is not None:
+            self.native.drain()
 
     def wait_control(self, fileno: int) -> None:
         """Wait (without bound) until the control connection has data, keeping this rank's
@@ -256,6 +276,8 @@ class Transport:
     def close(self) -> None:
         if self._wire is not None:
             self._wire.close()
+        if self.native is not None:
+            self.native.close()
 
     # -- tensor-parallel fan-out -------------------------------------------------------------
     def fanout(

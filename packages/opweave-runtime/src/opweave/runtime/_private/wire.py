@@ -105,58 +105,16 @@ class SocketWire:
         *,
         spin_s: float = 0.0,
     ) -> None:
-        import torch.distributed as dist
-
         self.rank = rank
         self.timeout_s = timeout_s
         self.spin_s = spin_s
-        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((host, 0))
-        listener.listen(max(world_size, 8))
-        addresses: list[tuple[str, int] | None] = [None] * world_size
-        dist.all_gather_object(addresses, (host, listener.getsockname()[1]))
         self.peers: dict[int, _Peer] = {}
-        try:
-            for peer in range(rank):
-                address = addresses[peer]
-                assert address is not None
-                sock = socket.create_connection(address, timeout=timeout_s)
-                try:
-                    client_handshake(sock, key, rank)
-                except (AuthError, ChannelClosed, OSError) as exc:
-                    raise PeerError(peer, f"rank {peer} refused the connection: {exc}") from None
-                self._add(peer, sock)
-            expected = set(range(rank + 1, world_size))
-            deadline = time.monotonic() + timeout_s
-            while expected:
-                listener.settimeout(max(deadline - time.monotonic(), 0.01))
-                try:
-                    sock, _ = listener.accept()
-                except TimeoutError:
-                    raise PeerError(
-                        min(expected), f"timed out waiting for ranks {sorted(expected)} to connect"
-                    ) from None
-                try:
-                    peer = server_handshake(sock, key)
-                except (AuthError, ChannelClosed, OSError):
-                    sock.close()  # not a rank of this run
-                    continue
-                if peer not in expected:
-                    sock.close()
-                    continue
-                expected.discard(peer)
-                self._add(peer, sock)
-        finally:
-            listener.close()
+        for peer, sock in connect_pairs(rank, world_size, timeout_s, host, key).items():
+            sock.setblocking(False)
+            self.peers[peer] = _Peer(peer, sock)
         self.selector = selectors.DefaultSelector()
         for p in self.peers.values():
             self.selector.register(p.sock, selectors.EVENT_READ, p)
-
-    def _add(self, peer: int, sock: socket.socket) -> None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
-        self.peers[peer] = _Peer(peer, sock)
 
     # -- the interface the Transport uses -------------------------------------------------------
     def post(self, peer: int, tag: int, *parts: torch.Tensor) -> None:
@@ -301,6 +259,64 @@ class SocketWire:
         if not p.closed:
             p.closed = True
             self.selector.unregister(p.sock)
+
+
+def connect_pairs(
+    rank: int, world_size: int, timeout_s: float, host: str, key: bytes
+) -> dict[int, socket.socket]:
+    """One authenticated TCP connection (``TCP_NODELAY``, blocking) to every other rank of the
+    default process group, by peer. Every rank must call it at once (the listening addresses
+    travel by ``all_gather_object``): each connects to the lower ranks and accepts the higher
+    ones, after the run's mutual challenge."""
+    import torch.distributed as dist
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, 0))
+    listener.listen(max(world_size, 8))
+    addresses: list[tuple[str, int] | None] = [None] * world_size
+    dist.all_gather_object(addresses, (host, listener.getsockname()[1]))
+    peers: dict[int, socket.socket] = {}
+    try:
+        for peer in range(rank):
+            address = addresses[peer]
+            assert address is not None
+            sock = socket.create_connection(address, timeout=timeout_s)
+            try:
+                client_handshake(sock, key, rank)
+            except (AuthError, ChannelClosed, OSError) as exc:
+                raise PeerError(peer, f"rank {peer} refused the connection: {exc}") from None
+            peers[peer] = sock
+        expected = set(range(rank + 1, world_size))
+        deadline = time.monotonic() + timeout_s
+        while expected:
+            listener.settimeout(max(deadline - time.monotonic(), 0.01))
+            try:
+                sock, _ = listener.accept()
+            except TimeoutError:
+                raise PeerError(
+                    min(expected), f"timed out waiting for ranks {sorted(expected)} to connect"
+                ) from None
+            try:
+                peer = server_handshake(sock, key)
+            except (AuthError, ChannelClosed, OSError):
+                sock.close()  # not a rank of this run
+                continue
+            if peer not in expected:
+                sock.close()
+                continue
+            expected.discard(peer)
+            peers[peer] = sock
+    except BaseException:
+        for sock in peers.values():
+            sock.close()
+        raise
+    finally:
+        listener.close()
+    for sock in peers.values():
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return peers
 
 
 def node_address(master: str) -> str:
