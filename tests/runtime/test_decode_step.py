@@ -316,13 +316,16 @@ def test_plans_serve_the_same_tokens_with_static_steps(
         assert worked == MAX_NEW_TOKENS  # one prefill and 11 decode iterations ran
 
 
-def test_static_steps_send_their_rows_and_nothing_else(tiny_model):
+@pytest.mark.parametrize("decode_step", ["static", "traced"])
+def test_static_steps_send_their_rows_and_nothing_else(decode_step, tiny_model):
     """In a decode iteration of static steps a message is the link's rows of what crosses the
     cut, padding rows included, with no header. In this AFD plan (4 slots, 2 microbatches, 3
     requests) only the hidden state crosses each cut: per iteration the attention rank sends
     every layer's rows of the 4 slots to the FFN rank, which sends one layer fewer back, and its
     last segment's tokens (an int64 per slot) to the attention rank, which embeds them in the
-    next iteration; so 5 more tokens cost exactly 5 times that."""
+    next iteration; so 5 more tokens cost exactly 5 times that. Traced steps run as rank
+    programs, whose messages cross the native wire: the same rows (its frame header is not
+    counted)."""
     model_dir = tiny_model("llama")
     spec = load_model(model_dir)
     plan = canonical_plan(spec, "afd", gpu="cpu", batch=4, microbatches=2)
@@ -337,7 +340,7 @@ def test_static_steps_send_their_rows_and_nothing_else(tiny_model):
             timeout_s=300,
             device="cpu",
             dtype="float32",
-            decode_step="static",
+            decode_step=decode_step,
         )
         assert result is not None
         assert [len(o.token_ids) for o in result.outputs] == [tokens] * 3

@@ -452,9 +452,10 @@ def _child_pids() -> set[int]:
         ("1:3:exit", "exited with status 1", "per-request"),
         ("1:3:kill", "killed by signal 9", "per-request"),
         ("1:3:hang", "stopped responding", "per-request"),
-        # the other rank waits inside its rank program, in the native wire's receive
+        # the other rank waits inside its rank program, in the native wire's receive (run by
+        # Python, or by inductor's C++ wrapper)
         ("1:3:kill", "killed by signal 9", "traced"),
-        ("1:3:hang", "stopped responding", "traced"),
+        ("1:3:hang", "stopped responding", "compiled"),
     ],
 )
 def test_a_dying_or_hanging_worker_fails_the_run_naming_it(
@@ -476,8 +477,9 @@ def test_a_dying_or_hanging_worker_fails_the_run_naming_it(
     assert "\n" not in message
     assert message.startswith("rank 1 (owner 1, replica 0: stages L0.ffn_norm..L0.down_proj")
     assert expect in message
-    # bounded by the timeout plus start-up (a traced run's includes tracing its steps) and grace
-    assert elapsed < 3 + (6 if decode_step == "per-request" else 15)
+    # bounded by the timeout plus start-up (tracing and compiling the steps) and grace
+    grace = {"per-request": 6, "traced": 15, "compiled": 60}[decode_step]  # compiling included
+    assert elapsed < 3 + grace
     assert _child_pids() <= before  # every worker process is gone
 
 

@@ -1,9 +1,9 @@
 """Rank programs: a CPU rank's decode iteration as one call, over the native wire.
 
 The wire's operators are checked in one process over a socket pair (what crosses, in order,
-however large; what a peer that closes, hangs or sends out of schedule gets), then whole plans:
-tokens, one native call per decode iteration, and the same bytes on the wire as the actions run
-one by one.
+however large; what a peer that closes, hangs or sends out of schedule gets; that a compiled
+graph calls them natively and its errors keep their text), then whole plans: tokens, and one
+native call per decode iteration.
 """
 
 from __future__ import annotations
@@ -168,3 +168,21 @@ def test_a_compiled_program_calls_the_wire_without_python(pair):
     for op in ("after", "send", "recv"):
         assert f'aoti_torch_call_dispatcher("opweave::{op}"' in code
     assert "custom_op_wrapper" not in code
+
+
+def test_an_error_inside_a_compiled_program_keeps_its_text(pair):
+    """The compiled wrapper reports a failed operator in words of its own; the peer and what
+    was being received come back from the extension."""
+    from opweave.runtime._private.native import translate
+
+    zero, _ = pair
+
+    def iteration(token: torch.Tensor) -> torch.Tensor:
+        return torch.ops.opweave.recv(token, zero.id, 1, 6, 8) + 1
+
+    compiled = torch.compile(iteration, fullgraph=True, options={"cpp_wrapper": True})
+    with torch.inference_mode(), pytest.raises(RuntimeError) as info:
+        compiled(torch.ones(1, dtype=torch.int64))
+    error = translate(info.value, {6: "receiving segment 3 microbatch 0"})
+    assert isinstance(error, PeerError) and error.peer == 1
+    assert str(error) == "timed out after 2 s receiving segment 3 microbatch 0 (rank 1)"

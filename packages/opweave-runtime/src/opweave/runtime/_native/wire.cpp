@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <fcntl.h>
+#include <sys/uio.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -78,15 +79,29 @@ struct Wire {
 std::mutex registry_mu;
 std::map<int64_t, std::unique_ptr<Wire>> registry;
 
+// The last error an operator raised in this process. A compiled graph's C++ wrapper calls the
+// operators through torch's stable dispatcher shim, which replaces an exception's text with its
+// own; the caller reads the original here (``wire_last_error``).
+std::mutex last_error_mu;
+std::string last_error;
+
+[[noreturn]] void fail(const std::string& text) {
+  {
+    std::lock_guard<std::mutex> lock(last_error_mu);
+    last_error = text;
+  }
+  throw std::runtime_error(text);
+}
+
 [[noreturn]] void peer_error(int64_t peer, const std::string& text) {
-  throw std::runtime_error("opweave-peer " + std::to_string(peer) + ": " + text);
+  fail("opweave-peer " + std::to_string(peer) + ": " + text);
 }
 
 Wire& wire_of(int64_t id) {
   std::lock_guard<std::mutex> lock(registry_mu);
   auto it = registry.find(id);
   if (it == registry.end()) {
-    throw std::runtime_error("opweave: no native wire " + std::to_string(id) + " is open");
+    fail("opweave: no native wire " + std::to_string(id) + " is open");
   }
   return *it->second;
 }
@@ -94,15 +109,19 @@ Wire& wire_of(int64_t id) {
 Peer& peer_of(Wire& w, int64_t peer) {
   auto it = w.peers.find(peer);
   if (it == w.peers.end()) {
-    throw std::runtime_error("opweave: the native wire has no connection to rank " +
+    fail("opweave: the native wire has no connection to rank " +
                              std::to_string(peer));
   }
   return *it->second;
 }
 
 void raise_writer_error(Wire& w) {
-  std::lock_guard<std::mutex> lock(w.mu);
-  if (!w.error.empty()) throw std::runtime_error(w.error);
+  std::string error;
+  {
+    std::lock_guard<std::mutex> lock(w.mu);
+    error = w.error;
+  }
+  if (!error.empty()) fail(error);
 }
 
 // Write as much of p.out as the socket takes now; false on a failed peer (error set).
@@ -112,12 +131,13 @@ bool write_some(Wire& w, Peer& p) {
     ssize_t n = ::send(p.fd, head.data() + p.offset, head.size() - p.offset,
                        MSG_NOSIGNAL | MSG_DONTWAIT);
     if (n < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
-      if (errno == EINTR) continue;
+      int err = errno;
+      if (err == EAGAIN || err == EWOULDBLOCK) return true;
+      if (err == EINTR) continue;
       std::lock_guard<std::mutex> lock(w.mu);
       if (w.error.empty()) {
         w.error = "opweave-peer " + std::to_string(p.rank) + ": sending to rank " +
-                  std::to_string(p.rank) + " failed: " + std::strerror(errno);
+                  std::to_string(p.rank) + " failed: " + std::strerror(err);
       }
       p.out.clear();
       return false;
@@ -171,43 +191,45 @@ void writer_loop(Wire* w) {
   }
 }
 
-// Queue a message of ``parts`` (header, then payload) for ``p`` and write what fits now.
+// Queue a message (``header``, then ``data``) for ``p`` and write what fits now.
 void post(Wire& w, Peer& p, const void* header, size_t header_len, const void* data, size_t len) {
   bool queued;
   {
     std::lock_guard<std::mutex> lock(p.mu);
     const auto* h = static_cast<const uint8_t*>(header);
     const auto* d = static_cast<const uint8_t*>(data);
-    if (p.out.empty()) {  // try the socket first: a decode-sized message usually fits
-      size_t done = 0, total = header_len + len;
-      while (done < total) {
-        const uint8_t* from = done < header_len ? h + done : d + (done - header_len);
-        size_t chunk = done < header_len ? header_len - done : total - done;
-        ssize_t n = ::send(p.fd, from, chunk, MSG_NOSIGNAL | MSG_DONTWAIT);
-        if (n < 0) {
-          if (errno == EINTR) continue;
-          if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-          peer_error(p.rank, "sending to rank " + std::to_string(p.rank) +
-                                 " failed: " + std::strerror(errno));
-        }
-        done += static_cast<size_t>(n);
+    size_t done = 0, total = header_len + len;
+    while (p.out.empty() && done < total) {  // try the socket first: a decode step's rows fit
+      iovec parts[2];
+      int count = 0;
+      if (done < header_len) {
+        parts[count++] = {const_cast<uint8_t*>(h + done), header_len - done};
       }
-      if (done < total) {  // the rest is copied: the caller's buffer may be reused at once
-        std::vector<uint8_t> rest(total - done);
-        size_t at = 0;
-        for (size_t i = done; i < total; ++i, ++at) {
-          rest[at] = i < header_len ? h[i] : d[i - header_len];
-        }
-        p.out.push_back(std::move(rest));
-        p.offset = 0;
+      size_t from = done > header_len ? done - header_len : 0;
+      if (from < len) parts[count++] = {const_cast<uint8_t*>(d + from), len - from};
+      msghdr msg{};
+      msg.msg_iov = parts;
+      msg.msg_iovlen = count;
+      ssize_t n = ::sendmsg(p.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (n < 0) {
+        int err = errno;
+        if (err == EINTR) continue;
+        if (err == EAGAIN || err == EWOULDBLOCK) break;
+        peer_error(p.rank, "sending to rank " + std::to_string(p.rank) +
+                               " failed: " + std::strerror(err));
       }
-    } else {
-      std::vector<uint8_t> all(header_len + len);
-      std::memcpy(all.data(), h, header_len);
-      if (len) std::memcpy(all.data() + header_len, d, len);
-      p.out.push_back(std::move(all));
+      done += static_cast<size_t>(n);
     }
-    queued = !p.out.empty();
+    if (done < total) {  // the rest is copied: the caller's buffer may be reused at once
+      std::vector<uint8_t> rest(total - done);
+      size_t in_header = done < header_len ? header_len - done : 0;
+      if (in_header) std::memcpy(rest.data(), h + done, in_header);
+      size_t from = done > header_len ? done - header_len : 0;
+      if (len > from) std::memcpy(rest.data() + in_header, d + from, len - from);
+      if (p.out.empty()) p.offset = 0;
+      p.out.push_back(std::move(rest));
+    }
+  queued = !p.out.empty();
   }
   if (queued) {
     std::lock_guard<std::mutex> lock(w.mu);
@@ -232,10 +254,11 @@ void read_exact(Wire& w, Peer& p, uint8_t* into, size_t len, int64_t tag) {
       peer_error(p.rank, "lost rank " + std::to_string(p.rank) + " while receiving message " +
                              std::to_string(tag) + ": it closed its connection");
     }
-    if (errno == EINTR) continue;
-    if (errno != EAGAIN && errno != EWOULDBLOCK) {
+    int err = errno;
+    if (err == EINTR) continue;
+    if (err != EAGAIN && err != EWOULDBLOCK) {
       peer_error(p.rank, "lost rank " + std::to_string(p.rank) + " while receiving message " +
-                             std::to_string(tag) + ": " + std::strerror(errno));
+                             std::to_string(tag) + ": " + std::strerror(err));
     }
     auto now = Clock::now();
     if (now >= deadline) {
@@ -256,7 +279,7 @@ void read_exact(Wire& w, Peer& p, uint8_t* into, size_t len, int64_t tag) {
 void wire_open(int64_t id, double timeout_s, double spin_s) {
   std::lock_guard<std::mutex> lock(registry_mu);
   if (registry.count(id)) {
-    throw std::runtime_error("opweave: native wire " + std::to_string(id) + " is already open");
+    fail("opweave: native wire " + std::to_string(id) + " is already open");
   }
   auto w = std::make_unique<Wire>();
   w->timeout_s = timeout_s;
@@ -311,6 +334,14 @@ void wire_close(int64_t id) {
   for (auto& [rank, p] : w->peers) fds.push_back(p->fd);
   w.reset();  // stops and joins the writer
   for (int fd : fds) ::close(fd);
+}
+
+// The text of the last error an operator raised (empty: none), and forget it.
+std::string wire_last_error() {
+  std::lock_guard<std::mutex> lock(last_error_mu);
+  std::string text;
+  text.swap(last_error);
+  return text;
 }
 
 // While ``dry``, sends do nothing and receives return zeros: a rank compiles and runs its
@@ -385,6 +416,7 @@ TORCH_LIBRARY(opweave, m) {
   m.def("wire_drain(int wire) -> ()", &wire_drain);
   m.def("wire_close(int wire) -> ()", &wire_close);
   m.def("wire_dry(int wire, bool dry) -> ()", &wire_dry);
+  m.def("wire_last_error() -> str", &wire_last_error);
   m.def("wire_stats(int wire) -> Tensor", &wire_stats);
   m.def("send(Tensor data, Tensor after, Tensor when, int wire, int peer, int tag) -> Tensor");
   m.def("recv(Tensor after, int wire, int peer, int tag, int nbytes) -> Tensor");

@@ -59,7 +59,7 @@ from .control import (
 )
 from .decode import DECODE_STEPS
 from .placement import Placement, check_plan, total_ranks
-from .rank import CONTROL_KEY, RankSpec, in_namespace, run_rank
+from .rank import CONTROL_KEY, RankSpec, in_namespace, rank_programs, run_rank
 from .results import RankStats
 from .schedule import compile_schedule
 from .weights import Checkpoint
@@ -423,7 +423,7 @@ class Cluster:
         check_plan(plan, model)
         check_weights(model_dir, model)
         spin_budget(own_core=False)  # a malformed OPWEAVE_WAIT fails here, before any rank starts
-        if device == "cpu" and DECODE_STEPS.get(decode_step) is not None:
+        if rank_programs(device, decode_step):
             native.load()  # built once here (cached), not by every rank at once
         self.plan = plan
         self.placement = Placement(plan, model)
@@ -1058,6 +1058,8 @@ def run_node(
         raise OpWeaveRuntimeError(f"node rank {node_rank} is not in 1..{nnodes - 1}")
     key = run_secret(multi_process_origin=True)
     host = node_address(master_addr)
+    if rank_programs(device, decode_step):
+        native.load()  # built once here (cached), not by every rank at once
     run_dir = Path(tempfile.mkdtemp(prefix="opweave-node-"))
     children: list[_Child] = []
     try:

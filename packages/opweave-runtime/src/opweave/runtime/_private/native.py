@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import os
 import re
 import socket
 import sys
@@ -57,8 +56,9 @@ def load() -> None:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         first = next((line for line in lines if "error" in line.lower()), lines[0])[:300]
         raise OpWeaveRuntimeError(
-            f"could not build the native extension ({first}); it needs a C++17 compiler (g++) "
-            "and ninja on PATH, or run with --decode-step static"
+            f"could not build the native extension ({first}); rank programs need a C++17 "
+            "compiler (g++) and ninja on PATH; without them set OPWEAVE_RANK_PROGRAM=0 or run "
+            "--decode-step static"
         ) from None
     _register_fakes()
     _loaded = True
@@ -81,13 +81,18 @@ def _register_fakes() -> None:
         return torch.empty_like(x)
 
 
-def peer_error(exc: RuntimeError, what: Mapping[int, str] | None = None) -> PeerError | None:
-    """The :class:`PeerError` a native operator's failure stands for (None: not a peer's);
-    ``what`` names each tag's message ("receiving segment 2 microbatch 0")."""
+def translate(exc: RuntimeError, what: Mapping[int, str] | None = None) -> Exception:
+    """What a native operator's failure stands for: a :class:`PeerError` naming the peer, with
+    ``what`` naming each tag's message ("receiving segment 2 microbatch 0"); the extension's
+    own words for another failure of it; else ``exc`` itself. A compiled graph's wrapper
+    replaces an operator's message with its own: the operator's is then read back from the
+    extension."""
     text = str(exc)
+    if _loaded and "opweave::" in text and "opweave-peer" not in text:
+        text = str(torch.ops.opweave.wire_last_error()) or text
     found = _PEER_ERROR.search(text)
     if found is None:
-        return None
+        return OpWeaveRuntimeError(text) if text != str(exc) else exc
     message = found.group(2).strip().splitlines()[0]
     if what:
         tag = re.search(r"message (\d+)", message)
@@ -102,7 +107,9 @@ class NativeWire:
 
     def __init__(self, sockets: Mapping[int, socket.socket], timeout_s: float, spin_s: float):
         load()
-        self.id = next(_ids) + 1000 * os.getpid()
+        # a constant of the compiled program: numbered per process, so the same in every run
+        # of a plan (inductor's cache then serves the next run)
+        self.id = next(_ids)
         torch.ops.opweave.wire_open(self.id, float(timeout_s), float(spin_s))
         for peer, sock in sockets.items():
             torch.ops.opweave.wire_add(self.id, peer, sock.detach())
@@ -145,7 +152,7 @@ def _as_peer_error(what: Mapping[int, str] | None = None):
     try:
         yield
     except RuntimeError as exc:
-        error = peer_error(exc, what)
-        if error is None:
+        error = translate(exc, what)
+        if error is exc:
             raise
         raise error from None

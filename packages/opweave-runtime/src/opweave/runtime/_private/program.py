@@ -12,14 +12,17 @@ call from Python with nothing of Python between its actions, as a CUDA-graph rep
 What stays on the host, before the call: each action's schedule (its requests' rows, positions
 and state rows: :meth:`.decode.DecodeStep.schedule`), the tokens the driver sent and those the
 previous iteration forwarded; after it: the tokens to the driver, and tokens forwarded from the
-host (a request sampled with a temperature: the host samples it). Operators and communication
-keep the schedule's order because every action's first operator takes the previous action's
-last output (a token, ``after``): the traced graph is one chain, whatever inductor reorders.
+host (a request sampled with a temperature: the host samples it). The communication keeps the
+schedule's order whatever inductor reorders: each receive and send takes the previous one's
+output as a dependency (``after``), and so does each action's input, so the wire's operators
+and the actions' starts form one chain. Within an action, operators and TP collectives follow
+their data, as in a segment's own compiled step.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -27,6 +30,7 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 from ..errors import OpWeaveRuntimeError
+from . import decode
 from .decode import DecodeStep, _allow_many_graphs, _distrust_graphs
 from .native import load
 from .schedule import Compute
@@ -159,7 +163,10 @@ class RankProgram:
             offset = 0
             for name, nbytes in zip(names, sizes, strict=True):
                 dtype, shape = spec[name]
-                piece = raw[offset : offset + nbytes].view(dtype).view(rows, *shape)
+                piece = raw[offset : offset + nbytes]
+                if offset % dtype.itemsize:  # a view needs the element's alignment
+                    piece = piece.clone()
+                piece = piece.view(dtype).view(rows, *shape)
                 parts[name].append(piece)
                 offset += nbytes
         return {  # in the warm-up's order, as the step was compiled
@@ -187,7 +194,23 @@ class RankProgram:
         for step, (_, _, span) in zip(self.steps, schedules, strict=True):
             step.mark_dynamic(span)  # one graph for every span and slab size
         flags = torch.tensor([1 if f else 0 for f in forward], dtype=torch.int64)
-        outputs, _ = self._fn(first_inputs, schedules, flags, self._ones)
+        args = (first_inputs, schedules, flags, self._ones)
+        try:
+            outputs, _ = self._fn(*args)
+        except RuntimeError as err:  # under trust, raised before the program runs anything
+            if not (decode._trusted and decode._SKIP_STANCE_RECOMPILE in str(err)):
+                raise
+            print(
+                f"opweave: rank {self.rank}'s program met inputs its warm-up did not compile it "
+                "for; compiling it now (a run's other ranks wait up to --timeout-s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            _distrust_graphs()
+            try:
+                outputs, _ = self._fn(*args)
+            finally:
+                decode.trust_warm_graphs()
         return outputs
 
     def padding(self) -> tuple[list[dict[str, torch.Tensor]], list[Schedule]]:

@@ -46,7 +46,7 @@ from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import TokenBatch
 from .control import ChannelClosed, ControlClient, store_namespace
 from .decode import DECODE_STEPS, compiled_graphs, is_decode, trust_warm_graphs
-from .native import peer_error
+from .native import translate
 from .placement import Placement
 from .program import RankProgram
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
@@ -167,12 +167,14 @@ class StageWorker:
             if spec.rank in ranks:
                 self.group = g
         own_core = self.device.type == "cpu" and pin_to_core(spec.local_rank, spec.local_world_size)
-        # CPU ranks whose steps trace run each decode iteration as one rank program
-        self._programs = (
-            self.device.type == "cpu"
-            and DECODE_STEPS.get(spec.decode_step) is not None
-            and os.environ.get(PROGRAM_ENV, "1") != "0"
-        )
+        self._programs = rank_programs(self.device.type, spec.decode_step)
+        agreed: list[bool | None] = [None] * spec.world_size
+        dist.all_gather_object(agreed, self._programs)
+        if len(set(agreed)) > 1:
+            raise OpWeaveRuntimeError(
+                f"ranks {[r for r, on in enumerate(agreed) if on]} run rank programs and the "
+                f"others do not: set {PROGRAM_ENV} alike on every node"
+            )
         self.transport = Transport(
             spec.rank,
             self.device,
@@ -249,7 +251,6 @@ class StageWorker:
                     self._next_message()
                     continue
                 self._maybe_fault(i)
-                finals = set()
                 if not self._program_iteration(i, mine, done):
                     for action in self.actions:
                         k = action.microbatch
@@ -464,8 +465,8 @@ class StageWorker:
             with torch.inference_mode():
                 outputs = program(firsts, schedules, forward)
         except RuntimeError as exc:
-            error = peer_error(exc, program.what)
-            if error is None:
+            error = translate(exc, program.what)
+            if error is exc:
                 raise
             raise error from None
         took = time.perf_counter() - start
@@ -777,6 +778,16 @@ class StageWorker:
             "bytes_sent": self.transport.bytes_sent,
             "messages_sent": self.transport.messages_sent,
         }
+
+
+def rank_programs(device: str, decode_step: str) -> bool:
+    """Whether ranks run each decode iteration as one rank program (:mod:`.program`): CPU
+    ranks whose decode steps trace, unless ``OPWEAVE_RANK_PROGRAM=0``."""
+    return (
+        device == "cpu"
+        and DECODE_STEPS.get(decode_step) is not None
+        and os.environ.get(PROGRAM_ENV, "1").strip() != "0"
+    )
 
 
 def apply_kernels(module: StageModule, choice: str, *, gemms_only: bool = False) -> list[str]:

@@ -170,13 +170,15 @@ class Transport:
     # -- rows of static decode steps ----------------------------------------------------------
     def send_rows(self, message: Message, parts: Sequence[torch.Tensor], epoch: int) -> None:
         """Queue ``parts`` (contiguous row ranges of a step's outputs, in the order the
-        receiver expects them) for ``message.peer`` as one headerless message, without blocking.
+        receiver expects them) for ``message.peer`` as one message without a header of its
+        own, without blocking. On the native wire they are copied into one buffer (the wire
+        frames it with its length and tag, and copies what the socket does not take at once).
         On the socket wire the bytes go out of the tensors themselves: leave them unchanged
         until the sends of ``epoch`` are reaped (:meth:`reap`). Through ``torch.distributed``
         they are copied into one buffer on the device, sent in one transfer."""
         start = time.perf_counter()
         raw = [byte_view(t).reshape(-1) for t in parts]
-        if self.native is not None:  # copies what the socket does not take at once
+        if self.native is not None:
             self.native.send(message.peer, message.tag, raw, self.native.ones)
         elif self._wire is not None:
             self._post(message, raw, epoch)
