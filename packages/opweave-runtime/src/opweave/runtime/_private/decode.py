@@ -169,17 +169,30 @@ class DecodeStep:
         return self._launch(tensors, *self.schedule(request_ids, context_lens, place))
 
     def schedule(
-        self, request_ids: Sequence[str], context_lens: Sequence[int], place: Sequence[int]
+        self,
+        request_ids: Sequence[str],
+        context_lens: Sequence[int],
+        place: Sequence[int],
+        *,
+        also: Sequence[DecodeStep] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The host side of a step with request ``i`` in row ``place[i]``: check the rows,
         bring every request's state into its slab row, and return each row's position and state
-        row, and the span attention reads (no requests: every row padding, a span of 2)."""
+        row, and the span attention reads (no requests: every row padding, a span of 2).
+
+        ``also``: other steps of the same stage, on as many rows, that run the same requests in
+        the same rows this iteration (a rank's other segments for the microbatch): their host
+        side is done here too, and the returned schedule serves them as well (a step without
+        state ignores the state rows)."""
         n, size = len(request_ids), self.size
         if len(place) != n or len(set(place)) != n or not all(0 <= p < size for p in place):
             raise OpWeaveRuntimeError(f"a decode step of {size} rows cannot place rows {place}")
-        rows = self._state_rows(request_ids)
+        if any(step.size != size for step in also):
+            raise OpWeaveRuntimeError("steps sharing a schedule must have as many rows")
+        stateful = [op for step in (self, *also) for op in step.stateful]
+        rows = self._state_rows(request_ids, stateful)
         span = torch.empty(max(context_lens, default=1) + 1, dtype=torch.uint8)
-        scratch = self._begin(request_ids, context_lens, span.shape[0])
+        scratch = self._begin(request_ids, context_lens, span.shape[0], stateful)
         positions, state_rows = [0] * size, [scratch] * size
         for p, context_len in zip(place, context_lens, strict=True):
             positions[p] = context_len
@@ -191,14 +204,21 @@ class DecodeStep:
             span,
         )
 
-    def _begin(self, request_ids: Sequence[str], context_lens: Sequence[int], span: int) -> int:
-        """:func:`~.ops.begin_static_step` of the stateful operators for a step reading
-        ``span`` slots; returns the step's scratch row, past every held request's row (not only
-        this step's)."""
-        if not self.stateful:
+    def _begin(
+        self,
+        request_ids: Sequence[str],
+        context_lens: Sequence[int],
+        span: int,
+        stateful: Sequence[StatefulOperator] | None = None,
+    ) -> int:
+        """:func:`~.ops.begin_static_step` of the stateful operators (default: the step's) for
+        a step reading ``span`` slots; returns the step's scratch row, past every held
+        request's row (not only this step's)."""
+        stateful = self.stateful if stateful is None else stateful
+        if not stateful:
             return 0
-        scratch = max(self.stateful[0].highest_row() + 1, self.reserved_rows)
-        begin_static_step(self.stateful, request_ids, context_lens, scratch + 1, span=span)
+        scratch = max(stateful[0].highest_row() + 1, self.reserved_rows)
+        begin_static_step(stateful, request_ids, context_lens, scratch + 1, span=span)
         return scratch
 
     def _launch(
@@ -257,12 +277,16 @@ class DecodeStep:
                     for dim in pool.growing_dims:
                         maybe_mark_dynamic(slab, dim)
 
-    def _state_rows(self, request_ids: Sequence[str]) -> list[int]:
-        """Each request's state row (every stateful operator of a stage admits alike)."""
-        if not self.stateful:
+    def _state_rows(
+        self, request_ids: Sequence[str], stateful: Sequence[StatefulOperator] | None = None
+    ) -> list[int]:
+        """Each request's state row (every stateful operator of a stage admits alike; default:
+        the step's)."""
+        stateful = self.stateful if stateful is None else stateful
+        if not stateful:
             return []
-        first = self.stateful[0]
-        for op in self.stateful[1:]:
+        first = stateful[0]
+        for op in stateful[1:]:
             if op._rows != first._rows:
                 raise OpWeaveRuntimeError(
                     f"L{op.layer}.{op.name} holds the requests in other state rows than "

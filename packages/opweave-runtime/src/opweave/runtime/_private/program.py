@@ -9,8 +9,8 @@ decode step, its sends (``opweave.send``) and, at the last segment, the sampled 
 to the first segment's leaders. Compiled by inductor with its C++ wrapper, the iteration is one
 call from Python with nothing of Python between its actions, as a CUDA-graph replay is on a GPU.
 
-What stays on the host, before the call: each action's schedule (its requests' rows, positions
-and state rows: :meth:`.decode.DecodeStep.schedule`), the tokens the driver sent and those the
+What stays on the host, before the call: each microbatch's schedule (its requests' rows,
+positions and state rows, one for all its actions: :meth:`.decode.DecodeStep.schedule`), the tokens the driver sent and those the
 previous iteration forwarded; after it: the tokens to the driver, and tokens forwarded from the
 host (a request sampled with a temperature: the host samples it). The communication keeps the
 schedule's order whatever inductor reorders: each receive and send takes the previous one's
@@ -84,6 +84,11 @@ class RankProgram:
         # launches from Python per call: one native call, else each operator of each step
         self.submissions = 1 if self.native else sum(len(s.ops) for s in self.steps)
         self.microbatches = sorted({a.microbatch for a in self.actions})
+        # each microbatch's steps, in the order of its actions (they share its rows)
+        self.microbatch_steps = {
+            k: [s for a, s in zip(self.actions, self.steps, strict=True) if a.microbatch == k]
+            for k in self.microbatches
+        }
         self.what = {  # a message's tag -> what receiving it is, for errors
             m.tag: f"receiving segment {a.segment} microbatch {a.microbatch}"
             for a in self.actions
@@ -187,8 +192,9 @@ class RankProgram:
         forward: Sequence[bool],
     ) -> list[dict[str, torch.Tensor]]:
         """Run the iteration: ``first_inputs`` per first-segment action (in order), each
-        action's schedule, and per microbatch (in order) whether its tokens go forward from
-        inside the program. Returns the last segment's outputs per last-segment action."""
+        action's schedule (the same object for a microbatch's actions, as :meth:`padding`
+        makes them), and per microbatch (in order) whether its tokens go forward from inside
+        the program. Returns the last segment's outputs per last-segment action."""
         if len(schedules) != len(self.actions):
             raise OpWeaveRuntimeError("a rank program needs a schedule per action")
         for step, (_, _, span) in zip(self.steps, schedules, strict=True):
@@ -220,4 +226,7 @@ class RankProgram:
             for a, i in zip(self.actions, self.inputs, strict=True)
             if a.first
         ]
-        return firsts, [step.schedule((), (), ()) for step in self.steps]
+        # one schedule per microbatch, shared by its actions as in traffic (the graph is traced
+        # for inputs that alias alike)
+        shared = {k: steps[0].schedule((), (), ()) for k, steps in self.microbatch_steps.items()}
+        return firsts, [shared[a.microbatch] for a in self.actions]

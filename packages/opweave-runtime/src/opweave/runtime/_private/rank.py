@@ -434,12 +434,20 @@ class StageWorker:
         firsts: list[dict[str, torch.Tensor]] = []
         schedules = []
         rows: list[tuple[Work, list[str], list[int]]] = []  # per action: work, requests, rows
+        # a microbatch's actions run its requests in the same rows (this replica's slots): one
+        # schedule serves them all, made at its first action with the others' steps
+        shared: dict[int, Any] = {}
         with torch.inference_mode():
             for action, step in zip(self.actions, program.steps, strict=True):
-                work = works[action.microbatch]
+                k = action.microbatch
+                work = works[k]
                 idx = work.requests_in(action.slots)
                 place = [work.slots[j] - action.slots.start for j in idx]
                 rids = [work.request_ids[j] for j in idx]
+                if k not in shared:
+                    ctx = [work.context_lens[j] for j in idx]
+                    also = program.microbatch_steps[k][1:]
+                    shared[k] = step.schedule(rids, ctx, place, also=also)
                 if action.first:
                     self._take_tokens(action, work, i)
                     inputs = self._rows_in[(action.segment, action.microbatch)][i & 1]
@@ -449,8 +457,7 @@ class StageWorker:
                             [work.token_ids[j] for j in idx], dtype=torch.int64
                         )
                     firsts.append(inputs)
-                ctx = [work.context_lens[j] for j in idx]
-                schedules.append(step.schedule(rids, ctx, place))
+                schedules.append(shared[k])
                 rows.append((work, rids, place))
         ends = [(a, r) for a, r in zip(self.actions, rows, strict=True) if a.last]
         # a request sampled on the host forwards its token from the host: then all of them do,
