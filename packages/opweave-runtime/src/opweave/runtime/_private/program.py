@@ -10,13 +10,15 @@ to the first segment's leaders. Compiled by inductor with its C++ wrapper, the i
 call from Python with nothing of Python between its actions, as a CUDA-graph replay is on a GPU.
 
 What stays on the host, before the call: each microbatch's schedule (its requests' rows,
-positions and state rows, one for all its actions: :meth:`.decode.DecodeStep.schedule`), the tokens the driver sent and those the
-previous iteration forwarded; after it: the tokens to the driver, and tokens forwarded from the
-host (a request sampled with a temperature: the host samples it). The communication keeps the
-schedule's order whatever inductor reorders: each receive and send takes the previous one's
-output as a dependency (``after``), and so does each action's input, so the wire's operators
-and the actions' starts form one chain. Within an action, operators and TP collectives follow
-their data, as in a segment's own compiled step.
+positions and state rows, one for all its actions: :meth:`.decode.DecodeStep.schedule`), the
+tokens the driver sent and those the previous iteration forwarded; after it: the tokens to the
+driver, and tokens forwarded from the host (a request sampled with a temperature: the host
+samples it).
+
+The communication keeps the schedule's order whatever inductor reorders: each receive and send
+takes the previous one's output as a dependency (``after``), and so does each action's input,
+so the wire's operators and the actions' starts form one chain. Within an action, operators and
+TP collectives follow their data, as in a segment's own compiled step.
 """
 
 from __future__ import annotations
