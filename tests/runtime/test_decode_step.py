@@ -306,14 +306,13 @@ def test_plans_serve_the_same_tokens_with_static_steps(
         if decode_step != "compiled":  # the operators still launch one by one
             assert after.submissions_per_token == before.submissions_per_token
             continue
-        # the prefill iteration launches every operator of every action (microbatch), each
-        # decode iteration one rank program
-        actions = after.computes_per_iteration
-        per_iteration = actions * len(operator_sequence(model_dir))
-        worked = round(before.submissions_per_token * before.iterations) // per_iteration
-        launches = round(after.submissions_per_token * after.iterations)
-        assert launches == per_iteration + (worked - 1)
-        assert worked == MAX_NEW_TOKENS  # one prefill and 11 decode iterations ran
+        # the prefill iteration launches every operator of every action (microbatch), each of
+        # the decode iterations after it one rank program
+        per_iteration = after.computes_per_iteration * len(operator_sequence(model_dir))
+        assert before.submissions_per_token == per_iteration
+        assert before.decode_iterations == after.decode_iterations == MAX_NEW_TOKENS - 1
+        assert after.submissions_per_token == 1
+        assert after.submissions == per_iteration + after.decode_iterations
 
 
 @pytest.mark.parametrize("decode_step", ["static", "traced"])

@@ -135,12 +135,13 @@ def test_a_decode_iteration_is_one_program_and_tokens_are_transformers(
         assert r.traffic_compiles == 0
         if decode_step != "compiled":
             continue
-        # the prefill iteration launches each operator of each action; every decode iteration
-        # after it is one call (but an iteration after a microbatch's last one, which runs its
-        # actions one at a time and here has no requests: nothing to launch)
+        # every decode iteration is one call; the prefill iteration launches each operator of
+        # each action (an iteration after a microbatch's last one runs its actions one at a
+        # time, and here has no requests: it launches nothing and is no decode iteration)
+        assert r.submissions_per_token == 1
+        assert MAX_NEW_TOKENS - 2 <= r.decode_iterations <= r.iterations - 1
         prefill = sum(len(a.ops) for a in compile_schedule(placement, r.rank))
-        decode = round(r.submissions_per_token * r.iterations) - prefill
-        assert MAX_NEW_TOKENS - 2 <= decode <= r.iterations - 1
+        assert r.submissions == prefill + r.decode_iterations
 
 
 def test_a_compiled_program_calls_the_wire_without_python(pair):

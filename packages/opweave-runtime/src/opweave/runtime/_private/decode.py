@@ -260,13 +260,15 @@ class DecodeStep:
         finally:
             trust_warm_graphs()
 
-    def mark_dynamic(self, span: torch.Tensor) -> None:
+    def mark_dynamic(self, span: torch.Tensor | None) -> None:
         """One graph for every span and slab size: mark them symbolic, so that growing
         recompiles nothing. A slab pool's tensors are marked when it allocates them (its
-        ``version`` changes), not before every step."""
+        ``version`` changes), not before every step; ``span`` None: only the slabs (steps that
+        share a schedule mark its span once)."""
         from torch._dynamo import maybe_mark_dynamic
 
-        maybe_mark_dynamic(span, 0)
+        if span is not None:
+            maybe_mark_dynamic(span, 0)
         if self._pools is None:  # after the first _begin every stateful layer has its pool
             pools = {id(op._slab_pool): op._slab_pool for op in self.stateful}
             self._pools = [pool for pool in pools.values() if pool is not None]

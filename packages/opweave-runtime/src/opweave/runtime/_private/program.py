@@ -86,11 +86,20 @@ class RankProgram:
         # launches from Python per call: one native call, else each operator of each step
         self.submissions = 1 if self.native else sum(len(s.ops) for s in self.steps)
         self.microbatches = sorted({a.microbatch for a in self.actions})
-        # each microbatch's steps, in the order of its actions (they share its rows)
+        # each microbatch's steps, in the order of its actions, and the slots they share (a
+        # rank holds one replica's slots of each microbatch: its requests sit in the same rows
+        # at every action)
         self.microbatch_steps = {
             k: [s for a, s in zip(self.actions, self.steps, strict=True) if a.microbatch == k]
             for k in self.microbatches
         }
+        self.slots: dict[int, range] = {}
+        for a in self.actions:
+            if self.slots.setdefault(a.microbatch, a.slots) != a.slots:
+                raise OpWeaveRuntimeError(
+                    f"rank {rank}: microbatch {a.microbatch}'s actions hold different slots"
+                )
+        self.first_actions = [a for a in self.actions if a.first]
         self.what = {  # a message's tag -> what receiving it is, for errors
             m.tag: f"receiving segment {a.segment} microbatch {a.microbatch}"
             for a in self.actions
@@ -199,7 +208,10 @@ class RankProgram:
         the program. Returns the last segment's outputs per last-segment action."""
         if len(schedules) != len(self.actions):
             raise OpWeaveRuntimeError("a rank program needs a schedule per action")
-        for step, (_, _, span) in zip(self.steps, schedules, strict=True):
+        marked: set[int] = set()  # a microbatch's steps share one schedule: mark its span once
+        for step, schedule in zip(self.steps, schedules, strict=True):
+            span = None if id(schedule) in marked else schedule[2]
+            marked.add(id(schedule))
             step.mark_dynamic(span)  # one graph for every span and slab size
         flags = torch.tensor([1 if f else 0 for f in forward], dtype=torch.int64)
         args = (first_inputs, schedules, flags, self._ones)

@@ -117,6 +117,11 @@ class _Clock:
     compute_s: float = 0.0
     started: float | None = None
     runq_at_start: float = 0.0
+    # decode iterations (every microbatch the rank ran was a decode step, and it launched
+    # something): how many, their launches from Python and their host time
+    decode_iterations: int = 0
+    decode_submissions: int = 0
+    decode_host_s: float = 0.0
     timeline: dict[str, list[float]] = field(
         default_factory=lambda: {"end_s": [], "busy_s": [], "comm_s": [], "runq_s": []}
     )
@@ -251,6 +256,7 @@ class StageWorker:
                     self._next_message()
                     continue
                 self._maybe_fault(i)
+                submissions = self.module.submissions
                 if not self._program_iteration(i, mine, done):
                     for action in self.actions:
                         k = action.microbatch
@@ -258,25 +264,37 @@ class StageWorker:
                             continue
                         work = self._work(i, k)
                         self._compute(action, work, i)
-                finals = {k for k in mine - done if self._works[(i, k)].final}
+                ran = mine - done
+                decode = all(self._works[(i, k)].decode for k in ran)
+                finals = {k for k in ran if self._works[(i, k)].final}
                 done |= finals
                 self._works = {key: w for key, w in self._works.items() if key[0] > i}
                 self._synced = {key for key in self._synced if key[0] > i}
                 self.transport.reap(before_epoch=i)
                 i += 1
                 self.iterations = i
-                self._mark()
+                self._mark(self.module.submissions - submissions if decode else 0)
         except _Shutdown:
             pass
         self.transport.flush()
 
-    def _mark(self) -> None:
+    def _mark(self, decode_submissions: int) -> None:
+        """The iteration's end on the timeline; ``decode_submissions``: its launches, if it
+        was a decode iteration (else 0)."""
         assert self.clock.started is not None
         line = self.clock.timeline
         line["end_s"].append(time.perf_counter() - self.clock.started)
         line["busy_s"].append(self.clock.compute_s)
         line["comm_s"].append(self.transport.comm_s)
         line["runq_s"].append(self.runq.seconds() - self.clock.runq_at_start)
+        if decode_submissions:
+            ends, busy, comm = line["end_s"], line["busy_s"], line["comm_s"]
+            took = ends[-1] - busy[-1] - comm[-1]  # since the loop started
+            if len(ends) > 1:  # since the previous iteration's end
+                took -= ends[-2] - busy[-2] - comm[-2]
+            self.clock.decode_iterations += 1
+            self.clock.decode_submissions += decode_submissions
+            self.clock.decode_host_s += max(took, 0.0)
 
     def _next_message(self) -> None:
         """Take one control message into the work buffer; raises :class:`_Shutdown`."""
@@ -432,33 +450,35 @@ class StageWorker:
         if not all(w.decode for w in works.values()):
             return False
         firsts: list[dict[str, torch.Tensor]] = []
-        schedules = []
-        rows: list[tuple[Work, list[str], list[int]]] = []  # per action: work, requests, rows
-        # a microbatch's actions run its requests in the same rows (this replica's slots): one
-        # schedule serves them all, made at its first action with the others' steps
+        # a microbatch's actions run its requests in the same rows (this replica's slots, which
+        # RankProgram checks): their rows and one schedule serve them all, made once with every
+        # step of the microbatch
+        each: dict[int, tuple[Work, list[str], list[int]]] = {}  # work, requests, rows
+        index: dict[int, list[int]] = {}  # the requests' indices in the work
         shared: dict[int, Any] = {}
         with torch.inference_mode():
-            for action, step in zip(self.actions, program.steps, strict=True):
-                k = action.microbatch
-                work = works[k]
-                idx = work.requests_in(action.slots)
-                place = [work.slots[j] - action.slots.start for j in idx]
+            for k, steps in program.microbatch_steps.items():
+                work, slots = works[k], program.slots[k]
+                idx = work.requests_in(slots)
+                place = [work.slots[j] - slots.start for j in idx]
                 rids = [work.request_ids[j] for j in idx]
-                if k not in shared:
-                    ctx = [work.context_lens[j] for j in idx]
-                    also = program.microbatch_steps[k][1:]
-                    shared[k] = step.schedule(rids, ctx, place, also=also)
-                if action.first:
-                    self._take_tokens(action, work, i)
-                    inputs = self._rows_in[(action.segment, action.microbatch)][i & 1]
-                    if not work.carried and idx:
-                        assert work.token_ids is not None
-                        inputs["token_ids"][torch.tensor(place, dtype=torch.int64)] = torch.tensor(
-                            [work.token_ids[j] for j in idx], dtype=torch.int64
-                        )
-                    firsts.append(inputs)
-                schedules.append(shared[k])
-                rows.append((work, rids, place))
+                ctx = [work.context_lens[j] for j in idx]
+                shared[k] = steps[0].schedule(rids, ctx, place, also=steps[1:])
+                each[k], index[k] = (work, rids, place), idx
+            for action in program.first_actions:
+                k = action.microbatch
+                work, rids, place = each[k]
+                self._take_tokens(action, work, i)
+                inputs = self._rows_in[(action.segment, k)][i & 1]
+                if not work.carried and rids:
+                    assert work.token_ids is not None
+                    ids = [work.token_ids[j] for j in index[k]]
+                    inputs["token_ids"][torch.tensor(place, dtype=torch.int64)] = torch.tensor(
+                        ids, dtype=torch.int64
+                    )
+                firsts.append(inputs)
+        schedules = [shared[a.microbatch] for a in self.actions]
+        rows = [each[a.microbatch] for a in self.actions]
         ends = [(a, r) for a, r in zip(self.actions, rows, strict=True) if a.last]
         # a request sampled on the host forwards its token from the host: then all of them do,
         # in the schedule's order
@@ -524,9 +544,10 @@ class StageWorker:
         (greedy), or sampled here from their logits."""
         if not rids:
             return []
-        rows = torch.tensor(place, dtype=torch.int64, device=out["token_ids"].device)
         if self._all_greedy(rids):
-            return out["token_ids"][rows].tolist()
+            ids = out["token_ids"].tolist()  # a row per slot: a few integers
+            return [ids[p] for p in place]
+        rows = torch.tensor(place, dtype=torch.int64, device=out["token_ids"].device)
         return self._sample_tokens(rids, out["logits"][rows])
 
     def _all_greedy(self, rids: Sequence[str]) -> bool:
@@ -748,7 +769,8 @@ class StageWorker:
         loop = line["end_s"][-1] if line["end_s"] else 0.0
         comm = self.transport.comm_s
         overhead = max(loop - self.clock.compute_s - comm, 0.0)
-        iterations = max(self.iterations - self._warm_up_iterations, 1)
+        clock = self.clock
+        decodes = max(clock.decode_iterations, 1)
         return {
             "rank": self.rank,
             "owner": info.owner,
@@ -771,8 +793,10 @@ class StageWorker:
             "iterations": self.iterations - self._warm_up_iterations,
             "computes_per_iteration": len(self.actions),
             "decode_step": self.spec.decode_step,
-            "submissions_per_token": self.module.submissions / iterations,
-            "host_s_per_token": overhead / iterations,
+            "submissions": self.module.submissions,
+            "decode_iterations": clock.decode_iterations,
+            "submissions_per_token": clock.decode_submissions / decodes,
+            "host_s_per_token": clock.decode_host_s / decodes,
             "warm_up_s": self._warm_up_s,
             "traffic_compiles": (
                 compiled_graphs() - self._graphs_at_warm_up

@@ -70,13 +70,26 @@ class RankStats(_Frozen):
     decode_step: str = Field(
         description='How decode steps ran: "per-request", "static", "compiled" or "traced".'
     )
+    submissions: int = Field(
+        default=0,
+        description="Launches from Python over the run: one per operator run, one per action "
+        "whose decode step ran as a compiled static step, one per decode iteration run as a "
+        "compiled rank program.",
+    )
+    decode_iterations: int = Field(
+        default=0,
+        description="Iterations in which every microbatch the rank ran was a decode step (one "
+        "new token per request) and it launched something: the tokens the next two figures "
+        "are per.",
+    )
     submissions_per_token: float = Field(
-        description="Launches from Python per iteration: one per operator run, one per "
-        "action whose decode step ran as a compiled static step, or one per decode iteration "
-        "run as a compiled rank program (1 per token, CPU)."
+        description="Launches from Python per decode iteration: one per operator, one per "
+        "segment whose step is compiled, or 1 where a compiled rank program runs the whole "
+        "iteration (CPU). Prefills are in submissions, not here."
     )
     host_s_per_token: float = Field(
-        description="overhead_s per iteration: host time outside operators and transfers."
+        description="Host time per decode iteration outside operators and transfers (the "
+        "decode iterations' share of overhead_s)."
     )
     warm_up_s: float = Field(
         default=0.0,
