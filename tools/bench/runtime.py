@@ -57,6 +57,8 @@ def bench(
         gpu="cpu",
         batch=len(requests),
         microbatches=1 if strategy == "colocated" else mb,
+        # as a plan made for these requests: state slabs sized once, for the longest
+        context_tokens=max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests),
     )
     result = run_plan(plan, model_dir, requests, decode_step=decode_step)
     assert result is not None
