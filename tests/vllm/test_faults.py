@@ -178,3 +178,25 @@ def test_sigkill_of_a_rank_on_another_node(model, tmp_path):
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
             node1.wait()
+
+
+def test_a_rank_that_fails_its_warm_up_stops_serve_with_one_line(model, tmp_path):
+    """A rank that dies before the server is up (here in the warm-up's prefill) makes vLLM's
+    engine fail to start: ``opweave serve`` exits 2 with the ranks' reason as its one ``error:``
+    line (not vLLM's "Engine core initialization failed"), leaving no process or run folder."""
+    runs_before = set(Path(tempfile.gettempdir()).glob("opweave-*"))
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    environ |= {"HF_HUB_OFFLINE": "1", "OPWEAVE_FAULT": "1:0:exit"}
+    args = ["--strategy", "afd", "--model-path", str(model), *SERVER, "--port", str(free_port())]
+    proc = subprocess.run(
+        [sys.executable, "-m", "opweave.cli", "serve", *args],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("error: rank 1 (owner 1, replica 0: stages")
+    assert lines[0].endswith("exited with status 1; the run was stopped")
+    assert set(Path(tempfile.gettempdir()).glob("opweave-*")) <= runs_before

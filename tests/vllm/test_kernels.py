@@ -332,15 +332,16 @@ def test_a_core_attention_only_rank_runs_the_bfloat16_kernels(tiny_model, tmp_pa
 
 
 def test_a_compiled_decode_step_multiplies_with_vllms_gemms(model_dir):
-    """``--kernels vllm`` with ``--decode-step compiled``: every projection is prepacked for
-    vLLM's ``onednn_mm``, which inductor compiles into each segment's native step (vLLM's other
-    CPU ops do not trace, so they are not taken); the steps compile at the warm-up, each action
-    launches once per decode token, and the tokens stay the runtime's."""
+    """``--kernels vllm`` with ``--decode-step compiled``, on vLLM's torch and over TP groups of
+    two: every projection is prepacked for vLLM's ``onednn_mm``, which inductor compiles into
+    each rank's native program with the TP all-reduces and gathers (vLLM's other CPU ops do not
+    trace, so they are not taken); the programs compile at the warm-up, a decode iteration is
+    one launch, and the tokens stay the runtime's."""
     from opweave.costmodel import canonical_plan, load_model
     from opweave.runtime import Request, run_plan
 
     path = model_dir("qwen3")
-    plan = canonical_plan(load_model(path), "afd", gpu="cpu", batch=2, microbatches=1)
+    plan = canonical_plan(load_model(path), "afd", gpu="cpu", batch=2, microbatches=1, tp=2)
     requests = [Request((5, 6, 7, 8), 8), Request(LONG_PROMPT, 8)]
     base = run_plan(plan, path, requests, timeout_s=120)
     fast = run_plan(plan, path, requests, kernels="vllm", decode_step="compiled", timeout_s=120)

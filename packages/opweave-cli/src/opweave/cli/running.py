@@ -532,18 +532,29 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
     with tempfile.TemporaryDirectory(prefix="opweave-serve-") as tmp, _temporary_folder(tmp):
         failure = Path(tmp) / "failure"
         os.environ[FAILURE_ENV] = str(failure)
-        stopped_by = run_server(
-            o["model_path"],
-            plan.model_dump(mode="json"),
-            host=o["host"],
-            port=o["port"],
-            api_key=o["api_key"],
-            chat_template=o["chat_template"],
-            vllm_args=vllm_args,
-            additional_config=extra,
-        )
-        if failure.is_file() and failure.read_text().strip():
-            raise OpWeaveError(failure.read_text().strip().splitlines()[0])
+
+        def failed() -> str | None:  # the ranks' failure, as the executor left it
+            text = failure.read_text().strip() if failure.is_file() else ""
+            return text.splitlines()[0] if text else None
+
+        try:
+            stopped_by = run_server(
+                o["model_path"],
+                plan.model_dump(mode="json"),
+                host=o["host"],
+                port=o["port"],
+                api_key=o["api_key"],
+                chat_template=o["chat_template"],
+                vllm_args=vllm_args,
+                additional_config=extra,
+            )
+        except Exception:  # vLLM's engine did not start: the ranks' reason, if they left one
+            reason = failed()
+            if reason is None:
+                raise
+            raise OpWeaveError(reason) from None
+        if failed() is not None:
+            raise OpWeaveError(str(failed()))
     if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt  # exit 130, as every command does on Ctrl-C
     # SIGTERM is how supervisors (systemd, Kubernetes) stop a server: an orderly exit, 0

@@ -4,10 +4,11 @@ Between static decode steps a rank's per-iteration schedule (:mod:`.schedule`) i
 segment runs for which microbatch, on how many rows, receiving which rows from which leaders and
 sending which to whom. :class:`RankProgram` traces that schedule once, every action in order,
 into one graph: per action the receives (``torch.ops.opweave.recv`` off the native wire,
-:mod:`.native`), the TP fan-out of what the leader received (a broadcast), the segment's
-decode step, its sends (``opweave.send``) and, at the last segment, the sampled tokens forwarded
-to the first segment's leaders. Compiled by inductor with its C++ wrapper, the iteration is one
-call from Python with nothing of Python between its actions, as a CUDA-graph replay is on a GPU.
+:mod:`.native`), the TP fan-out of what the leader received (a sum over the group, to which the
+others add zeros), the segment's decode step, its sends (``opweave.send``) and, at the last
+segment, the sampled tokens forwarded to the first segment's leaders. Compiled by inductor with
+its C++ wrapper, the iteration is one call from Python with nothing of Python between its
+actions, as a CUDA-graph replay is on a GPU.
 
 What stays on the host, before the call: each microbatch's schedule (its requests' rows,
 positions and state rows, one for all its actions: :meth:`.decode.DecodeStep.schedule`), the
@@ -46,8 +47,8 @@ class RankProgram:
 
     ``steps[a]`` is action ``a``'s decode step and ``inputs[a]`` its input tensors; ``wire``
     the native wire's id (None: a rank without peers); ``leader``: this rank receives and sends
-    for its TP group (``tp_leader``: the leader's rank within ``group``); ``compile``: the
-    torch.compile backend (``"inductor"``: the C++ wrapper, one native call)."""
+    for its TP group ``group``; ``compile``: the torch.compile backend (``"inductor"``: the C++
+    wrapper, one native call)."""
 
     def __init__(
         self,
@@ -59,7 +60,6 @@ class RankProgram:
         wire: int | None,
         leader: bool,
         group: object = None,
-        tp_leader: int = 0,
         compile: str | None = "inductor",
     ) -> None:
         for action, inp in zip(actions, inputs, strict=True):
@@ -81,7 +81,6 @@ class RankProgram:
         self.wire = wire
         self.leader = leader
         self.group = group
-        self.tp_leader = tp_leader
         self.native = compile == "inductor"
         # launches from Python per call: one native call, else each operator of each step
         self.submissions = 1 if self.native else sum(len(s.ops) for s in self.steps)
@@ -133,8 +132,10 @@ class RankProgram:
             else:
                 tensors = self._receive(action, spec, size, token)
                 if self.group is not None:  # the leader's rows to its TP group
+                    # a sum to which the others add zeros (exact), not a broadcast: inductor's
+                    # C++ wrapper cannot call broadcast_ on every torch a rank may run (2.13)
                     tensors = {
-                        name: funcol.broadcast(t, self.tp_leader, self.group)  # type: ignore[arg-type]
+                        name: funcol.all_reduce(t, "sum", self.group)  # type: ignore[arg-type]
                         for name, t in tensors.items()
                     }
             out = self.steps[a]._step(tensors, *schedules[a])
@@ -161,7 +162,7 @@ class RankProgram:
         self, action: Compute, spec: Inputs, size: int, token: torch.Tensor
     ) -> dict[str, torch.Tensor]:
         """The action's input rows: received from each source leader (the leader), or zeros a
-        TP broadcast fills (the others)."""
+        TP group's sum fills (the others)."""
         ops = torch.ops.opweave
         names = sorted(spec)  # the order the sender sends in
         if not self.leader:

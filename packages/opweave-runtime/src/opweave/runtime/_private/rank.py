@@ -657,9 +657,6 @@ class StageWorker:
             wire=native.id if native is not None else None,
             leader=leader,
             group=self.group if self.info.tp_size > 1 else None,
-            tp_leader=dist.get_group_rank(self.group, self.info.leader)  # type: ignore[arg-type]
-            if self.info.tp_size > 1
-            else 0,
             compile=DECODE_STEPS[self.spec.decode_step],
         )
         firsts, schedules = program.padding()

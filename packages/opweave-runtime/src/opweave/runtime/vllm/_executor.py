@@ -34,6 +34,16 @@ _lock = threading.Lock()
 _cls: type | None = None
 
 
+def _leave_failure(line: str) -> None:
+    """The failure's first line, for ``opweave serve`` to print when vLLM's server stops
+    (``FAILURE_ENV``; nothing without it)."""
+    failure_file = os.environ.get(FAILURE_ENV)
+    text = line.strip()
+    if failure_file and text:
+        with contextlib.suppress(OSError):
+            Path(failure_file).write_text(text.splitlines()[0] + "\n")
+
+
 def executor_class() -> type:
     """``OpWeaveExecutor``, a subclass of ``vllm.v1.executor.abstract.Executor`` (needs vLLM)."""
     global _cls
@@ -90,7 +100,7 @@ def _build() -> type:
     from vllm.v1.kv_cache_interface import FullAttentionSpec
     from vllm.v1.outputs import ModelRunnerOutput
 
-    from opweave.costmodel import canonical_plan, load_model
+    from opweave.costmodel import OpWeaveError, canonical_plan, load_model
 
     from .._private.cluster import Cluster
     from .._private.decode import DECODE_STEPS
@@ -159,21 +169,26 @@ def _build() -> type:
                 raise ValueError(
                     f"{DECODE_KEY} must be one of {', '.join(DECODE_STEPS)}, not {decode_step!r}"
                 )
-            self.cluster = Cluster(
-                plan,
-                model,
-                model_dir,
-                nnodes=int(nodes.get("nnodes", 1)),
-                nodes=nodes.get("layout"),
-                master_addr=str(nodes.get("master_addr", "127.0.0.1")),
-                master_port=nodes.get("master_port"),
-                device=resolve_device_name(str(extra.get(DEVICE_KEY, "auto"))),
-                timeout_s=float(extra.get(TIMEOUT_KEY, 60.0)),
-                start_method="launcher",  # this process runs vLLM's threads: never fork it
-                dtype=dtype,
-                kernels=kernels,
-                decode_step=decode_step,
-            )
+            try:
+                cluster = Cluster(
+                    plan,
+                    model,
+                    model_dir,
+                    nnodes=int(nodes.get("nnodes", 1)),
+                    nodes=nodes.get("layout"),
+                    master_addr=str(nodes.get("master_addr", "127.0.0.1")),
+                    master_port=nodes.get("master_port"),
+                    device=resolve_device_name(str(extra.get(DEVICE_KEY, "auto"))),
+                    timeout_s=float(extra.get(TIMEOUT_KEY, 60.0)),
+                    start_method="launcher",  # this process runs vLLM's threads: never fork it
+                    dtype=dtype,
+                    kernels=kernels,
+                    decode_step=decode_step,
+                )
+            except OpWeaveError as exc:  # ranks that did not start or warm up: say why in one line
+                _leave_failure(str(exc))
+                raise
+            self.cluster = cluster
             self.cluster.on_failure.append(self._notify_failure)
             gb = self.cluster.global_batch
             if self.scheduler_config.max_num_seqs > gb:
@@ -197,10 +212,8 @@ def _build() -> type:
             )
 
         def _notify_failure(self) -> None:
-            failure_file = os.environ.get(FAILURE_ENV)
-            if failure_file and self.cluster.failed is not None:
-                with contextlib.suppress(OSError):
-                    Path(failure_file).write_text(f"{self.cluster.failed}\n")
+            if self.cluster.failed is not None:
+                _leave_failure(str(self.cluster.failed))
             for callback in self._failure_callbacks:
                 with contextlib.suppress(Exception):
                     callback()
