@@ -136,6 +136,11 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
             ("run", "--decode-step", "fast", "--prompt", "t5", *common),
             "--decode-step must be one of per-request, static, compiled, traced",
         ),
+        (
+            ("run", "--strategy", "afd", "--batch", "1", "--prompt", "t5", *common),
+            "--batch 1 is below the 2 microbatches of this plan: each needs a slot; give "
+            "--batch 2 or more, or --microbatches 1",
+        ),
     ]
     for args, message in cases:
         code, out, err = _opweave(capsys, *args)

@@ -159,7 +159,8 @@ def run(
         typer.Option(
             "--decode-step",
             help="per-request, static (fixed shapes, all requests at once), compiled "
-            "(static, one torch.compile program per segment) or traced.",
+            "(static, compiled by inductor: on CPU one program per rank and decode iteration, "
+            "on CUDA one per segment) or traced.",
         ),
     ] = "per-request",
     nnodes: Annotated[
@@ -319,6 +320,11 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
 
     owners = 1 if o["strategy"] == "colocated" else 2
     m = o["microbatches"] or owners
+    if o["batch"] is not None and o["batch"] < m:
+        raise typer.BadParameter(
+            f"--batch {o['batch']} is below the {m} microbatches of this plan: each needs a "
+            f"slot; give --batch {m} or more, or --microbatches {o['batch']}"
+        )
     per_replica = o["batch"] or (_offline_batch(o) if offline else _SERVE_BATCH)
     b = max(per_replica, m)
     try:
