@@ -555,12 +555,12 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
                 additional_config=extra,
             )
         except Exception:  # vLLM's engine did not start: the ranks' reason, if they left one
-            reason = failed()
-            if reason is None:
+            if failed() is None:
                 raise
-            raise OpWeaveError(reason) from None
-        if failed() is not None:
-            raise OpWeaveError(str(failed()))
+            stopped_by = None
+        reason = failed()
+        if reason is not None:
+            raise OpWeaveError(reason)
     if stopped_by == signal.SIGINT:
         raise KeyboardInterrupt  # exit 130, as every command does on Ctrl-C
     # SIGTERM is how supervisors (systemd, Kubernetes) stop a server: an orderly exit, 0
