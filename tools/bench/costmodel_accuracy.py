@@ -50,7 +50,6 @@ from opweave.costmodel import (
     HOST_PROFILES,
     HardwareSpec,
     ModelSpec,
-    Profile,
     ProfiledLatency,
     RooflineLatency,
     default_catalog,
@@ -62,6 +61,8 @@ from opweave.costmodel import (
     weight_bytes_per_rank,
 )
 from opweave.costmodel._private.roofline import op_bytes_and_flops
+from opweave.costmodel.errors import ConfigError, OpWeaveError
+from opweave.profiler import load_profile
 
 DATA = Path(__file__).with_name("costmodel_accuracy_data.toml")
 GOAL_MEDIAN, GOAL_MAX = 0.06, 0.20
@@ -263,11 +264,11 @@ def run_reference(fixed_costs: bool, host: str) -> None:
 
 
 def run_profile(path: Path, model_name: str | None, gpu: str | None) -> None:
-    profile = Profile.model_validate_json(path.read_text())
+    profile = load_profile(path)
     model = load_model(model_name or profile.model)
     if model.config_sha256 != profile.config_sha256:
-        raise SystemExit(
-            f"error: {path} was measured on model {profile.model!r}, not {model.name!r}; "
+        raise ConfigError(
+            f"{path} was measured on model {profile.model!r}, not {model.name!r}; "
             "pass the model it was measured on with --model"
         )
     hw = default_catalog().get(gpu) if gpu else profile.device
@@ -324,10 +325,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--model", help="model the profile was measured on (default: its name)")
     parser.add_argument("--gpu", help="catalog GPU to model the profile with (default: its device)")
     args = parser.parse_args(argv)
-    if args.profile is not None:
-        run_profile(args.profile, args.model, args.gpu)
-    else:
-        run_reference(args.fixed_costs == "on", args.host)
+    try:
+        if args.profile is not None:
+            run_profile(args.profile, args.model, args.gpu)
+        else:
+            run_reference(args.fixed_costs == "on", args.host)
+    except OpWeaveError as exc:
+        parser.exit(2, f"error: {exc}\n")
 
 
 if __name__ == "__main__":
