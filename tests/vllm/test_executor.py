@@ -101,7 +101,7 @@ def test_greedy_tokens_equal_plain_vllm(
     model_dir, plain_vllm, strategy, tp, decode_step, extra, gpu_like_scheduling
 ) -> None:
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, OpWeaveExecutor
+    from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, REQUEST_CHECK, OpWeaveExecutor
 
     plan = canonical_plan(
         load_model(model_dir), strategy, gpu="cpu", batch=4, microbatches=2, tp=tp
@@ -112,6 +112,7 @@ def test_greedy_tokens_equal_plain_vllm(
         probe=probe,
         distributed_executor_backend=OpWeaveExecutor,
         additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: decode_step},
+        logits_processors=[REQUEST_CHECK],
         **extra,
     )
     assert [len(t) for t in tokens] == [MAX_TOKENS] * len(PROMPTS)
@@ -132,6 +133,7 @@ def test_executor_by_dotted_name_with_plan_file(model_dir, plain_vllm, tmp_path)
         model_dir,
         distributed_executor_backend="opweave.runtime.vllm.OpWeaveExecutor",
         additional_config={"opweave_plan": str(path)},
+        logits_processors=["opweave.runtime.vllm:RequestCheck"],
     )
     # a global batch of 2 holds at most 2 of the 4 requests at a time: same tokens
     assert tokens == plain_vllm
@@ -145,7 +147,7 @@ def test_a_traced_decode_step_serves_greedy_and_sampled_requests(
     greedy ones keep plain vLLM's tokens, the sampled ones get their tokens from the step's
     logits."""
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, OpWeaveExecutor
+    from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, REQUEST_CHECK, OpWeaveExecutor
 
     plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=4, microbatches=2)
     runs = []
@@ -159,6 +161,7 @@ def test_a_traced_decode_step_serves_greedy_and_sampled_requests(
                 async_scheduling=scheduling,
                 distributed_executor_backend=OpWeaveExecutor,
                 additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: "traced"},
+                logits_processors=[REQUEST_CHECK],
             )
         )
         assert (probe["async"], probe["carried"] > 0) == (scheduling, scheduling)
@@ -168,3 +171,58 @@ def test_a_traced_decode_step_serves_greedy_and_sampled_requests(
     # the sampled requests' tokens kept on the ranks were the sampler's: scheduling ahead
     # (tokens carried) and step by step (every token named) sample the same tokens
     assert tokens == runs[1]
+
+
+def test_requests_for_what_the_ranks_do_not_compute_are_refused(model_dir) -> None:
+    """Logprobs, penalties, logit bias, min_tokens: refused by vLLM's front end before they
+    reach the engine, which keeps serving; the executor does not start without the check, with
+    another logits processor, or when the model's generation config sets a penalty."""
+    from vllm.exceptions import VLLMValidationError
+
+    import vllm
+    from opweave.runtime.vllm import REQUEST_CHECK, OpWeaveExecutor
+
+    run = {"distributed_executor_backend": OpWeaveExecutor, **COMMON}
+    llm = vllm.LLM(model=str(model_dir), logits_processors=[REQUEST_CHECK], **run)
+    prompt = {"prompt_token_ids": PROMPTS[0]}
+    try:
+        for refused, named in (
+            ({"logprobs": 2}, "logprobs=2"),
+            ({"prompt_logprobs": 0}, "prompt_logprobs=0"),
+            ({"repetition_penalty": 1.2, "presence_penalty": 0.5}, "presence_penalty=0.5, "),
+            ({"logit_bias": {5: 10.0}}, "logit_bias"),
+            ({"min_tokens": 3}, "min_tokens=3"),
+        ):
+            params = vllm.SamplingParams(max_tokens=4, **refused)
+            with pytest.raises(VLLMValidationError, match=f"do not apply {named}"):
+                llm.generate([prompt], params, use_tqdm=False)
+        greedy = vllm.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        out = llm.generate([prompt], greedy, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == MAX_TOKENS
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+    for kwargs, message in (
+        ({}, "start vLLM with logits_processors="),
+        (
+            {
+                "logits_processors": [
+                    REQUEST_CHECK,
+                    "vllm.v1.sample.logits_processor:MinPLogitsProcessor",
+                ]
+            },
+            "runs no custom logits processors \\(vllm.v1.sample.logits_processor:MinP",
+        ),
+        (
+            {
+                "logits_processors": [REQUEST_CHECK],
+                "override_generation_config": {"repetition_penalty": 1.05},
+            },
+            "generation config sets repetition_penalty=1.05, which OpWeave's ranks do not apply",
+        ),
+    ):
+        with pytest.raises(Exception, match=message):
+            vllm.LLM(model=str(model_dir), **run, **kwargs)
+        gc.collect()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -139,6 +140,13 @@ def test_the_api_surface(server, model, expected):
     ):
         status, raw = http(base + "/v1/completions", body, key=KEY)
         assert 400 <= status < 500 and json.loads(raw)
+    # what the ranks do not compute is refused before it reaches the engine, which keeps serving
+    for extra in ({"logprobs": 2}, {"presence_penalty": 0.5}, {"logit_bias": {"5": 3}}):
+        status, raw = http(base + "/v1/completions", {**req, **extra}, key=KEY)
+        assert status == 400 and b"OpWeave's ranks do not apply" in raw, raw
+    structured = {**chat, "stream": False, "response_format": {"type": "json_object"}}
+    status, raw = http(base + "/v1/chat/completions", structured, key=KEY)
+    assert status == 400 and b"do not apply structured output" in raw, raw
     # sampled (not greedy) requests run too, seeded reproducibly
     sampled = {**req, "temperature": 1.0, "seed": 3, "return_token_ids": True}
     first = json.loads(http(base + "/v1/completions", sampled, key=KEY)[1])
@@ -210,6 +218,34 @@ def test_vllm_options_are_not_taken_for_a_plan(model, tmp_path):
     finally:
         stop_server(proc)
         log.close()
+
+
+def test_what_the_ranks_would_not_apply_stops_serve_with_one_line(model, tmp_path):
+    """Custom logits processors, and a generation config whose defaults ask for a penalty (as
+    Qwen2.5's do): exit 2, with one line naming the setting and the way out."""
+    penalised = tmp_path / "penalised"
+    shutil.copytree(model, penalised)
+    config = json.loads((penalised / "generation_config.json").read_text())
+    (penalised / "generation_config.json").write_text(
+        json.dumps({**config, "repetition_penalty": 1.05})
+    )
+    for folder, extra, message in (
+        (model, ["--logits-processors", "my.module:Bias"], "--logits-processors my.module:Bias"),
+        (penalised, [], "generation config sets repetition_penalty=1.05"),
+    ):
+        proc = subprocess.run(
+            [
+                *(sys.executable, "-m", "opweave.cli", "serve", "--model-path", str(folder)),
+                *("--port", str(free_port()), *SERVER, *extra),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert len(errors) == 1 and message in errors[0], proc.stderr[-3000:]
+    assert "--generation-config vllm" in errors[0]
 
 
 def test_a_plan_for_another_model_is_refused_before_anything_starts(model, tmp_path):

@@ -5,13 +5,21 @@ OpenAI-compatible server); :data:`OpWeaveExecutor` runs each engine step through
 cut by a plan's segments::
 
     import vllm
-    from opweave.runtime.vllm import OpWeaveExecutor
+    from opweave.runtime.vllm import REQUEST_CHECK, OpWeaveExecutor
 
     llm = vllm.LLM(
         model=model_dir,
         distributed_executor_backend=OpWeaveExecutor,   # or "opweave.runtime.vllm.OpWeaveExecutor"
         additional_config={"opweave_plan": "plan.json"},  # or Plan.model_dump(mode="json")
+        logits_processors=[REQUEST_CHECK],
     )
+
+The ranks sample with temperature, top_k, top_p, min_p and seed. ``REQUEST_CHECK`` names
+``RequestCheck``, whose parameter check vLLM's front end runs on every request: one that asks for
+anything else the model runner would compute (logprobs, penalties, logit bias, allowed or banned
+tokens, ``min_tokens``, structured output) is refused (HTTP 400 from the server,
+``vllm.exceptions.VLLMValidationError`` from ``LLM.generate``) rather than run without it. The
+executor does not start without it, nor when the model's generation config sets such a default.
 
 Each rank of the plan is a process of its own (this process is their driver: it turns every
 engine step into one iteration of the plan); other keys of ``additional_config``:
@@ -31,13 +39,20 @@ from ._executor import (
     KERNELS_KEY,
     NODES_KEY,
     PLAN_KEY,
+    REQUEST_CHECK,
     TIMEOUT_KEY,
     executor_class,
     load_plan,
+    request_check_class,
+    unapplied,
 )
 
 __all__ = [
     "OpWeaveExecutor",
+    "RequestCheck",
+    "REQUEST_CHECK",
+    "request_check_class",
+    "unapplied",
     "PLAN_KEY",
     "DEVICE_KEY",
     "TIMEOUT_KEY",
@@ -53,6 +68,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     OpWeaveExecutor: type
+    RequestCheck: type
 
 
 def swap_operators(operators: list[Any], *, exact: bool = True) -> list[str]:
@@ -74,4 +90,6 @@ def vllm_kernels_available() -> bool:
 def __getattr__(name: str) -> Any:
     if name == "OpWeaveExecutor":
         return executor_class()
+    if name == "RequestCheck":
+        return request_check_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,10 +28,23 @@ KERNELS_KEY = "opweave_kernels"  # "opweave" (default), "vllm" or "vllm-all"
 DECODE_KEY = "opweave_decode_step"  # "per-request" (default), "static", "compiled" or "traced"
 NODES_KEY = "opweave_nodes"  # {"nnodes", "master_addr", "master_port", "layout"}: several nodes
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # a file to leave the failure's one line in (opweave run)
+# vLLM's per-request parameter check (a logits processor's ``validate_params``, run by vLLM's
+# front end before a request reaches the engine), as vLLM's ``logits_processors`` names it
+REQUEST_CHECK = "opweave.runtime.vllm:RequestCheck"
+APPLIED = "temperature, top_k, top_p, min_p and seed"  # what the ranks' samplers apply
 
 _log = logging.getLogger("opweave.runtime.vllm")
 _lock = threading.Lock()
 _cls: type | None = None
+_check: type | None = None
+
+
+def _refuse(message: str) -> None:
+    """Stop the executor's start with ``message``, left for ``opweave serve`` to print."""
+    from opweave.costmodel import ConfigError
+
+    _leave_failure(message)
+    raise ConfigError(message)
 
 
 def _leave_failure(line: str) -> None:
@@ -42,6 +55,81 @@ def _leave_failure(line: str) -> None:
     if failure_file and text:
         with contextlib.suppress(OSError):
             Path(failure_file).write_text(text.splitlines()[0] + "\n")
+
+
+def unapplied(params: Any) -> list[str]:
+    """The settings of ``params`` (a vLLM ``SamplingParams``, or any object with its field names)
+    that the plan's ranks would not apply, as ``name=value``.
+
+    The ranks sample with :data:`APPLIED`; vLLM's front end and scheduler apply stops, lengths,
+    ``n`` and ``ignore_eos``. The rest (log-probabilities, penalties, logit bias, allowed and
+    banned tokens, ``min_tokens``, structured output, a thinking budget) is computed by vLLM's
+    model runner, which the OpWeave executor replaces.
+    """
+    found = []
+    for name in ("logprobs", "prompt_logprobs", "logprob_token_ids", "prompt_logprob_token_ids"):
+        if getattr(params, name, None) is not None:
+            found.append(f"{name}={getattr(params, name)!r}")
+    for name, neutral in (
+        ("presence_penalty", 0.0),
+        ("frequency_penalty", 0.0),
+        ("repetition_penalty", 1.0),
+        ("min_tokens", 0),
+    ):
+        value = getattr(params, name, neutral)
+        if value is not None and value != neutral:
+            found.append(f"{name}={value!r}")
+    for name in ("logit_bias", "allowed_token_ids", "bad_words"):
+        if getattr(params, name, None):
+            found.append(name)
+    if getattr(params, "structured_outputs", None) is not None:
+        found.append("structured output")
+    if getattr(params, "thinking_token_budget", None) is not None:
+        found.append("thinking_token_budget")
+    return found
+
+
+def request_check_class() -> type:
+    """``RequestCheck``: a vLLM logits processor that changes no logits; its
+    ``validate_params`` refuses a request for what :func:`unapplied` names, so vLLM's server
+    answers it with HTTP 400 before it reaches the engine (needs vLLM)."""
+    global _check
+    with _lock:
+        if _check is None:
+            _check = _build_check()
+    return _check
+
+
+def _build_check() -> type:
+    from vllm.exceptions import VLLMValidationError
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class RequestCheck(LogitsProcessor):
+        @classmethod
+        def validate_params(cls, sampling_params: Any) -> None:
+            found = unapplied(sampling_params)
+            if found:
+                raise VLLMValidationError(
+                    f"OpWeave's ranks do not apply {', '.join(found)}: they sample with "
+                    f"{APPLIED} only; leave the others out of the request",
+                    parameter=found[0].split("=")[0],
+                )
+
+        def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
+            pass
+
+        def apply(self, logits: Any) -> Any:
+            return logits
+
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def update_state(self, batch_update: Any) -> None:
+            pass
+
+    RequestCheck.__module__ = "opweave.runtime.vllm"
+    RequestCheck.__qualname__ = "RequestCheck"
+    return RequestCheck
 
 
 def executor_class() -> type:
@@ -143,9 +231,10 @@ def _build() -> type:
             extra = self.vllm_config.additional_config
             extra = extra if isinstance(extra, dict) else {}
             if self.speculative_config is not None:
-                raise ValueError("the OpWeave executor does not support speculative decoding")
+                _refuse("the OpWeave executor does not support speculative decoding")
             if self.lora_config is not None:
-                raise ValueError("the OpWeave executor does not support LoRA")
+                _refuse("the OpWeave executor does not support LoRA")
+            self._check_requests_are_checked()
             # State lives in the ranks' operators per request: a prefix-cache hit would hand us a
             # request whose first tokens no rank holds, so switch it off.
             self.cache_config.enable_prefix_caching = False
@@ -202,7 +291,6 @@ def _build() -> type:
             self.plan = plan
             # submitted steps whose tokens the engine has not asked for yet, oldest first
             self._steps: deque[tuple[list[str], Step]] = deque()
-            self._warned: set[str] = set()
             _log.info(
                 "OpWeave executor: %s plan, %d rank(s), global batch %d, %d microbatch(es)",
                 plan.strategy,
@@ -210,6 +298,35 @@ def _build() -> type:
                 gb,
                 plan.microbatches,
             )
+
+        def _check_requests_are_checked(self) -> None:
+            """Every request must pass :data:`REQUEST_CHECK` in vLLM's front end (this process
+            cannot refuse one: an error in a step stops the engine), and no default that the
+            model's generation config sets may ask for what the ranks do not apply."""
+            given = [
+                p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
+                for p in self.model_config.logits_processors or ()
+            ]
+            others = [p for p in given if p != REQUEST_CHECK]
+            if others:
+                _refuse(
+                    f"the OpWeave executor runs no custom logits processors "
+                    f"({', '.join(others)}): its ranks sample with {APPLIED}; remove them"
+                )
+            if REQUEST_CHECK not in given:
+                _refuse(
+                    f"start vLLM with logits_processors=[{REQUEST_CHECK!r}] (--logits-processors "
+                    f"{REQUEST_CHECK}; opweave serve does): it refuses requests for what the "
+                    "OpWeave executor does not compute (logprobs, penalties, structured output)"
+                )
+            defaults = self.model_config.get_diff_sampling_param()
+            found = unapplied(type("Defaults", (), defaults))
+            if found:
+                _refuse(
+                    f"the model's generation config sets {', '.join(found)}, which OpWeave's "
+                    f"ranks do not apply (they sample with {APPLIED}); serve with "
+                    "--generation-config vllm, or override them with --override-generation-config"
+                )
 
         def _notify_failure(self) -> None:
             if self.cluster.failed is not None:
@@ -322,17 +439,9 @@ def _build() -> type:
             return _Deferred(output)
 
         def _params(self, p: Any) -> SamplingParams:
+            """The ranks' parameters of a request that passed :data:`REQUEST_CHECK`."""
             if p is None:
                 return SamplingParams()
-            unsupported = []
-            if p.logprobs is not None or p.prompt_logprobs is not None:
-                unsupported.append("logprobs")
-            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
-                unsupported.append("penalties")
-            for what in unsupported:
-                if what not in self._warned:
-                    self._warned.add(what)
-                    _log.warning("the OpWeave executor ignores %s (not implemented)", what)
             return SamplingParams(
                 temperature=float(p.temperature),
                 top_k=0 if p.top_k is None or p.top_k < 0 else int(p.top_k),

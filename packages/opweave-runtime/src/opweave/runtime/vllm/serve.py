@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._executor import PLAN_KEY
+from ._executor import APPLIED, PLAN_KEY, REQUEST_CHECK
 
 EXECUTOR_NAME = "opweave.runtime.vllm.OpWeaveExecutor"
 
@@ -68,6 +68,15 @@ def server_args(
         argv += ["--chat-template", chat_template]
     parser = make_arg_parser(FlexibleArgumentParser(prog="opweave serve"))
     args = parser.parse_args(argv)
+    if args.logits_processors:
+        from opweave.costmodel import ConfigError
+
+        raise ConfigError(
+            f"--logits-processors {' '.join(map(str, args.logits_processors))}: OpWeave's ranks "
+            f"run no custom logits processors (they sample with {APPLIED}); leave the option out"
+        )
+    # vLLM's front end refuses, with HTTP 400, requests for what the ranks do not compute
+    args.logits_processors = [REQUEST_CHECK]
     # Set after parsing: vLLM's parser lists only its built-in executors as choices.
     args.distributed_executor_backend = EXECUTOR_NAME
     extra = {**(args.additional_config or {}), **(additional_config or {})}
