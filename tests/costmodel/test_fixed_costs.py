@@ -9,11 +9,13 @@ from hypothesis import strategies as st
 
 from opweave.costmodel import (
     HardwareSpec,
+    OrchestrationProfile,
     ProfiledLatency,
     RooflineLatency,
     analyze,
     default_catalog,
     estimate_step,
+    fit_efficiency_report,
     load_hardware_file,
     model_spec_from_config,
     synthesize_profile,
@@ -178,15 +180,57 @@ def test_a_hardware_file_overrides_the_per_gpu_values(tmp_path) -> None:
     assert b["kernel_launch"] == 0.0 and a["kernel_launch"] > 0
 
 
-def test_a_profile_replaces_the_analytical_terms() -> None:
+def test_a_synthesised_profile_holds_every_term() -> None:
     spec = model_spec_from_config(TINY_LLAMA)
     profile = synthesize_profile(spec, GPU, batches=(4,), contexts=(64,))
     est = estimate_step(spec, GPU, tp=1, batch=4, context=64, latency=ProfiledLatency(profile))
     br = est.breakdown_s
-    # measured operator latencies already contain launches and the step: no separate terms
+    # its operator latencies are the roofline's, fixed costs and the step included
     assert br["kernel_launch"] == br["step_overhead"] == br["moe_experts"] == 0.0
     direct = estimate_step(spec, GPU, tp=1, batch=4, context=64)
     assert est.step_latency_s == pytest.approx(direct.step_latency_s)
+
+
+def _measured(spec, **update):
+    """A profile as the profiler measures one on GPU: each operator's kernels timed alone (so
+    ``sample`` without the step around it), no collectives, no runtime loop."""
+    kernels_only = GPU.model_copy(
+        update={"step_overhead_s": 0.0, "step_overhead_per_request_s": 0.0}
+    )
+    profile = synthesize_profile(
+        spec, kernels_only, tp_degrees=(1, 2), batches=(4,), contexts=(64,)
+    )
+    provenance = profile.provenance.model_copy(update={"source": "measured"})
+    return profile.model_copy(update={"device": GPU, "provenance": provenance, **update})
+
+
+def test_a_measured_profile_keeps_the_step_and_the_collectives_of_the_model() -> None:
+    spec = model_spec_from_config(TINY_LLAMA)
+    measured = ProfiledLatency(_measured(spec))
+    for tp in (1, 2):
+        est = estimate_step(spec, GPU, tp=tp, batch=4, context=64, latency=measured)
+        direct = estimate_step(spec, GPU, tp=tp, batch=4, context=64)
+        br = est.breakdown_s
+        # the profile holds launches; the step is charged once, per request too: 100 + 4 x 1 us
+        assert br["kernel_launch"] == br["moe_experts"] == 0.0
+        assert br["step_overhead"] == pytest.approx(104 * US)
+        assert est.step_latency_s == pytest.approx(direct.step_latency_s)
+        for term in ("allreduce_latency", "communication"):
+            assert br[term] == pytest.approx(direct.breakdown_s[term])
+        assert (br["allreduce_latency"] > 0) == (tp == 2)
+    # a profile that measured the runtime's own loop: the planner charges that loop instead
+    looped = ProfiledLatency(_measured(spec, orchestration=OrchestrationProfile(drive_s=1e-4)))
+    est = estimate_step(spec, GPU, tp=1, batch=4, context=64, latency=looped)
+    assert est.breakdown_s["step_overhead"] == 0.0
+
+
+def test_fitting_a_measured_profile_leaves_the_step_out_of_sample() -> None:
+    spec = model_spec_from_config(TINY_LLAMA)
+    start = _measured(spec).model_copy(
+        update={"device": ZERO.model_copy(update={"step_overhead_s": 100 * US})}
+    )
+    report = fit_efficiency_report(start, spec)
+    assert report.max_error_factor < 1.01, report.worst_op
 
 
 @settings(max_examples=30, deadline=None)

@@ -39,6 +39,8 @@ def test_profile_of_a_tiny_model_round_trips_and_covers_every_operator(
     assert all(t.tp == 1 for t in profile.ops)
     assert profile.model == model.name and profile.config_sha256 == model.config_sha256
     assert profile.dtype == "float32" and profile.provenance.source == "measured"
+    # a CPU rank's per-step host work is its loop's (orchestration), not a GPU engine's gap
+    assert profile.device.step_overhead_s == 0.0
 
     path = save_profile(profile, tmp_path / "p.json")
     again = load_profile(path)

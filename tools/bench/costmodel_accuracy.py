@@ -50,7 +50,6 @@ from opweave.costmodel import (
     HOST_PROFILES,
     HardwareSpec,
     ModelSpec,
-    ProfiledLatency,
     RooflineLatency,
     default_catalog,
     estimate_step,
@@ -102,6 +101,7 @@ class Result:
     moe: bool
     estimate_ms: float
     prefill_ms: float
+    host: str  # the host profile the estimate charged ("-": the hardware's own per-step cost)
 
     @property
     def error(self) -> float:
@@ -160,13 +160,16 @@ def evaluate(
     for row in rows:
         model = model_for(row.model, row.dtype, configs)
         hw = hardware(row.gpu)
-        profile = None if host is None else host_profile(row.host if host == "row" else host)
+        applied = None if host is None else row.host if host == "row" else host
+        profile = None if applied is None else host_profile(applied)
         est = estimate_step(
             model, hw, tp=row.tp, batch=row.batch, context=row.context, host=profile
         )
         pre = prefill_s(model, hw, row.tp, row.prefill_tokens) / row.decode_tokens
         moe = any(op.moe is not None for op in model.operators)
-        results.append(Result(row, moe, (est.step_latency_s + pre) * 1e3, pre * 1e3))
+        results.append(
+            Result(row, moe, (est.step_latency_s + pre) * 1e3, pre * 1e3, applied or "-")
+        )
     return results
 
 
@@ -194,7 +197,7 @@ def print_rows(results: Sequence[Result]) -> None:
         print(
             f"{row.model:<15}{row.gpu:<8}{row.tp:>3}{row.batch:>6}{row.context:>8}"
             f"{row.measured_ms:>9.2f}{r.estimate_ms:>9.2f}{100 * r.error:>+7.1f}%{pre:>9}  "
-            f"{row.host:<12}{row.engine}"
+            f"{r.host:<12}{row.engine}"
         )
 
 
@@ -210,8 +213,8 @@ def print_groups(results: Sequence[Result]) -> None:
     ]
     for gpu in sorted({r.row.gpu for r in results}):
         groups.append((f"GPU {gpu}", lambda r, g=gpu: r.row.gpu == g))
-    for host in sorted({r.row.host for r in results}):
-        groups.append((f"host {host}", lambda r, h=host: r.row.host == h))
+    for host in sorted({r.host for r in results}):
+        groups.append((f"host {host}", lambda r, h=host: r.host == h))
     for engine in sorted({r.row.engine for r in results}):
         groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
     for name, keep in groups:
@@ -272,7 +275,7 @@ def run_profile(path: Path, model_name: str | None, gpu: str | None) -> None:
             "pass the model it was measured on with --model"
         )
     hw = default_catalog().get(gpu) if gpu else profile.device
-    roof, measured = RooflineLatency(hw), ProfiledLatency(profile)
+    roof = RooflineLatency(hw)
     ops = {key: (op, layer) for key, op, layer in profile_operators(model)}
     # The profiler times the sampling kernel alone; a synthesised profile holds the roofline's
     # sample latency, step cost included.
@@ -287,13 +290,13 @@ def run_profile(path: Path, model_name: str | None, gpu: str | None) -> None:
     print("-" * (len(head) + 13))
     every: list[float] = []
     for table in profile.ops:
-        op, layer = ops[table.op]
+        op, _ = ops[table.op]
         errs = []
         for b in table.batches:
             for s in table.contexts:
                 terms = roof.op_terms_s(op, table.tp, b, s)
                 model_s = sum(v for k, v in terms.items() if k not in drop)
-                meas_s = measured.op_latency_s(model, op, layer, table.tp, b, s)
+                meas_s = table(b, s) * (1.0 + profile.stall_overhead)
                 errs.append((model_s - meas_s) / meas_s)
         every.extend(errs)
         absolute = [abs(e) for e in errs]

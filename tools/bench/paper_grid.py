@@ -20,8 +20,13 @@ fine-grained plans take a real share of the budget.
 Targets on 2 cores: one setting planned in <= 10 s, the whole grid in <= 10 minutes, peak
 memory < 2 GB.
 
+``--fixed-costs off`` plans every setting on the plain roofline (the cost model's fixed costs
+per kernel, per collective, per MoE expert pass and per step zeroed), to set the grid's figures
+beside those of the default model.
+
     python tools/bench/paper_grid.py            # full grid + ablation
     python tools/bench/paper_grid.py --quick    # one setting + ablation on it
+    python tools/bench/paper_grid.py --fixed-costs off --no-ablation
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import statistics
 import time
 from typing import Any
 
-from opweave.costmodel import load_model
+from opweave.costmodel import HardwareCatalog, default_catalog, load_model
 from opweave.planner import plan
 
 MODELS = ("gemma-3-27b", "qwen3-next-80b-a3b")
@@ -55,10 +60,26 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_setting(model_name: str, ctx: str, slo: str, cluster: str) -> dict[str, Any]:
+# HardwareSpec fields of the fixed costs (costmodel fixed_costs.py), zeroed by --fixed-costs off
+NO_FIXED_COSTS = {
+    "kernel_overhead_s": 0.0,
+    "allreduce_latency_s": 0.0,
+    "allreduce_bandwidth_bytes_per_s": None,
+    "step_overhead_s": 0.0,
+    "step_overhead_per_request_s": 0.0,
+    "expert_fixed_latency_s": 0.0,
+    "expert_overhead_s": 0.0,
+}
+
+
+def run_setting(
+    model_name: str, ctx: str, slo: str, cluster: str, catalog: HardwareCatalog
+) -> dict[str, Any]:
     model = load_model(model_name)
     start, cpu = time.perf_counter(), time.process_time()
-    result = plan(model, CLUSTERS[cluster], context=CONTEXTS[ctx], tpot_slo_s=SLOS[slo])
+    result = plan(
+        model, CLUSTERS[cluster], context=CONTEXTS[ctx], tpot_slo_s=SLOS[slo], catalog=catalog
+    )
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     doc = result.to_json()
     row: dict[str, Any] = {
@@ -85,7 +106,12 @@ def run_setting(model_name: str, ctx: str, slo: str, cluster: str) -> dict[str, 
     fleet = {g: INVENTORY[g] for g in CLUSTERS[cluster]}
     start = time.perf_counter()
     bounded = plan(
-        model, CLUSTERS[cluster], context=CONTEXTS[ctx], tpot_slo_s=SLOS[slo], inventory=fleet
+        model,
+        CLUSTERS[cluster],
+        context=CONTEXTS[ctx],
+        tpot_slo_s=SLOS[slo],
+        inventory=fleet,
+        catalog=catalog,
     )
     row["inventory_wall_s"] = time.perf_counter() - start
     row["inventory"] = bounded.to_json()["best"]
@@ -190,7 +216,7 @@ def print_means(rows: list[dict[str, Any]]) -> None:
         )
 
 
-def ablation(model_name: str, ctx: str, slo: str) -> None:
+def ablation(model_name: str, ctx: str, slo: str, catalog: HardwareCatalog) -> None:
     print(f"\nAblation (Table 3): {model_name}, context {ctx}, {slo} SLO ({SLOS[slo] * 1e3:g} ms)")
     head = (
         f"{'cluster':<11}{'frontier':>9}{'B&B':>5}{'sim calls':>11}{'candidates':>12}"
@@ -210,6 +236,7 @@ def ablation(model_name: str, ctx: str, slo: str) -> None:
                 tpot_slo_s=SLOS[slo],
                 frontier_pruning=frontier,
                 branch_and_bound=bnb,
+                catalog=catalog,
             )
             wall, cpu = time.perf_counter() - start, time.process_time() - cpu
             doc = {k: v for k, v in res.to_json().items() if k != "search"}
@@ -227,14 +254,24 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one setting + its ablation")
     parser.add_argument("--no-ablation", action="store_true")
     parser.add_argument("--json", help="also write the rows to this file")
+    parser.add_argument(
+        "--fixed-costs",
+        choices=("on", "off"),
+        default="on",
+        help="off: plan on the plain roofline (the cost model's fixed costs zeroed)",
+    )
     args = parser.parse_args()
+    catalog = default_catalog()
+    if args.fixed_costs == "off":
+        catalog = HardwareCatalog(gpu.model_copy(update=NO_FIXED_COSTS) for gpu in catalog)
+        print("Plain roofline: every fixed cost of the cost model zeroed\n")
     settings = (
         [("gemma-3-27b", "32K", "relaxed", "H100+A100")]
         if args.quick
         else [(m, c, s, k) for m in MODELS for c in CONTEXTS for s in SLOS for k in CLUSTERS]
     )
     start = time.perf_counter()
-    rows = [run_setting(*setting) for setting in settings]
+    rows = [run_setting(*setting, catalog) for setting in settings]
     grid_s = time.perf_counter() - start
     print_grid(rows)
     print_means(rows)
@@ -250,7 +287,7 @@ def main() -> None:
     )
     if not args.no_ablation:
         start = time.perf_counter()
-        ablation("gemma-3-27b", "32K", "relaxed")
+        ablation("gemma-3-27b", "32K", "relaxed", catalog)
         print(f"ablation {time.perf_counter() - start:.1f} s; peak RSS {peak_rss_mb():.0f} MB")
     if args.json:
         with open(args.json, "w") as fh:

@@ -9,7 +9,7 @@ from .hardware import HardwareSpec
 from .host import HostProfile
 from .model import ModelSpec, OpClass
 from .profile import LatencyModel
-from .roofline import RooflineLatency, memory_bytes_per_rank
+from .roofline import ProfiledLatency, RooflineLatency, memory_bytes_per_rank
 
 # RooflineLatency.op_terms_s name -> breakdown_s key
 FIXED_TERMS = {
@@ -33,8 +33,10 @@ class StepEstimate(Frozen):
         "small), TP communication (payload over bandwidth), and the fixed costs: kernel_launch, "
         "allreduce_latency (the collectives' floor), moe_experts (fused-MoE start-up and "
         "per-expert cost) and step_overhead (the engine's host work per step: scheduling, "
-        "sampling, host round trip; the host profile's when one is given). Fixed costs are zero "
-        "when the latencies come from a measured profile, which contains them."
+        "sampling, host round trip; the host profile's when one is given). With a measured "
+        "profile, kernel_launch and moe_experts are zero (its operator times contain them); the "
+        "collectives and step_overhead stay the model's, as the profile holds no collectives and "
+        "times the sampling kernel, not the step around it."
     )
     memory_bytes_per_gpu: float
     memory_capacity_bytes: float = Field(description="Usable memory per GPU.")
@@ -89,10 +91,16 @@ def estimate_step(
             breakdown["allreduce_latency"] += floor
             breakdown["communication"] += payload
         else:
-            breakdown[op.op_class.value] += lat.op_latency_s(
-                model, op, layer_of.get(op.key), tp, batch, context
-            )
-            breakdown["communication"] += lat.collective_s(op, tp, batch)
+            seconds = lat.op_latency_s(model, op, layer_of.get(op.key), tp, batch, context)
+            step = lat.step_s(op, batch) if isinstance(lat, ProfiledLatency) else 0.0
+            breakdown[op.op_class.value] += seconds - step
+            breakdown["step_overhead"] += step
+            if isinstance(lat, ProfiledLatency):  # profiles hold no collectives: the model's
+                floor, payload = RooflineLatency(lat.hardware).collective_terms_s(op, tp, batch)
+                breakdown["allreduce_latency"] += floor
+                breakdown["communication"] += payload
+            else:
+                breakdown["communication"] += lat.collective_s(op, tp, batch)
     step = sum(breakdown.values())
     memory = memory_bytes_per_rank(model.operators, tp, batch, context)
     price = hardware.usd_per_hour

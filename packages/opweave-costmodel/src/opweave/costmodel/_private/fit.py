@@ -6,7 +6,8 @@ and a fixed cost per kernel launch. Fitting those to a profile carries what was 
 models and batch sizes that were not; synthesising a profile from the roofline lets the planner
 treat profiled and unprofiled devices through the same :class:`ProfiledLatency` interface. The
 other fixed costs of ``fixed_costs.py`` (the MoE experts' and the per-step cost) are not fitted:
-the fit takes them from the profile's device, as the roofline adds them.
+the fit takes them from the profile's device, as the roofline adds them (the per-step cost only
+to a synthesised profile's ``sample``: a measured one times the sampling kernel alone).
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
     measured seconds, table index."""
     ops = {key: op for key, op, _ in profile_operators(model)}
     hw = profile.device
+    # a measured profile times the sampling kernel alone; a synthesised one holds the step cost
+    with_step = profile.provenance.source != "measured"
     rows: list[tuple[float, float, float, float, float, int]] = []
     for index, table in enumerate(profile.ops):
         op = ops.get(table.op)
@@ -89,7 +92,7 @@ def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
         for b, row in zip(table.batches, table.latency_s, strict=True):
             for s, t in zip(table.contexts, row, strict=True):
                 num_bytes, flops = op_bytes_and_flops(op, table.tp, b, s)
-                fixed = expert_fixed_s(op, b, hw) + step_overhead_s(op, b, hw)
+                fixed = expert_fixed_s(op, b, hw) + (step_overhead_s(op, b, hw) if with_step else 0)
                 rows.append((num_bytes, flops, float(launches(op)), fixed, t, index))
     if not rows:
         raise ConfigError("profile has no operator latencies to fit")

@@ -22,7 +22,10 @@ function of (operator, hardware) whose per-GPU values live in the hardware catal
   is an engine that overlaps its host work with the GPU; one that does not pays more, and per
   request, by an amount of its own: ``host.py``'s host profiles carry measured values.
 
-A measured profile replaces all of them: its operator latencies already contain them.
+A measured profile replaces the first and third: it times each operator's kernels, launches
+and fused-MoE start-up included. It holds no collectives, so those stay these terms; and it
+times the sampling kernel, not the step around it, so the per-step cost is still charged
+(``ProfiledLatency.step_s``), unless the profile measured the runtime's own loop instead.
 """
 
 from __future__ import annotations

@@ -108,7 +108,10 @@ class ProfiledLatency:
     """A :class:`LatencyModel` backed by a measured (or synthesised) profile.
 
     Collectives and transfers not in the profile fall back to the roofline of the profile's
-    device.
+    device. A measured profile times the sampling kernel, not the decode step around it: unless
+    it also measured the runtime's own loop (``orchestration``, which the planner charges
+    apart), ``sample`` is charged the device's per-step cost (:meth:`step_s`) on top, as the
+    roofline charges it. A synthesised profile's ``sample`` holds that cost already.
     """
 
     profile: Profile
@@ -116,6 +119,13 @@ class ProfiledLatency:
     @property
     def hardware(self) -> HardwareSpec:
         return self.profile.device
+
+    def step_s(self, op: OperatorSpec, batch: float) -> float:
+        """The per-step cost ``op_latency_s`` adds to the profile's ``sample`` latency."""
+        profile = self.profile
+        if batch <= 0 or profile.provenance.source != "measured" or profile.orchestration:
+            return 0.0
+        return step_overhead_s(op, batch, profile.device)
 
     def op_latency_s(
         self,
@@ -130,7 +140,7 @@ class ProfiledLatency:
         if batch <= 0:
             return 0.0
         median = self.profile.table(profile_key(op, layer), tp)(batch, context)
-        return median * (1.0 + self.profile.stall_overhead)
+        return median * (1.0 + self.profile.stall_overhead) + self.step_s(op, batch)
 
     def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float:
         return RooflineLatency(self.hardware).collective_s(op, tp, batch)

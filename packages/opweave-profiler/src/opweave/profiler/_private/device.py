@@ -235,4 +235,8 @@ def describe_device(
         price_source=source,
         link_efficiency=1.0,
     )
+    if device.type == "cpu":
+        # A CPU rank's host work per step is the runtime loop's, which the profile's
+        # orchestration measures; the catalog's default is a GPU engine's launch gap.
+        spec = spec.model_copy(update={"step_overhead_s": 0.0})
     return spec, True
