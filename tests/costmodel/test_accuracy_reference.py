@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from opweave.costmodel import HOST_PROFILES, default_catalog
+from opweave.costmodel import HOST_PROFILES, default_catalog, without_fixed_costs
 
 BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench" / "costmodel_accuracy.py"
 
@@ -91,7 +91,7 @@ def test_fixed_costs_are_what_closes_the_gap(bench: ModuleType) -> None:
     catalog = default_catalog()
 
     def plain(gpu: str):
-        return catalog.get(gpu).model_copy(update=bench.NO_FIXED_COSTS)
+        return without_fixed_costs(catalog.get(gpu))
 
     results = bench.evaluate([r for r in rows if r.in_scope], configs, plain, host=None)
     assert all(r.error < 0 for r in results)

@@ -58,6 +58,7 @@ from opweave.costmodel import (
     model_spec_from_config,
     profile_operators,
     weight_bytes_per_rank,
+    without_fixed_costs,
 )
 from opweave.costmodel._private.roofline import op_bytes_and_flops
 from opweave.costmodel.errors import ConfigError, OpWeaveError
@@ -65,16 +66,6 @@ from opweave.profiler import load_profile
 
 DATA = Path(__file__).with_name("costmodel_accuracy_data.toml")
 GOAL_MEDIAN, GOAL_MAX = 0.06, 0.20
-
-# Field values that switch every fixed-cost term off (``--fixed-costs off``).
-NO_FIXED_COSTS = {
-    "kernel_overhead_s": 0.0,
-    "allreduce_latency_s": 0.0,
-    "allreduce_bandwidth_bytes_per_s": None,
-    "step_overhead_s": 0.0,
-    "expert_fixed_latency_s": 0.0,
-    "expert_overhead_s": 0.0,
-}
 
 
 @dataclass(frozen=True)
@@ -224,10 +215,9 @@ def print_groups(results: Sequence[Result]) -> None:
 def run_reference(fixed_costs: bool, host: str) -> None:
     configs, rows = load_reference()
     catalog = default_catalog()
-    update: dict[str, Any] = {} if fixed_costs else NO_FIXED_COSTS
 
     def hardware(gpu: str) -> HardwareSpec:
-        return catalog.get(gpu).model_copy(update=update)
+        return catalog.get(gpu) if fixed_costs else without_fixed_costs(catalog.get(gpu))
 
     results = evaluate(rows, configs, hardware, host if fixed_costs else None)
     inside = [r for r in results if r.row.in_scope]

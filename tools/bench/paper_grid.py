@@ -38,7 +38,7 @@ import statistics
 import time
 from typing import Any
 
-from opweave.costmodel import HardwareCatalog, default_catalog, load_model
+from opweave.costmodel import HardwareCatalog, default_catalog, load_model, without_fixed_costs
 from opweave.planner import plan
 
 MODELS = ("gemma-3-27b", "qwen3-next-80b-a3b")
@@ -58,18 +58,6 @@ SHORT = {
 
 def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-# HardwareSpec fields of the fixed costs (costmodel fixed_costs.py), zeroed by --fixed-costs off
-NO_FIXED_COSTS = {
-    "kernel_overhead_s": 0.0,
-    "allreduce_latency_s": 0.0,
-    "allreduce_bandwidth_bytes_per_s": None,
-    "step_overhead_s": 0.0,
-    "step_overhead_per_request_s": 0.0,
-    "expert_fixed_latency_s": 0.0,
-    "expert_overhead_s": 0.0,
-}
 
 
 def run_setting(
@@ -263,7 +251,7 @@ def main() -> None:
     args = parser.parse_args()
     catalog = default_catalog()
     if args.fixed_costs == "off":
-        catalog = HardwareCatalog(gpu.model_copy(update=NO_FIXED_COSTS) for gpu in catalog)
+        catalog = HardwareCatalog(without_fixed_costs(gpu) for gpu in catalog)
         print("Plain roofline: every fixed cost of the cost model zeroed\n")
     settings = (
         [("gemma-3-27b", "32K", "relaxed", "H100+A100")]

@@ -42,6 +42,7 @@ from ._private.fit import (
     profile_operators,
     synthesize_profile,
 )
+from ._private.fixed_costs import without_fixed_costs
 from ._private.formulas import (
     boundary_transfer_s,
     fan_out_s,
@@ -173,6 +174,7 @@ __all__ = [
     "HardwareSpec",
     "default_catalog",
     "load_hardware_file",
+    "without_fixed_costs",
     # serving engines' host time per step
     "HOST_PROFILES",
     "HostProfile",

@@ -33,6 +33,31 @@ from __future__ import annotations
 from .hardware import HardwareSpec
 from .model import OperatorSpec, TPCollective
 
+# HardwareSpec fields of these terms, at the values that switch each one off
+NO_FIXED_COSTS: dict[str, float | None] = {
+    "kernel_overhead_s": 0.0,
+    "allreduce_latency_s": 0.0,
+    "allreduce_bandwidth_bytes_per_s": None,  # the link's bandwidth, as the roofline's transfers
+    "step_overhead_s": 0.0,
+    "step_overhead_per_request_s": 0.0,
+    "expert_fixed_latency_s": 0.0,
+    "expert_overhead_s": 0.0,
+}
+
+
+def without_fixed_costs(hw: HardwareSpec) -> HardwareSpec:
+    """``hw`` on the plain roofline: every fixed cost of this module zeroed (to measure what the
+    terms do, as ``costmodel_accuracy.py`` and ``paper_grid.py --fixed-costs off`` do).
+
+    >>> from opweave.costmodel import default_catalog, estimate_step, load_model
+    >>> llama, h100 = load_model("llama-3.3-70b"), default_catalog().get("h100")
+    >>> plain = estimate_step(llama, without_fixed_costs(h100), tp=4, batch=1, context=4096)
+    >>> sum(plain.breakdown_s[k] for k in ("kernel_launch", "allreduce_latency", "step_overhead"))
+    0.0
+    """
+    return hw.model_copy(update=NO_FIXED_COSTS)
+
+
 # Largest collective the all-reduce measurements cover ([SGL-AR] in hardware.py): beyond it,
 # marginal bytes move at the link's bandwidth, as a bandwidth-bound ring (NCCL) moves them.
 SMALL_COLLECTIVE_MAX_BYTES = float(1 << 20)
