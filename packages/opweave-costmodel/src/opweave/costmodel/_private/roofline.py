@@ -123,7 +123,8 @@ class ProfiledLatency:
     def step_s(self, op: OperatorSpec, batch: float) -> float:
         """The per-step cost ``op_latency_s`` adds to the profile's ``sample`` latency."""
         profile = self.profile
-        if batch <= 0 or profile.provenance.source != "measured" or profile.orchestration:
+        measured_alone = profile.provenance.source == "measured" and profile.orchestration is None
+        if batch <= 0 or not measured_alone:
             return 0.0
         return step_overhead_s(op, batch, profile.device)
 
