@@ -81,26 +81,26 @@ def estimate_step(
         | {"allreduce_latency": 0.0}
     )
     layer_of = {op.key: layer for layer in model.layers for op in layer.ops}
+    # the collectives are the roofline's for a profile too (it holds none): floor and payload
+    roof = RooflineLatency(lat.hardware)
+    split = isinstance(lat, (RooflineLatency, ProfiledLatency))
     for op in model.operators:
         if isinstance(lat, RooflineLatency):
             terms = lat.op_terms_s(op, tp, batch, context)
             breakdown[op.op_class.value] += terms.pop("roofline")
             for name, value in terms.items():
                 breakdown[FIXED_TERMS[name]] += value
-            floor, payload = lat.collective_terms_s(op, tp, batch)
-            breakdown["allreduce_latency"] += floor
-            breakdown["communication"] += payload
         else:
             seconds = lat.op_latency_s(model, op, layer_of.get(op.key), tp, batch, context)
             step = lat.step_s(op, batch) if isinstance(lat, ProfiledLatency) else 0.0
             breakdown[op.op_class.value] += seconds - step
             breakdown["step_overhead"] += step
-            if isinstance(lat, ProfiledLatency):  # profiles hold no collectives: the model's
-                floor, payload = RooflineLatency(lat.hardware).collective_terms_s(op, tp, batch)
-                breakdown["allreduce_latency"] += floor
-                breakdown["communication"] += payload
-            else:
-                breakdown["communication"] += lat.collective_s(op, tp, batch)
+        if split:
+            floor, payload = roof.collective_terms_s(op, tp, batch)
+            breakdown["allreduce_latency"] += floor
+            breakdown["communication"] += payload
+        else:
+            breakdown["communication"] += lat.collective_s(op, tp, batch)
     step = sum(breakdown.values())
     memory = memory_bytes_per_rank(model.operators, tp, batch, context)
     price = hardware.usd_per_hour

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 PLAN_KEY = "opweave_plan"  # additional_config: plan file path, or the plan as a JSON dict
@@ -320,7 +321,7 @@ def _build() -> type:
                     "OpWeave executor does not compute (logprobs, penalties, structured output)"
                 )
             defaults = self.model_config.get_diff_sampling_param()
-            found = unapplied(type("Defaults", (), defaults))
+            found = unapplied(SimpleNamespace(**defaults))
             if found:
                 _refuse(
                     f"the model's generation config sets {', '.join(found)}, which OpWeave's "
