@@ -86,12 +86,29 @@ class HardwareSpec(FileSchema):
     memory_bytes: _Bytes
     mem_bandwidth_bytes_per_s: _Rate = Field(description="Datasheet peak.")
     dense_flops_per_s: _Flops = Field(description="Datasheet dense BF16 tensor peak.")
+    fp8_flops_per_s: _Flops | None = Field(
+        default=None,
+        description="Datasheet dense FP8 tensor peak; None: no FP8 tensor cores (FP8 weights "
+        "run weight-only, dequantised to BF16 math).",
+    )
+    fp4_flops_per_s: _Flops | None = Field(
+        default=None,
+        description="Datasheet dense FP4 (NVFP4/MXFP4) tensor peak; None: no FP4 tensor cores.",
+    )
     intra_node_link: str = ""
     intra_node_bandwidth_bytes_per_s: _Rate = Field(description="Per direction.")
     intra_node_latency_s: _Seconds = 4 * US
     network_bandwidth_bytes_per_s: _Rate = Field(description="Inter-node, per direction.")
     network_latency_s: _Seconds = 8 * US
     gpus_per_node: int = Field(default=8, strict=True, ge=1, le=1024)
+    nvlink_domain_gpus: int | None = Field(
+        default=None,
+        strict=True,
+        ge=1,
+        le=1024,
+        description="GPUs one scale-up (NVLink) domain joins, across hosts in a rack-scale "
+        "system such as GB200 NVL72; None: one node (gpus_per_node).",
+    )
     usd_per_hour: Annotated[float, Field(strict=True, gt=0, le=1e4)] | None = Field(
         default=None, description="On-demand price per device-hour."
     )
@@ -141,6 +158,11 @@ class HardwareSpec(FileSchema):
     )
     usable_memory_fraction: _Fraction = 0.9
     aliases: tuple[str, ...] = ()
+
+    @property
+    def scale_up_gpus(self) -> int:
+        """GPUs that reach each other over the intra-node (scale-up) link."""
+        return self.nvlink_domain_gpus or self.gpus_per_node
 
     @property
     def usable_memory_bytes(self) -> float:
