@@ -65,6 +65,7 @@ from ._private.host import HOST_PROFILES, HostProfile, host_profile
 from ._private.model import (
     AttentionKind,
     LayerSpec,
+    LinearShape,
     ModelSpec,
     MoESpec,
     OpClass,
@@ -158,6 +159,7 @@ __all__ = [
     "MoESpec",
     "OpClass",
     "OperatorName",
+    "LinearShape",
     "OperatorSpec",
     "PartitionBlock",
     "TPCollective",

@@ -66,6 +66,23 @@ class MoESpec(Frozen):
     shared_expert_intermediate_size: int = Field(default=0, description="0 when there is none.")
 
 
+class LinearShape(Frozen):
+    """One matmul weight inside an operator, named as the checkpoint names it."""
+
+    module: str = Field(
+        description="Module path in the checkpoint, relative to the decoder layer for layer "
+        "operators ('self_attn.q_proj', 'mlp.experts.down_proj') and to the model otherwise "
+        "('lm_head')."
+    )
+    in_features: int = Field(ge=1)
+    out_features: int = Field(ge=1)
+    count: int = Field(default=1, ge=1, description="Copies of it (routed experts of a layer).")
+
+    @property
+    def params(self) -> int:
+        return self.in_features * self.out_features * self.count
+
+
 class OperatorSpec(Frozen):
     """One operator of one layer (or of the model's start/end), unsharded."""
 
@@ -115,6 +132,11 @@ class OperatorSpec(Frozen):
         default=1, description="Kernel launches per execution (for launch overhead)."
     )
     moe: MoESpec | None = None
+    linears: tuple[LinearShape, ...] = Field(
+        default=(),
+        description="The matmul weights among weight_bytes (what a quantised checkpoint stores "
+        "in its weight format); norms, biases and other parameters are not listed.",
+    )
     tied_to: str | None = Field(default=None, description="Key of a weight shared with another op.")
 
     @property
