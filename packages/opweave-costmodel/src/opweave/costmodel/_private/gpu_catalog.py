@@ -35,7 +35,8 @@ Sources, cited once here and by key below:
   FP8 2 PFLOPS, FP16/BF16 1 PFLOPS (with sparsity), PCIe Gen5 x16, no NVLink, up to 600 W.
   [MLPERF-GB200] MLPerf Inference v6.1 system description
   GB200-NVL72_GB200-186GB_aarch64x16_Dynamo (Crusoe): 186 GB per GPU, 4 GPUs per node (a
-  compute tray), 4x ConnectX-7 per 4-GPU node, NVLink across trays through NVLink switches.
+  compute tray), 4x BlueField-3 (ConnectX-7) NICs per 4-GPU node, NVLink across trays
+  through NVLink switches.
   [AWS-G7E] Amazon EC2 G7e announcement: 8 RTX PRO 6000 Blackwell Server Edition GPUs and
   1,600 Gbps of networking on g7e.48xlarge (200 Gb/s per GPU).
   [BABEL] BabelStream triad on Azure ND-series VMs, Azure/AI-benchmarking-guide Azure_Results
@@ -50,9 +51,9 @@ Sources, cited once here and by key below:
   [NCCL-P2P] NVIDIA/nccl#1264: H100 peer-to-peer copies reach 380 of 450 GB/s per direction.
   [DEEPOPS] NVIDIA DeepOps multi-node all-reduce: 191 of 200 GB/s (HDR) per 8-GPU node.
   [NIC] per-GPU NICs: DGX A100 8x ConnectX-6 HDR 200 Gb/s; HGX H100/H200 and DGX B200 8x
-  ConnectX-7 NDR 400 Gb/s (MLPerf system descriptions); GB200 NVL72 one ConnectX-7 400 Gb/s
-  per GPU [MLPERF-GB200]; HGX B300 and GB300 NVL72 one ConnectX-8 800 Gb/s per GPU [DS-B300]
-  [DS-GB300].
+  ConnectX-7 NDR 400 Gb/s (MLPerf system descriptions); GB200 NVL72 one ConnectX-7-class
+  400 Gb/s NIC per GPU [MLPERF-GB200]; HGX B300 and GB300 NVL72 one ConnectX-8 800 Gb/s per GPU
+  [DS-B300] [DS-GB300].
   [PRICE] One basis for every GPU RunPod rents, so that comparisons between GPU types are fair:
   RunPod's on-demand Community Cloud list price per GPU-hour (runpod.io/pricing), the one
   provider and tier that lists nearly the whole catalog. Read 2026-09-25 (tgarg01/silybench-data
