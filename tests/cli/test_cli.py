@@ -25,6 +25,31 @@ def test_models_and_gpus_json() -> None:
     assert "RunPod Community Cloud" in gpus["l4"]["price_source"]
 
 
+def test_gpus_json_lists_the_rack_scale_and_new_gpus_with_their_fields() -> None:
+    gpus = {g["id"]: g for g in cli_json("gpus")["gpus"]}
+    assert {"b300", "gb200", "gb300", "h20", "rtx-pro-6000"} <= set(gpus)
+    gb200 = gpus["gb200"]
+    assert gb200["fp8_flops_per_s"] == 5e15 and gb200["fp4_flops_per_s"] == 1e16
+    assert (gb200["gpus_per_node"], gb200["nvlink_domain_gpus"]) == (4, 72)
+    assert gb200["fp4_compute_efficiency"] == 0.76
+    assert gpus["gb300"]["fp4_flops_per_s"] == 1.5e16 and gpus["gb300"]["usd_per_hour"] is None
+    assert gpus["b300"]["memory_bytes"] == 288e9 and gpus["b300"]["nvlink_domain_gpus"] is None
+    assert gpus["h20"]["fp4_flops_per_s"] is None and gpus["h20"]["fp8_flops_per_s"] == 296e12
+    assert gpus["rtx-pro-6000"]["intra_node_link"] == "PCIe Gen5 x16"
+    assert gpus["a100-sxm-80gb"]["fp8_flops_per_s"] is None
+
+
+def test_a_gpu_without_a_price_is_refused_by_plan_with_the_field_to_give(tmp_path) -> None:
+    base = ["plan", "qwen3-32b", "--context", "8K", "--tpot-slo-ms", "50"]
+    result = run_cli(*base, "--gpus", "gb300", check=False)
+    assert result.returncode == 2
+    assert "GPU gb300 has no price; give usd_per_hour" in result.stderr
+    hw = tmp_path / "hw.toml"
+    hw.write_text('[[gpus]]\nid = "gb300"\nusd_per_hour = 7.5\n')
+    doc = cli_json(*base, "--gpus", "gb300", "--hardware", str(hw))
+    assert doc["best"]["gpus_used"].keys() == {"gb300"}
+
+
 def test_gpus_table_says_where_each_price_comes_from() -> None:
     out = run_cli("gpus").stdout
     rows = {line.split()[0]: line for line in out.splitlines()[2:] if line.strip()}

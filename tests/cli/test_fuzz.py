@@ -418,6 +418,55 @@ def test_hardware_files(text: str, root: Path) -> None:
         assert g["usd_per_hour"] is None or g["usd_per_hour"] > 0
 
 
+# The FP8/FP4 rates and efficiencies and the rack-scale NVLink domain, drawn together on the GPUs
+# that have them and on those that do not: a file is read back as written, or refused in one line.
+bad_values = st.sampled_from([0, -1, 0.0, 1.5, 72.0, "x", True]) | st.floats(
+    allow_nan=True, allow_infinity=True
+)
+PRECISION_FIELDS = {  # each field: values that often suit it, and any value at all
+    "fp8_flops_per_s": st.floats(1e12, 2e16),
+    "fp4_flops_per_s": st.floats(1e12, 2e16),
+    "fp8_compute_efficiency": st.floats(0.01, 1.0),
+    "fp4_compute_efficiency": st.floats(0.01, 1.0),
+    "nvlink_domain_gpus": st.sampled_from([1, 2, 4, 8, 16, 36, 72, 144]),
+    "gpus_per_node": st.sampled_from([1, 2, 4, 8]),
+}
+
+
+@st.composite
+def precision_fields(draw: st.DrawFn) -> dict[str, Any]:
+    names = draw(st.lists(st.sampled_from(sorted(PRECISION_FIELDS)), max_size=4, unique=True))
+    good = st.floats(0, 1)  # how often a field gets a value of its kind
+    return {
+        name: draw(PRECISION_FIELDS[name] if draw(good) < 0.8 else bad_values) for name in names
+    }
+
+
+@FUZZ
+@given(
+    gpu=st.sampled_from(["gb200", "gb300", "b300", "a100", "h100", "rtx-pro-6000"]),
+    fields=precision_fields(),
+)
+def test_hardware_files_with_precision_rates_and_nvlink_domains(
+    gpu: str, fields: dict[str, Any], root: Path
+) -> None:
+    text = f'schema_version = 1\n[[gpus]]\nid = "{gpu}"\n'
+    text += "".join(f"{name} = {_toml_value(value)}\n" for name, value in fields.items())
+    path = _write(root / "hw-precision.toml", text)
+    argv = ["gpus", "--hardware", str(path), "--json"]
+    code, out = check_output("hardware file (precision)", argv)
+    if code != 0:
+        return
+    got = {g["id"]: g for g in json.loads(out)["gpus"]}[default_catalog().resolve(gpu)]
+    for name, value in fields.items():
+        assert got[name] == value, name
+    for fmt in ("fp8", "fp4"):
+        if got[f"{fmt}_compute_efficiency"] is not None:
+            assert got[f"{fmt}_flops_per_s"] is not None
+    if got["nvlink_domain_gpus"] is not None:
+        assert got["nvlink_domain_gpus"] % got["gpus_per_node"] == 0
+
+
 @settings(FUZZ, max_examples=20)
 @given(
     content=st.binary(max_size=80)

@@ -122,12 +122,63 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
         ('id = ""\nusd_per_hour = 1.0', "'id' must be a non-empty string"),
         ('id = "h100"\nusd_per_hour = 1.0\n[[gpus]]\nid = "H100-SXM"', "is given twice"),
         ("id = 7\nusd_per_hour = 1.0", "'id' must be a non-empty string"),
+        ('id = "b300"\nfp8_flops_per_s = -1.0', "fp8_flops_per_s"),
+        ('id = "b300"\nfp4_flops_per_s = nan', "fp4_flops_per_s"),
+        ('id = "b300"\nfp4_flops_per_s = "9e15"', "fp4_flops_per_s"),
+        ('id = "b300"\nfp8_compute_efficiency = 1.5', "fp8_compute_efficiency"),
+        ('id = "b300"\nfp4_compute_efficiency = 0.0', "fp4_compute_efficiency"),
+        ('id = "gb200"\nnvlink_domain_gpus = 0', "nvlink_domain_gpus"),
+        ('id = "gb200"\nnvlink_domain_gpus = 72.0', "nvlink_domain_gpus"),
+        # rules across fields name both
+        (
+            'id = "a100"\nfp8_compute_efficiency = 0.7',
+            "fp8_compute_efficiency needs fp8_flops_per_s",
+        ),
+        (
+            'id = "h100"\nfp4_compute_efficiency = 0.7',
+            "fp4_compute_efficiency needs fp4_flops_per_s",
+        ),
+        (
+            'id = "gb200"\nnvlink_domain_gpus = 6',
+            "nvlink_domain_gpus (6) must be a multiple of gpus_per_node (4)",
+        ),
+        (
+            'id = "gb300"\ngpus_per_node = 8\nnvlink_domain_gpus = 36',
+            "nvlink_domain_gpus (36) must be a multiple of gpus_per_node (8)",
+        ),
     ],
 )
 def test_hardware_file_values(tmp_path: Path, entries: str, message: str) -> None:
     path = tmp_path / "hw.toml"
     path.write_text(f"schema_version = 1\n[[gpus]]\n{entries}\n")
     assert message in _error(["gpus", "--hardware", str(path)])
+
+
+def test_a_hardware_file_sets_the_fp8_fp4_rates_and_the_nvlink_domain(tmp_path: Path) -> None:
+    path = tmp_path / "hw.toml"
+    path.write_text(
+        '[[gpus]]\nid = "b300"\nfp4_flops_per_s = 1.35e16\nfp4_compute_efficiency = 0.7\n'
+        '[[gpus]]\nid = "a100"\nfp8_flops_per_s = 6.24e14\n'
+        '[[gpus]]\nid = "gb200"\nnvlink_domain_gpus = 36\n'
+        '[[gpus]]\nid = "rack"\nmemory_bytes = 1e11\nmem_bandwidth_bytes_per_s = 4e12\n'
+        "dense_flops_per_s = 1e15\nfp8_flops_per_s = 2e15\n"
+        "intra_node_bandwidth_bytes_per_s = 9e11\nnetwork_bandwidth_bytes_per_s = 5e10\n"
+        "gpus_per_node = 4\nnvlink_domain_gpus = 16\n"
+    )
+    code, out, err, _ = invoke(["gpus", "--hardware", str(path), "--json"])
+    assert code == 0, err
+    gpus = {g["id"]: g for g in json.loads(out)["gpus"]}
+    b300 = gpus["b300"]
+    assert (b300["fp4_flops_per_s"], b300["fp4_compute_efficiency"]) == (1.35e16, 0.7)
+    assert b300["fp8_flops_per_s"] == 4.5e15  # the fields not named keep the catalog's
+    assert gpus["a100-sxm-80gb"]["fp8_flops_per_s"] == 6.24e14
+    assert (gpus["gb200"]["nvlink_domain_gpus"], gpus["gb200"]["gpus_per_node"]) == (36, 4)
+    rack = gpus["rack"]
+    assert (rack["fp8_flops_per_s"], rack["fp4_flops_per_s"], rack["nvlink_domain_gpus"]) == (
+        2e15,
+        None,
+        16,
+    )
 
 
 def test_a_new_gpu_is_found_by_any_case(tmp_path: Path) -> None:

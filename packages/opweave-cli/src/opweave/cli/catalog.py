@@ -71,6 +71,8 @@ def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
                     human_bytes(g.memory_bytes),
                     f"{g.mem_bandwidth_bytes_per_s / 1e12:.2f}",
                     f"{g.dense_flops_per_s / 1e12:.0f}",
+                    _tflops(g.fp8_flops_per_s),
+                    _tflops(g.fp4_flops_per_s),
                     g.intra_node_link,
                     f"{g.network_bandwidth_bytes_per_s * 8 / 1e9:.0f}",
                     "-" if g.usd_per_hour is None else f"{g.usd_per_hour:.2f}",
@@ -83,6 +85,8 @@ def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
                 "memory",
                 "HBM TB/s",
                 "BF16 TFLOPS",
+                "FP8",
+                "FP4",
                 "intra-node",
                 "net Gb/s",
                 "USD/h",
@@ -96,6 +100,11 @@ def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
         "types are fair; hyperscalers list the same GPUs at 2-4x. Override with --hardware "
         "FILE (usd_per_hour, price_source)."
     )
+
+
+def _tflops(rate: float | None) -> str:
+    """A dense tensor rate in TFLOPS; "-" where the GPU has no such tensor cores."""
+    return "-" if rate is None else f"{rate / 1e12:.0f}"
 
 
 def _price_basis(source: str) -> str:

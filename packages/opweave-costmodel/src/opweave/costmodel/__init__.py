@@ -54,8 +54,8 @@ from ._private.formulas import (
     usd_per_hour_per_request,
     usd_per_million_tokens,
 )
+from ._private.gpu_catalog import BUILTIN_GPUS
 from ._private.hardware import (
-    BUILTIN_GPUS,
     HARDWARE_SCHEMA_VERSION,
     HardwareCatalog,
     HardwareSpec,

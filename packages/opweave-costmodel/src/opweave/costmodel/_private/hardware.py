@@ -1,29 +1,8 @@
-"""GPU catalog: datasheet figures, measured efficiency factors and dated prices.
+"""GPU hardware: the schema the cost model reads a device from, the catalog lookup and
+hardware files. The built-in GPUs, with their datasheet and price sources, are in
+``gpu_catalog.py``.
 
-Sources, cited once here and by key below:
-  [DS-H100] NVIDIA H100 Tensor Core GPU Datasheet (SXM and PCIe columns); [DS-H200] NVIDIA H200
-  datasheet; [DS-A100] NVIDIA A100 datasheet; [DS-L40S] NVIDIA L40S datasheet; [DS-L4] NVIDIA L4
-  datasheet; [DS-B200] NVIDIA DGX/HGX B200 datasheet (8-GPU totals / 8, dense = sparse / 2);
-  [DS-MI300X] AMD Instinct MI300X data sheet.
-  [BABEL] BabelStream triad on Azure ND-series VMs, Azure/AI-benchmarking-guide Azure_Results
-  (A100 1.70, H100 2.97, H200 4.15, MI300X 4.09 TB/s): achievable/peak memory bandwidth.
-  [MAMF] stas00/ml-engineering, compute/accelerator "Maximum Achievable Matmul FLOPS" (BF16:
-  A100 271, H100 794, B200 1745, MI300X 668 TFLOPS): achievable/peak dense GEMM throughput.
-  [NCCL-P2P] NVIDIA/nccl#1264: H100 peer-to-peer copies reach 380 of 450 GB/s per direction.
-  [DEEPOPS] NVIDIA DeepOps multi-node all-reduce: 191 of 200 GB/s (HDR) per 8-GPU node.
-  [NIC] per-GPU NICs: DGX A100 8x ConnectX-6 HDR 200 Gb/s; HGX H100/H200 and DGX B200 8x
-  ConnectX-7 NDR 400 Gb/s (MLPerf system descriptions).
-  [PRICE] One basis for every GPU RunPod rents, so that comparisons between GPU types are fair:
-  RunPod's on-demand Community Cloud list price per GPU-hour (runpod.io/pricing), the one
-  provider and tier that lists nearly the whole catalog. Read 2026-09-25 (tgarg01/silybench-data
-  derived/csv/gpu_prices.csv) for H100 SXM, H100 PCIe, H200, B200, A100 SXM 80GB and L40S; the
-  A100 SXM 40GB from the 2026-08-19 RunPod snapshot of the privum/ai-compute-prices dataset
-  (its other RunPod Community prices equal the 2026-09-25 ones); the L4 from deploybase.ai's
-  "RunPod GPU Pricing" (2026-03-10), whose RunPod Community figures equal the 2026-09-25 list
-  for all seven GPUs both name. The MI300X is not on that list: DigitalOcean's on-demand price
-  (2026-10-07, HF dataset tokenwatt/gpu-cloud-prices) stands in, marked as another basis.
-  Community Cloud is the low end of the market (hyperscalers list the same GPUs at 2-4x); plans
-  depend on the price ratios. Override any price with ``--hardware`` (``usd_per_hour``).
+Sources of the schema's defaults, cited once here and by key below:
   [VLLM] vLLM EngineArgs default gpu_memory_utilization = 0.9 of device memory.
   Fixed costs of a decode step (used by ``fixed_costs.py``; values measured on Hopper, taken for
   the other GPUs where no measurement of their own was found):
@@ -43,8 +22,7 @@ Sources, cited once here and by key below:
   36.6, 49.7, 66.9, 92.4, 117.4, 125.0 us at 2-32); vllm-project/vllm#44830 (H100,
   Qwen3-Next-80B-A3B FP8, TP 4: 29.45 us at batch 1); vllm-project/vllm#31448 (B200,
   Qwen3-30B-A3B BF16, TP 1: 39.6 us at batch 1).
-Where no measurement was found the factor is marked ASSUMED; override any field with
-``--hardware FILE``.
+Override any field with ``--hardware FILE``.
 """
 
 from __future__ import annotations
@@ -56,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from ..errors import ConfigError, UnknownGPUError
 from .base import FileSchema
@@ -114,7 +92,19 @@ class HardwareSpec(FileSchema):
     )
     price_source: str = ""
     memory_efficiency: _Fraction = 0.85
-    compute_efficiency: _Fraction = 0.80
+    compute_efficiency: _Fraction = Field(
+        default=0.80, description="Achievable / datasheet dense BF16 GEMM throughput."
+    )
+    fp8_compute_efficiency: _Fraction | None = Field(
+        default=None,
+        description="Achievable / datasheet dense FP8 GEMM throughput, where measured; None: "
+        "compute_efficiency.",
+    )
+    fp4_compute_efficiency: _Fraction | None = Field(
+        default=None,
+        description="Achievable / datasheet dense FP4 GEMM throughput, where measured; None: "
+        "compute_efficiency.",
+    )
     link_efficiency: _Fraction = 0.85
     # [HAZY]: (1/0.50 - 1/0.78) x 2.48 GB / 3.35 TB/s = 0.53 ms per Llama-1B step, less the
     # 0.16 ms step gap, over ~100 kernels: 3.7 us per kernel boundary (launch, fill, drain).
@@ -159,6 +149,25 @@ class HardwareSpec(FileSchema):
     usable_memory_fraction: _Fraction = 0.9
     aliases: tuple[str, ...] = ()
 
+    @model_validator(mode="after")
+    def _consistent(self) -> HardwareSpec:
+        for fmt in ("fp8", "fp4"):
+            if getattr(self, f"{fmt}_compute_efficiency") is not None and (
+                getattr(self, f"{fmt}_flops_per_s") is None
+            ):
+                raise ValueError(
+                    f"{fmt}_compute_efficiency needs {fmt}_flops_per_s (the rate it is a "
+                    f"fraction of); give both, or neither for a GPU without {fmt.upper()} "
+                    "tensor cores"
+                )
+        domain = self.nvlink_domain_gpus
+        if domain is not None and domain % self.gpus_per_node:
+            raise ValueError(
+                f"nvlink_domain_gpus ({domain}) must be a multiple of gpus_per_node "
+                f"({self.gpus_per_node}): a scale-up domain joins whole nodes"
+            )
+        return self
+
     @property
     def scale_up_gpus(self) -> int:
         """GPUs that reach each other over the intra-node (scale-up) link."""
@@ -176,6 +185,20 @@ class HardwareSpec(FileSchema):
     def effective_flops(self) -> float:
         return self.dense_flops_per_s * self.compute_efficiency
 
+    @property
+    def effective_fp8_flops(self) -> float | None:
+        """Achievable dense FP8 rate; None without FP8 tensor cores."""
+        if self.fp8_flops_per_s is None:
+            return None
+        return self.fp8_flops_per_s * (self.fp8_compute_efficiency or self.compute_efficiency)
+
+    @property
+    def effective_fp4_flops(self) -> float | None:
+        """Achievable dense FP4 rate; None without FP4 tensor cores."""
+        if self.fp4_flops_per_s is None:
+            return None
+        return self.fp4_flops_per_s * (self.fp4_compute_efficiency or self.compute_efficiency)
+
     def require_price(self) -> float:
         if self.usd_per_hour is None:
             raise ConfigError(
@@ -184,178 +207,19 @@ class HardwareSpec(FileSchema):
         return self.usd_per_hour
 
 
-def _gpu(**fields: Any) -> HardwareSpec:
-    return HardwareSpec(**fields)
-
-
-# ASSUMED latencies: one-way small-message NVLink/RDMA ~2-3 us plus NCCL launch. TP collectives
-# over NVLink use [SGL-AR] (measured on H100; taken for A100, H200 and B200); PCIe GPUs keep an
-# ASSUMED 20 us floor at link bandwidth (custom all-reduce needs NVLink beyond two GPUs).
-NVLINK_ALLREDUCE_BANDWIDTH = 53 * GB  # [SGL-AR]
-BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
-    _gpu(
-        id="h100-sxm",
-        name="NVIDIA H100 SXM5 80GB",
-        aliases=("h100",),
-        memory_bytes=80 * GB,
-        mem_bandwidth_bytes_per_s=3.35 * TB,  # [DS-H100]
-        dense_flops_per_s=989 * TFLOPS,  # [DS-H100]
-        intra_node_link="NVLink 4",
-        intra_node_bandwidth_bytes_per_s=450 * GB,
-        network_bandwidth_bytes_per_s=50 * GB,  # [NIC] 400 Gb/s
-        memory_efficiency=0.89,
-        compute_efficiency=0.80,  # [BABEL] [MAMF]
-        link_efficiency=0.84,  # [NCCL-P2P]
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
-        usd_per_hour=2.69,
-        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
-    ),
-    _gpu(
-        id="h200-sxm",
-        name="NVIDIA H200 SXM 141GB",
-        aliases=("h200",),
-        memory_bytes=141 * GB,
-        mem_bandwidth_bytes_per_s=4.8 * TB,  # [DS-H200]
-        dense_flops_per_s=989 * TFLOPS,
-        intra_node_link="NVLink 4",
-        intra_node_bandwidth_bytes_per_s=450 * GB,
-        network_bandwidth_bytes_per_s=50 * GB,  # [NIC]
-        memory_efficiency=0.86,
-        compute_efficiency=0.80,  # [BABEL] [MAMF: =H100]
-        link_efficiency=0.84,
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
-        usd_per_hour=3.59,
-        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
-    ),
-    _gpu(
-        id="a100-sxm-80gb",
-        name="NVIDIA A100 SXM4 80GB",
-        aliases=("a100", "a100-80gb"),
-        memory_bytes=80 * GB,
-        mem_bandwidth_bytes_per_s=2.039 * TB,  # [DS-A100]
-        dense_flops_per_s=312 * TFLOPS,
-        intra_node_link="NVLink 3",
-        intra_node_bandwidth_bytes_per_s=300 * GB,
-        network_bandwidth_bytes_per_s=25 * GB,  # [NIC] HDR 200 Gb/s
-        memory_efficiency=0.83,
-        compute_efficiency=0.87,  # [BABEL] [MAMF]
-        link_efficiency=0.84,
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
-        usd_per_hour=1.39,
-        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
-    ),
-    _gpu(
-        id="a100-sxm-40gb",
-        name="NVIDIA A100 SXM4 40GB",
-        aliases=("a100-40gb",),
-        memory_bytes=40 * GB,
-        mem_bandwidth_bytes_per_s=1.555 * TB,  # [DS-A100]
-        dense_flops_per_s=312 * TFLOPS,
-        intra_node_link="NVLink 3",
-        intra_node_bandwidth_bytes_per_s=300 * GB,
-        network_bandwidth_bytes_per_s=25 * GB,
-        memory_efficiency=0.83,
-        compute_efficiency=0.87,
-        link_efficiency=0.84,
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
-        usd_per_hour=1.00,
-        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-08-19",
-    ),
-    _gpu(
-        id="h100-pcie",
-        name="NVIDIA H100 PCIe 80GB",
-        memory_bytes=80 * GB,
-        mem_bandwidth_bytes_per_s=2.0 * TB,  # [DS-H100] PCIe
-        dense_flops_per_s=756 * TFLOPS,
-        intra_node_link="PCIe Gen5 x16",
-        intra_node_bandwidth_bytes_per_s=64 * GB,
-        network_bandwidth_bytes_per_s=25 * GB,  # ASSUMED
-        memory_efficiency=0.85,
-        compute_efficiency=0.80,  # ASSUMED (as SXM)
-        usd_per_hour=1.99,
-        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
-    ),
-    _gpu(
-        id="l40s",
-        name="NVIDIA L40S 48GB",
-        memory_bytes=48 * GB,
-        mem_bandwidth_bytes_per_s=0.864 * TB,  # [DS-L40S]
-        dense_flops_per_s=362.05 * TFLOPS,
-        intra_node_link="PCIe Gen4 x16",
-        intra_node_bandwidth_bytes_per_s=32 * GB,
-        # ASSUMED: 2x 200 GbE per 4-GPU PCIe server = 100 Gb/s per GPU.
-        network_bandwidth_bytes_per_s=12.5 * GB,
-        network_latency_s=10 * US,
-        intra_node_latency_s=8 * US,
-        allreduce_latency_s=20 * US,
-        memory_efficiency=0.80,
-        compute_efficiency=0.70,  # ASSUMED
-        link_efficiency=0.80,
-        gpus_per_node=8,
-        usd_per_hour=0.79,
-        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
-    ),
-    _gpu(
-        id="l4",
-        name="NVIDIA L4 24GB",
-        memory_bytes=24 * GB,
-        mem_bandwidth_bytes_per_s=0.3 * TB,  # [DS-L4]
-        dense_flops_per_s=121 * TFLOPS,
-        intra_node_link="PCIe Gen4 x16",
-        intra_node_bandwidth_bytes_per_s=32 * GB,
-        network_bandwidth_bytes_per_s=6.25 * GB,
-        network_latency_s=10 * US,  # ASSUMED 50 Gb/s
-        intra_node_latency_s=8 * US,
-        allreduce_latency_s=20 * US,
-        # Power-capped at 72 W: community torch matmul runs reach 59-71 of 121 TFLOPS.
-        memory_efficiency=0.80,
-        compute_efficiency=0.50,
-        link_efficiency=0.80,
-        usd_per_hour=0.44,
-        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-03-10",
-    ),
-    _gpu(
-        id="b200",
-        name="NVIDIA B200 (HGX, 1000 W)",
-        memory_bytes=180 * GB,
-        mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-B200]
-        dense_flops_per_s=2250 * TFLOPS,
-        intra_node_link="NVLink 5",
-        intra_node_bandwidth_bytes_per_s=900 * GB,
-        network_bandwidth_bytes_per_s=50 * GB,  # [NIC]
-        memory_efficiency=0.80,
-        compute_efficiency=0.78,  # ASSUMED mem; [MAMF]
-        link_efficiency=0.84,
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
-        usd_per_hour=5.98,
-        price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
-    ),
-    _gpu(
-        id="mi300x",
-        name="AMD Instinct MI300X 192GB",
-        memory_bytes=192 * GB,
-        mem_bandwidth_bytes_per_s=5.3 * TB,  # [DS-MI300X]
-        dense_flops_per_s=1307.4 * TFLOPS,
-        # 7 xGMI links x 64 GB/s per direction.
-        intra_node_link="Infinity Fabric (xGMI)",
-        intra_node_bandwidth_bytes_per_s=448 * GB,
-        network_bandwidth_bytes_per_s=50 * GB,  # ASSUMED 400 Gb/s
-        memory_efficiency=0.77,
-        compute_efficiency=0.51,  # [BABEL] [MAMF]
-        link_efficiency=0.80,
-        usd_per_hour=2.59,
-        price_source="other basis: DigitalOcean on-demand, 2026-10-07 (not on RunPod's list)",
-    ),
-)
-
-
 _GPU_ID = re.compile(r"[a-z0-9][a-z0-9._-]*")  # what --gpus lists can name
 
 
 class HardwareCatalog:
     """GPU lookup by id or alias, with user overrides layered on the built-ins."""
 
-    def __init__(self, gpus: Iterable[HardwareSpec] = BUILTIN_GPUS) -> None:
+    def __init__(self, gpus: Iterable[HardwareSpec] | None = None) -> None:
+        """``gpus``, or the built-in GPUs when None."""
+        if gpus is None:
+            # the catalog's data module builds its entries from this module's schema
+            from .gpu_catalog import BUILTIN_GPUS
+
+            gpus = BUILTIN_GPUS
         self._gpus: dict[str, HardwareSpec] = {}
         for gpu in gpus:
             self.add(gpu)
@@ -438,6 +302,9 @@ class HardwareCatalog:
             except ValidationError as exc:
                 err = exc.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])
+                if not where:  # a rule across fields: its message names them
+                    msg = str(err["msg"]).removeprefix("Value error, ")
+                    raise ConfigError(f"{source}: GPU {entry['id']!r}: {msg}") from None
                 raise ConfigError(
                     f"{source}: GPU {entry['id']!r} field {where!r}: {err['msg']}"
                 ) from None
