@@ -68,9 +68,13 @@ Sources, cited once here and by key below:
   price (2026-10-07, HF dataset tokenwatt/gpu-cloud-prices) and Spheron's on-demand GB200
   superchip price ($9.08 per superchip of 2 GPUs, 2026-03-17, spheron.network "NVIDIA H200 vs
   B200 vs GB200") stand in, marked as another basis. No dated public on-demand price was found
-  for the GB300 or the H20: they carry none, and plans that use them ask for ``usd_per_hour``
-  in a hardware file. Community Cloud is the low end of the market (hyperscalers list the same
-  GPUs at 2-4x); plans depend on the price ratios. Override any price with ``--hardware``.
+  for the GB300 or the H20: RunPod lists neither; CoreWeave's pricing page lists GB300 NVL72 as
+  "Contact sales" (read 2026-09-20, api-evangelist/coreweave plans/coreweave-plans-pricing.yml)
+  and Nebius's as "Contact us" (read 2026-10-07, api-evangelist/nebius
+  plans/nebius-plans-pricing.yml); no public list price was found for the China-only H20. They
+  carry none, and plans that use them ask for ``usd_per_hour`` in a hardware file. Community
+  Cloud is the low end of the market (hyperscalers list the same GPUs at 2-4x); plans depend on
+  the price ratios. Override any price with ``--hardware``.
 Where no measurement was found a factor is the closest GPU's, marked ASSUMED; override any
 field with ``--hardware FILE``.
 """
@@ -340,8 +344,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         compute_efficiency=0.73,  # ASSUMED: GB200's [MAMF] (same 2.5 PFLOPS BF16 peak)
         link_efficiency=0.84,  # ASSUMED: B200's
         allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
-        price_source="no dated public on-demand price found; give usd_per_hour in a "
-        "--hardware file",
+        price_source="no public on-demand list price (CoreWeave, Nebius: contact sales); "
+        "give usd_per_hour in a --hardware file",
     ),
     _gpu(
         id="mi300x",
