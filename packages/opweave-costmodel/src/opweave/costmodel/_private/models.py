@@ -125,6 +125,8 @@ def _load_model(model: str, dtype: str | None, quant: str | None, kv: str) -> Mo
             config, name=name, dtype=dtype, hf_quant_config=hf_quant, **precision
         )
     except ConfigError as exc:
-        if quant_file is not None and str(exc).startswith("hf_quant_config.json"):
-            raise ConfigError(f"{quant_file}: {exc}") from None
+        message = str(exc)
+        if quant_file is not None and message.startswith("hf_quant_config.json"):
+            where = message.removeprefix("hf_quant_config.json").lstrip(".: ")
+            raise ConfigError(f"{quant_file}: {where}") from None
         raise ConfigError(f"{file}: {exc}") from None
