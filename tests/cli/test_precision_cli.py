@@ -146,3 +146,13 @@ def test_checkpoint_conflicts_and_gpus_that_cannot_run_a_format(
         assert lines[0].startswith(
             "error: fp8 weights (hf_quant_config.json: ModelOpt FP8) cannot run on a100-sxm-80gb"
         )
+
+
+def test_analyze_takes_the_precision_flags() -> None:
+    args = ("analyze", "qwen3-32b", "--gpus", "h100", "--contexts", "8K")
+    doc = cli_json(*args, "--quant", "fp8", "--kv-cache-dtype", "fp8")
+    assert (doc["quant"], doc["kv_cache_dtype"]) == ("fp8", "fp8")
+    assert doc["weight_bytes"] == pytest.approx(_qwen3_32b(lambda i, o: i * o + 4), abs=64)
+    plain = cli_json(*args)
+    # the FP8 KV cache holds half the bytes per request
+    assert doc["state_bytes_per_request"][0] == plain["state_bytes_per_request"][0] / 2

@@ -150,10 +150,15 @@ def analyze(
         from ._plots import plot_analysis
 
         plot_analysis(result, plot)
+    precision = spec.precision
     if json_out:
-        emit_json(result.to_json())
+        emit_json(
+            result.to_json()
+            | {"quant": precision.quant, "kv_cache_dtype": precision.kv_cache_dtype}
+        )
         return
     typer.echo(result.summary())
+    typer.echo(f"precision: {precision.describe()}")
     if plot is not None:
         typer.echo(f"plot written to {plot}")
 
