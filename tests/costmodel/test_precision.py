@@ -507,3 +507,41 @@ def test_compressed_tensors_ignore_and_kv_scheme() -> None:
 def test_malformed_quantization_config(quantization_config: Any, message: str) -> None:
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         model_spec_from_config(dict(TINY, quantization_config=quantization_config))
+
+
+def test_block_fp8_shards_hold_whole_scale_blocks() -> None:
+    """vLLM refuses a TP degree whose shards of a 128x128 block-FP8 weight are not whole blocks:
+    Qwen3-235B-A22B-FP8's 1536 expert channels split into 384 (TP 4) but not 192 (TP 8)."""
+    from opweave.costmodel import tp_problem
+
+    spec = model_spec_from_config(config("qwen3-235b-a22b-fp8.json"))
+    assert [tp for tp in (1, 2, 4) if tp_problem(spec, tp)] == []
+    assert tp_problem(spec, 8) == (
+        "L0.experts: mlp.experts.gate_proj shards of 192 are not whole 128x128 FP8 scale blocks "
+        "at tp 8"
+    )
+    # per-tensor FP8 has no blocks; four KV heads over eight ranks keep whole 128-wide heads
+    assert tp_problem(load_model("qwen3-30b-a3b", quant="fp8"), 8) is None
+    assert tp_problem(load_model("qwen3-32b", quant="fp8-block"), 8) is None
+
+
+def test_hf_quant_config_is_found_beside_the_config(tmp_path: Path) -> None:
+    """In the model folder, beside a config.json, or as NAME.hf_quant_config.json beside a
+    config file NAME.json (how the reference configs are stored); config.json's own
+    quantization_config wins over it, as in vLLM."""
+    quant = {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []}}
+    config_text = json.dumps(builtin_config("qwen3-32b"))
+    (tmp_path / "m.json").write_text(config_text)
+    (tmp_path / "m.hf_quant_config.json").write_text(json.dumps(quant))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "config.json").write_text(config_text)
+    (folder / "hf_quant_config.json").write_text(json.dumps(quant))
+    for path in (tmp_path / "m.json", folder, folder / "config.json"):
+        assert load_model(path).precision.quant == "nvfp4", path
+    both = tmp_path / "both"  # a new path: load_model caches by path
+    both.mkdir()
+    fp8 = dict(builtin_config("qwen3-32b"), quantization_config={"quant_method": "fp8"})
+    (both / "config.json").write_text(json.dumps(fp8))
+    (both / "hf_quant_config.json").write_text(json.dumps(quant))
+    assert load_model(both).precision.quant == "fp8"

@@ -10,6 +10,8 @@ follows the KV-cache dtype; activations stay in the compute dtype.
 
 from __future__ import annotations
 
+import math
+
 from ..errors import ConfigError
 from .hardware import HardwareSpec
 from .model import LayerSpec, LinearShape, ModelSpec, MoESpec, OperatorSpec
@@ -92,6 +94,43 @@ def _quantized_weights(
     assert weight_bytes > 0, f"{op.key}: its linears hold more parameters than the operator"
     out["weight_bytes"] = round(weight_bytes)
     return out
+
+
+# Row-parallel linears (their input dimension is sharded under TP); the rest are column-parallel.
+ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "w2"})
+
+
+def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | None:
+    """Why ``tp`` ranks cannot shard ``op``'s block-scaled weights (``None``: they can).
+
+    A rank holds whole scale blocks, so each shard of a block-FP8 weight must be a multiple of
+    the block along the sharded dimension, as vLLM checks when it loads one (``Fp8LinearMethod``
+    for column- and row-parallel layers, ``Fp8MoEMethod``: "not divisible by weight
+    quantization block"). Qwen3-235B-A22B-FP8's experts (1536 channels) do not split over 8.
+    """
+    if tp == 1 or op.weight_format != "fp8-block":
+        return None
+    for linear in op.linears:
+        expert = _is_expert(op, linear)
+        router = linear.module.rsplit(".", 1)[-1] in ROUTER_NAMES
+        paths = linear_paths(linear.module, op.layer, expert)
+        scheme = precision.scheme_for(paths, router=router, expert=expert)
+        if scheme is None or scheme.scale_rows is None or scheme.scale_cols is None:
+            continue
+        name = linear.module.rsplit(".", 1)[-1]
+        row = name in ROW_PARALLEL
+        size = linear.in_features if row else linear.out_features
+        block = scheme.scale_cols if row else scheme.scale_rows
+        shard = size / tp
+        if name in ("k_proj", "v_proj") and op.shard_units:
+            # fewer KV heads than ranks: each rank holds whole heads (shard_fraction's rule)
+            shard = size * math.ceil(op.shard_units / tp) / op.shard_units
+        if not shard.is_integer() or int(shard) % block:
+            return (
+                f"{op.key}: {linear.module} shards of {shard:g} are not whole "
+                f"{scheme.scale_rows}x{scheme.scale_cols} FP8 scale blocks at tp {tp}"
+            )
+    return None
 
 
 def quantize_ops(ops: tuple[OperatorSpec, ...], precision: Precision) -> tuple[OperatorSpec, ...]:
