@@ -79,7 +79,7 @@ def check_runtime_support(model: ModelSpec) -> None:
     if unsupported is not None:
         raise UnsupportedModelError(
             f"the runtime does not run {unsupported} yet (planning and estimates cover it); "
-            "serve an unquantised checkpoint with --kv-cache-dtype auto"
+            "serve an unquantised checkpoint"
         )
     arch = model.arch
     if arch.hidden_act not in ACTIVATIONS:
