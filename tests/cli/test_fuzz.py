@@ -24,6 +24,8 @@ from hypothesis import strategies as st
 
 from opweave.costmodel import (
     BUILTIN_MODELS,
+    KV_CACHE_CHOICES,
+    QUANT_CHOICES,
     canonical_plan,
     default_catalog,
     load_model,
@@ -290,6 +292,109 @@ def test_model_configs_against_their_weights(
     _write(folder / "config.json", data.draw(mutated(real, CONFIG_KEYS)))
     argv = ["run", "--model-path", str(folder), "--prompt", "t5 t6", "--max-tokens", "2"]
     check("config vs weights", argv)
+
+
+# -- precision: flags, quantization_config, hf_quant_config.json -------------------------------
+precision_values = st.one_of(
+    st.sampled_from(
+        [*QUANT_CHOICES, *KV_CACHE_CHOICES, "fp16", "fp32", "FP8", "int8", "", " ", "fp8 ",
+         "nvfp4,fp8", "\x00", "auto"]
+    ),
+    st.text(max_size=12),
+)  # fmt: skip
+
+
+@FUZZ
+@given(
+    flag=st.sampled_from(["--quant", "--kv-cache-dtype"]), value=precision_values, data=st.data()
+)
+def test_precision_flags(flag: str, value: str, data: st.DataObject, tiny_config: Path) -> None:
+    model = data.draw(st.sampled_from(["qwen3-30b-a3b", str(tiny_config)]))
+    check("precision flags", ["estimate", model, "--gpu", "h100", f"{flag}={value}", "--json"])
+    argv = ["plan", str(tiny_config), "--gpus", "h100", "--context", "256", "--tpot-slo-ms", "50"]
+    check("precision flags: plan", [*argv, f"{flag}={value}", "--json"])
+
+
+TINY_MOE = dict(
+    TINY_LLAMA,
+    model_type="qwen3_moe",
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    head_dim=16,
+)
+QUANTIZATION_CONFIGS = [
+    {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+     "weight_block_size": [128, 128],
+     "modules_to_not_convert": ["lm_head", "model.layers.0.mlp.gate", "re:.*norm"]},
+    {"quant_method": "fp8", "activation_scheme": "static"},
+    {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]},
+    {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm",
+     "modules_to_not_convert": ["gate"]},
+    {"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": True,
+     "lm_head": False},
+    {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+     "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+         "num_bits": 4, "type": "int", "strategy": "group", "group_size": 32,
+         "symmetric": False, "actorder": "group"}}},
+     "kv_cache_scheme": {"num_bits": 8, "type": "float", "strategy": "tensor"}},
+    {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+     "config_groups": {"group_0": {"targets": ["re:.*mlp.*"],
+         "weights": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                     "group_size": 16},
+         "input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group",
+                               "group_size": 16, "dynamic": "local"}},
+         "group_1": {"targets": ["re:.*self_attn.*"], "weights": {
+             "num_bits": 8, "type": "float", "strategy": "block",
+             "block_structure": [128, 128]}}}},
+    {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16, "ignore": ["lm_head"],
+     "kv_cache_scheme": {"num_bits": 8, "type": "float"}},
+]  # fmt: skip
+QUANT_KEYS = [
+    "quant_method", "weight_block_size", "modules_to_not_convert", "bits", "group_size",
+    "config_groups", "ignore", "kv_cache_scheme", "quant_algo", "fmt", "lm_head", "dynamic",
+    "zero_point", "activation_scheme",
+]  # fmt: skip
+
+
+@FUZZ
+@given(data=st.data())
+def test_quantization_configs(data: st.DataObject, root: Path) -> None:
+    base = data.draw(st.sampled_from([TINY_LLAMA, TINY_MOE]))
+    quant = data.draw(
+        st.sampled_from(QUANTIZATION_CONFIGS).flatmap(lambda q: mutated(q, QUANT_KEYS))
+    )
+    folder = _fresh(root, "quant")
+    _write(folder / "config.json", dict(base, quantization_config=quant))
+    check("quantization_config", ["estimate", str(folder), "--gpu", "h100", "--json"])
+
+
+HF_QUANT_CONFIG = {
+    "producer": {"name": "modelopt", "version": "0.22.1"},
+    "quantization": {
+        "quant_algo": "NVFP4",
+        "kv_cache_quant_algo": "FP8",
+        "group_size": 16,
+        "exclude_modules": ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.1*"],
+    },
+}
+
+
+@FUZZ
+@given(
+    content=st.one_of(
+        mutated(HF_QUANT_CONFIG, ["quant_algo", "kv_cache_quant_algo", "exclude_modules"]),
+        json_values,
+        st.binary(max_size=32),
+        st.just(deep(100_000)),
+    ),
+    gpu=st.sampled_from(["h100", "a100", "mi300x"]),
+)
+def test_hf_quant_config_files(content: Any, gpu: str, root: Path) -> None:
+    folder = _fresh(root, "modelopt")
+    _write(folder / "config.json", TINY_MOE)
+    _write(folder / "hf_quant_config.json", content)
+    check("hf_quant_config.json", ["estimate", str(folder), "--gpu", gpu, "--json"])
 
 
 # -- plans ------------------------------------------------------------------------------------

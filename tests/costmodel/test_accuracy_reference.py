@@ -63,14 +63,15 @@ def test_reference_covers_the_goal_scope(bench: ModuleType) -> None:
         assert r.source and r.engine, r
         assert r.host in HOST_PROFILES, r
         catalog.get(r.gpu)
-        bench.model_for(r.model, r.dtype, configs)
+        model = bench.model_for(r, configs)
+        # a row's precision reaches the model it is compared with
+        assert r.quant is None or model.precision.quant == r.quant, r
+        assert model.precision.kv_cache_dtype == "fp8" or r.kv_cache_dtype == "auto", r
         assert r.in_scope or r.scope_note, f"out-of-scope row without a reason: {r}"
     assert len(inside) >= 40
     assert len({r.gpu for r in inside}) >= 3
     moe = [
-        r
-        for r in inside
-        if any(op.moe is not None for op in bench.model_for(r.model, r.dtype, configs).operators)
+        r for r in inside if any(op.moe is not None for op in bench.model_for(r, configs).operators)
     ]
     assert 0 < len(moe) < len(inside)
 

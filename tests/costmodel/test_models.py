@@ -126,7 +126,11 @@ def test_gpt_oss_mxfp4_experts_are_smaller() -> None:
     quant = model_spec_from_config(dict(base, quantization_config={"quant_method": "mxfp4"}))
     e_plain = next(o for o in plain.layers[0].ops if o.name == "experts").weight_bytes
     e_quant = next(o for o in quant.layers[0].ops if o.name == "experts").weight_bytes
-    assert e_quant == pytest.approx(e_plain * 4.25 / 16, rel=1e-3)
+    # 4 experts of gate_up (64 -> 256) and down (128 -> 64): MXFP4 values (4 bits) with an E8M0
+    # scale per 32 (4.25 bits), their biases (256 + 64) in bf16
+    h, inter = 64, 128
+    assert e_plain == 4 * (3 * h * inter + 2 * inter + h) * 2
+    assert e_quant == 4 * (3 * h * inter * 4.25 / 8 + (2 * inter + h) * 2)
     assert [layer.attention for layer in plain.layers] == [
         AttentionKind.SLIDING,
         AttentionKind.FULL,

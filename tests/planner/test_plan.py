@@ -50,6 +50,8 @@ SUMMARY_KEYS = {
 OWNER_KEYS = {
     "gpu",
     "tp",
+    "quant",
+    "kv_cache_dtype",
     "replicas",
     "resident_batch",
     "gpus",
@@ -135,6 +137,10 @@ def test_json_has_exactly_the_contract_fields(hetero_result) -> None:
     assert doc["search"]["simulator_calls"] > 0 and doc["search"]["candidates"] > 0
     for owner in doc["best"]["owners"]:
         assert set(owner) == OWNER_KEYS
+        assert (owner["quant"], owner["kv_cache_dtype"]) == ("bf16", "bf16")
+    for entry in (doc["best"], *doc["baselines"].values()):
+        for place in entry.get("placement", []):
+            assert place["quant"] == "bf16"
     assert doc["best"]["usd_per_million_tokens"] <= min(
         e["usd_per_million_tokens"] for e in doc["baselines"].values() if e.get("strategy")
     )

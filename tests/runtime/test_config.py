@@ -248,3 +248,31 @@ def test_shipped_configs_that_omit_default_keys_parse() -> None:
             cost.hidden_size,
         )
     assert parse_config(builtin_config("gemma-3-27b")).vocab_size == 262208
+
+
+def test_quantised_weights_and_an_fp8_kv_cache_are_refused(tmp_path):
+    """The cost model plans quantised checkpoints and FP8 KV caches; the runtime says it does
+    not run them yet, naming the format."""
+    import json
+
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import check_plan
+
+    folder = write_tiny_model("qwen3", tmp_path / "fp8")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"^the runtime does not run fp8-block weights \(config.json quantization_config: "
+        r"fp8, 128x128 blocks\) yet",
+    ):
+        StageModule(folder, [(0, "qkv_proj")])
+    plain = write_tiny_model("qwen3", tmp_path / "plain")
+    planned = load_model(plain, kv_cache_dtype="fp8")
+    plan = canonical_plan(planned, "colocated", gpu="cpu", batch=1)
+    with pytest.raises(UnsupportedModelError, match="and a fp8 KV cache; the runtime does not"):
+        check_plan(plan, load_model(plain))
+    check_plan(
+        canonical_plan(load_model(plain), "colocated", gpu="cpu", batch=1), load_model(plain)
+    )

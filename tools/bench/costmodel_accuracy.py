@@ -11,7 +11,12 @@ per GPU, per engine), and the rows outside the scope apart.
 Rows whose figure includes a prefill (``prefill_tokens``: Qwen's speed benchmark divides the
 generated tokens by the whole ``generate()`` time) get the prefill added to the estimate, spread
 over ``decode_tokens``: a compute roofline, the prefill's FLOPs (causal attention over half the
-prompt on average) at the GPU's effective FLOP/s, or its weight reads if longer. The per-row
+prompt on average) at the GPU's effective FLOP/s for the model's weight formats, or its weight
+reads if longer.
+
+A row's precision: ``dtype`` (the model's dtype), ``quant`` (the weight format, as ``--quant``
+names it: fp8, fp8-block, nvfp4, mxfp4, int4-wo; a ``[models]`` config may instead carry the
+checkpoint's ``quantization_config``) and ``kv_cache_dtype`` (``auto`` or ``fp8``). The per-row
 ``prefill %`` column shows how much of the estimate that is.
 
 Each row names the host profile of the engine that measured it (``host``: a key of
@@ -53,6 +58,7 @@ from opweave.costmodel import (
     RooflineLatency,
     default_catalog,
     estimate_step,
+    gemm_flops_per_s,
     host_profile,
     load_model,
     model_spec_from_config,
@@ -77,6 +83,8 @@ class Row:
     context: int
     measured_ms: float
     dtype: str | None
+    quant: str | None
+    kv_cache_dtype: str
     engine: str
     host: str
     source: str
@@ -110,6 +118,8 @@ def load_reference(path: Path = DATA) -> tuple[dict[str, dict[str, Any]], list[R
             context=int(r["context"]),
             measured_ms=float(r["measured_ms"]),
             dtype=r.get("dtype"),
+            quant=r.get("quant"),
+            kv_cache_dtype=r.get("kv_cache_dtype", "auto"),
             engine=r["engine"],
             host=r.get("host", "overlapped"),
             source=r["source"],
@@ -123,10 +133,14 @@ def load_reference(path: Path = DATA) -> tuple[dict[str, dict[str, Any]], list[R
     return data.get("models", {}), rows
 
 
-def model_for(name: str, dtype: str | None, configs: dict[str, dict[str, Any]]) -> ModelSpec:
-    if name in BUILTIN_MODELS:
-        return load_model(name, dtype=dtype)
-    return model_spec_from_config(configs[name]["config"], name=name, dtype=dtype)
+def model_for(row: Row, configs: dict[str, dict[str, Any]]) -> ModelSpec:
+    """The row's model in its precision: ``dtype`` (the model's dtype, legacy ``float8_e4m3fn``
+    rows: every tensor in FP8), ``quant`` (the weight format, ``--quant``'s names; a [models]
+    config may carry its checkpoint's ``quantization_config`` instead), ``kv_cache_dtype``."""
+    precision = {"dtype": row.dtype, "quant": row.quant, "kv_cache_dtype": row.kv_cache_dtype}
+    if row.model in BUILTIN_MODELS:
+        return load_model(row.model, **precision)
+    return model_spec_from_config(configs[row.model]["config"], name=row.model, **precision)
 
 
 def prefill_s(model: ModelSpec, hw: HardwareSpec, tp: int, tokens: int) -> float:
@@ -136,7 +150,7 @@ def prefill_s(model: ModelSpec, hw: HardwareSpec, tp: int, tokens: int) -> float
         return 0.0
     flops = sum(op_bytes_and_flops(op, tp, tokens, tokens / 2)[1] for op in model.operators)
     weights = weight_bytes_per_rank(model.operators, tp)
-    return max(flops / hw.effective_flops, weights / hw.effective_bandwidth)
+    return max(flops / gemm_flops_per_s(model, hw), weights / hw.effective_bandwidth)
 
 
 def evaluate(
@@ -149,7 +163,7 @@ def evaluate(
     all (a name), or the hardware's per-step cost as given (``None``)."""
     results = []
     for row in rows:
-        model = model_for(row.model, row.dtype, configs)
+        model = model_for(row, configs)
         hw = hardware(row.gpu)
         applied = None if host is None else row.host if host == "row" else host
         profile = None if applied is None else host_profile(applied)

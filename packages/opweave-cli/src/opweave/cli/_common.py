@@ -16,6 +16,23 @@ HardwareOpt = Annotated[
     Path | None,
     typer.Option("--hardware", help="TOML/JSON file adding or overriding GPUs ([[gpus]] entries)."),
 ]
+QuantOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quant",
+        help="Weight format to serve an unquantised checkpoint in: bf16, fp8, fp8-block, nvfp4, "
+        "mxfp4, int4-wo (default: the checkpoint's own; a quantised checkpoint keeps its "
+        "format).",
+    ),
+]
+KvCacheOpt = Annotated[
+    str,
+    typer.Option(
+        "--kv-cache-dtype",
+        help="KV-cache dtype: auto (the checkpoint's FP8 KV scales if it ships them, else the "
+        "model's dtype) or fp8.",
+    ),
+]
 ModelArg = Annotated[
     str,
     typer.Argument(help="Built-in model name, or a path to a Hugging Face config.json or folder."),
@@ -173,3 +190,17 @@ def table(rows: list[list[str]], header: list[str]) -> str:
         for r in rows
     ]
     return "\n".join(out)
+
+
+def load_spec(model: str, quant: str | None, kv_cache_dtype: str):  # -> ModelSpec
+    """The model a command costs, in the precision ``--quant``/``--kv-cache-dtype`` ask for
+    (their values are checked first, so a bad one is named before the model is read)."""
+    from opweave.costmodel import KV_CACHE_CHOICES, QUANT_CHOICES, load_model
+
+    if quant is not None and quant not in QUANT_CHOICES:
+        raise typer.BadParameter(f"--quant {quant!r}: use one of {', '.join(QUANT_CHOICES)}")
+    if kv_cache_dtype not in KV_CACHE_CHOICES:
+        raise typer.BadParameter(
+            f"--kv-cache-dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_CHOICES)}"
+        )
+    return load_model(model, quant=quant, kv_cache_dtype=kv_cache_dtype)

@@ -12,11 +12,14 @@ from ._common import (
     PLOT_SUFFIXES,
     HardwareOpt,
     JsonOpt,
+    KvCacheOpt,
     ModelArg,
+    QuantOpt,
     catalog,
     check_context,
     emit_json,
     human_bytes,
+    load_spec,
     output_file,
     parse_list,
     parse_size,
@@ -56,14 +59,16 @@ def estimate(
             "vllm-0.6, vllm-0.4); default: the GPU's step_overhead_s (an overlapped engine).",
         ),
     ] = None,
+    quant: QuantOpt = None,
+    kv_cache_dtype: KvCacheOpt = "auto",
 ) -> None:
     """Colocated decode step: where its latency goes, memory per GPU and whether it fits."""
-    from opweave.costmodel import TP_DEGREES, estimate_step, host_profile, load_model
+    from opweave.costmodel import TP_DEGREES, estimate_step, host_profile
 
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     tokens = None if context is None else parse_size(context)
-    spec = load_model(model)
+    spec = load_spec(model, quant, kv_cache_dtype)
     if tokens is None:
         tokens = min(4096, spec.max_context_tokens)
     check_context(spec, tokens, "--context")
@@ -85,8 +90,10 @@ def estimate(
     )
     typer.echo(
         f"memory per GPU: {human_bytes(est.memory_bytes_per_gpu)} of "
-        f"{human_bytes(est.memory_capacity_bytes)} usable; fits: {fits}"
+        f"{human_bytes(est.memory_capacity_bytes)} usable "
+        f"({human_bytes(est.weight_bytes_per_gpu)} of weights); fits: {fits}"
     )
+    typer.echo(f"precision: {spec.precision.describe()}; GEMMs: {est.gemm_path}")
     typer.echo(
         f"throughput: {est.tokens_per_s:,.0f} tokens/s"
         + (
@@ -112,9 +119,11 @@ def analyze(
     ] = None,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
+    quant: QuantOpt = None,
+    kv_cache_dtype: KvCacheOpt = "auto",
 ) -> None:
     """The paper's §3 quantities: colocated vs homogeneous vs heterogeneous cost per token."""
-    from opweave.costmodel import TP_DEGREES, load_model
+    from opweave.costmodel import TP_DEGREES
     from opweave.costmodel import analyze as run_analysis
 
     if tp is not None and tp not in TP_DEGREES:
@@ -123,7 +132,7 @@ def analyze(
     if len(set(points)) < len(points):
         raise typer.BadParameter(f"--contexts {contexts!r} names a context more than once")
     output_file(plot, "--plot", PLOT_SUFFIXES)
-    spec = load_model(model)
+    spec = load_spec(model, quant, kv_cache_dtype)
     if contexts == DEFAULT_CONTEXTS:  # the default grid stops at the model's context
         points = [s for s in points if s <= spec.max_context_tokens] or [spec.max_context_tokens]
     for s in points:
@@ -141,10 +150,15 @@ def analyze(
         from ._plots import plot_analysis
 
         plot_analysis(result, plot)
+    precision = spec.precision
     if json_out:
-        emit_json(result.to_json())
+        emit_json(
+            result.to_json()
+            | {"quant": precision.quant, "kv_cache_dtype": precision.kv_cache_dtype}
+        )
         return
     typer.echo(result.summary())
+    typer.echo(f"precision: {precision.describe()}")
     if plot is not None:
         typer.echo(f"plot written to {plot}")
 

@@ -14,10 +14,13 @@ from ._common import (
     PLOT_SUFFIXES,
     HardwareOpt,
     JsonOpt,
+    KvCacheOpt,
     ModelArg,
+    QuantOpt,
     catalog,
     check_context,
     emit_json,
+    load_spec,
     missing_file,
     output_file,
     parse_list,
@@ -165,10 +168,12 @@ def plan(
     no_branch_and_bound: Annotated[bool, typer.Option("--no-branch-and-bound")] = False,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
+    quant: QuantOpt = None,
+    kv_cache_dtype: KvCacheOpt = "auto",
 ) -> None:
     """Search operator partitions, GPU types, TP, batching and microbatching for the cheapest
     plan that meets the TPOT SLO; compare with colocated, AFD and CAD."""
-    from opweave.costmodel import InfeasibleError, load_model
+    from opweave.costmodel import InfeasibleError
     from opweave.planner import plan as search
 
     names, inventory = parse_gpus(gpus)
@@ -179,7 +184,7 @@ def plan(
     shape = _batching(batch, microbatches)
     output_file(output, "-o")
     output_file(plot, "--plot", PLOT_SUFFIXES)
-    spec = load_model(model)
+    spec = load_spec(model, quant, kv_cache_dtype)
     check_context(spec, tokens, "--context")
     cat, profiles = catalog(hardware), load_profiles(profile)
     results = []
@@ -396,6 +401,21 @@ def _builtin_model(plan: Any, path: Path) -> str:
     return name
 
 
+def _planned_model(model: str, plan: Any, path: Path):  # -> ModelSpec
+    """``model`` in the precision the plan assumed (recorded in the plan file)."""
+    from opweave.costmodel import ConfigError, load_model
+
+    pm = plan.model
+    options = pm.precision_options
+    own = load_model(model, kv_cache_dtype=options["kv_cache_dtype"]).precision
+    if own.quantized and own.quant != pm.quant:
+        raise ConfigError(
+            f"plan {path} assumed {pm.quant} weights, but {model} stores {own.quant} "
+            f"({own.source}); pass --model with the config it was planned for"
+        )
+    return load_model(model, **options)
+
+
 def simulate(
     plan_file: Annotated[
         Path, typer.Argument(metavar="PLAN", help="A plan file (opweave plan -o).")
@@ -412,13 +432,13 @@ def simulate(
     hardware: HardwareOpt = None,
 ) -> None:
     """Re-simulate a plan: TPOT, cost and per-resource occupancy of one steady-state iteration."""
-    from opweave.costmodel import ConfigError, load_model
+    from opweave.costmodel import ConfigError
     from opweave.planner import gantt as draw_gantt
     from opweave.planner import simulate_plan
 
     output_file(gantt, "--gantt", PLOT_SUFFIXES)
     the_plan = load_plan_file(plan_file)
-    spec = load_model(model or _builtin_model(the_plan, plan_file))
+    spec = _planned_model(model or _builtin_model(the_plan, plan_file), the_plan, plan_file)
     if spec.config_sha256 != the_plan.model.config_sha256:
         raise ConfigError(
             f"plan {plan_file} was made for a different {the_plan.model.name} "
@@ -434,11 +454,15 @@ def simulate(
         typer.echo(f"note: simulating other specs than the plan was made with: {note}", err=True)
     if gantt is not None:
         draw_gantt(sim, gantt)
+    precision = spec.precision
     if json_out:
-        emit_json(sim.to_json())
+        emit_json(
+            sim.to_json() | {"quant": precision.quant, "kv_cache_dtype": precision.kv_cache_dtype}
+        )
         return
     typer.echo(
-        f"{the_plan.strategy} plan for {spec.name} at context {the_plan.context_tokens}: "
+        f"{the_plan.strategy} plan for {spec.name} ({precision.quant} weights, "
+        f"{precision.kv_cache_dtype} KV cache) at context {the_plan.context_tokens}: "
         f"TPOT {sim.tpot_s * 1e3:.3f} ms"
         + (
             ""

@@ -103,6 +103,18 @@ from ._private.plan import (
     planned_catalog,
     segments,
 )
+from ._private.precision import (
+    KV_CACHE_CHOICES,
+    QUANT_CHOICES,
+    WEIGHT_FORMATS,
+    GemmRate,
+    Precision,
+    QuantRule,
+    WeightScheme,
+    check_runs,
+    gemm_rate,
+    module_matches,
+)
 from ._private.profile import (
     PROFILE_SCHEMA_VERSION,
     IdleSlowdown,
@@ -114,6 +126,8 @@ from ._private.profile import (
     TransferProfile,
     profile_key,
 )
+from ._private.quant_config import resolve_precision
+from ._private.quantize import gemm_flops_per_s
 from ._private.roofline import (
     ProfiledLatency,
     RooflineLatency,
@@ -131,6 +145,7 @@ from .errors import (
     UnknownGPUError,
     UnknownModelError,
     UnsupportedModelError,
+    UnsupportedPrecisionError,
 )
 
 
@@ -169,6 +184,19 @@ __all__ = [
     "text_config",
     "partition_block",
     "read_config",
+    # precision: weight formats, KV-cache dtype, GEMM rates
+    "KV_CACHE_CHOICES",
+    "QUANT_CHOICES",
+    "WEIGHT_FORMATS",
+    "GemmRate",
+    "Precision",
+    "QuantRule",
+    "WeightScheme",
+    "check_runs",
+    "gemm_flops_per_s",
+    "gemm_rate",
+    "module_matches",
+    "resolve_precision",
     # hardware
     "BUILTIN_GPUS",
     "HARDWARE_SCHEMA_VERSION",
@@ -256,4 +284,5 @@ __all__ = [
     "UnknownGPUError",
     "UnknownModelError",
     "UnsupportedModelError",
+    "UnsupportedPrecisionError",
 ]

@@ -13,6 +13,7 @@ __all__ = [
     "UnknownGPUError",
     "UnknownModelError",
     "UnsupportedModelError",
+    "UnsupportedPrecisionError",
 ]
 
 
@@ -38,3 +39,7 @@ class ConfigError(OpWeaveError):
 
 class InfeasibleError(OpWeaveError):
     """The request cannot be met: the model does not fit, or no plan meets the SLO."""
+
+
+class UnsupportedPrecisionError(OpWeaveError):
+    """A weight format or KV-cache dtype that a GPU (or the runtime) cannot run."""

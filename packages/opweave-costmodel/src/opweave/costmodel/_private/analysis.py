@@ -46,6 +46,8 @@ from ..errors import ConfigError, InfeasibleError
 from .hardware import HardwareSpec
 from .model import AttentionKind, LayerSpec, ModelSpec
 from .plan import TP_DEGREES
+from .precision import check_runs
+from .quantize import gemm_flops_per_s
 
 __all__ = ["Analysis", "CadFeasibility", "GpuAnalysis", "HeterogeneousAnalysis", "analyze"]
 
@@ -258,13 +260,13 @@ class _Unit:
     usd_per_s: float
 
 
-def _unit(gpu: HardwareSpec, tp: int) -> _Unit:
+def _unit(gpu: HardwareSpec, tp: int, model: ModelSpec) -> _Unit:
     return _Unit(
         gpu=gpu.id,
         tp=tp,
         memory=tp * gpu.usable_memory_bytes,
         bandwidth=tp * gpu.effective_bandwidth,
-        flops=tp * gpu.effective_flops,
+        flops=tp * gemm_flops_per_s(model, gpu),
         usd_per_s=tp * gpu.require_price() / SECONDS_PER_HOUR,
     )
 
@@ -482,7 +484,9 @@ def analyze(
     m_kv = model.state_bytes_per_request(s)
     a = model.attention_bytes_per_request(s)
     smallest_state = float(m_kv.min())
-    units = [_unit(g, _choose_tp(g, weights, smallest_state, _tp_for(tp, g))) for g in gpus]
+    for g in gpus:
+        check_runs(model.precision, g)
+    units = [_unit(g, _choose_tp(g, weights, smallest_state, _tp_for(tp, g)), model) for g in gpus]
     kinds = _kinds(model)
     per_gpu = [_per_gpu(model, u, s, m_kv, a, weights, f, kinds, microbatches) for u in units]
     het = (

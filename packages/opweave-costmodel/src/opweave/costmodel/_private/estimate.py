@@ -8,8 +8,14 @@ from .base import Frozen
 from .hardware import HardwareSpec
 from .host import HostProfile
 from .model import ModelSpec, OpClass
+from .precision import check_runs
 from .profile import LatencyModel
-from .roofline import ProfiledLatency, RooflineLatency, memory_bytes_per_rank
+from .roofline import (
+    ProfiledLatency,
+    RooflineLatency,
+    memory_bytes_per_rank,
+    weight_bytes_per_rank,
+)
 
 # RooflineLatency.op_terms_s name -> breakdown_s key
 FIXED_TERMS = {
@@ -39,7 +45,14 @@ class StepEstimate(Frozen):
         "times the sampling kernel, not the step around it."
     )
     memory_bytes_per_gpu: float
+    weight_bytes_per_gpu: float = Field(
+        description="Resident weights per GPU, in their formats (scales and unquantised "
+        "modules included)."
+    )
     memory_capacity_bytes: float = Field(description="Usable memory per GPU.")
+    quant: str = Field(description="Weight format (precision.py; bf16: unquantised).")
+    kv_cache_dtype: str = Field(description="Dtype the KV cache is held in.")
+    gemm_path: str = Field(description="How the GPU runs the quantised GEMMs (tensor-core path).")
     fits: bool
     tokens_per_s: float
     usd_per_million_tokens: float | None
@@ -69,6 +82,7 @@ def estimate_step(
     >>> round((v0.step_latency_s - est.step_latency_s) * 1e3, 2)  # 1.71 ms instead of 0.16 ms
     1.55
     """
+    gemm_path = check_runs(model.precision, hardware)
     if host is not None:
         if latency is not None:
             raise ValueError("host applies to the analytical latency model, not a given latency")
@@ -114,7 +128,11 @@ def estimate_step(
         step_latency_s=step,
         breakdown_s=breakdown,
         memory_bytes_per_gpu=memory,
+        weight_bytes_per_gpu=weight_bytes_per_rank(model.operators, tp),
         memory_capacity_bytes=hardware.usable_memory_bytes,
+        quant=model.precision.quant,
+        kv_cache_dtype=model.precision.kv_cache_dtype,
+        gemm_path=gemm_path,
         fits=memory <= hardware.usable_memory_bytes,
         tokens_per_s=batch / step,
         usd_per_million_tokens=usd,

@@ -15,6 +15,7 @@ from .architecture import FULL, SLIDING, Architecture, resolve_architecture, tex
 from .model import (
     AttentionKind,
     LayerSpec,
+    LinearShape,
     ModelSpec,
     MoESpec,
     OpClass,
@@ -23,16 +24,25 @@ from .model import (
     PartitionBlock,
     TPCollective,
 )
-
-_DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
-# MXFP4 (OCP Microscaling spec v1.0): 32 FP4 values share one 8-bit scale = 4.25 bits/param.
-_MXFP4_BYTES_PER_PARAM = 4.25 / 8
+from .precision import DTYPE_BYTES as _DTYPE_BYTES
+from .quant_config import resolve_precision
+from .quantize import quantize_layer, quantize_ops
 
 
 def model_spec_from_config(
-    config: Mapping[str, Any], *, name: str | None = None, dtype: str | None = None
+    config: Mapping[str, Any],
+    *,
+    name: str | None = None,
+    dtype: str | None = None,
+    quant: str | None = None,
+    kv_cache_dtype: str = "auto",
+    hf_quant_config: Mapping[str, Any] | None = None,
 ) -> ModelSpec:
-    """Parse a Hugging Face config into a ModelSpec.
+    """Parse a Hugging Face config into a ModelSpec, in the precision it is served in.
+
+    The weight format is the checkpoint's (its ``quantization_config``, else ModelOpt's
+    ``hf_quant_config`` beside it), or ``quant`` for an unquantised checkpoint; the KV cache is
+    in ``kv_cache_dtype`` (``auto``: the checkpoint's, else the model's dtype).
 
     >>> spec = model_spec_from_config({"model_type": "llama", "num_hidden_layers": 2,
     ...     "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4,
@@ -44,11 +54,15 @@ def model_spec_from_config(
     """
     text = text_config(config)
     arch = resolve_architecture(text, dtype=dtype)
+    precision = resolve_precision(
+        config, arch, quant=quant, kv_cache_dtype=kv_cache_dtype, hf_quant_config=hf_quant_config
+    )
     builder = _Builder(arch, _DTYPE_BYTES[arch.dtype])
-    layers = tuple(builder.layer(i) for i in range(arch.num_layers))
-    digest = hashlib.sha256(
-        json.dumps({"config": text, "dtype": arch.dtype}, sort_keys=True, default=str).encode()
-    ).hexdigest()
+    layers = tuple(quantize_layer(builder.layer(i), precision) for i in range(arch.num_layers))
+    identity: dict[str, Any] = {"config": text, "dtype": arch.dtype}
+    if precision.quantized or precision.kv_fp8:  # unquantised models keep their digest
+        identity["precision"] = precision.model_dump(exclude={"source", "kv_source"})
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     return ModelSpec(
         name=name or arch.family,
         family=arch.family,
@@ -58,12 +72,13 @@ def model_spec_from_config(
         vocab_size=arch.vocab_size,
         num_layers=len(layers),
         max_context_tokens=arch.max_position_embeddings,
-        pre_ops=builder.pre_ops(),
+        pre_ops=quantize_ops(builder.pre_ops(), precision),
         layers=layers,
-        post_ops=builder.post_ops(),
+        post_ops=quantize_ops(builder.post_ops(), precision),
         block=partition_block(layers),
         config_sha256=digest,
         arch=arch,
+        precision=precision,
     )
 
 
@@ -184,6 +199,7 @@ class _Builder:
                 collective=TPCollective.ALLGATHER,
                 collective_elems=v,
                 tied_to=tied,
+                linears=(LinearShape(module="lm_head", in_features=h, out_features=v),),
             ),
             # Greedy sampling reads the logits once and emits one int64 token id.
             self._op(
@@ -231,6 +247,11 @@ class _Builder:
                 boundary=qkv_out + h,
                 shard_units=nkv,
                 kernels=3 if qk_norm else 1,
+                linears=(
+                    _linear("self_attn.q_proj", h, q_out),
+                    _linear("self_attn.k_proj", h, nkv * d),
+                    _linear("self_attn.v_proj", h, nkv * d),
+                ),
             ),
             self._op(
                 "rope",
@@ -268,6 +289,7 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2 if post_norm else 1,
+                linears=(_linear("self_attn.o_proj", nq * d, h),),
             ),
         )
 
@@ -294,6 +316,10 @@ class _Builder:
                 act=h + qkvz,
                 boundary=qkvz + 2 * nv + h,
                 shard_units=nk,
+                linears=(
+                    _linear("linear_attn.in_proj_qkvz", h, qkvz),
+                    _linear("linear_attn.in_proj_ba", h, 2 * nv),
+                ),
             ),
             self._op(
                 "core_attn",
@@ -317,6 +343,7 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2,
+                linears=(_linear("linear_attn.out_proj", nv * dv, h),),
             ),
         )
 
@@ -334,6 +361,7 @@ class _Builder:
                 act=h + 3 * inter,
                 boundary=inter + h,
                 kernels=2,
+                linears=(_linear("mlp.gate_proj", h, inter), _linear("mlp.up_proj", h, inter)),
             ),
             self._op(
                 "down_proj",
@@ -345,6 +373,7 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2 if post_norm else 1,
+                linears=(_linear("mlp.down_proj", inter, h),),
             ),
         )
 
@@ -355,9 +384,8 @@ class _Builder:
         shared = moe.shared_intermediate_size
         biased = self.family == "gpt_oss"
         expert_params = 3 * h * inter + ((2 * inter + h) if biased else 0)
-        mxfp4 = self.arch.quant_method == "mxfp4"
-        expert_bytes_per_param = _MXFP4_BYTES_PER_PARAM if mxfp4 else self.p
-        expert_bytes = round(expert_params * expert_bytes_per_param)
+        expert_bytes = round(expert_params * self.p)
+        names = _MOE_NAMES.get(self.family, _MOE_NAMES["qwen3_moe"])
         ops = [
             self._norm("ffn_norm", i, boundary=2 * h),
             self._op(
@@ -369,6 +397,7 @@ class _Builder:
                 boundary=2 * h + top_k * 8 / self.p,
                 tp_sharded=False,
                 kernels=2,
+                linears=(_linear(names["router"], h, experts),),
             ),
             self._op(
                 "experts",
@@ -381,6 +410,7 @@ class _Builder:
                 collective=TPCollective.NONE if shared else TPCollective.ALLREDUCE,
                 collective_elems=0 if shared else h,
                 kernels=3,
+                linears=_expert_linears(names, h, inter, experts),
                 moe=MoESpec(
                     num_experts=experts,
                     top_k=top_k,
@@ -401,6 +431,52 @@ class _Builder:
                     collective=TPCollective.ALLREDUCE,
                     collective_elems=h,
                     kernels=4,
+                    linears=(
+                        _linear("mlp.shared_expert.gate_proj", h, shared),
+                        _linear("mlp.shared_expert.up_proj", h, shared),
+                        _linear("mlp.shared_expert.down_proj", shared, h),
+                        _linear("mlp.shared_expert_gate", h, 1),
+                    ),
                 )
             )
         return tuple(ops)
+
+
+def _linear(module: str, in_features: int, out_features: int, count: int = 1) -> LinearShape:
+    return LinearShape(
+        module=module, in_features=in_features, out_features=out_features, count=count
+    )
+
+
+def _expert_linears(
+    names: dict[str, str], h: int, inter: int, experts: int
+) -> tuple[LinearShape, ...]:
+    fused = "gate_up" in names  # gpt-oss stores gate and up as one tensor
+    ups = (
+        (_linear(names["gate_up"], h, 2 * inter, experts),)
+        if fused
+        else (_linear(names["gate"], h, inter, experts), _linear(names["up"], h, inter, experts))
+    )
+    return (*ups, _linear(names["down"], inter, h, experts))
+
+
+# Checkpoint names of the MoE block's linears per family (relative to the decoder layer).
+_MOE_NAMES: dict[str, dict[str, str]] = {
+    "qwen3_moe": {
+        "router": "mlp.gate",
+        "gate": "mlp.experts.gate_proj",
+        "up": "mlp.experts.up_proj",
+        "down": "mlp.experts.down_proj",
+    },
+    "mixtral": {
+        "router": "block_sparse_moe.gate",
+        "gate": "block_sparse_moe.experts.w1",
+        "up": "block_sparse_moe.experts.w3",
+        "down": "block_sparse_moe.experts.w2",
+    },
+    "gpt_oss": {
+        "router": "mlp.router",
+        "gate_up": "mlp.experts.gate_up_proj",
+        "down": "mlp.experts.down_proj",
+    },
+}

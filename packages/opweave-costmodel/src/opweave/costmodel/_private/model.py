@@ -17,6 +17,7 @@ from pydantic import Field
 
 from .architecture import Architecture
 from .base import Frozen
+from .precision import Precision
 
 OperatorName = Literal[
     "embed",
@@ -137,6 +138,16 @@ class OperatorSpec(Frozen):
         description="The matmul weights among weight_bytes (what a quantised checkpoint stores "
         "in its weight format); norms, biases and other parameters are not listed.",
     )
+    weight_format: str | None = Field(
+        default=None,
+        description="Weight format of its quantised linears (precision.py); None: every weight "
+        "in the compute dtype.",
+    )
+    quantized_flops_per_token: float = Field(
+        default=0.0,
+        description="The share of flops_per_token its quantised linears compute (the GEMMs "
+        "that run at the weight format's rate).",
+    )
     tied_to: str | None = Field(default=None, description="Key of a weight shared with another op.")
 
     @property
@@ -210,7 +221,13 @@ class LayerSpec(Frozen):
             self.attention,
             self.window_tokens,
             tuple(
-                (o.name, o.weight_bytes, o.flops_per_token, o.state_bytes_per_context_token)
+                (
+                    o.name,
+                    o.weight_bytes,
+                    o.flops_per_token,
+                    o.state_bytes_per_context_token,
+                    o.weight_format,
+                )
                 for o in self.ops
             ),
         )
@@ -243,6 +260,10 @@ class ModelSpec(Frozen):
     block: PartitionBlock
     config_sha256: str = Field(description="Digest of the normalised source config.")
     arch: Architecture = Field(description="What the operators compute (the runtime's numerics).")
+    precision: Precision = Field(
+        default_factory=Precision,
+        description="Weight formats and KV-cache dtype the model is served in.",
+    )
 
     @cached_property
     def operators(self) -> tuple[OperatorSpec, ...]:

@@ -29,6 +29,19 @@ def builtin_config(name: str) -> dict[str, Any]:
     return json.loads(text)
 
 
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
+    except ValueError:  # an integer of more than 4300 digits
+        raise ConfigError(f"{path} holds a number too long to be {what}'s") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests JSON too deeply to be {what}") from None
+
+
 def read_config(path: str | Path) -> dict[str, Any]:
     """Read a ``config.json`` (or the one inside a model folder)."""
     path = Path(path)
@@ -39,44 +52,81 @@ def read_config(path: str | Path) -> dict[str, Any]:
             f"no config.json at {path}; give a built-in model name "
             f"({', '.join(BUILTIN_MODELS)}) or a Hugging Face model folder"
         )
-    try:
-        config = json.loads(path.read_text())
-    except OSError as exc:
-        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
-    except ValueError:  # an integer of more than 4300 digits
-        raise ConfigError(f"{path} holds a number too long to be a model config's") from None
-    except RecursionError:
-        raise ConfigError(f"{path} nests JSON too deeply to be a model config") from None
+    config = _read_json(path, "a model config")
     if not isinstance(config, dict):
         raise ConfigError(f"{path} must hold a JSON object")
     return config
 
 
-def load_model(model: str | Path, *, dtype: str | None = None) -> ModelSpec:
+def hf_quant_config_path(path: str | Path) -> Path | None:
+    """ModelOpt's ``hf_quant_config.json`` beside a config: in the model folder, beside a
+    ``config.json``, or ``NAME.hf_quant_config.json`` beside a config file ``NAME.json``."""
+    path = Path(path)
+    if path.is_dir():
+        candidates = [path / "hf_quant_config.json"]
+    else:
+        candidates = [path.with_name(f"{path.stem}.hf_quant_config.json")]
+        if path.name == "config.json":
+            candidates.append(path.with_name("hf_quant_config.json"))
+    return next((c for c in candidates if c.is_file()), None)
+
+
+def read_hf_quant_config(path: Path) -> dict[str, Any]:
+    data = _read_json(path, "a quantisation config")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object")
+    return data
+
+
+def load_model(
+    model: str | Path,
+    *,
+    dtype: str | None = None,
+    quant: str | None = None,
+    kv_cache_dtype: str = "auto",
+) -> ModelSpec:
     """A :class:`ModelSpec` for a built-in name or a path to a config / model folder.
+
+    ``quant`` overrides the weight format of an unquantised checkpoint (default: the
+    checkpoint's own), ``kv_cache_dtype`` (``auto`` or ``fp8``) the KV cache's.
 
     >>> load_model("qwen3-next-80b-a3b").block.period_layers
     4
+    >>> round(load_model("qwen3-32b", quant="fp8").weight_bytes / 1e9, 1)  # 65.5 GB in bf16
+    34.3
     """
-    return _load_model(str(model), dtype)
+    return _load_model(str(model), dtype, quant, kv_cache_dtype)
 
 
 @lru_cache(maxsize=32)
-def _load_model(model: str, dtype: str | None) -> ModelSpec:
+def _load_model(model: str, dtype: str | None, quant: str | None, kv: str) -> ModelSpec:
+    precision = {"quant": quant, "kv_cache_dtype": kv}
     if model in BUILTIN_MODELS:
-        return model_spec_from_config(builtin_config(model), name=model, dtype=dtype)
+        return model_spec_from_config(builtin_config(model), name=model, dtype=dtype, **precision)
     path = Path(model)
     if not path.exists():
         raise UnknownModelError(
             f"unknown model {model!r}; use a built-in ({', '.join(BUILTIN_MODELS)}) "
             "or a path to a Hugging Face config.json or model folder"
         )
-    name = path.name if path.is_dir() else path.parent.name or path.stem
+    # a model folder or its config.json is named by the folder; another config file by itself
+    if path.is_dir():
+        name = path.name
+    elif path.name == "config.json":
+        name = path.resolve().parent.name or path.stem
+    else:
+        name = path.stem
     file = path / "config.json" if path.is_dir() else path
     config = read_config(path)  # its errors name the file already
+    quant_file = hf_quant_config_path(path)
+    hf_quant = None if quant_file is None else read_hf_quant_config(quant_file)
     try:
-        return model_spec_from_config(config, name=name, dtype=dtype)
+        return model_spec_from_config(
+            config, name=name, dtype=dtype, hf_quant_config=hf_quant, **precision
+        )
     except ConfigError as exc:
+        message = str(exc)
+        if quant_file is not None and message.startswith("hf_quant_config.json"):
+            where = message.removeprefix("hf_quant_config.json").lstrip(".: ")
+            raise ConfigError(f"{quant_file}: {where}") from None
         raise ConfigError(f"{file}: {exc}") from None

@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from .base import FileSchema
 from .hardware import HardwareCatalog, HardwareSpec
 from .model import ModelSpec, OpClass, OperatorSpec
+from .precision import WEIGHT_FORMATS, KvCacheDtype
 
 PLAN_SCHEMA_VERSION = 1
 TP_DEGREES = (1, 2, 4, 8)
@@ -73,6 +74,25 @@ class PlanModel(FileSchema):
     num_layers: int
     period_layers: int
     config_sha256: str
+    quant: str = Field(
+        default="bf16",
+        max_length=100,
+        pattern=r"^[a-z0-9-]+(\+[a-z0-9-]+)*$",
+        description="Weight format the plan assumed, as --quant names it (bf16, fp16, fp32: "
+        "unquantised).",
+    )
+    kv_cache_dtype: KvCacheDtype = Field(
+        default="bf16", description="KV-cache dtype the plan assumed."
+    )
+
+    @property
+    def precision_options(self) -> dict[str, str | None]:
+        """``load_model``'s ``quant`` and ``kv_cache_dtype`` that re-derive the model the plan
+        was made for (the checkpoint's own format where it is a mix of several)."""
+        return {
+            "quant": self.quant if self.quant in WEIGHT_FORMATS else None,
+            "kv_cache_dtype": "fp8" if self.kv_cache_dtype == "fp8" else "auto",
+        }
 
 
 class Prediction(FileSchema):
@@ -279,6 +299,8 @@ def plan_model(model: ModelSpec) -> PlanModel:
         num_layers=model.num_layers,
         period_layers=model.block.period_layers,
         config_sha256=model.config_sha256,
+        quant=model.precision.quant,
+        kv_cache_dtype=model.precision.kv_cache_dtype,
     )
 
 

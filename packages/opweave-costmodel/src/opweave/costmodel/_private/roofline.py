@@ -1,7 +1,8 @@
 """Roofline operator latencies, tensor parallelism and memory feasibility (paper §3, A.1).
 
 Operator latency on one tensor-parallel rank:
-``max(bytes / (peak_bw * eta_mem), flops / (peak_flops * eta_flop))`` plus the fixed costs of
+``max(bytes / (peak_bw * eta_mem), flops / (peak_flops * eta_flop))``, the FLOPs of quantised
+linears at their weight format's tensor-core rate (``quantize.compute_s``), plus the fixed costs of
 ``fixed_costs.py`` (per kernel launch, per MoE expert pass, per decode step), where the
 efficiency factors and fixed costs are measured public figures (see ``hardware.py``). A TP group
 shards weights, heads and FLOPs and runs an all-reduce (or all-gather) over the intra-node link
@@ -29,6 +30,7 @@ from .profile import (
     Profile,
     profile_key,
 )
+from .quantize import compute_s
 
 # Inter-node all-reduce reaches 191 of 200 GB/s per node in NVIDIA DeepOps' measurements.
 NETWORK_EFFICIENCY = 0.95
@@ -77,8 +79,9 @@ class RooflineLatency:
             return {"roofline": 0.0, "kernel_launch": 0.0, "moe_experts": 0.0, "step": 0.0}
         hw = self.hardware
         num_bytes, flops = op_bytes_and_flops(op, tp, batch, context)
+        math_s = compute_s(op, hw, flops, batch, shard_fraction(op, tp))
         return {
-            "roofline": max(num_bytes / hw.effective_bandwidth, flops / hw.effective_flops),
+            "roofline": max(num_bytes / hw.effective_bandwidth, math_s),
             "kernel_launch": launch_s(op, hw),
             "moe_experts": expert_fixed_s(op, batch, hw),
             "step": step_overhead_s(op, batch, hw),

@@ -9,7 +9,8 @@ so a plan never asks for a split the runtime would refuse:
   (as vLLM does);
 - gated DeltaNet splits key heads (each with its value heads);
 - dense and expert feed-forward layers split their intermediate channels;
-- norms, rope, the router and sampling are replicated.
+- norms, rope, the router and sampling are replicated;
+- a block-scaled FP8 weight's shards hold whole scale blocks (``quantize.block_tp_problem``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterable
 
 from .architecture import LINEAR
 from .model import ModelSpec, OperatorSpec
+from .quantize import block_tp_problem
 
 
 def _split(n: int, tp: int, what: str) -> str | None:
@@ -41,16 +43,18 @@ def op_tp_problem(model: ModelSpec, op: OperatorSpec, tp: int) -> str | None:
         kv = a.num_kv_heads
         if problem is None and name != "o_proj" and kv % tp and tp % kv:
             problem = f"{where}: {kv} key/value heads neither split over tp {tp} nor divide it"
-        return problem
+        return problem or block_tp_problem(op, model.precision, tp)
     if name in ("gate_up_proj", "down_proj"):
-        return _split(a.intermediate_size, tp, f"{where}: intermediate size")
+        problem = _split(a.intermediate_size, tp, f"{where}: intermediate size")
+        return problem or block_tp_problem(op, model.precision, tp)
     if name == "experts":
         assert a.moe is not None
-        return _split(a.moe.intermediate_size, tp, f"{where}: intermediate size")
+        problem = _split(a.moe.intermediate_size, tp, f"{where}: intermediate size")
+        return problem or block_tp_problem(op, model.precision, tp)
     if name == "shared_expert":
         assert a.moe is not None
         return _split(a.moe.shared_intermediate_size, tp, f"{where}: intermediate size")
-    return None
+    return block_tp_problem(op, model.precision, tp)
 
 
 def tp_problem(model: ModelSpec, tp: int, ops: Iterable[OperatorSpec] | None = None) -> str | None:

@@ -19,6 +19,7 @@ from opweave.costmodel import (
     Profile,
     ProfiledLatency,
     RooflineLatency,
+    check_runs,
     default_catalog,
     profile_key,
     tp_problem,
@@ -156,6 +157,7 @@ def resolve_devices(
             latency = RooflineLatency(hw)
             tps = tuple(tp for tp in TP_DEGREES if tp <= hw.gpus_per_node)
             src = f"{hw.id}:roofline"
+        check_runs(model.precision, hw)  # a weight format the GPU cannot run is an error
         # only degrees the runtime can shard the model's operators over (costmodel's rule)
         tps = tuple(tp for tp in tps if tp_problem(model, tp) is None)
         if not tps:

@@ -11,6 +11,7 @@ from opweave.costmodel import (
     ModelSpec,
     Plan,
     ProfiledLatency,
+    check_runs,
     copies_in_inventory,
     memory_bytes_per_rank,
     plan_nodes,
@@ -72,6 +73,7 @@ def placement(plan: Plan, model: ModelSpec) -> list[dict[str, Any]]:
                 "owner": j,
                 "gpu": owner.gpu,
                 "tp": owner.tp,
+                "quant": model.precision.quant,
                 "replicas": owner.replicas,
                 "operators": [
                     {"name": name, "layer_kind": kind, "layers": len(layers) if kind else None}
@@ -106,6 +108,8 @@ def plan_summary(
             {
                 "gpu": o.gpu,
                 "tp": o.tp,
+                "quant": model.precision.quant,
+                "kv_cache_dtype": model.precision.kv_cache_dtype,
                 "replicas": o.replicas,
                 "resident_batch": o.resident_batch,
                 "gpus": o.replicas * o.tp,
@@ -248,7 +252,23 @@ class PlanResult:
             "overridable with --hardware; cost counts only the GPUs a plan uses",
             "GPU counts with no given number are unbounded (cost per token does not depend on "
             "the number of replica sets)",
+            *self._precision(),
             *(self._extrapolated(self.best) if self.best is not None else []),
+        ]
+
+    def _precision(self) -> list[str]:
+        """The precision every figure assumes, and the GEMM path each GPU type takes."""
+        if self.spec is None:
+            return []
+        precision = self.spec.precision
+        paths = [
+            f"{d.id}: {check_runs(precision, d.hardware)}"
+            for d in self.devices
+            if not isinstance(d.latency, ProfiledLatency)
+        ]
+        return [
+            f"precision: {precision.describe()}"
+            + (f"; quantised GEMMs on {', '.join(paths)}" if precision.quantized and paths else "")
         ]
 
     def _extrapolated(self, plan: Plan) -> list[str]:
@@ -314,8 +334,9 @@ class PlanResult:
             reps = f"{o['replicas']} replica{'s' if o['replicas'] > 1 else ''}"
             used, cap = o["memory_bytes_per_gpu"] / 1e9, o["memory_capacity_bytes_per_gpu"] / 1e9
             lines.append(
-                f"    owner {place['owner']}: {reps} of {o['tp']} x {o['gpu']} (TP{o['tp']}), "
-                f"{o['resident_batch']} requests each, {used:.1f} of {cap:.1f} GB per GPU"
+                f"    owner {place['owner']}: {reps} of {o['tp']} x {o['gpu']} (TP{o['tp']}, "
+                f"{o['quant']} weights), {o['resident_batch']} requests each, {used:.1f} of "
+                f"{cap:.1f} GB per GPU"
             )
             lines.append(f"      runs {_operators_text(place['operators'])}")
         return lines

@@ -75,6 +75,12 @@ def check_runtime_support(model: ModelSpec) -> None:
             f"the runtime does not implement {model.family} models (planning and estimates "
             f"cover them); it runs {', '.join(RUNTIME_FAMILIES)}"
         )
+    unsupported = model.precision.runtime_unsupported
+    if unsupported is not None:
+        raise UnsupportedModelError(
+            f"the runtime does not run {unsupported} yet (planning and estimates cover it); "
+            "serve an unquantised checkpoint"
+        )
     arch = model.arch
     if arch.hidden_act not in ACTIVATIONS:
         raise UnsupportedModelError(

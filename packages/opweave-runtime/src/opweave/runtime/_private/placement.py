@@ -18,7 +18,7 @@ from functools import cached_property
 
 from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments, tp_problem
 
-from ..errors import PlanMismatchError, ShardingError
+from ..errors import PlanMismatchError, ShardingError, UnsupportedModelError
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,12 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
     """Refuse a plan made for another model, one whose tensor-parallel owners cannot shard
     their operators, or a launch with the wrong number of ranks."""
     pm = plan.model
+    if pm.quant not in ("bf16", "fp16", "fp32") or pm.kv_cache_dtype == "fp8":
+        raise UnsupportedModelError(
+            f"the plan assumes {pm.quant} weights and a {pm.kv_cache_dtype} KV cache; the "
+            "runtime does not run quantised weights or an fp8 KV cache yet (re-plan without "
+            "--quant and --kv-cache-dtype)"
+        )
     facts = (
         ("family", pm.family, model.family),
         ("layers", pm.num_layers, model.num_layers),

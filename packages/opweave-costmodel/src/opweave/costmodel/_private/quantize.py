@@ -1,0 +1,173 @@
+"""A :class:`~.precision.Precision` applied to a model's operators, and the time of their math.
+
+The operators of ``families.py`` are built in the compute dtype and list their matmul weights
+(``OperatorSpec.linears``, checkpoint names). Here each linear gets the scheme its checkpoint
+stores it in: an operator's resident bytes become its quantised linears' bytes (values, scales,
+zeros) plus everything else in the compute dtype, and its quantised FLOPs are marked so that the
+roofline runs them at the weight format's rate (:func:`~.precision.gemm_rate`). The KV cache
+follows the KV-cache dtype; activations stay in the compute dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..errors import ConfigError
+from .hardware import HardwareSpec
+from .model import LayerSpec, LinearShape, ModelSpec, MoESpec, OperatorSpec
+from .precision import Precision, WeightScheme, gemm_rate
+
+# Router and gate linears: vLLM builds them unquantised whatever the checkpoint's method
+# (``ReplicatedLinear(..., quant_config=None)`` for the router of Qwen3-MoE, Mixtral and
+# DeepSeek, and Qwen3-Next's shared-expert gate), and checkpoints leave them in the compute
+# dtype (Qwen3-235B-A22B-FP8's ``modules_to_not_convert`` lists every ``mlp.gate``).
+ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
+
+
+def linear_paths(module: str, layer: int | None, expert: bool) -> tuple[str, ...]:
+    """The checkpoint names of a linear: ``model.layers.3.self_attn.q_proj``; a routed expert's
+    also with its index, as checkpoints store them (``mlp.experts.0.gate_proj``)."""
+    path = module if layer is None else f"model.layers.{layer}.{module}"
+    if expert and ".experts." in path:
+        return (path, path.replace(".experts.", ".experts.0.", 1))
+    return (path,)
+
+
+def _is_expert(op: OperatorSpec, linear: LinearShape) -> bool:
+    return op.moe is not None and linear.count == op.moe.num_experts and linear.count > 1
+
+
+def quantize_op(op: OperatorSpec, precision: Precision) -> OperatorSpec:
+    """``op`` in ``precision``: quantised linears' bytes and FLOPs, KV cache in its dtype."""
+    update: dict[str, object] = {}
+    p = precision.dtype_bytes
+    if op.state_bytes_per_context_token and precision.kv_bytes_per_value != p:
+        update["state_bytes_per_context_token"] = (
+            op.state_bytes_per_context_token * precision.kv_bytes_per_value / p
+        )
+    schemes: list[tuple[LinearShape, WeightScheme, bool]] = []
+    for linear in op.linears:
+        expert = _is_expert(op, linear)
+        router = linear.module.rsplit(".", 1)[-1] in ROUTER_NAMES
+        scheme = precision.scheme_for(
+            linear_paths(linear.module, op.layer, expert), router=router, expert=expert
+        )
+        if scheme is not None:
+            schemes.append((linear, scheme, expert))
+    if schemes:
+        update |= _quantized_weights(op, schemes, p)
+    return op.model_copy(update=update) if update else op
+
+
+def _quantized_weights(
+    op: OperatorSpec, schemes: list[tuple[LinearShape, WeightScheme, bool]], p: float
+) -> dict[str, object]:
+    formats = {s.format for _, s, _ in schemes}
+    if len(formats) > 1:
+        raise ConfigError(
+            f"{op.key}: its linears are stored in {' and '.join(sorted(formats))}; OpWeave "
+            "models one quantised weight format per operator"
+        )
+    # bytes each quantised linear saves against the compute dtype: per expert, and the rest
+    expert_delta = other_delta = 0.0
+    flops = 0.0
+    for linear, scheme, expert in schemes:
+        per_copy = scheme.linear_bytes(linear.in_features, linear.out_features)
+        delta = per_copy - linear.in_features * linear.out_features * p
+        active = linear.count
+        if expert:
+            assert op.moe is not None
+            expert_delta += delta
+            active = op.moe.top_k
+        else:
+            other_delta += delta * linear.count
+        flops += 2.0 * linear.in_features * linear.out_features * active
+    out: dict[str, object] = {
+        "weight_format": formats.pop(),
+        "quantized_flops_per_token": min(flops, op.flops_per_token),
+    }
+    weight_bytes = op.weight_bytes + other_delta
+    if op.moe is not None and expert_delta:
+        per_expert = round(op.moe.expert_weight_bytes + expert_delta)
+        weight_bytes += (per_expert - op.moe.expert_weight_bytes) * op.moe.num_experts
+        out["moe"] = MoESpec(**(op.moe.model_dump() | {"expert_weight_bytes": per_expert}))
+    assert weight_bytes > 0, f"{op.key}: its linears hold more parameters than the operator"
+    out["weight_bytes"] = round(weight_bytes)
+    return out
+
+
+# Row-parallel linears (their input dimension is sharded under TP); the rest are column-parallel.
+ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "w2"})
+
+
+def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | None:
+    """Why ``tp`` ranks cannot shard ``op``'s block-scaled weights (``None``: they can).
+
+    A rank holds whole scale blocks, so each shard of a block-FP8 weight must be a multiple of
+    the block along the sharded dimension, as vLLM checks when it loads one (``Fp8LinearMethod``
+    for column- and row-parallel layers, ``Fp8MoEMethod``: "not divisible by weight
+    quantization block"). Qwen3-235B-A22B-FP8's experts (1536 channels) do not split over 8.
+    """
+    if tp == 1 or op.weight_format != "fp8-block":
+        return None
+    for linear in op.linears:
+        expert = _is_expert(op, linear)
+        router = linear.module.rsplit(".", 1)[-1] in ROUTER_NAMES
+        paths = linear_paths(linear.module, op.layer, expert)
+        scheme = precision.scheme_for(paths, router=router, expert=expert)
+        if scheme is None or scheme.scale_rows is None or scheme.scale_cols is None:
+            continue
+        name = linear.module.rsplit(".", 1)[-1]
+        row = name in ROW_PARALLEL
+        size = linear.in_features if row else linear.out_features
+        block = scheme.scale_cols if row else scheme.scale_rows
+        shard = size / tp
+        if name in ("k_proj", "v_proj") and op.shard_units:
+            # fewer KV heads than ranks: each rank holds whole heads (shard_fraction's rule)
+            shard = size * math.ceil(op.shard_units / tp) / op.shard_units
+        if not shard.is_integer() or int(shard) % block:
+            return (
+                f"{op.key}: {linear.module} shards of {shard:g} are not whole "
+                f"{scheme.scale_rows}x{scheme.scale_cols} FP8 scale blocks at tp {tp}"
+            )
+    return None
+
+
+def quantize_ops(ops: tuple[OperatorSpec, ...], precision: Precision) -> tuple[OperatorSpec, ...]:
+    if not precision.quantized and not precision.kv_fp8:
+        return ops
+    return tuple(quantize_op(op, precision) for op in ops)
+
+
+def quantize_layer(layer: LayerSpec, precision: Precision) -> LayerSpec:
+    ops = quantize_ops(layer.ops, precision)
+    return layer if ops is layer.ops else layer.model_copy(update={"ops": ops})
+
+
+def compute_s(
+    op: OperatorSpec, hw: HardwareSpec, flops: float, batch: float, share: float
+) -> float:
+    """Seconds of math of ``flops`` (one rank's share ``share`` of ``op`` at ``batch``): the
+    quantised linears' FLOPs at their format's rate, everything else at the dense rate.
+
+    Attention reads an FP8 KV cache and dequantises it to the compute dtype in the kernel
+    (BF16 math; its FLOPs stay at the dense rate), as vLLM's paged-attention kernels do for
+    ``kv_cache_dtype=fp8``.
+    """
+    dense = hw.effective_flops
+    if op.weight_format is None or not op.quantized_flops_per_token:
+        return flops / dense
+    quantized = min(flops, batch * op.quantized_flops_per_token * share)
+    return (flops - quantized) / dense + quantized / gemm_rate(op.weight_format, hw).flops_per_s
+
+
+def gemm_flops_per_s(model: ModelSpec, hw: HardwareSpec) -> float:
+    """The rate ``model``'s FLOPs outside attention run at on ``hw``: the dense rate for an
+    unquantised model; the FLOP-weighted (harmonic) mean of its GEMMs' rates otherwise, since
+    the time of all of them is ``sum(flops_i / rate_i)``."""
+    if not model.precision.quantized:
+        return hw.effective_flops
+    ops = [o for o in model.operators if o.name != "core_attn" and o.flops_per_token]
+    flops = sum(o.flops_per_token for o in ops)
+    seconds = sum(compute_s(o, hw, o.flops_per_token, 1.0, 1.0) for o in ops)
+    return flops / seconds if seconds else hw.effective_flops
