@@ -11,6 +11,7 @@ from opweave.runtime import (
     BatchMeta,
     LocalModel,
     Request,
+    RunOptions,
     StageModule,
     TokenBatch,
     operator_sequence,
@@ -289,9 +290,9 @@ def test_plans_serve_the_same_tokens_with_static_steps(
     plan = plan.model_copy(update={"owners": tuple(owners)})
     requests = [Request(tuple(range(5, 8 + 3 * i)), MAX_NEW_TOKENS) for i in range(3)]
 
-    base = run_plan(plan, model_dir, requests, timeout_s=300, device="cpu")
+    base = run_plan(plan, model_dir, requests, RunOptions(timeout_s=300, device="cpu"))
     static = run_plan(
-        plan, model_dir, requests, timeout_s=300, device="cpu", decode_step=decode_step
+        plan, model_dir, requests, RunOptions(timeout_s=300, device="cpu", decode_step=decode_step)
     )
     assert base is not None and static is not None
 
@@ -336,10 +337,7 @@ def test_static_steps_send_their_rows_and_nothing_else(decode_step, tiny_model):
             plan,
             model_dir,
             requests,
-            timeout_s=300,
-            device="cpu",
-            dtype="float32",
-            decode_step=decode_step,
+            RunOptions(timeout_s=300, device="cpu", dtype="float32", decode_step=decode_step),
         )
         assert result is not None
         assert [len(o.token_ids) for o in result.outputs] == [tokens] * 3

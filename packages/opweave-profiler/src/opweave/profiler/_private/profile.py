@@ -56,7 +56,6 @@ from .operators import (
     request_ids,
     resolve_model,
     select_targets,
-    use_kernels,
 )
 from .orchestration import OrchestrationFit, measure_orchestration
 from .progress import Progress
@@ -468,8 +467,7 @@ def profile_model(
     spin = ranks_spin(dev)  # before pinning: ranks get the machine's cores, one each
     with pinned_cpu(threads) as cores, torch.inference_mode():
         n_threads = torch.get_num_threads()
-        weights = build_chains(source, chains, dev, seed=seed)
-        kernel_ops = use_kernels(chains, kernels)
+        weights, kernel_ops = build_chains(source, chains, dev, seed=seed, kernels=kernels)
         runner = _Runner(source, dev, make_timer(dev, settings), grid_b, grid_s, bar, seed)
         for _ in range(settings.passes):
             for chain in chains:
@@ -598,9 +596,9 @@ def ranks_spin(dev: torch.device) -> bool:
     """Whether the runtime's ranks busy-poll while they wait on this machine: CPU ranks with a
     core each (a plan's ranks here get one per core when there are enough), unless
     ``OPWEAVE_WAIT`` says otherwise (see ``opweave.runtime``'s wire)."""
-    from opweave.runtime.transport import spin_budget
+    from opweave.runtime import RunOptions
 
-    return dev.type == "cpu" and spin_budget(len(available_cores()) >= 2) > 0
+    return dev.type == "cpu" and RunOptions(device="cpu").spin_s(len(available_cores()) >= 2) > 0
 
 
 def _idle_unavailable(dev: torch.device, chain_bytes: float) -> str | None:

@@ -173,9 +173,10 @@ def _worker(
     )
     spin_s = 0.0
     if not cuda:  # each side on a core of its own, waiting as a rank there waits
-        from opweave.runtime.transport import pin_to_core, spin_budget
+        from opweave.runtime import RunOptions
+        from opweave.runtime.transport import pin_to_core
 
-        spin_s = spin_budget(pin_to_core(rank, 2))
+        spin_s = RunOptions(device="cpu").spin_s(pin_to_core(rank, 2))
     try:
         end = _Endpoint(rank, device, key, spin_s=spin_s)
         results = []

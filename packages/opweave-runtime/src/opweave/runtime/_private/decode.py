@@ -36,14 +36,10 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, StepMeta, TokenBatch, one_new_token_each
 from .ops import Operator, SlabPool, StatefulOperator, begin_static_step
-from .tensor_parallel import TPComm, run_ops
+from .sequence import run_ops
+from .tensor_parallel import TPComm
 
 COMPILERS = ("inductor", "aot_eager", "eager")  # torch.compile backends a step may use
-# how a rank runs its decode steps (``opweave run --decode-step``): the operators' per-request
-# form; the static step run op by op; compiled by inductor into one program per segment (on
-# CPU a rank's segments then run as one rank program: program.py); or traced as one graph but
-# run op by op (aot_eager: checks the trace without compiling code)
-DECODE_STEPS = {"per-request": None, "static": None, "compiled": "inductor", "traced": "aot_eager"}
 _NO_META = BatchMeta((), (), ())  # a static step's batch: the schedule is in ``batch.step``
 
 

@@ -30,10 +30,12 @@ from pathlib import Path
 
 from opweave.costmodel import ModelSpec, Plan
 
-from ..errors import OpWeaveRuntimeError, RequestStateError
+from ..errors import RequestStateError
 from .batch import one_new_token_each
-from .cluster import Cluster, run_node, run_torchrun_rank, torchrun_env
+from .cluster import Cluster
 from .engine import Generation
+from .nodes import Topology, run_node, run_torchrun_rank, torchrun_env
+from .options import RunOptions
 from .results import DriverStats, DriverTimeline, Output, RunResult
 from .work import Work
 
@@ -109,7 +111,7 @@ class OfflineDriver:
         """Generate until every request finished."""
         m = self.placement.microbatches
         parts = {k: self.cluster.result_parts(k) for k in range(m)}
-        got: dict[tuple[int, int], list[tuple[list[str], list[int]]]] = {}
+        got: dict[tuple[int, int], list[tuple[Sequence[str], Sequence[int]]]] = {}
         live = set(range(m))
         self.started = time.perf_counter()
         first = self.cluster.first_iteration  # after the cluster's warm-up, if it had one
@@ -117,9 +119,9 @@ class OfflineDriver:
             self._advance(k, first)
         while live:
             msg = self.cluster.result()
-            k, i = int(msg["k"]), int(msg["i"])
+            k, i = msg.microbatch, msg.iteration
             # with the driver ahead, another replica's part of the next iteration may come first
-            got.setdefault((i, k), []).append((msg["r"], msg["x"]))
+            got.setdefault((i, k), []).append((msg.request_ids, msg.token_ids))
             if len(got[(i, k)]) < parts[k]:
                 continue
             start = time.perf_counter()
@@ -268,21 +270,16 @@ def run_plan(
     plan: Plan,
     model_dir: str | Path,
     requests: Sequence[Request],
+    options: RunOptions | None = None,
     *,
     ranks: int | None = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    nodes: Sequence[Sequence[int]] | None = None,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    device: str = "auto",
-    timeout_s: float = 60.0,
-    dtype: str | None = None,
-    kernels: str = "opweave",
-    decode_step: str = "per-request",
+    topology: Topology | None = None,
     start_method: str = "auto",
 ) -> RunResult | None:
     """Run ``requests`` under ``plan``; the result on node 0, ``None`` on the other nodes.
+
+    ``options`` configure the run (device, timeouts, kernels, decode step, ...: every rank
+    gets them); ``topology`` says which node this is of how many (default: one node).
 
     The :class:`RunResult` holds the ``outputs`` (per request its prompt, generated token ids,
     finish reason and token arrival times), the measured ``tpot_s``, ``iterations``, ``wall_s``,
@@ -295,58 +292,27 @@ def run_plan(
     from .graph import check_runtime_support
     from .placement import check_plan, total_ranks
 
+    options = options or RunOptions()
+    topology = topology or Topology()
     model: ModelSpec = load_model(model_dir)
     check_runtime_support(model)
     world = total_ranks(plan)
     check_plan(plan, model, world if ranks is None else ranks)
     check_requests(requests, model.vocab_size)
-    device = resolve_device_name(device)
     torchrun = torchrun_env()
     if torchrun is not None and torchrun["RANK"] != "0":
-        run_torchrun_rank(
-            plan,
-            model,
-            model_dir,
-            device=device,
-            timeout_s=timeout_s,
-            dtype=dtype,
-            kernels=kernels,
-            decode_step=decode_step,
-        )
+        run_torchrun_rank(plan, model, model_dir, options)
         return None
-    if node_rank > 0:
-        if master_port is None:
-            raise OpWeaveRuntimeError("nodes other than 0 need --master-port of node 0")
-        run_node(
-            plan,
-            model,
-            model_dir,
-            node_rank=node_rank,
-            nnodes=nnodes,
-            master_addr=master_addr,
-            master_port=master_port,
-            nodes=nodes,
-            device=device,
-            timeout_s=timeout_s,
-            dtype=dtype,
-            kernels=kernels,
-            decode_step=decode_step,
-        )
+    if topology.node_rank > 0:
+        run_node(plan, model, model_dir, options, topology)
         return None
     cluster = Cluster(
         plan,
         model,
         model_dir,
-        nnodes=nnodes,
-        nodes=nodes,
-        master_addr=master_addr,
-        master_port=master_port,
-        device=device,
-        timeout_s=timeout_s,
+        options,
+        topology=topology,
         start_method=start_method,
-        dtype=dtype,
-        kernels=kernels,
-        decode_step=decode_step,
         torchrun=torchrun is not None,
     )
     try:
@@ -371,14 +337,3 @@ def run_plan(
         ),
         ranks=tuple(stats),
     )
-
-
-def resolve_device_name(device: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise OpWeaveRuntimeError(f"device must be cpu, cuda or auto, got {device!r}")
-    return device

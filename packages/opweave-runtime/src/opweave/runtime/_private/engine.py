@@ -17,8 +17,9 @@ import torch
 
 from ..errors import RequestStateError
 from .batch import BatchMeta, TokenBatch, pack, unpack
-from .decode import DECODE_STEPS
 from .graph import operator_sequence
+from .kernels import KernelSet
+from .options import DecodeStep, Kernels
 from .stage import StageModule
 
 
@@ -63,22 +64,33 @@ class LocalModel:
         max_running: int | None = None,
         cuts: Sequence[int] = (),
         decode_step: str = "per-request",
+        kernels: str = "opweave",
     ) -> None:
-        if decode_step not in DECODE_STEPS:
-            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}")
+        if decode_step not in set(DecodeStep):
+            raise ValueError(f"decode_step must be one of {', '.join(DecodeStep)}")
+        step = DecodeStep(decode_step)
         seq = operator_sequence(model_dir)
         bounds = [0, *sorted(cuts), len(seq)]
         if len(set(bounds)) != len(bounds):
             raise ValueError(
                 f"cuts must be distinct and inside 1..{len(seq) - 1}, got {list(cuts)}"
             )
+        choice = Kernels(kernels)
         self.stages = [
-            StageModule(model_dir, seq[lo:hi], device=device, dtype=dtype)
+            StageModule(
+                model_dir,
+                seq[lo:hi],
+                device=device,
+                dtype=dtype,
+                kernels=KernelSet(choice, gemms_only=step.static),
+            )
             for lo, hi in itertools.pairwise(bounds)
         ]
-        if decode_step != "per-request":
+        # what runs on another library's kernels, "<layer>.<operator>[.<part>]:<kernel>" each
+        self.kernels = [entry for stage in self.stages for entry in stage.kernels]
+        if step.static:
             for stage in self.stages:
-                stage.use_static_decode(rows=max_running or 0, compile=DECODE_STEPS[decode_step])
+                stage.use_static_decode(rows=max_running or 0, compile=step.compiler)
         self.arch = self.stages[0].arch
         self.device = torch.device(device)
         self.max_running = max_running

@@ -13,8 +13,10 @@ from ..errors import OpWeaveRuntimeError
 from .batch import TokenBatch
 from .decode import DecodeStep, is_decode, why_not_static
 from .graph import OpRef, compute_dtype, model_spec, operator_from, operator_sequence
+from .kernels import KernelSet
 from .ops import OpContext, Operator, StatefulOperator, share_slabs
-from .tensor_parallel import Shard, TPComm, run_ops
+from .sequence import run_ops
+from .tensor_parallel import Shard, TPComm
 from .weights import Checkpoint
 
 
@@ -42,21 +44,28 @@ class StageModule:
         shard: Shard | None = None,
         comm: TPComm | None = None,
         model: ModelSpec | None = None,
+        kernels: KernelSet | None = None,
     ) -> None:
         self.model: ModelSpec = model or model_spec(model_dir)
+        compute = compute_dtype(self.model, dtype)
+        if kernels is not None:
+            kernels.check(torch.device(device), compute)
         self.checkpoint = Checkpoint(model_dir)
         ctx = OpContext(
             self.model.arch,
             self.checkpoint,
             torch.device(device),
-            compute_dtype(self.model, dtype),
+            compute,
             shard or Shard(),
             comm,
+            kernels,
         )
         self.comm = comm
         self.refs: tuple[OpRef, ...] = tuple(OpRef(*ref) for ref in ops)
         self.operators: list[Operator] = [operator_from(self.model, ctx, r) for r in self.refs]
         self.checkpoint.close()
+        # what runs on another library's kernels, "<layer>.<operator>[.<part>]:<kernel>" each
+        self.kernels: list[str] = list(kernels.switched) if kernels is not None else []
         self._static: tuple[int, str | None] | None = None
         self._steps: dict[tuple[int | None, int | None, int], DecodeStep] = {}
         self.submissions = 0  # launches from Python so far (see run)
@@ -72,7 +81,6 @@ class StageModule:
 
     @property
     def _stateful(self) -> list[StatefulOperator]:
-        # Derived on use: an operator may be swapped for an equivalent one (e.g. kernel-backed).
         return [op for op in self.operators if isinstance(op, StatefulOperator)]
 
     @property

@@ -51,7 +51,7 @@ class Step:
     iteration: int
     sampling: dict[str, int]
     parts: int
-    got: list[tuple[list[str], list[int]]] = field(default_factory=list)
+    got: list[tuple[Sequence[str], Sequence[int]]] = field(default_factory=list)
     tokens: dict[str, int] | None = None
 
 
@@ -273,10 +273,12 @@ class StepDriver:
         request."""
         while step.tokens is None:
             msg = self.cluster.result()
-            done = next((s for s in self._in_flight if s.iteration == int(msg["i"])), None)
+            done = next((s for s in self._in_flight if s.iteration == msg.iteration), None)
             if done is None:
-                raise RequestStateError(f"a result came for iteration {msg['i']}, not in flight")
-            done.got.append((msg["r"], msg["x"]))
+                raise RequestStateError(
+                    f"a result came for iteration {msg.iteration}, not in flight"
+                )
+            done.got.append((msg.request_ids, msg.token_ids))
             if len(done.got) < done.parts:
                 continue
             done.tokens = {}

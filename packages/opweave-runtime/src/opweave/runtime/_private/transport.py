@@ -31,7 +31,6 @@ Python sends them; a message there carries its length and tag, which the receive
 
 from __future__ import annotations
 
-import os
 import select as _select
 import time
 from collections import deque
@@ -46,9 +45,6 @@ from .batch import BatchMeta, TokenBatch, byte_view, pack, unpack
 from .native import NativeWire
 from .schedule import Message
 from .wire import PeerError, SocketWire, connect_pairs
-
-P2P_ENV = "OPWEAVE_P2P"  # "socket" (default on CPU) or "torch" (torch.distributed isend/irecv)
-
 
 Part = TokenBatch | torch.Tensor  # a batch handed over in-process, or packed bytes off the wire
 EAGER_BYTES = 4096  # fixed size of a message's first transfer: length word + payload head
@@ -69,9 +65,9 @@ class Transport:
         *,
         host: str = "127.0.0.1",
         key: bytes = b"",
-        p2p: str | None = None,
         spin_s: float = 0.0,
         native: bool = False,
+        torch_p2p: bool = False,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -81,11 +77,8 @@ class Transport:
         self.comm_s = 0.0
         self.bytes_sent = 0
         self.messages_sent = 0
-        p2p = p2p or os.environ.get(P2P_ENV) or ("socket" if device.type == "cpu" else "torch")
-        if p2p not in ("socket", "torch"):
-            raise OpWeaveRuntimeError(f"{P2P_ENV}={p2p!r}: expected socket or torch")
-        if p2p == "socket" and device.type != "cpu":
-            raise OpWeaveRuntimeError(f"{P2P_ENV}=socket moves CPU tensors; {device} needs torch")
+        # NCCL between GPUs (and, as a test seam, gloo between CPU ranks)
+        p2p = "socket" if device.type == "cpu" and not torch_p2p else "torch"
         self.p2p = p2p
         self._wire = (
             SocketWire(rank, dist.get_world_size(), timeout_s, host, key, spin_s=spin_s)

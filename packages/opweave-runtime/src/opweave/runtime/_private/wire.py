@@ -30,8 +30,8 @@ slower: measured on the two-core VM this was built on, over four paired runs of 
 Qwen3-Next, the AFD plan's ranks spent 1.15x and 1.15x their profiled operator time when they
 blocked and 0.99x and 0.89x when they spun, CAD's 1.13x and 1.45x against 0.98x and 1.26x, and
 the plans' TPOT fell from 32.3 to 24.7 ms (AFD) and from 37.2 to 29.9 ms (CAD). Ranks that share
-cores must not spin (each would burn the time slice another one needs), so they block at once.
-``OPWEAVE_WAIT=spin|block`` overrides the choice.
+cores must not spin (each would burn the time slice another one needs), so they block at once
+(:meth:`~.options.RunOptions.spin_s`; ``OPWEAVE_WAIT=spin|block`` overrides the choice).
 
 A peer that exits closes its connection: the wait fails at once with :class:`PeerError` naming
 it; one that hangs fails the wait after ``timeout_s``.
@@ -39,7 +39,6 @@ it; one that hangs fails the wait after ``timeout_s``.
 
 from __future__ import annotations
 
-import os
 import selectors
 import socket
 import struct
@@ -55,20 +54,6 @@ from .control import AuthError, ChannelClosed, client_handshake, server_handshak
 _HEADER = struct.Struct("<qq")  # payload length, tag
 MAX_MESSAGE_BYTES = 1 << 36  # activations of one microbatch: far above any real prefill
 _CHUNK = 1 << 20
-WAIT_ENV = "OPWEAVE_WAIT"  # "spin" or "block": how a CPU rank waits for its peers
-SPIN_S = 1.0  # a spinning rank blocks once one wait has lasted this long
-
-
-def spin_budget(own_core: bool) -> float:
-    """Seconds of every wait a rank busy-polls before it blocks: ``SPIN_S`` for a rank with a
-    core of its own, else 0; ``OPWEAVE_WAIT`` overrides."""
-    raw = os.environ.get(WAIT_ENV, "").strip()
-    mode = raw.lower()
-    if mode not in ("", "spin", "block"):
-        raise OpWeaveRuntimeError(f"{WAIT_ENV}={raw!r}: expected spin or block")
-    if mode:
-        return SPIN_S if mode == "spin" else 0.0
-    return SPIN_S if own_core else 0.0
 
 
 class PeerError(OpWeaveRuntimeError):

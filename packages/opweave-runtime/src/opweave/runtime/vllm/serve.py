@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._executor import APPLIED, PLAN_KEY, REQUEST_CHECK
+from ._config import APPLIED, PLAN_KEY, REQUEST_CHECK
 
 EXECUTOR_NAME = "opweave.runtime.vllm.OpWeaveExecutor"
 
