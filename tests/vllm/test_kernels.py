@@ -4,10 +4,10 @@ Each model runs twice from the same weights, once with the runtime's operators a
 with vLLM's kernels (``--kernels vllm``, or ``vllm-all``), under continuous batching (requests
 joining mid-run, finishing at different lengths, one aborted mid-way) so that freed KV blocks
 and recurrent-state slots are reused. In float32 (the default, exact kernel set) greedy tokens
-must equal each other and transformers'. Qwen3-Next runs in bfloat16 with ``exact=False``: its kernels round once where the
-runtime rounds per step, which flips near-tied tokens of a random tiny model (plain vLLM's tokens
-differ from transformers' there as well), so it is held to the per-operator tolerance below and a
-complete run with the same state lifecycle.
+must equal each other and transformers'. Qwen3-Next runs in bfloat16 with ``vllm-all``: its
+kernels round once where the runtime rounds per step, which flips near-tied tokens of a random
+tiny model (plain vLLM's tokens differ from transformers' there as well), so it is held to the
+per-operator tolerance below and a complete run with the same state lifecycle.
 
 Per-operator tolerances (each operator gets the same input batch on both sides):
 
