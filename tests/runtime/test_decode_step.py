@@ -40,14 +40,16 @@ def test_every_segments_decode_step_traces_as_one_graph(family, tiny_model, hf_g
     """torch.compile(fullgraph=True) of each segment's decode step (a graph break would raise),
     and the traced steps' greedy tokens equal transformers'."""
     model_dir = tiny_model(family)
-    model = LocalModel(model_dir, cuts=_cut_after_attention(model_dir), decode_step="traced")
+    cuts = _cut_after_attention(model_dir)
+    model = LocalModel(model_dir, cuts=cuts, decode_step="traced", max_running=len(prompts))
 
     ours = model.generate(prompts, MAX_NEW_TOKENS)
 
     assert ours == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
-    for stage in model.stages:  # every segment's decode ran as its traced step
-        assert stage.static_decode == "aot_eager"
-        assert stage._steps and all(key[2] == len(prompts) for key in stage._steps)
+    assert model.module.static_decode == "aot_eager"  # every segment's decode ran traced
+    steps = model.module._steps
+    assert {(seg.start, seg.stop) for seg in model.segments} == {k[:2] for k in steps}
+    assert all(key[2] == len(prompts) for key in steps)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])
@@ -71,7 +73,7 @@ def test_trusted_steps_of_several_segments_keep_their_own_graphs(
 
     assert ours == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     assert compiled_graphs() == graphs
-    assert [len(stage._steps) for stage in model.stages] == [1, 1, 1]
+    assert len(model.segments) == len(model.module._steps) == 3  # one step per segment
 
 
 def test_a_step_built_after_the_warm_up_turns_the_full_guards_back_on(

@@ -104,11 +104,8 @@ def _run_churn(model: LocalModel, prompts, lengths, abort: str, abort_after: int
         done.update((g.request_id, g.token_ids) for g in model.step())
         steps += 1
         if steps == abort_after and abort in model.running:
-            gen = model.running.pop(abort)
-            for stage in model.stages:
-                stage.free(abort)
-            done[abort] = list(gen.token_ids)
-    assert all(not stage.request_ids for stage in model.stages)
+            done[abort] = list(model.abort(abort).token_ids)
+    assert not model.module.request_ids
     return [done[rid] for rid in ids]
 
 

@@ -385,3 +385,31 @@ class StepDriver:
                     req.token_ids.append(int(token))
         self._in_flight.remove(done)
         self._done.append(done)
+
+
+def submit_warm_up(cluster: Ranks) -> tuple[str, ...]:
+    """Iteration 0 of a warm-up: two prompt tokens for a warm-up request in every slot, so
+    every rank's every action sees its inputs; waits for its results. Returns the requests
+    (for the ranks to free)."""
+    placement = cluster.placement
+    everyone: list[str] = []
+    for k in range(placement.microbatches):
+        slots = tuple(placement.microbatch_slots(k))
+        rids = tuple(f"opweave-warm-up-{s}" for s in slots)
+        everyone += rids
+        n = len(slots)
+        cluster.submit(
+            Work(
+                iteration=0,
+                microbatch=k,
+                request_ids=rids,
+                slots=slots,
+                context_lens=(0,) * n,
+                query_lens=(2,) * n,
+                sample=(True,) * n,
+                token_ids=(0,) * (2 * n),
+            )
+        )
+    for _ in range(sum(cluster.result_parts(k) for k in range(placement.microbatches))):
+        cluster.result()
+    return tuple(everyone)
