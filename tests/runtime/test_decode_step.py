@@ -18,7 +18,7 @@ from opweave.runtime import (
     run_plan,
 )
 from opweave.runtime._private.decode import (
-    DecodeStep,
+    StaticStep,
     _distrust_graphs,
     compiled_graphs,
     trust_warm_graphs,
@@ -261,7 +261,7 @@ def test_a_step_whose_context_disagrees_with_the_state_is_an_error(tiny_model):
 
 def test_a_step_refuses_a_row_outside_it(tiny_model):
     stage = StageModule.whole_model(tiny_model("llama"))
-    step = DecodeStep(stage.operators, None, 2)
+    step = StaticStep(stage.operators, None, 2)
     stage.admit("a")
     with pytest.raises(Exception, match="cannot place rows"):
         step(TokenBatch(BatchMeta(("a",), (1,), (1,)), {"token_ids": torch.tensor([1])}), [2])

@@ -7,10 +7,10 @@ side by side in one process (CPU, one thread, median of many calls):
 - **packed**: the sender selects the link's requests and packs them with a header
   (:func:`~opweave.runtime._private.batch.pack`); the receiver unpacks, merges its sources and
   hands the batch to the step, which pads it into its rows and gathers the requests' rows of
-  the outputs back out (:meth:`DecodeStep.__call__`);
+  the outputs back out (:meth:`StaticStep.__call__`);
 - **rows**: the sender hands the wire byte views of its outputs' rows, the receiver copies the
   message into its step's input rows and runs the step on them as they are
-  (:meth:`DecodeStep.run_rows`); this is what ranks do since the rows path exists.
+  (:meth:`StaticStep.run_rows`); this is what ranks do since the rows path exists.
 
 The step itself has no operators here, so what is timed is the host work around it: the hop's
 framing on the socket wire (:meth:`SocketWire.post`, writes left out), the schedule of the step
@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from opweave.runtime._private.batch import BatchMeta, TokenBatch, byte_view, pack, unpack
-from opweave.runtime._private.decode import DecodeStep
+from opweave.runtime._private.decode import StaticStep
 from opweave.runtime._private.transport import merge, select
 from opweave.runtime._private.wire import SocketWire, _Peer
 
@@ -67,7 +67,7 @@ def hop(requests: int, slots: int, hidden: int, names: tuple[str, ...]) -> tuple
     meta = BatchMeta(rids, (1,) * requests, (100,) * requests, tuple(range(requests)))
     outputs = {n: torch.randn(slots, hidden, dtype=torch.bfloat16) for n in names}
     live = TokenBatch(meta, {n: t[:requests] for n, t in outputs.items()})
-    step = DecodeStep([], None, slots)  # no operators: the host work around a step
+    step = StaticStep([], None, slots)  # no operators: the host work around a step
     place = list(range(requests))
     wire = framing_wire()
     payload = pack(live)

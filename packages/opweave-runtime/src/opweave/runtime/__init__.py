@@ -14,6 +14,7 @@ Operators run the kernels a :class:`KernelSet` picks for their device and dtype.
 
 from ._private.batch import BatchMeta, TokenBatch, pack, unpack
 from ._private.cluster import Cluster
+from ._private.decode import StaticStep
 from ._private.driver import OfflineDriver, Request, run_plan
 from ._private.engine import Generation, LocalModel
 from ._private.graph import (
@@ -78,6 +79,7 @@ __all__ = [
     "KernelSet",
     "register_kernels",
     "StageModule",
+    "StaticStep",
     # activations between operators
     "BatchMeta",
     "TokenBatch",

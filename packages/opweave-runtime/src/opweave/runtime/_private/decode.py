@@ -3,7 +3,7 @@
 A decode step (every request runs one new token after some cached ones) is where a serving
 rank spends its time, and the per-request form of the operators (a Python loop over requests in
 attention, the experts a batch happens to route to) makes its cost and its shapes depend on the
-batch. :class:`DecodeStep` runs the same operators on shapes fixed at install:
+batch. :class:`StaticStep` runs the same operators on shapes fixed at install:
 
 - the step has ``size`` rows (a rank: its replica's slots in the microbatch); request ``i`` sits
   at row ``place[i]`` and the other rows are padding;
@@ -57,7 +57,7 @@ def why_not_static(ops: Sequence[Operator]) -> str | None:
     return None
 
 
-class DecodeStep:
+class StaticStep:
     """A segment's decode step on ``size`` rows, run eagerly or as one compiled graph."""
 
     def __init__(
@@ -171,7 +171,7 @@ class DecodeStep:
         context_lens: Sequence[int],
         place: Sequence[int],
         *,
-        also: Sequence[DecodeStep] = (),
+        also: Sequence[StaticStep] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The host side of a step with request ``i`` in row ``place[i]``: check the rows,
         bring every request's state into its slab row, and return each row's position and state
