@@ -30,7 +30,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +37,19 @@ from opweave.costmodel import ModelSpec, Plan
 
 from ..errors import OpWeaveRuntimeError, RunFailedError
 from . import native
-from .control import AuthError, ChannelClosed, run_secret, server_handshake
+from .control import run_secret
+from .controlhub import Conn, ControlHub
 from .faults import RankView, diagnose
 from .join import CONTROL_KEY, in_namespace
 from .launch import STOP_S, RankProcess, node_layout, rank_specs, starter
 from .messages import (
     PROTOCOL_VERSION,
     Error,
-    FrameReader,
     Hello,
     Ready,
     Result,
     Shutdown,
     Stats,
-    ToDriver,
     Warm,
     Warmed,
     encode,
@@ -70,26 +68,7 @@ _GRACE_S = 2.0  # after a first failure, how long the other ranks get to report
 _POLL_S = 0.05
 
 
-@dataclass
-class _Conn:
-    """One rank's control connection, as the driver's IO thread sees it."""
-
-    sock: socket.socket
-    rank: int
-    reader: FrameReader = field(default_factory=lambda: FrameReader(ToDriver))
-    out: bytearray = field(default_factory=bytearray)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    state: str = "joined"  # joined -> ready -> closed
-    last_seen: float = field(default_factory=time.monotonic)
-    host: str = ""
-    pid: int | None = None
-    ready: Ready | None = None
-    report: Error | None = None
-    stats: dict[str, Any] | None = None
-    warmed: bool = False  # compiled its decode steps (warm_up)
-
-
-class Cluster:
+class Cluster(ControlHub):
     """A plan installed on rank processes, with this process as their driver (node 0)."""
 
     def __init__(
@@ -133,9 +112,9 @@ class Cluster:
         self.on_failure: list[Callable[[], None]] = []
         self.failed: RunFailedError | None = None
         self._results: queue.Queue[Result | None] = queue.Queue()
-        self._conns: dict[int, _Conn] = {}  # touched by the IO thread only, once registered
+        self._conns: dict[int, Conn] = {}  # touched by the IO thread only, once registered
         self._claimed: set[int] = set()
-        self._new_conns: queue.SimpleQueue[_Conn] = queue.SimpleQueue()
+        self._new_conns: queue.SimpleQueue[Conn] = queue.SimpleQueue()
         self._hang: tuple[list[int], float] | None = None
         self._lock = threading.Lock()
         self._failing_since: float | None = None
@@ -210,14 +189,6 @@ class Cluster:
             control=control,
         ):
             self.children.append(start.start(spec, self.run_dir))
-
-    def _start_io(self) -> None:
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._selector = selectors.DefaultSelector()
-        self._selector.register(self._listener, selectors.EVENT_READ, "listener")
-        self._selector.register(self._wake_r, selectors.EVENT_READ, "wake")
-        self._io = threading.Thread(target=self._loop, name="opweave-driver-io", daemon=True)
-        self._io.start()
 
     # -- what the driver uses -----------------------------------------------------------------
     @property
@@ -380,7 +351,7 @@ class Cluster:
             "starting; see its log with OPWEAVE_DEBUG=1)",
         )
 
-    def _await_ranks(self, done: Callable[[_Conn], bool], deadline: float, late: str) -> None:
+    def _await_ranks(self, done: Callable[[Conn], bool], deadline: float, late: str) -> None:
         """Until ``done`` holds for every rank's connection; past ``deadline`` (monotonic), a
         :class:`RunFailedError` naming the first rank it does not hold for, then ``late``."""
         while True:
@@ -393,113 +364,7 @@ class Cluster:
                 raise RunFailedError(f"{self.describe(min(waiting))} {late}")
             time.sleep(_POLL_S)
 
-    # -- sending ------------------------------------------------------------------------------
-    def _send(self, rank: int, message: Any) -> None:
-        self._send_frame(rank, encode(message))
-
-    def _send_frame(self, rank: int, frame: bytes) -> None:
-        conn = self._conns.get(rank)
-        if conn is None or conn.state == "closed":
-            return  # its loss is being (or was) reported
-        with conn.lock:
-            if not conn.out:
-                try:
-                    sent = conn.sock.send(frame)
-                except (BlockingIOError, InterruptedError):
-                    sent = 0
-                except OSError:
-                    return  # the IO thread sees the closed connection
-                frame = frame[sent:]
-            conn.out += frame
-        if conn.out:
-            with contextlib.suppress(OSError):
-                self._wake_w.send(b"w")
-
-    # -- the IO thread ------------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._closing:
-            try:
-                self._register_writes()
-                for key, mask in self._selector.select(timeout=_POLL_S):
-                    if key.data == "listener":
-                        self._accept()
-                    elif key.data == "wake":
-                        with contextlib.suppress(BlockingIOError, OSError):
-                            self._wake_r.recv(4096)
-                    else:
-                        conn: _Conn = key.data
-                        if mask & selectors.EVENT_WRITE:
-                            self._flush(conn)
-                        if mask & selectors.EVENT_READ:
-                            self._read(conn)
-                self._watch()
-            except Exception as exc:  # the IO thread must never die silently
-                self._signal(f"the driver's control loop failed: {type(exc).__name__}: {exc}")
-                self._finish_failure(force=True)
-                return
-
-    def _register_writes(self) -> None:
-        for conn in list(self._conns.values()):
-            if conn.state == "closed":
-                continue
-            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-            with contextlib.suppress(KeyError, ValueError):
-                self._selector.modify(conn.sock, events, conn)
-
-    def _accept(self) -> None:
-        sock, _ = self._listener.accept()
-        threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
-
-    def _handshake(self, sock: socket.socket) -> None:
-        """Authenticate a new connection off the IO thread (a silent peer must not stall it)."""
-        try:
-            rank = server_handshake(sock, self._key)
-        except (AuthError, ChannelClosed, OSError):
-            sock.close()  # not a rank of this run
-            return
-        with self._lock:
-            if not 0 <= rank < self.world or rank in self._claimed or self._closing:
-                sock.close()
-                return
-            self._claimed.add(rank)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setblocking(False)
-        self._new_conns.put(_Conn(sock, rank))  # registered by the IO thread
-        with contextlib.suppress(OSError):
-            self._wake_w.send(b"c")
-
-    def _flush(self, conn: _Conn) -> None:
-        with conn.lock:
-            while conn.out:
-                try:
-                    sent = conn.sock.send(conn.out)
-                except (BlockingIOError, InterruptedError):
-                    return
-                except OSError:
-                    conn.out.clear()
-                    return
-                del conn.out[:sent]
-
-    def _read(self, conn: _Conn) -> None:
-        while True:
-            try:
-                messages = conn.reader.read(conn.sock)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                messages = None
-            except OpWeaveRuntimeError as exc:
-                conn.report = Error("error", f"sent a malformed message: {exc}")
-                self._lost(conn)
-                return
-            if messages is None:
-                self._lost(conn)
-                return
-            conn.last_seen = time.monotonic()
-            for msg in messages:
-                self._handle(conn, msg)
-
-    def _handle(self, conn: _Conn, msg: Any) -> None:
+    def _handle(self, conn: Conn, msg: Any) -> None:
         if isinstance(msg, Result):
             with self._lock:
                 key = (msg.iteration, msg.microbatch)
@@ -528,18 +393,6 @@ class Cluster:
             conn.report = msg
             self._signal(f"rank {conn.rank} reported an error")
         # Loading only refreshes last_seen
-
-    def _lost(self, conn: _Conn) -> None:
-        with contextlib.suppress(KeyError, ValueError):
-            self._selector.unregister(conn.sock)
-        with contextlib.suppress(OSError):
-            conn.sock.close()
-        was = conn.state
-        conn.state = "closed"
-        if self._stopping and conn.stats is not None:
-            return  # a clean exit after shutdown
-        if was != "closed":
-            self._signal(f"rank {conn.rank} closed its control connection")
 
     def _watch(self) -> None:
         """Local exits, join and load deadlines; and, once failing, the end of the grace."""
@@ -581,7 +434,7 @@ class Cluster:
             return
         children = {c.rank: c for c in self.children}
 
-        def settled(c: _Conn) -> bool:
+        def settled(c: Conn) -> bool:
             if c.report is not None:
                 return True
             # a local rank that went silent: wait for its exit status too (a crash is named)
