@@ -43,7 +43,7 @@ def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> 
         out.join_thread()
         os._exit(0)
     tr = Transport(rank, torch.device("cpu"), timeout_s=10.0, key=key, spin_s=spin_s)
-    assert tr.p2p == "socket" and tr.spin_s == spin_s
+    assert tr.native is not None and tr.spin_s == spin_s  # CPU ranks: the native wire
     if scenario == "both_ways":
         # 32 MB each way before either side receives: far beyond the sockets' buffers, so a
         # transport that blocked in send would deadlock here

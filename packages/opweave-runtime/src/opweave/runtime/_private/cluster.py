@@ -93,7 +93,7 @@ class Cluster(ControlHub):
         topology = topology or Topology()
         check_plan(plan, model)
         check_weights(model_dir, model)
-        if options.programs:
+        if options.native(total_ranks(plan)):
             native.load()  # built once here (cached), not by every rank at once
         self.plan = plan
         self.options = options

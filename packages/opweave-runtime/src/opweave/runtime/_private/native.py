@@ -56,9 +56,8 @@ def load() -> None:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         first = next((line for line in lines if "error" in line.lower()), lines[0])[:300]
         raise OpWeaveRuntimeError(
-            f"could not build the native extension ({first}); rank programs need a C++17 "
-            "compiler (g++) and ninja on PATH; without them set OPWEAVE_RANK_PROGRAM=0 or run "
-            "--decode-step static"
+            f"could not build the native extension ({first}); CPU ranks talk to each other "
+            "over it, which needs a C++17 compiler (g++) and ninja on PATH"
         ) from None
     _register_fakes()
     _loaded = True
@@ -126,6 +125,11 @@ class NativeWire:
     def recv(self, peer: int, tag: int, nbytes: int, what: str) -> torch.Tensor:
         with _as_peer_error({tag: what}):
             return torch.ops.opweave.recv(self.ones, self.id, peer, tag, nbytes)
+
+    def recv_any(self, peer: int, tag: int, max_bytes: int, what: str) -> torch.Tensor:
+        """The next message from ``peer``, of whatever length it announces (a packed batch)."""
+        with _as_peer_error({tag: what}):
+            return torch.ops.opweave.wire_recv_any(self.id, peer, tag, max_bytes)
 
     def dry(self, dry: bool) -> None:
         """While ``dry``, sends do nothing and receives return zeros (a program's warm-up)."""

@@ -74,7 +74,7 @@ def run_node(
     if topology.master_port is None:
         raise OpWeaveRuntimeError("nodes other than 0 need --master-port of node 0")
     key = run_secret(multi_process_origin=True)
-    if options.programs:
+    if options.native(total_ranks(plan)):
         native.load()  # built once here (cached), not by every rank at once
     run_dir = Path(tempfile.mkdtemp(prefix="opweave-node-"))
     children: list[RankProcess] = []

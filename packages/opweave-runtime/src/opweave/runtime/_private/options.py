@@ -168,6 +168,12 @@ class RunOptions(BaseModel):
         ranks whose decode steps trace, unless switched off."""
         return self.device == "cpu" and self.decode_step.compiler is not None and self.rank_programs
 
+    def native(self, world_size: int) -> bool:
+        """Whether a run of ``world_size`` ranks needs the native extension: its CPU ranks
+        talk over the native wire, and run their rank programs with it."""
+        cpu_wire = world_size > 1 and not self.test_torch_p2p
+        return self.device == "cpu" and (cpu_wire or self.programs)
+
     def spin_s(self, own_core: bool) -> float:
         """Seconds of every wait a CPU rank busy-polls before it blocks."""
         if self.wait is Wait.AUTO:

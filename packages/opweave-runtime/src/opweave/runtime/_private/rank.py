@@ -93,7 +93,6 @@ class StageWorker(RankCore):
             host=host,
             key=key,
             spin_s=options.spin_s(own_core) if world > 1 else 0.0,
-            native=options.programs and world > 1 and not options.test_torch_p2p,
             torch_p2p=options.test_torch_p2p,
         )
         # rank programs send on the native wire (none under the torch point-to-point seam)
