@@ -460,7 +460,7 @@ def test_prompts_files(content: Any, model_dir: Path, root: Path, stand_ins) -> 
     argv = ["run", "--model-path", str(model_dir), "--prompts-file", str(path), "--max-tokens", "8"]
     got = check("prompts file", [*argv, "--json"])
     if isinstance(got, Reached):
-        _, _, requests = got.kwargs["args"]
+        _, _, requests, _ = got.kwargs["args"]
         for r in requests:
             assert r.prompt_token_ids and all(0 <= t < 512 for t in r.prompt_token_ids)
             assert r.max_new_tokens >= 1 and len(r.prompt_token_ids) + r.max_new_tokens <= 512
