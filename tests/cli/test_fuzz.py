@@ -207,9 +207,8 @@ def test_run_flags(flag: str, value: str, model_dir: Path, stand_ins) -> None:
     argv = ["run", "--model-path", str(model_dir), "--prompt", "t5 t6 t7", "--max-tokens", "4"]
     got = check("run flags", [*argv, f"{flag}={value}", "--json"])
     if isinstance(got, Reached):
-        kw = got.kwargs
-        assert math.isfinite(kw["timeout_s"]) and 0.1 <= kw["timeout_s"] <= 86400
-        plan, _, requests = got.kwargs["args"]
+        plan, _, requests, options = got.kwargs["args"]
+        assert math.isfinite(options.timeout_s) and 0.1 <= options.timeout_s <= 86400
         for r in requests:
             assert len(r.prompt_token_ids) + r.max_new_tokens <= 512  # the tiny model's context
         assert all(o.tp in (1, 2, 4, 8) for o in plan.owners)
@@ -615,7 +614,7 @@ def test_prompts_files(content: Any, model_dir: Path, root: Path, stand_ins) -> 
     argv = ["run", "--model-path", str(model_dir), "--prompts-file", str(path), "--max-tokens", "8"]
     got = check("prompts file", [*argv, "--json"])
     if isinstance(got, Reached):
-        _, _, requests = got.kwargs["args"]
+        _, _, requests, _ = got.kwargs["args"]
         for r in requests:
             assert r.prompt_token_ids and all(0 <= t < 512 for t in r.prompt_token_ids)
             assert r.max_new_tokens >= 1 and len(r.prompt_token_ids) + r.max_new_tokens <= 512

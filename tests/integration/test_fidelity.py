@@ -71,7 +71,7 @@ def test_simulated_afd_tpot_matches_a_real_run(profiled) -> None:
     from opweave.costmodel import canonical_plan, load_model
     from opweave.planner import simulate_plan
     from opweave.profiler import load_profile
-    from opweave.runtime import Request, run_plan
+    from opweave.runtime import Request, RunOptions, run_plan
 
     model_dir, path = profiled
     profile = load_profile(path)
@@ -90,7 +90,7 @@ def test_simulated_afd_tpot_matches_a_real_run(profiled) -> None:
     ]
     measured = []
     for _ in range(3):
-        result = run_plan(plan, model_dir, requests, device="cpu", timeout_s=60)
+        result = run_plan(plan, model_dir, requests, RunOptions(device="cpu", timeout_s=60))
         assert result is not None and result.tpot_s is not None
         assert all(len(o.token_ids) == TOKENS for o in result.outputs)
         measured.append(result.tpot_s)

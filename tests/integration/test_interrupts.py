@@ -61,7 +61,8 @@ def _wait_for(what, timeout_s: float, proc: subprocess.Popen, log: Path):
 
 
 RUN = ["run", "--strategy", "afd", "--prompt", "t5 t6 t7", "--max-tokens", "50", "--json"]
-HANG = {"OPWEAVE_FAULT": "1:3:hang"}  # rank 1 stops at its third iteration: the run stays up
+# the CLI's test seam: rank 1 stops at its third iteration, so the run stays up
+HANG = ["--fault", "1:3:hang"]
 
 
 @pytest.mark.parametrize(
@@ -75,8 +76,8 @@ HANG = {"OPWEAVE_FAULT": "1:3:hang"}  # rank 1 stops at its third iteration: the
 def test_a_signal_stops_an_offline_run_and_everything_it_started(
     sig, code, line, tiny_model, tmp_path
 ):
-    args = [*RUN, "--model-path", str(tiny_model("llama")), "--timeout-s", "120"]
-    proc, log, temp = _start(args, tmp_path, HANG)
+    args = [*RUN, "--model-path", str(tiny_model("llama")), "--timeout-s", "120", *HANG]
+    proc, log, temp = _start(args, tmp_path)
     ranks = _wait_for(lambda: len(rank_pids(proc.pid)) == 2 and rank_pids(proc.pid), 60, proc, log)
     run_dirs = _wait_for(lambda: list(temp.iterdir()), 10, proc, log)
     assert [p.name.startswith("opweave-run-") for p in run_dirs] == [True]

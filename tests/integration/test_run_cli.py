@@ -258,12 +258,12 @@ def test_torchrun_style_launch(tmp_path, tiny_model, hf_greedy, prompts):
 @pytest.mark.slow
 def test_spawned_workers(tiny_model, hf_greedy, prompts):
     """The start method CUDA uses (fresh interpreters), exercised on CPU."""
-    from opweave.runtime import Request, run_plan
+    from opweave.runtime import Request, RunOptions, run_plan
 
     model_dir = tiny_model("llama")
     plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=4)
     requests = [Request(tuple(p), MAX_TOKENS) for p in prompts]
-    result = run_plan(plan, model_dir, requests, start_method="spawn", timeout_s=60)
+    result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=60), start_method="spawn")
     assert result is not None
     assert [list(o.token_ids) for o in result.outputs] == hf_greedy(model_dir, prompts, MAX_TOKENS)
 

@@ -36,7 +36,7 @@ def test_fit_predicts_another_runs_loop_time(fit, tiny_model) -> None:
     measured host time per iteration outside operators and transfers, against M (stage(u) +
     drive(u)) from the fit. Generous bounds (a shared machine), tight enough for a unit or a
     double count."""
-    from opweave.runtime import Request, run_plan
+    from opweave.runtime import Request, RunOptions, run_plan
 
     model_dir = tiny_model("llama")
     spec = load_model(model_dir)
@@ -54,7 +54,7 @@ def test_fit_predicts_another_runs_loop_time(fit, tiny_model) -> None:
         Request(tuple(rng.randrange(spec.vocab_size) for _ in range(6)), tokens, stop_token_ids=())
         for _ in range(m * u)
     ]
-    result = run_plan(plan, model_dir, reqs, device="cpu", timeout_s=120)
+    result = run_plan(plan, model_dir, reqs, RunOptions(device="cpu", timeout_s=120))
     assert result is not None
     line = result.ranks[0].timeline
     host = [

@@ -182,3 +182,31 @@ def test_full_size_block_on_cuda_from_config_alone(name) -> None:
     assert "cuda" in profile.provenance.versions
     full = next(t for t in profile.ops if t.op == "core_attn@full")
     assert full.latency_s[1][1] > full.latency_s[0][0]  # more requests x context cost more
+
+
+def test_a_static_decode_step_profile_times_the_steps_a_rank_runs(tiny_model) -> None:
+    """``--decode-step static``: each operator timed as the static decode step a rank's rows
+    runner calls, over the same tables as the per-request profile; the profile says which it
+    timed, and a mode that cannot time it is refused in one line."""
+    from opweave.profiler import ProfilerError, profile_model
+
+    kwargs = dict(
+        batches=(2,),
+        contexts=(16,),
+        transfer=False,
+        orchestration=False,
+        idle=False,
+        fit=False,
+        progress=False,
+    )
+    model = tiny_model("llama")
+    static = profile_model(model, decode_step="static", **kwargs)
+    plain = profile_model(model, **kwargs)
+    assert static.profile.provenance.settings["decode_step"] == "static"
+    assert plain.profile.provenance.settings["decode_step"] == "per-request"
+    assert [t.op for t in static.profile.ops] == [t.op for t in plain.profile.ops]
+    assert all(t.latency_s[0][0] > 0 for t in static.profile.ops)
+    with pytest.raises(ProfilerError, match="decode order only: use --timing chain"):
+        profile_model(model, decode_step="static", timing_mode="isolated", **kwargs)
+    with pytest.raises(ProfilerError, match="--decode-step fast: choose one of per-request"):
+        profile_model(model, decode_step="fast", **kwargs)

@@ -68,6 +68,6 @@ def test_cut_at_every_operator_boundary_stays_exact(family, tiny_model, hf_greed
 
     model = LocalModel(model_dir, cuts=range(1, n_ops))
 
-    assert len(model.stages) == n_ops
+    assert len(model.segments) == n_ops
     assert model.generate(prompts, MAX_NEW_TOKENS) == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     assert model.weight_bytes == LocalModel(model_dir).weight_bytes

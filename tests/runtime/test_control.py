@@ -3,18 +3,21 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import struct
 import threading
 
+import msgspec
 import pytest
 
-from opweave.runtime._private.control import (
+from opweave.runtime import Work
+from opweave.runtime._private.control import ChannelClosed, ControlClient
+from opweave.runtime._private.messages import (
     MAX_FRAME_BYTES,
-    ChannelClosed,
-    ControlClient,
     FrameReader,
+    Result,
+    Shutdown,
+    ToRank,
     encode,
 )
 from opweave.runtime.errors import OpWeaveRuntimeError
@@ -28,9 +31,13 @@ def _client() -> tuple[ControlClient, socket.socket]:
     return client, theirs
 
 
+def _work(iteration: int, tokens: int) -> Work:
+    return Work(iteration, 0, ("r",), (0,), (0,), (tokens,), token_ids=tuple(range(tokens)))
+
+
 def test_frames_are_decoded_whole_whatever_the_reads_cut():
     client, driver = _client()
-    messages = [{"t": "work", "i": i, "x": list(range(i * 7))} for i in range(5)]
+    messages = [_work(i, i * 7 + 1) for i in range(5)]
     stream = b"".join(encode(m) for m in messages)
     assert not client.poll()  # nothing sent yet: returns at once
     for cut in (3, 8, 9, 40, len(stream) - 1):  # inside a length, at its end, inside a body
@@ -47,33 +54,42 @@ def test_frames_are_decoded_whole_whatever_the_reads_cut():
 
 def test_a_frame_longer_than_one_read_arrives_whole():
     client, driver = _client()
-    big = {"t": "work", "x": list(range(60_000))}  # ~400 KB of JSON: several reads
-    sender = threading.Thread(target=driver.sendall, args=(encode(big) + encode({"t": "end"}),))
+    big = _work(0, 60_000)  # ~170 KB: several reads
+    sender = threading.Thread(target=driver.sendall, args=(encode(big) + encode(Shutdown()),))
     sender.start()
     assert client.recv() == big
-    assert client.recv() == {"t": "end"}
+    assert client.recv() == Shutdown()
     sender.join()
 
 
 def test_a_closed_channel_is_named_after_the_messages_before_it():
     client, driver = _client()
-    driver.sendall(encode({"t": "shutdown"}))
+    driver.sendall(encode(Shutdown()))
     driver.close()
     assert client.poll()
-    assert client.recv() == {"t": "shutdown"}
+    assert client.recv() == Shutdown()
     with pytest.raises(ChannelClosed, match="closed the control connection"):
         client.poll()
     with pytest.raises(ChannelClosed, match="closed the control connection"):
         client.recv()
 
 
+def _frame(body: object) -> bytes:
+    raw = msgspec.msgpack.encode(body)
+    return struct.pack("<Q", len(raw)) + raw
+
+
 @pytest.mark.parametrize(
     ("frame", "message"),
     [
         (struct.pack("<Q", MAX_FRAME_BYTES + 1), "over the limit"),
-        (struct.pack("<Q", 3) + b"{x}", "not JSON"),
-        (struct.pack("<Q", 2) + b"[]", "not a typed message"),
-        (struct.pack("<Q", 8) + json.dumps({"t": 1}).encode().ljust(8), "not a typed message"),
+        (struct.pack("<Q", 3) + b"\xc1\xc1\xc1", "not a control message"),  # not MessagePack
+        (_frame([]), "not a control message"),
+        (_frame({"t": 1}), "not a control message"),
+        (_frame({"t": "unknown"}), "not a control message"),
+        (_frame({"t": "work", "iteration": "one", "microbatch": 0}), "not a control message"),
+        # a message ranks send the driver, not one a rank takes from it
+        (_frame(msgspec.to_builtins(Result(0, 0, ("r",), (1,)))), "not a control message"),
     ],
 )
 def test_a_malformed_frame_is_refused(frame: bytes, message: str):
@@ -82,12 +98,12 @@ def test_a_malformed_frame_is_refused(frame: bytes, message: str):
     with pytest.raises(OpWeaveRuntimeError, match=message):
         client.recv()
     with pytest.raises(OpWeaveRuntimeError, match=message):
-        FrameReader().feed(memoryview(frame))
+        FrameReader(ToRank).feed(memoryview(frame))
 
 
 def test_encode_refuses_a_message_over_the_limit(monkeypatch):
-    import opweave.runtime._private.control as control
+    import opweave.runtime._private.messages as messages
 
-    monkeypatch.setattr(control, "MAX_FRAME_BYTES", 16)
+    monkeypatch.setattr(messages, "MAX_FRAME_BYTES", 16)
     with pytest.raises(OpWeaveRuntimeError, match="exceeds the limit of 16"):
-        encode({"t": "work", "x": list(range(10))})
+        encode(_work(0, 10))

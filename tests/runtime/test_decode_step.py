@@ -11,13 +11,14 @@ from opweave.runtime import (
     BatchMeta,
     LocalModel,
     Request,
+    RunOptions,
     StageModule,
     TokenBatch,
     operator_sequence,
     run_plan,
 )
 from opweave.runtime._private.decode import (
-    DecodeStep,
+    StaticStep,
     _distrust_graphs,
     compiled_graphs,
     trust_warm_graphs,
@@ -39,14 +40,16 @@ def test_every_segments_decode_step_traces_as_one_graph(family, tiny_model, hf_g
     """torch.compile(fullgraph=True) of each segment's decode step (a graph break would raise),
     and the traced steps' greedy tokens equal transformers'."""
     model_dir = tiny_model(family)
-    model = LocalModel(model_dir, cuts=_cut_after_attention(model_dir), decode_step="traced")
+    cuts = _cut_after_attention(model_dir)
+    model = LocalModel(model_dir, cuts=cuts, decode_step="traced", max_running=len(prompts))
 
     ours = model.generate(prompts, MAX_NEW_TOKENS)
 
     assert ours == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
-    for stage in model.stages:  # every segment's decode ran as its traced step
-        assert stage.static_decode == "aot_eager"
-        assert stage._steps and all(key[2] == len(prompts) for key in stage._steps)
+    assert model.module.static_decode == "aot_eager"  # every segment's decode ran traced
+    steps = model.module._steps
+    assert {(seg.start, seg.stop) for seg in model.segments} == {k[:2] for k in steps}
+    assert all(key[2] == len(prompts) for key in steps)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3_next"])
@@ -70,7 +73,7 @@ def test_trusted_steps_of_several_segments_keep_their_own_graphs(
 
     assert ours == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     assert compiled_graphs() == graphs
-    assert [len(stage._steps) for stage in model.stages] == [1, 1, 1]
+    assert len(model.segments) == len(model.module._steps) == 3  # one step per segment
 
 
 def test_a_step_built_after_the_warm_up_turns_the_full_guards_back_on(
@@ -258,7 +261,7 @@ def test_a_step_whose_context_disagrees_with_the_state_is_an_error(tiny_model):
 
 def test_a_step_refuses_a_row_outside_it(tiny_model):
     stage = StageModule.whole_model(tiny_model("llama"))
-    step = DecodeStep(stage.operators, None, 2)
+    step = StaticStep(stage.operators, None, 2)
     stage.admit("a")
     with pytest.raises(Exception, match="cannot place rows"):
         step(TokenBatch(BatchMeta(("a",), (1,), (1,)), {"token_ids": torch.tensor([1])}), [2])
@@ -289,9 +292,9 @@ def test_plans_serve_the_same_tokens_with_static_steps(
     plan = plan.model_copy(update={"owners": tuple(owners)})
     requests = [Request(tuple(range(5, 8 + 3 * i)), MAX_NEW_TOKENS) for i in range(3)]
 
-    base = run_plan(plan, model_dir, requests, timeout_s=300, device="cpu")
+    base = run_plan(plan, model_dir, requests, RunOptions(timeout_s=300, device="cpu"))
     static = run_plan(
-        plan, model_dir, requests, timeout_s=300, device="cpu", decode_step=decode_step
+        plan, model_dir, requests, RunOptions(timeout_s=300, device="cpu", decode_step=decode_step)
     )
     assert base is not None and static is not None
 
@@ -336,10 +339,7 @@ def test_static_steps_send_their_rows_and_nothing_else(decode_step, tiny_model):
             plan,
             model_dir,
             requests,
-            timeout_s=300,
-            device="cpu",
-            dtype="float32",
-            decode_step=decode_step,
+            RunOptions(timeout_s=300, device="cpu", dtype="float32", decode_step=decode_step),
         )
         assert result is not None
         assert [len(o.token_ids) for o in result.outputs] == [tokens] * 3

@@ -18,10 +18,12 @@ import pytest
 from opweave.costmodel import Owner, Plan, StageTemplate, canonical_plan, load_model, segments
 from opweave.runtime import (
     TINY_CONFIGS,
+    FaultInjection,
     Placement,
     PlanMismatchError,
     Request,
     RunFailedError,
+    RunOptions,
     ShardingError,
     StageModule,
     compile_schedule,
@@ -46,7 +48,7 @@ def _owners(*specs: tuple[int, int, int]) -> list[dict]:
 def _run(model_dir: Path, plan: Plan, prompts, limits=None, **kw) -> dict:
     limits = limits or [MAX_NEW_TOKENS] * len(prompts)
     requests = [Request(tuple(p), n) for p, n in zip(prompts, limits, strict=True)]
-    result = run_plan(plan, model_dir, requests, timeout_s=TIMEOUT_S, **kw)
+    result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=TIMEOUT_S, **kw))
     assert result is not None
     return result.model_dump(mode="json")
 
@@ -191,27 +193,22 @@ def test_a_driver_with_other_threads_starts_its_ranks_from_the_launcher(
 
 
 @pytest.mark.parametrize("strategy", ["afd", "cad"])
-def test_gloo_point_to_point_transfers_keep_the_tokens(
-    strategy, tiny_model, hf_greedy, prompts, monkeypatch
-):
-    """OPWEAVE_P2P=torch: activations cross the cut through gloo's isend/irecv, whose receive
-    buffers the batch is read from in place."""
+def test_gloo_point_to_point_transfers_keep_the_tokens(strategy, tiny_model, hf_greedy, prompts):
+    """Torch point-to-point (the path CUDA ranks take with NCCL, here through gloo's
+    isend/irecv: the test seam ``test_torch_p2p``): activations cross the cut through its
+    receive buffers, which the batch is read from in place."""
     model_dir = tiny_model("llama")
-    monkeypatch.setenv("OPWEAVE_P2P", "torch")
-    result = _run(model_dir, _plan(model_dir, strategy), prompts)
+    result = _run(model_dir, _plan(model_dir, strategy), prompts, test_torch_p2p=True)
     assert _tokens(result) == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
 
 
-def test_gloo_carries_static_steps_rows_and_fans_them_out(
-    tiny_model, hf_greedy, prompts, monkeypatch
-):
-    """OPWEAVE_P2P=torch with static decode steps: decode iterations send each link's rows in
-    one headerless transfer, received into the step's own rows; a TP-2 core-attention owner's
-    leader broadcasts them to its group."""
+def test_gloo_carries_static_steps_rows_and_fans_them_out(tiny_model, hf_greedy, prompts):
+    """Torch point-to-point (gloo here, NCCL on CUDA) with static decode steps: decode
+    iterations send each link's rows in one headerless transfer, received into the step's own
+    rows; a TP-2 core-attention owner's leader broadcasts them to its group."""
     model_dir = tiny_model("llama")
-    monkeypatch.setenv("OPWEAVE_P2P", "torch")
     plan = _plan(model_dir, "cad", owners=_owners((1, 1, 4), (2, 1, 4)))
-    result = _run(model_dir, plan, prompts, decode_step="static")
+    result = _run(model_dir, plan, prompts, decode_step="static", test_torch_p2p=True)
     assert _tokens(result) == hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
     assert {rank["decode_step"] for rank in result["ranks"]} == {"static"}
 
@@ -271,7 +268,8 @@ def test_tokens_stay_on_the_ranks_between_static_steps(decode_step, tiny_model, 
         for p, n, stop in zip(more, limits, stops, strict=True)
     ]
 
-    result = run_plan(plan, model_dir, requests, timeout_s=TIMEOUT_S, decode_step=decode_step)
+    options = RunOptions(timeout_s=TIMEOUT_S, decode_step=decode_step)
+    result = run_plan(plan, model_dir, requests, options)
 
     assert result is not None
     assert [list(o.token_ids) for o in result.outputs] == expected
@@ -458,18 +456,20 @@ def _child_pids() -> set[int]:
         ("1:3:hang", "stopped responding", "compiled"),
     ],
 )
-def test_a_dying_or_hanging_worker_fails_the_run_naming_it(
-    fault, expect, decode_step, tiny_model, monkeypatch
-):
+def test_a_dying_or_hanging_worker_fails_the_run_naming_it(fault, expect, decode_step, tiny_model):
     model_dir = tiny_model("llama")
     plan = _plan(model_dir, "afd")
-    monkeypatch.setenv("OPWEAVE_FAULT", fault)
+    rank, iteration, mode = fault.split(":")
+    injected = FaultInjection(rank=int(rank), iteration=int(iteration), mode=mode)
     before = _child_pids()
     start = time.monotonic()
 
     with pytest.raises(RunFailedError) as info:
         run_plan(
-            plan, model_dir, [Request((5, 6, 7), 12)] * 1, timeout_s=3, decode_step=decode_step
+            plan,
+            model_dir,
+            [Request((5, 6, 7), 12)] * 1,
+            RunOptions(timeout_s=3, decode_step=decode_step, fault=injected),
         )
 
     elapsed = time.monotonic() - start

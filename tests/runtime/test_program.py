@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from opweave.costmodel import canonical_plan, load_model
-from opweave.runtime import Request, compile_schedule, run_plan
+from opweave.runtime import Request, RunOptions, compile_schedule, run_plan
 from opweave.runtime._private.native import NativeWire
 from opweave.runtime._private.placement import Placement
 from opweave.runtime.transport import PeerError
@@ -124,7 +124,7 @@ def test_a_decode_iteration_is_one_program_and_tokens_are_transformers(
     plan = _plan(model_dir, strategy, tp=tp, replicas=replicas)
     requests = [Request(tuple(p), MAX_NEW_TOKENS, stop_token_ids=()) for p in prompts]
 
-    result = run_plan(plan, model_dir, requests, timeout_s=300, decode_step=decode_step)
+    result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=300, decode_step=decode_step))
 
     assert result is not None
     assert [list(o.token_ids) for o in result.outputs] == hf_greedy(

@@ -15,7 +15,7 @@ from collections import deque
 import pytest
 
 from opweave.costmodel import canonical_plan, load_model
-from opweave.runtime import Cluster, RequestStateError, RunFailedError
+from opweave.runtime import Cluster, RequestStateError, RunFailedError, RunOptions
 from opweave.runtime._private.stepping import StepDriver, StepItem
 from opweave.runtime._private.work import SamplingParams
 
@@ -35,7 +35,7 @@ def _cluster(model_dir, strategy: str = "afd", decode_step: str = "per-request",
     for the model in ``model_dir``."""
     model = load_model(model_dir)
     layout = canonical_plan(model, strategy, gpu="cpu", **plan)
-    return Cluster(layout, model, model_dir, timeout_s=20, decode_step=decode_step)
+    return Cluster(layout, model, model_dir, RunOptions(timeout_s=20, decode_step=decode_step))
 
 
 def _greedy(driver: StepDriver, prompts, *, chunk: int | None = None) -> list[list[int]]:
@@ -169,7 +169,7 @@ def test_carried_works_embed_the_tokens_the_ranks_sampled(tiny_model, hf_greedy)
         cluster.submit(Work(i, 0, rids, (0, 1), (0, 0), lens, (True,) * 2, ids, free, params))
         i += 1
         msg = cluster.result()
-        return {rid: [t] for rid, t in zip(msg["r"], msg["x"], strict=True)}
+        return {rid: [t] for rid, t in zip(msg.request_ids, msg.token_ids, strict=True)}
 
     def contexts(step: int) -> tuple[int, int]:
         return (len(prompts[0]) + step, len(prompts[1]) + step)
@@ -182,7 +182,7 @@ def test_carried_works_embed_the_tokens_the_ranks_sampled(tiny_model, hf_greedy)
             cluster.submit(work)
             i += 1
             msg = cluster.result()
-            for rid, t in zip(msg["r"], msg["x"], strict=True):
+            for rid, t in zip(msg.request_ids, msg.token_ids, strict=True):
                 named[rid].append(t)
 
         kept = prefill(("g2", "s2"), ("g1", "s1"))
@@ -204,7 +204,7 @@ def test_carried_works_embed_the_tokens_the_ranks_sampled(tiny_model, hf_greedy)
             )
         for _ in range(steps):
             msg = cluster.result()
-            for rid, t in zip(msg["r"], msg["x"], strict=True):
+            for rid, t in zip(msg.request_ids, msg.token_ids, strict=True):
                 kept[rid].append(t)
         stats = [r.model_dump(mode="json") for r in cluster.shutdown()]
     finally:

@@ -64,7 +64,7 @@ def test_bfloat16_model_computes_in_bfloat16_and_stays_exact(family, tmp_path, h
     model_dir = write_tiny_model(family, tmp_path / "bf16", dtype="bfloat16")
     assert json.loads((model_dir / "config.json").read_text())["dtype"] == "bfloat16"
     model = LocalModel(model_dir)
-    assert all(op.dtype == torch.bfloat16 for st in model.stages for op in st.operators)
+    assert all(op.dtype == torch.bfloat16 for op in model.module.operators)
     assert model.generate(prompts, 12) == hf_greedy(model_dir, prompts, 12)
 
 

@@ -43,7 +43,7 @@ def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> 
         out.join_thread()
         os._exit(0)
     tr = Transport(rank, torch.device("cpu"), timeout_s=10.0, key=key, spin_s=spin_s)
-    assert tr.p2p == "socket" and tr.spin_s == spin_s
+    assert tr.native is not None and tr.spin_s == spin_s  # CPU ranks: the native wire
     if scenario == "both_ways":
         # 32 MB each way before either side receives: far beyond the sockets' buffers, so a
         # transport that blocked in send would deadlock here
@@ -112,41 +112,36 @@ def test_a_peer_without_the_runs_secret_is_refused() -> None:
     assert float(seconds) < 10
 
 
-@pytest.mark.parametrize("value", ["gloo", "nccl"])
-def test_an_unknown_p2p_setting_is_one_line(value, monkeypatch) -> None:
-    from opweave.runtime.errors import OpWeaveRuntimeError
-    from opweave.runtime.transport import Transport
-
-    monkeypatch.setenv("OPWEAVE_P2P", value)
-    with pytest.raises(OpWeaveRuntimeError, match="expected socket or torch"):
-        Transport(0, torch.device("cpu"), timeout_s=1.0)
-
-
 def test_ranks_spin_only_on_a_core_of_their_own_unless_told(monkeypatch) -> None:
-    from opweave.runtime._private.wire import SPIN_S, WAIT_ENV
+    """How a rank waits is a run option (``wait``), whose default the user may set with
+    ``OPWEAVE_WAIT`` where the options are built (never in a rank)."""
+    from opweave.runtime import RunOptions
+    from opweave.runtime._private.options import SPIN_S, WAIT_ENV
     from opweave.runtime.errors import OpWeaveRuntimeError
-    from opweave.runtime.transport import spin_budget
 
     monkeypatch.delenv(WAIT_ENV, raising=False)
-    assert spin_budget(own_core=True) == SPIN_S > 0
-    assert spin_budget(own_core=False) == 0.0
+    assert RunOptions().spin_s(own_core=True) == SPIN_S > 0
+    assert RunOptions().spin_s(own_core=False) == 0.0
+    assert RunOptions(wait="block").spin_s(own_core=True) == 0.0
     monkeypatch.setenv(WAIT_ENV, "block")
-    assert spin_budget(own_core=True) == 0.0
+    assert RunOptions().spin_s(own_core=True) == 0.0
     monkeypatch.setenv(WAIT_ENV, "Spin")
-    assert spin_budget(own_core=False) == SPIN_S
+    options = RunOptions()
+    assert options.spin_s(own_core=False) == SPIN_S
     monkeypatch.setenv(WAIT_ENV, "poll")
+    assert options.spin_s(own_core=False) == SPIN_S  # built once: the variable is not read again
     with pytest.raises(OpWeaveRuntimeError, match=r"OPWEAVE_WAIT='poll': expected spin or block"):
-        spin_budget(own_core=True)
+        RunOptions()
 
 
 def test_the_rendezvous_store_listens_on_the_master_address_only() -> None:
     """torch's TCPStore would listen on every interface; node 0 hands it a socket bound to
     the master address."""
-    from opweave.runtime._private.cluster import _host_store
+    from opweave.runtime._private.nodes import host_store
     from tests.helpers import listening
 
     port = free_port()
-    store = _host_store("127.0.0.1", port, 10.0)
+    store = host_store("127.0.0.1", port, 10.0)
     store.set("key", "value")
     assert store.get("key") == b"value"
     on_port = [addr for addr, p, _ in listening([os.getpid()]) if p == port]
@@ -164,9 +159,9 @@ def test_an_outsider_on_the_rendezvous_store_cannot_find_the_runs_keys(
     import torch.distributed as dist
 
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import Cluster, RunFailedError
+    from opweave.runtime import Cluster, RunFailedError, RunOptions, Topology
     from opweave.runtime._private.control import store_namespace
-    from opweave.runtime._private.rank import CONTROL_KEY
+    from opweave.runtime._private.join import CONTROL_KEY
 
     monkeypatch.setenv("OPWEAVE_RUN_SECRET", "only the run knows")
     model_dir = tiny_model("llama")
@@ -177,7 +172,8 @@ def test_an_outsider_on_the_rendezvous_store_cannot_find_the_runs_keys(
 
     def node0() -> None:
         try:
-            Cluster(plan, spec, model_dir, nnodes=2, master_port=port, join_timeout_s=10)
+            options = RunOptions(join_timeout_s=10)
+            Cluster(plan, spec, model_dir, options, topology=Topology(nnodes=2, master_port=port))
         except BaseException as exc:
             failed.append(exc)
 

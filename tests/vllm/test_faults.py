@@ -186,8 +186,9 @@ def test_a_rank_that_fails_its_warm_up_stops_serve_with_one_line(model, tmp_path
     line (not vLLM's "Engine core initialization failed"), leaving no process or run folder."""
     runs_before = set(Path(tempfile.gettempdir()).glob("opweave-*"))
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    environ |= {"HF_HUB_OFFLINE": "1", "OPWEAVE_FAULT": "1:0:exit"}
+    environ |= {"HF_HUB_OFFLINE": "1"}
     args = ["--strategy", "afd", "--model-path", str(model), *SERVER, "--port", str(free_port())]
+    args += ["--fault", "1:0:exit"]  # the CLI's test seam: rank 1 exits in the warm-up
     proc = subprocess.run(
         [sys.executable, "-m", "opweave.cli", "serve", *args],
         env=environ,

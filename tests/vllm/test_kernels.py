@@ -1,13 +1,13 @@
 """vLLM's CPU kernels behind the runtime's operators: same tokens, same per-operator outputs.
 
-Each model runs twice from the same weights, once with the runtime's operators and once after
-:func:`use_vllm_kernels`, under continuous batching (requests joining mid-run, finishing at
-different lengths, one aborted mid-way) so that freed KV blocks and recurrent-state slots are
-reused. In float32 (the default, exact kernel set) greedy tokens must equal each other and
-transformers'. Qwen3-Next runs in bfloat16 with ``exact=False``: its kernels round once where the
-runtime rounds per step, which flips near-tied tokens of a random tiny model (plain vLLM's tokens
-differ from transformers' there as well), so it is held to the per-operator tolerance below and a
-complete run with the same state lifecycle.
+Each model runs twice from the same weights, once with the runtime's operators and once built
+with vLLM's kernels (``--kernels vllm``, or ``vllm-all``), under continuous batching (requests
+joining mid-run, finishing at different lengths, one aborted mid-way) so that freed KV blocks
+and recurrent-state slots are reused. In float32 (the default, exact kernel set) greedy tokens
+must equal each other and transformers'. Qwen3-Next runs in bfloat16 with ``vllm-all``: its
+kernels round once where the runtime rounds per step, which flips near-tied tokens of a random
+tiny model (plain vLLM's tokens differ from transformers' there as well), so it is held to the
+per-operator tolerance below and a complete run with the same state lifecycle.
 
 Per-operator tolerances (each operator gets the same input batch on both sides):
 
@@ -27,7 +27,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opweave.runtime import BatchMeta, LocalModel, StageModule, TokenBatch, write_tiny_model
+from opweave.runtime import (
+    BatchMeta,
+    Kernels,
+    KernelSet,
+    LocalModel,
+    StageModule,
+    TokenBatch,
+    write_tiny_model,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -72,12 +80,17 @@ def _exact(key: str) -> bool:
     return MODELS[key][1] == "float32"
 
 
-def _with_kernels(model: LocalModel, exact: bool) -> set[str]:
-    return {
-        s.split(":")[1]
-        for stage in model.stages
-        for s in kernels.use_vllm_kernels(stage, exact=exact)
-    }
+def _choice(exact: bool = True) -> Kernels:
+    return Kernels.VLLM if exact else Kernels.VLLM_ALL
+
+
+def _fast(folder, exact: bool = True) -> StageModule:
+    """The whole model as one stage built with vLLM's kernels (``exact``: the float32 ones)."""
+    return StageModule.whole_model(folder, kernels=KernelSet(_choice(exact)))
+
+
+def _used(model: LocalModel) -> set[str]:
+    return {s.split(":")[1] for s in model.kernels}
 
 
 def _run_churn(model: LocalModel, prompts, lengths, abort: str, abort_after: int):
@@ -91,11 +104,8 @@ def _run_churn(model: LocalModel, prompts, lengths, abort: str, abort_after: int
         done.update((g.request_id, g.token_ids) for g in model.step())
         steps += 1
         if steps == abort_after and abort in model.running:
-            gen = model.running.pop(abort)
-            for stage in model.stages:
-                stage.free(abort)
-            done[abort] = list(gen.token_ids)
-    assert all(not stage.request_ids for stage in model.stages)
+            done[abort] = list(model.abort(abort).token_ids)
+    assert not model.module.request_ids
     return [done[rid] for rid in ids]
 
 
@@ -108,8 +118,8 @@ def test_greedy_tokens_equal_with_and_without_kernels(key, model_dir, hf_greedy,
 
     plain = LocalModel(folder, max_running=3)
     ours = _run_churn(plain, all_prompts, lengths, abort="r2", abort_after=4)
-    fast = LocalModel(folder, max_running=3)
-    used = _with_kernels(fast, _exact(key))
+    fast = LocalModel(folder, max_running=3, kernels=_choice(_exact(key)))
+    used = _used(fast)
     theirs = _run_churn(fast, all_prompts, lengths, abort="r2", abort_after=4)
 
     assert MODELS[key][3] <= used
@@ -138,8 +148,8 @@ def test_each_operator_agrees_with_the_runtime(key, model_dir, prompts):
     four ragged requests, then four decode steps."""
     folder = model_dir(key)
     dtype = MODELS[key][1]
-    plain, fast = StageModule.whole_model(folder), StageModule.whole_model(folder)
-    switched = kernels.use_vllm_kernels(fast, exact=_exact(key))
+    plain, fast = StageModule.whole_model(folder), _fast(folder, _exact(key))
+    switched = fast.kernels
     # "<layer>.<op>[.<norm attribute>]:<kernel>" -> "<layer>.<op>"
     touched = {".".join(s.split(":")[0].split(".")[:2]) for s in switched}
     all_prompts = (*prompts, LONG_PROMPT)
@@ -181,8 +191,7 @@ def test_each_operator_agrees_with_the_runtime(key, model_dir, prompts):
 
 def test_state_lifecycle_and_block_reuse(model_dir):
     """admit/free reach the kernel-backed state; freed blocks and slots are reused, not regrown."""
-    stage = StageModule.whole_model(model_dir("qwen3_next"))
-    kernels.use_vllm_kernels(stage, exact=False)
+    stage = _fast(model_dir("qwen3_next"), exact=False)
     attn = next(op for op in stage.operators if isinstance(op, kernels.PagedCoreAttention))
     gdn = next(op for op in stage.operators if isinstance(op, kernels.ChunkedDeltaRuleAttention))
     prompt = tuple(range(4, 44))  # 40 tokens: 2 blocks
@@ -207,8 +216,7 @@ def test_paged_layers_share_one_block_table_and_grow_together(model_dir):
     """A stage's paged attention layers hand out blocks once per request; a context past the
     first blocks grows every layer's cache, and its tokens still equal the runtime's."""
     folder = model_dir("qwen3")
-    plain, fast = StageModule.whole_model(folder), StageModule.whole_model(folder)
-    kernels.use_vllm_kernels(fast)
+    plain, fast = StageModule.whole_model(folder), _fast(folder)
     attns = [op for op in fast.operators if isinstance(op, kernels.PagedCoreAttention)]
     paging = attns[0]._paging
     assert len(attns) > 1 and all(op._paging is paging for op in attns)
@@ -232,8 +240,7 @@ def test_projections_of_one_input_run_as_one_gemm(model_dir, monkeypatch):
     import vllm._custom_ops as custom_ops
 
     folder = model_dir("qwen3")
-    plain, fast = StageModule.whole_model(folder), StageModule.whole_model(folder)
-    kernels.use_vllm_kernels(fast)
+    plain, fast = StageModule.whole_model(folder), _fast(folder)
     calls = []
     real = custom_ops.onednn_mm
     monkeypatch.setattr(custom_ops, "onednn_mm", lambda *a: calls.append(1) or real(*a))
@@ -250,23 +257,19 @@ def test_projections_of_one_input_run_as_one_gemm(model_dir, monkeypatch):
 
 def test_fallbacks_and_switch(model_dir, tiny_model):
     """Sliding windows and unsupported head dims keep the runtime's attention; "opweave" keeps
-    everything; admitted requests forbid a swap."""
-    mistral = StageModule.whole_model(tiny_model("mistral"))  # sliding window, head dim 16
-    switched = kernels.use_vllm_kernels(mistral)
+    everything; an unknown choice is refused naming its key."""
+    from opweave.runtime.vllm import run_options
+
+    mistral = _fast(tiny_model("mistral"))  # sliding window, head dim 16
+    switched = mistral.kernels
     assert not any("core_attn" in s for s in switched) and switched  # norms still switch
-    next_bf16 = StageModule.whole_model(model_dir("qwen3_next"))
-    assert kernels.use_vllm_kernels(next_bf16) == []  # exact: no bfloat16 kernel
-    assert kernels.apply_kernel_choice(next_bf16, {"opweave_kernels": "vllm-all"})
-    plain = StageModule.whole_model(model_dir("qwen3"))
-    assert kernels.apply_kernel_choice(plain, {"opweave_kernels": "opweave"}) == []
-    assert kernels.kernel_choice(None) == "vllm"
+    assert _fast(model_dir("qwen3_next")).kernels == []  # exact: no bfloat16 kernel
+    assert _fast(model_dir("qwen3_next"), exact=False).kernels
+    plain = StageModule.whole_model(model_dir("qwen3"), kernels=KernelSet(Kernels.OPWEAVE))
+    assert plain.kernels == []
     with pytest.raises(ValueError, match="opweave_kernels"):
-        kernels.kernel_choice({"opweave_kernels": "cuda"})
-    plain.admit("x")
-    with pytest.raises(Exception, match="before admitting"):
-        kernels.use_vllm_kernels(plain)
-    plain.free("x")
-    assert any("paged_attention" in s for s in kernels.apply_kernel_choice(plain, {}))
+        run_options({"opweave_kernels": "cuda"})
+    assert any("paged_attention" in s for s in _fast(model_dir("qwen3")).kernels)
 
 
 def test_ranks_run_the_kernels_they_are_asked_for(model_dir):
@@ -279,7 +282,7 @@ def test_ranks_run_the_kernels_they_are_asked_for(model_dir):
     import torch
 
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import Request, run_plan
+    from opweave.runtime import Request, RunOptions, run_plan
     from vllm import _custom_ops as vllm_ops
 
     stop = threading.Event()
@@ -298,7 +301,9 @@ def test_ranks_run_the_kernels_they_are_asked_for(model_dir):
     requests = [Request((5, 6, 7, 8), 6), Request(LONG_PROMPT, 6)]
     try:
         runs = {
-            c: run_plan(plan, path, requests, kernels=c, timeout_s=120).model_dump(mode="json")
+            c: run_plan(plan, path, requests, RunOptions(kernels=c, timeout_s=120)).model_dump(
+                mode="json"
+            )
             for c in ("vllm", "opweave")
         }
     finally:
@@ -316,16 +321,15 @@ def test_a_core_attention_only_rank_runs_the_bfloat16_kernels(tiny_model, tmp_pa
     """A CAD rank holds nothing but core attention: the attention kernel must work there on its
     own (on AMX machines it has to ask Linux for the tiles itself; without, SIGILL)."""
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import Request, run_plan
+    from opweave.runtime import Request, RunOptions, run_plan
 
     path = write_tiny_model(
         "llama", tmp_path / "bf16", dtype="bfloat16", hidden_size=128, num_attention_heads=4
     )
     plan = canonical_plan(load_model(path), "cad", gpu="cpu", batch=4, microbatches=2)
     requests = [Request(tuple(range(5, 9 + i)), 8) for i in range(4)]
-    result = run_plan(plan, path, requests, kernels="vllm-all", timeout_s=120).model_dump(
-        mode="json"
-    )
+    options = RunOptions(kernels="vllm-all", timeout_s=120)
+    result = run_plan(plan, path, requests, options).model_dump(mode="json")
     attention_rank = result["ranks"][1]
     assert any("paged_attention" in k for k in attention_rank["kernels"])
     assert [len(o["token_ids"]) for o in result["outputs"]] == [8] * 4
@@ -338,13 +342,15 @@ def test_a_compiled_decode_step_multiplies_with_vllms_gemms(model_dir):
     trace, so they are not taken); the programs compile at the warm-up, a decode iteration is
     one launch, and the tokens stay the runtime's."""
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import Request, run_plan
+    from opweave.runtime import Request, RunOptions, run_plan
 
     path = model_dir("qwen3")
     plan = canonical_plan(load_model(path), "afd", gpu="cpu", batch=2, microbatches=1, tp=2)
     requests = [Request((5, 6, 7, 8), 8), Request(LONG_PROMPT, 8)]
-    base = run_plan(plan, path, requests, timeout_s=120)
-    fast = run_plan(plan, path, requests, kernels="vllm", decode_step="compiled", timeout_s=120)
+    base = run_plan(plan, path, requests, RunOptions(timeout_s=120))
+    fast = run_plan(
+        plan, path, requests, RunOptions(kernels="vllm", decode_step="compiled", timeout_s=120)
+    )
     assert base is not None and fast is not None
     assert [o.token_ids for o in fast.outputs] == [o.token_ids for o in base.outputs]
     for before, rank in zip(base.ranks, fast.ranks, strict=True):

@@ -335,7 +335,7 @@ def measure_profile(
 def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
     import json
 
-    from opweave.runtime import run_plan, write_tiny_model
+    from opweave.runtime import RunOptions, run_plan, write_tiny_model
 
     model_dir = write_tiny_model(family, root / family, **FAMILIES[family])
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -368,8 +368,7 @@ def run_family(family: str, root: Path, args: argparse.Namespace) -> list[Case]:
                         case.plan,
                         model_dir,
                         requests(vocab, args.batch, prompt_len, n2, seed=r),
-                        device="cpu",
-                        timeout_s=120,
+                        RunOptions(device="cpu", timeout_s=120),
                     )
                     assert result is not None
                     run = result.model_dump(mode="json")

@@ -9,10 +9,10 @@ thread each), side by side in one run:
   segments' steps, sends -- compiled by inductor into one C++ program over the native wire, one
   call per token; the sampled tokens stay on the ranks and the driver submits each decode
   iteration before the previous one's tokens are back), and between them the compiled steps
-  called one segment at a time from Python (``OPWEAVE_RANK_PROGRAM=0``, "segments");
+  called one segment at a time from Python (``RunOptions(rank_programs=False)``, "segments");
 - for AFD and CAD (Python-driven), the runtime's CPU point-to-point transport (sockets read and
-  written by the ranks' own threads, the default) vs gloo's ``isend``/``irecv``
-  (``OPWEAVE_P2P=torch``).
+  written by the ranks' own threads, the default) vs gloo's ``isend``/``irecv`` (the path CUDA
+  ranks take with NCCL; ``RunOptions(test_torch_p2p=True)``).
 
 Per rank the decode loop's wall time is split into time inside operators (compute), time
 blocked in transfers and TP collectives (communication wait, which includes waiting for the
@@ -40,15 +40,19 @@ import tempfile
 from typing import Any
 
 from opweave.costmodel import canonical_plan, load_model
-from opweave.runtime import LocalModel, Request, run_plan, write_tiny_model
+from opweave.runtime import LocalModel, Request, RunOptions, run_plan, write_tiny_model
 
-# label -> decode step, OPWEAVE_RANK_PROGRAM: Python-driven, compiled steps one segment at a
-# time, native submission (one rank program per token)
-MODES = {"python": ("per-request", "1"), "segments": ("compiled", "0"), "native": ("compiled", "1")}
+# label -> decode step, rank programs: Python-driven, compiled steps one segment at a time,
+# native submission (one rank program per token)
+MODES = {
+    "python": ("per-request", True),
+    "segments": ("compiled", False),
+    "native": ("compiled", True),
+}
 
 
 def bench(
-    model_dir: str, strategy: str, requests: list[Request], mb: int, decode_step: str
+    model_dir: str, strategy: str, requests: list[Request], mb: int, options: RunOptions
 ) -> dict[str, Any]:
     spec = load_model(model_dir)
     plan = canonical_plan(
@@ -60,7 +64,7 @@ def bench(
         # as a plan made for these requests: state slabs sized once, for the longest
         context_tokens=max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests),
     )
-    result = run_plan(plan, model_dir, requests, decode_step=decode_step)
+    result = run_plan(plan, model_dir, requests, options)
     assert result is not None
     return result.model_dump(mode="json")
 
@@ -165,9 +169,11 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
     cases += [(s, "torch", "python") for s in ("afd", "cad")]
 
     def run(strategy: str, p2p: str, mode: str) -> dict[str, Any]:
-        step, program = MODES[mode]
-        os.environ["OPWEAVE_P2P"], os.environ["OPWEAVE_RANK_PROGRAM"] = p2p, program
-        return bench(model_dir, strategy, requests, args.microbatches, step)
+        step, programs = MODES[mode]
+        options = RunOptions(
+            decode_step=step, rank_programs=programs, test_torch_p2p=p2p == "torch"
+        )
+        return bench(model_dir, strategy, requests, args.microbatches, options)
 
     for case in cases:  # compile (and cache) every segment and program before measuring
         if MODES[case[2]][0] != "per-request":
@@ -176,8 +182,6 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
     for _ in range(args.repeats):  # interleaved, so machine-speed drift hits every case alike
         for case in cases:
             results[case].append(run(*case))
-    os.environ.pop("OPWEAVE_P2P", None)
-    os.environ.pop("OPWEAVE_RANK_PROGRAM", None)
     reference = None
     rows = []
     for (strategy, p2p, mode), runs in results.items():

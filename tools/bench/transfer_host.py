@@ -7,13 +7,14 @@ side by side in one process (CPU, one thread, median of many calls):
 - **packed**: the sender selects the link's requests and packs them with a header
   (:func:`~opweave.runtime._private.batch.pack`); the receiver unpacks, merges its sources and
   hands the batch to the step, which pads it into its rows and gathers the requests' rows of
-  the outputs back out (:meth:`DecodeStep.__call__`);
+  the outputs back out (:meth:`StaticStep.__call__`);
 - **rows**: the sender hands the wire byte views of its outputs' rows, the receiver copies the
   message into its step's input rows and runs the step on them as they are
-  (:meth:`DecodeStep.run_rows`); this is what ranks do since the rows path exists.
+  (:meth:`StaticStep.run_rows`); this is what ranks do since the rows path exists.
 
 The step itself has no operators here, so what is timed is the host work around it: the hop's
-framing on the socket wire (:meth:`SocketWire.post`, writes left out), the schedule of the step
+message's assembly for the native wire (its parts in one buffer, as :meth:`NativeWire.send`
+takes them; the C++ framing and writes left out), the schedule of the step
 (its positions and state rows, the same on both paths) and the copies. On a GPU the packed path
 also reads each message's length on the host before it can receive the rest (a device
 synchronisation per hop); the rows path reads nothing.
@@ -30,9 +31,8 @@ from collections.abc import Callable
 import torch
 
 from opweave.runtime._private.batch import BatchMeta, TokenBatch, byte_view, pack, unpack
-from opweave.runtime._private.decode import DecodeStep
+from opweave.runtime._private.decode import StaticStep
 from opweave.runtime._private.transport import merge, select
-from opweave.runtime._private.wire import SocketWire, _Peer
 
 # (requests of the link, slots of the step, hidden size, tensors at the cut): a tiny model's
 # AFD hop, a small model's CAD hop (hidden and residual cross), a 4096-wide model's
@@ -54,12 +54,9 @@ def median_us(fn: Callable[[], object], calls: int = 3000) -> float:
     return statistics.median(times) * 1e6
 
 
-def framing_wire() -> SocketWire:
-    """A wire with one peer whose socket is never written: :meth:`post` frames and queues."""
-    wire = SocketWire.__new__(SocketWire)
-    wire.peers = {1: _Peer(1, None)}  # type: ignore[arg-type]
-    wire._write = lambda p: p.out.clear()  # type: ignore[method-assign]
-    return wire
+def assemble(*parts: torch.Tensor) -> torch.Tensor:
+    """A message's bytes in one buffer, as the native wire's ``send`` takes several parts."""
+    return parts[0] if len(parts) == 1 else torch.cat(list(parts))
 
 
 def hop(requests: int, slots: int, hidden: int, names: tuple[str, ...]) -> tuple[float, float]:
@@ -67,19 +64,18 @@ def hop(requests: int, slots: int, hidden: int, names: tuple[str, ...]) -> tuple
     meta = BatchMeta(rids, (1,) * requests, (100,) * requests, tuple(range(requests)))
     outputs = {n: torch.randn(slots, hidden, dtype=torch.bfloat16) for n in names}
     live = TokenBatch(meta, {n: t[:requests] for n, t in outputs.items()})
-    step = DecodeStep([], None, slots)  # no operators: the host work around a step
+    step = StaticStep([], None, slots)  # no operators: the host work around a step
     place = list(range(requests))
-    wire = framing_wire()
     payload = pack(live)
     rows_payload = torch.cat([byte_view(outputs[n]).reshape(-1) for n in sorted(names)])
     inputs = {n: torch.zeros(slots, hidden, dtype=torch.bfloat16) for n in names}
 
     def packed() -> None:
-        wire.post(1, 0, pack(select(live, range(slots))))
+        assemble(pack(select(live, range(slots))))
         step(merge([unpack(payload)]), place)
 
     def rows() -> None:
-        wire.post(1, 0, *[byte_view(outputs[n]).reshape(-1) for n in sorted(names)])
+        assemble(*[byte_view(outputs[n]).reshape(-1) for n in sorted(names)])
         offset = 0
         for n in sorted(names):
             raw = byte_view(inputs[n]).reshape(-1)

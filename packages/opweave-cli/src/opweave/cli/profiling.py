@@ -23,7 +23,7 @@ from ._common import (
     parse_list,
     positive_price,
 )
-from .running import KERNELS  # the same choices as opweave run --kernels
+from .running import DECODE_STEPS, KERNELS  # the same choices as opweave run
 
 
 def register(app: typer.Typer) -> None:
@@ -49,6 +49,7 @@ def _summary(run: Any, path: Path) -> dict[str, Any]:
         "wall_s": run.wall_s,
         "stall_overhead": profile.stall_overhead,
         "kernels": profile.provenance.settings.get("kernels"),
+        "decode_step": profile.provenance.settings.get("decode_step", "per-request"),
         "kernel_ops": profile.provenance.settings.get("kernel_ops"),
         "grid": {
             "batches": profile.provenance.settings.get("batches"),
@@ -178,6 +179,15 @@ def profile(
             "vLLM's CPU kernels where they apply: vllm (exact ones), vllm-all.",
         ),
     ] = "opweave",
+    decode_step: Annotated[
+        str,
+        typer.Option(
+            "--decode-step",
+            help="How the timed operators run decode steps, as opweave run --decode-step: "
+            "per-request, or each operator as the static step a rank runs: static, compiled, "
+            "traced (decode-order timing only).",
+        ),
+    ] = "per-request",
     no_transfer: Annotated[
         bool, typer.Option("--no-transfer", help="Skip the two-process transfer measurement.")
     ] = False,
@@ -209,6 +219,10 @@ def profile(
     dev = _device(device)
     if kernels not in KERNELS:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
+    if decode_step not in DECODE_STEPS:
+        raise typer.BadParameter(
+            f"--decode-step must be one of {', '.join(DECODE_STEPS)}, got {decode_step!r}"
+        )
     tps = parse_list(tp, int, "--tp")
     if any(t not in TP_DEGREES for t in tps):
         raise typer.BadParameter(f"--tp takes degrees among {', '.join(map(str, TP_DEGREES))}")
@@ -248,6 +262,7 @@ def profile(
         usd_per_hour=usd_per_hour,
         random_weights=random_weights,
         kernels=kernels,
+        decode_step=decode_step,
         seed=seed,
         progress=not quiet,
     )

@@ -35,10 +35,13 @@ from ._common import (
 )
 
 STRATEGIES = ("colocated", "afd", "cad")
-KERNELS = ("opweave", "vllm", "vllm-all")
-DECODE_STEPS = ("per-request", "static", "compiled", "traced")  # opweave.runtime's
+KERNELS = ("opweave", "vllm", "vllm-all")  # opweave.runtime's Kernels
+DECODE_STEPS = ("per-request", "static", "compiled", "traced")  # opweave.runtime's DecodeStep
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # where the executor leaves why the run failed
 API_KEY_ENV = "OPWEAVE_API_KEY"  # the server's key, kept out of the command line (ps shows it)
+# A test seam, hidden from --help: RANK:ITERATION:exit|kill|hang makes that rank fail on purpose
+# (opweave.runtime.RunOptions.fault), so tests can check how a run fails through the CLI.
+FaultOpt = Annotated[str | None, typer.Option("--fault", hidden=True)]
 _SERVE_BATCH = 8  # --strategy's resident batch per replica when serving
 _SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 
@@ -180,6 +183,7 @@ def run(
         int | None,
         typer.Option("--master-port", min=1, max=65535, help="Rendezvous port on node 0."),
     ] = None,
+    fault: FaultOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Serve a plan (PLAN file, or --strategy) on one process per rank: the OpenAI API through
@@ -237,6 +241,7 @@ def serve(
     nodes_file: Annotated[Path | None, typer.Option("--nodes")] = None,
     master_addr: Annotated[str, typer.Option("--master-addr")] = "127.0.0.1",
     master_port: Annotated[int | None, typer.Option("--master-port", min=1, max=65535)] = None,
+    fault: FaultOpt = None,
 ) -> None:
     """Serve the OpenAI API with a plan (alias of `opweave run` without prompts)."""
     options = dict(locals(), prompt=None, prompts_file=None, max_tokens=None, json_out=False)
@@ -369,20 +374,7 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
     ]
     if o["strategy"] is not None and o["batch"] is None:
         plan = _resize(plan, len(requests))
-    result = run_plan(
-        plan,
-        o["model_path"],
-        requests,
-        nnodes=o["nnodes"],
-        node_rank=o["node_rank"],
-        nodes=nodes,
-        master_addr=o["master_addr"],
-        master_port=o["master_port"],
-        device=o["device"],
-        timeout_s=o["timeout_s"],
-        kernels=o["kernels"],
-        decode_step=o["decode_step"],
-    )
+    result = run_plan(plan, o["model_path"], requests, _options(o), topology=_topology(o, nodes))
     if result is None:  # a node (or torchrun rank) that does not talk to the caller
         from opweave.runtime import torchrun_env
 
@@ -482,23 +474,49 @@ def _resize(plan: Any, requests: int) -> Any:
 
 def _join(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
     """A node other than 0 while node 0 serves: its ranks join, this waits for them."""
-    from opweave.runtime import resolve_device_name, run_node
+    from opweave.runtime import run_node
 
     if o["master_port"] is None:
         raise typer.BadParameter("nodes other than 0 need --master-port of node 0")
-    run_node(
-        plan,
-        model,
-        o["model_path"],
-        node_rank=o["node_rank"],
-        nnodes=o["nnodes"],
-        master_addr=o["master_addr"],
-        master_port=o["master_port"],
-        nodes=nodes,
-        device=resolve_device_name(o["device"]),
+    run_node(plan, model, o["model_path"], _options(o), _topology(o, nodes))
+
+
+def _options(o: dict[str, Any]) -> Any:
+    """The run's options (flags checked already), built once here and carried to every rank."""
+    from opweave.runtime import RunOptions
+
+    return RunOptions(
+        device=o["device"],
         timeout_s=o["timeout_s"],
         kernels=o["kernels"],
         decode_step=o["decode_step"],
+        fault=_fault(o["fault"]),
+    )
+
+
+def _fault(text: str | None) -> Any:
+    """``--fault RANK:ITERATION:MODE`` (the test seam) as RunOptions' ``fault``."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit():
+        raise typer.BadParameter("--fault takes RANK:ITERATION:exit|kill|hang")
+    if parts[2] not in ("exit", "kill", "hang"):
+        raise typer.BadParameter("--fault takes RANK:ITERATION:exit|kill|hang")
+    from opweave.runtime import FaultInjection
+
+    return FaultInjection(rank=int(parts[0]), iteration=int(parts[1]), mode=parts[2])
+
+
+def _topology(o: dict[str, Any], nodes: Any) -> Any:
+    from opweave.runtime import Topology
+
+    return Topology(
+        nnodes=o["nnodes"],
+        node_rank=o["node_rank"],
+        nodes=nodes,
+        master_addr=o["master_addr"],
+        master_port=o["master_port"],
     )
 
 
@@ -519,7 +537,14 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
             f"reach this host can use the model; set {API_KEY_ENV} or --api-key-file",
             err=True,
         )
-    from opweave.runtime.vllm import DECODE_KEY, DEVICE_KEY, KERNELS_KEY, NODES_KEY, TIMEOUT_KEY
+    from opweave.runtime.vllm import (
+        DECODE_KEY,
+        DEVICE_KEY,
+        FAULT_KEY,
+        KERNELS_KEY,
+        NODES_KEY,
+        TIMEOUT_KEY,
+    )
     from opweave.runtime.vllm.serve import serve as run_server
 
     extra: dict[str, Any] = {
@@ -528,6 +553,9 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
         KERNELS_KEY: o["kernels"],
         DECODE_KEY: o["decode_step"],
     }
+    fault = _fault(o["fault"])
+    if fault is not None:
+        extra[FAULT_KEY] = fault.model_dump()
     if o["nnodes"] > 1:
         extra[NODES_KEY] = {
             "nnodes": o["nnodes"],

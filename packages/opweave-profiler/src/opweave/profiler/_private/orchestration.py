@@ -30,7 +30,7 @@ from opweave.costmodel import (
     load_model,
     plan_model,
 )
-from opweave.runtime import Request, RunResult, run_plan
+from opweave.runtime import Request, RunOptions, RunResult, run_plan
 from opweave.runtime.errors import OpWeaveRuntimeError
 
 from ..errors import ProfilerError
@@ -119,7 +119,7 @@ def measure_orchestration(
             for i in range(batch)
         ]
         try:
-            result = run_plan(plan, model_dir, reqs, device="cpu", timeout_s=timeout_s)
+            result = run_plan(plan, model_dir, reqs, RunOptions(device="cpu", timeout_s=timeout_s))
         except OpWeaveRuntimeError as exc:
             raise ProfilerError(
                 f"measuring the serving loop failed: {exc}; skip it with --no-orchestration "

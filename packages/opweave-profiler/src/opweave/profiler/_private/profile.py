@@ -33,7 +33,14 @@ from opweave.costmodel import (
     weight_bytes_per_rank,
 )
 from opweave.costmodel.errors import ConfigError
-from opweave.runtime import BatchMeta, Operator, StatefulOperator, TokenBatch
+from opweave.runtime import (
+    BatchMeta,
+    DecodeStep,
+    Operator,
+    StatefulOperator,
+    StaticStep,
+    TokenBatch,
+)
 
 from ..errors import ProfilerError
 from .device import (
@@ -56,7 +63,6 @@ from .operators import (
     request_ids,
     resolve_model,
     select_targets,
-    use_kernels,
 )
 from .orchestration import OrchestrationFit, measure_orchestration
 from .progress import Progress
@@ -139,8 +145,13 @@ class _Runner:
         contexts: tuple[int, ...],
         progress: Progress,
         seed: int,
+        decode_step: str = "per-request",
     ) -> None:
         self.source, self.device, self.timer = source, device, timer
+        # over static decode steps each operator runs as a rank's rows runner runs a segment's
+        # step (StaticStep.run_rows), built (and compiled) once per operator and batch
+        self.decode_step = DecodeStep(decode_step)
+        self._steps: dict[tuple[int, int], StaticStep] = {}
         self.batches, self.contexts = batches, contexts
         self.progress = progress
         self.seed = seed
@@ -317,10 +328,16 @@ class _Runner:
                     writer.rewind(rids, ctx)
                 else:
                     batch = writer.step_batch(rids, batch.tensors)()
+            step = self._static_step(idx, op, len(rids))
             if cuda:
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter_ns()
-            batch = op(batch)
+            if step is None:
+                batch = op(batch)
+            else:  # the rows runner's call: inputs in the step's rows, outputs likewise
+                held = list(batch.meta.context_lens)
+                out = step.run_rows(dict(batch.tensors), rids, held, range(len(rids)))
+                batch = TokenBatch(batch.meta, out)
             if cuda:
                 torch.cuda.synchronize(self.device)
             dt = (time.perf_counter_ns() - t0) * 1e-9
@@ -328,6 +345,18 @@ class _Runner:
                 writer.advanced(rids)
             if rows is not None and idx in chain.timed:
                 rows[chain.timed[idx].key].append(dt)
+
+    def _static_step(self, idx: int, op: Operator, rows: int) -> StaticStep | None:
+        """Operator ``idx`` of the chain as a static decode step of ``rows`` rows (None: the
+        per-request form), as a rank under ``--decode-step`` runs it."""
+        if not self.decode_step.static:
+            return None
+        key = (idx, rows)
+        built = self._steps.get(key)
+        if built is None:
+            compiler = self.decode_step.compiler
+            built = self._steps[key] = StaticStep([op], None, rows, compile=compiler)
+        return built
 
     def _record(self, key: str, batch: int, col: int, m: Measurement, label: str) -> None:
         self.grids.setdefault(key, {}).setdefault(batch, {}).setdefault(col, []).append(m)
@@ -394,6 +423,7 @@ def profile_model(
     usd_per_hour: float | None = None,
     random_weights: bool = False,
     kernels: str = "opweave",
+    decode_step: str = "per-request",
     seed: int = 0,
     progress: bool = True,
 ) -> ProfileRun:
@@ -417,6 +447,13 @@ def profile_model(
     them: ``"opweave"`` (the runtime's own), ``"vllm"`` or ``"vllm-all"`` (vLLM's CPU kernels
     where they apply: only the exact ones, or all); the profile's provenance lists what ran.
 
+    ``decode_step``: how the timed operators run decode steps, as ``opweave run
+    --decode-step`` runs them on a rank: ``"per-request"`` (each operator's per-request form),
+    ``"static"``, ``"compiled"`` or ``"traced"`` (each operator as a static decode step of the
+    batch's rows, the step a rank's rows runner calls, compiled alike; a rank fuses a segment's
+    operators into one such step, which the profile's per-operator tables split at operator
+    boundaries). Decode-order chain timing only; the provenance records it.
+
     On CPU, with the model's weights at hand, ``orchestration`` also measures the serving loop's
     host time per stage and per driven microbatch in two short colocated runs of the runtime
     (see :mod:`.orchestration`), and ``idle`` how much slower data the caches held is read
@@ -430,6 +467,8 @@ def profile_model(
             f"one {dev.type} rank only, so only --tp 1 can be measured for now"
         )
     check_kernels(kernels, dev)
+    if decode_step not in set(DecodeStep):
+        raise ProfilerError(f"--decode-step {decode_step}: choose one of {', '.join(DecodeStep)}")
     default_b, default_s = default_grid(dev)
     grid_b = _grid(batches or default_b, "batches")
     grid_s = _grid(contexts or default_s, "contexts")
@@ -440,6 +479,10 @@ def profile_model(
     mode = timing_mode or ("isolated" if dev.type == "cuda" else "chain")
     if mode not in TIMING_MODES:
         raise ProfilerError(f"--timing {mode}: choose one of {', '.join(TIMING_MODES)}")
+    if decode_step != "per-request" and mode != "chain":
+        raise ProfilerError(
+            f"--decode-step {decode_step} is timed in decode order only: use --timing chain"
+        )
     settings = timing or (
         TimingSettings(cell_budget_s=0.02, passes=1) if dev.type == "cuda" else TimingSettings()
     )
@@ -468,9 +511,12 @@ def profile_model(
     spin = ranks_spin(dev)  # before pinning: ranks get the machine's cores, one each
     with pinned_cpu(threads) as cores, torch.inference_mode():
         n_threads = torch.get_num_threads()
-        weights = build_chains(source, chains, dev, seed=seed)
-        kernel_ops = use_kernels(chains, kernels)
-        runner = _Runner(source, dev, make_timer(dev, settings), grid_b, grid_s, bar, seed)
+        weights, kernel_ops = build_chains(
+            source, chains, dev, seed=seed, kernels=kernels, static=decode_step != "per-request"
+        )
+        runner = _Runner(
+            source, dev, make_timer(dev, settings), grid_b, grid_s, bar, seed, decode_step
+        )
         for _ in range(settings.passes):
             for chain in chains:
                 if mode == "chain":
@@ -535,6 +581,7 @@ def profile_model(
         "weights": weights,
         "kernels": kernels,
         "kernel_ops": kernel_ops,
+        "decode_step": decode_step,
         "seed": seed,
         "state_fill": runner.state_fill,
         "aliased_state": sorted(f"{k} s={c}" for k, c in runner.aliased),
@@ -598,9 +645,9 @@ def ranks_spin(dev: torch.device) -> bool:
     """Whether the runtime's ranks busy-poll while they wait on this machine: CPU ranks with a
     core each (a plan's ranks here get one per core when there are enough), unless
     ``OPWEAVE_WAIT`` says otherwise (see ``opweave.runtime``'s wire)."""
-    from opweave.runtime.transport import spin_budget
+    from opweave.runtime import RunOptions
 
-    return dev.type == "cpu" and spin_budget(len(available_cores()) >= 2) > 0
+    return dev.type == "cpu" and RunOptions(device="cpu").spin_s(len(available_cores()) >= 2) > 0
 
 
 def _idle_unavailable(dev: torch.device, chain_bytes: float) -> str | None:

@@ -119,7 +119,7 @@ def _batch(num_bytes: int, device: torch.device) -> TokenBatch:
 
 class _Endpoint:
     """Send/receive one batch the way the runtime's workers do: through the runtime's own
-    ``Transport`` (its socket wire between CPU ranks; between GPUs an eager fixed-size first
+    ``Transport`` (its native wire between CPU ranks; between GPUs an eager fixed-size first
     chunk carrying the length, the tail as a second transfer)."""
 
     def __init__(self, rank: int, device: torch.device, key: bytes, *, spin_s: float = 0.0) -> None:
@@ -130,10 +130,10 @@ class _Endpoint:
         self.transport = Transport(rank, device, timeout_s=60.0, key=key, spin_s=spin_s)
         self.out, self.inp = Message(self.peer, range(1), 1), Message(self.peer, range(1), 1)
         self.protocol = (
-            "opweave.runtime Transport (pack; sockets progressed by the ranks' threads, "
+            "opweave.runtime Transport (pack; the native wire, read by the ranks' threads, "
             + ("spinning" if self.transport.spin_s > 0 else "blocking")
             + " while they wait)"
-            if self.transport.p2p == "socket"
+            if self.transport.native is not None
             else "opweave.runtime Transport (pack, eager chunk + tail, isend/irecv)"
         )
 
@@ -173,9 +173,10 @@ def _worker(
     )
     spin_s = 0.0
     if not cuda:  # each side on a core of its own, waiting as a rank there waits
-        from opweave.runtime.transport import pin_to_core, spin_budget
+        from opweave.runtime import RunOptions
+        from opweave.runtime.transport import pin_to_core
 
-        spin_s = spin_budget(pin_to_core(rank, 2))
+        spin_s = RunOptions(device="cpu").spin_s(pin_to_core(rank, 2))
     try:
         end = _Endpoint(rank, device, key, spin_s=spin_s)
         results = []

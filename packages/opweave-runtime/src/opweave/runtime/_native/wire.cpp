@@ -402,6 +402,27 @@ at::Tensor op_recv(const at::Tensor& after, int64_t id, int64_t peer, int64_t ta
   return out;
 }
 
+// The next message from ``peer``, whatever its length (at most ``max_bytes``): it must carry
+// ``tag``. For messages whose size only the sender knows (a packed batch); never traced.
+at::Tensor op_recv_any(int64_t id, int64_t peer, int64_t tag, int64_t max_bytes) {
+  Wire& w = wire_of(id);
+  raise_writer_error(w);
+  Peer& p = peer_of(w, peer);
+  auto start = Clock::now();
+  int64_t header[2];
+  read_exact(w, p, reinterpret_cast<uint8_t*>(header), sizeof(header), tag);
+  if (header[1] != tag || header[0] < 0 || header[0] > max_bytes) {
+    std::ostringstream text;
+    text << "rank " << peer << " sent message " << header[1] << " (" << header[0]
+         << " bytes) while message " << tag << " was expected: schedules differ";
+    peer_error(peer, text.str());
+  }
+  auto out = at::empty({header[0]}, at::TensorOptions().dtype(at::kByte));
+  read_exact(w, p, out.data_ptr<uint8_t>(), static_cast<size_t>(header[0]), tag);
+  w.wait_s += std::chrono::duration<double>(Clock::now() - start).count();
+  return out;
+}
+
 // ``x``, copied, once ``dep`` exists: orders a graph's host inputs after earlier operators.
 at::Tensor op_after(const at::Tensor& x, const at::Tensor& dep) {
   (void)dep;
@@ -418,6 +439,7 @@ TORCH_LIBRARY(opweave, m) {
   m.def("wire_dry(int wire, bool dry) -> ()", &wire_dry);
   m.def("wire_last_error() -> str", &wire_last_error);
   m.def("wire_stats(int wire) -> Tensor", &wire_stats);
+  m.def("wire_recv_any(int wire, int peer, int tag, int max_bytes) -> Tensor", &op_recv_any);
   m.def("send(Tensor data, Tensor after, Tensor when, int wire, int peer, int tag) -> Tensor");
   m.def("recv(Tensor after, int wire, int peer, int tag, int nbytes) -> Tensor");
   m.def("after(Tensor x, Tensor dep) -> Tensor");

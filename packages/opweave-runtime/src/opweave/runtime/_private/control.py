@@ -7,8 +7,8 @@ statistics, an error report -- while activations go rank to rank over the transp
 rank keeps this one connection open, its closing tells the driver at once that a rank died, on
 any node, and tells a rank that the driver is gone.
 
-Framing: an 8-byte little-endian length, then a JSON document. Lengths are checked against
-:data:`MAX_FRAME_BYTES` before anything is allocated.
+Messages: the typed classes of :mod:`.messages`, framed by their length (checked against
+:data:`~.messages.MAX_FRAME_BYTES` before anything is allocated).
 
 Authentication: ranks of a run trust only each other. A run has a secret (random for a run on one
 node, handed to its processes; ``OPWEAVE_RUN_SECRET`` on every node of a run that spans several).
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 import secrets
 import socket
@@ -32,13 +31,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from ..errors import OpWeaveRuntimeError
+from .messages import FrameReader, ToRank, encode
 
 SECRET_ENV = "OPWEAVE_RUN_SECRET"
-MAX_FRAME_BYTES = 256 << 20  # the largest control message (a long prompt's ids, a rank's stats)
 HANDSHAKE_TIMEOUT_S = 10.0
-_LEN = struct.Struct("<Q")
-_JSON = json.JSONEncoder(separators=(",", ":"))  # made once: json.dumps builds one per call
-_RECV_BYTES = 64 << 10  # what one read takes from the socket (a longer frame takes several)
 _MAGIC = b"OPWEAVE1"
 _NONCE = 32
 
@@ -118,52 +114,6 @@ def client_handshake(sock: socket.socket, key: bytes, ident: int) -> None:
     sock.settimeout(None)
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    body = _JSON.encode(message).encode()
-    if len(body) > MAX_FRAME_BYTES:
-        raise OpWeaveRuntimeError(
-            f"a control message of {len(body)} bytes exceeds the limit of {MAX_FRAME_BYTES}"
-        )
-    return _LEN.pack(len(body)) + body
-
-
-class FrameReader:
-    """Incremental reader of length-prefixed JSON frames from a non-blocking socket."""
-
-    def __init__(self) -> None:
-        self._buf = bytearray()
-        self._chunk = bytearray(_RECV_BYTES)  # reused by every read
-        self._view = memoryview(self._chunk)
-
-    def read(self, sock: socket.socket, flags: int = 0) -> list[dict[str, Any]] | None:
-        """One read of ``sock`` (raising what ``recv`` raises): the frames it completes, or
-        None at the end of the stream."""
-        n = sock.recv_into(self._chunk, _RECV_BYTES, flags)
-        return None if n == 0 else self.feed(self._view[:n])
-
-    def feed(self, data: bytes | memoryview) -> list[dict[str, Any]]:
-        self._buf += data
-        out = []
-        while len(self._buf) >= _LEN.size:
-            (size,) = _LEN.unpack_from(self._buf)
-            if size > MAX_FRAME_BYTES:
-                raise OpWeaveRuntimeError(
-                    f"a control frame announces {size} bytes, over the limit of {MAX_FRAME_BYTES}"
-                )
-            if len(self._buf) < _LEN.size + size:
-                break
-            body = bytes(self._buf[_LEN.size : _LEN.size + size])
-            del self._buf[: _LEN.size + size]
-            try:
-                message = json.loads(body)
-            except (ValueError, UnicodeDecodeError):
-                raise OpWeaveRuntimeError("a control frame is not JSON") from None
-            if not isinstance(message, dict) or not isinstance(message.get("t"), str):
-                raise OpWeaveRuntimeError("a control frame is not a typed message")
-            out.append(message)
-        return out
-
-
 class ControlClient:
     """A rank's end of its control connection (blocking sends; reads as frames arrive)."""
 
@@ -186,16 +136,16 @@ class ControlClient:
     def _attach(self, sock: socket.socket) -> None:
         """Read and write messages on ``sock`` (connected and authenticated; blocking)."""
         self.sock = sock
-        self._reader = FrameReader()
-        self._inbox: list[dict[str, Any]] = []
+        self._reader = FrameReader(ToRank)
+        self._inbox: list[Any] = []
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, message: Any) -> None:
         self.send_all([message])
 
-    def send_all(self, messages: Sequence[dict[str, Any]]) -> None:
+    def send_all(self, messages: Sequence[Any]) -> None:
         """Several messages in one write."""
         try:
             self.sock.sendall(b"".join(map(encode, messages)))
@@ -208,7 +158,7 @@ class ControlClient:
             pass
         return bool(self._inbox)
 
-    def recv(self) -> dict[str, Any]:
+    def recv(self) -> Any:
         """The next message (blocks until one arrives)."""
         while not self._inbox:
             self._read(0)

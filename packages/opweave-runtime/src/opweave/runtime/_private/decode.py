@@ -3,7 +3,7 @@
 A decode step (every request runs one new token after some cached ones) is where a serving
 rank spends its time, and the per-request form of the operators (a Python loop over requests in
 attention, the experts a batch happens to route to) makes its cost and its shapes depend on the
-batch. :class:`DecodeStep` runs the same operators on shapes fixed at install:
+batch. :class:`StaticStep` runs the same operators on shapes fixed at install:
 
 - the step has ``size`` rows (a rank: its replica's slots in the microbatch); request ``i`` sits
   at row ``place[i]`` and the other rows are padding;
@@ -36,14 +36,10 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, StepMeta, TokenBatch, one_new_token_each
 from .ops import Operator, SlabPool, StatefulOperator, begin_static_step
-from .tensor_parallel import TPComm, run_ops
+from .sequence import run_ops
+from .tensor_parallel import TPComm
 
 COMPILERS = ("inductor", "aot_eager", "eager")  # torch.compile backends a step may use
-# how a rank runs its decode steps (``opweave run --decode-step``): the operators' per-request
-# form; the static step run op by op; compiled by inductor into one program per segment (on
-# CPU a rank's segments then run as one rank program: program.py); or traced as one graph but
-# run op by op (aot_eager: checks the trace without compiling code)
-DECODE_STEPS = {"per-request": None, "static": None, "compiled": "inductor", "traced": "aot_eager"}
 _NO_META = BatchMeta((), (), ())  # a static step's batch: the schedule is in ``batch.step``
 
 
@@ -61,7 +57,7 @@ def why_not_static(ops: Sequence[Operator]) -> str | None:
     return None
 
 
-class DecodeStep:
+class StaticStep:
     """A segment's decode step on ``size`` rows, run eagerly or as one compiled graph."""
 
     def __init__(
@@ -175,7 +171,7 @@ class DecodeStep:
         context_lens: Sequence[int],
         place: Sequence[int],
         *,
-        also: Sequence[DecodeStep] = (),
+        also: Sequence[StaticStep] = (),
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The host side of a step with request ``i`` in row ``place[i]``: check the rows,
         bring every request's state into its slab row, and return each row's position and state

@@ -1,23 +1,23 @@
-"""Offline generation: the driver that feeds a list of requests through a plan's ranks.
+"""Offline generation: a small scheduler that feeds a list of requests to the driver.
 
-The driver keeps the token history and the plan's slots (the global batch; slot ``s`` of
-microbatch ``k`` is held by whichever replica of each owner serves it). Per microbatch it takes
-the tokens the last segment sampled, retires finished requests (their ids ride in the next
-work's ``free`` list, so every rank holding their state drops it), admits waiting requests into
-free slots, and submits the microbatch's next iteration at once: microbatches pipeline through
-the stages across iterations, and prefill (a new request's whole prompt) mixes with decode.
+:class:`OfflineDriver` plays the part vLLM's scheduler plays for the engine, over the same
+:class:`~.stepping.StepDriver`: it keeps the waiting requests, their token histories and stop
+rules, and steps each microbatch of the plan on its own: when the tokens of microbatch ``k``'s
+step are in, it retires finished requests (the driver frees their state with the microbatch's
+next work), admits waiting requests into the microbatch's free slots, and submits the
+microbatch's next step at once. Microbatches thus pipeline through the stages across
+iterations, and prefill (a new request's whole prompt) mixes with decode.
 
-A microbatch whose slots are all empty while nobody waits is submitted once more as ``final``
-and then never again; the run ends when every microbatch went final.
+A microbatch whose slots are all empty while nobody waits is stepped once more as ``final`` and
+then never again; the run ends when every microbatch went final.
 
-Over static decode steps the driver runs one iteration ahead of the ranks: a decode step's work
-asks them to forward the tokens they sample (``Work.forward``), and the microbatch's next work,
-if it only continues the same requests, is submitted at once, *carried*: without token ids, the
-first segment's ranks embed the tokens the last segment's leaders forwarded to them. The ranks
-then never wait for the driver between decode steps. A request that samples a stop token has
-one more step in flight; its token from that step is dropped, and it is freed in the next work.
-A slot that frees up while requests wait stops the running ahead until the microbatch's last
-result is in, so the new request is admitted with its prompt.
+Over static decode steps the scheduler runs one step ahead of the tokens, as vLLM's
+asynchronous scheduling does: once a microbatch's decode step is submitted, its next step, if it
+only continues the same requests, is submitted at once, naming the tokens still in flight; the
+driver makes it a carried work, so the ranks never wait for the driver between decode steps. A
+request that samples a stop token has one more step in flight, whose token is dropped. A slot
+that frees up while requests wait stops the running ahead until the microbatch's last tokens are
+in, so the new request is admitted with its prompt.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from pathlib import Path
 
 from opweave.costmodel import ModelSpec, Plan
 
-from ..errors import OpWeaveRuntimeError, RequestStateError
-from .batch import one_new_token_each
-from .cluster import Cluster, run_node, run_torchrun_rank, torchrun_env
+from ..errors import RequestStateError
+from .cluster import Cluster
 from .engine import Generation
+from .nodes import Topology, run_node, run_torchrun_rank, torchrun_env
+from .options import RunOptions
 from .results import DriverStats, DriverTimeline, Output, RunResult
-from .work import Work
+from .stepping import Ranks, Step, StepDriver, StepItem
 
 
 @dataclass(frozen=True)
@@ -69,15 +70,17 @@ def check_requests(requests: Sequence[Request], vocab_size: int | None = None) -
 
 
 class OfflineDriver:
-    """Admission, token history and per-request timing for one run over a :class:`Cluster`."""
+    """Admission, token history and per-request timing for one run, fed to a
+    :class:`~.stepping.StepDriver` one microbatch step at a time."""
 
     def __init__(
-        self, cluster: Cluster, requests: Sequence[Request], default_stops: Iterable[int]
+        self, cluster: Ranks, requests: Sequence[Request], default_stops: Iterable[int]
     ) -> None:
         check_requests(requests)
         stops = frozenset(default_stops)
-        self.cluster = cluster
-        self.placement = cluster.placement
+        self.driver = StepDriver(cluster)
+        self.driver.carry = cluster.static_decode  # tokens stay on the ranks, run ahead
+        self.microbatches = cluster.microbatches
         self.generations = [
             Generation(
                 r.request_id or f"req-{i}",
@@ -88,158 +91,109 @@ class OfflineDriver:
             for i, r in enumerate(requests)
         ]
         self.waiting: deque[Generation] = deque(self.generations)
-        self.slots: list[Generation | None] = [None] * self.placement.global_batch
+        self.running: dict[str, Generation] = {}
         self.token_times: dict[str, list[float]] = {g.request_id: [] for g in self.generations}
         self.started: float | None = None
         self.max_active = 0
-        self.drive_s = 0.0  # bookkeeping between a microbatch's result and its next work
+        self.drive_s = 0.0  # bookkeeping between a microbatch's tokens and its next step
         self.timeline: dict[str, list[float]] = {"end_s": [], "drive_s": []}
         self.iterations = 0
         self.works_ahead = 0
-        m = self.placement.microbatches
-        # per microbatch: the works submitted whose results are not in yet (two while ahead),
-        # and the requests that finished since its last work (the next one frees them)
-        self._pending: dict[int, deque[Work]] = {k: deque() for k in range(m)}
-        self._free: dict[int, list[str]] = {k: [] for k in range(m)}
-        self._dropped: set[str] = set()  # finished requests with one more step in flight
-        self._freed_ahead: set[str] = set()  # freed by a work submitted before their last token
-        self.carry = cluster.static_decode  # tokens stay on the ranks between decode steps
+        self._first = cluster.first_iteration  # after the cluster's warm-up, if it had one
+        # per microbatch: its steps whose tokens are not in yet (two while ahead)
+        self._pending: dict[int, deque[Step]] = {k: deque() for k in range(self.microbatches)}
 
     def run(self) -> None:
         """Generate until every request finished."""
-        m = self.placement.microbatches
-        parts = {k: self.cluster.result_parts(k) for k in range(m)}
-        got: dict[tuple[int, int], list[tuple[list[str], list[int]]]] = {}
-        live = set(range(m))
+        live = set(range(self.microbatches))
         self.started = time.perf_counter()
-        first = self.cluster.first_iteration  # after the cluster's warm-up, if it had one
-        for k in range(m):
-            self._advance(k, first)
+        for k in range(self.microbatches):
+            self._advance(k)
         while live:
-            msg = self.cluster.result()
-            k, i = int(msg["k"]), int(msg["i"])
-            # with the driver ahead, another replica's part of the next iteration may come first
-            got.setdefault((i, k), []).append((msg["r"], msg["x"]))
-            if len(got[(i, k)]) < parts[k]:
-                continue
+            step = self.driver.next_done()
             start = time.perf_counter()
-            done = self._pending[k].popleft()
-            if done.iteration != i:
+            ((k, i),) = step.iterations.items()
+            due = self._pending[k].popleft()
+            if due is not step:
                 raise RequestStateError(
-                    f"microbatch {k}: a result for iteration {i} came while {done.iteration} "
-                    "was due"
+                    f"microbatch {k}: tokens of iteration {i} came while "
+                    f"{due.iterations[k]} was due"
                 )
-            for rids, tokens in got.pop((i, k)):
-                self._collect(k, rids, tokens)
-            if done.final:
+            self._collect(step)
+            if step.final:
                 live.discard(k)
             else:
-                self._advance(k, i + 1)
-            self.iterations = max(self.iterations, i + 1 - first)
+                self._advance(k)
+            self.iterations = max(self.iterations, i + 1 - self._first)
             self.drive_s += time.perf_counter() - start
             self.timeline["end_s"].append(time.perf_counter() - self.started)
             self.timeline["drive_s"].append(self.drive_s)
 
-    def _advance(self, k: int, i: int) -> None:
-        """Microbatch ``k``'s results are in up to iteration ``i - 1``: submit iteration ``i``
-        unless it went ahead already, then the one after it if it can go ahead."""
+    def _advance(self, k: int) -> None:
+        """Microbatch ``k``'s tokens are in up to its last step: submit its next step unless it
+        went ahead already, then the one after it if it can go ahead."""
         pending = self._pending[k]
         if not pending:
-            pending.append(self._submit(k, i))
-        if len(pending) == 1 and (ahead := self._carried(k, pending[0])) is not None:
-            self.cluster.submit(ahead)
+            pending.append(self._submit(k))
+        if len(pending) == 1 and (ahead := self._ahead(k, pending[0])) is not None:
             pending.append(ahead)
             self.works_ahead += 1
 
-    def _submit(self, k: int, i: int) -> Work:
-        mb = self.placement.microbatch_slots(k)
-        for slot in mb:
-            if self.slots[slot] is None and self.waiting:
-                self.slots[slot] = self.waiting.popleft()
-        active = [(s, g) for s in mb if (g := self.slots[s]) is not None]
-        self.max_active = max(self.max_active, sum(g is not None for g in self.slots))
-        final = not active and not self.waiting
-        feeds = [g.token_ids[-1:] if g.token_ids else g.prompt_token_ids for _, g in active]
-        query_lens = tuple(len(f) for f in feeds)
-        context_lens = tuple(g.context_len for _, g in active)
-        work = Work(
-            iteration=i,
-            microbatch=k,
-            request_ids=tuple(g.request_id for _, g in active),
-            slots=tuple(s for s, _ in active),
-            context_lens=context_lens,
-            query_lens=query_lens,
-            sample=(True,) * len(active),
-            token_ids=tuple(t for f in feeds for t in f),
-            free=self._take_free(k),
-            final=final,
-            forward=self.carry and one_new_token_each(query_lens, context_lens),
-        )
-        self.cluster.submit(work)
-        return work
+    def _submit(self, k: int) -> Step:
+        """Admit waiting requests into ``k``'s free slots; step every request it holds."""
+        driver = self.driver
+        while self.waiting and driver.free_slots(k):
+            gen = self.waiting.popleft()
+            driver.add(gen.request_id, gen.prompt_token_ids, microbatch=k)
+            self.running[gen.request_id] = gen
+        self.max_active = max(self.max_active, len(driver.requests))
+        items = []
+        for rid, gen in self.running.items():
+            if driver.microbatch_of(rid) != k:
+                continue
+            known = len(driver.requests[rid].token_ids)
+            start = 0 if not gen.token_ids else known - 1  # the prompt, or the last token
+            items.append(StepItem(rid, start, known - start))
+        final = not items and not self.waiting
+        return driver.submit(items, microbatches=(k,), final=final)
 
-    def _carried(self, k: int, prev: Work) -> Work | None:
-        """The work after ``prev`` (whose result is not in yet) if it can go now: ``prev``
-        forwards its tokens and no waiting request could take a slot it leaves. Its requests are
-        ``prev``'s that go on (not finished, and ``prev`` does not yield their last token)."""
-        if not prev.forward:
+    def _ahead(self, k: int, previous: Step) -> Step | None:
+        """The step after ``previous`` (whose tokens are not in yet) if it can go now: its
+        requests each run the token ``previous`` samples for them, and no waiting request
+        could take a slot. Requests ``previous`` yields their last token for are dropped (the
+        step frees them)."""
+        driver = self.driver
+        if not driver.forwards(k) or not previous.sampling:
             return None
         go_on, last = [], []
-        for rid, slot, ctx in zip(prev.request_ids, prev.slots, prev.context_lens, strict=True):
-            g = self.slots[slot]
-            if g is None or g.request_id != rid:  # it stopped: prev's token for it is dropped
+        for rid in previous.sampling:
+            gen = self.running.get(rid)
+            if gen is None:  # it stopped: previous's token for it is dropped
                 continue
-            if len(g.token_ids) + 1 < g.max_new_tokens:
-                go_on.append((slot, rid, ctx + 1))
-            else:
-                last.append(rid)
-        if self.waiting and len(go_on) < len(self.placement.microbatch_slots(k)):
+            (go_on if len(gen.token_ids) + 1 < gen.max_new_tokens else last).append(rid)
+        if self.waiting and len(go_on) < len(driver.cluster.placement.microbatch_slots(k)):
             return None
-        self._freed_ahead.update(last)  # freed here: their last token is prev's
-        n = len(go_on)
-        return Work(
-            iteration=prev.iteration + 1,
-            microbatch=k,
-            request_ids=tuple(rid for _, rid, _ in go_on),
-            slots=tuple(slot for slot, _, _ in go_on),
-            context_lens=tuple(ctx for _, _, ctx in go_on),
-            query_lens=(1,) * n,
-            sample=(True,) * n,
-            token_ids=None if n else (),
-            free=self._take_free(k) + tuple(last),
-            final=not n and not self.waiting,
-            forward=bool(n),
-            carried=bool(n),
-        )
+        for rid in last:  # their last token is previous's: freed now, collected then
+            driver.drop(rid)
+        items = [StepItem(rid, len(driver.requests[rid].token_ids), 1) for rid in go_on]
+        return driver.submit(items, microbatches=(k,), final=not go_on and not self.waiting)
 
-    def _take_free(self, k: int) -> tuple[str, ...]:
-        free, self._free[k] = tuple(self._free[k]), []
-        return free
-
-    def _collect(self, k: int, rids: Sequence[str], tokens: Sequence[int]) -> None:
+    def _collect(self, step: Step) -> None:
         now = time.perf_counter()
-        by_id = {g.request_id: (s, g) for s, g in enumerate(self.slots) if g is not None}
-        for rid, token in zip(rids, tokens, strict=True):
-            if rid in self._dropped:  # a step it ran after its stop token
-                self._dropped.discard(rid)
+        assert step.tokens is not None
+        for rid, token in step.tokens.items():
+            gen = self.running.get(rid)
+            if gen is None:  # a step it ran after its stop token
                 continue
-            if rid not in by_id:
-                raise RequestStateError(f"a token came back for unknown request {rid!r}")
-            slot, gen = by_id[rid]
-            gen.token_ids.append(int(token))
+            gen.token_ids.append(token)
             self.token_times[rid].append(now)
             if token in gen.stop_token_ids:
                 gen.finish_reason = "stop"
             elif len(gen.token_ids) >= gen.max_new_tokens:
                 gen.finish_reason = "length"
             if gen.finish_reason is not None:
-                self.slots[slot] = None
-                if rid in self._freed_ahead:
-                    self._freed_ahead.discard(rid)
-                else:
-                    self._free[k].append(rid)
-                if any(rid in w.request_ids for w in self._pending[k]):
-                    self._dropped.add(rid)
+                del self.running[rid]
+                self.driver.drop(rid)  # (a no-op where the step ahead dropped it already)
 
     def tpot_s(self) -> float | None:
         """Mean over requests of (last token time - first token time) / (tokens - 1)."""
@@ -268,21 +222,16 @@ def run_plan(
     plan: Plan,
     model_dir: str | Path,
     requests: Sequence[Request],
+    options: RunOptions | None = None,
     *,
     ranks: int | None = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
-    nodes: Sequence[Sequence[int]] | None = None,
-    master_addr: str = "127.0.0.1",
-    master_port: int | None = None,
-    device: str = "auto",
-    timeout_s: float = 60.0,
-    dtype: str | None = None,
-    kernels: str = "opweave",
-    decode_step: str = "per-request",
+    topology: Topology | None = None,
     start_method: str = "auto",
 ) -> RunResult | None:
     """Run ``requests`` under ``plan``; the result on node 0, ``None`` on the other nodes.
+
+    ``options`` configure the run (device, timeouts, kernels, decode step, ...: every rank
+    gets them); ``topology`` says which node this is of how many (default: one node).
 
     The :class:`RunResult` holds the ``outputs`` (per request its prompt, generated token ids,
     finish reason and token arrival times), the measured ``tpot_s``, ``iterations``, ``wall_s``,
@@ -295,58 +244,27 @@ def run_plan(
     from .graph import check_runtime_support
     from .placement import check_plan, total_ranks
 
+    options = options or RunOptions()
+    topology = topology or Topology()
     model: ModelSpec = load_model(model_dir)
     check_runtime_support(model)
     world = total_ranks(plan)
     check_plan(plan, model, world if ranks is None else ranks)
     check_requests(requests, model.vocab_size)
-    device = resolve_device_name(device)
     torchrun = torchrun_env()
     if torchrun is not None and torchrun["RANK"] != "0":
-        run_torchrun_rank(
-            plan,
-            model,
-            model_dir,
-            device=device,
-            timeout_s=timeout_s,
-            dtype=dtype,
-            kernels=kernels,
-            decode_step=decode_step,
-        )
+        run_torchrun_rank(plan, model, model_dir, options)
         return None
-    if node_rank > 0:
-        if master_port is None:
-            raise OpWeaveRuntimeError("nodes other than 0 need --master-port of node 0")
-        run_node(
-            plan,
-            model,
-            model_dir,
-            node_rank=node_rank,
-            nnodes=nnodes,
-            master_addr=master_addr,
-            master_port=master_port,
-            nodes=nodes,
-            device=device,
-            timeout_s=timeout_s,
-            dtype=dtype,
-            kernels=kernels,
-            decode_step=decode_step,
-        )
+    if topology.node_rank > 0:
+        run_node(plan, model, model_dir, options, topology)
         return None
     cluster = Cluster(
         plan,
         model,
         model_dir,
-        nnodes=nnodes,
-        nodes=nodes,
-        master_addr=master_addr,
-        master_port=master_port,
-        device=device,
-        timeout_s=timeout_s,
+        options,
+        topology=topology,
         start_method=start_method,
-        dtype=dtype,
-        kernels=kernels,
-        decode_step=decode_step,
         torchrun=torchrun is not None,
     )
     try:
@@ -371,14 +289,3 @@ def run_plan(
         ),
         ranks=tuple(stats),
     )
-
-
-def resolve_device_name(device: str) -> str:
-    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise OpWeaveRuntimeError(f"device must be cpu, cuda or auto, got {device!r}")
-    return device

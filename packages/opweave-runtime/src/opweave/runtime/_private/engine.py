@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 
 from ..errors import RequestStateError
-from .batch import BatchMeta, TokenBatch, pack, unpack
-from .decode import DECODE_STEPS
-from .graph import operator_sequence
-from .stage import StageModule
+from .inprocess import InProcessCluster
+from .options import DecodeStep, Kernels
+from .stepping import StepDriver, StepItem
+
+UNBOUNDED_RUNNING = 256  # slots of a LocalModel without max_running: requests past it wait
 
 
 @dataclass
@@ -42,11 +43,14 @@ class Generation:
 class LocalModel:
     """Every operator of a model in one process, with a continuous-batching greedy scheduler.
 
-    ``cuts`` (indices into :func:`operator_sequence`) split the model into consecutive stages whose
-    activations cross each cut through :func:`pack`/:func:`unpack`, as a pipeline's sends would;
-    the tokens must not change. ``decode_step`` is how decode steps run (see
-    :data:`~.decode.DECODE_STEPS`): each stage's static step has ``max_running`` rows (one per
-    running request without a limit).
+    The scheduler feeds the runtime's one driver (:class:`~.stepping.StepDriver`) over an
+    in-process cluster (:class:`~.inprocess.InProcessCluster`): one rank that runs every
+    segment with the same request sync and iteration runners as a plan's ranks. ``cuts``
+    (indices into :func:`operator_sequence`) split the model into consecutive segments whose
+    activations cross each cut packed, as a pipeline's sends would; the tokens must not change.
+    ``decode_step`` is how decode steps run (:class:`~.options.DecodeStep`); a static one has
+    ``max_running`` rows, which it then needs. ``kernels``: the runtime's own, or vLLM's
+    (:class:`~.options.Kernels`).
 
     Example (``model_dir`` from :func:`write_tiny_model`)::
 
@@ -63,23 +67,28 @@ class LocalModel:
         max_running: int | None = None,
         cuts: Sequence[int] = (),
         decode_step: str = "per-request",
+        kernels: str = "opweave",
     ) -> None:
-        if decode_step not in DECODE_STEPS:
-            raise ValueError(f"decode_step must be one of {', '.join(DECODE_STEPS)}")
-        seq = operator_sequence(model_dir)
-        bounds = [0, *sorted(cuts), len(seq)]
-        if len(set(bounds)) != len(bounds):
-            raise ValueError(
-                f"cuts must be distinct and inside 1..{len(seq) - 1}, got {list(cuts)}"
-            )
-        self.stages = [
-            StageModule(model_dir, seq[lo:hi], device=device, dtype=dtype)
-            for lo, hi in itertools.pairwise(bounds)
-        ]
-        if decode_step != "per-request":
-            for stage in self.stages:
-                stage.use_static_decode(rows=max_running or 0, compile=DECODE_STEPS[decode_step])
-        self.arch = self.stages[0].arch
+        if decode_step not in set(DecodeStep):
+            raise ValueError(f"decode_step must be one of {', '.join(DecodeStep)}")
+        step = DecodeStep(decode_step)
+        if step.static and max_running is None:
+            raise ValueError(f"decode_step {step} has a row per request: give max_running")
+        self.cluster = InProcessCluster(
+            model_dir,
+            slots=max_running or UNBOUNDED_RUNNING,
+            cuts=cuts,
+            device=device,
+            dtype=dtype,
+            decode_step=step,
+            kernels=Kernels(kernels),
+        )
+        self.driver = StepDriver(self.cluster)
+        self.module = self.cluster.rank.module  # every operator, one segment per cut
+        self.segments = self.cluster.rank.segments  # each segment's operators
+        # what runs on another library's kernels, "<layer>.<operator>[.<part>]:<kernel>" each
+        self.kernels = self.module.kernels
+        self.arch = self.module.arch
         self.device = torch.device(device)
         self.max_running = max_running
         self.waiting: deque[Generation] = deque()
@@ -109,54 +118,54 @@ class LocalModel:
         self.waiting.append(Generation(rid, list(prompt_token_ids), max_new_tokens, stops))
         return rid
 
+    def abort(self, request_id: str) -> Generation:
+        """Stop a running request now and free its state; returns it as it stands."""
+        gen = self.running.pop(request_id)
+        self.driver.drop(request_id)
+        self.driver.flush()
+        return gen
+
     @property
     def weight_bytes(self) -> int:
-        return sum(stage.weight_bytes for stage in self.stages)
+        return self.module.weight_bytes
 
     def state_bytes(self) -> int:
-        """Per-request state held across all stages (KV caches, recurrent states)."""
-        return sum(stage.state_bytes() for stage in self.stages)
+        """Per-request state held across all segments (KV caches, recurrent states)."""
+        return self.module.state_bytes()
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     def step(self) -> list[Generation]:
-        """One iteration: prefill newly admitted requests, decode running ones; return finished."""
-        while self.waiting and (self.max_running is None or len(self.running) < self.max_running):
+        """One iteration: prefill newly admitted requests, decode running ones; return finished
+        (their state freed)."""
+        driver = self.driver
+        while self.waiting and len(self.running) < driver.capacity:
             gen = self.waiting.popleft()
-            for stage in self.stages:
-                stage.admit(gen.request_id)
+            driver.add(gen.request_id, gen.prompt_token_ids)
             self.running[gen.request_id] = gen
         if not self.running:
             return []
-        gens = list(self.running.values())
-        feed = [g.token_ids[-1:] if g.token_ids else g.prompt_token_ids for g in gens]
-        meta = BatchMeta(
-            request_ids=tuple(g.request_id for g in gens),
-            query_lens=tuple(len(f) for f in feed),
-            context_lens=tuple(g.context_len for g in gens),
-        )
-        token_ids = torch.tensor(
-            [t for f in feed for t in f], dtype=torch.int64, device=self.device
-        )
-        # a static decode step has max_running rows (one graph however many are running)
-        size = self.max_running
-        batch = self.stages[0].run(TokenBatch(meta, {"token_ids": token_ids}), size=size)
-        for stage in self.stages[1:]:
-            batch = stage.run(unpack(pack(batch)), size=size)
-        sampled = batch["token_ids"].tolist()
+        items = []
+        for rid, gen in self.running.items():
+            known = len(driver.requests[rid].token_ids)
+            start = 0 if not gen.token_ids else known - 1  # the prompt, or the last token
+            items.append(StepItem(rid, start, known - start))
+        sampled = driver.step(items)
         finished = []
-        for gen, token in zip(gens, sampled, strict=True):
-            gen.token_ids.append(int(token))
+        for rid, gen in list(self.running.items()):
+            token = sampled[rid]
+            gen.token_ids.append(token)
             if token in gen.stop_token_ids:
                 gen.finish_reason = "stop"
             elif len(gen.token_ids) >= gen.max_new_tokens:
                 gen.finish_reason = "length"
             if gen.finish_reason is not None:
-                for stage in self.stages:
-                    stage.free(gen.request_id)
-                del self.running[gen.request_id]
+                driver.drop(rid)
+                del self.running[rid]
                 finished.append(gen)
+        if finished:
+            driver.flush()  # their state, now
         return finished
 
     def generate(

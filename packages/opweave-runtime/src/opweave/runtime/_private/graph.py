@@ -18,6 +18,7 @@ from opweave.costmodel import LINEAR_ATTENTION, ModelSpec, load_model, model_spe
 
 from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
+from .kernels import KernelSet
 from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
 from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert
 from .ops import (
@@ -158,10 +159,19 @@ def build_operator(
     dtype: torch.dtype | str | None = None,
     shard: Shard | None = None,
     comm: TPComm | None = None,
+    kernels: KernelSet | None = None,
 ) -> Operator:
-    """Construct one operator, reading only its own tensors (its shard of them) from ``ckpt``."""
+    """Construct one operator, reading only its own tensors (its shard of them) from ``ckpt``,
+    with the kernels of ``kernels`` where they apply (operators built with one
+    :class:`~.kernels.KernelSet` share its state, e.g. one block table)."""
     ctx = OpContext(
-        model.arch, ckpt, torch.device(device), compute_dtype(model, dtype), shard or Shard(), comm
+        model.arch,
+        ckpt,
+        torch.device(device),
+        compute_dtype(model, dtype),
+        shard or Shard(),
+        comm,
+        kernels,
     )
     return operator_from(model, ctx, OpRef(*ref))
 
@@ -180,4 +190,8 @@ def operator_from(model: ModelSpec, ctx: OpContext, ref: OpRef) -> Operator:
         cls = (_LINEAR_OPS.get(name) if linear else None) or _LAYER_OPS.get(name)
     if cls is None:
         raise UnsupportedModelError(f"unknown operator {ref}")
-    return cls(ctx, layer)
+    if ctx.kernels is None:
+        return cls(ctx, layer)
+    op = ctx.kernels.operator_class(cls, model, ctx, layer)(ctx, layer)
+    ctx.kernels.finish(op)
+    return op

@@ -23,7 +23,9 @@ from pathlib import Path
 
 
 def main() -> int:
-    from .rank import RankSpec, die_with_parent, run_rank, watch_parent
+    from .join import run_rank
+    from .proc import die_with_parent, watch_parent
+    from .spec import read_spec
 
     die_with_parent()
     watch_parent(os.getppid())
@@ -46,9 +48,7 @@ def main() -> int:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 tag, name = line.decode().split(" ", 1)
-                path = Path(name)
-                spec = RankSpec.from_json(path.read_text())
-                path.unlink(missing_ok=True)  # it holds the run's key
+                spec = read_spec(Path(name))  # and removed: it holds the run's key
                 pid = _fork(spec, run_rank)
                 children[pid] = int(tag)
                 _say(f"started {tag} {pid}")
@@ -74,7 +74,7 @@ def _fork(spec, run_rank) -> int:
     code = 1
     try:
         os.setsid()
-        from .rank import die_with_parent
+        from .proc import die_with_parent
 
         die_with_parent()  # with the launcher
         if spec.env is not None:  # the driver's, as a rank it forked itself would have
@@ -86,9 +86,6 @@ def _fork(spec, run_rank) -> int:
             os.dup2(out, 2)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
-        import torch
-
-        torch.set_num_threads(spec.threads)
         code = run_rank(spec)
     except BaseException:
         import traceback

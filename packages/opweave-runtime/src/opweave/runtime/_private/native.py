@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import re
 import socket
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -30,6 +30,7 @@ from .wire import PeerError
 SOURCE = Path(__file__).resolve().parent.parent / "_native" / "wire.cpp"
 _loaded = False
 _ids = itertools.count(1)
+_log = logging.getLogger("opweave.runtime")
 _PEER_ERROR = re.compile(r"opweave-peer (-?\d+): (.*)")
 
 
@@ -39,12 +40,16 @@ def load() -> None:
     global _loaded
     if _loaded:
         return
-    from torch.utils import cpp_extension
-
     name = "opweave_native_" + re.sub(r"\W", "_", torch.__version__)
     start = time.perf_counter()
-    print(f"opweave: loading the native extension ({name})", file=sys.stderr, flush=True)
+    # quiet: every multi-rank CPU run loads it, and a command's stderr is its one error line;
+    # torch's builder warns (when imported) of CUDA it does not need
+    builder = logging.getLogger("torch.utils.cpp_extension")
+    level = builder.level
+    builder.setLevel(logging.ERROR)
     try:
+        from torch.utils import cpp_extension
+
         cpp_extension.load(
             name=name,
             sources=[str(SOURCE)],
@@ -56,15 +61,16 @@ def load() -> None:
         lines = str(exc).strip().splitlines() or [type(exc).__name__]
         first = next((line for line in lines if "error" in line.lower()), lines[0])[:300]
         raise OpWeaveRuntimeError(
-            f"could not build the native extension ({first}); rank programs need a C++17 "
-            "compiler (g++) and ninja on PATH; without them set OPWEAVE_RANK_PROGRAM=0 or run "
-            "--decode-step static"
+            f"could not build the native extension ({first}); CPU ranks talk to each other "
+            "over it, which needs a C++17 compiler (g++) and ninja on PATH"
         ) from None
+    finally:
+        builder.setLevel(level)
     _register_fakes()
     _loaded = True
     took = time.perf_counter() - start
     if took > 1.0:
-        print(f"opweave: built the native extension in {took:.0f} s", file=sys.stderr, flush=True)
+        _log.info("built the native extension %s in %.0f s", name, took)
 
 
 def _register_fakes() -> None:
@@ -126,6 +132,11 @@ class NativeWire:
     def recv(self, peer: int, tag: int, nbytes: int, what: str) -> torch.Tensor:
         with _as_peer_error({tag: what}):
             return torch.ops.opweave.recv(self.ones, self.id, peer, tag, nbytes)
+
+    def recv_any(self, peer: int, tag: int, max_bytes: int, what: str) -> torch.Tensor:
+        """The next message from ``peer``, of whatever length it announces (a packed batch)."""
+        with _as_peer_error({tag: what}):
+            return torch.ops.opweave.wire_recv_any(self.id, peer, tag, max_bytes)
 
     def dry(self, dry: bool) -> None:
         """While ``dry``, sends do nothing and receives return zeros (a program's warm-up)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import ClassVar, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,19 @@ def linear(
     return F.linear(x, weight, bias)
 
 
+class KernelChoice(Protocol):
+    """Which class to build an operator as, and what to do once it is built
+    (:class:`~.kernels.KernelSet`); ``shared``: the stage's scratch space for its kernels."""
+
+    shared: dict
+
+    def operator_class(
+        self, base: type[Operator], model: object, ctx: OpContext, layer: int | None
+    ) -> type[Operator]: ...
+
+    def finish(self, op: Operator) -> None: ...
+
+
 @dataclass
 class OpContext:
     """What every operator is built from: the model, where its tensors are, where it runs."""
@@ -59,6 +72,7 @@ class OpContext:
     dtype: torch.dtype
     shard: Shard = field(default_factory=Shard)
     comm: TPComm | None = None
+    kernels: KernelChoice | None = None  # the stage's kernels (None: the runtime's own)
 
 
 class Operator:

@@ -11,7 +11,7 @@ its C++ wrapper, the iteration is one call from Python with nothing of Python be
 actions, as a CUDA-graph replay is on a GPU.
 
 What stays on the host, before the call: each microbatch's schedule (its requests' rows,
-positions and state rows, one for all its actions: :meth:`.decode.DecodeStep.schedule`), the
+positions and state rows, one for all its actions: :meth:`.decode.StaticStep.schedule`), the
 tokens the driver sent and those the previous iteration forwarded; after it: the tokens to the
 driver, and tokens forwarded from the host (a request sampled with a temperature: the host
 samples it).
@@ -34,7 +34,7 @@ import torch.distributed._functional_collectives as funcol
 
 from ..errors import OpWeaveRuntimeError
 from . import decode
-from .decode import DecodeStep, _allow_many_graphs, _distrust_graphs
+from .decode import StaticStep, _allow_many_graphs, _distrust_graphs
 from .native import load
 from .schedule import Compute
 
@@ -54,7 +54,7 @@ class RankProgram:
         self,
         rank: int,
         actions: Sequence[Compute],
-        steps: Sequence[DecodeStep],
+        steps: Sequence[StaticStep],
         inputs: Sequence[Inputs],
         *,
         wire: int | None,

@@ -11,10 +11,12 @@ from opweave.costmodel import ModelSpec
 
 from ..errors import OpWeaveRuntimeError
 from .batch import TokenBatch
-from .decode import DecodeStep, is_decode, why_not_static
+from .decode import StaticStep, is_decode, why_not_static
 from .graph import OpRef, compute_dtype, model_spec, operator_from, operator_sequence
+from .kernels import KernelSet
 from .ops import OpContext, Operator, StatefulOperator, share_slabs
-from .tensor_parallel import Shard, TPComm, run_ops
+from .sequence import run_ops
+from .tensor_parallel import Shard, TPComm
 from .weights import Checkpoint
 
 
@@ -42,23 +44,30 @@ class StageModule:
         shard: Shard | None = None,
         comm: TPComm | None = None,
         model: ModelSpec | None = None,
+        kernels: KernelSet | None = None,
     ) -> None:
         self.model: ModelSpec = model or model_spec(model_dir)
+        compute = compute_dtype(self.model, dtype)
+        if kernels is not None:
+            kernels.check(torch.device(device), compute)
         self.checkpoint = Checkpoint(model_dir)
         ctx = OpContext(
             self.model.arch,
             self.checkpoint,
             torch.device(device),
-            compute_dtype(self.model, dtype),
+            compute,
             shard or Shard(),
             comm,
+            kernels,
         )
         self.comm = comm
         self.refs: tuple[OpRef, ...] = tuple(OpRef(*ref) for ref in ops)
         self.operators: list[Operator] = [operator_from(self.model, ctx, r) for r in self.refs]
         self.checkpoint.close()
+        # what runs on another library's kernels, "<layer>.<operator>[.<part>]:<kernel>" each
+        self.kernels: list[str] = list(kernels.switched) if kernels is not None else []
         self._static: tuple[int, str | None] | None = None
-        self._steps: dict[tuple[int | None, int | None, int], DecodeStep] = {}
+        self._steps: dict[tuple[int | None, int | None, int], StaticStep] = {}
         self.submissions = 0  # launches from Python so far (see run)
 
     @classmethod
@@ -72,7 +81,6 @@ class StageModule:
 
     @property
     def _stateful(self) -> list[StatefulOperator]:
-        # Derived on use: an operator may be swapped for an equivalent one (e.g. kernel-backed).
         return [op for op in self.operators if isinstance(op, StatefulOperator)]
 
     @property
@@ -164,7 +172,7 @@ class StageModule:
         place: Sequence[int],
     ) -> dict[str, torch.Tensor]:
         """Run ``ops`` as one static decode step on inputs laid out in its rows
-        (:meth:`.decode.DecodeStep.run_rows`: ``size`` rows, request ``i`` in row ``place[i]``,
+        (:meth:`.decode.StaticStep.run_rows`: ``size`` rows, request ``i`` in row ``place[i]``,
         padding elsewhere); the outputs keep that layout. Counts :attr:`submissions` as
         :meth:`run`."""
         if self._static is None:
@@ -182,21 +190,21 @@ class StageModule:
         inputs: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
     ) -> dict[str, torch.Tensor]:
         """Build the static decode step of ``ops`` on ``size`` rows and run it once on padding
-        rows only (:meth:`.decode.DecodeStep.warm_up`): a compiled step compiles here, ahead of
+        rows only (:meth:`.decode.StaticStep.warm_up`): a compiled step compiles here, ahead of
         traffic. ``inputs``: the step's input tensors (dtype, shape past the row dimension).
         Returns its outputs, every row padding."""
         if self._static is None:
             raise OpWeaveRuntimeError("warm_up needs use_static_decode first")
         return self.decode_step(ops, size).warm_up(inputs)
 
-    def decode_step(self, ops: slice, size: int) -> DecodeStep:
+    def decode_step(self, ops: slice, size: int) -> StaticStep:
         """The static decode step of ``ops`` on ``size`` rows (built at its first use)."""
         key = (ops.start, ops.stop, size)
         step = self._steps.get(key)
         if step is None:
             assert self._static is not None
             rows, compile = self._static
-            step = self._steps[key] = DecodeStep(
+            step = self._steps[key] = StaticStep(
                 self.operators[ops], self.comm, size, reserved_rows=rows, compile=compile
             )
         return step

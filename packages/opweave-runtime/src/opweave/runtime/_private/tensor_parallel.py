@@ -14,7 +14,7 @@ operator is built, never a silent replication.
 
 A tensor between two operators is either full or sharded along one dimension
 (:class:`Layout`). A segment may start or end anywhere (a CAD stage that is only ``core_attn``),
-so :func:`run_ops` slices a full input an operator wants sharded, gathers a sharded one an
+so :func:`.sequence.run_ops` slices a full input an operator wants sharded, gathers a sharded one an
 operator needs full, and gathers whatever is still sharded at the segment's end: messages between
 owners always carry full tensors.
 """
@@ -24,17 +24,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..errors import ShardingError
-from .batch import TokenBatch
-
-if TYPE_CHECKING:
-    from .ops import Operator
 
 
 @dataclass(frozen=True)
@@ -132,31 +127,3 @@ class TPComm:
         out = layout.assemble(bufs, self.shard)
         self.comm_s += time.perf_counter() - start
         return out
-
-
-def run_ops(ops: Sequence[Operator], batch: TokenBatch, comm: TPComm | None) -> TokenBatch:
-    """Run a segment's operators in order; with TP, keep track of which tensors are sharded
-    and return full tensors."""
-    if comm is None:
-        for op in ops:
-            batch = op(batch)
-        return batch
-    layouts: dict[str, Layout] = {}
-    for op in ops:
-        tensors = dict(batch.tensors)
-        for name in [n for n in layouts if n not in op.tp_in and n not in op.tp_pass]:
-            tensors[name] = comm.gather(tensors[name], layouts.pop(name))
-        for name, lay in op.tp_in.items():
-            if name in tensors and name not in layouts:
-                tensors[name] = lay.local(tensors[name], comm.shard)
-                layouts[name] = lay
-        batch = op(TokenBatch(batch.meta, tensors, batch.step))
-        kept = {n: lay for n, lay in layouts.items() if n in op.tp_pass}
-        layouts = {n: op.tp_out[n] for n in batch.tensors if n in op.tp_out}
-        layouts.update((n, lay) for n, lay in kept.items() if n in batch.tensors)
-    if layouts:
-        tensors = dict(batch.tensors)
-        for name, lay in layouts.items():
-            tensors[name] = comm.gather(tensors[name], lay)
-        batch = TokenBatch(batch.meta, tensors, batch.step)
-    return batch

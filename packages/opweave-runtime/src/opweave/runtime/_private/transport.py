@@ -3,14 +3,17 @@
 One message per boundary per microbatch: the sender packs the whole :class:`TokenBatch` (schedule
 header and every activation) into one flat ``uint8`` tensor (:func:`pack`) and sends it.
 
-Between CPU ranks the bytes travel over :class:`~.wire.SocketWire`: one TCP connection per pair
-of ranks, read and written by the ranks' own threads (gloo's I/O threads cost a pipeline about
-2 ms per message on a busy CPU; see that module). Elsewhere (NCCL between GPUs, or gloo when
-``OPWEAVE_P2P=torch``) they go through ``torch.distributed`` ``isend``/``irecv``: a receiver must
-post a buffer of the exact size, and the size depends on who joined the batch, so every message
-travels as a fixed-size *eager chunk* (an 8-byte length, then the first bytes of the payload);
-only a payload longer than the chunk sends its tail as a second transfer, straight from the
-packed tensor. Decode-sized messages thus cost one transfer, not a length word plus a payload.
+Between CPU ranks every message travels on the native wire (:mod:`.native`): one TCP connection
+per pair of ranks, written by the wire's C++ writer thread and read by the receiving rank's own
+thread (gloo's I/O threads cost a pipeline about 2 ms per message on a busy CPU); a message
+carries its length and tag, which the receiver checks. Measured against the Python socket wire
+it replaced (two ranks on their own cores of a loaded 2-core VM, round trip of a decode step's
+rows, medians of 3 x 300): 46 vs 75 us at 4 KB, 79 vs 107 us at 32 KB. Between GPUs they go
+through ``torch.distributed`` ``isend``/``irecv`` (NCCL): a receiver must post a buffer of the
+exact size, and the size depends on who joined the batch, so every message travels as a
+fixed-size *eager chunk* (an 8-byte length, then the first bytes of the payload); only a payload
+longer than the chunk sends its tail as a second transfer, straight from the packed tensor.
+Decode-sized messages thus cost one transfer, not a length word plus a payload.
 
 Receives are bounded: a peer that died fails the wait at once, one that hangs fails it after
 ``timeout_s``, and either way the error names the peer.
@@ -21,17 +24,14 @@ group (one length vector + one payload), rather than every TP rank receiving its
 Static decode steps move *rows* instead (:meth:`Transport.send_rows`, :meth:`Transport.recv_rows`):
 when every request of a microbatch decodes one token and the ranks run static-shape steps, each
 side knows a message's layout before it travels (the link's slots, the cut's tensors as the
-warm-up saw them), so it goes without a header or a length: the rows of each tensor, back to
+warm-up saw them), so it goes without a header of its own: the rows of each tensor, back to
 back, straight from the sender's step outputs into the receiver's step inputs. Nothing in it is
-read on the host, so on a GPU nothing waits for the device. Where ranks run rank programs
-(``native``: CPU ranks compiling their steps), rows travel on the native wire instead
-(:mod:`.native`: a second connection per pair, written and read by C++), whether a program or
-Python sends them; a message there carries its length and tag, which the receiver checks.
+read on the host, so on a GPU nothing waits for the device. A rank program (:mod:`.program`)
+sends and receives the same messages on the same wire from inside its compiled call.
 """
 
 from __future__ import annotations
 
-import os
 import select as _select
 import time
 from collections import deque
@@ -45,10 +45,7 @@ from ..errors import OpWeaveRuntimeError
 from .batch import BatchMeta, TokenBatch, byte_view, pack, unpack
 from .native import NativeWire
 from .schedule import Message
-from .wire import PeerError, SocketWire, connect_pairs
-
-P2P_ENV = "OPWEAVE_P2P"  # "socket" (default on CPU) or "torch" (torch.distributed isend/irecv)
-
+from .wire import MAX_MESSAGE_BYTES, PeerError, connect_pairs
 
 Part = TokenBatch | torch.Tensor  # a batch handed over in-process, or packed bytes off the wire
 EAGER_BYTES = 4096  # fixed size of a message's first transfer: length word + payload head
@@ -58,8 +55,11 @@ _LEN = 16  # length word padded so the payload keeps pack()'s 16-byte alignment
 class Transport:
     """This rank's message endpoint; accumulates the time it spends blocked in ``comm_s``.
 
-    ``spin_s``: how long each wait on the socket wire busy-polls before it blocks (see
-    :mod:`.wire`; :func:`~.wire.spin_budget` picks it)."""
+    Between CPU ranks every message travels on the native wire (:mod:`.native`): one TCP
+    connection per pair of ranks, written by the wire's C++ writer (a send never blocks) and
+    read on the calling thread, busy-polling for up to ``spin_s`` of every wait before it
+    blocks. Between GPUs (and, as a test seam, CPU ranks with ``torch_p2p``), through
+    ``torch.distributed`` point-to-point."""
 
     def __init__(
         self,
@@ -69,9 +69,8 @@ class Transport:
         *,
         host: str = "127.0.0.1",
         key: bytes = b"",
-        p2p: str | None = None,
         spin_s: float = 0.0,
-        native: bool = False,
+        torch_p2p: bool = False,
     ) -> None:
         self.rank = rank
         self.device = device
@@ -81,41 +80,25 @@ class Transport:
         self.comm_s = 0.0
         self.bytes_sent = 0
         self.messages_sent = 0
-        p2p = p2p or os.environ.get(P2P_ENV) or ("socket" if device.type == "cpu" else "torch")
-        if p2p not in ("socket", "torch"):
-            raise OpWeaveRuntimeError(f"{P2P_ENV}={p2p!r}: expected socket or torch")
-        if p2p == "socket" and device.type != "cpu":
-            raise OpWeaveRuntimeError(f"{P2P_ENV}=socket moves CPU tensors; {device} needs torch")
-        self.p2p = p2p
-        self._wire = (
-            SocketWire(rank, dist.get_world_size(), timeout_s, host, key, spin_s=spin_s)
-            if p2p == "socket"
-            else None
-        )
-        # rows of static decode steps travel on a second set of connections, the native wire's,
-        # which a rank program (:mod:`.program`) also sends and receives on
+        # the native wire between CPU ranks; NCCL between GPUs (and gloo under the test seam)
         self.native: NativeWire | None = None
-        if native and self._wire is not None:
+        world = dist.get_world_size()
+        if device.type == "cpu" and not torch_p2p and world > 1:
             self.native = NativeWire(
-                connect_pairs(rank, dist.get_world_size(), timeout_s, host, key),
+                connect_pairs(rank, world, timeout_s, host, key),
                 timeout_s,
                 spin_s,
             )
-        self._wire_oldest: int | None = None  # epoch of the oldest send posted since a drain
+        self.spin_s = spin_s if self.native is not None else 0.0
         self._row_buffers: dict[tuple[int, int], torch.Tensor] = {}  # (peer, tag) -> receive
-
-    @property
-    def spin_s(self) -> float:
-        """How long each wait busy-polls before it blocks (0 off the socket wire)."""
-        return self._wire.spin_s if self._wire is not None else 0.0
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, message: Message, batch: TokenBatch, epoch: int) -> None:
         """Queue ``batch`` for ``message.peer`` without blocking."""
         start = time.perf_counter()
         buf = pack(batch).to(self.device)
-        if self._wire is not None:
-            self._post(message, (buf,), epoch)
+        if self.native is not None:
+            self.native.send(message.peer, message.tag, [buf], self.native.ones)
         else:
             head = EAGER_BYTES - _LEN
             chunk = torch.zeros(EAGER_BYTES, dtype=torch.uint8, device=self.device)
@@ -123,13 +106,6 @@ class Transport:
             chunk[_LEN : _LEN + min(head, buf.numel())] = buf[:head]
             self._isend(message, [chunk] if buf.numel() <= head else [chunk, buf[head:]], epoch)
         self._sent(buf.numel(), start)
-
-    def _post(self, message: Message, parts: Sequence[torch.Tensor], epoch: int) -> None:
-        """One message of ``parts`` onto the socket wire."""
-        assert self._wire is not None
-        self._wire.post(message.peer, message.tag, *parts)
-        if self._wire_oldest is None:
-            self._wire_oldest = epoch
 
     def _isend(self, message: Message, transfers: Sequence[torch.Tensor], epoch: int) -> None:
         """``transfers`` to ``message.peer`` through torch.distributed, reaped by epoch."""
@@ -148,8 +124,8 @@ class Transport:
     def recv(self, message: Message, what: str) -> Part:
         """The next message from ``message.peer`` under ``message.tag`` (blocking, bounded)."""
         start = time.perf_counter()
-        if self._wire is not None:
-            buf = self._wire.take(message.peer, message.tag, what)
+        if self.native is not None:
+            buf = self.native.recv_any(message.peer, message.tag, MAX_MESSAGE_BYTES, what)
             self.comm_s += time.perf_counter() - start
             return buf
         chunk = torch.empty(EAGER_BYTES, dtype=torch.uint8, device=self.device)
@@ -173,15 +149,12 @@ class Transport:
         receiver expects them) for ``message.peer`` as one message without a header of its
         own, without blocking. On the native wire they are copied into one buffer (the wire
         frames it with its length and tag, and copies what the socket does not take at once).
-        On the socket wire the bytes go out of the tensors themselves: leave them unchanged
-        until the sends of ``epoch`` are reaped (:meth:`reap`). Through ``torch.distributed``
-        they are copied into one buffer on the device, sent in one transfer."""
+        Through ``torch.distributed`` they are copied into one buffer on the device, sent in
+        one transfer."""
         start = time.perf_counter()
         raw = [byte_view(t).reshape(-1) for t in parts]
         if self.native is not None:
             self.native.send(message.peer, message.tag, raw, self.native.ones)
-        elif self._wire is not None:
-            self._post(message, raw, epoch)
         else:
             self._isend(message, [torch.cat(raw) if len(raw) != 1 else raw[0].clone()], epoch)
         self._sent(sum(r.numel() for r in raw), start)
@@ -198,14 +171,6 @@ class Transport:
         peer = message.peer
         if self.native is not None:
             buf = self.native.recv(peer, message.tag, size, what)
-        elif self._wire is not None:
-            buf = self._wire.take(peer, message.tag, what)
-            if buf.numel() != size:
-                raise PeerError(
-                    peer,
-                    f"rank {peer} sent {buf.numel()} bytes while {what} expected {size}: "
-                    "schedules differ",
-                )
         else:  # one receive buffer per link: its rows' size is fixed by the plan
             key = (peer, message.tag)
             buf = self._row_buffers.get(key)
@@ -249,14 +214,9 @@ class Transport:
             raise PeerError(peer, f"timed out after {self.timeout_s:g} s {what} (rank {peer})")
 
     def reap(self, before_epoch: int) -> None:
-        """Wait for sends queued before ``before_epoch``: bounds memory, never the pipeline."""
+        """Wait for torch.distributed sends queued before ``before_epoch``: bounds memory,
+        never the pipeline (the native wire's writer needs no reaping)."""
         start = time.perf_counter()
-        if self._wire is not None:
-            if self._wire_oldest is not None and self._wire_oldest < before_epoch:
-                self._wire.drain("sending queued messages")
-                self._wire_oldest = None
-            self.comm_s += time.perf_counter() - start
-            return
         while self._pending and self._pending[0][0] < before_epoch:
             _, work, _, peer = self._pending.popleft()
             self._wait(work, peer, f"sending to rank {peer}")
@@ -268,16 +228,11 @@ class Transport:
             self.native.drain()
 
     def wait_control(self, fileno: int) -> None:
-        """Wait (without bound) until the control connection has data, keeping this rank's
-        queued sends and incoming messages moving meanwhile."""
-        if self._wire is not None:
-            self._wire.wait_readable(fileno)
-        else:  # NCCL / gloo progress their transfers on their own
-            _select.select([fileno], [], [])
+        """Wait (without bound) until the control connection has data; the native wire's
+        writer, NCCL and gloo progress their sends meanwhile on their own threads."""
+        _select.select([fileno], [], [])
 
     def close(self) -> None:
-        if self._wire is not None:
-            self._wire.close()
         if self.native is not None:
             self.native.close()
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from opweave.costmodel import LINEAR_ATTENTION, Architecture
+from opweave.costmodel import LINEAR_ATTENTION, Architecture, ModelSpec
 
 from ..errors import CheckpointError
 
@@ -401,3 +401,13 @@ def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...]
             shapes |= {f"mlp.{proj}.weight": (inter, hidden), f"mlp.{proj}.bias": (inter,)}
         shapes |= {"mlp.down_proj.weight": (hidden, inter), "mlp.down_proj.bias": (hidden,)}
     return shapes.get(suffix)
+
+
+def check_weights(model_dir: str | Path, model: ModelSpec) -> None:
+    """Refuse a checkpoint whose tensors do not have the shapes its config implies, before
+    any rank starts (reads the safetensors headers only)."""
+    checkpoint = Checkpoint(model_dir)
+    try:
+        checkpoint.check_shapes(model.arch)
+    finally:
+        checkpoint.close()

