@@ -32,6 +32,7 @@ from opweave.costmodel import (
 from opweave.costmodel._private.models import builtin_config
 from tests.fuzzing import (
     OUTCOMES,
+    SLOWEST,
     Reached,
     check,
     check_output,
@@ -94,6 +95,8 @@ def report():
     yield
     for key, count in sorted(OUTCOMES.items()):
         print(f"fuzz {key}: {count}")
+    for name, (seconds, shown) in sorted(SLOWEST.items()):
+        print(f"fuzz {name}: slowest {seconds:.2f} s: opweave {shown[:200]}")
 
 
 _serial = itertools.count()
