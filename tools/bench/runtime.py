@@ -386,12 +386,16 @@ def run_baseline(ref: str, models: list[tuple[str, str]], args: argparse.Namespa
             got: dict[str, list[dict[str, Any]]] = {side: [] for side in workers}
             for i in range(args.repeats):
                 for side in _baseline.alternate(list(workers), i):
-                    print(f"round {i + 1}: {side}", flush=True)
+                    load = os.getloadavg()[0]
+                    print(f"round {i + 1}: {side} (load average {load:.1f})", flush=True)
                     got[side].append(workers[side].ask(task))
         finally:
             for worker in workers.values():
                 worker.close()
-    print(f"\nold: {old}; new: {new} ({_baseline.ROOT}); {args.repeats} rounds, alternating")
+    print(
+        f"\nold: {old}; new: {new} ({_baseline.ROOT}); {args.repeats} rounds, alternating; "
+        f"{os.cpu_count()} CPUs"
+    )
     for label, _ in models:
         print(header(label, args))
         report_side_by_side(

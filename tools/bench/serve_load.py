@@ -267,7 +267,7 @@ def run_baseline(names: list[str], model_dir: Path, tmp: Path, args: argparse.Na
                 if worker.note:
                     print(worker.note)
             for i in range(args.rounds):
-                print(f"round {i + 1}")
+                print(f"round {i + 1} (load average {os.getloadavg()[0]:.1f})")
                 results: dict[str, dict[str, dict[str, float]]] = {old: {}, new: {}}
                 for name in names:
                     sides = [new] if name == "vllm" else _baseline.alternate([old, new], i)
