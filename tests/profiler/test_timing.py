@@ -27,6 +27,7 @@ def test_stall_overhead_pools_means_over_medians() -> None:
 
 def test_profile_records_what_stalls_add(tiny_model, quick_profile) -> None:
     run = quick_profile(tiny_model("llama"))
-    assert 0 <= run.profile.stall_overhead < 1
+    # never below zero; how far above depends on the machine's load (tools/bench/host_timing.py)
+    assert run.profile.stall_overhead >= 0
     note = run.profile.provenance.settings["stalls"]
     assert f"{run.profile.stall_overhead:.1%}" in note and "above their median" in note

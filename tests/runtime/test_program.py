@@ -9,7 +9,7 @@ native call per decode iteration.
 from __future__ import annotations
 
 import socket
-import time
+import threading
 
 import pytest
 import torch
@@ -39,14 +39,20 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def test_messages_arrive_whole_and_in_order_however_large(pair):
     """80 MB go out before the peer reads anything: far beyond the socket's buffer, so a send
-    that blocked would never return; the writer thread delivers the rest."""
+    that blocked would never return (here: the sending thread would still be in it a minute
+    later); the writer thread delivers the rest."""
     zero, one = pair
     big = torch.arange(20 << 20, dtype=torch.float32)
     small = torch.tensor([3, 1, 4], dtype=torch.int64)
-    start = time.monotonic()
-    zero.send(1, 5, [_bytes(big)], zero.ones)
-    zero.send(1, 6, [_bytes(small), _bytes(small + 1)], zero.ones)
-    assert time.monotonic() - start < 1.0  # neither send waited for the reader
+
+    def send_both() -> None:
+        zero.send(1, 5, [_bytes(big)], zero.ones)
+        zero.send(1, 6, [_bytes(small), _bytes(small + 1)], zero.ones)
+
+    sender = threading.Thread(target=send_both, daemon=True)
+    sender.start()
+    sender.join(60)  # only against a hang: returning takes milliseconds (tools/bench/faults.py)
+    assert not sender.is_alive(), "a send waited for the reader"
     got = one.recv(0, 5, big.numel() * 4, "receiving the big one")
     assert torch.equal(got.view(torch.float32), big)
     got = one.recv(0, 6, 48, "receiving the small one").view(torch.int64)
@@ -70,14 +76,13 @@ def test_a_message_out_of_schedule_names_the_peer(pair):
 
 def test_a_peer_that_closes_or_hangs_fails_the_receive_naming_it(pair):
     zero, one = pair
-    start = time.monotonic()
+    # the receive gives up on its own 2 s timeout (how close to 2 s: tools/bench/faults.py)
     with pytest.raises(
         PeerError,
         match=r"timed out after 2 s receiving segment 1 microbatch 0 "
         r"\(rank 0\)",
     ):
         one.recv(0, 1, 8, "receiving segment 1 microbatch 0")
-    assert 1.9 < time.monotonic() - start < 4
     zero.close()
     with pytest.raises(
         PeerError,

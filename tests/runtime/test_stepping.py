@@ -130,12 +130,12 @@ def test_a_rank_killed_between_steps_fails_the_next_one(tiny_model):
         driver.add("a", [5, 6, 7])
         driver.step([StepItem("a", 0, 3)])
         os.kill(pids[3], signal.SIGKILL)  # owner 1's TP follower
-        start = time.monotonic()
+        # the loss is seen between steps or in the next one, which fails naming the killed
+        # rank (how soon: tools/bench/faults.py)
         with pytest.raises(RunFailedError) as info:
-            while True:  # the loss is seen at once, between steps or in the next one
+            while True:
                 driver.step([StepItem("a", 3, 1)])
                 time.sleep(0.05)
-        assert time.monotonic() - start < 10
         message = str(info.value)
         assert message.startswith("rank 3 (owner 1, replica 0, tp rank 1 of 2: stages")
         assert "killed by signal 9 (SIGKILL)" in message and "\n" not in message

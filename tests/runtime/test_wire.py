@@ -28,17 +28,16 @@ def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> 
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=2,
-        timeout=timedelta(seconds=30),
+        timeout=timedelta(seconds=300),  # only against a hang: both import torch first
     )
     key = KEY if scenario != "impostor" or rank == 0 else b"not the run's secret"
     peer = 1 - rank
     if scenario == "impostor":
-        start = time.monotonic()
         try:
             Transport(rank, torch.device("cpu"), timeout_s=3.0, key=key)
             out.put((rank, "connected"))
         except PeerError as exc:
-            out.put((rank, f"{exc.peer}|{exc}|{time.monotonic() - start:.1f}"))
+            out.put((rank, f"{exc.peer}|{exc}"))
         out.close()
         out.join_thread()
         os._exit(0)
@@ -61,12 +60,11 @@ def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> 
     elif scenario == "peer_dies":
         if rank == 1:
             os._exit(0)  # without a word
-        start = time.monotonic()
         try:
             tr.recv(Message(peer, range(1), 1), "waiting for rank 1")
             out.put((rank, "no error"))
         except PeerError as exc:
-            out.put((rank, f"{exc.peer}|{exc}|{time.monotonic() - start:.1f}"))
+            out.put((rank, f"{exc.peer}|{exc}"))
     out.close()
     out.join_thread()  # flush the queue's feeder thread before the hard exit
     os._exit(0)
@@ -82,7 +80,7 @@ def _run(scenario: str, spin_s: float = 0.0) -> dict[int, object]:
     results = {}
     expected = 1 if scenario == "peer_dies" else 2
     for _ in range(expected):
-        rank, value = out.get(timeout=60)
+        rank, value = out.get(timeout=300)  # only against a hang (a busy machine: minutes)
         results[rank] = value
     for p in procs:
         p.join(30)
@@ -97,19 +95,21 @@ def test_big_messages_both_ways_arrive_whole_and_in_order(spin_s) -> None:
 
 @pytest.mark.parametrize("spin_s", [0.0, 30.0], ids=["blocking", "spinning"])
 def test_a_peer_that_exits_fails_the_wait_at_once_naming_it(spin_s) -> None:
-    peer, message, seconds = str(_run("peer_dies", spin_s)[0]).split("|")
+    """The wait ends on the lost connection, not on the 10 s timeout, whose error would say
+    "timed out after 10 s" (how soon it ends: tools/bench/faults.py)."""
+    peer, message = str(_run("peer_dies", spin_s)[0]).split("|")
     assert peer == "1"
     assert "lost rank 1 while waiting for rank 1" in message
-    assert float(seconds) < 5  # not the 10 s timeout
 
 
 def test_a_peer_without_the_runs_secret_is_refused() -> None:
     results = _run("impostor")
-    peer, message, _ = str(results[1]).split("|")
+    peer, message = str(results[1]).split("|")
     assert peer == "0" and "refused the connection" in message  # the impostor learns nothing
-    peer, message, seconds = str(results[0]).split("|")
+    # rank 0 waits out its 3 s join timeout for a rank with the secret (how long that takes:
+    # tools/bench/faults.py)
+    peer, message = str(results[0]).split("|")
     assert peer == "1" and "timed out waiting for ranks [1] to connect" in message
-    assert float(seconds) < 10
 
 
 def test_ranks_spin_only_on_a_core_of_their_own_unless_told(monkeypatch) -> None:

