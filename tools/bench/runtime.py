@@ -34,7 +34,8 @@ Before and after a change: ``--baseline REF`` (e.g. ``--small --baseline main``)
 REF's code beside the working tree's in the same run. REF is checked out into a temporary git
 worktree; each side runs in a worker process of this venv with ``PYTHONPATH`` set to its own
 ``packages/*/src`` (REF's copy of this script where it supports ``--baseline``, else this copy,
-on REF's packages); ``--repeats`` rounds alternate between the sides (each round runs every case
+on REF's packages, through REF's API: before ``RunOptions``, keyword arguments and environment
+variables); ``--repeats`` rounds alternate between the sides (each round runs every case
 of every model once; REF and this tree take turns going first); per model and case it prints
 each side's median TPOT, host time per token and orchestration share, with the median of the
 rounds' new/old ratios, and whether the tokens are the same on both sides. Both sides share this
@@ -54,7 +55,12 @@ from typing import Any
 import _baseline  # tools/bench/_baseline.py, beside this script
 
 from opweave.costmodel import canonical_plan, load_model
-from opweave.runtime import LocalModel, Request, RunOptions, run_plan, write_tiny_model
+from opweave.runtime import LocalModel, Request, run_plan, write_tiny_model
+
+try:
+    from opweave.runtime import RunOptions
+except ImportError:  # a --baseline REF from before RunOptions: see run_options()
+    RunOptions = None
 
 # label -> decode step, rank programs: Python-driven, compiled steps one segment at a time,
 # native submission (one rank program per token)
@@ -66,7 +72,7 @@ MODES = {
 
 
 def bench(
-    model_dir: str, strategy: str, requests: list[Request], mb: int, options: RunOptions
+    model_dir: str, strategy: str, requests: list[Request], mb: int, options: dict[str, Any]
 ) -> dict[str, Any]:
     spec = load_model(model_dir)
     plan = canonical_plan(
@@ -78,9 +84,23 @@ def bench(
         # as a plan made for these requests: state slabs sized once, for the longest
         context_tokens=max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests),
     )
-    result = run_plan(plan, model_dir, requests, options)
+    if RunOptions is not None:
+        result = run_plan(plan, model_dir, requests, RunOptions(**options))
+    else:
+        result = run_plan(plan, model_dir, requests, **_before_run_options(options))
     assert result is not None
     return result.model_dump(mode="json")
+
+
+def _before_run_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``run_plan``'s keyword arguments for ``options`` (RunOptions' fields) in the runtime
+    before RunOptions (a ``--baseline REF`` older than it, whose copy of this script predates
+    ``--baseline``): the decode step was a keyword argument, and two environment variables,
+    inherited by the ranks, chose the rest (``OPWEAVE_P2P=socket|torch``: its Python socket wire
+    or torch point-to-point; ``OPWEAVE_RANK_PROGRAM=0``: compiled steps one by one)."""
+    os.environ["OPWEAVE_P2P"] = "torch" if options["test_torch_p2p"] else "socket"
+    os.environ["OPWEAVE_RANK_PROGRAM"] = "1" if options["rank_programs"] else "0"
+    return {"decode_step": options["decode_step"]}
 
 
 def gloo_round_trip_us(rounds: int = 300) -> float:
@@ -209,7 +229,7 @@ def requests_for(args: argparse.Namespace) -> list[Request]:
 def run_case(model_dir: str, case: CaseKey, args: argparse.Namespace) -> dict[str, Any]:
     strategy, p2p, mode = case
     step, programs = MODES[mode]
-    options = RunOptions(decode_step=step, rank_programs=programs, test_torch_p2p=p2p == "torch")
+    options = {"decode_step": step, "rank_programs": programs, "test_torch_p2p": p2p == "torch"}
     return summary(bench(model_dir, strategy, requests_for(args), args.microbatches, options))
 
 

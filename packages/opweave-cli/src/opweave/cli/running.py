@@ -35,8 +35,10 @@ from ._common import (
 )
 
 STRATEGIES = ("colocated", "afd", "cad")
-KERNELS = ("opweave", "vllm", "vllm-all")  # opweave.runtime's Kernels
-DECODE_STEPS = ("per-request", "static", "compiled", "traced")  # opweave.runtime's DecodeStep
+# opweave.runtime's Kernels and DecodeStep, spelled out so that a bad flag fails before the
+# runtime (and torch with it) is imported; a test checks that they are the runtime's choices
+KERNELS = ("opweave", "vllm", "vllm-all")
+DECODE_STEPS = ("per-request", "static", "compiled", "traced")
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # where the executor leaves why the run failed
 API_KEY_ENV = "OPWEAVE_API_KEY"  # the server's key, kept out of the command line (ps shows it)
 # A test seam, hidden from --help: RANK:ITERATION:exit|kill|hang makes that rank fail on purpose

@@ -12,7 +12,7 @@ Messages: the typed classes of :mod:`.messages`, framed by their length (checked
 
 Authentication: ranks of a run trust only each other. A run has a secret (random for a run on one
 node, handed to its processes; ``OPWEAVE_RUN_SECRET`` on every node of a run that spans several).
-Every connection of a run -- control and the socket wire between ranks -- starts with a mutual
+Every connection of a run -- control and the wire between ranks -- starts with a mutual
 challenge: each side sends a random nonce and proves knowledge of the secret with an HMAC-SHA256
 over both nonces (and, from a rank, its rank id), so a process without the secret is refused
 before it can send or receive a single message, and a rank cannot claim another's id.

@@ -108,8 +108,8 @@ def translate(exc: RuntimeError, what: Mapping[int, str] | None = None) -> Excep
 
 
 class NativeWire:
-    """This rank's native connections to every other rank (a second set, beside the socket
-    wire's; see :func:`~.wire.connect_pairs`), owned by the extension from here on."""
+    """This rank's connections to every other rank (made by :func:`~.wire.connect_pairs`),
+    owned by the extension from here on."""
 
     def __init__(self, sockets: Mapping[int, socket.socket], timeout_s: float, spin_s: float):
         load()
