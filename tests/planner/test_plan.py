@@ -50,6 +50,8 @@ SUMMARY_KEYS = {
 OWNER_KEYS = {
     "gpu",
     "tp",
+    "ep",
+    "dp",
     "replicas",
     "resident_batch",
     "gpus",
@@ -81,8 +83,8 @@ def test_every_entry_adds_up(hetero_result, qwen32) -> None:
     for e in entries:
         used: dict[str, int] = {}
         for o in e["owners"]:
-            used[o["gpu"]] = used.get(o["gpu"], 0) + o["replicas"] * o["tp"]
-            assert o["gpus"] == o["replicas"] * o["tp"]
+            used[o["gpu"]] = used.get(o["gpu"], 0) + o["replicas"] * o["tp"] * o["dp"]
+            assert o["gpus"] == o["replicas"] * o["tp"] * o["dp"]
             assert 0 < o["memory_bytes_per_gpu"] <= o["memory_capacity_bytes_per_gpu"]
             assert o["replicas"] * o["resident_batch"] == e["global_batch"]
         assert e["gpus_used"] == used
@@ -135,6 +137,8 @@ def test_json_has_exactly_the_contract_fields(hetero_result) -> None:
     assert doc["search"]["simulator_calls"] > 0 and doc["search"]["candidates"] > 0
     for owner in doc["best"]["owners"]:
         assert set(owner) == OWNER_KEYS
+    for place in doc["best"]["placement"]:
+        assert {"tp", "ep", "dp"} <= set(place)
     assert doc["best"]["usd_per_million_tokens"] <= min(
         e["usd_per_million_tokens"] for e in doc["baselines"].values() if e.get("strategy")
     )

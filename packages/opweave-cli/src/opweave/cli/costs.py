@@ -9,6 +9,7 @@ import typer
 
 from ._common import (
     MAX_BATCH,
+    MAX_GROUP,
     PLOT_SUFFIXES,
     HardwareOpt,
     JsonOpt,
@@ -16,6 +17,7 @@ from ._common import (
     catalog,
     check_context,
     emit_json,
+    finite,
     human_bytes,
     output_file,
     parse_list,
@@ -34,9 +36,34 @@ def register(app: typer.Typer) -> None:
 def estimate(
     model: ModelArg,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU id, e.g. h100.")],
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (1, 2, 4, 8).")] = 1,
+    tp: Annotated[
+        int, typer.Option("--tp", help="Tensor-parallel degree of each DP rank (1, 2, 4, 8).")
+    ] = 1,
+    ep: Annotated[
+        int,
+        typer.Option(
+            "--ep",
+            help="Expert-parallel degree: GPU sets the routed experts are sharded over; divides "
+            "tp x dp (tp x dp: one set per GPU, tokens dispatched by all-to-all; 1: experts "
+            "tensor-parallel over all tp x dp GPUs). MoE models only.",
+        ),
+    ] = 1,
+    dp: Annotated[
+        int,
+        typer.Option(
+            "--dp",
+            help="Data-parallel attention ranks: the replica spans tp x dp GPUs; each rank of "
+            "tp GPUs runs attention (with its own KV cache) on its share of --batch.",
+        ),
+    ] = 1,
     batch: Annotated[
-        int, typer.Option("--batch", min=1, max=MAX_BATCH, help="Requests per step.")
+        int,
+        typer.Option(
+            "--batch",
+            min=1,
+            max=MAX_BATCH,
+            help="Requests per step of the replica, split over its DP ranks (ceil(B/dp) each).",
+        ),
     ] = 1,
     context: Annotated[
         str | None,
@@ -56,12 +83,29 @@ def estimate(
             "vllm-0.6, vllm-0.4); default: the GPU's step_overhead_s (an overlapped engine).",
         ),
     ] = None,
+    expert_imbalance: Annotated[
+        float | None,
+        typer.Option(
+            "--expert-imbalance",
+            callback=finite,
+            help="Measured busiest-over-mean expected load of the expert GPUs (>= 1; e.g. "
+            "1.3-4.0 without a load balancer); default: balanced (EPLB), an assumption the "
+            "output states.",
+        ),
+    ] = None,
 ) -> None:
     """Colocated decode step: where its latency goes, memory per GPU and whether it fits."""
     from opweave.costmodel import TP_DEGREES, estimate_step, host_profile, load_model
 
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
+    for flag, value in (("--ep", ep), ("--dp", dp)):
+        if not 1 <= value <= MAX_GROUP:
+            raise typer.BadParameter(f"{flag} must be from 1 to {MAX_GROUP}, got {value}")
+    if expert_imbalance is not None and expert_imbalance < 1:
+        raise typer.BadParameter(
+            f"--expert-imbalance is a busiest-over-mean ratio of at least 1, got {expert_imbalance}"
+        )
     tokens = None if context is None else parse_size(context)
     spec = load_model(model)
     if tokens is None:
@@ -70,12 +114,26 @@ def estimate(
     hw = catalog(hardware).get(gpu)
     profile = None if host is None else host_profile(host)
     _check_tp(spec, hw, tp)
-    est = estimate_step(spec, hw, tp=tp, batch=batch, context=tokens, host=profile)
+    _check_parallelism(spec, hw, tp, ep, dp, expert_imbalance)
+    est = estimate_step(
+        spec,
+        hw,
+        tp=tp,
+        ep=ep,
+        dp=dp,
+        batch=batch,
+        context=tokens,
+        host=profile,
+        expert_skew=expert_imbalance,
+    )
     if json_out:
         emit_json(est.model_dump())
         return
     fits = "yes" if est.fits else "NO (exceeds usable memory)"
-    typer.echo(f"{spec.name} on {tp} x {hw.id}, batch {batch}, context {est.context_tokens}")
+    layout = "" if ep == dp == 1 else f" ({dp} DP ranks of TP{tp}, experts over EP{ep})"
+    typer.echo(
+        f"{spec.name} on {tp * dp} x {hw.id}{layout}, batch {batch}, context {est.context_tokens}"
+    )
     typer.echo(
         table(
             [[k, f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items()]
@@ -87,6 +145,11 @@ def estimate(
         f"memory per GPU: {human_bytes(est.memory_bytes_per_gpu)} of "
         f"{human_bytes(est.memory_capacity_bytes)} usable; fits: {fits}"
     )
+    if est.expert_imbalance is not None:
+        typer.echo(
+            f"busiest expert GPU: {est.expert_imbalance:.2f}x the mean load "
+            f"({est.expert_imbalance_basis})"
+        )
     typer.echo(
         f"throughput: {est.tokens_per_s:,.0f} tokens/s"
         + (
@@ -147,6 +210,22 @@ def analyze(
     typer.echo(result.summary())
     if plot is not None:
         typer.echo(f"plot written to {plot}")
+
+
+def _check_parallelism(
+    spec: Any, hw: Any, tp: int, ep: int, dp: int, imbalance: float | None
+) -> None:
+    """That the model's operators split as ``(tp, ep, dp)`` asks on ``hw`` (one-line errors)."""
+    from opweave.costmodel import ConfigError, Parallelism, parallelism_problem
+
+    if ep != 1 or dp != 1:
+        problem = parallelism_problem(spec, Parallelism(tp=tp, ep=ep, dp=dp), hw)
+        if problem is not None:
+            raise ConfigError(f"--tp {tp} --ep {ep} --dp {dp}: {problem}")
+    if imbalance is not None and ep == 1:
+        raise ConfigError(
+            "--expert-imbalance applies to expert parallelism; give --ep above 1 with it"
+        )
 
 
 def _check_tp(spec: Any, hw: Any, tp: int) -> None:

@@ -92,6 +92,8 @@ from ._private.nodes import (
     plan_nodes,
 )
 from ._private.parallelism import (
+    BALANCED_BASIS,
+    GROUP_GPUS,
     MAX_GROUP_GPUS,
     Parallelism,
     dp_batch,
@@ -101,6 +103,7 @@ from ._private.parallelism import (
     parallel_op_latency_s,
     parallel_op_terms_s,
     parallelism_problem,
+    request_bytes_per_gpu,
     weight_bytes_per_gpu,
 )
 from ._private.plan import (
@@ -245,6 +248,8 @@ __all__ = [
     "plan_groups",
     "plan_nodes",
     # owner parallelism (TP, EP, DP) and expert-parallel communication
+    "BALANCED_BASIS",
+    "GROUP_GPUS",
     "MAX_GROUP_GPUS",
     "Parallelism",
     "alltoall_bytes_per_gpu",
@@ -259,6 +264,7 @@ __all__ = [
     "parallel_op_latency_s",
     "parallel_op_terms_s",
     "parallelism_problem",
+    "request_bytes_per_gpu",
     "weight_bytes_per_gpu",
     # analysis (paper §3)
     "Analysis",

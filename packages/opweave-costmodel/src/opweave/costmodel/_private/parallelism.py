@@ -183,7 +183,13 @@ def parallelism_problem(
             return f"ep {par.ep} is more than the {moe.num_experts} routed experts"
         if moe.num_experts % par.ep:
             return f"the {moe.num_experts} routed experts do not split evenly over ep {par.ep}"
+    seen: set[tuple[str, str | None]] = set()
     for op in model.operators if ops is None else ops:
+        # an operator's split depends on its name and its layer's kind only
+        kind = None if op.layer is None else model.arch.layer_types[op.layer]
+        if (op.name, kind) in seen:
+            continue
+        seen.add((op.name, kind))
         problem = (
             _group_op_problem(model, op, par)
             if is_group_op(op)

@@ -1,8 +1,8 @@
 """Exact search over the plan space: per-owner frontiers + branch-and-bound (paper §5.2-5.3, C.1).
 
 A *sub-search* fixes a (template, number of owners) structure, the microbatch count ``M`` and
-the GPU type of every owner; what remains is one (TP, microbatch size) configuration per
-owner, the product of the owners' (frontier-reduced) candidate sets.
+the GPU type of every owner; what remains is one (parallelism (TP, EP, DP), microbatch size)
+configuration per owner, the product of the owners' (frontier-reduced) candidate sets.
 
 Bounds (valid for every schedule the simulator can produce, see ``simulator.lower_bound``):
 
@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from opweave.costmodel import (
+    GROUP_GPUS,
+    Parallelism,
     boundary_transfer_s,
     fan_out_s,
     fits_inventory,
@@ -43,10 +45,10 @@ from opweave.costmodel import (
 from .bounds import cost_lower_bound, full_occupancy_cost, tpot_lower_bound
 from .devices import Device
 from .evaluate import OwnerChoice, build_pipeline, cost_rate
-from .frontier import pareto_mask
+from .frontier import dominated_pairs
 from .host import cools
 from .simulator import cycle_time
-from .space import U_GRID
+from .space import U_GRID, owner_parallelisms, u_grid_for_dp
 from .structure import OpTables, Structure, owner_compute
 
 EPS = 1e-9  # relative slack: float rounding never prunes a candidate the simulator would keep
@@ -94,7 +96,7 @@ class Leaf:
     tpot_s: float
     key: tuple[object, ...]
     job: Job = field(compare=False)
-    configs: tuple[tuple[int, int], ...] = field(compare=False)  # (tp, u) per owner
+    configs: tuple[tuple[int, int, int, int], ...] = field(compare=False)  # (tp, ep, dp, u)
 
     def order(self) -> tuple[object, ...]:
         return (self.value, self.tpot_s, self.key)
@@ -106,21 +108,55 @@ def lexmin(*leaves: Leaf | None) -> Leaf | None:
 
 
 @dataclass(frozen=True)
+class OwnerTable:
+    """Every configuration of one owner on one device (parallel arrays; ``lat`` is ``S x C``):
+    a parallelism, a microbatch size ``u`` a multiple of its ``dp`` and within the replica's
+    memory ``cap``, and the per-occurrence latencies of one microbatch."""
+
+    tp: np.ndarray
+    ep: np.ndarray
+    dp: np.ndarray
+    cap: np.ndarray
+    u: np.ndarray
+    lat: np.ndarray
+    total: np.ndarray
+
+    @property
+    def gpus(self) -> np.ndarray:
+        return self.tp * self.dp
+
+
+@dataclass(frozen=True)
 class OwnerOptions:
     """Candidate configurations of one owner in one sub-search (parallel arrays)."""
 
     device: Device
     tp: np.ndarray
-    u: np.ndarray
+    u: np.ndarray  # requests of a replica's microbatch (over all its DP ranks)
     w: np.ndarray  # per-microbatch work of the owner
-    rate: np.ndarray  # USD/hour per request: tp * price / (M * u)
+    rate: np.ndarray  # USD/hour per request: tp * dp * price / (M * u)
+    ep: np.ndarray
+    dp: np.ndarray
 
     def take(self, mask: np.ndarray) -> OwnerOptions:
-        return OwnerOptions(self.device, self.tp[mask], self.u[mask], self.w[mask], self.rate[mask])
+        return OwnerOptions(
+            self.device,
+            self.tp[mask],
+            self.u[mask],
+            self.w[mask],
+            self.rate[mask],
+            self.ep[mask],
+            self.dp[mask],
+        )
 
     @property
     def size(self) -> int:
         return int(self.tp.shape[0])
+
+    @property
+    def gpus(self) -> np.ndarray:
+        """GPUs of one replica: ``tp x dp``."""
+        return self.tp * self.dp
 
 
 class Searcher:
@@ -151,6 +187,7 @@ class Searcher:
         cache: dict[tuple[object, ...], object] | None = None,
         u_grid: Sequence[int] = U_GRID,
         inventory: Mapping[str, int] | None = None,
+        max_group_gpus: int = GROUP_GPUS[-1],
     ) -> None:
         if objective not in ("cost", "tpot", "gpus"):
             raise ValueError(f"unknown objective {objective!r}")
@@ -159,6 +196,7 @@ class Searcher:
         self.limits = {d.id: int(bound[d.id]) for d in devices if d.id in bound}
         self.gpus_per_node = {d.id: d.hardware.gpus_per_node for d in devices}
         self.u_grid = tuple(u_grid)
+        self.max_group_gpus = max_group_gpus
         self.devices = list(devices)
         self.slo = slo_s
         self.objective = objective
@@ -172,11 +210,14 @@ class Searcher:
         self.total = 0
 
     # -- per-owner candidates ----------------------------------------------------------------
-    def _comp(self, job: Job, j: int, d: int, tp: int) -> np.ndarray:
-        key = ("comp", job.rank, j, d, tp, self.u_grid)
+    def _parallelisms(self, job: Job, j: int, d: int) -> tuple[Parallelism, ...]:
+        # what decides an owner's parallelisms: which distinct operators it runs
+        held = tuple(np.flatnonzero(job.st.counts[j].sum(axis=0)).tolist())
+        key = ("pars", held, d, self.max_group_gpus)
         if key not in self.cache:
-            self.cache[key] = owner_compute(
-                job.st, self.tables, j, self.devices[d], tp, self.u_grid
+            ops = [self.tables.reps[k][0] for k in held]
+            self.cache[key] = owner_parallelisms(
+                self.tables.model, self.devices[d], ops, self.max_group_gpus
             )
         return self.cache[key]  # type: ignore[return-value]
 
@@ -191,6 +232,51 @@ class Searcher:
             self.devices[d].id in self.limits for d in job.assign
         )
 
+    def _table(self, job: Job, j: int) -> OwnerTable:
+        """Every configuration of owner ``j`` on its device, whatever ``M`` and the SLO."""
+        d = job.assign[j]
+        key = ("table", job.rank, j, d, self.u_grid, self.max_group_gpus)
+        cached = self.cache.get(key)
+        if cached is not None:
+            return cached  # type: ignore[return-value]
+        st, dev = job.st, self.devices[d]
+        parts: list[tuple[Parallelism, int, list[int], np.ndarray]] = []
+        for par in self._parallelisms(job, j, d):
+            cap = self.tables.max_resident_batch(st.counts[j].sum(axis=0), dev, par)
+            grid = [u for u in u_grid_for_dp(self.u_grid, par.dp) if u <= cap]
+            if grid:
+                parts.append((par, cap, grid, owner_compute(st, self.tables, j, dev, par, grid)))
+        sizes = [len(g) for _, _, g, _ in parts]
+
+        def per_config(values: list[int]) -> np.ndarray:
+            return np.repeat(np.asarray(values, dtype=np.int64), sizes)
+
+        lat = np.concatenate([c for *_, c in parts], axis=1) if parts else np.zeros((0, 0))
+        table = OwnerTable(
+            tp=per_config([p.tp for p, *_ in parts]),
+            ep=per_config([p.ep for p, *_ in parts]),
+            dp=per_config([p.dp for p, *_ in parts]),
+            cap=per_config([c for _, c, *_ in parts]),
+            u=np.asarray([u for _, _, g, _ in parts for u in g], dtype=np.int64),
+            lat=lat,
+            total=lat.sum(axis=0) if parts else np.zeros(0),
+        )
+        self.cache[key] = table
+        return table
+
+    def _dominated(self, job: Job, j: int, table: OwnerTable) -> tuple[np.ndarray, np.ndarray]:
+        """``(xs, ys)``: configuration ``xs[i]`` of the table dominates ``ys[i]`` (frontier.py).
+        Rate per request is ``tp x dp x price / (M u)``: ``M`` and the price cancel."""
+        key = ("dominated", job.rank, j, job.assign, self.u_grid, self.max_group_gpus)
+        cached = self.cache.get(key)
+        if cached is None:
+            dev = self.devices[job.assign[j]]
+            links = self._frontier_links(job, j, dev, table.tp, table.u, table.dp)
+            rate = table.gpus / table.u.astype(np.float64)
+            cached = dominated_pairs(table.tp, rate, table.lat, *links)
+            self.cache[key] = cached
+        return cached  # type: ignore[return-value]
+
     def options(self, job: Job, j: int) -> OwnerOptions:
         frontier = self._prunable(job)
         limit = self.limits.get(self.devices[job.assign[j]].id)
@@ -204,64 +290,52 @@ class Searcher:
             frontier,
             limit,
             self.u_grid,
+            self.max_group_gpus,
         )
         cached = self.cache.get(key)
         if cached is not None:
             return cached  # type: ignore[return-value]
-        st, m, d = job.st, job.microbatches, job.assign[j]
-        dev = self.devices[d]
-        tps, us, ws, lats = [], [], [], []
-        for tp in dev.tps:
-            if limit is not None and tp > limit:
-                continue  # one replica alone needs more GPUs than the inventory has
-            cap = self.tables.max_resident_batch(st.owner_ops[j], dev, tp, st.owner_key(j))
-            comp = self._comp(job, j, d, tp)
-            total = comp.sum(axis=0)
-            for ui, u in enumerate(self.u_grid):
-                if u * m > cap or m * total[ui] > self.slo * (1 + EPS):
-                    continue
-                tps.append(tp)
-                us.append(u)
-                ws.append(total[ui])
-                lats.append(comp[:, ui])
-        tp_a = np.array(tps, dtype=np.int64)
-        u_a = np.array(us, dtype=np.int64)
+        m, dev = job.microbatches, self.devices[job.assign[j]]
+        table = self._table(job, j)
+        mask = (table.u * m <= table.cap) & (m * table.total <= self.slo * (1 + EPS))
+        if limit is not None:
+            mask &= table.gpus <= limit  # one replica alone needs more GPUs than the inventory
+        self.stats.owner_configs += int(mask.sum())
+        if frontier and mask.sum() > 1:
+            xs, ys = self._dominated(job, j, table)
+            beaten = np.zeros_like(mask)
+            beaten[ys[mask[xs] & mask[ys]]] = True
+            self.stats.frontier_removed += int((beaten & mask).sum())
+            mask &= ~beaten
+        u = table.u[mask]
+        gpus = table.gpus[mask]
         opts = OwnerOptions(
             dev,
-            tp_a,
-            u_a,
-            np.array(ws, dtype=np.float64),
-            np.asarray(
-                usd_per_hour_per_request(tp_a, dev.usd_per_hour, m * u_a.astype(np.float64))
-            ),
+            table.tp[mask],
+            u,
+            table.total[mask],
+            np.asarray(usd_per_hour_per_request(gpus, dev.usd_per_hour, m * u.astype(np.float64))),
+            table.ep[mask],
+            table.dp[mask],
         )
-        self.stats.owner_configs += opts.size
-        if frontier and opts.size > 1:
-            keep = pareto_mask(
-                tp_a,
-                opts.rate,
-                np.stack(lats, axis=1),
-                *self._frontier_links(job, j, dev, tp_a, u_a),
-            )
-            self.stats.frontier_removed += int(opts.size - keep.sum())
-            opts = opts.take(keep)
         self.cache[key] = opts
         return opts
 
     def _frontier_links(
-        self, job: Job, j: int, dev: Device, tp: np.ndarray, u: np.ndarray
+        self, job: Job, j: int, dev: Device, tp: np.ndarray, u: np.ndarray, dp: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         """Link times of owner j's configurations, and which may be compared at all.
 
         A boundary's transfer takes ``max(send, recv) + fan_out``, so the owner's send, receive
-        and fan-out times are compared separately. They are partner-independent only when the
-        link kind is: always the network against a partner of another GPU type, and against
-        one of the same type only when ``tp >= gpus_per_node`` (no pod fits in a node).
-        Otherwise the pod rule could give X and Y different link kinds, which would change the
-        partner's side of the transfer too, so those TP degrees are left unpruned.
+        and fan-out times are compared separately; each DP rank's leader moves its own
+        ``u / dp`` tokens. They are partner-independent only when the link kind is: always the
+        network against a partner of another GPU type, and against one of the same type only
+        when a replica's ``tp x dp >= gpus_per_node`` (no pod fits in a node). Otherwise the
+        pod rule could give X and Y different link kinds, which would change the partner's side
+        of the transfer too, so those configurations are left unpruned.
         """
         rows = []
-        uf = u.astype(np.float64)
+        uf = u.astype(np.float64) / dp
         comparable = np.ones(tp.shape[0], dtype=bool)
         net = dev.network
         for g in job.st.groups:
@@ -269,7 +343,7 @@ class Searcher:
                 continue
             partner = self.devices[job.assign[g.dst if g.src == j else g.src]]
             if partner.id == dev.id:
-                comparable &= tp >= dev.hardware.gpus_per_node
+                comparable &= tp * dp >= dev.hardware.gpus_per_node
             if g.src == j:
                 rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
             if g.dst == j:
@@ -298,17 +372,18 @@ class Searcher:
         rest: Sequence[tuple[str, int]] = (),
     ) -> tuple[np.ndarray | int, bool | np.ndarray]:
         """GPUs of the replica set (a lower bound while ``rest`` is unassigned) and whether
-        they fit the inventory's counts. ``fixed``: ``(device id, tp, u)`` of assigned owners
-        (arrays broadcast); ``rest``: ``(device id, smallest tp)`` of the others. Replicas are
-        ``lcm(u) / u`` each (microbatch sizes stand in for resident batches: scale-free)."""
+        they fit the inventory's counts. ``fixed``: ``(device id, GPUs per replica, u)`` of
+        assigned owners (arrays broadcast); ``rest``: ``(device id, fewest GPUs per replica)``
+        of the others. Replicas are ``lcm(u) / u`` each (microbatch sizes stand in for resident
+        batches: scale-free)."""
         lcm: np.ndarray | int = 1
         for _, _, u in fixed:
             lcm = np.lcm(lcm, u)
         per: dict[str, np.ndarray | int] = {}
-        for dev, tp, u in fixed:
-            per[dev] = per.get(dev, 0) + tp * (lcm // u)
-        for dev, tp in rest:
-            per[dev] = per.get(dev, 0) + tp
+        for dev, gpus, u in fixed:
+            per[dev] = per.get(dev, 0) + gpus * (lcm // u)
+        for dev, gpus in rest:
+            per[dev] = per.get(dev, 0) + gpus
         ok: bool | np.ndarray = True
         for dev, count in per.items():
             if dev in self.limits:
@@ -321,8 +396,11 @@ class Searcher:
             return True
         us = [int(s.u[c]) for s, c in picks]
         lcm = math.lcm(*us)
-        groups = [(s.device.id, int(s.tp[c])) for (s, c), u in zip(picks, us, strict=True)]
-        groups = [g for g, u in zip(groups, us, strict=True) for _ in range(lcm // u)]
+        groups = [
+            (s.device.id, int(s.tp[c]))  # one TP group per DP rank of each replica
+            for (s, c), u in zip(picks, us, strict=True)
+            for _ in range(lcm // u * int(s.dp[c]))
+        ]
         layout = node_layout(groups, self.gpus_per_node)
         return fits_inventory([(g, n) for g, _, n in layout], self.limits, self.gpus_per_node)
 
@@ -331,7 +409,7 @@ class Searcher:
         tpot = float(tpot_lower_bound(m, [float(s.w.min()) for s in options]))
         rate = sum(float(s.rate.min()) for s in options)
         own = sum(float(full_occupancy_cost(s.rate, m, s.w).min()) for s in options)
-        gpus, ok = self._gpus([], [(s.device.id, int(s.tp.min())) for s in options])
+        gpus, ok = self._gpus([], [(s.device.id, int(s.gpus.min())) for s in options])
         return float(self._value(tpot, rate, own, gpus)), tpot, bool(ok)
 
     # -- driver ---------------------------------------------------------------------------------
@@ -420,9 +498,9 @@ class Searcher:
         fits: bool | np.ndarray = True
         if self._counts_gpus(job):
             gpus, fits = self._gpus(
-                [(x.device.id, int(x.tp[c]), int(x.u[c])) for x, c in fixed]
-                + [(s.device.id, s.tp, s.u)],
-                [(x.device.id, int(x.tp.min())) for x in rest],
+                [(x.device.id, int(x.gpus[c]), int(x.u[c])) for x, c in fixed]
+                + [(s.device.id, s.gpus, s.u)],
+                [(x.device.id, int(x.gpus.min())) for x in rest],
             )
         value = self._value(tpot, rate, own, gpus)
         idx = np.arange(s.size)
@@ -453,7 +531,7 @@ class Searcher:
         if 0 in shape:
             return inc
         # every owner as an array broadcastable to `shape`
-        cols: list[tuple[Device, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        cols: list[tuple[Device, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for s, c in prefix:
             cols.append(
                 (
@@ -462,30 +540,42 @@ class Searcher:
                     s.u[c : c + 1, None],
                     s.w[c : c + 1, None],
                     s.rate[c : c + 1, None],
+                    s.dp[c : c + 1, None],
                 )
             )
-        cols.append((a.device, a.tp[:, None], a.u[:, None], a.w[:, None], a.rate[:, None]))
+        cols.append(
+            (a.device, a.tp[:, None], a.u[:, None], a.w[:, None], a.rate[:, None], a.dp[:, None])
+        )
         if b is not None:
-            cols.append((b.device, b.tp[None, :], b.u[None, :], b.w[None, :], b.rate[None, :]))
+            cols.append(
+                (
+                    b.device,
+                    b.tp[None, :],
+                    b.u[None, :],
+                    b.w[None, :],
+                    b.rate[None, :],
+                    b.dp[None, :],
+                )
+            )
         n = len(cols)
         send = [np.zeros(shape) for _ in range(n)]
         recv = [np.zeros(shape) for _ in range(n)]
         chain = np.zeros(shape)
         intra: dict[tuple[int, int], np.ndarray] = {}
         for g in job.st.groups:
-            ds, tps, us = cols[g.src][0], cols[g.src][1], cols[g.src][2]
-            dd, tpd, ud = cols[g.dst][0], cols[g.dst][1], cols[g.dst][2]
+            ds, tps, us, dps = cols[g.src][0], cols[g.src][1], cols[g.src][2], cols[g.src][5]
+            dd, tpd, ud, dpd = cols[g.dst][0], cols[g.dst][1], cols[g.dst][2], cols[g.dst][5]
             pair = (min(g.src, g.dst), max(g.src, g.dst))
             if pair not in intra:
                 # microbatch sizes stand in for resident batches: the pod rule is scale-free
                 intra[pair] = intra_node_link(
-                    ds.id == dd.id, tps, us, tpd, ud, ds.hardware.gpus_per_node
+                    ds.id == dd.id, tps * dps, us, tpd * dpd, ud, ds.hardware.gpus_per_node
                 )
             kind = intra[pair]
             dur = boundary_transfer_s(
                 g.beta,
-                us.astype(np.float64),
-                ud.astype(np.float64),
+                us / dps,  # each DP rank's leader moves its own slice
+                ud / dpd,
                 tpd,
                 _link_coeffs(kind, ds),
                 _link_coeffs(kind, dd),
@@ -502,7 +592,7 @@ class Searcher:
         gpus: np.ndarray | int = 0
         fits: bool | np.ndarray = True
         if self._counts_gpus(job):
-            gpus, fits = self._gpus([(c[0].id, c[1], c[2]) for c in cols])
+            gpus, fits = self._gpus([(c[0].id, c[1] * c[5], c[2]) for c in cols])
         value = np.broadcast_to(np.asarray(self._value(tpot, rate, own, gpus)), shape)
         self.stats.candidates += value.size
         ok = (tpot <= self.slo * (1 + EPS)) & np.broadcast_to(fits, shape)
@@ -540,9 +630,9 @@ class Searcher:
         fits: bool | np.ndarray = True
         if self._counts_gpus(job):
             gpus, fits = self._gpus(
-                [(x.device.id, int(x.tp[c]), int(x.u[c])) for x, c in prefix]
-                + [(s.device.id, s.tp, s.u)],
-                [(other.device.id, int(other.tp.min()))],
+                [(x.device.id, int(x.gpus[c]), int(x.u[c])) for x, c in prefix]
+                + [(s.device.id, s.gpus, s.u)],
+                [(other.device.id, int(other.gpus.min()))],
             )
         rate = sum(float(x.rate[c]) for x, c in prefix) + s.rate + float(other.rate.min())
         own = (
@@ -560,20 +650,25 @@ class Searcher:
         caches, a fixed point of several event simulations), the hot schedule is simulated
         first: its period is a lower bound, so a candidate it already rules out stays out."""
         m = job.microbatches
-        owners = [OwnerChoice(s.device, int(s.tp[c]), int(s.u[c]) * m) for s, c in picks]
-        configs = tuple((int(s.tp[c]), int(s.u[c])) for s, c in picks)
+        owners = [
+            OwnerChoice(s.device, int(s.tp[c]), int(s.u[c]) * m, ep=int(s.ep[c]), dp=int(s.dp[c]))
+            for s, c in picks
+        ]
+        configs = tuple((int(s.tp[c]), int(s.ep[c]), int(s.dp[c]), int(s.u[c])) for s, c in picks)
         key = (
             job.rank,
             job.st.n,
             m,
-            tuple((d, tp, -u) for d, (tp, u) in zip(job.assign, configs, strict=True)),
+            tuple(
+                (d, tp, ep, dp, -u) for d, (tp, ep, dp, u) in zip(job.assign, configs, strict=True)
+            ),
         )
         rate = cost_rate(owners)
 
         gpus = 0
         if self.objective == "gpus":
             lcm = math.lcm(*(ch.resident_batch for ch in owners))
-            gpus = sum(ch.tp * lcm // ch.resident_batch for ch in owners)
+            gpus = sum(ch.gpus * lcm // ch.resident_batch for ch in owners)
 
         def leaf(cold: bool) -> Leaf:
             pipe, _ = build_pipeline(job.st, self.tables, owners, m, cold_caches=cold)
