@@ -102,6 +102,29 @@ def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
         assert s["spec"]["serviceName"].endswith("-rdzv")
 
 
+def test_deploy_counts_tp_x_dp_gpus_per_replica(tmp_path) -> None:
+    """A wide-EP plan: 2 replicas of 8 DP ranks of TP 2 (experts over EP 16) are 32 GPUs, four
+    nodes of 8, one launch script each, ranks numbered DP rank by DP rank."""
+    plan = canonical_plan(
+        load_model("qwen3-30b-a3b"),
+        "colocated",
+        gpu="h100-sxm",
+        batch=64,
+        tp=2,
+        ep=16,
+        dp=8,
+        replicas=2,
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    out = tmp_path / "dep"
+    cli_json("deploy", str(path), "-o", str(out))
+    nodes = json.loads((out / "nodes.json").read_text())
+    assert [(n["gpu"], n["gpus"]) for n in nodes] == [("h100-sxm", 8)] * 4
+    assert [r for n in nodes for r in n["ranks"]] == list(range(32))
+    assert sorted(p.name for p in (out / "launch").iterdir()) == [f"node-{r}.sh" for r in range(4)]
+
+
 def test_manifests_fail_validation_when_broken(fleet_plan, tmp_path) -> None:
     """The validation above can fail: a manifest with a wrong field type does not pass."""
     _, path = fleet_plan

@@ -39,6 +39,7 @@ from opweave.costmodel import (
     intra_node_link,
     link_time_s,
     node_layout,
+    parallelism_problem,
     usd_per_hour_per_request,
 )
 
@@ -48,7 +49,7 @@ from .evaluate import OwnerChoice, build_pipeline, cost_rate
 from .frontier import dominated_pairs
 from .host import cools
 from .simulator import cycle_time
-from .space import U_GRID, owner_parallelisms, u_grid_for_dp
+from .space import U_GRID, candidate_parallelisms, u_grid_for_dp
 from .structure import OpTables, Structure, owner_compute
 
 EPS = 1e-9  # relative slack: float rounding never prunes a candidate the simulator would keep
@@ -215,10 +216,23 @@ class Searcher:
         held = tuple(np.flatnonzero(job.st.counts[j].sum(axis=0)).tolist())
         key = ("pars", held, d, self.max_group_gpus)
         if key not in self.cache:
+            dev = self.devices[d]
             ops = [self.tables.reps[k][0] for k in held]
-            self.cache[key] = owner_parallelisms(
-                self.tables.model, self.devices[d], ops, self.max_group_gpus
-            )
+            pars = candidate_parallelisms(dev, ops, self.max_group_gpus)
+
+            def legal(par: Parallelism) -> bool:
+                for k in held:  # per distinct operator, memoised across owners
+                    lkey = ("legal", k, d, par)
+                    if lkey not in self.cache:
+                        op = [self.tables.reps[k][0]]
+                        self.cache[lkey] = (
+                            parallelism_problem(self.tables.model, par, dev.hardware, op) is None
+                        )
+                    if not self.cache[lkey]:
+                        return False
+                return True
+
+            self.cache[key] = tuple(p for p in pars if p.plain or legal(p))
         return self.cache[key]  # type: ignore[return-value]
 
     def _prunable(self, job: Job) -> bool:
@@ -243,9 +257,12 @@ class Searcher:
         parts: list[tuple[Parallelism, int, list[int], np.ndarray]] = []
         for par in self._parallelisms(job, j, d):
             cap = self.tables.max_resident_batch(st.counts[j].sum(axis=0), dev, par)
-            grid = [u for u in u_grid_for_dp(self.u_grid, par.dp) if u <= cap]
-            if grid:
-                parts.append((par, cap, grid, owner_compute(st, self.tables, j, dev, par, grid)))
+            grid = u_grid_for_dp(self.u_grid, par.dp)
+            fits = sum(u <= cap for u in grid)  # a prefix: the grid is sorted
+            if fits:
+                # the whole grid's latencies are shared by every owner on this device: cached
+                comp = owner_compute(st, self.tables, j, dev, par, grid)[:, :fits]
+                parts.append((par, cap, grid[:fits], comp))
         sizes = [len(g) for _, _, g, _ in parts]
 
         def per_config(values: list[int]) -> np.ndarray:
@@ -267,13 +284,17 @@ class Searcher:
     def _dominated(self, job: Job, j: int, table: OwnerTable) -> tuple[np.ndarray, np.ndarray]:
         """``(xs, ys)``: configuration ``xs[i]`` of the table dominates ``ys[i]`` (frontier.py).
         Rate per request is ``tp x dp x price / (M u)``: ``M`` and the price cancel."""
-        key = ("dominated", job.rank, j, job.assign, self.u_grid, self.max_group_gpus)
+        key = ("dominated", job.rank, j, job.assign, self.u_grid, self.max_group_gpus, self.slo)
         cached = self.cache.get(key)
         if cached is None:
+            # only configurations within the SLO at one microbatch can be options at all
+            rows = np.flatnonzero(table.total <= self.slo * (1 + EPS))
             dev = self.devices[job.assign[j]]
-            links = self._frontier_links(job, j, dev, table.tp, table.u, table.dp)
-            rate = table.gpus / table.u.astype(np.float64)
-            cached = dominated_pairs(table.tp, rate, table.lat, *links)
+            tp, u, dp = table.tp[rows], table.u[rows], table.dp[rows]
+            links = self._frontier_links(job, j, dev, tp, u, dp)
+            rate = tp * dp / u.astype(np.float64)
+            xs, ys = dominated_pairs(tp, rate, table.lat[:, rows], *links)
+            cached = (rows[xs], rows[ys])
             self.cache[key] = cached
         return cached  # type: ignore[return-value]
 

@@ -150,26 +150,36 @@ def u_grid_for(max_resident: int, microbatches: int) -> list[int]:
     return [u for u in U_GRID if u * microbatches <= max_resident]
 
 
+def candidate_parallelisms(
+    device: Device, ops: Sequence[OperatorSpec], max_group_gpus: int = GROUP_GPUS[-1]
+) -> tuple[Parallelism, ...]:
+    """The parallelisms an owner running ``ops`` on ``device`` is offered (see the module doc),
+    before the model's operators are checked to split so (:func:`owner_parallelisms`)."""
+    plain = tuple(Parallelism(tp=tp) for tp in device.tps)
+    if not any(op.moe is not None for op in ops) or not isinstance(device.latency, RooflineLatency):
+        return plain
+    return tuple(
+        Parallelism(tp=tp, ep=ep, dp=gpus // tp)
+        for tp in device.tps
+        for gpus in GROUP_GPUS
+        if gpus % tp == 0 and gpus <= max_group_gpus
+        for ep in dict.fromkeys((1, gpus))
+    )
+
+
 def owner_parallelisms(
     model: ModelSpec,
     device: Device,
     ops: Sequence[OperatorSpec],
     max_group_gpus: int = GROUP_GPUS[-1],
 ) -> tuple[Parallelism, ...]:
-    """The parallelisms an owner running ``ops`` on ``device`` may take (see the module doc)."""
-    plain = tuple(Parallelism(tp=tp) for tp in device.tps)
-    if not any(op.moe is not None for op in ops) or not isinstance(device.latency, RooflineLatency):
-        return plain
-    out: list[Parallelism] = []
-    for tp in device.tps:
-        for gpus in GROUP_GPUS:
-            if gpus % tp or gpus > max_group_gpus:
-                continue
-            for ep in dict.fromkeys((1, gpus)):
-                par = Parallelism(tp=tp, ep=ep, dp=gpus // tp)
-                if parallelism_problem(model, par, device.hardware, ops) is None:
-                    out.append(par)
-    return tuple(out)
+    """The parallelisms an owner running ``ops`` on ``device`` may take: those offered whose
+    operators split as they ask (:func:`opweave.costmodel.parallelism_problem`)."""
+    return tuple(
+        par
+        for par in candidate_parallelisms(device, ops, max_group_gpus)
+        if par.plain or parallelism_problem(model, par, device.hardware, ops) is None
+    )
 
 
 def u_grid_for_dp(u_grid: Sequence[int], dp: int) -> list[int]:

@@ -102,7 +102,12 @@ class OpTables:
     def latency(self, device: Device, par: Parallelism, batches: Sequence[float]) -> np.ndarray:
         """``K x len(batches)`` latencies of every distinct operator at replica microbatch
         ``batches`` (requests of the whole replica; DP ranks take their slices)."""
-        return np.stack([self._column(device, par, float(b)) for b in batches], axis=1)
+        key = ("matrix", device.id, par, tuple(float(b) for b in batches))
+        matrix = self._mem.get(key)
+        if matrix is None:
+            matrix = np.stack([self._column(device, par, float(b)) for b in batches], axis=1)
+            self._mem[key] = matrix
+        return matrix
 
     def bytes_moved(self, tp: int, batches: Sequence[float]) -> np.ndarray:
         """``K x len(batches)`` bytes every distinct operator touches per microbatch on one rank
