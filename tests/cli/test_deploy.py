@@ -60,9 +60,9 @@ def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
     assert nodes == plan_nodes(plan, {"h100-sxm": 8, "a100-sxm-80gb": 8})
     assert [n.model_dump(mode="json") for n in nodes] == doc["nodes"]
     ranks = [r for n in nodes for r in n.ranks]
-    assert ranks == list(range(sum(o.replicas * o.tp for o in plan.owners)))
+    assert ranks == list(range(sum(o.replicas * o.gpus_per_replica for o in plan.owners)))
     for gpu in {o.gpu for o in plan.owners}:
-        used = sum(o.replicas * o.tp for o in plan.owners if o.gpu == gpu)
+        used = sum(o.replicas * o.gpus_per_replica for o in plan.owners if o.gpu == gpu)
         assert sum(n.gpus for n in nodes if n.gpu == gpu) == used
     assert all(n.gpus <= 8 for n in nodes)
     assert Plan.model_validate_json((out / "plan.json").read_text()) == plan

@@ -157,7 +157,10 @@ def test_cost_per_token_matches_an_independent_computation(hetero_result) -> Non
         g = p.global_batch
         assert all(o.replicas * o.resident_batch == g for o in p.owners)
         assert math.gcd(*(o.replicas for o in p.owners)) == 1  # smallest balancing replicas
-        usd_per_s = sum(o.replicas * o.tp * cat.get(o.gpu).usd_per_hour for o in p.owners) / 3600
+        usd_per_s = (
+            sum(o.replicas * o.gpus_per_replica * cat.get(o.gpu).usd_per_hour for o in p.owners)
+            / 3600
+        )
         tokens_per_s = g / pred.tpot_s
         assert pred.usd_per_million_tokens == pytest.approx(
             usd_per_s / tokens_per_s * 1e6, rel=1e-12

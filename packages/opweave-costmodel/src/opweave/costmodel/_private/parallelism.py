@@ -52,6 +52,7 @@ from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .profile import LatencyModel
 from .roofline import (
+    ProfiledLatency,
     RooflineLatency,
     activation_bytes_per_rank,
     op_bytes_and_flops,
@@ -268,7 +269,7 @@ def parallel_op_terms_s(
     >>> round(t["alltoall_latency"] * 1e6), round(t["alltoall"] * 1e6, 1)  # dispatch + combine
     (84, 5.3)
     """
-    out = dict.fromkeys(TERMS, 0.0)
+    out: dict[str, float] = dict.fromkeys(TERMS, 0.0)
     if batch <= 0:
         return out
     if not is_group_op(op) or par.plain:
@@ -298,7 +299,7 @@ def parallel_op_terms_s(
 
 
 def parallel_op_latency_s(
-    latency: LatencyModel,
+    latency: LatencyModel | RooflineLatency | ProfiledLatency,
     model: ModelSpec,
     op: OperatorSpec,
     layer: LayerSpec | None,

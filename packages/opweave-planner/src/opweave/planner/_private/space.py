@@ -23,9 +23,13 @@
   tensor-parallel over the whole replica (``ep = 1``) or one set per GPU (``ep = tp x dp``, the
   wide-EP layout), the two layouts engines offer (vLLM without and with
   ``--enable-expert-parallel``). A microbatch splits evenly over the DP ranks (``u`` a multiple
-  of ``dp``). Dense models keep ``ep = dp = 1``: the cost model finds attention-DP for dense
-  layers no cheaper than more replicas (README). A measured profile times TP only, so a
-  profiled device keeps ``ep = dp = 1`` too.
+  of ``dp``). Dense models keep ``ep = dp = 1``: against TP over the same GPUs, attention-DP
+  trades each layer's attention all-reduce for the dense FFN's gather and scatter and
+  replicates the attention weights; on the built-in dense models on H100 (8K-32K context,
+  batch 8-256) the cost model finds it at best 2.3% faster (Gemma-3-27B, 256 requests at 8K,
+  TP 2 x DP 4 against TP 8) and up to 60% slower at small batches, not worth its search time
+  (``opweave estimate --dp`` evaluates it). A measured profile times TP only, so a profiled
+  device keeps ``ep = dp = 1`` too.
 * Microbatches ``M`` in {1, 2, 3, 4}, shared by all owners.
 
 Resident batches are ``M * u`` with ``u`` in {1, 2, 3, 4, 6, 8, ...} (powers of two and three
