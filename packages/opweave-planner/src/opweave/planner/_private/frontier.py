@@ -53,6 +53,10 @@ def dominated_pairs(
     member are the subset's frontier, so one computation serves every filter applied later
     (memory caps, the SLO), as a dominating configuration only counts where it is kept too."""
     xs_all, ys_all = [np.zeros(0, dtype=np.int64)], [np.zeros(0, dtype=np.int64)]
+    # repeated blocks give identical occurrences (and boundary groups identical link rows):
+    # a repeated row asks nothing more of a dominating configuration
+    latency = _distinct_rows(latency)
+    links = _distinct_rows(links)
     # only configurations of equal TP, both comparable, may dominate each other: one block each
     for t in np.unique(tp[comparable]):
         idx = np.flatnonzero((tp == t) & comparable)
@@ -84,3 +88,11 @@ def _block_pairs(
         same &= np.all(links[:, xs] == links[:, ys], axis=0)
     ok = ~same | (xs < ys)
     return xs[ok], ys[ok]
+
+
+def _distinct_rows(matrix: np.ndarray) -> np.ndarray:
+    """``matrix`` without repeated rows (in first-seen order)."""
+    if matrix.shape[0] < 2:
+        return matrix
+    first = {row.tobytes(): i for i, row in reversed(list(enumerate(matrix)))}
+    return matrix[sorted(first.values())]

@@ -254,13 +254,29 @@ class Searcher:
         if cached is not None:
             return cached  # type: ignore[return-value]
         st, dev = job.st, self.devices[d]
-        parts: list[tuple[Parallelism, int, list[int], np.ndarray]] = []
-        for par in self._parallelisms(job, j, d):
-            cap = self.tables.max_resident_batch(st.counts[j].sum(axis=0), dev, par)
+        pars = self._parallelisms(job, j, d)
+        caps = self.tables.max_resident_batches(st.counts[j].sum(axis=0), dev, pars)
+        fitting: list[tuple[Parallelism, int, list[int]]] = []
+        for par, cap in zip(pars, caps.tolist(), strict=True):
             grid = u_grid_for_dp(self.u_grid, par.dp)
             fits = sum(u <= cap for u in grid)  # a prefix: the grid is sorted
             if fits:
-                # the whole grid's latencies are shared by every owner on this device: cached
+                fitting.append((par, cap, grid))
+        parts: list[tuple[Parallelism, int, list[int], np.ndarray]] = []
+        if dev.host.orchestration is None:
+            # one product for every parallelism: each grid's operator latencies are shared by
+            # every owner on this device (cached), sliced to the batches that fit
+            mats = [self.tables.latency(dev, par, grid) for par, _, grid in fitting]
+            comp = st.counts[j] @ np.concatenate(mats, axis=1) if mats else None
+            col = 0
+            for par, cap, grid in fitting:
+                fits = sum(u <= cap for u in grid)
+                assert comp is not None
+                parts.append((par, cap, grid[:fits], comp[:, col : col + fits]))
+                col += len(grid)
+        else:
+            for par, cap, grid in fitting:
+                fits = sum(u <= cap for u in grid)
                 comp = owner_compute(st, self.tables, j, dev, par, grid)[:, :fits]
                 parts.append((par, cap, grid[:fits], comp))
         sizes = [len(g) for _, _, g, _ in parts]
@@ -298,8 +314,38 @@ class Searcher:
             self.cache[key] = cached
         return cached  # type: ignore[return-value]
 
-    def options(self, job: Job, j: int) -> OwnerOptions:
-        frontier = self._prunable(job)
+    def _feasible(self, job: Job, j: int) -> tuple[OwnerTable, np.ndarray]:
+        """Owner ``j``'s table and which configurations fit memory, the SLO and the inventory
+        at the sub-search's microbatch count."""
+        limit = self.limits.get(self.devices[job.assign[j]].id)
+        key = (
+            "feasible",
+            job.rank,
+            j,
+            job.assign,
+            job.microbatches,
+            self.slo,
+            limit,
+            self.u_grid,
+            self.max_group_gpus,
+        )
+        cached = self.cache.get(key)
+        if cached is None:
+            m, table = job.microbatches, self._table(job, j)
+            mask = (table.u * m <= table.cap) & (m * table.total <= self.slo * (1 + EPS))
+            if limit is not None:
+                mask &= table.gpus <= limit  # one replica alone needs more GPUs than that
+            self.stats.owner_configs += int(mask.sum())
+            cached = self.cache[key] = (table, mask)
+        return cached  # type: ignore[return-value]
+
+    def options(self, job: Job, j: int, prune: bool = True) -> OwnerOptions:
+        """Owner ``j``'s candidate configurations, reduced to its frontier where that is exact
+        (``prune``). A frontier keeps the least work, rate and full-occupancy cost of the set
+        (a dominating configuration is no worse in each), so sub-search root bounds are the same
+        without it: :meth:`run` bounds with ``prune=False`` and reduces only the sub-searches
+        it solves."""
+        frontier = prune and self._prunable(job)
         limit = self.limits.get(self.devices[job.assign[j]].id)
         key = (
             "options",
@@ -317,17 +363,13 @@ class Searcher:
         if cached is not None:
             return cached  # type: ignore[return-value]
         m, dev = job.microbatches, self.devices[job.assign[j]]
-        table = self._table(job, j)
-        mask = (table.u * m <= table.cap) & (m * table.total <= self.slo * (1 + EPS))
-        if limit is not None:
-            mask &= table.gpus <= limit  # one replica alone needs more GPUs than the inventory
-        self.stats.owner_configs += int(mask.sum())
+        table, mask = self._feasible(job, j)
         if frontier and mask.sum() > 1:
             xs, ys = self._dominated(job, j, table)
             beaten = np.zeros_like(mask)
             beaten[ys[mask[xs] & mask[ys]]] = True
             self.stats.frontier_removed += int((beaten & mask).sum())
-            mask &= ~beaten
+            mask = mask & ~beaten
         u = table.u[mask]
         gpus = table.gpus[mask]
         opts = OwnerOptions(
@@ -439,7 +481,7 @@ class Searcher:
         inc = seed
         prepared = []
         for job in jobs:
-            options = [self.options(job, j) for j in range(job.st.n)]
+            options = [self.options(job, j, prune=False) for j in range(job.st.n)]
             if any(s.size == 0 for s in options):
                 self._tick(phase, inc)
                 continue
@@ -456,6 +498,7 @@ class Searcher:
             ):
                 self.stats.subsearches_pruned += 1
             else:
+                options = [self.options(job, j) for j in range(job.st.n)]
                 inc = self._solve(job, options, inc)
             self._tick(phase, inc)
         return inc

@@ -15,7 +15,7 @@
   holds only small operators (checked with :func:`check_template`). Colocated, AFD and CAD are
   members of this family (and are searched as the baselines).
 * Owners: 1 or 2 owners; each owner takes one GPU type (homogeneous: all owners one type;
-  heterogeneous: two types), a parallelism (:func:`owner_parallelisms`) and a per-replica
+  heterogeneous: two types), a parallelism (:func:`candidate_parallelisms`) and a per-replica
   microbatch size ``u`` on a geometric grid; the resident batch is ``M * u``.
 * Parallelism: a TP degree in {1, 2, 4, 8} (those the device supports); an owner that runs
   routed experts on a roofline device also takes data-parallel ranks ``dp`` such that a replica
@@ -53,7 +53,6 @@ from opweave.costmodel import (
     cad_template,
     check_template,
     colocated_template,
-    parallelism_problem,
 )
 from opweave.costmodel.errors import ConfigError
 
@@ -158,7 +157,8 @@ def candidate_parallelisms(
     device: Device, ops: Sequence[OperatorSpec], max_group_gpus: int = GROUP_GPUS[-1]
 ) -> tuple[Parallelism, ...]:
     """The parallelisms an owner running ``ops`` on ``device`` is offered (see the module doc),
-    before the model's operators are checked to split so (:func:`owner_parallelisms`)."""
+    before the model's operators are checked to split so (the search keeps those
+    :func:`opweave.costmodel.parallelism_problem` passes)."""
     plain = tuple(Parallelism(tp=tp) for tp in device.tps)
     if not any(op.moe is not None for op in ops) or not isinstance(device.latency, RooflineLatency):
         return plain
@@ -168,21 +168,6 @@ def candidate_parallelisms(
         for gpus in GROUP_GPUS
         if gpus % tp == 0 and gpus <= max_group_gpus
         for ep in dict.fromkeys((1, gpus))
-    )
-
-
-def owner_parallelisms(
-    model: ModelSpec,
-    device: Device,
-    ops: Sequence[OperatorSpec],
-    max_group_gpus: int = GROUP_GPUS[-1],
-) -> tuple[Parallelism, ...]:
-    """The parallelisms an owner running ``ops`` on ``device`` may take: those offered whose
-    operators split as they ask (:func:`opweave.costmodel.parallelism_problem`)."""
-    return tuple(
-        par
-        for par in candidate_parallelisms(device, ops, max_group_gpus)
-        if par.plain or parallelism_problem(model, par, device.hardware, ops) is None
     )
 
 

@@ -149,17 +149,31 @@ class OpTables:
         """Largest resident batch of one replica running ``counts`` of each distinct operator
         (weights, state, activations): :func:`opweave.costmodel.max_replica_batch` of those
         operators, from per-operator terms computed once per TP degree and replica size."""
-        weights, state = self._class_terms(par.tp, par.gpus)
+        return int(self.max_resident_batches(counts, device, [par])[0])
+
+    def max_resident_batches(
+        self, counts: np.ndarray, device: Device, pars: Sequence[Parallelism]
+    ) -> np.ndarray:
+        """:meth:`max_resident_batch` of each of ``pars``, at once."""
+        if not pars:
+            return np.zeros(0, dtype=np.int64)
+        terms = [self._class_terms(p.tp, p.gpus) for p in pars]
+        weights = np.stack([w for w, _ in terms], axis=1)  # K x P
+        state = np.stack([s for _, s in terms], axis=1)
         held = counts > 0
-        weight = float(counts @ weights)
-        if held[self.tied].all() and len(self.tied) > 1:
-            weight -= float(weights[self.tied[1:]].sum())  # a tied embedding and head: once
+        weight = counts @ weights
+        if len(self.tied) > 1 and held[self.tied].all():
+            weight = weight - weights[self.tied[1:]].sum(axis=0)  # a tied embedding and head: once
         # activations: the two largest live tensors of the step (roofline.activation_bytes)
         sizes = np.repeat(self.boundary[held], np.minimum(counts[held], 2).astype(int))
-        top = np.sort(sizes)[::-1][:2]
-        per_request = float(counts @ state) + float(top.sum())
+        top = float(np.sort(sizes)[::-1][:2].sum())
+        per_request = counts @ state + top
         usable = device.hardware.usable_memory_bytes
-        return par.dp * max_resident_batch(usable, weight, per_request)
+        caps = [
+            max_resident_batch(usable, float(w), float(r))
+            for w, r in zip(weight, per_request, strict=True)
+        ]
+        return np.asarray(caps, dtype=np.int64) * np.array([p.dp for p in pars], dtype=np.int64)
 
 
 @dataclass(frozen=True)
