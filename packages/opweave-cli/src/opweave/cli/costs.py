@@ -130,7 +130,10 @@ def estimate(
         emit_json(est.model_dump())
         return
     fits = "yes" if est.fits else "NO (exceeds usable memory)"
-    layout = "" if ep == dp == 1 else f" ({dp} DP ranks of TP{tp}, experts over EP{ep})"
+    layout = ""
+    if ep != 1 or dp != 1:
+        experts = "tensor-parallel over all" if ep == 1 else f"over EP{ep}"
+        layout = f" ({dp} DP rank{'s' if dp > 1 else ''} of TP{tp}, experts {experts})"
     typer.echo(
         f"{spec.name} on {tp * dp} x {hw.id}{layout}, batch {batch}, context {est.context_tokens}"
     )

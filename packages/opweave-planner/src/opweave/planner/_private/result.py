@@ -338,9 +338,7 @@ class PlanResult:
         for o, place in zip(doc["owners"], doc["placement"], strict=True):
             reps = f"{o['replicas']} replica{'s' if o['replicas'] > 1 else ''}"
             used, cap = o["memory_bytes_per_gpu"] / 1e9, o["memory_capacity_bytes_per_gpu"] / 1e9
-            layout = f"TP{o['tp']}"
-            if o["dp"] > 1 or o["ep"] > 1:
-                layout = f"{o['dp']} DP ranks of TP{o['tp']}, experts over EP{o['ep']}"
+            layout = _layout_words(o["tp"], o["ep"], o["dp"])
             lines.append(
                 f"    owner {place['owner']}: {reps} of {o['tp'] * o['dp']} x {o['gpu']} "
                 f"({layout}), {o['resident_batch']} requests each, {used:.1f} of {cap:.1f} GB "
@@ -425,6 +423,20 @@ class PlanResult:
         if mean_b < best_b:
             why.append(f"smaller batches (mean {mean_b:.0f} vs {best_b:.0f})")
         return f" ({', '.join(why)})" if why else ""
+
+
+def _layout_words(tp: int, ep: int, dp: int) -> str:
+    """``TP2``, or ``4 DP ranks of TP2, experts over EP8`` (how a replica lays out its GPUs)."""
+    if ep == dp == 1:
+        return f"TP{tp}"
+    gpus = tp * dp
+    if ep == 1:
+        experts = f"experts tensor-parallel over all {gpus}"
+    elif ep == gpus:
+        experts = f"experts over EP{ep}"
+    else:
+        experts = f"experts over EP{ep}, each TP{gpus // ep}"
+    return f"{dp} DP rank{'s' if dp > 1 else ''} of TP{tp}, {experts}"
 
 
 def _mean_batch(plan: Plan) -> float:
