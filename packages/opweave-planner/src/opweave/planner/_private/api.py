@@ -28,9 +28,9 @@ from opweave.costmodel.errors import ConfigError
 
 from .devices import Device, resolve_devices
 from .evaluate import OwnerChoice, make_plan
+from .owners import Job
 from .result import BASELINES, PlanResult, describe_plan
 from .search import (
-    Job,
     Leaf,
     Searcher,
     SearchProgress,

@@ -32,27 +32,20 @@ import numpy as np
 
 from opweave.costmodel import (
     GROUP_GPUS,
-    Parallelism,
     boundary_transfer_s,
-    fan_out_s,
     fits_inventory,
     intra_node_link,
-    link_time_s,
     node_layout,
-    parallelism_problem,
-    usd_per_hour_per_request,
 )
 
 from .bounds import cost_lower_bound, full_occupancy_cost, tpot_lower_bound
 from .devices import Device
 from .evaluate import OwnerChoice, build_pipeline, cost_rate
-from .frontier import dominated_pairs
 from .host import cools
+from .owners import EPS, Job, OwnerOptions, OwnerSpace
 from .simulator import cycle_time
-from .space import U_GRID, candidate_parallelisms, u_grid_for_dp
-from .structure import OpTables, Structure, owner_compute
-
-EPS = 1e-9  # relative slack: float rounding never prunes a candidate the simulator would keep
+from .space import U_GRID
+from .structure import OpTables, Structure
 
 
 @dataclass
@@ -82,14 +75,6 @@ class SearchProgress:
 
 
 @dataclass(frozen=True)
-class Job:
-    rank: int
-    st: Structure
-    microbatches: int
-    assign: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class Leaf:
     """A simulated complete candidate: objective value, TPOT and tie-break key."""
 
@@ -108,58 +93,6 @@ def lexmin(*leaves: Leaf | None) -> Leaf | None:
     return min(found, key=Leaf.order) if found else None
 
 
-@dataclass(frozen=True)
-class OwnerTable:
-    """Every configuration of one owner on one device (parallel arrays; ``lat`` is ``S x C``):
-    a parallelism, a microbatch size ``u`` a multiple of its ``dp`` and within the replica's
-    memory ``cap``, and the per-occurrence latencies of one microbatch."""
-
-    tp: np.ndarray
-    ep: np.ndarray
-    dp: np.ndarray
-    cap: np.ndarray
-    u: np.ndarray
-    lat: np.ndarray
-    total: np.ndarray
-
-    @property
-    def gpus(self) -> np.ndarray:
-        return self.tp * self.dp
-
-
-@dataclass(frozen=True)
-class OwnerOptions:
-    """Candidate configurations of one owner in one sub-search (parallel arrays)."""
-
-    device: Device
-    tp: np.ndarray
-    u: np.ndarray  # requests of a replica's microbatch (over all its DP ranks)
-    w: np.ndarray  # per-microbatch work of the owner
-    rate: np.ndarray  # USD/hour per request: tp * dp * price / (M * u)
-    ep: np.ndarray
-    dp: np.ndarray
-
-    def take(self, mask: np.ndarray) -> OwnerOptions:
-        return OwnerOptions(
-            self.device,
-            self.tp[mask],
-            self.u[mask],
-            self.w[mask],
-            self.rate[mask],
-            self.ep[mask],
-            self.dp[mask],
-        )
-
-    @property
-    def size(self) -> int:
-        return int(self.tp.shape[0])
-
-    @property
-    def gpus(self) -> np.ndarray:
-        """GPUs of one replica: ``tp x dp``."""
-        return self.tp * self.dp
-
-
 class Searcher:
     """Runs sub-searches for one objective under one TPOT SLO and one GPU inventory.
 
@@ -170,8 +103,8 @@ class Searcher:
     jointly (``lcm``), so a configuration with a better rate and latencies can still need more
     GPUs: the per-owner frontiers are not applied where an inventory bounds a GPU type of the
     sub-search, nor for the ``"gpus"`` objective. Branch-and-bound bounds GPU counts instead:
-    a prefix's owners need at least ``tp * lcm(prefix batches) / b`` GPUs each, an unassigned
-    owner at least its smallest ``tp``.
+    a prefix's owners need at least ``tp * dp * lcm(prefix batches) / b`` GPUs each, an
+    unassigned owner at least its fewest GPUs per replica.
     """
 
     def __init__(
@@ -209,211 +142,26 @@ class Searcher:
         self.started = time.perf_counter()
         self.done = 0
         self.total = 0
+        self.owners = OwnerSpace(
+            tables,
+            devices,
+            slo_s=slo_s,
+            limits=self.limits,
+            u_grid=self.u_grid,
+            max_group_gpus=max_group_gpus,
+            frontier=frontier and objective != "gpus",
+            stats=self.stats,
+            cache=self.cache,
+        )
 
-    # -- per-owner candidates ----------------------------------------------------------------
-    def _parallelisms(self, job: Job, j: int, d: int) -> tuple[Parallelism, ...]:
-        # what decides an owner's parallelisms: which distinct operators it runs
-        held = tuple(np.flatnonzero(job.st.counts[j].sum(axis=0)).tolist())
-        key = ("pars", held, d, self.max_group_gpus)
-        if key not in self.cache:
-            dev = self.devices[d]
-            ops = [self.tables.reps[k][0] for k in held]
-            pars = candidate_parallelisms(dev, ops, self.max_group_gpus)
-
-            def legal(par: Parallelism) -> bool:
-                for k in held:  # per distinct operator, memoised across owners
-                    lkey = ("legal", k, d, par)
-                    if lkey not in self.cache:
-                        op = [self.tables.reps[k][0]]
-                        self.cache[lkey] = (
-                            parallelism_problem(self.tables.model, par, dev.hardware, op) is None
-                        )
-                    if not self.cache[lkey]:
-                        return False
-                return True
-
-            self.cache[key] = tuple(p for p in pars if p.plain or legal(p))
-        return self.cache[key]  # type: ignore[return-value]
-
-    def _prunable(self, job: Job) -> bool:
-        """Whether per-owner frontiers are exact for this sub-search (see the class doc)."""
-        if not self.frontier or self.objective == "gpus":
-            return False
-        return not any(self.devices[d].id in self.limits for d in job.assign)
+    def options(self, job: Job, j: int, prune: bool = True) -> OwnerOptions:
+        """Owner ``j``'s candidates in sub-search ``job`` (:meth:`OwnerSpace.options`)."""
+        return self.owners.options(job, j, prune)
 
     def _counts_gpus(self, job: Job) -> bool:
         return self.objective == "gpus" or any(
             self.devices[d].id in self.limits for d in job.assign
         )
-
-    def _table(self, job: Job, j: int) -> OwnerTable:
-        """Every configuration of owner ``j`` on its device, whatever ``M`` and the SLO."""
-        d = job.assign[j]
-        key = ("table", job.rank, j, d, self.u_grid, self.max_group_gpus)
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached  # type: ignore[return-value]
-        st, dev = job.st, self.devices[d]
-        pars = self._parallelisms(job, j, d)
-        caps = self.tables.max_resident_batches(st.counts[j].sum(axis=0), dev, pars)
-        fitting: list[tuple[Parallelism, int, list[int]]] = []
-        for par, cap in zip(pars, caps.tolist(), strict=True):
-            grid = u_grid_for_dp(self.u_grid, par.dp)
-            fits = sum(u <= cap for u in grid)  # a prefix: the grid is sorted
-            if fits:
-                fitting.append((par, cap, grid))
-        parts: list[tuple[Parallelism, int, list[int], np.ndarray]] = []
-        if dev.host.orchestration is None:
-            # one product for every parallelism: each grid's operator latencies are shared by
-            # every owner on this device (cached), sliced to the batches that fit
-            mats = [self.tables.latency(dev, par, grid) for par, _, grid in fitting]
-            comp = st.counts[j] @ np.concatenate(mats, axis=1) if mats else None
-            col = 0
-            for par, cap, grid in fitting:
-                fits = sum(u <= cap for u in grid)
-                assert comp is not None
-                parts.append((par, cap, grid[:fits], comp[:, col : col + fits]))
-                col += len(grid)
-        else:
-            for par, cap, grid in fitting:
-                fits = sum(u <= cap for u in grid)
-                comp = owner_compute(st, self.tables, j, dev, par, grid)[:, :fits]
-                parts.append((par, cap, grid[:fits], comp))
-        sizes = [len(g) for _, _, g, _ in parts]
-
-        def per_config(values: list[int]) -> np.ndarray:
-            return np.repeat(np.asarray(values, dtype=np.int64), sizes)
-
-        lat = np.concatenate([c for *_, c in parts], axis=1) if parts else np.zeros((0, 0))
-        table = OwnerTable(
-            tp=per_config([p.tp for p, *_ in parts]),
-            ep=per_config([p.ep for p, *_ in parts]),
-            dp=per_config([p.dp for p, *_ in parts]),
-            cap=per_config([c for _, c, *_ in parts]),
-            u=np.asarray([u for _, _, g, _ in parts for u in g], dtype=np.int64),
-            lat=lat,
-            total=lat.sum(axis=0) if parts else np.zeros(0),
-        )
-        self.cache[key] = table
-        return table
-
-    def _dominated(self, job: Job, j: int, table: OwnerTable) -> tuple[np.ndarray, np.ndarray]:
-        """``(xs, ys)``: configuration ``xs[i]`` of the table dominates ``ys[i]`` (frontier.py).
-        Rate per request is ``tp x dp x price / (M u)``: ``M`` and the price cancel."""
-        key = ("dominated", job.rank, j, job.assign, self.u_grid, self.max_group_gpus, self.slo)
-        cached = self.cache.get(key)
-        if cached is None:
-            # only configurations within the SLO at one microbatch can be options at all
-            rows = np.flatnonzero(table.total <= self.slo * (1 + EPS))
-            dev = self.devices[job.assign[j]]
-            tp, u, dp = table.tp[rows], table.u[rows], table.dp[rows]
-            links = self._frontier_links(job, j, dev, tp, u, dp)
-            rate = tp * dp / u.astype(np.float64)
-            xs, ys = dominated_pairs(tp, rate, table.lat[:, rows], *links)
-            cached = (rows[xs], rows[ys])
-            self.cache[key] = cached
-        return cached  # type: ignore[return-value]
-
-    def _feasible(self, job: Job, j: int) -> tuple[OwnerTable, np.ndarray]:
-        """Owner ``j``'s table and which configurations fit memory, the SLO and the inventory
-        at the sub-search's microbatch count."""
-        limit = self.limits.get(self.devices[job.assign[j]].id)
-        key = (
-            "feasible",
-            job.rank,
-            j,
-            job.assign,
-            job.microbatches,
-            self.slo,
-            limit,
-            self.u_grid,
-            self.max_group_gpus,
-        )
-        cached = self.cache.get(key)
-        if cached is None:
-            m, table = job.microbatches, self._table(job, j)
-            mask = (table.u * m <= table.cap) & (m * table.total <= self.slo * (1 + EPS))
-            if limit is not None:
-                mask &= table.gpus <= limit  # one replica alone needs more GPUs than that
-            self.stats.owner_configs += int(mask.sum())
-            cached = self.cache[key] = (table, mask)
-        return cached  # type: ignore[return-value]
-
-    def options(self, job: Job, j: int, prune: bool = True) -> OwnerOptions:
-        """Owner ``j``'s candidate configurations, reduced to its frontier where that is exact
-        (``prune``). A frontier keeps the least work, rate and full-occupancy cost of the set
-        (a dominating configuration is no worse in each), so sub-search root bounds are the same
-        without it: :meth:`run` bounds with ``prune=False`` and reduces only the sub-searches
-        it solves."""
-        frontier = prune and self._prunable(job)
-        limit = self.limits.get(self.devices[job.assign[j]].id)
-        key = (
-            "options",
-            job.rank,
-            j,
-            job.assign,
-            job.microbatches,
-            self.slo,
-            frontier,
-            limit,
-            self.u_grid,
-            self.max_group_gpus,
-        )
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached  # type: ignore[return-value]
-        m, dev = job.microbatches, self.devices[job.assign[j]]
-        table, mask = self._feasible(job, j)
-        if frontier and mask.sum() > 1:
-            xs, ys = self._dominated(job, j, table)
-            beaten = np.zeros_like(mask)
-            beaten[ys[mask[xs] & mask[ys]]] = True
-            self.stats.frontier_removed += int((beaten & mask).sum())
-            mask = mask & ~beaten
-        u = table.u[mask]
-        gpus = table.gpus[mask]
-        opts = OwnerOptions(
-            dev,
-            table.tp[mask],
-            u,
-            table.total[mask],
-            np.asarray(usd_per_hour_per_request(gpus, dev.usd_per_hour, m * u.astype(np.float64))),
-            table.ep[mask],
-            table.dp[mask],
-        )
-        self.cache[key] = opts
-        return opts
-
-    def _frontier_links(
-        self, job: Job, j: int, dev: Device, tp: np.ndarray, u: np.ndarray, dp: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Link times of owner j's configurations, and which may be compared at all.
-
-        A boundary's transfer takes ``max(send, recv) + fan_out``, so the owner's send, receive
-        and fan-out times are compared separately; each DP rank's leader moves its own
-        ``u / dp`` tokens. They are partner-independent only when the link kind is: always the
-        network against a partner of another GPU type, and against one of the same type only
-        when a replica's ``tp x dp >= gpus_per_node`` (no pod fits in a node). Otherwise the
-        pod rule could give X and Y different link kinds, which would change the partner's side
-        of the transfer too, so those configurations are left unpruned.
-        """
-        rows = []
-        uf = u.astype(np.float64) / dp
-        comparable = np.ones(tp.shape[0], dtype=bool)
-        net = dev.network
-        for g in job.st.groups:
-            if j not in (g.src, g.dst):
-                continue
-            partner = self.devices[job.assign[g.dst if g.src == j else g.src]]
-            if partner.id == dev.id:
-                comparable &= tp * dp >= dev.hardware.gpus_per_node
-            if g.src == j:
-                rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
-            if g.dst == j:
-                rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
-                rows.append(fan_out_s(g.beta, uf, tp, *dev.intra.coeffs))
-        links = np.stack(rows) if rows else np.zeros((0, tp.shape[0]))
-        return links, comparable
 
     # -- bounds ---------------------------------------------------------------------------------
     def _value(
