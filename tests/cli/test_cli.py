@@ -85,6 +85,57 @@ def test_estimate_json_fields() -> None:
     assert cli_json("estimate", "llama-3.3-70b", "--gpu", "h100", "--tp", "1")["fits"] is False
 
 
+def test_estimate_expert_and_data_parallel_json() -> None:
+    args = ("estimate", "qwen3-30b-a3b", "--gpu", "h200", "--batch", "256", "--context", "4K")
+    tp = cli_json(*args, "--tp", "8")
+    ep = cli_json(*args, "--tp", "1", "--ep", "8", "--dp", "8")
+    # the contract's keys, and the terms and figures EP/DP add
+    for doc in (tp, ep):
+        assert {"step_latency_s", "breakdown_s", "memory_bytes_per_gpu", "fits"} <= set(doc)
+        assert {"tp", "ep", "dp", "expert_imbalance", "expert_imbalance_basis"} <= set(doc)
+        assert {"alltoall", "alltoall_latency"} <= set(doc["breakdown_s"])
+        assert doc["step_latency_s"] == pytest.approx(sum(doc["breakdown_s"].values()))
+    assert (tp["tp"], tp["ep"], tp["dp"]) == (8, 1, 1) and tp["expert_imbalance"] is None
+    assert (ep["tp"], ep["ep"], ep["dp"]) == (1, 8, 8)
+    assert ep["breakdown_s"]["alltoall_latency"] == pytest.approx(48 * 2 * 42e-6)
+    assert ep["expert_imbalance"] > 1 and ep["expert_imbalance_basis"].startswith("assumed")
+    assert ep["usd_per_million_tokens"] < tp["usd_per_million_tokens"]
+    measured = cli_json(*args, "--tp", "1", "--ep", "8", "--dp", "8", "--expert-imbalance", "2")
+    assert measured["expert_imbalance"] == pytest.approx(2 * ep["expert_imbalance"])
+    assert measured["expert_imbalance_basis"].startswith("measured")
+    text = run_cli(*args, "--tp", "1", "--ep", "8", "--dp", "8").stdout
+    assert "8 x h200-sxm (8 DP ranks of TP1, experts over EP8)" in text
+    assert "busiest expert GPU: 1.08x the mean load (assumed" in text
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--ep", "3", "--dp", "8"], "--tp 1 --ep 3 --dp 8: ep 3 does not divide tp x dp = 8"),
+        (["--ep", "256", "--dp", "256"], "ep 256 is more than the 128 routed experts"),
+        (["--ep", "4", "--dp", "12"], "spans part of an NVLink domain of 8"),
+        (["--dp", "2048"], "--dp must be from 1 to 1024"),
+        (["--ep", "0"], "--ep must be from 1 to 1024"),
+        (["--expert-imbalance", "2"], "--expert-imbalance applies to expert parallelism"),
+        (["--ep", "8", "--dp", "8", "--expert-imbalance", "0.5"], "at least 1"),
+    ],
+)
+def test_estimate_refuses_illegal_parallelism(args: list[str], message: str) -> None:
+    proc = run_cli("estimate", "qwen3-30b-a3b", "--gpu", "h200", *args, check=False)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+
+
+def test_estimate_refuses_expert_parallelism_on_a_dense_model() -> None:
+    proc = run_cli("estimate", "qwen3-32b", "--gpu", "h100", "--ep", "2", "--dp", "2", check=False)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "error: --tp 1 --ep 2 --dp 2: ep 2: qwen3-32b has no routed experts (a dense model); "
+        "use ep 1"
+    )
+
+
 def test_estimate_host_profile() -> None:
     args = ("estimate", "qwen3-32b", "--gpu", "a100", "--batch", "4")
     stock = cli_json(*args)

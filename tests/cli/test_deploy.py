@@ -60,9 +60,9 @@ def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
     assert nodes == plan_nodes(plan, {"h100-sxm": 8, "a100-sxm-80gb": 8})
     assert [n.model_dump(mode="json") for n in nodes] == doc["nodes"]
     ranks = [r for n in nodes for r in n.ranks]
-    assert ranks == list(range(sum(o.replicas * o.tp for o in plan.owners)))
+    assert ranks == list(range(sum(o.replicas * o.gpus_per_replica for o in plan.owners)))
     for gpu in {o.gpu for o in plan.owners}:
-        used = sum(o.replicas * o.tp for o in plan.owners if o.gpu == gpu)
+        used = sum(o.replicas * o.gpus_per_replica for o in plan.owners if o.gpu == gpu)
         assert sum(n.gpus for n in nodes if n.gpu == gpu) == used
     assert all(n.gpus <= 8 for n in nodes)
     assert Plan.model_validate_json((out / "plan.json").read_text()) == plan
@@ -100,6 +100,29 @@ def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
             env["valueFrom"]["secretKeyRef"]["name"] == manifests["secret.yaml"]["metadata"]["name"]
         )
         assert s["spec"]["serviceName"].endswith("-rdzv")
+
+
+def test_deploy_counts_tp_x_dp_gpus_per_replica(tmp_path) -> None:
+    """A wide-EP plan: 2 replicas of 8 DP ranks of TP 2 (experts over EP 16) are 32 GPUs, four
+    nodes of 8, one launch script each, ranks numbered DP rank by DP rank."""
+    plan = canonical_plan(
+        load_model("qwen3-30b-a3b"),
+        "colocated",
+        gpu="h100-sxm",
+        batch=64,
+        tp=2,
+        ep=16,
+        dp=8,
+        replicas=2,
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    out = tmp_path / "dep"
+    cli_json("deploy", str(path), "-o", str(out))
+    nodes = json.loads((out / "nodes.json").read_text())
+    assert [(n["gpu"], n["gpus"]) for n in nodes] == [("h100-sxm", 8)] * 4
+    assert [r for n in nodes for r in n["ranks"]] == list(range(32))
+    assert sorted(p.name for p in (out / "launch").iterdir()) == [f"node-{r}.sh" for r in range(4)]
 
 
 def test_manifests_fail_validation_when_broken(fleet_plan, tmp_path) -> None:

@@ -139,6 +139,30 @@ def test_estimate_flags(flag: str, value: str) -> None:
         assert value.strip()
 
 
+PARALLEL_FLAGS = ("--tp", "--ep", "--dp", "--expert-imbalance", "--batch")
+degrees = st.one_of(st.sampled_from(("1", "2", "4", "8", "16", "32", "64", "72", "128")), numbers)
+
+
+@FUZZ
+@given(
+    values=st.lists(
+        st.tuples(st.sampled_from(PARALLEL_FLAGS), degrees),
+        min_size=1,
+        max_size=4,
+        unique_by=lambda x: x[0],
+    )
+)
+def test_estimate_parallelism_flags(values: list[tuple[str, str]]) -> None:
+    """(TP, EP, DP) on a MoE model: a legal layout's estimate, or one ``error:`` line."""
+    args = ["estimate", "qwen3-30b-a3b", "--gpu", "h200", "--context", "4K", "--json"]
+    code, out = check_output("estimate parallelism", [*args, *(f"{f}={v}" for f, v in values)])
+    if code == 0:
+        doc = json.loads(out)
+        assert (doc["tp"] * doc["dp"]) % doc["ep"] == 0
+        assert doc["step_latency_s"] == pytest.approx(sum(doc["breakdown_s"].values()))
+        assert (doc["expert_imbalance"] is None) == (doc["ep"] == 1)
+
+
 @FUZZ
 @given(flag=st.sampled_from(ANALYZE_FLAGS), value=numbers)
 def test_analyze_flags(flag: str, value: str) -> None:

@@ -526,6 +526,19 @@ def test_block_fp8_shards_hold_whole_scale_blocks() -> None:
     assert tp_problem(load_model("qwen3-32b", quant="fp8-block"), 8) is None
 
 
+def test_block_fp8_experts_split_by_their_own_gpus_under_expert_parallelism() -> None:
+    """Under EP each expert is split over tp x dp / ep GPUs, not the group: Qwen3-235B-A22B-FP8
+    on 8 GPUs cannot run its experts at TP 8 (192-channel shards) but can at EP 8 (whole
+    experts) or EP 2 (384-channel shards); TP 8 x EP 1 with DP 1 is the TP case."""
+    from opweave.costmodel import Parallelism, parallelism_problem
+
+    spec = model_spec_from_config(config("qwen3-235b-a22b-fp8.json"))
+    assert "shards of 192" in (parallelism_problem(spec, Parallelism(tp=8)) or "")
+    assert parallelism_problem(spec, Parallelism(tp=1, ep=8, dp=8)) is None
+    assert parallelism_problem(spec, Parallelism(tp=1, ep=2, dp=8)) is None
+    assert "shards of 192" in (parallelism_problem(spec, Parallelism(tp=1, ep=1, dp=8)) or "")
+
+
 def test_hf_quant_config_is_found_beside_the_config(tmp_path: Path) -> None:
     """In the model folder, beside a config.json, or as NAME.hf_quant_config.json beside a
     config file NAME.json (how the reference configs are stored); config.json's own

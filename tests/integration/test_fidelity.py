@@ -129,7 +129,7 @@ def test_cli_plan_with_a_cpu_profile_then_run(profiled, tmp_path, capsys) -> Non
     assert all(o["resident_batch"] == BATCH and o["replicas"] == 1 for o in best["owners"])
     plan = json.loads(plan_path.read_text())
     assert plan["microbatches"] == MICROBATCHES and plan["owners"][0]["gpu"] == "cpu"
-    ranks = sum(o["replicas"] * o["tp"] for o in plan["owners"])
+    ranks = sum(o["replicas"] * o["tp"] * o.get("dp", 1) for o in plan["owners"])
     assert ranks == len(plan["owners"]) <= 2
 
     prompts = tmp_path / "prompts.jsonl"

@@ -16,6 +16,22 @@ from opweave.costmodel import (
 )
 from tests.helpers import TINY_LLAMA
 
+TINY_MOE = {
+    "model_type": "qwen3_moe",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "vocab_size": 100,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+
 
 def toy_gpu(gpu_id: str, **fields: object) -> HardwareSpec:
     base: dict[str, object] = dict(
@@ -88,3 +104,8 @@ def random_profile(
 @pytest.fixture(scope="session")
 def tiny_llama() -> ModelSpec:
     return model_spec_from_config(TINY_LLAMA, name="tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_moe() -> ModelSpec:
+    return model_spec_from_config(TINY_MOE, name="tiny-moe")

@@ -2,7 +2,8 @@
 
 Small random spaces: the tiny Llama, two synthetic device types with random prices, memories,
 links and *noisy* latency profiles (latency is not monotone in batch, so the Pareto frontiers
-really prune), random TPOT SLOs between infeasible and loose.
+really prune), random TPOT SLOs between infeasible and loose; and a tiny MoE on two random
+roofline GPU types, whose owners also take expert and data-parallel degrees.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from opweave.costmodel import (
+    GROUP_GPUS,
     HardwareCatalog,
     IdleSlowdown,
     ModelSpec,
     OrchestrationProfile,
+    Parallelism,
+    memory_bytes_per_gpu,
     memory_bytes_per_rank,
+    parallelism_problem,
 )
 from opweave.planner import candidate_templates, plan, resolve_devices
 from opweave.planner._private.evaluate import OwnerChoice, evaluate
@@ -228,3 +233,129 @@ def test_pareto_mask_prunes_only_at_equal_tp_and_when_comparable() -> None:
     ).tolist() == [True, True, True, True, False]
     # configurations whose link kind depends on the partner are never pruned
     assert pareto_mask(tp, rate, latency, links, np.array([False, False, True, True, True])).all()
+
+
+# -- expert parallelism and data-parallel attention ------------------------------------------
+EP_U = (2, 4)
+EP_CONTEXT = 256
+MAX_GROUP = 4
+
+
+def random_gpus(seed: int) -> HardwareCatalog:
+    """Two roofline GPU types with random memories, rates, links, prices and node sizes."""
+    rng = np.random.default_rng(seed)
+    return HardwareCatalog(
+        toy_gpu(
+            f"dev{i}",
+            memory_bytes=float(rng.uniform(2e5, 2e6)),
+            mem_bandwidth_bytes_per_s=float(rng.uniform(1e10, 1e12)),
+            dense_flops_per_s=float(rng.uniform(1e12, 1e14)),
+            usd_per_hour=float(rng.uniform(0.5, 4.0)),
+            network_bandwidth_bytes_per_s=float(rng.uniform(1e8, 1e10)),
+            intra_node_bandwidth_bytes_per_s=float(rng.uniform(1e9, 1e11)),
+            network_latency_s=float(rng.uniform(1e-6, 3e-5)),
+            alltoall_latency_s=float(rng.uniform(1e-6, 6e-5)),
+            gpus_per_node=int(rng.choice([2, 4])),
+        )
+        for i in range(2)
+    )
+
+
+def brute_force_ep_dp(
+    model: ModelSpec, catalog: HardwareCatalog
+) -> list[tuple[float, float, str, bool]]:
+    """(USD per Mtok, TPOT, strategy, whether an owner has EP or DP) of every memory-feasible
+    point of the space, written from
+    the space's definition: owners that run routed experts take a replica of ``tp x dp`` GPUs
+    (``dp`` from the group sizes, at most ``MAX_GROUP``) with ``ep`` 1 or ``tp x dp``, every
+    legal one; a microbatch a multiple of ``dp``."""
+    devices = resolve_devices(["dev0", "dev1"], model, catalog=catalog)
+    tables = OpTables(model, EP_CONTEXT)
+    rows = []
+    for cand in candidate_templates(model):
+        n = cand.num_owners
+        structure = build_structure(model, tables, cand.template, n)
+        for m, assign in itertools.product(MBS, itertools.product(devices, repeat=n)):
+            per_owner = []
+            for j, dev in enumerate(assign):
+                ops = list(structure.owner_ops[j])
+                pars = [Parallelism(tp=tp) for tp in dev.tps]
+                if any(op.moe is not None for op in ops):
+                    pars = [
+                        Parallelism(tp=tp, ep=ep, dp=g // tp)
+                        for tp in dev.tps
+                        for g in GROUP_GPUS
+                        if g % tp == 0 and g <= MAX_GROUP
+                        for ep in sorted({1, g})
+                    ]
+                    pars = [
+                        p for p in pars if parallelism_problem(model, p, dev.hardware, ops) is None
+                    ]
+                per_owner.append(
+                    [
+                        (p, u)
+                        for p in pars
+                        for u in EP_U
+                        if u % p.dp == 0
+                        and memory_bytes_per_gpu(ops, p, m * u, EP_CONTEXT)
+                        <= dev.hardware.usable_memory_bytes
+                    ]
+                )
+            for combo in itertools.product(*per_owner):
+                owners = [
+                    OwnerChoice(dev, p.tp, m * u, ep=p.ep, dp=p.dp)
+                    for dev, (p, u) in zip(assign, combo, strict=True)
+                ]
+                ev = evaluate(structure, tables, owners, m)
+                wide = any(not p.plain for p, _ in combo)
+                rows.append(
+                    (ev.usd_per_million_tokens, ev.tpot_s, cand.baseline or "opweave", wide)
+                )
+    return rows
+
+
+def run_plan_ep_dp(model: ModelSpec, catalog: HardwareCatalog, slo: float, **kwargs: bool):
+    return plan(
+        model,
+        ["dev0", "dev1"],
+        context=EP_CONTEXT,
+        tpot_slo_s=slo,
+        catalog=catalog,
+        microbatches=MBS,
+        u_grid=EP_U,
+        max_group_gpus=MAX_GROUP,
+        **kwargs,
+    )
+
+
+@settings(max_examples=5, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0.05, 1.0))
+def test_branch_and_bound_matches_exhaustive_enumeration_with_ep_dp(
+    tiny_moe: ModelSpec, seed: int, quantile: float
+) -> None:
+    catalog = random_gpus(seed)
+    rows = brute_force_ep_dp(tiny_moe, catalog)
+    if not rows:
+        assert run_plan_ep_dp(tiny_moe, catalog, 1.0).best is None
+        return
+    assert any(wide for *_, wide in rows)  # the space holds EP/DP owners
+    tpots = sorted(t for _, t, *_ in rows)
+    at = tpots[round(quantile * (len(tpots) - 1))]
+    above = [t for t in tpots if t > at * (1 + 1e-9)]
+    slo = (at + above[0]) / 2 if above else at * 1.01  # never on a point's TPOT
+    result = run_plan_ep_dp(tiny_moe, catalog, slo)
+    feasible = [r for r in rows if r[1] <= slo]
+    assert result.best is not None and result.best.prediction is not None
+    assert result.best.prediction.usd_per_million_tokens == pytest.approx(
+        min(u for u, *_ in feasible), rel=1e-9
+    )
+    for name in ("colocated", "afd", "cad"):
+        mine = [u for u, _, s, _ in feasible if s == name]
+        got = result.baselines[name]
+        assert (got is None) == (not mine)
+        if got is not None and got.prediction is not None:
+            assert got.prediction.usd_per_million_tokens == pytest.approx(min(mine), rel=1e-9)
+    # the same optimum without either reduction
+    for flags in ({"frontier_pruning": False}, {"branch_and_bound": False}):
+        other = run_plan_ep_dp(tiny_moe, catalog, slo, **flags)
+        assert other.best == result.best

@@ -120,7 +120,7 @@ def test_inventory_optimum_equals_brute_force(
         nodes = [(n.gpu, n.gpus) for n in plan_nodes(p, per_node)]
         assert fits_inventory(nodes, inventory, per_node)
         for gpu, limit in inventory.items():
-            used = sum(o.replicas * o.tp for o in p.owners if o.gpu == gpu)
+            used = sum(o.replicas * o.gpus_per_replica for o in p.owners if o.gpu == gpu)
             assert limit is None or used <= limit
     if not ok:
         assert result.best is None
@@ -128,7 +128,7 @@ def test_inventory_optimum_equals_brute_force(
         if any(v is not None for v in inventory.values()) and meets:
             # the error names the smallest plan that meets the SLO without the bound
             assert result.smallest is not None
-            got = sum(o.replicas * o.tp for o in result.smallest.owners)
+            got = sum(o.replicas * o.gpus_per_replica for o in result.smallest.owners)
             assert got == min(r[3] for r in meets)
             assert "the smallest plan that meets it needs" in result.message()
         return
@@ -169,12 +169,12 @@ def test_an_inventory_too_small_says_what_the_smallest_plan_needs() -> None:
     msg = result.message()
     assert "\n" not in msg
     assert msg.startswith("no plan that fits the inventory h100-sxm:1 meets the 50 ms TPOT SLO")
-    need = sum(o.replicas * o.tp for o in result.smallest.owners)
+    need = sum(o.replicas * o.gpus_per_replica for o in result.smallest.owners)
     assert f"needs {need} x h100-sxm" in msg and need > 1
     # and the plan it names does meet the SLO with that many GPUs
     again = plan(model, ["h100"], context=32768, tpot_slo_s=0.05, inventory={"h100": need})
     assert again.best is not None
-    assert sum(o.replicas * o.tp for o in again.best.owners) <= need
+    assert sum(o.replicas * o.gpus_per_replica for o in again.best.owners) <= need
 
 
 def test_inventory_keeps_tp_groups_on_whole_nodes() -> None:

@@ -50,6 +50,8 @@ SUMMARY_KEYS = {
 OWNER_KEYS = {
     "gpu",
     "tp",
+    "ep",
+    "dp",
     "quant",
     "kv_cache_dtype",
     "replicas",
@@ -83,8 +85,8 @@ def test_every_entry_adds_up(hetero_result, qwen32) -> None:
     for e in entries:
         used: dict[str, int] = {}
         for o in e["owners"]:
-            used[o["gpu"]] = used.get(o["gpu"], 0) + o["replicas"] * o["tp"]
-            assert o["gpus"] == o["replicas"] * o["tp"]
+            used[o["gpu"]] = used.get(o["gpu"], 0) + o["replicas"] * o["tp"] * o["dp"]
+            assert o["gpus"] == o["replicas"] * o["tp"] * o["dp"]
             assert 0 < o["memory_bytes_per_gpu"] <= o["memory_capacity_bytes_per_gpu"]
             assert o["replicas"] * o["resident_batch"] == e["global_batch"]
         assert e["gpus_used"] == used
@@ -140,6 +142,7 @@ def test_json_has_exactly_the_contract_fields(hetero_result) -> None:
         assert (owner["quant"], owner["kv_cache_dtype"]) == ("bf16", "bf16")
     for entry in (doc["best"], *doc["baselines"].values()):
         for place in entry.get("placement", []):
+            assert {"tp", "ep", "dp", "quant"} <= set(place)
             assert place["quant"] == "bf16"
     assert doc["best"]["usd_per_million_tokens"] <= min(
         e["usd_per_million_tokens"] for e in doc["baselines"].values() if e.get("strategy")
@@ -159,7 +162,10 @@ def test_cost_per_token_matches_an_independent_computation(hetero_result) -> Non
         g = p.global_batch
         assert all(o.replicas * o.resident_batch == g for o in p.owners)
         assert math.gcd(*(o.replicas for o in p.owners)) == 1  # smallest balancing replicas
-        usd_per_s = sum(o.replicas * o.tp * cat.get(o.gpu).usd_per_hour for o in p.owners) / 3600
+        usd_per_s = (
+            sum(o.replicas * o.gpus_per_replica * cat.get(o.gpu).usd_per_hour for o in p.owners)
+            / 3600
+        )
         tokens_per_s = g / pred.tpot_s
         assert pred.usd_per_million_tokens == pytest.approx(
             usd_per_s / tokens_per_s * 1e6, rel=1e-12

@@ -163,7 +163,7 @@ class Case:
 
     @property
     def ranks(self) -> int:
-        return sum(o.replicas * o.tp for o in self.plan.owners)
+        return sum(o.replicas * o.gpus_per_replica for o in self.plan.owners)
 
     def steady(self, n1: int, n2: int) -> dict[str, Any]:
         """Medians over rounds: TPOT, simulations, each round's signed errors, per-rank split."""

@@ -62,6 +62,7 @@ def catalog(hardware: Path | None):  # -> HardwareCatalog
 
 MAX_BATCH = 1 << 20  # requests per step / replica: far beyond any GPU's memory
 MAX_COUNT = 1 << 16  # replicas, ranks, microbatches, repeats: far beyond any deployment
+MAX_GROUP = 1024  # EP / DP degree: opweave.costmodel.MAX_GROUP_GPUS (not imported: CLI start-up)
 MAX_TOKENS = 1 << 31  # a token count (context, max tokens) beyond any model's positions
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 

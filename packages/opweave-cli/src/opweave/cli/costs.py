@@ -9,6 +9,7 @@ import typer
 
 from ._common import (
     MAX_BATCH,
+    MAX_GROUP,
     PLOT_SUFFIXES,
     HardwareOpt,
     JsonOpt,
@@ -18,6 +19,7 @@ from ._common import (
     catalog,
     check_context,
     emit_json,
+    finite,
     human_bytes,
     load_spec,
     output_file,
@@ -37,9 +39,34 @@ def register(app: typer.Typer) -> None:
 def estimate(
     model: ModelArg,
     gpu: Annotated[str, typer.Option("--gpu", help="GPU id, e.g. h100.")],
-    tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (1, 2, 4, 8).")] = 1,
+    tp: Annotated[
+        int, typer.Option("--tp", help="Tensor-parallel degree of each DP rank (1, 2, 4, 8).")
+    ] = 1,
+    ep: Annotated[
+        int,
+        typer.Option(
+            "--ep",
+            help="Expert-parallel degree: GPU sets the routed experts are sharded over; divides "
+            "tp x dp (tp x dp: one set per GPU, tokens dispatched by all-to-all; 1: experts "
+            "tensor-parallel over all tp x dp GPUs). MoE models only.",
+        ),
+    ] = 1,
+    dp: Annotated[
+        int,
+        typer.Option(
+            "--dp",
+            help="Data-parallel attention ranks: the replica spans tp x dp GPUs; each rank of "
+            "tp GPUs runs attention (with its own KV cache) on its share of --batch.",
+        ),
+    ] = 1,
     batch: Annotated[
-        int, typer.Option("--batch", min=1, max=MAX_BATCH, help="Requests per step.")
+        int,
+        typer.Option(
+            "--batch",
+            min=1,
+            max=MAX_BATCH,
+            help="Requests per step of the replica, split over its DP ranks (ceil(B/dp) each).",
+        ),
     ] = 1,
     context: Annotated[
         str | None,
@@ -61,12 +88,29 @@ def estimate(
     ] = None,
     quant: QuantOpt = None,
     kv_cache_dtype: KvCacheOpt = "auto",
+    expert_imbalance: Annotated[
+        float | None,
+        typer.Option(
+            "--expert-imbalance",
+            callback=finite,
+            help="Measured busiest-over-mean expected load of the expert GPUs (>= 1; e.g. "
+            "1.3-4.0 without a load balancer); default: balanced (EPLB), an assumption the "
+            "output states.",
+        ),
+    ] = None,
 ) -> None:
     """Colocated decode step: where its latency goes, memory per GPU and whether it fits."""
     from opweave.costmodel import TP_DEGREES, estimate_step, host_profile
 
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
+    for flag, value in (("--ep", ep), ("--dp", dp)):
+        if not 1 <= value <= MAX_GROUP:
+            raise typer.BadParameter(f"{flag} must be from 1 to {MAX_GROUP}, got {value}")
+    if expert_imbalance is not None and expert_imbalance < 1:
+        raise typer.BadParameter(
+            f"--expert-imbalance is a busiest-over-mean ratio of at least 1, got {expert_imbalance}"
+        )
     tokens = None if context is None else parse_size(context)
     spec = load_spec(model, quant, kv_cache_dtype)
     if tokens is None:
@@ -75,12 +119,29 @@ def estimate(
     hw = catalog(hardware).get(gpu)
     profile = None if host is None else host_profile(host)
     _check_tp(spec, hw, tp)
-    est = estimate_step(spec, hw, tp=tp, batch=batch, context=tokens, host=profile)
+    _check_parallelism(spec, hw, tp, ep, dp, expert_imbalance)
+    est = estimate_step(
+        spec,
+        hw,
+        tp=tp,
+        ep=ep,
+        dp=dp,
+        batch=batch,
+        context=tokens,
+        host=profile,
+        expert_skew=expert_imbalance,
+    )
     if json_out:
         emit_json(est.model_dump())
         return
     fits = "yes" if est.fits else "NO (exceeds usable memory)"
-    typer.echo(f"{spec.name} on {tp} x {hw.id}, batch {batch}, context {est.context_tokens}")
+    layout = ""
+    if ep != 1 or dp != 1:
+        experts = "tensor-parallel over all" if ep == 1 else f"over EP{ep}"
+        layout = f" ({dp} DP rank{'s' if dp > 1 else ''} of TP{tp}, experts {experts})"
+    typer.echo(
+        f"{spec.name} on {tp * dp} x {hw.id}{layout}, batch {batch}, context {est.context_tokens}"
+    )
     typer.echo(
         table(
             [[k, f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items()]
@@ -94,6 +155,11 @@ def estimate(
         f"({human_bytes(est.weight_bytes_per_gpu)} of weights); fits: {fits}"
     )
     typer.echo(f"precision: {spec.precision.describe()}; GEMMs: {est.gemm_path}")
+    if est.expert_imbalance is not None:
+        typer.echo(
+            f"busiest expert GPU: {est.expert_imbalance:.2f}x the mean load "
+            f"({est.expert_imbalance_basis})"
+        )
     typer.echo(
         f"throughput: {est.tokens_per_s:,.0f} tokens/s"
         + (
@@ -161,6 +227,22 @@ def analyze(
     typer.echo(f"precision: {precision.describe()}")
     if plot is not None:
         typer.echo(f"plot written to {plot}")
+
+
+def _check_parallelism(
+    spec: Any, hw: Any, tp: int, ep: int, dp: int, imbalance: float | None
+) -> None:
+    """That the model's operators split as ``(tp, ep, dp)`` asks on ``hw`` (one-line errors)."""
+    from opweave.costmodel import ConfigError, Parallelism, parallelism_problem
+
+    if ep != 1 or dp != 1:
+        problem = parallelism_problem(spec, Parallelism(tp=tp, ep=ep, dp=dp), hw)
+        if problem is not None:
+            raise ConfigError(f"--tp {tp} --ep {ep} --dp {dp}: {problem}")
+    if imbalance is not None and ep == 1:
+        raise ConfigError(
+            "--expert-imbalance applies to expert parallelism; give --ep above 1 with it"
+        )
 
 
 def _check_tp(spec: Any, hw: Any, tp: int) -> None:

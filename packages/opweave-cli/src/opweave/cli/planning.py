@@ -228,7 +228,7 @@ def plan(
         typer.echo("\n".join(describe_sweep(results)))
     for path, result in written:
         assert result.best is not None
-        ranks = sum(o.replicas * o.tp for o in result.best.owners)
+        ranks = sum(o.replicas * o.gpus_per_replica for o in result.best.owners)
         typer.echo(
             f"plan written to {path} ({ranks} rank{'s' if ranks > 1 else ''}); deployment "
             f"files: opweave deploy {path} -o DIR"

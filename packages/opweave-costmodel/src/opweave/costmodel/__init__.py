@@ -34,6 +34,13 @@ from ._private.architecture import (
     text_config,
 )
 from ._private.estimate import StepEstimate, estimate_step
+from ._private.expert_comm import (
+    alltoall_bytes_per_gpu,
+    alltoall_s,
+    dispatch_bytes_per_token,
+    expert_load_imbalance,
+    gather_scatter_s,
+)
 from ._private.families import model_spec_from_config, partition_block
 from ._private.fit import (
     EfficiencyFit,
@@ -83,6 +90,21 @@ from ._private.nodes import (
     node_layout,
     plan_groups,
     plan_nodes,
+)
+from ._private.parallelism import (
+    BALANCED_BASIS,
+    GROUP_GPUS,
+    MAX_GROUP_GPUS,
+    Parallelism,
+    dp_batch,
+    is_group_op,
+    max_replica_batch,
+    memory_bytes_per_gpu,
+    parallel_op_latency_s,
+    parallel_op_terms_s,
+    parallelism_problem,
+    request_bytes_per_gpu,
+    weight_bytes_per_gpu,
 )
 from ._private.plan import (
     PLAN_SCHEMA_VERSION,
@@ -253,6 +275,25 @@ __all__ = [
     "node_layout",
     "plan_groups",
     "plan_nodes",
+    # owner parallelism (TP, EP, DP) and expert-parallel communication
+    "BALANCED_BASIS",
+    "GROUP_GPUS",
+    "MAX_GROUP_GPUS",
+    "Parallelism",
+    "alltoall_bytes_per_gpu",
+    "alltoall_s",
+    "dispatch_bytes_per_token",
+    "dp_batch",
+    "expert_load_imbalance",
+    "gather_scatter_s",
+    "is_group_op",
+    "max_replica_batch",
+    "memory_bytes_per_gpu",
+    "parallel_op_latency_s",
+    "parallel_op_terms_s",
+    "parallelism_problem",
+    "request_bytes_per_gpu",
+    "weight_bytes_per_gpu",
     # analysis (paper §3)
     "Analysis",
     "CadFeasibility",

@@ -2,26 +2,37 @@
 
 from __future__ import annotations
 
+import math
+
 from pydantic import Field
 
+from ..errors import ConfigError
 from .base import Frozen
+from .expert_comm import expert_load_imbalance
 from .hardware import HardwareSpec
 from .host import HostProfile
 from .model import ModelSpec, OpClass
+from .parallelism import (
+    BALANCED_BASIS,
+    Parallelism,
+    memory_bytes_per_gpu,
+    parallel_op_terms_s,
+    parallelism_problem,
+    weight_bytes_per_gpu,
+)
 from .precision import check_runs
 from .profile import LatencyModel
-from .roofline import (
-    ProfiledLatency,
-    RooflineLatency,
-    memory_bytes_per_rank,
-    weight_bytes_per_rank,
-)
+from .roofline import ProfiledLatency, RooflineLatency
 
-# RooflineLatency.op_terms_s name -> breakdown_s key
+# parallelism.parallel_op_terms_s name -> breakdown_s key
 FIXED_TERMS = {
     "kernel_launch": "kernel_launch",
     "moe_experts": "moe_experts",
     "step": "step_overhead",
+    "collective_latency": "allreduce_latency",
+    "collective": "communication",
+    "alltoall_latency": "alltoall_latency",
+    "alltoall": "alltoall",
 }
 
 
@@ -31,12 +42,18 @@ class StepEstimate(Frozen):
     model: str
     gpu: str
     tp: int
-    batch: int
+    ep: int = 1
+    dp: int = 1
+    batch: int = Field(
+        description="Requests of the replica (tp x dp GPUs), split over its DP ranks."
+    )
     context_tokens: int
     step_latency_s: float
     breakdown_s: dict[str, float] = Field(
         description="Where the step's time goes: the roofline per op class (attention, gemm, "
-        "small), TP communication (payload over bandwidth), and the fixed costs: kernel_launch, "
+        "small), TP communication (payload over bandwidth; with data-parallel ranks also the "
+        "experts' gather and scatter), the expert-parallel all-to-all (alltoall: dispatch and "
+        "combine payload; alltoall_latency: their floors), and the fixed costs: kernel_launch, "
         "allreduce_latency (the collectives' floor), moe_experts (fused-MoE start-up and "
         "per-expert cost) and step_overhead (the engine's host work per step: scheduling, "
         "sampling, host round trip; the host profile's when one is given). With a measured "
@@ -44,10 +61,13 @@ class StepEstimate(Frozen):
         "collectives and step_overhead stay the model's, as the profile holds no collectives and "
         "times the sampling kernel, not the step around it."
     )
-    memory_bytes_per_gpu: float
+    memory_bytes_per_gpu: float = Field(
+        description="Busiest GPU: weights, and the state and activations of its DP rank."
+    )
     weight_bytes_per_gpu: float = Field(
         description="Resident weights per GPU, in their formats (scales and unquantised "
-        "modules included)."
+        "modules included): non-expert operators over tp, routed experts and dense FFN layers "
+        "over tp x dp."
     )
     memory_capacity_bytes: float = Field(description="Usable memory per GPU.")
     quant: str = Field(description="Weight format (precision.py; bf16: unquantised).")
@@ -56,6 +76,14 @@ class StepEstimate(Frozen):
     fits: bool
     tokens_per_s: float
     usd_per_million_tokens: float | None
+    expert_imbalance: float | None = Field(
+        default=None,
+        description="Routed-expert copies the busiest expert GPU receives over the mean "
+        "(null without expert parallelism).",
+    )
+    expert_imbalance_basis: str | None = Field(
+        default=None, description="Whether expert_imbalance is measured or assumed, and how."
+    )
 
 
 def estimate_step(
@@ -67,11 +95,18 @@ def estimate_step(
     context: int,
     latency: LatencyModel | None = None,
     host: HostProfile | None = None,
+    ep: int = 1,
+    dp: int = 1,
+    expert_skew: float | None = None,
 ) -> StepEstimate:
-    """Latency, memory and cost of one colocated decode step.
+    """Latency, memory and cost of one colocated decode step of a replica of ``tp x dp`` GPUs
+    (layout: :mod:`.parallelism`): ``batch`` requests split over ``dp`` data-parallel ranks,
+    routed experts over ``ep``.
 
     ``host`` names the serving engine's per-step host time (``HOST_PROFILES``) in place of the
     hardware's; it applies to the analytical latency model, not to a given ``latency``.
+    ``expert_skew`` is a measured busiest-over-mean expected load of the expert GPUs (default:
+    balanced, an assumption the result says it made).
 
     >>> from opweave.costmodel import load_model, default_catalog, host_profile
     >>> llama, h100 = load_model("llama-3.3-70b"), default_catalog().get("h100")
@@ -83,32 +118,41 @@ def estimate_step(
     1.55
     """
     gemm_path = check_runs(model.precision, hardware)
+    par = Parallelism(tp=tp, ep=ep, dp=dp)
+    if not par.plain:
+        problem = parallelism_problem(model, par, hardware)
+        if problem is not None:
+            raise ConfigError(problem)
+    if expert_skew is not None and not (expert_skew >= 1.0 and math.isfinite(expert_skew)):
+        raise ConfigError(f"the expert imbalance must be a ratio of at least 1, got {expert_skew}")
     if host is not None:
         if latency is not None:
             raise ValueError("host applies to the analytical latency model, not a given latency")
         hardware = host.apply(hardware)
     lat = latency or RooflineLatency(hardware)
+    if not par.plain and not isinstance(lat, RooflineLatency):
+        raise ConfigError(f"{par}: a measured profile holds tensor-parallel latencies only")
     breakdown = (
         {c.value: 0.0 for c in OpClass}
         | {"communication": 0.0}
         | {term: 0.0 for term in FIXED_TERMS.values()}
-        | {"allreduce_latency": 0.0}
     )
     layer_of = {op.key: layer for layer in model.layers for op in layer.ops}
     # the collectives are the roofline's for a profile too (it holds none): floor and payload
     roof = RooflineLatency(lat.hardware)
     split = isinstance(lat, (RooflineLatency, ProfiledLatency))
+    skew = 1.0 if expert_skew is None else expert_skew
     for op in model.operators:
         if isinstance(lat, RooflineLatency):
-            terms = lat.op_terms_s(op, tp, batch, context)
+            terms = parallel_op_terms_s(lat.hardware, model, op, par, batch, context, skew)
             breakdown[op.op_class.value] += terms.pop("roofline")
             for name, value in terms.items():
                 breakdown[FIXED_TERMS[name]] += value
-        else:
-            seconds = lat.op_latency_s(model, op, layer_of.get(op.key), tp, batch, context)
-            step = lat.step_s(op, batch) if isinstance(lat, ProfiledLatency) else 0.0
-            breakdown[op.op_class.value] += seconds - step
-            breakdown["step_overhead"] += step
+            continue
+        seconds = lat.op_latency_s(model, op, layer_of.get(op.key), tp, batch, context)
+        step = lat.step_s(op, batch) if isinstance(lat, ProfiledLatency) else 0.0
+        breakdown[op.op_class.value] += seconds - step
+        breakdown["step_overhead"] += step
         if split:
             floor, payload = roof.collective_terms_s(op, tp, batch)
             breakdown["allreduce_latency"] += floor
@@ -116,19 +160,26 @@ def estimate_step(
         else:
             breakdown["communication"] += lat.collective_s(op, tp, batch)
     step = sum(breakdown.values())
-    memory = memory_bytes_per_rank(model.operators, tp, batch, context)
+    memory = memory_bytes_per_gpu(model.operators, par, batch, context)
     price = hardware.usd_per_hour
-    usd = None if price is None else price * tp * step / batch / 3600 * 1e6
+    usd = None if price is None else price * par.gpus * step / batch / 3600 * 1e6
+    imbalance, basis = None, None
+    moe = next((op.moe for op in model.operators if op.moe is not None), None)
+    if moe is not None and ep > 1:
+        imbalance = expert_load_imbalance(moe, batch, ep, skew)
+        basis = BALANCED_BASIS if expert_skew is None else f"measured skew {skew:g} (given)"
     return StepEstimate(
         model=model.name,
         gpu=hardware.id,
         tp=tp,
+        ep=ep,
+        dp=dp,
         batch=batch,
         context_tokens=context,
         step_latency_s=step,
         breakdown_s=breakdown,
         memory_bytes_per_gpu=memory,
-        weight_bytes_per_gpu=weight_bytes_per_rank(model.operators, tp),
+        weight_bytes_per_gpu=weight_bytes_per_gpu(model.operators, par),
         memory_capacity_bytes=hardware.usable_memory_bytes,
         quant=model.precision.quant,
         kv_cache_dtype=model.precision.kv_cache_dtype,
@@ -136,4 +187,6 @@ def estimate_step(
         fits=memory <= hardware.usable_memory_bytes,
         tokens_per_s=batch / step,
         usd_per_million_tokens=usd,
+        expert_imbalance=imbalance,
+        expert_imbalance_basis=basis,
     )

@@ -2,8 +2,8 @@
 
 A roofline charges an operator its bytes over bandwidth (or FLOPs over throughput). Measured
 decode steps take longer, by amounts that do not scale with the bytes, and most visibly at batch
-1, on MoE models and under tensor parallelism. Four terms account for that, each a small pure
-function of (operator, hardware) whose per-GPU values live in the hardware catalog
+1, on MoE models and under tensor or expert parallelism. Five terms account for that, each a
+small pure function of (operator, hardware) whose per-GPU values live in the hardware catalog
 (``hardware.py`` cites the measurements):
 
 - **per kernel launch** (``kernel_overhead_s``): launching a kernel, filling its memory pipeline
@@ -11,6 +11,9 @@ function of (operator, hardware) whose per-GPU values live in the hardware catal
 - **per TP collective** (``allreduce_latency_s``, ``allreduce_bandwidth_bytes_per_s``): a latency
   floor per all-reduce / all-gather, and the bandwidth decode-size collectives actually reach
   (far below the link's: they are synchronisation-bound);
+- **per expert all-to-all** (``alltoall_latency_s``): the floor of each expert-parallel
+  dispatch and combine (``expert_comm.py`` cites the measurements; its payload moves at the
+  links' rates);
 - **MoE expert loading** (``expert_fixed_latency_s``, ``expert_overhead_s``): at small batch,
   ``b`` tokens routed top-``k`` over ``E`` experts touch about ``min(E, b k)`` experts
   (``OperatorSpec.weight_bytes_read`` takes the expected count, ``E (1 - (1 - k/E)^b)``, whose
@@ -38,6 +41,7 @@ NO_FIXED_COSTS: dict[str, float | None] = {
     "kernel_overhead_s": 0.0,
     "allreduce_latency_s": 0.0,
     "allreduce_bandwidth_bytes_per_s": None,  # the link's bandwidth, as the roofline's transfers
+    "alltoall_latency_s": 0.0,
     "step_overhead_s": 0.0,
     "step_overhead_per_request_s": 0.0,
     "expert_fixed_latency_s": 0.0,

@@ -28,27 +28,29 @@ def link_time_s(latency_s: ArrayLike, s_per_byte: ArrayLike, num_bytes: ArrayLik
     return np.add(latency_s, np.multiply(num_bytes, s_per_byte))
 
 
-def pod_gpus(tp_a: ArrayLike, b_a: ArrayLike, tp_b: ArrayLike, b_b: ArrayLike) -> np.ndarray:
+def pod_gpus(gpus_a: ArrayLike, b_a: ArrayLike, gpus_b: ArrayLike, b_b: ArrayLike) -> np.ndarray:
     """GPUs of one *pod*: the replicas of two owners that serve the same ``lcm(b_a, b_b)``
-    requests (``lcm / b_a`` replicas of ``tp_a`` GPUs and ``lcm / b_b`` of ``tp_b``)."""
+    requests (``lcm / b_a`` replicas of ``gpus_a = tp x dp`` GPUs and ``lcm / b_b`` of
+    ``gpus_b``)."""
     b_a, b_b = np.asarray(b_a), np.asarray(b_b)
     pod = np.lcm(b_a, b_b)
-    return np.asarray(tp_a) * (pod // b_a) + np.asarray(tp_b) * (pod // b_b)
+    return np.asarray(gpus_a) * (pod // b_a) + np.asarray(gpus_b) * (pod // b_b)
 
 
 def intra_node_link(
     same_type: ArrayLike,
-    tp_a: ArrayLike,
+    gpus_a: ArrayLike,
     b_a: ArrayLike,
-    tp_b: ArrayLike,
+    gpus_b: ArrayLike,
     b_b: ArrayLike,
     gpus_per_node: ArrayLike,
 ) -> np.ndarray:
-    """Whether two owners' replicas talk over the intra-node link (else: the network).
+    """Whether two owners' replicas (``tp x dp`` GPUs each) talk over the intra-node link (else:
+    the network).
 
     Same GPU type and a pod (:func:`pod_gpus`) that fits in one node of ``gpus_per_node``.
     """
-    return np.logical_and(same_type, pod_gpus(tp_a, b_a, tp_b, b_b) <= gpus_per_node)
+    return np.logical_and(same_type, pod_gpus(gpus_a, b_a, gpus_b, b_b) <= gpus_per_node)
 
 
 def fan_out_s(
@@ -78,8 +80,10 @@ def boundary_transfer_s(
 
     A source replica sends ``u_src`` tokens of ``beta`` bytes, a destination replica receives
     ``u_dst`` (fan-in or fan-out serialises on the side with more tokens): ``max(send, recv)``
-    plus the destination's TP fan-out. ``send``/``recv`` are the ``(latency_s, s_per_byte)`` of
-    the link the boundary uses on each side; ``fan`` the destination's intra-node link.
+    plus the destination's TP fan-out. With data-parallel ranks each rank's leader sends or
+    receives its own slice over its own link: pass the tokens per DP rank. ``send``/``recv``
+    are the ``(latency_s, s_per_byte)`` of the link the boundary uses on each side; ``fan`` the
+    destination's intra-node link.
     """
     t_send = link_time_s(send[0], send[1], np.multiply(beta, u_src))
     t_recv = link_time_s(recv[0], recv[1], np.multiply(beta, u_dst))
@@ -88,12 +92,13 @@ def boundary_transfer_s(
 
 # -- cost ------------------------------------------------------------------------------------------
 def usd_per_hour_per_request(
-    tp: ArrayLike, usd_per_hour: ArrayLike, resident_batch: ArrayLike
+    gpus: ArrayLike, usd_per_hour: ArrayLike, resident_batch: ArrayLike
 ) -> Float:
-    """An owner's cost rate per request it holds: ``tp`` GPUs at ``usd_per_hour`` each over
-    ``resident_batch`` requests. Summed over owners and times TPOT it is the cost per token,
-    whatever the number of replicas (scale invariance, paper B.5)."""
-    return np.divide(np.multiply(tp, usd_per_hour), resident_batch)
+    """An owner's cost rate per request it holds: ``gpus = tp x dp`` GPUs of a replica at
+    ``usd_per_hour`` each over its ``resident_batch`` requests. Summed over owners and times
+    TPOT it is the cost per token, whatever the number of replicas (scale invariance, paper
+    B.5)."""
+    return np.divide(np.multiply(gpus, usd_per_hour), resident_batch)
 
 
 def usd_per_million_tokens(tpot_s: ArrayLike, usd_per_hour_per_request: ArrayLike) -> Float:

@@ -121,6 +121,14 @@ class HardwareSpec(FileSchema):
         description="Ring-equivalent bandwidth of decode-size (up to 1 MiB) TP collectives; "
         "None: the intra-node link at link_efficiency.",
     )
+    # [PPLX-A2A] and [DEEPEP-LL] in expert_comm.py: 41.6 / 41.7 us per dispatch / combine of one
+    # token per GPU over NVLink (Hopper, EP8); DeepEP's low-latency kernels over RDMA at EP16-256
+    # take 34-38 us (dispatch) and 40-61 us (combine) beyond their bytes at the NIC's bandwidth.
+    alltoall_latency_s: _Seconds = Field(
+        default=42 * US,
+        description="Latency floor of one expert-parallel all-to-all (a dispatch or a combine), "
+        "paid however few tokens move.",
+    )
     # Engines that overlap the host's scheduling with the GPU's step ([VLLM-GAP]; SGLang's and
     # TensorRT-LLM's overlap schedulers; OpWeave's runtime runs compiled schedules, paper §6.2)
     # leave only this gap. An engine that does not pays more, per its version: host.py's

@@ -1,11 +1,13 @@
 """Where a plan's ranks run: nodes of one GPU type holding whole tensor-parallel groups.
 
-The runtime numbers a plan's ranks owner by owner, replica by replica, TP rank by TP rank. The
-node layout cuts that sequence into contiguous ranges: a new node starts when the GPU type
-changes or when the next TP group would not fit in the node's ``gpus_per_node``. A TP group
-therefore never spans nodes (its collectives use the intra-node link), and a node holds one GPU
-type. The planner checks an inventory against the same layout, so every plan it returns can be
-deployed on the fleet it was given (``opweave deploy`` writes the layout as ``nodes.json``).
+The runtime numbers a plan's ranks owner by owner, replica by replica, DP rank by DP rank, TP rank
+by TP rank (a replica of ``tp x dp`` GPUs is ``dp`` TP groups). The node layout cuts that
+sequence into contiguous ranges: a new node starts when the GPU type changes or when the next TP
+group would not fit in the node's ``gpus_per_node``. A TP group therefore never spans nodes (its
+collectives use the intra-node link), and a node holds one GPU type; a replica's DP ranks may
+(their experts' all-to-all crosses the network between NVLink domains). The planner checks an
+inventory against the same layout, so every plan it returns can be deployed on the fleet it was
+given (``opweave deploy`` writes the layout as ``nodes.json``).
 
 An inventory of ``N`` GPUs of a type means ``N // gpus_per_node`` full nodes and one node with
 the remainder. A layout fits when its nodes of each type can each be given a distinct
@@ -48,8 +50,9 @@ class Node(Frozen):
 
 
 def plan_groups(plan: Plan) -> list[tuple[str, int]]:
-    """``(gpu, tp)`` of every tensor-parallel group of ``plan``, in rank order."""
-    return [(o.gpu, o.tp) for o in plan.owners for _ in range(o.replicas)]
+    """``(gpu, tp)`` of every tensor-parallel group of ``plan`` (``dp`` per replica), in rank
+    order."""
+    return [(o.gpu, o.tp) for o in plan.owners for _ in range(o.replicas * o.dp)]
 
 
 def node_layout(

@@ -16,14 +16,17 @@ from ..errors import ConfigError
 from .base import FileSchema
 from .hardware import HardwareCatalog, HardwareSpec
 from .model import ModelSpec, OpClass, OperatorSpec
+from .parallelism import MAX_GROUP_GPUS, Parallelism
 from .precision import WEIGHT_FORMATS, KvCacheDtype
 
 PLAN_SCHEMA_VERSION = 1
+# A TP group runs an all-reduce per layer and stays within a node; wider replicas add
+# data-parallel ranks (and expert parallelism over them): parallelism.GROUP_GPUS.
 TP_DEGREES = (1, 2, 4, 8)
 # Bounds far beyond any deployment; past them a plan file is corrupt (and a count of 10^400
 # would overflow the simulator's arithmetic).
 MAX_REPLICAS = 1 << 16
-MAX_GPUS = 1 << 16  # replicas x tp over every owner
+MAX_GPUS = 1 << 16  # replicas x tp x dp over every owner
 MAX_BATCH = 1 << 20
 MAX_CONTEXT = 1 << 31
 Strategy = Literal["colocated", "afd", "cad", "opweave"]
@@ -50,22 +53,61 @@ class StageTemplate(FileSchema):
 
 
 class Owner(FileSchema):
-    """A device-group type: GPU type x tensor-parallel degree, with its replicas."""
+    """A device-group type: GPU type x parallelism (TP, EP, DP), with its replicas.
+
+    One replica spans ``tp x dp`` GPUs: ``dp`` data-parallel ranks of ``tp`` GPUs each run the
+    owner's non-expert operators (attention with its own KV cache) on ``ceil(resident_batch /
+    dp)`` requests each; routed experts are sharded over ``ep`` sets of GPUs (``ep`` divides
+    ``tp x dp``; each expert tensor-parallel over the rest) and dense FFN layers span all
+    ``tp x dp`` GPUs. ``ep = tp x dp`` is the wide-EP layout (all-to-all dispatch and combine).
+    ``ep`` and ``dp`` default to 1: tensor parallelism only. Whether a model's operators split so
+    (``opweave.costmodel.parallelism_problem``) is checked where the model is known.
+    """
 
     gpu: str = Field(description="GPU id from the catalog, or a profiled device name.")
-    tp: int = Field(description="Tensor-parallel degree of one replica.")
+    tp: int = Field(description="Tensor-parallel degree of each DP rank (1, 2, 4 or 8).")
+    ep: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_GROUP_GPUS,
+        description="Expert-parallel degree: GPU sets the routed experts are sharded over; "
+        "divides tp x dp (1: experts tensor-parallel over the whole replica).",
+    )
+    dp: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_GROUP_GPUS,
+        description="Data-parallel attention ranks of one replica, each of tp GPUs with its "
+        "own slice of the resident batch.",
+    )
     replicas: int = Field(
         ge=1, le=MAX_REPLICAS, description="Replicas of this owner in the deployment."
     )
     resident_batch: int = Field(
-        ge=1, le=MAX_BATCH, description="Requests each replica serves per iteration."
+        ge=1,
+        le=MAX_BATCH,
+        description="Requests each replica serves per iteration (split over its DP ranks).",
     )
 
     @model_validator(mode="after")
     def _tp(self) -> Owner:
         if self.tp not in TP_DEGREES:
             raise ValueError(f"tp must be one of {TP_DEGREES}, got {self.tp}")
+        if self.tp * self.dp > MAX_GROUP_GPUS:
+            raise ValueError(
+                f"tp x dp = {self.tp * self.dp} GPUs per replica; at most {MAX_GROUP_GPUS}"
+            )
+        if (self.tp * self.dp) % self.ep:
+            raise ValueError(f"ep {self.ep} must divide tp x dp = {self.tp * self.dp}")
         return self
+
+    @property
+    def parallelism(self) -> Parallelism:
+        return Parallelism(tp=self.tp, ep=self.ep, dp=self.dp)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tp * self.dp
 
 
 class PlanModel(FileSchema):
@@ -139,7 +181,7 @@ class Plan(FileSchema):
 
     @model_validator(mode="after")
     def _balanced(self) -> Plan:
-        gpus = sum(o.replicas * o.tp for o in self.owners)
+        gpus = sum(o.replicas * o.gpus_per_replica for o in self.owners)
         if gpus > MAX_GPUS:
             raise ValueError(f"the plan uses {gpus} GPUs; at most {MAX_GPUS} are supported")
         batches = {o.replicas * o.resident_batch for o in self.owners}
@@ -314,8 +356,11 @@ def canonical_plan(
     context_tokens: int = 1,
     tp: int = 1,
     replicas: int = 1,
+    ep: int = 1,
+    dp: int = 1,
 ) -> Plan:
-    """The canonical template of a baseline; every owner gets ``tp`` and ``replicas``.
+    """The canonical template of a baseline; every owner gets ``tp``, ``ep``, ``dp`` and
+    ``replicas``.
 
     Colocated has one owner; AFD and CAD have two, which alternate along the model
     (``owners[0]`` runs the first segment: the attention module for AFD, the rest-of-model
@@ -332,7 +377,8 @@ def canonical_plan(
     template = TEMPLATES[strategy](model)
     num_owners = 1 if strategy == "colocated" else 2
     owners = tuple(
-        Owner(gpu=gpu, tp=tp, replicas=replicas, resident_batch=batch) for _ in range(num_owners)
+        Owner(gpu=gpu, tp=tp, ep=ep, dp=dp, replicas=replicas, resident_batch=batch)
+        for _ in range(num_owners)
     )
     return Plan(
         strategy=strategy,

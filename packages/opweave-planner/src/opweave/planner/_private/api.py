@@ -23,14 +23,14 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from opweave.costmodel import HardwareCatalog, ModelSpec, Plan, Profile
+from opweave.costmodel import GROUP_GPUS, HardwareCatalog, ModelSpec, Plan, Profile
 from opweave.costmodel.errors import ConfigError
 
 from .devices import Device, resolve_devices
 from .evaluate import OwnerChoice, make_plan
+from .owners import Job
 from .result import BASELINES, PlanResult, describe_plan
 from .search import (
-    Job,
     Leaf,
     Searcher,
     SearchProgress,
@@ -48,8 +48,8 @@ def _leaf_plan(
 ) -> Plan:
     m = leaf.job.microbatches
     owners = [
-        OwnerChoice(devices[d], tp, u * m)
-        for d, (tp, u) in zip(leaf.job.assign, leaf.configs, strict=True)
+        OwnerChoice(devices[d], tp, u * m, ep=ep, dp=dp)
+        for d, (tp, ep, dp, u) in zip(leaf.job.assign, leaf.configs, strict=True)
     ]
     return make_plan(model, leaf.job.st, tables, owners, m, tpot_slo_s=slo)
 
@@ -69,6 +69,8 @@ def plan(
     microbatches: Sequence[int] = MICROBATCHES,
     u_grid: Sequence[int] = U_GRID,
     inventory: Mapping[str, int] | None = None,
+    max_group_gpus: int = GROUP_GPUS[-1],
+    expert_skew: float = 1.0,
 ) -> PlanResult:
     """Cheapest plan (USD per token) whose steady-state TPOT meets ``tpot_slo_s``.
 
@@ -79,6 +81,9 @@ def plan(
     (per-replica microbatch sizes; the resident batch is ``microbatches * u``) shape the space.
     ``inventory`` maps some of ``gpus`` to the number of GPUs of that type available (the
     others are unbounded): every plan returned, best and baselines, fits it on whole nodes.
+    ``max_group_gpus`` bounds the GPUs of one replica (``tp x dp``) searched for owners that
+    run routed experts; ``expert_skew`` is the router's measured busiest-over-mean expert load
+    (default 1.0: balanced, an assumption the result states).
     """
     started = time.perf_counter()
     if context < 1:
@@ -96,6 +101,13 @@ def plan(
         raise ConfigError(f"microbatch sizes must be positive integers, got {list(u_grid)}")
     if max_owners not in (1, 2, 3):
         raise ConfigError(f"max_owners must be 1, 2 or 3, got {max_owners}")
+    if max_group_gpus not in GROUP_GPUS:
+        raise ConfigError(
+            f"the largest replica must be one of {', '.join(map(str, GROUP_GPUS))} GPUs, "
+            f"got {max_group_gpus}"
+        )
+    if not (expert_skew >= 1.0 and math.isfinite(expert_skew)):
+        raise ConfigError(f"the expert imbalance must be a ratio of at least 1, got {expert_skew}")
     devices = resolve_devices(gpus, model, catalog=catalog, profiles=profiles)
     if len(devices) < len(gpus):
         ids = [resolve_devices([g], model, catalog=catalog, profiles=profiles)[0].id for g in gpus]
@@ -108,7 +120,7 @@ def plan(
             f"at most two GPU types per plan, got {len(devices)} "
             f"({', '.join(d.id for d in devices)}); pass one or two with --gpus"
         )
-    tables = OpTables(model, context)
+    tables = OpTables(model, context, expert_skew)
     ranked: list[tuple[int, Structure]] = []
     kind_of: dict[int, str | None] = {}
     names: dict[tuple[int, ...], str] = {}
@@ -145,6 +157,7 @@ def plan(
         cache=cache,
         u_grid=sorted({int(u) for u in u_grid}),
         inventory=limits,
+        max_group_gpus=max_group_gpus,
     )
     phase_jobs = {
         (b, het): jobs(b, het)
@@ -183,6 +196,7 @@ def plan(
         cache=cache,
         u_grid=sorted({int(u) for u in u_grid}),
         inventory=limits,
+        max_group_gpus=max_group_gpus,
     )
     reasons: dict[str, str] = {}
     tight_found: dict[str, Leaf | None] = {}
@@ -229,6 +243,7 @@ def plan(
             stats=stats,
             cache=cache,
             u_grid=sorted({int(u) for u in u_grid}),
+            max_group_gpus=max_group_gpus,
         ).run(all_jobs, None, "smallest plan")
 
     plans = {
@@ -260,6 +275,7 @@ def plan(
         ),
         spec=model,
         devices=tuple(devices),
+        expert_skew=expert_skew,
     )
 
 

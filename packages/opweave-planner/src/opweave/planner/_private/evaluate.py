@@ -1,18 +1,20 @@
 """From owner choices to a schedule, a cost per token and a Plan (paper §4, appendix B.4-B.5).
 
-Cost per token. Owner ``o`` runs ``replicas_o`` replicas of ``tp_o`` GPUs, each holding
-``b_o`` requests; every owner serves the same global batch ``G = replicas_o * b_o``, which
-produces ``G`` tokens per iteration (TPOT). So
+Cost per token. Owner ``o`` runs ``replicas_o`` replicas of ``n_o = tp_o x dp_o`` GPUs, each
+holding ``b_o`` requests; every owner serves the same global batch ``G = replicas_o * b_o``,
+which produces ``G`` tokens per iteration (TPOT). So
 
-    USD per token = TPOT * sum_o replicas_o * tp_o * price_o / 3600 / G
-                  = TPOT * sum_o tp_o * price_o / b_o / 3600,
+    USD per token = TPOT * sum_o replicas_o * n_o * price_o / 3600 / G
+                  = TPOT * sum_o n_o * price_o / b_o / 3600,
 
 in which ``G`` cancels (scale invariance, B.5). Replica counts are the smallest integers that
 balance the owners: ``G = lcm(b_o)`` and ``replicas_o = G / b_o``.
 
 Microbatches. Each replica splits its resident batch into ``M`` equal microbatches of ``b_o / M``
-requests. Plans from the planner always have ``b_o`` divisible by ``M``; a hand-written plan
-whose batch is not divisible is simulated with fractional microbatches (the mean size).
+requests, each spread over the replica's ``dp`` DP ranks (whose leaders send and receive their
+own slices at stage boundaries). Plans from the planner always have ``b_o`` divisible by ``M``
+and microbatches divisible by ``dp``; a hand-written plan whose batch is not divisible is
+simulated with fractional microbatches (the mean size), the busiest DP rank taking the ceiling.
 
 Host work. A schedule's durations are its operators' and transfers'; where a device's profile
 measured its host (CPU ranks), the host effects of :mod:`.host` lengthen them.
@@ -30,21 +32,24 @@ from opweave.costmodel import (
     HardwareCatalog,
     ModelSpec,
     Owner,
+    Parallelism,
     Plan,
     Prediction,
     Profile,
+    RooflineLatency,
     afd_template,
     boundary_transfer_s,
     cad_template,
     hardware_drift,
     intra_node_link,
-    max_resident_batch,
-    memory_bytes_per_rank,
+    max_replica_batch,
+    memory_bytes_per_gpu,
+    parallelism_problem,
     plan_model,
     planned_catalog,
     replica_counts,
+    segments,
     usd_per_hour_per_request,
-    weight_bytes_per_rank,
 )
 from opweave.costmodel import usd_per_million_tokens as usd_per_mtok
 from opweave.costmodel.errors import ConfigError, InfeasibleError
@@ -62,10 +67,21 @@ class OwnerChoice:
     device: Device
     tp: int
     resident_batch: int
+    ep: int = 1
+    dp: int = 1
+
+    @property
+    def par(self) -> Parallelism:
+        return Parallelism(tp=self.tp, ep=self.ep, dp=self.dp)
+
+    @property
+    def gpus(self) -> int:
+        """GPUs of one replica: ``tp x dp``."""
+        return self.tp * self.dp
 
 
 def owner_name(j: int, ch: OwnerChoice) -> str:
-    return f"o{j} {ch.device.id} tp{ch.tp}"
+    return f"o{j} {ch.device.id} {ch.par}"
 
 
 def build_pipeline(
@@ -88,7 +104,7 @@ def build_pipeline(
     us = [ch.resident_batch / m for ch in owners]
     ops = np.zeros(st.num_segments)  # operators, per microbatch
     for j, ch in enumerate(owners):
-        ops[list(st.owner_segs[j])] = owner_ops(st, tables, j, ch.device, ch.tp, [us[j]])[:, 0]
+        ops[list(st.owner_segs[j])] = owner_ops(st, tables, j, ch.device, ch.par, [us[j]])[:, 0]
     transfer = [0.0] * st.num_segments
     kinds = [""] * st.num_segments
     total = st.num_segments
@@ -108,8 +124,8 @@ def build_pipeline(
             memo[key] = float(
                 boundary_transfer_s(
                     st.beta[s],
-                    us[a],
-                    us[b],
+                    us[a] / src.dp,  # each DP rank's leader sends its own slice
+                    us[b] / dst.dp,
                     dst.tp,
                     src.device.link(kind).coeffs,
                     dst.device.link(kind).coeffs,
@@ -150,9 +166,9 @@ def link_kind(src: OwnerChoice, dst: OwnerChoice) -> str:
     """The link between two owners' replicas (:func:`opweave.costmodel.intra_node_link`)."""
     intra = intra_node_link(
         src.device.id == dst.device.id,
-        src.tp,
+        src.gpus,
         src.resident_batch,
-        dst.tp,
+        dst.gpus,
         dst.resident_batch,
         src.device.hardware.gpus_per_node,
     )
@@ -163,7 +179,7 @@ def cost_rate(owners: Sequence[OwnerChoice]) -> float:
     """USD per hour per request of a plan's owners, summed (times TPOT: cost per token)."""
     return float(
         sum(
-            usd_per_hour_per_request(ch.tp, ch.device.usd_per_hour, ch.resident_batch)
+            usd_per_hour_per_request(ch.gpus, ch.device.usd_per_hour, ch.resident_batch)
             for ch in owners
         )
     )
@@ -209,7 +225,7 @@ def evaluate(
     tpot = cycle_time(pipe)
     busy = pipe.busy_s()
     names = pipe.resource_names()
-    weights = [ch.tp / ch.resident_batch for ch in owners]  # GPUs per request of each owner
+    weights = [ch.gpus / ch.resident_batch for ch in owners]  # GPUs per request of each owner
     occ = float(sum(w * busy[j] / tpot for j, w in enumerate(weights)) / sum(weights))
     internode = float(sum(st.beta[s] for s, k in enumerate(kinds) if k == "network"))
     return Evaluation(
@@ -248,7 +264,14 @@ def make_plan(
     ev = evaluation or evaluate(st, tables, owners, microbatches)
     reps = replica_counts([ch.resident_batch for ch in owners])
     plan_owners = tuple(
-        Owner(gpu=ch.device.id, tp=ch.tp, replicas=r, resident_batch=ch.resident_batch)
+        Owner(
+            gpu=ch.device.id,
+            tp=ch.tp,
+            ep=ch.ep,
+            dp=ch.dp,
+            replicas=r,
+            resident_batch=ch.resident_batch,
+        )
         for ch, r in zip(owners, reps, strict=True)
     )
     provenance = tuple(dict.fromkeys(ch.device.provenance for ch in owners))
@@ -339,13 +362,26 @@ def _owner_choices(
         drift = hardware_drift(plan, dev.hardware)
         if drift is not None:
             notes.append(drift)
-    for o in plan.owners:
-        if o.tp not in by_name[o.gpu].tps:
+    segs = segments(model, plan.template, len(plan.owners))
+    for j, o in enumerate(plan.owners):
+        dev = by_name[o.gpu]
+        if o.tp not in dev.tps:
             raise ConfigError(
                 f"owner {o.gpu} has tp={o.tp}, which its latency profile does "
-                f"not cover ({by_name[o.gpu].tps}); re-profile with that TP"
+                f"not cover ({dev.tps}); re-profile with that TP"
             )
-    choices = [OwnerChoice(by_name[o.gpu], o.tp, o.resident_batch) for o in plan.owners]
+        ops = [op for s in segs if s.owner == j for op in s.ops]
+        problem = parallelism_problem(model, o.parallelism, dev.hardware, ops)
+        if problem is not None:
+            raise ConfigError(f"plan owner {j} ({o.gpu} {o.parallelism}): {problem}")
+        if not o.parallelism.plain and not isinstance(dev.latency, RooflineLatency):
+            raise ConfigError(
+                f"plan owner {j} ({o.gpu} {o.parallelism}): a measured profile holds "
+                "tensor-parallel latencies only; simulate it without --profile"
+            )
+    choices = [
+        OwnerChoice(by_name[o.gpu], o.tp, o.resident_batch, ep=o.ep, dp=o.dp) for o in plan.owners
+    ]
     return choices, tuple(notes)
 
 
@@ -374,16 +410,15 @@ def simulate_plan(
     mem, cap = [], []
     for j, ch in enumerate(owners):
         ops = list(st.owner_ops[j])
-        need = memory_bytes_per_rank(ops, ch.tp, ch.resident_batch, plan.context_tokens)
+        need = memory_bytes_per_gpu(ops, ch.par, ch.resident_batch, plan.context_tokens)
         mem.append(need)
         cap.append(ch.device.hardware.usable_memory_bytes)
-        weights = weight_bytes_per_rank(ops, ch.tp)
-        per_request = memory_bytes_per_rank(ops, ch.tp, 1.0, plan.context_tokens) - weights
-        if check_memory and ch.resident_batch > max_resident_batch(cap[-1], weights, per_request):
+        fits = max_replica_batch(ops, ch.par, ch.device.hardware, plan.context_tokens)
+        if check_memory and ch.resident_batch > fits:
             raise InfeasibleError(
-                f"owner {j} ({ch.device.id} tp{ch.tp}, resident batch {ch.resident_batch}) needs "
+                f"owner {j} ({ch.device.id} {ch.par}, resident batch {ch.resident_batch}) needs "
                 f"{need / 1e9:.1f} GB per GPU but has {cap[-1] / 1e9:.1f} GB usable; lower its "
-                "resident_batch or raise its tp"
+                "resident_batch or raise its tp or dp"
             )
     ev = evaluate(st, tables, owners, plan.microbatches, global_batch=plan.global_batch)
     run = simulate_events(ev.pipeline, iterations)

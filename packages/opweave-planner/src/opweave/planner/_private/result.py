@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from opweave.costmodel import (
+    BALANCED_BASIS,
     ModelSpec,
     Plan,
     ProfiledLatency,
     check_runs,
     copies_in_inventory,
-    memory_bytes_per_rank,
+    memory_bytes_per_gpu,
     plan_nodes,
     segments,
 )
@@ -35,8 +36,10 @@ KIND_WORDS = {"full": "full-attention", "sliding": "sliding-window", "linear": "
 
 
 def describe_plan(plan: Plan) -> str:
-    """One line: strategy, owners (GPU, TP, resident batch, replicas), microbatches."""
-    owners = " | ".join(f"{o.gpu} tp{o.tp} b{o.resident_batch} x{o.replicas}" for o in plan.owners)
+    """One line: strategy, owners (GPU, parallelism, resident batch, replicas), microbatches."""
+    owners = " | ".join(
+        f"{o.gpu} {o.parallelism} b{o.resident_batch} x{o.replicas}" for o in plan.owners
+    )
     return (
         f"{plan.strategy} [{len(plan.template.cuts)}-stage template, "
         f"{len(plan.owners)} owner{'s' if len(plan.owners) > 1 else ''}: {owners}; "
@@ -45,10 +48,10 @@ def describe_plan(plan: Plan) -> str:
 
 
 def gpus_used(plan: Plan) -> dict[str, int]:
-    """GPUs of each type one deployment of the plan uses: ``sum(replicas * tp)``."""
+    """GPUs of each type one deployment of the plan uses: ``sum(replicas * tp * dp)``."""
     out: dict[str, int] = {}
     for o in plan.owners:
-        out[o.gpu] = out.get(o.gpu, 0) + o.replicas * o.tp
+        out[o.gpu] = out.get(o.gpu, 0) + o.replicas * o.gpus_per_replica
     return out
 
 
@@ -73,6 +76,8 @@ def placement(plan: Plan, model: ModelSpec) -> list[dict[str, Any]]:
                 "owner": j,
                 "gpu": owner.gpu,
                 "tp": owner.tp,
+                "ep": owner.ep,
+                "dp": owner.dp,
                 "quant": model.precision.quant,
                 "replicas": owner.replicas,
                 "operators": [
@@ -108,13 +113,15 @@ def plan_summary(
             {
                 "gpu": o.gpu,
                 "tp": o.tp,
+                "ep": o.ep,
+                "dp": o.dp,
                 "quant": model.precision.quant,
                 "kv_cache_dtype": model.precision.kv_cache_dtype,
                 "replicas": o.replicas,
                 "resident_batch": o.resident_batch,
-                "gpus": o.replicas * o.tp,
-                "memory_bytes_per_gpu": memory_bytes_per_rank(
-                    ops, o.tp, o.resident_batch, plan.context_tokens
+                "gpus": o.replicas * o.gpus_per_replica,
+                "memory_bytes_per_gpu": memory_bytes_per_gpu(
+                    ops, o.parallelism, o.resident_batch, plan.context_tokens
                 ),
                 "memory_capacity_bytes_per_gpu": by_id[o.gpu].hardware.usable_memory_bytes,
             }
@@ -126,7 +133,9 @@ def plan_summary(
         "usd_per_million_tokens": pred.usd_per_million_tokens,
         "tpot_s": pred.tpot_s,
         "tokens_per_s": pred.tokens_per_s_per_replica_set,
-        "usd_per_hour": sum(o.replicas * o.tp * by_id[o.gpu].usd_per_hour for o in plan.owners),
+        "usd_per_hour": sum(
+            o.replicas * o.gpus_per_replica * by_id[o.gpu].usd_per_hour for o in plan.owners
+        ),
         "gpus_used": gpus_used(plan),
         "nodes": [{"gpu": g, "gpus": n} for g, n in nodes],
         "replica_sets": copies_in_inventory(nodes, inventory or {}, per_node),
@@ -176,6 +185,7 @@ class PlanResult:
     smallest: Plan | None = None
     spec: ModelSpec | None = field(default=None, repr=False, compare=False)
     devices: tuple[Device, ...] = field(default=(), repr=False, compare=False)
+    expert_skew: float = 1.0
 
     @property
     def feasible(self) -> bool:
@@ -253,6 +263,7 @@ class PlanResult:
             "GPU counts with no given number are unbounded (cost per token does not depend on "
             "the number of replica sets)",
             *self._precision(),
+            *(self._expert_load() if self._uses_ep() else []),
             *(self._extrapolated(self.best) if self.best is not None else []),
         ]
 
@@ -271,10 +282,24 @@ class PlanResult:
             + (f"; quantised GEMMs on {', '.join(paths)}" if precision.quantized and paths else "")
         ]
 
+    def _uses_ep(self) -> bool:
+        plans = [self.best, *self.baselines.values()]
+        return any(o.ep > 1 for p in plans if p is not None for o in p.owners)
+
+    def _expert_load(self) -> list[str]:
+        """What the expert-parallel plans assume of the router's load."""
+        if self.expert_skew == 1.0:
+            return [f"expert-parallel load: {BALANCED_BASIS}"]
+        return [
+            f"expert-parallel load: measured skew {self.expert_skew:g} (busiest over mean "
+            "expected load of the expert GPUs, given) times the expected maximum of uniform "
+            "routing"
+        ]
+
     def _extrapolated(self, plan: Plan) -> list[str]:
         """Where ``plan`` looks a profile up outside the batches or contexts it measured."""
         out = []
-        for o in {(o.gpu, o.tp): o for o in plan.owners}.values():
+        for o in {(o.gpu, o.tp): o for o in plan.owners if o.parallelism.plain}.values():
             dev = next((d for d in self.devices if d.id == o.gpu), None)
             if dev is None or not isinstance(dev.latency, ProfiledLatency):
                 continue
@@ -333,10 +358,11 @@ class PlanResult:
         for o, place in zip(doc["owners"], doc["placement"], strict=True):
             reps = f"{o['replicas']} replica{'s' if o['replicas'] > 1 else ''}"
             used, cap = o["memory_bytes_per_gpu"] / 1e9, o["memory_capacity_bytes_per_gpu"] / 1e9
+            layout = _layout_words(o["tp"], o["ep"], o["dp"])
             lines.append(
-                f"    owner {place['owner']}: {reps} of {o['tp']} x {o['gpu']} (TP{o['tp']}, "
-                f"{o['quant']} weights), {o['resident_batch']} requests each, {used:.1f} of "
-                f"{cap:.1f} GB per GPU"
+                f"    owner {place['owner']}: {reps} of {o['tp'] * o['dp']} x {o['gpu']} "
+                f"({layout}, {o['quant']} weights), {o['resident_batch']} requests each, "
+                f"{used:.1f} of {cap:.1f} GB per GPU"
             )
             lines.append(f"      runs {_operators_text(place['operators'])}")
         return lines
@@ -412,11 +438,31 @@ class PlanResult:
             why.append(f"{pred.stages_per_token} stages per token")
         if (pred.compute_occupancy or 0) < (bp.compute_occupancy or 0) - 0.05:
             why.append(f"{100 * (pred.compute_occupancy or 0):.0f}% compute occupancy")
-        mean_b = sum(o.resident_batch * o.tp for o in plan.owners) / sum(o.tp for o in plan.owners)
-        best_b = sum(o.resident_batch * o.tp for o in best.owners) / sum(o.tp for o in best.owners)
+        mean_b = _mean_batch(plan)
+        best_b = _mean_batch(best)
         if mean_b < best_b:
             why.append(f"smaller batches (mean {mean_b:.0f} vs {best_b:.0f})")
         return f" ({', '.join(why)})" if why else ""
+
+
+def _layout_words(tp: int, ep: int, dp: int) -> str:
+    """``TP2``, or ``4 DP ranks of TP2, experts over EP8`` (how a replica lays out its GPUs)."""
+    if ep == dp == 1:
+        return f"TP{tp}"
+    gpus = tp * dp
+    if ep == 1:
+        experts = f"experts tensor-parallel over all {gpus}"
+    elif ep == gpus:
+        experts = f"experts over EP{ep}"
+    else:
+        experts = f"experts over EP{ep}, each TP{gpus // ep}"
+    return f"{dp} DP rank{'s' if dp > 1 else ''} of TP{tp}, {experts}"
+
+
+def _mean_batch(plan: Plan) -> float:
+    """Resident batch of the plan's owners, weighted by their GPUs per replica."""
+    gpus = [o.gpus_per_replica for o in plan.owners]
+    return sum(o.resident_batch * g for o, g in zip(plan.owners, gpus, strict=True)) / sum(gpus)
 
 
 def _operators_text(operators: Sequence[Mapping[str, Any]]) -> str:

@@ -1,8 +1,8 @@
 """Exact search over the plan space: per-owner frontiers + branch-and-bound (paper §5.2-5.3, C.1).
 
 A *sub-search* fixes a (template, number of owners) structure, the microbatch count ``M`` and
-the GPU type of every owner; what remains is one (TP, microbatch size) configuration per
-owner, the product of the owners' (frontier-reduced) candidate sets.
+the GPU type of every owner; what remains is one (parallelism (TP, EP, DP), microbatch size)
+configuration per owner, the product of the owners' (frontier-reduced) candidate sets.
 
 Bounds (valid for every schedule the simulator can produce, see ``simulator.lower_bound``):
 
@@ -31,25 +31,21 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from opweave.costmodel import (
+    GROUP_GPUS,
     boundary_transfer_s,
-    fan_out_s,
     fits_inventory,
     intra_node_link,
-    link_time_s,
     node_layout,
-    usd_per_hour_per_request,
 )
 
 from .bounds import cost_lower_bound, full_occupancy_cost, tpot_lower_bound
 from .devices import Device
 from .evaluate import OwnerChoice, build_pipeline, cost_rate
-from .frontier import pareto_mask
 from .host import cools
+from .owners import EPS, Job, OwnerOptions, OwnerSpace
 from .simulator import cycle_time
 from .space import U_GRID
-from .structure import OpTables, Structure, owner_compute
-
-EPS = 1e-9  # relative slack: float rounding never prunes a candidate the simulator would keep
+from .structure import OpTables, Structure
 
 
 @dataclass
@@ -79,14 +75,6 @@ class SearchProgress:
 
 
 @dataclass(frozen=True)
-class Job:
-    rank: int
-    st: Structure
-    microbatches: int
-    assign: tuple[int, ...]
-
-
-@dataclass(frozen=True)
 class Leaf:
     """A simulated complete candidate: objective value, TPOT and tie-break key."""
 
@@ -94,7 +82,7 @@ class Leaf:
     tpot_s: float
     key: tuple[object, ...]
     job: Job = field(compare=False)
-    configs: tuple[tuple[int, int], ...] = field(compare=False)  # (tp, u) per owner
+    configs: tuple[tuple[int, int, int, int], ...] = field(compare=False)  # (tp, ep, dp, u)
 
     def order(self) -> tuple[object, ...]:
         return (self.value, self.tpot_s, self.key)
@@ -103,24 +91,6 @@ class Leaf:
 def lexmin(*leaves: Leaf | None) -> Leaf | None:
     found = [x for x in leaves if x is not None]
     return min(found, key=Leaf.order) if found else None
-
-
-@dataclass(frozen=True)
-class OwnerOptions:
-    """Candidate configurations of one owner in one sub-search (parallel arrays)."""
-
-    device: Device
-    tp: np.ndarray
-    u: np.ndarray
-    w: np.ndarray  # per-microbatch work of the owner
-    rate: np.ndarray  # USD/hour per request: tp * price / (M * u)
-
-    def take(self, mask: np.ndarray) -> OwnerOptions:
-        return OwnerOptions(self.device, self.tp[mask], self.u[mask], self.w[mask], self.rate[mask])
-
-    @property
-    def size(self) -> int:
-        return int(self.tp.shape[0])
 
 
 class Searcher:
@@ -133,8 +103,8 @@ class Searcher:
     jointly (``lcm``), so a configuration with a better rate and latencies can still need more
     GPUs: the per-owner frontiers are not applied where an inventory bounds a GPU type of the
     sub-search, nor for the ``"gpus"`` objective. Branch-and-bound bounds GPU counts instead:
-    a prefix's owners need at least ``tp * lcm(prefix batches) / b`` GPUs each, an unassigned
-    owner at least its smallest ``tp``.
+    a prefix's owners need at least ``tp * dp * lcm(prefix batches) / b`` GPUs each, an
+    unassigned owner at least its fewest GPUs per replica.
     """
 
     def __init__(
@@ -151,6 +121,7 @@ class Searcher:
         cache: dict[tuple[object, ...], object] | None = None,
         u_grid: Sequence[int] = U_GRID,
         inventory: Mapping[str, int] | None = None,
+        max_group_gpus: int = GROUP_GPUS[-1],
     ) -> None:
         if objective not in ("cost", "tpot", "gpus"):
             raise ValueError(f"unknown objective {objective!r}")
@@ -159,6 +130,7 @@ class Searcher:
         self.limits = {d.id: int(bound[d.id]) for d in devices if d.id in bound}
         self.gpus_per_node = {d.id: d.hardware.gpus_per_node for d in devices}
         self.u_grid = tuple(u_grid)
+        self.max_group_gpus = max_group_gpus
         self.devices = list(devices)
         self.slo = slo_s
         self.objective = objective
@@ -170,113 +142,26 @@ class Searcher:
         self.started = time.perf_counter()
         self.done = 0
         self.total = 0
+        self.owners = OwnerSpace(
+            tables,
+            devices,
+            slo_s=slo_s,
+            limits=self.limits,
+            u_grid=self.u_grid,
+            max_group_gpus=max_group_gpus,
+            frontier=frontier and objective != "gpus",
+            stats=self.stats,
+            cache=self.cache,
+        )
 
-    # -- per-owner candidates ----------------------------------------------------------------
-    def _comp(self, job: Job, j: int, d: int, tp: int) -> np.ndarray:
-        key = ("comp", job.rank, j, d, tp, self.u_grid)
-        if key not in self.cache:
-            self.cache[key] = owner_compute(
-                job.st, self.tables, j, self.devices[d], tp, self.u_grid
-            )
-        return self.cache[key]  # type: ignore[return-value]
-
-    def _prunable(self, job: Job) -> bool:
-        """Whether per-owner frontiers are exact for this sub-search (see the class doc)."""
-        if not self.frontier or self.objective == "gpus":
-            return False
-        return not any(self.devices[d].id in self.limits for d in job.assign)
+    def options(self, job: Job, j: int, prune: bool = True) -> OwnerOptions:
+        """Owner ``j``'s candidates in sub-search ``job`` (:meth:`OwnerSpace.options`)."""
+        return self.owners.options(job, j, prune)
 
     def _counts_gpus(self, job: Job) -> bool:
         return self.objective == "gpus" or any(
             self.devices[d].id in self.limits for d in job.assign
         )
-
-    def options(self, job: Job, j: int) -> OwnerOptions:
-        frontier = self._prunable(job)
-        limit = self.limits.get(self.devices[job.assign[j]].id)
-        key = (
-            "options",
-            job.rank,
-            j,
-            job.assign,
-            job.microbatches,
-            self.slo,
-            frontier,
-            limit,
-            self.u_grid,
-        )
-        cached = self.cache.get(key)
-        if cached is not None:
-            return cached  # type: ignore[return-value]
-        st, m, d = job.st, job.microbatches, job.assign[j]
-        dev = self.devices[d]
-        tps, us, ws, lats = [], [], [], []
-        for tp in dev.tps:
-            if limit is not None and tp > limit:
-                continue  # one replica alone needs more GPUs than the inventory has
-            cap = self.tables.max_resident_batch(st.owner_ops[j], dev, tp, st.owner_key(j))
-            comp = self._comp(job, j, d, tp)
-            total = comp.sum(axis=0)
-            for ui, u in enumerate(self.u_grid):
-                if u * m > cap or m * total[ui] > self.slo * (1 + EPS):
-                    continue
-                tps.append(tp)
-                us.append(u)
-                ws.append(total[ui])
-                lats.append(comp[:, ui])
-        tp_a = np.array(tps, dtype=np.int64)
-        u_a = np.array(us, dtype=np.int64)
-        opts = OwnerOptions(
-            dev,
-            tp_a,
-            u_a,
-            np.array(ws, dtype=np.float64),
-            np.asarray(
-                usd_per_hour_per_request(tp_a, dev.usd_per_hour, m * u_a.astype(np.float64))
-            ),
-        )
-        self.stats.owner_configs += opts.size
-        if frontier and opts.size > 1:
-            keep = pareto_mask(
-                tp_a,
-                opts.rate,
-                np.stack(lats, axis=1),
-                *self._frontier_links(job, j, dev, tp_a, u_a),
-            )
-            self.stats.frontier_removed += int(opts.size - keep.sum())
-            opts = opts.take(keep)
-        self.cache[key] = opts
-        return opts
-
-    def _frontier_links(
-        self, job: Job, j: int, dev: Device, tp: np.ndarray, u: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """Link times of owner j's configurations, and which may be compared at all.
-
-        A boundary's transfer takes ``max(send, recv) + fan_out``, so the owner's send, receive
-        and fan-out times are compared separately. They are partner-independent only when the
-        link kind is: always the network against a partner of another GPU type, and against
-        one of the same type only when ``tp >= gpus_per_node`` (no pod fits in a node).
-        Otherwise the pod rule could give X and Y different link kinds, which would change the
-        partner's side of the transfer too, so those TP degrees are left unpruned.
-        """
-        rows = []
-        uf = u.astype(np.float64)
-        comparable = np.ones(tp.shape[0], dtype=bool)
-        net = dev.network
-        for g in job.st.groups:
-            if j not in (g.src, g.dst):
-                continue
-            partner = self.devices[job.assign[g.dst if g.src == j else g.src]]
-            if partner.id == dev.id:
-                comparable &= tp >= dev.hardware.gpus_per_node
-            if g.src == j:
-                rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
-            if g.dst == j:
-                rows.append(link_time_s(net.latency_s, net.s_per_byte, g.beta * uf))
-                rows.append(fan_out_s(g.beta, uf, tp, *dev.intra.coeffs))
-        links = np.stack(rows) if rows else np.zeros((0, tp.shape[0]))
-        return links, comparable
 
     # -- bounds ---------------------------------------------------------------------------------
     def _value(
@@ -298,17 +183,18 @@ class Searcher:
         rest: Sequence[tuple[str, int]] = (),
     ) -> tuple[np.ndarray | int, bool | np.ndarray]:
         """GPUs of the replica set (a lower bound while ``rest`` is unassigned) and whether
-        they fit the inventory's counts. ``fixed``: ``(device id, tp, u)`` of assigned owners
-        (arrays broadcast); ``rest``: ``(device id, smallest tp)`` of the others. Replicas are
-        ``lcm(u) / u`` each (microbatch sizes stand in for resident batches: scale-free)."""
+        they fit the inventory's counts. ``fixed``: ``(device id, GPUs per replica, u)`` of
+        assigned owners (arrays broadcast); ``rest``: ``(device id, fewest GPUs per replica)``
+        of the others. Replicas are ``lcm(u) / u`` each (microbatch sizes stand in for resident
+        batches: scale-free)."""
         lcm: np.ndarray | int = 1
         for _, _, u in fixed:
             lcm = np.lcm(lcm, u)
         per: dict[str, np.ndarray | int] = {}
-        for dev, tp, u in fixed:
-            per[dev] = per.get(dev, 0) + tp * (lcm // u)
-        for dev, tp in rest:
-            per[dev] = per.get(dev, 0) + tp
+        for dev, gpus, u in fixed:
+            per[dev] = per.get(dev, 0) + gpus * (lcm // u)
+        for dev, gpus in rest:
+            per[dev] = per.get(dev, 0) + gpus
         ok: bool | np.ndarray = True
         for dev, count in per.items():
             if dev in self.limits:
@@ -321,8 +207,11 @@ class Searcher:
             return True
         us = [int(s.u[c]) for s, c in picks]
         lcm = math.lcm(*us)
-        groups = [(s.device.id, int(s.tp[c])) for (s, c), u in zip(picks, us, strict=True)]
-        groups = [g for g, u in zip(groups, us, strict=True) for _ in range(lcm // u)]
+        groups = [
+            (s.device.id, int(s.tp[c]))  # one TP group per DP rank of each replica
+            for (s, c), u in zip(picks, us, strict=True)
+            for _ in range(lcm // u * int(s.dp[c]))
+        ]
         layout = node_layout(groups, self.gpus_per_node)
         return fits_inventory([(g, n) for g, _, n in layout], self.limits, self.gpus_per_node)
 
@@ -331,7 +220,7 @@ class Searcher:
         tpot = float(tpot_lower_bound(m, [float(s.w.min()) for s in options]))
         rate = sum(float(s.rate.min()) for s in options)
         own = sum(float(full_occupancy_cost(s.rate, m, s.w).min()) for s in options)
-        gpus, ok = self._gpus([], [(s.device.id, int(s.tp.min())) for s in options])
+        gpus, ok = self._gpus([], [(s.device.id, int(s.gpus.min())) for s in options])
         return float(self._value(tpot, rate, own, gpus)), tpot, bool(ok)
 
     # -- driver ---------------------------------------------------------------------------------
@@ -340,7 +229,7 @@ class Searcher:
         inc = seed
         prepared = []
         for job in jobs:
-            options = [self.options(job, j) for j in range(job.st.n)]
+            options = [self.options(job, j, prune=False) for j in range(job.st.n)]
             if any(s.size == 0 for s in options):
                 self._tick(phase, inc)
                 continue
@@ -357,6 +246,7 @@ class Searcher:
             ):
                 self.stats.subsearches_pruned += 1
             else:
+                options = [self.options(job, j) for j in range(job.st.n)]
                 inc = self._solve(job, options, inc)
             self._tick(phase, inc)
         return inc
@@ -420,9 +310,9 @@ class Searcher:
         fits: bool | np.ndarray = True
         if self._counts_gpus(job):
             gpus, fits = self._gpus(
-                [(x.device.id, int(x.tp[c]), int(x.u[c])) for x, c in fixed]
-                + [(s.device.id, s.tp, s.u)],
-                [(x.device.id, int(x.tp.min())) for x in rest],
+                [(x.device.id, int(x.gpus[c]), int(x.u[c])) for x, c in fixed]
+                + [(s.device.id, s.gpus, s.u)],
+                [(x.device.id, int(x.gpus.min())) for x in rest],
             )
         value = self._value(tpot, rate, own, gpus)
         idx = np.arange(s.size)
@@ -453,7 +343,7 @@ class Searcher:
         if 0 in shape:
             return inc
         # every owner as an array broadcastable to `shape`
-        cols: list[tuple[Device, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        cols: list[tuple[Device, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         for s, c in prefix:
             cols.append(
                 (
@@ -462,30 +352,42 @@ class Searcher:
                     s.u[c : c + 1, None],
                     s.w[c : c + 1, None],
                     s.rate[c : c + 1, None],
+                    s.dp[c : c + 1, None],
                 )
             )
-        cols.append((a.device, a.tp[:, None], a.u[:, None], a.w[:, None], a.rate[:, None]))
+        cols.append(
+            (a.device, a.tp[:, None], a.u[:, None], a.w[:, None], a.rate[:, None], a.dp[:, None])
+        )
         if b is not None:
-            cols.append((b.device, b.tp[None, :], b.u[None, :], b.w[None, :], b.rate[None, :]))
+            cols.append(
+                (
+                    b.device,
+                    b.tp[None, :],
+                    b.u[None, :],
+                    b.w[None, :],
+                    b.rate[None, :],
+                    b.dp[None, :],
+                )
+            )
         n = len(cols)
         send = [np.zeros(shape) for _ in range(n)]
         recv = [np.zeros(shape) for _ in range(n)]
         chain = np.zeros(shape)
         intra: dict[tuple[int, int], np.ndarray] = {}
         for g in job.st.groups:
-            ds, tps, us = cols[g.src][0], cols[g.src][1], cols[g.src][2]
-            dd, tpd, ud = cols[g.dst][0], cols[g.dst][1], cols[g.dst][2]
+            ds, tps, us, dps = cols[g.src][0], cols[g.src][1], cols[g.src][2], cols[g.src][5]
+            dd, tpd, ud, dpd = cols[g.dst][0], cols[g.dst][1], cols[g.dst][2], cols[g.dst][5]
             pair = (min(g.src, g.dst), max(g.src, g.dst))
             if pair not in intra:
                 # microbatch sizes stand in for resident batches: the pod rule is scale-free
                 intra[pair] = intra_node_link(
-                    ds.id == dd.id, tps, us, tpd, ud, ds.hardware.gpus_per_node
+                    ds.id == dd.id, tps * dps, us, tpd * dpd, ud, ds.hardware.gpus_per_node
                 )
             kind = intra[pair]
             dur = boundary_transfer_s(
                 g.beta,
-                us.astype(np.float64),
-                ud.astype(np.float64),
+                us / dps,  # each DP rank's leader moves its own slice
+                ud / dpd,
                 tpd,
                 _link_coeffs(kind, ds),
                 _link_coeffs(kind, dd),
@@ -502,7 +404,7 @@ class Searcher:
         gpus: np.ndarray | int = 0
         fits: bool | np.ndarray = True
         if self._counts_gpus(job):
-            gpus, fits = self._gpus([(c[0].id, c[1], c[2]) for c in cols])
+            gpus, fits = self._gpus([(c[0].id, c[1] * c[5], c[2]) for c in cols])
         value = np.broadcast_to(np.asarray(self._value(tpot, rate, own, gpus)), shape)
         self.stats.candidates += value.size
         ok = (tpot <= self.slo * (1 + EPS)) & np.broadcast_to(fits, shape)
@@ -540,9 +442,9 @@ class Searcher:
         fits: bool | np.ndarray = True
         if self._counts_gpus(job):
             gpus, fits = self._gpus(
-                [(x.device.id, int(x.tp[c]), int(x.u[c])) for x, c in prefix]
-                + [(s.device.id, s.tp, s.u)],
-                [(other.device.id, int(other.tp.min()))],
+                [(x.device.id, int(x.gpus[c]), int(x.u[c])) for x, c in prefix]
+                + [(s.device.id, s.gpus, s.u)],
+                [(other.device.id, int(other.gpus.min()))],
             )
         rate = sum(float(x.rate[c]) for x, c in prefix) + s.rate + float(other.rate.min())
         own = (
@@ -560,20 +462,25 @@ class Searcher:
         caches, a fixed point of several event simulations), the hot schedule is simulated
         first: its period is a lower bound, so a candidate it already rules out stays out."""
         m = job.microbatches
-        owners = [OwnerChoice(s.device, int(s.tp[c]), int(s.u[c]) * m) for s, c in picks]
-        configs = tuple((int(s.tp[c]), int(s.u[c])) for s, c in picks)
+        owners = [
+            OwnerChoice(s.device, int(s.tp[c]), int(s.u[c]) * m, ep=int(s.ep[c]), dp=int(s.dp[c]))
+            for s, c in picks
+        ]
+        configs = tuple((int(s.tp[c]), int(s.ep[c]), int(s.dp[c]), int(s.u[c])) for s, c in picks)
         key = (
             job.rank,
             job.st.n,
             m,
-            tuple((d, tp, -u) for d, (tp, u) in zip(job.assign, configs, strict=True)),
+            tuple(
+                (d, tp, ep, dp, -u) for d, (tp, ep, dp, u) in zip(job.assign, configs, strict=True)
+            ),
         )
         rate = cost_rate(owners)
 
         gpus = 0
         if self.objective == "gpus":
             lcm = math.lcm(*(ch.resident_batch for ch in owners))
-            gpus = sum(ch.tp * lcm // ch.resident_batch for ch in owners)
+            gpus = sum(ch.gpus * lcm // ch.resident_batch for ch in owners)
 
         def leaf(cold: bool) -> Leaf:
             pipe, _ = build_pipeline(job.st, self.tables, owners, m, cold_caches=cold)

@@ -15,8 +15,21 @@
   holds only small operators (checked with :func:`check_template`). Colocated, AFD and CAD are
   members of this family (and are searched as the baselines).
 * Owners: 1 or 2 owners; each owner takes one GPU type (homogeneous: all owners one type;
-  heterogeneous: two types), a TP degree in {1, 2, 4, 8} (those the device supports), and a
-  per-replica microbatch size ``u`` on a geometric grid; the resident batch is ``M * u``.
+  heterogeneous: two types), a parallelism (:func:`candidate_parallelisms`) and a per-replica
+  microbatch size ``u`` on a geometric grid; the resident batch is ``M * u``.
+* Parallelism: a TP degree in {1, 2, 4, 8} (those the device supports); an owner that runs
+  routed experts on a roofline device also takes data-parallel ranks ``dp`` such that a replica
+  spans ``tp x dp`` in ``GROUP_GPUS`` (up to ``max_group_gpus``), with the experts either
+  tensor-parallel over the whole replica (``ep = 1``) or one set per GPU (``ep = tp x dp``, the
+  wide-EP layout), the two layouts engines offer (vLLM without and with
+  ``--enable-expert-parallel``). A microbatch splits evenly over the DP ranks (``u`` a multiple
+  of ``dp``). Dense models keep ``ep = dp = 1``: against TP over the same GPUs, attention-DP
+  trades each layer's attention all-reduce for the dense FFN's gather and scatter and
+  replicates the attention weights; on the built-in dense models on H100 (8K-32K context,
+  batch 8-256) the cost model finds it at best 2.3% faster (Gemma-3-27B, 256 requests at 8K,
+  TP 2 x DP 4 against TP 8) and up to 60% slower at small batches, not worth its search time
+  (``opweave estimate --dp`` evaluates it). A measured profile times TP only, so a profiled
+  device keeps ``ep = dp = 1`` too.
 * Microbatches ``M`` in {1, 2, 3, 4}, shared by all owners.
 
 Resident batches are ``M * u`` with ``u`` in {1, 2, 3, 4, 6, 8, ...} (powers of two and three
@@ -30,7 +43,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from opweave.costmodel import (
+    GROUP_GPUS,
     ModelSpec,
+    OperatorSpec,
+    Parallelism,
+    RooflineLatency,
     StageTemplate,
     afd_template,
     cad_template,
@@ -38,6 +55,8 @@ from opweave.costmodel import (
     colocated_template,
 )
 from opweave.costmodel.errors import ConfigError
+
+from .devices import Device
 
 U_GRID: tuple[int, ...] = (
     1,
@@ -132,3 +151,26 @@ def candidate_templates(
 
 def u_grid_for(max_resident: int, microbatches: int) -> list[int]:
     return [u for u in U_GRID if u * microbatches <= max_resident]
+
+
+def candidate_parallelisms(
+    device: Device, ops: Sequence[OperatorSpec], max_group_gpus: int = GROUP_GPUS[-1]
+) -> tuple[Parallelism, ...]:
+    """The parallelisms an owner running ``ops`` on ``device`` is offered (see the module doc),
+    before the model's operators are checked to split so (the search keeps those
+    :func:`opweave.costmodel.parallelism_problem` passes)."""
+    plain = tuple(Parallelism(tp=tp) for tp in device.tps)
+    if not any(op.moe is not None for op in ops) or not isinstance(device.latency, RooflineLatency):
+        return plain
+    return tuple(
+        Parallelism(tp=tp, ep=ep, dp=gpus // tp)
+        for tp in device.tps
+        for gpus in GROUP_GPUS
+        if gpus % tp == 0 and gpus <= max_group_gpus
+        for ep in dict.fromkeys((1, gpus))
+    )
+
+
+def u_grid_for_dp(u_grid: Sequence[int], dp: int) -> list[int]:
+    """Microbatch sizes a replica of ``dp`` DP ranks takes: multiples of ``dp``."""
+    return [u for u in u_grid if u % dp == 0]

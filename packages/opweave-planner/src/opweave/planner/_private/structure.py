@@ -19,24 +19,31 @@ from opweave.costmodel import (
     LayerSpec,
     ModelSpec,
     OperatorSpec,
+    Parallelism,
     Segment,
     StageTemplate,
+    dp_batch,
+    is_group_op,
     max_resident_batch,
-    memory_bytes_per_rank,
+    parallel_op_latency_s,
     segments,
     shard_fraction,
-    weight_bytes_per_rank,
 )
 
 from .devices import Device
 
 
 class OpTables:
-    """Per-microbatch latency (compute + TP collective) of every distinct operator."""
+    """Per-microbatch latency (compute + collectives) of every distinct operator.
 
-    def __init__(self, model: ModelSpec, context: int) -> None:
+    ``expert_skew`` is the router's measured imbalance of expected expert loads (1.0: balanced,
+    the assumption a plan states; :func:`opweave.costmodel.expert_load_imbalance`).
+    """
+
+    def __init__(self, model: ModelSpec, context: int, expert_skew: float = 1.0) -> None:
         self.model = model
         self.context = context
+        self.expert_skew = expert_skew
         self.index: dict[str, int] = {}
         self.reps: list[tuple[OperatorSpec, LayerSpec | None]] = []
         keys: dict[object, int] = {}
@@ -55,32 +62,52 @@ class OpTables:
                 add((sig, j), op, layer)
         for op in model.post_ops:
             add(("post", op.name), op, None)
-        self._cache: dict[tuple[str, int, float], np.ndarray] = {}
-        self._mem: dict[tuple[int, tuple[str, ...]], tuple[float, float]] = {}
+        # operators that span a replica's whole group (routed experts, dense FFN)
+        self.group = [k for k, (op, _) in enumerate(self.reps) if is_group_op(op)]
+        self.tied = np.array([k for k, (op, _) in enumerate(self.reps) if op.tied_to], dtype=int)
+        self.boundary = np.array([op.boundary_bytes_per_token for op, _ in self.reps])
+        self._cache: dict[tuple[str, Parallelism, float], np.ndarray] = {}
+        self._mem: dict[tuple[object, ...], np.ndarray] = {}
         self._bytes: dict[tuple[str, int, tuple[float, ...]], np.ndarray] = {}
 
     @property
     def num_classes(self) -> int:
         return len(self.reps)
 
-    def latency(self, device: Device, tp: int, batches: Sequence[float]) -> np.ndarray:
-        """``K x len(batches)`` latencies of every distinct operator at microbatch ``batches``."""
-        cols = []
-        for b in batches:
-            key = (device.id, tp, float(b))
-            col = self._cache.get(key)
-            if col is None:
-                lat = device.latency
-                col = np.array(
-                    [
-                        lat.op_latency_s(self.model, op, layer, tp, float(b), float(self.context))
-                        + lat.collective_s(op, tp, float(b))
-                        for op, layer in self.reps
-                    ]
+    def _column(self, device: Device, par: Parallelism, b: float) -> np.ndarray:
+        key = (device.id, par, b)
+        col = self._cache.get(key)
+        if col is not None:
+            return col
+        lat, ctx = device.latency, float(self.context)
+        if par.plain:
+            col = np.array(
+                [
+                    lat.op_latency_s(self.model, op, layer, par.tp, b, ctx)
+                    + lat.collective_s(op, par.tp, b)
+                    for op, layer in self.reps
+                ]
+            )
+        else:
+            # each DP rank runs the non-group operators as a TP group of its own slice
+            col = self._column(device, Parallelism(tp=par.tp), dp_batch(b, par.dp)).copy()
+            for k in self.group:
+                op, layer = self.reps[k]
+                col[k] = parallel_op_latency_s(
+                    lat, self.model, op, layer, par, b, ctx, self.expert_skew
                 )
-                self._cache[key] = col
-            cols.append(col)
-        return np.stack(cols, axis=1)
+        self._cache[key] = col
+        return col
+
+    def latency(self, device: Device, par: Parallelism, batches: Sequence[float]) -> np.ndarray:
+        """``K x len(batches)`` latencies of every distinct operator at replica microbatch
+        ``batches`` (requests of the whole replica; DP ranks take their slices)."""
+        key = ("matrix", device.id, par, tuple(float(b) for b in batches))
+        matrix = self._mem.get(key)
+        if matrix is None:
+            matrix = np.stack([self._column(device, par, float(b)) for b in batches], axis=1)
+            self._mem[key] = matrix
+        return matrix
 
     def bytes_moved(self, tp: int, batches: Sequence[float]) -> np.ndarray:
         """``K x len(batches)`` bytes every distinct operator touches per microbatch on one rank
@@ -101,22 +128,52 @@ class OpTables:
             self._bytes[key] = cached
         return cached
 
-    def max_resident_batch(
-        self, ops: Sequence[OperatorSpec], device: Device, tp: int, cache_key: tuple[str, ...]
-    ) -> int:
-        """Largest resident batch of one replica holding ``ops`` (weights, state, activations).
-
-        As :func:`opweave.costmodel.max_batch`, with the device-independent terms computed once
-        per (operator set, TP degree).
-        """
-        key = (tp, cache_key)
+    def _class_terms(self, tp: int, gpus: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per distinct operator: weight bytes per GPU, state bytes per request per GPU."""
+        key = ("terms", tp, gpus)
         if key not in self._mem:
-            weights = weight_bytes_per_rank(list(ops), tp)
-            # state + activations of one request (memory is affine in the batch)
-            per_request = memory_bytes_per_rank(list(ops), tp, 1.0, float(self.context)) - weights
-            self._mem[key] = (weights, per_request)
-        weights, per_request = self._mem[key]
-        return max_resident_batch(device.hardware.usable_memory_bytes, weights, per_request)
+            ctx = float(self.context)
+            self._mem[key] = np.array(
+                [
+                    [
+                        op.weight_bytes * shard_fraction(op, gpus if is_group_op(op) else tp),
+                        float(op.state_bytes(ctx)) * shard_fraction(op, tp),
+                    ]
+                    for op, _ in self.reps
+                ]
+            ).T
+        terms = self._mem[key]
+        return terms[0], terms[1]
+
+    def max_resident_batch(self, counts: np.ndarray, device: Device, par: Parallelism) -> int:
+        """Largest resident batch of one replica running ``counts`` of each distinct operator
+        (weights, state, activations): :func:`opweave.costmodel.max_replica_batch` of those
+        operators, from per-operator terms computed once per TP degree and replica size."""
+        return int(self.max_resident_batches(counts, device, [par])[0])
+
+    def max_resident_batches(
+        self, counts: np.ndarray, device: Device, pars: Sequence[Parallelism]
+    ) -> np.ndarray:
+        """:meth:`max_resident_batch` of each of ``pars``, at once."""
+        if not pars:
+            return np.zeros(0, dtype=np.int64)
+        terms = [self._class_terms(p.tp, p.gpus) for p in pars]
+        weights = np.stack([w for w, _ in terms], axis=1)  # K x P
+        state = np.stack([s for _, s in terms], axis=1)
+        held = counts > 0
+        weight = counts @ weights
+        if len(self.tied) > 1 and held[self.tied].all():
+            weight = weight - weights[self.tied[1:]].sum(axis=0)  # a tied embedding and head: once
+        # activations: the two largest live tensors of the step (roofline.activation_bytes)
+        sizes = np.repeat(self.boundary[held], np.minimum(counts[held], 2).astype(int))
+        top = float(np.sort(sizes)[::-1][:2].sum())
+        per_request = counts @ state + top
+        usable = device.hardware.usable_memory_bytes
+        caps = [
+            max_resident_batch(usable, float(w), float(r))
+            for w, r in zip(weight, per_request, strict=True)
+        ]
+        return np.asarray(caps, dtype=np.int64) * np.array([p.dp for p in pars], dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -207,14 +264,24 @@ def build_structure(
 
 
 def owner_ops(
-    st: Structure, tables: OpTables, j: int, device: Device, tp: int, batches: Sequence[float]
+    st: Structure,
+    tables: OpTables,
+    j: int,
+    device: Device,
+    par: Parallelism,
+    batches: Sequence[float],
 ) -> np.ndarray:
     """``S_j x len(batches)``: operator latency of each segment owner ``j`` runs, per microbatch."""
-    return st.counts[j] @ tables.latency(device, tp, batches)
+    return st.counts[j] @ tables.latency(device, par, batches)
 
 
 def owner_compute(
-    st: Structure, tables: OpTables, j: int, device: Device, tp: int, batches: Sequence[float]
+    st: Structure,
+    tables: OpTables,
+    j: int,
+    device: Device,
+    par: Parallelism,
+    batches: Sequence[float],
 ) -> np.ndarray:
     """``S_j x len(batches)``: per-microbatch latency of each segment owner ``j`` runs.
 
@@ -223,7 +290,7 @@ def owner_compute(
     0 also the driver's bookkeeping for the owner's own requests (exact with one owner, a lower
     bound otherwise: the driver handles the whole global batch's microbatch).
     """
-    out = owner_ops(st, tables, j, device, tp, batches)
+    out = owner_ops(st, tables, j, device, par, batches)
     loop = device.host.orchestration
     if loop is None:  # nothing measured of the host (a GPU)
         return out

@@ -129,8 +129,9 @@ def total_ranks(plan: Plan) -> int:
 
 
 def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> None:
-    """Refuse a plan made for another model, one whose tensor-parallel owners cannot shard
-    their operators, or a launch with the wrong number of ranks."""
+    """Refuse a plan made for another model, one with expert or data parallelism (not run yet),
+    one whose tensor-parallel owners cannot shard their operators, or a launch with the wrong
+    number of ranks."""
     pm = plan.model
     if pm.quant not in ("bf16", "fp16", "fp32") or pm.kv_cache_dtype == "fp8":
         raise UnsupportedModelError(
@@ -156,6 +157,12 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
             "re-plan for this model (opweave plan <model dir> ...)"
         )
     for o, owner in enumerate(plan.owners):
+        if owner.ep > 1 or owner.dp > 1:
+            raise PlanMismatchError(
+                f"plan owner {o} ({owner.gpu} tp {owner.tp} ep {owner.ep} dp {owner.dp}) uses "
+                "expert parallelism / data-parallel attention, which the runtime does not run "
+                "yet; re-plan for it with tensor parallelism only"
+            )
         if owner.tp == 1:
             continue
         ops = [

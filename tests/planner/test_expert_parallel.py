@@ -1,0 +1,84 @@
+"""The planner with expert parallelism and data-parallel attention: frontiers that prune (its
+exactness against exhaustive enumeration is in test_exactness.py), and plans whose owners say
+their (TP, EP, DP)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from opweave.costmodel import (
+    HardwareCatalog,
+    default_catalog,
+    load_model,
+    plan_nodes,
+)
+from opweave.planner import plan, simulate_plan
+
+from .conftest import random_profile, toy_gpu
+
+
+@pytest.fixture(scope="module")
+def moe_plans():
+    """Qwen3-30B-A3B on H200 at 4K with a 50 ms TPOT SLO, with and without frontiers."""
+    model = load_model("qwen3-30b-a3b")
+    on = plan(model, ["h200"], context=4096, tpot_slo_s=0.05)
+    off = plan(model, ["h200"], context=4096, tpot_slo_s=0.05, frontier_pruning=False)
+    return model, on, off
+
+
+def test_frontier_prunes_a_moe_model_and_keeps_the_optimum(moe_plans) -> None:
+    _, on, off = moe_plans
+    assert on.search.frontier_removed > 0 and off.search.frontier_removed == 0
+    assert on.search.candidates < off.search.candidates
+    strip = [{k: v for k, v in r.to_json().items() if k != "search"} for r in (on, off)]
+    assert strip[0] == strip[1]
+
+
+def test_plan_owners_carry_tp_ep_dp_and_count_their_gpus(moe_plans) -> None:
+    model, on, _ = moe_plans
+    doc = json.loads(json.dumps(on.to_json()))
+    best = doc["best"]
+    assert any(o["dp"] > 1 for o in best["owners"])  # attention-DP pays on this MoE model
+    entries = [best, *(e for e in doc["baselines"].values() if e.get("strategy"))]
+    for entry in entries:
+        for owner, place in zip(entry["owners"], entry["placement"], strict=True):
+            for key in ("tp", "ep", "dp"):
+                assert owner[key] == place[key] >= 1
+            assert owner["gpus"] == owner["replicas"] * owner["tp"] * owner["dp"]
+            assert (owner["tp"] * owner["dp"]) % owner["ep"] == 0
+        assert sum(entry["gpus_used"].values()) == sum(n["gpus"] for n in entry["nodes"])
+        assert sum(entry["gpus_used"].values()) == sum(o["gpus"] for o in entry["owners"])
+    # the plan file re-simulates to its prediction, on tp x dp GPUs per replica
+    assert on.best is not None and on.best.prediction is not None
+    sim = simulate_plan(on.best, model)
+    assert sim.tpot_s == pytest.approx(on.best.prediction.tpot_s, rel=1e-9)
+    nodes = plan_nodes(on.best, default_catalog())
+    assert sum(n.gpus for n in nodes) == sum(
+        o.replicas * o.gpus_per_replica for o in on.best.owners
+    )
+    assert any("expert-parallel load" in a for a in doc["assumptions"]) == any(
+        o["ep"] > 1 for e in entries for o in e["owners"]
+    )
+
+
+def test_dense_models_and_profiled_devices_keep_tensor_parallelism(tiny_moe) -> None:
+    dense = plan(load_model("qwen3-32b"), ["h100"], context=8192, tpot_slo_s=0.05)
+    # a measured profile times tensor parallelism only
+    profile = random_profile(np.random.default_rng(0), tiny_moe, toy_gpu("dev0", memory_bytes=1e7))
+    measured = plan(
+        tiny_moe,
+        ["dev0"],
+        context=32,
+        tpot_slo_s=1.0,
+        catalog=HardwareCatalog(()),
+        profiles=[profile],
+        microbatches=(1,),
+        u_grid=(1, 2, 4),
+    )
+    assert measured.best is not None
+    for result in (dense, measured):
+        for p in [result.best, *result.baselines.values()]:
+            assert p is None or all(o.ep == o.dp == 1 for o in p.owners)
