@@ -148,17 +148,17 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
         assert err.startswith("error: ") and err.count("\n") == 1, err
         assert message in err, err
         assert out == ""
-    monkeypatch.setenv("OPWEAVE_WAIT", "sometimes")
-    code, out, err = _opweave(capsys, "run", str(plan_path), "--prompt", "t5", *common)
+    code, out, err = _opweave(capsys, "run", str(plan_path), "--wait", "sometimes", *common)
     assert (code, out) == (2, "")
-    assert err == "error: OPWEAVE_WAIT='sometimes': expected spin or block\n", err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert err.endswith("--wait must be one of auto, spin, block\n"), err
 
 
 def test_a_bad_choice_is_refused_before_torch_loads_naming_the_runtimes_choices(tiny_model):
-    """``opweave run`` checks --kernels and --decode-step before it imports the runtime (which
-    imports torch), so it keeps its own tuples of their choices: those must be the choices
+    """``opweave run`` checks --kernels, --decode-step and --wait before it imports the runtime
+    (which imports torch), so it keeps its own tuples of their choices: those must be the choices
     RunOptions parses, as the runtime names them."""
-    from opweave.runtime import DecodeStep, Kernels
+    from opweave.runtime import DecodeStep, Kernels, Wait
 
     model_dir = str(tiny_model("llama"))
     code = (
@@ -167,7 +167,7 @@ def test_a_bad_choice_is_refused_before_torch_loads_naming_the_runtimes_choices(
         "status = main(sys.argv[1:])\n"
         "print(status, sorted(m for m in ('torch', 'opweave.runtime') if m in sys.modules))\n"
     )
-    for flag, choices in (("--kernels", Kernels), ("--decode-step", DecodeStep)):
+    for flag, choices in (("--kernels", Kernels), ("--decode-step", DecodeStep), ("--wait", Wait)):
         args = ["run", flag, "fastest", "--prompt", "t5", "--max-tokens", "2"]
         proc = subprocess.run(
             [sys.executable, "-c", code, *args, "--model-path", model_dir],

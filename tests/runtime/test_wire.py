@@ -112,26 +112,18 @@ def test_a_peer_without_the_runs_secret_is_refused() -> None:
     assert peer == "1" and "timed out waiting for ranks [1] to connect" in message
 
 
-def test_ranks_spin_only_on_a_core_of_their_own_unless_told(monkeypatch) -> None:
-    """How a rank waits is a run option (``wait``), whose default the user may set with
-    ``OPWEAVE_WAIT`` where the options are built (never in a rank)."""
+def test_ranks_spin_only_on_a_core_of_their_own_unless_told() -> None:
+    """How a rank waits is a run option (``wait``, ``opweave run --wait``); no environment
+    variable changes it."""
     from opweave.runtime import RunOptions
-    from opweave.runtime._private.options import SPIN_S, WAIT_ENV
-    from opweave.runtime.errors import OpWeaveRuntimeError
+    from opweave.runtime._private.options import SPIN_S
 
-    monkeypatch.delenv(WAIT_ENV, raising=False)
     assert RunOptions().spin_s(own_core=True) == SPIN_S > 0
     assert RunOptions().spin_s(own_core=False) == 0.0
     assert RunOptions(wait="block").spin_s(own_core=True) == 0.0
-    monkeypatch.setenv(WAIT_ENV, "block")
-    assert RunOptions().spin_s(own_core=True) == 0.0
-    monkeypatch.setenv(WAIT_ENV, "Spin")
-    options = RunOptions()
-    assert options.spin_s(own_core=False) == SPIN_S
-    monkeypatch.setenv(WAIT_ENV, "poll")
-    assert options.spin_s(own_core=False) == SPIN_S  # built once: the variable is not read again
-    with pytest.raises(OpWeaveRuntimeError, match=r"OPWEAVE_WAIT='poll': expected spin or block"):
-        RunOptions()
+    assert RunOptions(wait="spin").spin_s(own_core=False) == SPIN_S
+    with pytest.raises(ValueError, match="auto"):
+        RunOptions(wait="poll")
 
 
 def test_the_rendezvous_store_listens_on_the_master_address_only() -> None:

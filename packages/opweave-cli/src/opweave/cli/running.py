@@ -39,6 +39,7 @@ STRATEGIES = ("colocated", "afd", "cad")
 # runtime (and torch with it) is imported; a test checks that they are the runtime's choices
 KERNELS = ("opweave", "vllm", "vllm-all")
 DECODE_STEPS = ("per-request", "static", "compiled", "traced")
+WAITS = ("auto", "spin", "block")
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # where the executor leaves why the run failed
 API_KEY_ENV = "OPWEAVE_API_KEY"  # the server's key, kept out of the command line (ps shows it)
 # A test seam, hidden from --help: RANK:ITERATION:exit|kill|hang makes that rank fail on purpose
@@ -168,6 +169,14 @@ def run(
             "on CUDA one per segment) or traced.",
         ),
     ] = "per-request",
+    wait: Annotated[
+        str,
+        typer.Option(
+            "--wait",
+            help="How CPU ranks wait for peers: auto (busy-poll on a core of their own, "
+            "block where ranks share cores), spin or block.",
+        ),
+    ] = "auto",
     nnodes: Annotated[
         int, typer.Option("--nnodes", min=1, max=MAX_COUNT, help="Nodes the plan spans.")
     ] = 1,
@@ -238,6 +247,7 @@ def serve(
     decode_step: Annotated[
         str, typer.Option("--decode-step", help="per-request, static, compiled, traced.")
     ] = "per-request",
+    wait: Annotated[str, typer.Option("--wait", help="auto, spin or block.")] = "auto",
     nnodes: Annotated[int, typer.Option("--nnodes", min=1, max=MAX_COUNT)] = 1,
     node_rank: Annotated[int, typer.Option("--node-rank", min=0, max=MAX_COUNT)] = 0,
     nodes_file: Annotated[Path | None, typer.Option("--nodes")] = None,
@@ -271,6 +281,8 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}")
     if o["decode_step"] not in DECODE_STEPS:
         raise typer.BadParameter(f"--decode-step must be one of {', '.join(DECODE_STEPS)}")
+    if o["wait"] not in WAITS:
+        raise typer.BadParameter(f"--wait must be one of {', '.join(WAITS)}")
     if o["device"] not in ("auto", "cpu", "cuda"):
         raise typer.BadParameter("--device must be auto, cpu or cuda")
     if o["prompt"] is not None and o["prompts_file"] is not None:
@@ -492,6 +504,7 @@ def _options(o: dict[str, Any]) -> Any:
         timeout_s=o["timeout_s"],
         kernels=o["kernels"],
         decode_step=o["decode_step"],
+        wait=o["wait"],
         fault=_fault(o["fault"]),
     )
 

@@ -643,8 +643,8 @@ def profile_model(
 
 def ranks_spin(dev: torch.device) -> bool:
     """Whether the runtime's ranks busy-poll while they wait on this machine: CPU ranks with a
-    core each (a plan's ranks here get one per core when there are enough), unless
-    ``OPWEAVE_WAIT`` says otherwise (see ``opweave.runtime``'s wire)."""
+    core each (a plan's ranks here get one per core when there are enough), as
+    ``RunOptions(wait="auto")`` has them (see ``opweave.runtime``'s wire)."""
     from opweave.runtime import RunOptions
 
     return dev.type == "cpu" and RunOptions(device="cpu").spin_s(len(available_cores()) >= 2) > 0

@@ -11,15 +11,12 @@ environment variable changes what a rank runs.
 from __future__ import annotations
 
 import math
-import os
 from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ..errors import OpWeaveRuntimeError
-
-WAIT_ENV = "OPWEAVE_WAIT"  # the user's override of how CPU ranks wait (read by RunOptions only)
 
 
 class DecodeStep(StrEnum):
@@ -70,18 +67,6 @@ class FaultInjection(BaseModel):
     mode: Annotated[str, Field(pattern="^(exit|kill|hang)$")]
 
 
-def wait_from_env() -> Wait:
-    """``OPWEAVE_WAIT`` (spin or block) where set, else ``auto``; read when a run's options are
-    built, never by a rank."""
-    raw = os.environ.get(WAIT_ENV, "").strip()
-    if not raw:
-        return Wait.AUTO
-    mode = raw.lower()
-    if mode not in (Wait.SPIN, Wait.BLOCK):
-        raise OpWeaveRuntimeError(f"{WAIT_ENV}={raw!r}: expected spin or block")
-    return Wait(mode)
-
-
 def resolve_device_name(device: str) -> str:
     """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``."""
     if device == "auto":
@@ -127,8 +112,9 @@ class RunOptions(BaseModel):
     )
     threads: int = Field(default=1, ge=1, description="torch threads per rank.")
     wait: Wait = Field(
-        default_factory=wait_from_env,
-        description="How CPU ranks wait for peers (default: OPWEAVE_WAIT, else auto).",
+        default=Wait.AUTO,
+        description="How CPU ranks wait for peers (opweave run --wait): auto spins on a core "
+        "of a rank's own and blocks where ranks share cores.",
     )
     fault: FaultInjection | None = Field(
         default=None, description="Test seam: a rank that fails on purpose (tests only)."

@@ -16,7 +16,7 @@ was built on, over four paired runs of a tiny Qwen3-Next, the AFD plan's ranks s
 1.13x and 1.45x against 0.98x and 1.26x, and the plans' TPOT fell from 32.3 to 24.7 ms (AFD)
 and from 37.2 to 29.9 ms (CAD). Ranks that share cores must not spin (each would burn the time
 slice another one needs), so they block at once (:meth:`~.options.RunOptions.spin_s`;
-``OPWEAVE_WAIT=spin|block`` overrides the choice).
+``opweave run --wait spin|block`` overrides the choice).
 
 A peer that exits closes its connection: the wait fails at once with :class:`PeerError` naming
 it; one that hangs fails the wait after ``timeout_s``.
