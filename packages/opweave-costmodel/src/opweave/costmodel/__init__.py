@@ -24,14 +24,12 @@ from ._private.architecture import FULL as FULL_ATTENTION
 from ._private.architecture import LINEAR as LINEAR_ATTENTION
 from ._private.architecture import SLIDING as SLIDING_ATTENTION
 from ._private.architecture import (
-    SUPPORTED_FAMILIES,
     Architecture,
     ExpertsSpec,
     LinearAttentionSpec,
+    MLASpec,
     RopeSpec,
-    family_defaults,
     resolve_architecture,
-    text_config,
 )
 from ._private.estimate import StepEstimate, estimate_step
 from ._private.families import model_spec_from_config, partition_block
@@ -114,6 +112,7 @@ from ._private.profile import (
     TransferProfile,
     profile_key,
 )
+from ._private.registry import SUPPORTED_FAMILIES, family_defaults, text_config
 from ._private.roofline import (
     ProfiledLatency,
     RooflineLatency,
@@ -150,6 +149,7 @@ __all__ = [
     "LINEAR_ATTENTION",
     "ExpertsSpec",
     "LinearAttentionSpec",
+    "MLASpec",
     "RopeSpec",
     "resolve_architecture",
     "tp_problem",

@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .architecture import FULL, SLIDING, Architecture, resolve_architecture, text_config
+from .architecture import FULL, SLIDING, Architecture, resolve_architecture
 from .model import (
     AttentionKind,
     LayerSpec,
@@ -23,6 +23,7 @@ from .model import (
     PartitionBlock,
     TPCollective,
 )
+from .registry import text_config
 
 _DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
 # MXFP4 (OCP Microscaling spec v1.0): 32 FP4 values share one 8-bit scale = 4.25 bits/param.
@@ -92,7 +93,6 @@ class _Builder:
 
     def __init__(self, arch: Architecture, bytes_per_param: float) -> None:
         self.arch = arch
-        self.family = arch.family
         self.p = bytes_per_param
         self.h = arch.hidden_size
         self.vocab = arch.vocab_size
@@ -211,14 +211,16 @@ class _Builder:
         self, i: int, kind: AttentionKind, window: int | None
     ) -> tuple[OperatorSpec, ...]:
         h, nq, nkv, d = self.h, self.nq, self.nkv, self.d
-        gated = self.family == "qwen3_next"  # output gate doubles q_proj (gated attention)
+        a = self.arch
+        gated = a.attn_output_gate  # the output gate doubles q_proj (gated attention)
         q_out = nq * d * (2 if gated else 1)
         qkv_out = q_out + 2 * nkv * d
-        qk_norm = 2 * d if self.family in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next") else 0
+        # q/k norm weights: one head's width, or every head's (MiniMax-M2's per-layer norms)
+        qk_norm = ((nq + nkv) * d if a.qk_norm_per_layer else 2 * d) if a.qk_norm else 0
         qkv_params = h * qkv_out + (qkv_out if self.bias else 0) + qk_norm
-        o_params = nq * d * h + (h if self.family == "gpt_oss" else 0)
-        post_norm = h if self.family == "gemma3_text" else 0
-        sinks = nq if self.family == "gpt_oss" else 0
+        o_params = nq * d * h + (h if a.o_bias else 0)
+        post_norm = h if a.sandwich_norms else 0
+        sinks = nq if a.attn_sinks else 0
         extra_out = nq * d if gated else 0  # the gate travels with the attention output
         return (
             self._norm("attn_norm", i, boundary=2 * h),
@@ -323,7 +325,7 @@ class _Builder:
     def _dense_ffn(self, i: int) -> tuple[OperatorSpec, ...]:
         h, inter = self.h, self.inter
         bias = inter if self.arch.mlp_bias else 0
-        post_norm = h if self.family == "gemma3_text" else 0
+        post_norm = h if self.arch.sandwich_norms else 0
         return (
             self._norm("ffn_norm", i, boundary=2 * h),
             self._op(
@@ -353,8 +355,7 @@ class _Builder:
         assert moe is not None
         experts, top_k, inter = moe.num_experts, moe.top_k, moe.intermediate_size
         shared = moe.shared_intermediate_size
-        biased = self.family == "gpt_oss"
-        expert_params = 3 * h * inter + ((2 * inter + h) if biased else 0)
+        expert_params = 3 * h * inter + ((2 * inter + h) if moe.expert_bias else 0)
         mxfp4 = self.arch.quant_method == "mxfp4"
         expert_bytes_per_param = _MXFP4_BYTES_PER_PARAM if mxfp4 else self.p
         expert_bytes = round(expert_params * expert_bytes_per_param)
@@ -364,7 +365,7 @@ class _Builder:
                 "router",
                 OpClass.SMALL,
                 i,
-                params=experts * h + (experts if biased else 0),
+                params=experts * h + (experts if moe.router_bias else 0),
                 act=h + experts,
                 boundary=2 * h + top_k * 8 / self.p,
                 tp_sharded=False,
@@ -395,7 +396,7 @@ class _Builder:
                     "shared_expert",
                     OpClass.GEMM,
                     i,
-                    params=3 * h * shared + h,
+                    params=3 * h * shared + (h if moe.shared_expert_gate else 0),
                     act=2 * h + 3 * shared,
                     boundary=h,
                     collective=TPCollective.ALLREDUCE,
