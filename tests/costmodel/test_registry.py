@@ -73,13 +73,14 @@ def test_attention_bias_biases_the_output_projection_too(family: str) -> None:
     assert o_with.weight_bytes - o_without.weight_bytes == 4 * h  # float32
 
 
-
 def test_qwen2_biases_qkv_whatever_attention_bias_says_and_never_o() -> None:
     h, q, kv = 64, 64, 2 * 2 * 16
     for flag in (False, True):
-        ops = model_spec_from_config(
-            dict(TINY_LLAMA, model_type="qwen2", attention_bias=flag)
-        ).layers[0].ops
+        ops = (
+            model_spec_from_config(dict(TINY_LLAMA, model_type="qwen2", attention_bias=flag))
+            .layers[0]
+            .ops
+        )
         qkv = next(op for op in ops if op.name == "qkv_proj")
         o = next(op for op in ops if op.name == "o_proj")
         assert qkv.weight_bytes == 4 * (h * (q + kv) + q + kv)

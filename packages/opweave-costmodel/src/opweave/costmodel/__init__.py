@@ -31,8 +31,9 @@ from ._private.architecture import (
     RopeSpec,
     resolve_architecture,
 )
+from ._private.blocks import partition_block
 from ._private.estimate import StepEstimate, estimate_step
-from ._private.families import model_spec_from_config, partition_block
+from ._private.families import model_spec_from_config
 from ._private.fit import (
     EfficiencyFit,
     fit_efficiency,

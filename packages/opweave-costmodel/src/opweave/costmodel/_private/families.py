@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .architecture import FULL, SLIDING, Architecture, resolve_architecture
+from .blocks import partition_block
 from .model import (
     AttentionKind,
     LayerSpec,
@@ -20,7 +21,6 @@ from .model import (
     OpClass,
     OperatorName,
     OperatorSpec,
-    PartitionBlock,
     TPCollective,
 )
 from .registry import text_config
@@ -65,26 +65,6 @@ def model_spec_from_config(
         block=partition_block(layers),
         config_sha256=digest,
         arch=arch,
-    )
-
-
-def partition_block(layers: tuple[LayerSpec, ...]) -> PartitionBlock:
-    """Smallest period ``p`` with layer ``i`` interchangeable with layer ``i - p`` for all i."""
-    sigs = [layer.signature for layer in layers]
-    n = len(sigs)
-    period = next(p for p in range(1, n + 1) if all(sigs[i] == sigs[i - p] for i in range(p, n)))
-    names: list[OperatorName] = []
-    offsets: list[int] = []
-    for offset, layer in enumerate(layers[:period]):
-        for op in layer.ops:
-            names.append(op.name)
-            offsets.append(offset)
-    return PartitionBlock(
-        period_layers=period,
-        num_full_blocks=n // period,
-        remainder_layers=n % period,
-        op_names=tuple(names),
-        op_layers=tuple(offsets),
     )
 
 

@@ -217,13 +217,27 @@ class LayerSpec(Frozen):
 
 
 class PartitionBlock(Frozen):
-    """The smallest repeating, layer-aligned operator pattern (paper §4, appendix B.1)."""
+    """The smallest repeating, layer-aligned operator pattern (paper §4, appendix B.1).
+
+    The block repeats from layer ``prefix_layers`` on. Leading layers that differ only in their
+    feed-forward (DeepSeek-V3's dense layers before the MoE ones) form the prefix: each is cut
+    as the block layer it aligns with (``(i - prefix_layers) mod period_layers``), operator by
+    operator of the same name, so a template's per-kind cut patterns hold for it too.
+    """
 
     period_layers: int = Field(description="Layers per block.")
     num_full_blocks: int
     remainder_layers: int = Field(description="Layers of a trailing partial block.")
     op_names: tuple[OperatorName, ...] = Field(description="Operator sequence of one block.")
     op_layers: tuple[int, ...] = Field(description="Layer offset (0..period-1) of each op.")
+    prefix_layers: int = Field(
+        default=0, description="Irregular leading layers before the first block."
+    )
+
+    def block_layer(self, layer: int) -> tuple[int, int]:
+        """``(block index, offset in the block)`` of a layer; prefix layers have negative
+        block indices."""
+        return divmod(layer - self.prefix_layers, self.period_layers)
 
 
 class ModelSpec(Frozen):
