@@ -17,6 +17,8 @@ def test_models_and_gpus_json() -> None:
         "llama-3.3-70b",
         "qwen3-32b",
         "qwen3-30b-a3b",
+        "deepseek-v3",
+        "kimi-k2",
     }
     assert models["gemma-3-27b"]["block_layers"] == 6
     gpus = {g["id"]: g for g in cli_json("gpus")["gpus"]}

@@ -117,10 +117,12 @@ from ._private.registry import SUPPORTED_FAMILIES, family_defaults, text_config
 from ._private.roofline import (
     ProfiledLatency,
     RooflineLatency,
+    bytes_moved_per_rank,
     max_batch,
     memory_bytes_per_rank,
     shard_fraction,
     state_bytes_per_rank,
+    state_shard_fraction,
     weight_bytes_per_rank,
 )
 from ._private.sharding import tp_problem
@@ -234,6 +236,7 @@ __all__ = [
     "analyze",
     # serving formulas (one rule each, numpy, broadcasting)
     "boundary_transfer_s",
+    "bytes_moved_per_rank",
     "fan_out_s",
     "intra_node_link",
     "link_time_s",
@@ -248,6 +251,7 @@ __all__ = [
     "max_batch",
     "memory_bytes_per_rank",
     "shard_fraction",
+    "state_shard_fraction",
     "state_bytes_per_rank",
     "weight_bytes_per_rank",
     # errors

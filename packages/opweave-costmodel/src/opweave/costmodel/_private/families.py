@@ -11,8 +11,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from . import linears
 from .architecture import FULL, SLIDING, Architecture, resolve_architecture
 from .blocks import partition_block
+from .mla import mla_attention
 from .model import (
     AttentionKind,
     LayerSpec,
@@ -23,7 +25,7 @@ from .model import (
     OperatorSpec,
     TPCollective,
 )
-from .registry import text_config
+from .registry import FAMILIES, text_config
 
 _DTYPE_BYTES = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0, "float8_e4m3fn": 1.0}
 # MXFP4 (OCP Microscaling spec v1.0): 32 FP4 values share one 8-bit scale = 4.25 bits/param.
@@ -81,6 +83,8 @@ class _Builder:
         self.inter = arch.intermediate_size
         self.bias = arch.qkv_bias
         self.tied = "embed_tokens" if arch.tie_word_embeddings else None
+        # checkpoint module names, for the linears of the families that declare them
+        self.names = FAMILIES[arch.family].checkpoint
 
     def _kind(self, i: int) -> tuple[AttentionKind, int | None]:
         kind = {FULL: AttentionKind.FULL, SLIDING: AttentionKind.SLIDING}.get(
@@ -181,6 +185,9 @@ class _Builder:
         kind, window = self._kind(i)
         if kind is AttentionKind.LINEAR:
             attn = self._linear_attention(i)
+        elif self.arch.mla is not None:
+            assert self.names is not None
+            attn = mla_attention(self, i, self.names)
         else:
             attn = self._softmax_attention(i, kind, window)
         moe = self.arch.is_moe_layer(i)
@@ -201,6 +208,12 @@ class _Builder:
         o_params = nq * d * h + (h if a.o_bias else 0)
         post_norm = h if a.sandwich_norms else 0
         sinks = nq if a.attn_sinks else 0
+        qkv_linears, o_linears = (
+            linears.softmax_attention(a, self.names) if self.names else ((), ())
+        )
+        # Norms spanning all heads need the sum of squares of q and of k from every rank: one
+        # all-reduce of two float32 per token (vLLM MiniMaxText01RMSNormTP.forward_qk).
+        qk_allreduce = 8.0 / self.p if a.qk_norm and a.qk_norm_per_layer else 0.0
         extra_out = nq * d if gated else 0  # the gate travels with the attention output
         return (
             self._norm("attn_norm", i, boundary=2 * h),
@@ -213,6 +226,9 @@ class _Builder:
                 boundary=qkv_out + h,
                 shard_units=nkv,
                 kernels=3 if qk_norm else 1,
+                collective=TPCollective.ALLREDUCE if qk_allreduce else TPCollective.NONE,
+                collective_elems=qk_allreduce,
+                linears=qkv_linears,
             ),
             self._op(
                 "rope",
@@ -250,6 +266,7 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2 if post_norm else 1,
+                linears=o_linears,
             ),
         )
 
@@ -266,6 +283,9 @@ class _Builder:
         # Per token: conv (2*K per channel) + delta rule (decay, k^T S, outer-product update,
         # q^T S: about 8 FLOPs per state element).
         gdn_flops = 2.0 * conv_dim * kernel + 8.0 * nv * dk * dv
+        in_linears, out_linears = (
+            linears.linear_attention(self.arch, self.names) if self.names else ((), ())
+        )
         return (
             self._norm("attn_norm", i, boundary=2 * h),
             self._op(
@@ -276,6 +296,7 @@ class _Builder:
                 act=h + qkvz,
                 boundary=qkvz + 2 * nv + h,
                 shard_units=nk,
+                linears=in_linears,
             ),
             self._op(
                 "core_attn",
@@ -299,6 +320,7 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2,
+                linears=out_linears,
             ),
         )
 
@@ -306,6 +328,9 @@ class _Builder:
         h, inter = self.h, self.inter
         bias = inter if self.arch.mlp_bias else 0
         post_norm = h if self.arch.sandwich_norms else 0
+        up_linears, down_linears = (
+            linears.dense_ffn(self.arch, self.names) if self.names else ((), ())
+        )
         return (
             self._norm("ffn_norm", i, boundary=2 * h),
             self._op(
@@ -316,6 +341,7 @@ class _Builder:
                 act=h + 3 * inter,
                 boundary=inter + h,
                 kernels=2,
+                linears=up_linears,
             ),
             self._op(
                 "down_proj",
@@ -327,6 +353,7 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2 if post_norm else 1,
+                linears=down_linears,
             ),
         )
 
@@ -339,17 +366,30 @@ class _Builder:
         mxfp4 = self.arch.quant_method == "mxfp4"
         expert_bytes_per_param = _MXFP4_BYTES_PER_PARAM if mxfp4 else self.p
         expert_bytes = round(expert_params * expert_bytes_per_param)
+        router_linears, expert_linears, shared_linears = (
+            linears.moe_ffn(self.arch, self.names) if self.names else ((), (), ())
+        )
+        router_params = experts * h + (experts if moe.router_bias else 0)
+        router_params += experts if moe.score_correction_bias else 0
+        router_flops = 2.0 * router_params
+        if moe.num_groups > 1:
+            # group-limited selection (vLLM grouped_topk): scores plus their correction bias,
+            # each group's top-2 sum, the top groups, then a top-k over the unmasked experts --
+            # about four passes over the expert scores
+            router_flops += 4.0 * experts
         ops = [
             self._norm("ffn_norm", i, boundary=2 * h),
             self._op(
                 "router",
                 OpClass.SMALL,
                 i,
-                params=experts * h + (experts if moe.router_bias else 0),
+                params=router_params,
+                flops=router_flops,
                 act=h + experts,
                 boundary=2 * h + top_k * 8 / self.p,
                 tp_sharded=False,
                 kernels=2,
+                linears=router_linears,
             ),
             self._op(
                 "experts",
@@ -362,6 +402,7 @@ class _Builder:
                 collective=TPCollective.NONE if shared else TPCollective.ALLREDUCE,
                 collective_elems=0 if shared else h,
                 kernels=3,
+                linears=expert_linears,
                 moe=MoESpec(
                     num_experts=experts,
                     top_k=top_k,
@@ -381,7 +422,9 @@ class _Builder:
                     boundary=h,
                     collective=TPCollective.ALLREDUCE,
                     collective_elems=h,
-                    kernels=4,
+                    # gate_up, activation, down (and Qwen's sigmoid gate)
+                    kernels=4 if moe.shared_expert_gate else 3,
+                    linears=shared_linears,
                 )
             )
         return tuple(ops)

@@ -221,8 +221,42 @@ class GptOssConfig(_RoutedExperts):
     attention_bias: Flag = True
 
 
+class DeepseekV3Config(_RoutedExperts):
+    """transformers ``DeepseekV3Config`` (``configuration_deepseek_v3.py``); ``moe_layer_freq``,
+    ``scoring_func`` and ``topk_method`` as vLLM's ``deepseek_v2.py`` reads them from the
+    remote-code configs the checkpoints ship."""
+
+    vocab_size: Vocab = 129280
+    hidden_size: Width = 7168
+    intermediate_size: Width = 18432
+    num_hidden_layers: Layers = 61
+    num_attention_heads: Heads = 128
+    num_key_value_heads: OptHeads = 128
+    max_position_embeddings: Tokens = 4096
+    q_lora_rank: OptWidth = 1536  # null: a plain q_proj (DeepSeek-V2-Lite)
+    kv_lora_rank: Width = 512
+    qk_nope_head_dim: Width = 128
+    qk_rope_head_dim: Width = 64
+    v_head_dim: Width = 128
+    moe_intermediate_size: Width = 2048
+    num_experts: Experts0 = Field(
+        256, validation_alias=_experts_key("n_routed_experts", "num_local_experts")
+    )
+    n_shared_experts: Experts0 = 1
+    num_experts_per_tok: Experts = 8
+    n_group: Experts = 8
+    topk_group: Experts = 4
+    routed_scaling_factor: Positive = 2.5
+    norm_topk_prob: Flag = True
+    first_k_dense_replace: Layers0 = 3
+    moe_layer_freq: Layers = 1
+    scoring_func: Str = "sigmoid"
+    topk_method: Str = "noaux_tc"
+
+
 __all__ = [
     "DecoderConfig",
+    "DeepseekV3Config",
     "Gemma3TextConfig",
     "GptOssConfig",
     "LlamaConfig",

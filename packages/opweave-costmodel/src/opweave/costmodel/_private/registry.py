@@ -9,8 +9,8 @@ Architecture's fields, never the family name.
 
 A config selects its family the way vLLM selects a model class: by its ``architectures`` entry
 (vLLM's model registry maps e.g. ``DeepseekV3ForCausalLM`` to its DeepSeek implementation, which
-is why a config may name an unfamiliar ``model_type``), and by ``model_type`` when no entry is
-known.
+is why Kimi-K2, ``model_type`` ``kimi_k2``, runs as DeepSeek-V3), and by ``model_type`` when no
+entry is known.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from ..errors import ConfigError, UnsupportedModelError
 from .base import Frozen
 from .config_fields import ConfigSchema, field_names, show
 from .family_schemas import (
+    DeepseekV3Config,
     Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
@@ -191,6 +192,23 @@ FAMILIES: dict[str, Family] = {
             ("gpt_oss",),
             ("GptOssForCausalLM",),
         ),
+        Family(
+            "deepseek_v3",
+            DeepseekV3Config,
+            FamilyFlags(
+                attention="mla",
+                moe="first_k_dense",
+                shared_experts="n_shared",
+                router_scoring="config",
+                router_groups=True,
+                router_score_bias="noaux_tc",
+                routed_scaling=True,
+            ),
+            # DeepSeek-V3, -R1, -V3.1; Kimi-K2 ships model_type kimi_k2 with this architecture
+            ("deepseek_v3", "kimi_k2"),
+            ("DeepseekV3ForCausalLM",),
+            checkpoint=CheckpointNames(shared_expert="shared_experts"),
+        ),
     )
 }
 
@@ -232,10 +250,10 @@ def _unsupported(config: Mapping[str, Any], archs: list[str]) -> UnsupportedMode
 def resolve_family(config: Mapping[str, Any]) -> tuple[Family, dict[str, Any]]:
     """The family of a Hugging Face config and its text model's keys.
 
-    >>> family, text = resolve_family({"model_type": "my_llama",
-    ...                                "architectures": ["LlamaForCausalLM"]})
+    >>> family, text = resolve_family({"model_type": "kimi_k2",
+    ...                                "architectures": ["DeepseekV3ForCausalLM"]})
     >>> family.name
-    'llama'
+    'deepseek_v3'
     """
     if not isinstance(config, Mapping):
         raise ConfigError("config.json must hold a JSON object")

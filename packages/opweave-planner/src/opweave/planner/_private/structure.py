@@ -21,10 +21,10 @@ from opweave.costmodel import (
     OperatorSpec,
     Segment,
     StageTemplate,
+    bytes_moved_per_rank,
     max_resident_batch,
     memory_bytes_per_rank,
     segments,
-    shard_fraction,
     weight_bytes_per_rank,
 )
 
@@ -90,11 +90,7 @@ class OpTables:
         if cached is None:
             cached = np.array(
                 [
-                    [
-                        float(op.bytes_moved(float(b), float(self.context)))
-                        * shard_fraction(op, tp)
-                        for b in batches
-                    ]
+                    [bytes_moved_per_rank(op, tp, float(b), float(self.context)) for b in batches]
                     for op, _ in self.reps
                 ]
             ).reshape(len(self.reps), len(batches))
