@@ -247,6 +247,7 @@ def test_serving_flags(flag: str, value: str, model_dir: Path, serve_stand_in: b
 CONFIG_KEYS = sorted(
     {k for name in BUILTIN_MODELS for k in builtin_config(name)}
     | {k for k in builtin_config("gemma-3-27b")["text_config"]}
+    | {k for k in builtin_config("qwen3.5-397b-a17b")["text_config"]}
     | set(TINY_LLAMA)
     | {"layer_types", "quantization_config", "rope_parameters", "mlp_only_layers", "head_dim"}
 )
@@ -263,7 +264,7 @@ def test_model_configs(config: Any, root: Path) -> None:
     check("model config", ["estimate", str(folder), "--gpu", "h100", "--json"])
 
 
-NEW_FAMILIES = ("deepseek-v3", "kimi-k2")
+NEW_FAMILIES = ("deepseek-v3", "kimi-k2", "qwen3.5-397b-a17b")
 
 
 def _text(config: dict[str, Any]) -> dict[str, Any]:

@@ -186,6 +186,54 @@ def test_yarn_mscale_enters_the_attention_scale() -> None:
     assert arch.attn_scale == pytest.approx(192**-0.5 * mscale**2)
 
 
+def test_qwen3_5_is_397b_with_17b_active() -> None:
+    config = builtin_config("qwen3.5-397b-a17b")
+    spec = bf16(config)
+    t = config["text_config"]
+    assert spec.family == "qwen3_5_moe"
+    h, layers, d = t["hidden_size"], t["num_hidden_layers"], t["head_dim"]
+    nq, nkv = t["num_attention_heads"], t["num_key_value_heads"]
+    nk, nv, dk, dv = (
+        t["linear_num_key_heads"],
+        t["linear_num_value_heads"],
+        t["linear_key_head_dim"],
+        t["linear_value_head_dim"],
+    )
+    e, k, im, shared = (
+        t["num_experts"],
+        t["num_experts_per_tok"],
+        t["moe_intermediate_size"],
+        t["shared_expert_intermediate_size"],
+    )
+    full_layers = t["layer_types"].count("full_attention")
+    # gated attention: q_proj carries the output gate; q/k norms of one head each
+    full = h * (2 * nq * d + 2 * nkv * d) + 2 * d + nq * d * h
+    conv = 2 * nk * dk + nv * dv
+    deltanet = (
+        h * (2 * nk * dk + 2 * nv * dv)
+        + h * 2 * nv  # in_proj_qkv, _z, _b, _a
+        + conv * t["linear_conv_kernel_dim"]
+        + 2 * nv  # conv1d, A_log, dt_bias
+        + nv * dv * h
+        + dv  # out_proj, gated norm
+    )
+    moe = e * 3 * h * im + e * h + 3 * h * shared + h  # + router, shared expert and its gate
+    total = (
+        full_layers * full
+        + (layers - full_layers) * deltanet
+        + layers * (moe + 2 * h)
+        + 2 * t["vocab_size"] * h
+        + h
+    )
+    got_total, got_active = params(spec)
+    assert got_total == total
+    assert got_active == total - layers * (e - k) * 3 * h * im
+    # Qwen's name: 397B total, 17B active (the vision tower's ~0.4B is not the text model's)
+    assert got_total == pytest.approx(397e9, rel=0.005)
+    assert got_active == pytest.approx(17e9, rel=0.03)
+    assert (spec.block.prefix_layers, spec.block.period_layers) == (0, 4)
+
+
 SMALL = {
     "deepseek_v3": {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -208,6 +256,27 @@ SMALL = {
         "topk_group": 2,
         "first_k_dense_replace": 2,
         "vocab_size": 100,
+        "torch_dtype": "float32",
+    },
+    "qwen3_5_moe": {
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+        "model_type": "qwen3_5_moe",
+        "text_config": {
+            "hidden_size": 64,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16,
+            "shared_expert_intermediate_size": 16,
+            "vocab_size": 100,
+        },
         "torch_dtype": "float32",
     },
 }
@@ -253,6 +322,10 @@ def test_released_smaller_siblings() -> None:
     assert (total, active) == deepseek_count(moonlight)
     assert total == pytest.approx(16e9, rel=0.01) and active == pytest.approx(3e9, rel=0.05)
     assert "self_attn.q_proj" in {linear.module for linear in spec.layers[0].ops[1].linears}
+    # Qwen/Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults are that checkpoint's
+    qwen = bf16({"model_type": "qwen3_5_moe", "text_config": {}})
+    total, active = params(qwen)
+    assert total == pytest.approx(35e9, rel=0.02) and active == pytest.approx(3.5e9, rel=0.05)
 
 
 @pytest.mark.parametrize(
@@ -272,3 +345,13 @@ def test_bad_new_family_fields_name_the_field(
 ) -> None:
     with pytest.raises(ConfigError, match="^" + message):
         model_spec_from_config(dict(SMALL[family], **{key: value}))
+
+
+def test_bad_qwen3_5_text_config_field_names_the_field() -> None:
+    config = json.loads(json.dumps(SMALL["qwen3_5_moe"]))
+    config["text_config"]["linear_num_value_heads"] = 3
+    with pytest.raises(ConfigError, match="^linear_num_value_heads: 3 is not a multiple of"):
+        model_spec_from_config(config)
+    config["text_config"]["attn_output_gate"] = 1
+    with pytest.raises(ConfigError, match="^attn_output_gate: expected true or false, got 1"):
+        model_spec_from_config(config)

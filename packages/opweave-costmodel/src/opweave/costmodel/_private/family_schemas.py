@@ -201,6 +201,29 @@ class Qwen3NextConfig(_GatedDeltaNet, _RoutedExperts):
     mlp_only_layers: LayerList = Field(default_factory=list)
 
 
+class Qwen3_5MoeTextConfig(_GatedDeltaNet, _RoutedExperts):
+    """Qwen3.5-MoE's text model (transformers ``Qwen3_5MoeTextConfig``): Qwen3-Next's layers
+    with every layer sparse (no ``decoder_sparse_step``, ``mlp_only_layers`` nor dense
+    ``intermediate_size``) and the router always renormalising its top-k."""
+
+    vocab_size: Vocab = 248320
+    hidden_size: Width = 2048
+    intermediate_size: Width0 = 0
+    num_hidden_layers: Layers = 40
+    num_attention_heads: Heads = 16
+    num_key_value_heads: OptHeads = 2
+    head_dim: OptWidth = 256
+    max_position_embeddings: Tokens = 32768
+    partial_rotary_factor: Any = 0.25
+    moe_intermediate_size: Width = 512
+    num_experts: Experts0 = Field(
+        256, validation_alias=_experts_key("num_experts", "num_local_experts")
+    )
+    num_experts_per_tok: Experts = 8
+    # vLLM's qwen3_5.py: getattr(config, "attn_output_gate", True)
+    attn_output_gate: Flag = True
+
+
 class GptOssConfig(_RoutedExperts):
     vocab_size: Vocab = 201088
     hidden_size: Width = 2880
@@ -266,4 +289,5 @@ __all__ = [
     "Qwen3Config",
     "Qwen3MoeConfig",
     "Qwen3NextConfig",
+    "Qwen3_5MoeTextConfig",
 ]

@@ -21,9 +21,10 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "qwen3-30b-a3b": ("qwen3-30b-a3b.json", "Qwen/Qwen3-30B-A3B"),
     "deepseek-v3": ("deepseek-v3.json", "deepseek-ai/DeepSeek-V3"),
     "kimi-k2": ("kimi-k2.json", "moonshotai/Kimi-K2-Instruct"),
+    "qwen3.5-397b-a17b": ("qwen3.5-397b-a17b.json", "Qwen/Qwen3.5-397B-A17B"),
 }
 # Where each built-in's config.json was copied from (the repo above is where it is published):
-# deepseek-v3 is a byte copy of the config in
+# deepseek-v3 and qwen3.5-397b-a17b are byte copies of the configs in
 # ai-dynamo/aiconfigurator aic-core/src/aiconfigurator_core/model_configs/ (commit 095f58a5);
 # kimi-k2 is moonshotai/Kimi-K2-Instruct's config.json as quoted in full by a public model
 # report (fields agree with the CSDN write-up https://blog.csdn.net/hbkybkzw/article/details/149370789).

@@ -30,6 +30,7 @@ from .family_schemas import (
     MistralConfig,
     MixtralConfig,
     Qwen2Config,
+    Qwen3_5MoeTextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
@@ -209,6 +210,20 @@ FAMILIES: dict[str, Family] = {
             ("DeepseekV3ForCausalLM",),
             checkpoint=CheckpointNames(shared_expert="shared_experts"),
         ),
+        Family(
+            "qwen3_5_moe",
+            Qwen3_5MoeTextConfig,
+            _flags(
+                _HYBRID_DELTANET, attn_output_gate="config", moe="every_layer", norm_topk="always"
+            ),
+            ("qwen3_5_moe_text",),
+            ("Qwen3_5MoeForCausalLM",),
+            wrapper_model_types=("qwen3_5_moe",),
+            wrapper_architectures=("Qwen3_5MoeForConditionalGeneration",),
+            checkpoint=CheckpointNames(
+                gdn_split_projections=True, shared_expert_gate="shared_expert_gate"
+            ),
+        ),
     )
 }
 
@@ -282,7 +297,7 @@ def resolve_family(config: Mapping[str, Any]) -> tuple[Family, dict[str, Any]]:
 
 
 def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The text model's config: multimodal Gemma 3 nests it under ``text_config``.
+    """The text model's config: multimodal Gemma 3 and Qwen3.5 nest it under ``text_config``.
 
     >>> text_config({"model_type": "gemma3", "text_config": {"hidden_size": 64}})["model_type"]
     'gemma3_text'
