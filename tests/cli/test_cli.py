@@ -20,6 +20,7 @@ def test_models_and_gpus_json() -> None:
         "deepseek-v3",
         "kimi-k2",
         "qwen3.5-397b-a17b",
+        "minimax-m2.5",
     }
     assert models["gemma-3-27b"]["block_layers"] == 6
     gpus = {g["id"]: g for g in cli_json("gpus")["gpus"]}

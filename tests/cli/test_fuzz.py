@@ -264,7 +264,7 @@ def test_model_configs(config: Any, root: Path) -> None:
     check("model config", ["estimate", str(folder), "--gpu", "h100", "--json"])
 
 
-NEW_FAMILIES = ("deepseek-v3", "kimi-k2", "qwen3.5-397b-a17b")
+NEW_FAMILIES = ("deepseek-v3", "kimi-k2", "qwen3.5-397b-a17b", "minimax-m2.5")
 
 
 def _text(config: dict[str, Any]) -> dict[str, Any]:

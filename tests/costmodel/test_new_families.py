@@ -234,6 +234,37 @@ def test_qwen3_5_is_397b_with_17b_active() -> None:
     assert (spec.block.prefix_layers, spec.block.period_layers) == (0, 4)
 
 
+def test_minimax_m2_5_size_and_layer() -> None:
+    config = builtin_config("minimax-m2.5")
+    spec = bf16(config)
+    h, layers, d = config["hidden_size"], config["num_hidden_layers"], config["head_dim"]
+    nq, nkv = config["num_attention_heads"], config["num_key_value_heads"]
+    e, k, inter = (
+        config["num_local_experts"],
+        config["num_experts_per_tok"],
+        config["intermediate_size"],
+    )
+    # q/k norms over all heads (qk_norm_type per_layer); the routing bias (use_routing_bias)
+    attn = h * (nq + 2 * nkv) * d + (nq + nkv) * d + nq * d * h
+    moe = e * 3 * h * inter + e * h + e
+    total = layers * (attn + moe + 2 * h) + 2 * config["vocab_size"] * h + h
+    got_total, got_active = params(spec)
+    assert got_total == total
+    # MiniMax-M2's model card: 230B total, 10B activated (Hugging Face counts the M2.5
+    # checkpoint at 229B); MiniMax's activated count leaves out the embedding and the head
+    vocab = config["vocab_size"] * h
+    assert got_total == pytest.approx(229e9, rel=0.005)
+    assert got_active - 2 * vocab == pytest.approx(10e9, rel=0.03)
+    rope = spec.arch.rope["full_attention"]
+    assert rope.partial_rotary_factor == config["rotary_dim"] / d
+    assert spec.arch.moe is not None and spec.arch.moe.scoring_func == "sigmoid"
+    assert spec.arch.moe.shared_intermediate_size == 0
+    # the per-layer q/k norm all-reduces two float32 per token under TP
+    qkv = next(op for op in spec.layers[0].ops if op.name == "qkv_proj")
+    assert qkv.tp_collective_bytes_per_token == 8.0
+    assert got_active == total - layers * (e - k) * 3 * h * inter
+
+
 SMALL = {
     "deepseek_v3": {
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -277,6 +308,21 @@ SMALL = {
             "shared_expert_intermediate_size": 16,
             "vocab_size": 100,
         },
+        "torch_dtype": "float32",
+    },
+    "minimax_m2": {
+        "architectures": ["MiniMaxM2ForCausalLM"],
+        "model_type": "minimax_m2",
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "rotary_dim": 8,
+        "vocab_size": 100,
         "torch_dtype": "float32",
     },
 }
@@ -338,6 +384,9 @@ def test_released_smaller_siblings() -> None:
         ("deepseek_v3", "routed_scaling_factor", -1, "routed_scaling_factor: expected a finite"),
         ("deepseek_v3", "scoring_func", "tanh", "scoring_func: 'tanh' is not supported"),
         ("deepseek_v3", "first_k_dense_replace", -1, r"first_k_dense_replace: -1 is out of"),
+        ("minimax_m2", "rotary_dim", 1.5, r"rotary_dim: expected an integer, got 1\.5"),
+        ("minimax_m2", "use_routing_bias", "yes", "use_routing_bias: expected true or false"),
+        ("minimax_m2", "num_local_experts", 1, "num_experts_per_tok: 2 is more than the 1"),
     ],
 )
 def test_bad_new_family_fields_name_the_field(

@@ -277,12 +277,36 @@ class DeepseekV3Config(_RoutedExperts):
     topk_method: Str = "noaux_tc"
 
 
+class MiniMaxM2Config(_RoutedExperts):
+    """transformers ``MiniMaxM2Config``; ``rotary_dim``, ``scoring_func`` and
+    ``use_routing_bias`` as vLLM's ``minimax_m2.py`` reads them from the remote-code config the
+    checkpoints ship (vLLM builds the q/k norms whatever ``use_qk_norm`` says)."""
+
+    vocab_size: Vocab = 200064
+    hidden_size: Width = 3072
+    intermediate_size: Width = 1536
+    num_hidden_layers: Layers = 62
+    num_attention_heads: Heads = 48
+    num_key_value_heads: OptHeads = 8
+    head_dim: OptWidth = 128
+    max_position_embeddings: Tokens = 196608
+    rope_theta: Positive = 5_000_000.0
+    num_experts: Experts0 = Field(
+        256, validation_alias=_experts_key("num_local_experts", "num_experts")
+    )
+    num_experts_per_tok: Experts = 8
+    rotary_dim: OptWidth = None  # None: the whole head rotates
+    scoring_func: Str = "sigmoid"
+    use_routing_bias: Flag = False
+
+
 __all__ = [
     "DecoderConfig",
     "DeepseekV3Config",
     "Gemma3TextConfig",
     "GptOssConfig",
     "LlamaConfig",
+    "MiniMaxM2Config",
     "MistralConfig",
     "MixtralConfig",
     "Qwen2Config",

@@ -27,6 +27,7 @@ from .family_schemas import (
     Gemma3TextConfig,
     GptOssConfig,
     LlamaConfig,
+    MiniMaxM2Config,
     MistralConfig,
     MixtralConfig,
     Qwen2Config,
@@ -223,6 +224,21 @@ FAMILIES: dict[str, Family] = {
             checkpoint=CheckpointNames(
                 gdn_split_projections=True, shared_expert_gate="shared_expert_gate"
             ),
+        ),
+        Family(
+            "minimax_m2",
+            MiniMaxM2Config,
+            FamilyFlags(
+                qk_norm="per_layer",
+                moe="every_layer",
+                expert_size_key="intermediate_size",
+                router_scoring="config",
+                router_score_bias="use_routing_bias",
+                norm_topk="always",
+            ),
+            ("minimax_m2",),
+            ("MiniMaxM2ForCausalLM",),
+            checkpoint=CheckpointNames(moe="block_sparse_moe", experts=("w1", "w3", "w2")),
         ),
     )
 }
