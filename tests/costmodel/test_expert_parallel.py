@@ -237,7 +237,13 @@ def test_groups_beyond_a_node_use_the_network_in_whole_domains(moe) -> None:
     nvl72 = h100.model_copy(update={"id": "nvl72", "gpus_per_node": 4, "nvlink_domain_gpus": 72})
     # 24 GPUs: within one 72-GPU NVLink domain although beyond a 4-GPU node
     assert parallelism_problem(moe, Parallelism(tp=1, ep=8, dp=24), nvl72) is None
-    assert "within one node" in (parallelism_problem(moe, Parallelism(tp=8), nvl72) or "")
+    # a TP group spans trays of one NVLink domain (GB200 NVL72: TP 8 over two 4-GPU trays) ...
+    assert parallelism_problem(moe, Parallelism(tp=8), nvl72) is None
+    # ... but not a node without one
+    quad = h100.model_copy(update={"id": "quad", "gpus_per_node": 4})
+    assert parallelism_problem(moe, Parallelism(tp=8), quad) == (
+        "tp 8: quad has 4 GPUs per NVLink domain and a TP group stays within one"
+    )
     # over NVLink in the domain: no network bytes
     nvl, net = alltoall_bytes_per_gpu(24, 1000.0, 24, nvl72.scale_up_gpus)
     assert net == 0.0 and nvl == pytest.approx(24 * 1000 / 24 * 23 / 24)

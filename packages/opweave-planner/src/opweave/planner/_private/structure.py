@@ -22,12 +22,14 @@ from opweave.costmodel import (
     Parallelism,
     Segment,
     StageTemplate,
+    bytes_moved_per_rank,
     dp_batch,
     is_group_op,
     max_resident_batch,
     parallel_op_latency_s,
     segments,
     shard_fraction,
+    state_shard_fraction,
 )
 
 from .devices import Device
@@ -117,11 +119,7 @@ class OpTables:
         if cached is None:
             cached = np.array(
                 [
-                    [
-                        float(op.bytes_moved(float(b), float(self.context)))
-                        * shard_fraction(op, tp)
-                        for b in batches
-                    ]
+                    [bytes_moved_per_rank(op, tp, float(b), float(self.context)) for b in batches]
                     for op, _ in self.reps
                 ]
             ).reshape(len(self.reps), len(batches))
@@ -137,7 +135,7 @@ class OpTables:
                 [
                     [
                         op.weight_bytes * shard_fraction(op, gpus if is_group_op(op) else tp),
-                        float(op.state_bytes(ctx)) * shard_fraction(op, tp),
+                        float(op.state_bytes(ctx)) * state_shard_fraction(op, tp),
                     ]
                     for op, _ in self.reps
                 ]
