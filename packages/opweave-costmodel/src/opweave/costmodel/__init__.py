@@ -104,6 +104,7 @@ from ._private.parallelism import (
     parallelism_problem,
     request_bytes_per_gpu,
     weight_bytes_per_gpu,
+    weight_share,
 )
 from ._private.plan import (
     PLAN_SCHEMA_VERSION,
@@ -323,6 +324,7 @@ __all__ = [
     "state_shard_fraction",
     "state_bytes_per_rank",
     "weight_bytes_per_rank",
+    "weight_share",
     # errors
     "ConfigError",
     "InfeasibleError",
