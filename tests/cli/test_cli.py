@@ -17,8 +17,15 @@ def test_models_and_gpus_json() -> None:
         "llama-3.3-70b",
         "qwen3-32b",
         "qwen3-30b-a3b",
+        "deepseek-v3",
+        "kimi-k2",
+        "qwen3.5-397b-a17b",
+        "minimax-m2.5",
     }
     assert models["gemma-3-27b"]["block_layers"] == 6
+    assert models["kimi-k2"]["family"] == "deepseek_v3"
+    deepseek = models["deepseek-v3"]
+    assert (deepseek["block_prefix_layers"], deepseek["block_layers"]) == (3, 1)
     gpus = {g["id"]: g for g in cli_json("gpus")["gpus"]}
     assert gpus["h100-sxm"]["mem_bandwidth_bytes_per_s"] == 3.35e12
     assert gpus["l4"]["usd_per_hour"] == 0.44

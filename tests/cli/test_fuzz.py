@@ -40,6 +40,7 @@ from tests.fuzzing import (
     check_output,
     deep,
     finite_or_none,
+    invoke,
     json_values,
     mutated,
     numbers,
@@ -274,6 +275,7 @@ def test_serving_flags(flag: str, value: str, model_dir: Path, serve_stand_in: b
 CONFIG_KEYS = sorted(
     {k for name in BUILTIN_MODELS for k in builtin_config(name)}
     | {k for k in builtin_config("gemma-3-27b")["text_config"]}
+    | {k for k in builtin_config("qwen3.5-397b-a17b")["text_config"]}
     | set(TINY_LLAMA)
     | {"layer_types", "quantization_config", "rope_parameters", "mlp_only_layers", "head_dim"}
 )
@@ -288,6 +290,57 @@ def test_model_configs(config: Any, root: Path) -> None:
     folder = _fresh(root, "config")
     _write(folder / "config.json", config)
     check("model config", ["estimate", str(folder), "--gpu", "h100", "--json"])
+
+
+NEW_FAMILIES = ("deepseek-v3", "kimi-k2", "qwen3.5-397b-a17b", "minimax-m2.5")
+
+
+def _text(config: dict[str, Any]) -> dict[str, Any]:
+    return config.get("text_config", config)
+
+
+def _numeric_keys(name: str) -> list[str]:
+    """The numeric keys of a built-in's text config that its family reads."""
+    from opweave.costmodel._private.config_fields import field_names
+    from opweave.costmodel._private.registry import resolve_family
+
+    config = builtin_config(name)
+    schema = resolve_family(config)[0].schema
+    read = {
+        n for f, info in schema.model_fields.items() for n in field_names(f, info.validation_alias)
+    }
+    return sorted(
+        k
+        for k, v in _text(config).items()
+        if k in read and isinstance(v, int | float) and not isinstance(v, bool)
+    )
+
+
+@FUZZ
+@given(data=st.data())
+def test_new_family_config_fields(data: st.DataObject, root: Path) -> None:
+    """DeepSeek-V3 (Kimi-K2), Qwen3.5 and MiniMax-M2 configs with one of their numeric keys
+    replaced: an estimate, or exit 2 with one error line."""
+    name = data.draw(st.sampled_from(NEW_FAMILIES))
+    config = builtin_config(name)
+    key = data.draw(st.sampled_from(_numeric_keys(name)))
+    _text(config)[key] = data.draw(st.one_of(json_values, st.sampled_from([0, -1, 10**9, 1.5])))
+    folder = _fresh(root, "family")
+    _write(folder / "config.json", config)
+    check("new family field", ["estimate", str(folder), "--gpu", "h200", "--tp", "8", "--json"])
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_new_family_fields_of_the_wrong_type_name_the_field(name: str, root: Path) -> None:
+    for key in _numeric_keys(name):
+        config = builtin_config(name)
+        _text(config)[key] = "x"
+        folder = _fresh(root, "typed")
+        path = _write(folder / "config.json", config)
+        code, out, err, _ = invoke(["estimate", str(folder), "--gpu", "h200", "--json"])
+        assert code == 2 and out == ""
+        assert err.startswith(f"error: {path}: {key}: expected a"), err
+        assert err.endswith(", got 'x'\n"), err
 
 
 @settings(FUZZ, max_examples=20)

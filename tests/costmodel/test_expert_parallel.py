@@ -27,6 +27,7 @@ from opweave.costmodel import (
     parallelism_problem,
     plan_groups,
     plan_nodes,
+    weight_share,
 )
 from opweave.costmodel._private.models import builtin_config
 from opweave.costmodel._private.parallelism import dispatch_element_bytes
@@ -205,11 +206,6 @@ def test_tensor_parallelism_alone_is_unchanged(moe, h200) -> None:
             Parallelism(tp=1, ep=256, dp=256),
             "ep 256 is more than the 128 routed experts",
         ),
-        (
-            "qwen3-30b-a3b",
-            Parallelism(tp=1, ep=12, dp=12),
-            "the 128 routed experts do not split evenly over ep 12",
-        ),
         ("qwen3-32b", Parallelism(tp=1, ep=2, dp=2), "qwen3-32b has no routed experts"),
         ("qwen3-30b-a3b", Parallelism(tp=1, ep=4, dp=12), "spans part of an NVLink domain of 8"),
         ("qwen3-30b-a3b", Parallelism(tp=1, ep=1, dp=2048), "at most 1024 are supported"),
@@ -237,7 +233,13 @@ def test_groups_beyond_a_node_use_the_network_in_whole_domains(moe) -> None:
     nvl72 = h100.model_copy(update={"id": "nvl72", "gpus_per_node": 4, "nvlink_domain_gpus": 72})
     # 24 GPUs: within one 72-GPU NVLink domain although beyond a 4-GPU node
     assert parallelism_problem(moe, Parallelism(tp=1, ep=8, dp=24), nvl72) is None
-    assert "within one node" in (parallelism_problem(moe, Parallelism(tp=8), nvl72) or "")
+    # a TP group spans trays of one NVLink domain (GB200 NVL72: TP 8 over two 4-GPU trays) ...
+    assert parallelism_problem(moe, Parallelism(tp=8), nvl72) is None
+    # ... but not a node without one
+    quad = h100.model_copy(update={"id": "quad", "gpus_per_node": 4})
+    assert parallelism_problem(moe, Parallelism(tp=8), quad) == (
+        "tp 8: quad has 4 GPUs per NVLink domain and a TP group stays within one"
+    )
     # over NVLink in the domain: no network bytes
     nvl, net = alltoall_bytes_per_gpu(24, 1000.0, 24, nvl72.scale_up_gpus)
     assert net == 0.0 and nvl == pytest.approx(24 * 1000 / 24 * 23 / 24)
@@ -265,3 +267,21 @@ def test_plans_count_tp_x_dp_gpus_per_replica(moe) -> None:
     doc["owners"] = [dict(o, replicas=8192) for o in doc["owners"]]
     with pytest.raises(ValidationError, match="131072 GPUs"):
         Plan.model_validate(doc)
+
+
+def test_experts_that_do_not_split_evenly_fill_redundant_slots() -> None:
+    """EP 48 over DeepSeek-V3's 256 experts: ceil(256 / 48) = 6 expert slots per GPU, the 32
+    spare ones redundant copies (EPLB), so each GPU holds 6 experts' weights, not 256 / 48."""
+    r1 = load_model("deepseek-v3")
+    experts = [op for op in r1.operators if op.moe is not None]
+    per_expert = sum(op.weight_bytes for op in experts) / 256
+    par = Parallelism(tp=1, ep=48, dp=48)
+    assert parallelism_problem(r1, par) is None
+    share = [weight_share(op, par) for op in experts]
+    assert sum(op.weight_bytes * w for op, w in zip(experts, share, strict=True)) == (
+        pytest.approx(6 * per_expert)
+    )
+    even = Parallelism(tp=1, ep=32, dp=32)
+    assert sum(op.weight_bytes * weight_share(op, even) for op in experts) == pytest.approx(
+        8 * per_expert
+    )

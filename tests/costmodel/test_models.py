@@ -91,6 +91,29 @@ def test_moe_dense_layers_change_the_block(write_config) -> None:
     assert float(experts.weight_bytes_read(10_000)) == pytest.approx(experts.weight_bytes)
 
 
+def test_leading_dense_layers_form_a_prefix_before_the_block(write_config) -> None:
+    cfg = dict(
+        TINY_LLAMA,
+        model_type="qwen3_moe",
+        num_hidden_layers=6,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        mlp_only_layers=[0, 1],
+    )
+    spec = load_model(write_config(cfg))
+    block = spec.block
+    # 2 dense layers then a 1-layer MoE block: 2 + 1 layers described, not a 6-layer period
+    assert (block.prefix_layers, block.period_layers, block.num_full_blocks) == (2, 1, 4)
+    assert block.op_names[-2:] == ("router", "experts")
+    # a dense layer at the end is no prefix: the period covers the whole model
+    tail = model_spec_from_config(dict(cfg, mlp_only_layers=[5]))
+    assert (tail.block.prefix_layers, tail.block.period_layers) == (0, 6)
+    # layers of another attention kind cannot be tiled with the block's cuts: no prefix
+    gemma = load_model("gemma-3-27b").block
+    assert (gemma.prefix_layers, gemma.period_layers) == (0, 6)
+
+
 def test_layer_types_and_sliding_window_families() -> None:
     mistral = model_spec_from_config(dict(TINY_LLAMA, model_type="mistral", sliding_window=16))
     assert {layer.window_tokens for layer in mistral.layers} == {16}

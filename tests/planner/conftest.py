@@ -109,3 +109,36 @@ def tiny_llama() -> ModelSpec:
 @pytest.fixture(scope="session")
 def tiny_moe() -> ModelSpec:
     return model_spec_from_config(TINY_MOE, name="tiny-moe")
+
+
+# A DeepSeek-V3-shaped model small enough to enumerate: MLA, one dense layer before the MoE
+# block (the partition block's irregular prefix), shared + group-limited routed experts.
+TINY_DEEPSEEK = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "moe_intermediate_size": 8,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 8,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "first_k_dense_replace": 1,
+    "vocab_size": 100,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "float32",
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_deepseek() -> ModelSpec:
+    return model_spec_from_config(TINY_DEEPSEEK, name="tiny-deepseek")

@@ -172,6 +172,31 @@ def test_branch_and_bound_matches_exhaustive_enumeration(
             assert got.prediction.usd_per_million_tokens == pytest.approx(min(mine), rel=1e-9)
 
 
+@settings(max_examples=10, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0.0, 1.0))
+def test_branch_and_bound_is_exact_on_a_model_with_a_dense_prefix(
+    tiny_deepseek: ModelSpec, seed: int, quantile: float
+) -> None:
+    """MLA, a dense first layer tiled with the MoE block's cuts, shared + routed experts."""
+    assert (tiny_deepseek.block.prefix_layers, tiny_deepseek.block.period_layers) == (1, 1)
+    _, profiles = random_space(seed, tiny_deepseek)
+    rows = brute_force(tiny_deepseek, profiles)
+    if not rows:
+        assert run_plan(tiny_deepseek, profiles, 1.0).best is None
+        return
+    tpots = sorted(t for _, t, _ in rows)
+    slo = slo_near(tpots, quantile)
+    result = run_plan(tiny_deepseek, profiles, slo)
+    feasible = [r for r in rows if r[1] <= slo]
+    if not feasible:
+        assert result.best is None
+        return
+    assert result.best is not None and result.best.prediction is not None
+    assert result.best.prediction.usd_per_million_tokens == pytest.approx(
+        min(u for u, _, _ in feasible), rel=1e-9
+    )
+
+
 @settings(max_examples=6, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.floats(0.1, 1.0))
 def test_reductions_off_give_the_identical_plan(

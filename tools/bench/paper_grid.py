@@ -1,7 +1,8 @@
 """Planner benchmark: the paper's evaluation grid (§7.2, §7.4) and search ablation (Table 3).
 
-Grid: models gemma-3-27b and qwen3-next-80b-a3b; contexts 8K, 32K, 128K; a strict and a relaxed
-TPOT SLO; clusters H100, H100+L40S, H100+A100. Per setting it prints the USD per million tokens
+Grid: models gemma-3-27b and qwen3-next-80b-a3b on clusters H100, H100+L40S, H100+A100, and
+deepseek-v3 (MLA, a dense prefix before its MoE block) on H200 and H200+H100; contexts 8K, 32K,
+128K; a strict and a relaxed TPOT SLO. Per setting it prints the USD per million tokens
 of colocated, AFD, CAD, OpWeave homogeneous and heterogeneous (the optimum of the whole space
 when mixing GPU types is allowed), OpWeave's gain over the best feasible baseline, the best
 plan's stages per token, inter-node bytes per token and compute occupancy, and the planner's
@@ -9,7 +10,8 @@ wall time; then means per strategy and the ablation table. Prints figures; asser
 
 Inventory column (OW-inv): OpWeave again, bounded to the fleet of ``INVENTORY`` (16 H100 and
 8 of the second GPU type: the issue's example user), with its wall time; the means say what the
-bound costs against the unbounded (scale-invariant) optimum.
+bound costs against the unbounded (scale-invariant) optimum. DeepSeek-V3's fleet is 16 H200 and
+16 H100.
 
 SLOs. Relaxed = 50 ms (20 tokens/s per request: a common interactive-chat TPOT target, several
 times reading speed). Strict = 20 ms (50 tokens/s: agentic/streaming use). Every strategy can
@@ -27,6 +29,7 @@ beside those of the default model.
     python tools/bench/paper_grid.py            # full grid + ablation
     python tools/bench/paper_grid.py --quick    # one setting + ablation on it
     python tools/bench/paper_grid.py --fixed-costs off --no-ablation
+    python tools/bench/paper_grid.py --models deepseek-v3 --no-ablation
 """
 
 from __future__ import annotations
@@ -41,12 +44,24 @@ from typing import Any
 from opweave.costmodel import HardwareCatalog, default_catalog, load_model, without_fixed_costs
 from opweave.planner import plan
 
-MODELS = ("gemma-3-27b", "qwen3-next-80b-a3b")
 CONTEXTS = {"8K": 8192, "32K": 32768, "128K": 131072}
 SLOS = {"strict": 0.020, "relaxed": 0.050}
-CLUSTERS = {"H100": ("h100",), "H100+L40S": ("h100", "l40s"), "H100+A100": ("h100", "a100")}
+CLUSTERS = {
+    "H100": ("h100",),
+    "H100+L40S": ("h100", "l40s"),
+    "H100+A100": ("h100", "a100"),
+    "H200": ("h200",),
+    "H200+H100": ("h200", "h100"),
+}
+# which clusters each model is planned on
+MODEL_CLUSTERS = {
+    "gemma-3-27b": ("H100", "H100+L40S", "H100+A100"),
+    "qwen3-next-80b-a3b": ("H100", "H100+L40S", "H100+A100"),
+    "deepseek-v3": ("H200", "H200+H100"),
+}
+MODELS = tuple(MODEL_CLUSTERS)
 STRATEGIES = ("colocated", "afd", "cad", "opweave_homogeneous", "opweave_heterogeneous")
-INVENTORY = {"h100": 16, "l40s": 8, "a100": 8}
+INVENTORY = {"h100": 16, "l40s": 8, "a100": 8, "h200": 16}
 SHORT = {
     "colocated": "coloc",
     "afd": "AFD",
@@ -119,7 +134,7 @@ def print_grid(rows: list[dict[str, Any]]) -> None:
         + f"{'cpu_s':>7}"
     )
     print(
-        "USD per million tokens (OW-inv = OpWeave on at most 16 H100 + 8 of the second type; "
+        "USD per million tokens (OW-inv = OpWeave on at most 16 H100, 8 L40S or A100, 16 H200; "
         "gain = best feasible baseline / OpWeave; stages, inter-node kB per token and compute "
         "occupancy of OpWeave's plan)"
     )
@@ -243,6 +258,11 @@ def main() -> None:
     parser.add_argument("--no-ablation", action="store_true")
     parser.add_argument("--json", help="also write the rows to this file")
     parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help=f"comma-separated models of the grid (default: {','.join(MODELS)})",
+    )
+    parser.add_argument(
         "--fixed-costs",
         choices=("on", "off"),
         default="on",
@@ -256,7 +276,14 @@ def main() -> None:
     settings = (
         [("gemma-3-27b", "32K", "relaxed", "H100+A100")]
         if args.quick
-        else [(m, c, s, k) for m in MODELS for c in CONTEXTS for s in SLOS for k in CLUSTERS]
+        else [
+            (m, c, s, k)
+            for m in MODELS
+            if m in args.models.split(",")
+            for c in CONTEXTS
+            for s in SLOS
+            for k in MODEL_CLUSTERS[m]
+        ]
     )
     start = time.perf_counter()
     rows = [run_setting(*setting, catalog) for setting in settings]

@@ -30,6 +30,7 @@ def models(json_out: JsonOpt = False) -> None:
                 "weight_bytes": spec.weight_bytes,
                 "gemm_flops_per_token": spec.gemm_flops_per_token,
                 "block_layers": spec.block.period_layers,
+                "block_prefix_layers": spec.block.prefix_layers,
                 "attention_kinds": kinds,
                 "kv_bytes_per_request_at_32k": float(spec.state_bytes_per_request(32768)),
             }
@@ -45,7 +46,8 @@ def models(json_out: JsonOpt = False) -> None:
                     r["family"],
                     str(r["layers"]),
                     human_bytes(r["weight_bytes"]),
-                    str(r["block_layers"]),
+                    (f"{r['block_prefix_layers']}+" if r["block_prefix_layers"] else "")
+                    + str(r["block_layers"]),
                     "+".join(r["attention_kinds"]),
                     human_bytes(r["kv_bytes_per_request_at_32k"]),
                 ]

@@ -246,14 +246,15 @@ def _check_parallelism(
 
 
 def _check_tp(spec: Any, hw: Any, tp: int) -> None:
-    """That ``spec`` splits over ``tp`` GPUs of ``hw`` within one node, as plan requires."""
+    """That ``spec`` splits over ``tp`` GPUs of ``hw`` within one NVLink domain (a node, or a
+    rack-scale domain such as GB200 NVL72's)."""
     from opweave.costmodel import ConfigError, tp_problem
 
     problem = tp_problem(spec, tp)
     if problem is not None:
         raise ConfigError(f"--tp {tp}: {problem}; choose a degree the model splits over")
-    if tp > hw.gpus_per_node:
+    if tp > hw.scale_up_gpus:
         raise ConfigError(
-            f"--tp {tp}: {hw.id} has {hw.gpus_per_node} GPUs per node and a TP group stays "
-            "within one node; choose a smaller --tp"
+            f"--tp {tp}: {hw.id} has {hw.scale_up_gpus} GPUs per NVLink domain and a TP group "
+            "stays within one; choose a smaller --tp"
         )

@@ -24,15 +24,14 @@ from ._private.architecture import FULL as FULL_ATTENTION
 from ._private.architecture import LINEAR as LINEAR_ATTENTION
 from ._private.architecture import SLIDING as SLIDING_ATTENTION
 from ._private.architecture import (
-    SUPPORTED_FAMILIES,
     Architecture,
     ExpertsSpec,
     LinearAttentionSpec,
+    MLASpec,
     RopeSpec,
-    family_defaults,
     resolve_architecture,
-    text_config,
 )
+from ._private.blocks import partition_block
 from ._private.estimate import StepEstimate, estimate_step
 from ._private.expert_comm import (
     alltoall_bytes_per_gpu,
@@ -41,7 +40,7 @@ from ._private.expert_comm import (
     expert_load_imbalance,
     gather_scatter_s,
 )
-from ._private.families import model_spec_from_config, partition_block
+from ._private.families import model_spec_from_config
 from ._private.fit import (
     EfficiencyFit,
     fit_efficiency,
@@ -105,6 +104,7 @@ from ._private.parallelism import (
     parallelism_problem,
     request_bytes_per_gpu,
     weight_bytes_per_gpu,
+    weight_share,
 )
 from ._private.plan import (
     PLAN_SCHEMA_VERSION,
@@ -150,13 +150,16 @@ from ._private.profile import (
 )
 from ._private.quant_config import resolve_precision
 from ._private.quantize import gemm_flops_per_s
+from ._private.registry import SUPPORTED_FAMILIES, family_defaults, text_config
 from ._private.roofline import (
     ProfiledLatency,
     RooflineLatency,
+    bytes_moved_per_rank,
     max_batch,
     memory_bytes_per_rank,
     shard_fraction,
     state_bytes_per_rank,
+    state_shard_fraction,
     weight_bytes_per_rank,
 )
 from ._private.sharding import tp_problem
@@ -187,6 +190,7 @@ __all__ = [
     "LINEAR_ATTENTION",
     "ExpertsSpec",
     "LinearAttentionSpec",
+    "MLASpec",
     "RopeSpec",
     "resolve_architecture",
     "tp_problem",
@@ -302,6 +306,7 @@ __all__ = [
     "analyze",
     # serving formulas (one rule each, numpy, broadcasting)
     "boundary_transfer_s",
+    "bytes_moved_per_rank",
     "fan_out_s",
     "intra_node_link",
     "link_time_s",
@@ -316,8 +321,10 @@ __all__ = [
     "max_batch",
     "memory_bytes_per_rank",
     "shard_fraction",
+    "state_shard_fraction",
     "state_bytes_per_rank",
     "weight_bytes_per_rank",
+    "weight_share",
     # errors
     "ConfigError",
     "InfeasibleError",

@@ -376,8 +376,7 @@ def _heterogeneous(
     units: Sequence[_Unit],
     per_gpu: Sequence[GpuAnalysis],
     s: FloatArray,
-    m_kv: FloatArray,
-    a: FloatArray,
+    unit_state: Sequence[tuple[FloatArray, FloatArray]],
     f: float,
     kinds: Sequence[AttentionKind],
     microbatches: int,
@@ -388,6 +387,7 @@ def _heterogeneous(
     # dominates both gets both operator classes.
     ia = int(np.lexsort((per_token, per_byte))[0])
     ig = int(np.lexsort((per_byte, per_token))[0])
+    m_kv, a = unit_state[ia]  # the state as the attention unit holds it
     feasible = np.logical_and.reduce([g.feasible for g in per_gpu])
     het = np.where(feasible, per_byte[ia] * a + per_token[ig], np.nan)
     hom_best = np.min([g.cost_homogeneous for g in per_gpu], axis=0)
@@ -428,6 +428,18 @@ def _heterogeneous(
             model, primary, s, m_kv, attn=attn_unit, gemm=gemm_unit, microbatches=microbatches
         ),
     )
+
+
+def _unit_state(model: ModelSpec, s: FloatArray, tp: int) -> tuple[FloatArray, FloatArray]:
+    """``(m_kv, a)`` of one request on a unit of ``tp`` GPUs: state every rank holds whole
+    (MLA's latent cache, ``state_tp_replicated``) is held and read ``tp`` times."""
+    m_kv = model.state_bytes_per_request(s)
+    a = model.attention_bytes_per_request(s)
+    for op in model.attention_ops:
+        if op.state_tp_replicated and tp > 1:
+            m_kv = m_kv + (tp - 1) * op.state_bytes(s)
+            a = a + (tp - 1) * op.state_bytes_read(s)
+    return m_kv, a
 
 
 def _kinds(model: ModelSpec) -> list[AttentionKind]:
@@ -488,9 +500,13 @@ def analyze(
         check_runs(model.precision, g)
     units = [_unit(g, _choose_tp(g, weights, smallest_state, _tp_for(tp, g)), model) for g in gpus]
     kinds = _kinds(model)
-    per_gpu = [_per_gpu(model, u, s, m_kv, a, weights, f, kinds, microbatches) for u in units]
+    unit_state = [_unit_state(model, s, u.tp) for u in units]
+    per_gpu = [
+        _per_gpu(model, u, s, m_u, a_u, weights, f, kinds, microbatches)
+        for u, (m_u, a_u) in zip(units, unit_state, strict=True)
+    ]
     het = (
-        _heterogeneous(model, units, per_gpu, s, m_kv, a, f, kinds, microbatches)
+        _heterogeneous(model, units, per_gpu, s, unit_state, f, kinds, microbatches)
         if len(units) == 2
         else None
     )

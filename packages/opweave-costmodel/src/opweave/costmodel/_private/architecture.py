@@ -1,12 +1,10 @@
 """What a decoder computes, read once from a Hugging Face config: :class:`Architecture`.
 
 The cost model's operators (bytes, FLOPs, state) and the runtime's operators (the numerics) are
-built from this one description, so the two can never disagree about a model. Every field is
-type- and range-checked where it is read: a malformed config fails here with
-``<field>: <what is wrong>``, never later inside an operator.
-
-Hugging Face saves only the keys that differ from its config class's defaults, so a missing key
-takes that class's default (transformers 5.x, ``configuration_<family>.py``).
+built from this one description, so the two can never disagree about a model. The config is
+checked key by key against its family's schema (``family_schemas.py``): a malformed config fails
+here with ``<field>: <what is wrong>``, never later inside an operator. What the layers do comes
+from the family's flags (``registry.py``), and is recorded here as fields the operators read.
 """
 
 from __future__ import annotations
@@ -17,209 +15,16 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 
-from ..errors import ConfigError, UnsupportedModelError
+from ..errors import ConfigError
 from .base import Frozen
+from .config_fields import MAX_CONTEXT, parse_config, show
+from .registry import Family, resolve_family
 
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
 FULL: LayerType = "full_attention"
 SLIDING: LayerType = "sliding_attention"
 LINEAR: LayerType = "linear_attention"
 
-SUPPORTED_FAMILIES = (
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "mixtral",
-    "gemma3",
-    "gemma3_text",
-    "qwen3_next",
-    "gpt_oss",
-)
-
-# Bounds far beyond any released model; past them a config is a typo or an attack, and a
-# 10^12-expert model would only exhaust memory further down.
-_MAX_LAYERS = 10_000
-_MAX_WIDTH = 1 << 20  # hidden, intermediate, head dims
-_MAX_HEADS = 1 << 14
-_MAX_VOCAB = 1 << 24
-_MAX_EXPERTS = 1 << 16
-_MAX_CONTEXT = 1 << 31
-
-# Defaults of the transformers config classes for the keys read here.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "llama": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=11008,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        tie_word_embeddings=False,
-    ),
-    "mistral": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        hidden_act="silu",
-        sliding_window=4096,
-        tie_word_embeddings=False,
-    ),
-    "qwen2": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        hidden_act="silu",
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=28,
-        attention_bias=True,  # Qwen2 always biases q/k/v (and never o)
-        tie_word_embeddings=False,
-    ),
-    "qwen3": dict(
-        vocab_size=151936,
-        hidden_size=4096,
-        intermediate_size=22016,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        head_dim=128,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        hidden_act="silu",
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=28,
-        attention_bias=False,
-        tie_word_embeddings=False,
-    ),
-    "qwen3_moe": dict(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=24,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        hidden_act="silu",
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=28,
-        attention_bias=False,
-        decoder_sparse_step=1,
-        moe_intermediate_size=768,
-        num_experts_per_tok=8,
-        num_experts=128,
-        norm_topk_prob=False,
-        mlp_only_layers=[],
-        tie_word_embeddings=False,
-    ),
-    "mixtral": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=1_000_000.0,
-        hidden_act="silu",
-        num_experts_per_tok=2,
-        num_local_experts=8,
-        sliding_window=None,
-        tie_word_embeddings=False,
-    ),
-    "gemma3_text": dict(
-        vocab_size=262208,
-        hidden_size=2304,
-        intermediate_size=9216,
-        num_hidden_layers=26,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        head_dim=256,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        rope_local_base_freq=10_000.0,
-        hidden_activation="gelu_pytorch_tanh",
-        query_pre_attn_scalar=256,
-        sliding_window=4096,
-        sliding_window_pattern=6,
-        attention_bias=False,
-        tie_word_embeddings=True,
-    ),
-    "qwen3_next": dict(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=48,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=256,
-        max_position_embeddings=32768,
-        rms_norm_eps=1e-6,
-        rope_theta=10_000.0,
-        partial_rotary_factor=0.25,
-        hidden_act="silu",
-        full_attention_interval=4,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=128,
-        linear_value_head_dim=128,
-        linear_num_key_heads=16,
-        linear_num_value_heads=32,
-        decoder_sparse_step=1,
-        moe_intermediate_size=512,
-        shared_expert_intermediate_size=512,
-        num_experts_per_tok=10,
-        num_experts=512,
-        norm_topk_prob=True,
-        mlp_only_layers=[],
-        attention_bias=False,
-        tie_word_embeddings=False,
-    ),
-    "gpt_oss": dict(
-        vocab_size=201088,
-        hidden_size=2880,
-        intermediate_size=2880,
-        num_hidden_layers=36,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        head_dim=64,
-        max_position_embeddings=131072,
-        rms_norm_eps=1e-5,
-        rope_theta=150_000.0,
-        hidden_act="silu",
-        sliding_window=128,
-        num_local_experts=128,
-        num_experts_per_tok=4,
-        attention_bias=True,
-        tie_word_embeddings=False,
-    ),
-}
-
-# Keys that name the same thing in different transformers versions: a default for one must not
-# shadow a value given under the other.
-_ALIASES = {"num_experts": "num_local_experts", "num_local_experts": "num_experts"}
 _DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 
 
@@ -234,8 +39,13 @@ class RopeSpec(Frozen):
     factor: float = Field(default=1.0, gt=0)
     low_freq_factor: float = Field(default=1.0, gt=0)
     high_freq_factor: float = Field(default=4.0, gt=0)
-    original_max_position_embeddings: int = Field(default=8192, ge=1, le=_MAX_CONTEXT)
+    original_max_position_embeddings: int = Field(default=8192, ge=1, le=MAX_CONTEXT)
     partial_rotary_factor: float = Field(default=1.0, gt=0, le=1)
+    # YaRN (DeepSeek-V3, Kimi-K2): frequency band edges and the attention-scale correction
+    beta_fast: float = Field(default=32.0, gt=0)
+    beta_slow: float = Field(default=1.0, gt=0)
+    mscale: float = Field(default=1.0, ge=0)
+    mscale_all_dim: float = Field(default=0.0, ge=0)
 
     @model_validator(mode="after")
     def _llama3_band(self) -> RopeSpec:
@@ -247,9 +57,18 @@ class RopeSpec(Frozen):
             )
         return self
 
+    @property
+    def yarn_attention_mscale(self) -> float:
+        """YaRN's softmax-scale correction ``0.1 * mscale_all_dim * ln(factor) + 1`` (1 without
+        YaRN scaling): DeepSeek multiplies the attention scale by its square (vLLM
+        ``deepseek_v2.py`` ``yarn_get_mscale``; transformers ``modeling_deepseek_v3.py``)."""
+        if self.rope_type != "yarn" or self.factor <= 1:
+            return 1.0
+        return 0.1 * self.mscale_all_dim * math.log(self.factor) + 1.0
+
 
 class LinearAttentionSpec(Frozen):
-    """Gated DeltaNet geometry (Qwen3-Next's linear-attention layers)."""
+    """Gated DeltaNet geometry (Qwen3-Next's and Qwen3.5's linear-attention layers)."""
 
     num_k_heads: int
     num_v_heads: int
@@ -270,14 +89,48 @@ class LinearAttentionSpec(Frozen):
         return 2 * self.key_dim + self.value_dim
 
 
+class MLASpec(Frozen):
+    """Multi-head latent attention geometry (DeepSeek-V2 paper, arXiv:2405.04434, §2.1)."""
+
+    q_lora_rank: int | None = Field(description="Query down-projection rank; None: q_proj.")
+    kv_lora_rank: int = Field(description="Width of the compressed KV latent c_KV.")
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int = Field(description="Width of the decoupled RoPE key (one per token).")
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values a token caches per layer: the latent and the rope key, shared by all heads."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 class ExpertsSpec(Frozen):
-    """Routed experts of the sparse layers (plus Qwen3-Next's always-on shared expert)."""
+    """Routed experts of the sparse layers, their router and any always-on shared expert."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
     norm_topk_prob: bool
     shared_intermediate_size: int = 0
+    shared_expert_gate: bool = Field(
+        default=False, description="A sigmoid gate scales the shared expert (Qwen3-Next)."
+    )
+    scoring_func: Literal["softmax", "sigmoid"] = "softmax"
+    num_groups: int = Field(default=1, description="Expert groups of group-limited routing.")
+    topk_groups: int = Field(default=1, description="Groups a token may route into.")
+    score_correction_bias: bool = Field(
+        default=False, description="A per-expert bias added to the scores for selection only."
+    )
+    routed_scaling_factor: float = 1.0
+    routing_weights_fp32: bool = Field(
+        default=False, description="Routing weights stay float32 (Mixtral); else model dtype."
+    )
+    router_bias: bool = False
+    expert_bias: bool = False
 
 
 class Architecture(Frozen):
@@ -290,13 +143,13 @@ class Architecture(Frozen):
     (16, ('full_attention', 'full_attention'))
     """
 
-    family: str
+    family: str = Field(description="The registry family the config resolved to.")
     hidden_size: int
     num_layers: int
     vocab_size: int
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int = Field(description="Query/key head width (MLA: nope + rope dims).")
     intermediate_size: int
     max_position_embeddings: int
     rms_norm_eps: float
@@ -309,6 +162,24 @@ class Architecture(Frozen):
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = Field(default=False, description="RMSNorm on queries and keys.")
+    qk_norm_per_layer: bool = Field(
+        default=False,
+        description="The q/k norms span all heads of the layer (MiniMax-M2), not one head.",
+    )
+    gemma_norms: bool = Field(
+        default=False, description="RMSNorm scales by 1 + w in float32 before casting back."
+    )
+    sandwich_norms: bool = Field(
+        default=False,
+        description="The attention and MLP outputs are normalised before each residual add.",
+    )
+    embed_scale: float | None = Field(default=None, description="Embeddings times this.")
+    attn_output_gate: bool = Field(
+        default=False, description="Full attention's output times a sigmoid gate from q_proj."
+    )
+    attn_sinks: bool = Field(default=False, description="A learned sink logit per head.")
+    mla: MLASpec | None = None
     moe: ExpertsSpec | None = None
     moe_layers: tuple[int, ...] = ()
     linear_attn: LinearAttentionSpec | None = None
@@ -318,29 +189,6 @@ class Architecture(Frozen):
     dtype: str = Field(description="Storage dtype of the weights (config's dtype).")
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def gemma_norms(self) -> bool:
-        """Gemma-style RMSNorm: scale by ``1 + w`` in float32 before casting back."""
-        return self.family in ("gemma3_text", "qwen3_next")
-
-    @property
-    def sandwich_norms(self) -> bool:
-        """Gemma 3 also normalises the attention and MLP outputs before each residual add."""
-        return self.family == "gemma3_text"
-
-    @property
-    def qk_norm(self) -> bool:
-        return self.family in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next")
-
-    @property
-    def embed_scale(self) -> float | None:
-        return self.hidden_size**0.5 if self.family == "gemma3_text" else None
-
-    @property
-    def attn_output_gate(self) -> bool:
-        """Qwen3-Next's full attention multiplies its output by a sigmoid gate from ``q_proj``."""
-        return self.family == "qwen3_next"
-
     def is_moe_layer(self, layer: int) -> bool:
         return layer in self.moe_layers
 
@@ -348,158 +196,40 @@ class Architecture(Frozen):
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
 
 
-def text_config(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The text model's config: multimodal Gemma-3 nests it under ``text_config``."""
-    if not isinstance(config, Mapping):
-        raise ConfigError("config.json must hold a JSON object")
-    if config.get("model_type") != "gemma3":
-        return dict(config)
-    inner = config.get("text_config", {})
-    if not isinstance(inner, Mapping):
-        raise ConfigError(f"text_config: expected an object, got {_show(inner)}")
-    text = dict(inner)
-    text.setdefault("model_type", "gemma3_text")
-    for key in ("torch_dtype", "dtype", "tie_word_embeddings", "eos_token_id"):
-        if key in config and key not in text:
-            text[key] = config[key]
-    return text
-
-
-def family_defaults(family: str, present: Mapping[str, Any]) -> dict[str, Any]:
-    """The transformers defaults of ``family`` for the keys absent from ``present``.
-
-    >>> family_defaults("gemma3_text", {"hidden_size": 5376})["vocab_size"]
-    262208
-    """
-    if family not in DEFAULTS:
-        raise UnsupportedModelError(
-            f"model_type {family!r} is not supported; supported families: "
-            + ", ".join(SUPPORTED_FAMILIES)
-        )
-    return {
-        k: v
-        for k, v in DEFAULTS[family].items()
-        if k not in present and _ALIASES.get(k) not in present
-    }
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-class _Fields:
-    """A family's config with its defaults; each getter checks type and range of one key."""
-
-    def __init__(self, family: str, raw: Mapping[str, Any]) -> None:
-        self.family = family
-        self.raw = raw
-
-    def present(self, key: str) -> bool:
-        return self.raw.get(key) is not None
-
-    def value(self, key: str, default: Any = None) -> Any:
-        if key in self.raw:
-            return self.raw[key]
-        return DEFAULTS[self.family].get(key, default)
-
-    def int(self, key: str, *, low: int = 1, high: int = _MAX_WIDTH, default: Any = ...) -> int:
-        value = self.value(key, None if default is ... else default)
-        if value is None and default is ...:
-            raise ConfigError(f"{key}: missing; add it to config.json")
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{key}: expected an integer, got {_show(value)}")
-        if not low <= value <= high:
-            raise ConfigError(f"{key}: {value} is out of range ({low}..{high})")
-        return value
-
-    def opt_int(self, key: str, *, low: int = 1, high: int = _MAX_WIDTH) -> int | None:
-        return self.int(key, low=low, high=high) if self.value(key) is not None else None
-
-    def float(self, key: str, *, positive: bool = True, default: Any = ...) -> float:
-        value = self.value(key, None if default is ... else default)
-        if value is None and default is ...:
-            raise ConfigError(f"{key}: missing; add it to config.json")
-        if not isinstance(value, int | float) or isinstance(value, bool):
-            raise ConfigError(f"{key}: expected a number, got {_show(value)}")
-        value = float(value)
-        if not math.isfinite(value) or (positive and value <= 0):
-            raise ConfigError(f"{key}: expected a finite positive number, got {value!r}")
-        return value
-
-    def opt_float(self, key: str) -> float | None:
-        return self.float(key) if self.value(key) is not None else None
-
-    def bool(self, key: str, default: bool = False) -> bool:
-        value = self.value(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {_show(value)}")
-        return value
-
-    def str(self, key: str, default: str) -> str:
-        value = self.value(key, default)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {_show(value)}")
-        return value
-
-    def int_list(self, key: str, *, high: int) -> list[int]:
-        value = self.value(key, [])
-        if value is None:
-            return []
-        if not isinstance(value, list) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= high for v in value
-        ):
-            raise ConfigError(
-                f"{key}: expected a list of integers in 0..{high}, got {_show(value)}"
-            )
-        return list(value)
-
-    def obj(self, key: str) -> dict[str, Any]:
-        value = self.value(key, None)
-        if value is None:
-            return {}
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{key}: expected an object, got {_show(value)}")
-        return dict(value)
-
-
 def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None) -> Architecture:
-    """Read a Hugging Face config (multimodal Gemma 3 included) into an :class:`Architecture`."""
-    text = text_config(config)
-    family = text.get("model_type")
-    if not isinstance(family, str) or family not in DEFAULTS:
-        raise UnsupportedModelError(
-            f"model_type {family!r} is not supported; supported families: "
-            + ", ".join(SUPPORTED_FAMILIES)
-        )
-    f = _Fields(family, text)
-    hidden = f.int("hidden_size")
-    num_layers = f.int("num_hidden_layers", high=_MAX_LAYERS)
-    heads = f.int("num_attention_heads", high=_MAX_HEADS)
-    kv_heads = f.opt_int("num_key_value_heads", high=_MAX_HEADS) or heads
+    """Read a Hugging Face config (multimodal wrappers included) into an :class:`Architecture`."""
+    family, text = resolve_family(config)
+    # the family's schema: its keys vary by family, which its flags say how to read
+    cfg: Any = parse_config(family.schema, text)
+    flags = family.flags
+    hidden = cfg.hidden_size
+    num_layers = cfg.num_hidden_layers
+    heads = cfg.num_attention_heads
+    kv_heads = cfg.num_key_value_heads or heads
     if heads % kv_heads:
         raise ConfigError(
             f"num_attention_heads: {heads} is not a multiple of num_key_value_heads ({kv_heads})"
         )
-    head_dim = f.opt_int("head_dim") or hidden // heads
+    mla = _mla(cfg) if flags.attention == "mla" else None
+    head_dim = mla.qk_head_dim if mla is not None else cfg.head_dim or hidden // heads
     if head_dim < 1:
         raise ConfigError(f"head_dim: hidden_size {hidden} / {heads} heads leaves no head dim")
-    vocab = f.int("vocab_size", high=_MAX_VOCAB)
-    layer_types, window = _layers(f, num_layers)
-    moe, moe_layers = _experts(f, num_layers)
-    inter = f.int("intermediate_size", low=0 if moe_layers else 1, default=0)
+    vocab = cfg.vocab_size
+    layer_types, window = _layers(family, cfg, num_layers)
+    moe, moe_layers = _experts(family, cfg, num_layers)
+    inter = cfg.intermediate_size
     if len(moe_layers) < num_layers and inter < 1:
         raise ConfigError("intermediate_size: dense feed-forward layers need a positive size")
-    gemma = family == "gemma3_text"
-    quant = f.obj("quantization_config").get("quant_method")
+    quant = cfg.quantization_config.get("quant_method")
+    rope = _rope(family, cfg, set(layer_types), head_dim)
+    if flags.scale_from_query_pre_attn_scalar:
+        attn_scale = cfg.query_pre_attn_scalar**-0.5
+    else:
+        yarn = max((r.yarn_attention_mscale for r in rope.values()), default=1.0)
+        attn_scale = float(head_dim) ** -0.5 * (yarn * yarn if mla is not None else 1.0)
+    qkv_only = flags.qkv_bias == "qkv_only"
     return Architecture(
-        family=family,
+        family=family.name,
         hidden_size=hidden,
         num_layers=num_layers,
         vocab_size=vocab,
@@ -507,26 +237,37 @@ def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None)
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         intermediate_size=inter,
-        max_position_embeddings=f.int("max_position_embeddings", high=_MAX_CONTEXT),
-        rms_norm_eps=f.float("rms_norm_eps"),
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
         hidden_act=(
-            f.str("hidden_activation", f.str("hidden_act", "gelu_pytorch_tanh"))
-            if gemma
-            else f.str("hidden_act", "silu")
+            cfg.hidden_activation or cfg.hidden_act
+            if flags.activation_key == "hidden_activation"
+            else cfg.hidden_act
         ),
         layer_types=layer_types,
         sliding_window=window,
-        rope=_rope(f, set(layer_types)),
-        attn_scale=(f.float("query_pre_attn_scalar") if gemma else float(head_dim)) ** -0.5,
-        tie_word_embeddings=f.bool("tie_word_embeddings"),
-        qkv_bias=family == "qwen2" or f.bool("attention_bias"),
-        o_bias=family != "qwen2" and f.bool("attention_bias"),
-        mlp_bias=f.bool("mlp_bias"),
+        rope=rope,
+        attn_scale=attn_scale,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        qkv_bias=qkv_only or cfg.attention_bias,
+        o_bias=not qkv_only and cfg.attention_bias,
+        mlp_bias=cfg.mlp_bias,
+        qk_norm=flags.qk_norm != "none",
+        qk_norm_per_layer=flags.qk_norm == "per_layer",
+        gemma_norms=flags.gemma_norms,
+        sandwich_norms=flags.sandwich_norms,
+        embed_scale=hidden**0.5 if flags.embed_scale else None,
+        attn_output_gate=(
+            flags.attn_output_gate == "always"
+            or (flags.attn_output_gate == "config" and cfg.attn_output_gate)
+        ),
+        attn_sinks=flags.attn_sinks,
+        mla=mla,
         moe=moe,
         moe_layers=moe_layers,
-        linear_attn=_linear_attention(f) if LINEAR in layer_types else None,
-        attn_softcap=f.opt_float("attn_logit_softcapping") if gemma else None,
-        final_softcap=f.opt_float("final_logit_softcapping") if gemma else None,
+        linear_attn=_linear_attention(cfg) if LINEAR in layer_types else None,
+        attn_softcap=cfg.attn_logit_softcapping if flags.logit_softcapping else None,
+        final_softcap=cfg.final_logit_softcapping if flags.logit_softcapping else None,
         quant_method=quant if isinstance(quant, str) else None,
         dtype=_dtype(text, dtype),
         eos_token_ids=_eos(text, vocab),
@@ -545,7 +286,7 @@ def _eos(text: Mapping[str, Any], vocab: int) -> tuple[int, ...]:
     eos = text.get("eos_token_id")
     ids = [] if eos is None else eos if isinstance(eos, list) else [eos]
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ConfigError(f"eos_token_id: expected token ids, got {_show(eos)}")
+        raise ConfigError(f"eos_token_id: expected token ids, got {show(eos)}")
     outside = [i for i in ids if i >= vocab]
     if outside:
         raise ConfigError(
@@ -554,69 +295,70 @@ def _eos(text: Mapping[str, Any], vocab: int) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _layers(f: _Fields, n: int) -> tuple[tuple[LayerType, ...], int | None]:
+def _layers(family: Family, cfg: Any, n: int) -> tuple[tuple[LayerType, ...], int | None]:
     """Each layer's attention type, and the window of the sliding ones (None: no window)."""
-    family = f.family
-    window = f.opt_int("sliding_window", high=_MAX_CONTEXT)
-    if family == "qwen3_next":
+    flags = family.flags
+    window = cfg.sliding_window if flags.reads_sliding_window else None
+    if flags.window_needs_use_sliding_window and not cfg.use_sliding_window:
         window = None
-    if family in ("qwen2", "qwen3", "qwen3_moe") and not f.bool("use_sliding_window"):
-        window = None
-    given = f.value("layer_types")
+    given = cfg.layer_types
     if given is not None:
-        if not isinstance(given, list) or not all(isinstance(t, str) for t in given):
-            raise ConfigError(f"layer_types: expected a list of strings, got {_show(given)}")
         if len(given) != n:
             raise ConfigError(f"layer_types: {len(given)} entries for {n} layers")
         unknown = sorted(set(given) - {FULL, SLIDING, LINEAR})
         if unknown:
             raise ConfigError(f"layer_types: unknown types {unknown}")
         types: list[LayerType] = list(given)  # type: ignore[arg-type]
-    elif family == "gemma3_text":
-        key = "sliding_window_pattern" if f.present("sliding_window_pattern") else None
-        pattern = (
-            f.int(key, high=_MAX_LAYERS)
-            if key
-            else f.int("_sliding_window_pattern", high=_MAX_LAYERS, default=6)
+    elif flags.layer_pattern == "every_nth_full":
+        given_pattern = "sliding_window_pattern" in cfg.model_fields_set
+        pattern = (given_pattern and cfg.sliding_window_pattern) or (
+            cfg.legacy_sliding_window_pattern
         )
         types = [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
-    elif family == "qwen3_next":
-        interval = f.int("full_attention_interval", high=_MAX_LAYERS)
+    elif flags.layer_pattern == "full_every_interval":
+        interval = cfg.full_attention_interval
         types = [LINEAR if (i + 1) % interval else FULL for i in range(n)]
-    elif family == "gpt_oss":
+    elif flags.layer_pattern == "alternating":
         types = [SLIDING if i % 2 == 0 else FULL for i in range(n)]
-    elif family in ("qwen2", "qwen3", "qwen3_moe"):
-        first = f.int("max_window_layers", low=0, high=_MAX_LAYERS)
+    elif flags.layer_pattern == "max_window_layers":
+        first = cfg.max_window_layers
         types = [SLIDING if i >= first else FULL for i in range(n)]
-    else:  # Mistral and Mixtral apply their window (if any) to every layer.
+    else:  # the window (if any) applies to every layer (Mistral, Mixtral)
         types = [SLIDING] * n
-    if LINEAR in types and family != "qwen3_next":
-        raise ConfigError(f"layer_types: {family} has no linear-attention layers")
+    if LINEAR in types and not flags.linear_attention:
+        raise ConfigError(f"layer_types: {family.name} has no linear-attention layers")
     if window is None:
         types = [FULL if t == SLIDING else t for t in types]
     return tuple(types), window if SLIDING in types else None
 
 
-def _rope(f: _Fields, layer_types: set[str]) -> dict[str, RopeSpec]:
+def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dict[str, RopeSpec]:
     """One RopeSpec per attention layer type, folding legacy ``rope_theta``/``rope_scaling`` in."""
-    params = f.obj("rope_parameters")
+    params = cfg.rope_parameters
     nested = {k: v for k, v in params.items() if k in (FULL, SLIDING)}
     for kind, value in nested.items():
         if not isinstance(value, Mapping):
-            raise ConfigError(f"rope_parameters.{kind}: expected an object, got {_show(value)}")
-    partial = f.value("partial_rotary_factor")
-    if f.family == "gemma3_text":
+            raise ConfigError(f"rope_parameters.{kind}: expected an object, got {show(value)}")
+    partial = cfg.partial_rotary_factor
+    rotary_dim = getattr(cfg, "rotary_dim", None)
+    if partial is None and rotary_dim is not None:
+        # MiniMax-M2 rotates the first rotary_dim channels of each head (vLLM minimax_m2.py)
+        partial = rotary_dim / head_dim
+    if family.flags.attention == "mla":
+        # MLA rotates only the decoupled rope part of each query/key head
+        partial = cfg.qk_rope_head_dim / head_dim
+    if family.flags.local_rope:
         # Legacy Gemma 3 configs scale only the global layers' RoPE (e.g. linear x8 on 27B).
         full: dict[str, Any] = dict(
-            nested.get(FULL) or {"rope_type": "default", **f.obj("rope_scaling")}
+            nested.get(FULL) or {"rope_type": "default", **cfg.rope_scaling}
         )
-        full.setdefault("rope_theta", f.float("rope_theta"))
+        full.setdefault("rope_theta", cfg.rope_theta)
         local: dict[str, Any] = dict(nested.get(SLIDING) or {"rope_type": "default"})
-        local.setdefault("rope_theta", f.float("rope_local_base_freq"))
+        local.setdefault("rope_theta", cfg.rope_local_base_freq)
         per_type: dict[str, dict[str, Any]] = {FULL: full, SLIDING: local}
     else:
-        flat = dict(params or f.obj("rope_scaling"))
-        flat.setdefault("rope_theta", f.float("rope_theta"))
+        flat = dict(params or cfg.rope_scaling)
+        flat.setdefault("rope_theta", cfg.rope_theta)
         per_type = {FULL: flat, SLIDING: flat}
     out = {}
     for kind, p in per_type.items():
@@ -631,10 +373,10 @@ def _rope(f: _Fields, layer_types: set[str]) -> dict[str, RopeSpec]:
                 low_freq_factor=p.get("low_freq_factor", 1.0),
                 high_freq_factor=p.get("high_freq_factor", 4.0),
                 original_max_position_embeddings=p.get(
-                    "original_max_position_embeddings",
-                    f.int("max_position_embeddings", high=_MAX_CONTEXT),
+                    "original_max_position_embeddings", cfg.max_position_embeddings
                 ),
                 partial_rotary_factor=p.get("partial_rotary_factor", partial or 1.0),
+                **{k: p[k] for k in _YARN_KEYS if k in p},
             )
         except ValidationError as exc:
             first = exc.errors()[0]
@@ -649,46 +391,82 @@ def _rope(f: _Fields, layer_types: set[str]) -> dict[str, RopeSpec]:
 
 # RopeSpec field -> the config key it comes from
 _ROPE_KEYS = {"theta": "rope_theta"}
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
-def _experts(f: _Fields, n: int) -> tuple[ExpertsSpec | None, tuple[int, ...]]:
-    family = f.family
-    if family not in ("qwen3_moe", "qwen3_next", "mixtral", "gpt_oss"):
+def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tuple[int, ...]]:
+    flags = family.flags
+    if flags.moe == "none":
         return None, ()
-    # transformers 5 saves Qwen3-MoE's expert count as `num_local_experts`; released configs
-    # say `num_experts`.
-    key = next(
-        (k for k in ("num_experts", "num_local_experts") if f.present(k)),
-        "num_experts" if "num_experts" in DEFAULTS[family] else "num_local_experts",
-    )
-    experts = f.int(key, low=0, high=_MAX_EXPERTS)
-    if family in ("mixtral", "gpt_oss"):
-        layers = tuple(range(n)) if experts else ()
-    else:
-        step = f.int("decoder_sparse_step", high=_MAX_LAYERS)
-        dense = set(f.int_list("mlp_only_layers", high=_MAX_LAYERS))
-        layers = tuple(i for i in range(n) if experts and i not in dense and (i + 1) % step == 0)
+    experts = cfg.num_experts
+    if not experts:
+        return None, ()
+    if flags.moe == "every_layer":
+        layers = tuple(range(n))
+    elif flags.moe == "sparse_step":
+        step = cfg.decoder_sparse_step
+        dense = set(cfg.mlp_only_layers)
+        layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
+    else:  # first_k_dense: vLLM deepseek_v2.py's is_moe_layer
+        first, freq = cfg.first_k_dense_replace, cfg.moe_layer_freq
+        layers = tuple(i for i in range(n) if i >= first and i % freq == 0)
     if not layers:
         return None, ()
-    top_k = f.int("num_experts_per_tok", high=_MAX_EXPERTS)
+    top_k = cfg.num_experts_per_tok
     if top_k > experts:
         raise ConfigError(f"num_experts_per_tok: {top_k} is more than the {experts} experts")
-    moe_inter = family in ("qwen3_moe", "qwen3_next")
+    groups, topk_groups = (cfg.n_group, cfg.topk_group) if flags.router_groups else (1, 1)
+    if experts % groups:
+        raise ConfigError(f"n_group: {experts} experts do not split into {groups} groups")
+    if topk_groups > groups:
+        raise ConfigError(f"topk_group: {topk_groups} is more than the {groups} groups")
+    if top_k > topk_groups * (experts // groups):
+        raise ConfigError(
+            f"num_experts_per_tok: {top_k} is more than the {topk_groups * (experts // groups)} "
+            "experts of the topk_group groups a token may use"
+        )
+    scoring = cfg.scoring_func if flags.router_scoring == "config" else "softmax"
+    if scoring not in ("softmax", "sigmoid"):
+        raise ConfigError(f"scoring_func: {scoring!r} is not supported; use softmax or sigmoid")
+    shared = 0
+    if flags.shared_experts == "gated":
+        shared = cfg.shared_expert_intermediate_size
+    elif flags.shared_experts == "n_shared":
+        shared = cfg.n_shared_experts * cfg.moe_intermediate_size
     spec = ExpertsSpec(
         num_experts=experts,
         top_k=top_k,
-        intermediate_size=f.int("moe_intermediate_size" if moe_inter else "intermediate_size"),
-        norm_topk_prob=family == "mixtral" or f.bool("norm_topk_prob"),
-        shared_intermediate_size=(
-            f.int("shared_expert_intermediate_size", low=0) if family == "qwen3_next" else 0
+        intermediate_size=getattr(cfg, flags.expert_size_key),
+        norm_topk_prob=flags.norm_topk == "always" or cfg.norm_topk_prob,
+        shared_intermediate_size=shared,
+        shared_expert_gate=flags.shared_experts == "gated" and shared > 0,
+        scoring_func=scoring,
+        num_groups=groups,
+        topk_groups=topk_groups,
+        score_correction_bias=(
+            (flags.router_score_bias == "noaux_tc" and cfg.topk_method == "noaux_tc")
+            or (flags.router_score_bias == "use_routing_bias" and cfg.use_routing_bias)
         ),
+        routed_scaling_factor=cfg.routed_scaling_factor if flags.routed_scaling else 1.0,
+        routing_weights_fp32=flags.routing_weights_fp32,
+        router_bias=flags.router_bias,
+        expert_bias=flags.expert_bias,
     )
     return spec, layers
 
 
-def _linear_attention(f: _Fields) -> LinearAttentionSpec:
-    nk = f.int("linear_num_key_heads", high=_MAX_HEADS)
-    nv = f.int("linear_num_value_heads", high=_MAX_HEADS)
+def _mla(cfg: Any) -> MLASpec:
+    return MLASpec(
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+    )
+
+
+def _linear_attention(cfg: Any) -> LinearAttentionSpec:
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     if nv % nk:
         raise ConfigError(
             f"linear_num_value_heads: {nv} is not a multiple of linear_num_key_heads ({nk})"
@@ -696,7 +474,7 @@ def _linear_attention(f: _Fields) -> LinearAttentionSpec:
     return LinearAttentionSpec(
         num_k_heads=nk,
         num_v_heads=nv,
-        k_head_dim=f.int("linear_key_head_dim"),
-        v_head_dim=f.int("linear_value_head_dim"),
-        conv_kernel=f.int("linear_conv_kernel_dim", high=1024),
+        k_head_dim=cfg.linear_key_head_dim,
+        v_head_dim=cfg.linear_value_head_dim,
+        conv_kernel=cfg.linear_conv_kernel_dim,
     )

@@ -11,7 +11,10 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from .architecture import FULL, SLIDING, Architecture, resolve_architecture, text_config
+from . import linears
+from .architecture import FULL, SLIDING, Architecture, resolve_architecture
+from .blocks import partition_block
+from .mla import mla_attention
 from .model import (
     AttentionKind,
     LayerSpec,
@@ -21,12 +24,12 @@ from .model import (
     OpClass,
     OperatorName,
     OperatorSpec,
-    PartitionBlock,
     TPCollective,
 )
 from .precision import DTYPE_BYTES as _DTYPE_BYTES
 from .quant_config import resolve_precision
 from .quantize import quantize_layer, quantize_ops
+from .registry import FAMILIES, text_config
 
 
 def model_spec_from_config(
@@ -82,32 +85,11 @@ def model_spec_from_config(
     )
 
 
-def partition_block(layers: tuple[LayerSpec, ...]) -> PartitionBlock:
-    """Smallest period ``p`` with layer ``i`` interchangeable with layer ``i - p`` for all i."""
-    sigs = [layer.signature for layer in layers]
-    n = len(sigs)
-    period = next(p for p in range(1, n + 1) if all(sigs[i] == sigs[i - p] for i in range(p, n)))
-    names: list[OperatorName] = []
-    offsets: list[int] = []
-    for offset, layer in enumerate(layers[:period]):
-        for op in layer.ops:
-            names.append(op.name)
-            offsets.append(offset)
-    return PartitionBlock(
-        period_layers=period,
-        num_full_blocks=n // period,
-        remainder_layers=n % period,
-        op_names=tuple(names),
-        op_layers=tuple(offsets),
-    )
-
-
 class _Builder:
     """Operator costs of one :class:`Architecture` (sizes in elements; bytes via ``self.p``)."""
 
     def __init__(self, arch: Architecture, bytes_per_param: float) -> None:
         self.arch = arch
-        self.family = arch.family
         self.p = bytes_per_param
         self.h = arch.hidden_size
         self.vocab = arch.vocab_size
@@ -116,6 +98,8 @@ class _Builder:
         self.inter = arch.intermediate_size
         self.bias = arch.qkv_bias
         self.tied = "embed_tokens" if arch.tie_word_embeddings else None
+        # checkpoint module names of the linears (what a quantisation config matches)
+        self.names = FAMILIES[arch.family].checkpoint
 
     def _kind(self, i: int) -> tuple[AttentionKind, int | None]:
         kind = {FULL: AttentionKind.FULL, SLIDING: AttentionKind.SLIDING}.get(
@@ -217,6 +201,8 @@ class _Builder:
         kind, window = self._kind(i)
         if kind is AttentionKind.LINEAR:
             attn = self._linear_attention(i)
+        elif self.arch.mla is not None:
+            attn = mla_attention(self, i, self.names)
         else:
             attn = self._softmax_attention(i, kind, window)
         moe = self.arch.is_moe_layer(i)
@@ -227,14 +213,20 @@ class _Builder:
         self, i: int, kind: AttentionKind, window: int | None
     ) -> tuple[OperatorSpec, ...]:
         h, nq, nkv, d = self.h, self.nq, self.nkv, self.d
-        gated = self.family == "qwen3_next"  # output gate doubles q_proj (gated attention)
+        a = self.arch
+        gated = a.attn_output_gate  # the output gate doubles q_proj (gated attention)
         q_out = nq * d * (2 if gated else 1)
         qkv_out = q_out + 2 * nkv * d
-        qk_norm = 2 * d if self.family in ("qwen3", "qwen3_moe", "gemma3_text", "qwen3_next") else 0
+        # q/k norm weights: one head's width, or every head's (MiniMax-M2's per-layer norms)
+        qk_norm = ((nq + nkv) * d if a.qk_norm_per_layer else 2 * d) if a.qk_norm else 0
         qkv_params = h * qkv_out + (qkv_out if self.bias else 0) + qk_norm
-        o_params = nq * d * h + (h if self.family == "gpt_oss" else 0)
-        post_norm = h if self.family == "gemma3_text" else 0
-        sinks = nq if self.family == "gpt_oss" else 0
+        o_params = nq * d * h + (h if a.o_bias else 0)
+        post_norm = h if a.sandwich_norms else 0
+        sinks = nq if a.attn_sinks else 0
+        qkv_linears, o_linears = linears.softmax_attention(a, self.names)
+        # Norms spanning all heads need the sum of squares of q and of k from every rank: one
+        # all-reduce of two float32 per token (vLLM MiniMaxText01RMSNormTP.forward_qk).
+        qk_allreduce = 8.0 / self.p if a.qk_norm and a.qk_norm_per_layer else 0.0
         extra_out = nq * d if gated else 0  # the gate travels with the attention output
         return (
             self._norm("attn_norm", i, boundary=2 * h),
@@ -247,11 +239,9 @@ class _Builder:
                 boundary=qkv_out + h,
                 shard_units=nkv,
                 kernels=3 if qk_norm else 1,
-                linears=(
-                    _linear("self_attn.q_proj", h, q_out),
-                    _linear("self_attn.k_proj", h, nkv * d),
-                    _linear("self_attn.v_proj", h, nkv * d),
-                ),
+                collective=TPCollective.ALLREDUCE if qk_allreduce else TPCollective.NONE,
+                collective_elems=qk_allreduce,
+                linears=qkv_linears,
             ),
             self._op(
                 "rope",
@@ -289,7 +279,7 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2 if post_norm else 1,
-                linears=(_linear("self_attn.o_proj", nq * d, h),),
+                linears=o_linears,
             ),
         )
 
@@ -306,6 +296,7 @@ class _Builder:
         # Per token: conv (2*K per channel) + delta rule (decay, k^T S, outer-product update,
         # q^T S: about 8 FLOPs per state element).
         gdn_flops = 2.0 * conv_dim * kernel + 8.0 * nv * dk * dv
+        in_linears, out_linears = linears.linear_attention(self.arch, self.names)
         return (
             self._norm("attn_norm", i, boundary=2 * h),
             self._op(
@@ -316,10 +307,7 @@ class _Builder:
                 act=h + qkvz,
                 boundary=qkvz + 2 * nv + h,
                 shard_units=nk,
-                linears=(
-                    _linear("linear_attn.in_proj_qkvz", h, qkvz),
-                    _linear("linear_attn.in_proj_ba", h, 2 * nv),
-                ),
+                linears=in_linears,
             ),
             self._op(
                 "core_attn",
@@ -343,14 +331,15 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2,
-                linears=(_linear("linear_attn.out_proj", nv * dv, h),),
+                linears=out_linears,
             ),
         )
 
     def _dense_ffn(self, i: int) -> tuple[OperatorSpec, ...]:
         h, inter = self.h, self.inter
         bias = inter if self.arch.mlp_bias else 0
-        post_norm = h if self.family == "gemma3_text" else 0
+        post_norm = h if self.arch.sandwich_norms else 0
+        up_linears, down_linears = linears.dense_ffn(self.arch, self.names)
         return (
             self._norm("ffn_norm", i, boundary=2 * h),
             self._op(
@@ -361,7 +350,7 @@ class _Builder:
                 act=h + 3 * inter,
                 boundary=inter + h,
                 kernels=2,
-                linears=(_linear("mlp.gate_proj", h, inter), _linear("mlp.up_proj", h, inter)),
+                linears=up_linears,
             ),
             self._op(
                 "down_proj",
@@ -373,7 +362,7 @@ class _Builder:
                 collective=TPCollective.ALLREDUCE,
                 collective_elems=h,
                 kernels=2 if post_norm else 1,
-                linears=(_linear("mlp.down_proj", inter, h),),
+                linears=down_linears,
             ),
         )
 
@@ -382,22 +371,30 @@ class _Builder:
         assert moe is not None
         experts, top_k, inter = moe.num_experts, moe.top_k, moe.intermediate_size
         shared = moe.shared_intermediate_size
-        biased = self.family == "gpt_oss"
-        expert_params = 3 * h * inter + ((2 * inter + h) if biased else 0)
-        expert_bytes = round(expert_params * self.p)
-        names = _MOE_NAMES.get(self.family, _MOE_NAMES["qwen3_moe"])
+        expert_params = 3 * h * inter + ((2 * inter + h) if moe.expert_bias else 0)
+        expert_bytes = round(expert_params * self.p)  # quantize.py applies the format
+        router_linears, expert_linears, shared_linears = linears.moe_ffn(self.arch, self.names)
+        router_params = experts * h + (experts if moe.router_bias else 0)
+        router_params += experts if moe.score_correction_bias else 0
+        router_flops = 2.0 * router_params
+        if moe.num_groups > 1:
+            # group-limited selection (vLLM grouped_topk): scores plus their correction bias,
+            # each group's top-2 sum, the top groups, then a top-k over the unmasked experts --
+            # about four passes over the expert scores
+            router_flops += 4.0 * experts
         ops = [
             self._norm("ffn_norm", i, boundary=2 * h),
             self._op(
                 "router",
                 OpClass.SMALL,
                 i,
-                params=experts * h + (experts if biased else 0),
+                params=router_params,
+                flops=router_flops,
                 act=h + experts,
                 boundary=2 * h + top_k * 8 / self.p,
                 tp_sharded=False,
                 kernels=2,
-                linears=(_linear(names["router"], h, experts),),
+                linears=router_linears,
             ),
             self._op(
                 "experts",
@@ -410,7 +407,7 @@ class _Builder:
                 collective=TPCollective.NONE if shared else TPCollective.ALLREDUCE,
                 collective_elems=0 if shared else h,
                 kernels=3,
-                linears=_expert_linears(names, h, inter, experts),
+                linears=expert_linears,
                 moe=MoESpec(
                     num_experts=experts,
                     top_k=top_k,
@@ -425,58 +422,14 @@ class _Builder:
                     "shared_expert",
                     OpClass.GEMM,
                     i,
-                    params=3 * h * shared + h,
+                    params=3 * h * shared + (h if moe.shared_expert_gate else 0),
                     act=2 * h + 3 * shared,
                     boundary=h,
                     collective=TPCollective.ALLREDUCE,
                     collective_elems=h,
-                    kernels=4,
-                    linears=(
-                        _linear("mlp.shared_expert.gate_proj", h, shared),
-                        _linear("mlp.shared_expert.up_proj", h, shared),
-                        _linear("mlp.shared_expert.down_proj", shared, h),
-                        _linear("mlp.shared_expert_gate", h, 1),
-                    ),
+                    # gate_up, activation, down (and Qwen's sigmoid gate)
+                    kernels=4 if moe.shared_expert_gate else 3,
+                    linears=shared_linears,
                 )
             )
         return tuple(ops)
-
-
-def _linear(module: str, in_features: int, out_features: int, count: int = 1) -> LinearShape:
-    return LinearShape(
-        module=module, in_features=in_features, out_features=out_features, count=count
-    )
-
-
-def _expert_linears(
-    names: dict[str, str], h: int, inter: int, experts: int
-) -> tuple[LinearShape, ...]:
-    fused = "gate_up" in names  # gpt-oss stores gate and up as one tensor
-    ups = (
-        (_linear(names["gate_up"], h, 2 * inter, experts),)
-        if fused
-        else (_linear(names["gate"], h, inter, experts), _linear(names["up"], h, inter, experts))
-    )
-    return (*ups, _linear(names["down"], inter, h, experts))
-
-
-# Checkpoint names of the MoE block's linears per family (relative to the decoder layer).
-_MOE_NAMES: dict[str, dict[str, str]] = {
-    "qwen3_moe": {
-        "router": "mlp.gate",
-        "gate": "mlp.experts.gate_proj",
-        "up": "mlp.experts.up_proj",
-        "down": "mlp.experts.down_proj",
-    },
-    "mixtral": {
-        "router": "block_sparse_moe.gate",
-        "gate": "block_sparse_moe.experts.w1",
-        "up": "block_sparse_moe.experts.w3",
-        "down": "block_sparse_moe.experts.w2",
-    },
-    "gpt_oss": {
-        "router": "mlp.router",
-        "gate_up": "mlp.experts.gate_up_proj",
-        "down": "mlp.experts.down_proj",
-    },
-}

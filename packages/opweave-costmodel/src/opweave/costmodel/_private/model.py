@@ -73,7 +73,8 @@ class LinearShape(Frozen):
     module: str = Field(
         description="Module path in the checkpoint, relative to the decoder layer for layer "
         "operators ('self_attn.q_proj', 'mlp.experts.down_proj') and to the model otherwise "
-        "('lm_head')."
+        "('lm_head'). A module split between operators (MLA's kv_b_proj: its key half in "
+        "qkv_proj, its value half in o_proj) appears in each with its share of out_features."
     )
     in_features: int = Field(ge=1)
     out_features: int = Field(ge=1)
@@ -131,6 +132,18 @@ class OperatorSpec(Frozen):
     tp_collective_bytes_per_token: float = 0.0
     kernels: int = Field(
         default=1, description="Kernel launches per execution (for launch overhead)."
+    )
+    tp_replicated_fraction: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of the weights, FLOPs and activation traffic every tensor-parallel "
+        "rank holds and runs whole (MLA's down-projections are replicated linears in vLLM).",
+    )
+    state_tp_replicated: bool = Field(
+        default=False,
+        description="Every tensor-parallel rank holds and reads the whole state: MLA's latent "
+        "cache is one vector per token shared by all heads (compute still splits by heads).",
     )
     moe: MoESpec | None = None
     linears: tuple[LinearShape, ...] = Field(
@@ -234,20 +247,37 @@ class LayerSpec(Frozen):
 
 
 class PartitionBlock(Frozen):
-    """The smallest repeating, layer-aligned operator pattern (paper §4, appendix B.1)."""
+    """The smallest repeating, layer-aligned operator pattern (paper §4, appendix B.1).
+
+    The block repeats from layer ``prefix_layers`` on. Leading layers that differ only in their
+    feed-forward (DeepSeek-V3's dense layers before the MoE ones) form the prefix: each is cut
+    as the block layer it aligns with (``(i - prefix_layers) mod period_layers``), operator by
+    operator of the same name, so a template's per-kind cut patterns hold for it too.
+    """
 
     period_layers: int = Field(description="Layers per block.")
     num_full_blocks: int
     remainder_layers: int = Field(description="Layers of a trailing partial block.")
     op_names: tuple[OperatorName, ...] = Field(description="Operator sequence of one block.")
     op_layers: tuple[int, ...] = Field(description="Layer offset (0..period-1) of each op.")
+    prefix_layers: int = Field(
+        default=0, description="Irregular leading layers before the first block."
+    )
+
+    def block_layer(self, layer: int) -> tuple[int, int]:
+        """``(block index, offset in the block)`` of a layer; prefix layers have negative
+        block indices."""
+        return divmod(layer - self.prefix_layers, self.period_layers)
 
 
 class ModelSpec(Frozen):
     """A model as the cost model, planner and runtime see it."""
 
     name: str
-    family: str = Field(description="Hugging Face model_type of the text model.")
+    family: str = Field(
+        description="The family the config resolved to (the text model's model_type, or the "
+        "family its architecture names: Kimi-K2 is deepseek_v3)."
+    )
     dtype: str
     bytes_per_param: float
     hidden_size: int

@@ -19,7 +19,16 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "llama-3.3-70b": ("llama-3.3-70b.json", "meta-llama/Llama-3.3-70B-Instruct"),
     "qwen3-32b": ("qwen3-32b.json", "Qwen/Qwen3-32B"),
     "qwen3-30b-a3b": ("qwen3-30b-a3b.json", "Qwen/Qwen3-30B-A3B"),
+    "deepseek-v3": ("deepseek-v3.json", "deepseek-ai/DeepSeek-V3"),
+    "kimi-k2": ("kimi-k2.json", "moonshotai/Kimi-K2-Instruct"),
+    "qwen3.5-397b-a17b": ("qwen3.5-397b-a17b.json", "Qwen/Qwen3.5-397B-A17B"),
+    "minimax-m2.5": ("minimax-m2.5.json", "MiniMaxAI/MiniMax-M2.5"),
 }
+# Where each built-in's config.json was copied from (the repo above is where it is published):
+# deepseek-v3, qwen3.5-397b-a17b and minimax-m2.5 are byte copies of the configs in
+# ai-dynamo/aiconfigurator aic-core/src/aiconfigurator_core/model_configs/ (commit 095f58a5);
+# kimi-k2 is moonshotai/Kimi-K2-Instruct's config.json as quoted in full by a public model
+# report (fields agree with the CSDN write-up https://blog.csdn.net/hbkybkzw/article/details/149370789).
 
 
 def builtin_config(name: str) -> dict[str, Any]:

@@ -10,24 +10,29 @@ One replica spans ``tp x dp`` GPUs, its *group*:
   ``--enable-dp-attention`` (attention TP = tp-size / dp-size) and the DP80 x TP4 attention of
   DeepSeek-V3's decoding deployment (§3.4.2).
 - **expert parallelism.** The routed experts of each MoE layer span the whole group, sharded over
-  ``ep`` sets of GPUs (``ep`` divides ``tp x dp`` and the number of experts); the remaining
+  ``ep`` sets of GPUs (``ep`` divides ``tp x dp``; where it does not divide the number of experts
+  ``E``, each set holds ``ceil(E / ep)`` expert slots, the spare ones redundant copies as EPLB
+  places them: :func:`weight_share`); the remaining
   factor ``tp x dp / ep`` shards each expert's intermediate dimension (tensor parallelism inside
   the experts, as vLLM runs experts without ``--enable-expert-parallel``, where they form a
   ``DP x TP`` tensor-parallel group, and SGLang's ``moe_tp_size = tp_size / ep_size``). Every GPU
   holds ``1 / (tp x dp)`` of the experts' weights whatever ``ep`` is. With ``ep = tp x dp``
-  (the wide-EP layout: vLLM's ``--enable-expert-parallel``, SGLang's DeepEP backend, DeepSeek's
-  EP320) each GPU holds whole experts and tokens reach them by all-to-all dispatch and combine
+  and ``dp > 1`` (the wide-EP layout: vLLM's ``--enable-expert-parallel`` with DP, SGLang's DeepEP
+  backend, DeepSeek's EP320) each GPU holds whole experts and tokens reach them by all-to-all
+  dispatch and combine
   (:mod:`.expert_comm`); the busiest expert GPU sets the time. With ``ep < tp x dp`` every GPU
   computes its share for all the group's tokens: they are all-gathered over the DP ranks and the
-  outputs reduce-scattered back (with ``dp = 1`` that is the TP all-reduce as before).
+  outputs reduce-scattered back (with ``dp = 1`` that is the TP all-reduce as before, whatever
+  ``ep`` is: every GPU already holds every token, so no all-to-all).
 - **dense FFN layers** (``gate_up_proj``, ``down_proj``) span the group too, tensor-parallel over
   all ``tp x dp`` GPUs (SGLang's default under DP attention); ``ep`` is 1 on a dense model.
 
 Legal combinations (:func:`parallelism_problem`): ``tp``, ``ep``, ``dp`` at least 1; ``ep``
-divides ``tp x dp`` and the number of routed experts; every operator splits as its degree asks
-(attention heads over ``tp``, dense FFN over ``tp x dp``, each expert over ``tp x dp / ep``); a
-TP group within one node; a group within one NVLink domain (``scale_up_gpus``: the node, or a
-rack-scale domain of e.g. 72 GPUs) or a whole number of domains joined by the network.
+divides ``tp x dp`` and is at most the number of routed experts; every operator splits as its
+degree asks (attention heads over ``tp``, dense FFN over ``tp x dp``, each expert over
+``tp x dp / ep``); a TP group within one NVLink domain (``scale_up_gpus``: the node, or a
+rack-scale domain such as GB200 NVL72's, whose trays of 4 GPUs share one NVLink fabric); a group
+within one domain or a whole number of domains joined by the network.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from .roofline import (
     activation_bytes_per_rank,
     op_bytes_and_flops,
     shard_fraction,
+    state_shard_fraction,
 )
 from .sharding import op_tp_problem
 
@@ -108,8 +114,14 @@ class Parallelism:
 
     @property
     def wide_ep(self) -> bool:
-        """Experts whole on every GPU, reached by all-to-all (``ep = tp x dp > 1``)."""
-        return self.ep > 1 and self.ep == self.gpus
+        """Experts whole on every GPU, reached by all-to-all (``ep = tp x dp``, ``dp > 1``).
+
+        With ``dp = 1`` every GPU already holds every token (tensor-parallel attention): each
+        computes the tokens routed to its own experts and the TP all-reduce that follows the
+        experts combines them, as TensorRT-LLM's attention-TP + MoE-EP layout and vLLM's
+        expert parallelism without DP run it; no all-to-all.
+        """
+        return self.ep > 1 and self.ep == self.gpus and self.dp > 1
 
     @property
     def plain(self) -> bool:
@@ -204,11 +216,8 @@ def parallelism_problem(
         return f"ep {par.ep}: {model.name} has no routed experts (a dense model); use ep 1"
     if g % par.ep:
         return f"ep {par.ep} does not divide tp x dp = {g}"
-    if moe is not None and par.ep > 1:
-        if par.ep > moe.num_experts:
-            return f"ep {par.ep} is more than the {moe.num_experts} routed experts"
-        if moe.num_experts % par.ep:
-            return f"the {moe.num_experts} routed experts do not split evenly over ep {par.ep}"
+    if moe is not None and par.ep > moe.num_experts:
+        return f"ep {par.ep} is more than the {moe.num_experts} routed experts"
     seen: set[tuple[str, str | None]] = set()
     for op in model.operators if ops is None else ops:
         # an operator's split depends on its name and its layer's kind only
@@ -224,12 +233,12 @@ def parallelism_problem(
         if problem:
             return problem
     if hardware is not None:
-        if par.tp > hardware.gpus_per_node:
-            return (
-                f"tp {par.tp}: {hardware.id} has {hardware.gpus_per_node} GPUs per node and a TP "
-                "group stays within one node"
-            )
         domain = hardware.scale_up_gpus
+        if par.tp > domain:
+            return (
+                f"tp {par.tp}: {hardware.id} has {domain} GPUs per NVLink domain and a TP group "
+                "stays within one"
+            )
         if g > domain and g % domain:
             return (
                 f"a group of tp x dp = {g} {hardware.id} GPUs spans part of an NVLink domain of "
@@ -362,16 +371,40 @@ def weight_bytes_per_gpu(ops: Sequence[OperatorSpec], par: Parallelism) -> float
             if op.tied_to in seen:
                 continue
             seen.add(op.tied_to)
-        degree = par.gpus if is_group_op(op) else par.tp
-        total += op.weight_bytes * shard_fraction(op, degree)
+        total += op.weight_bytes * weight_share(op, par)
     return total
+
+
+def weight_share(op: OperatorSpec, par: Parallelism) -> float:
+    """Share of ``op``'s weights one GPU holds: non-expert operators over ``tp``, dense FFN
+    layers over the group, routed experts ``ceil(E / ep)`` expert slots per expert set, each
+    split over its ``expert_tp`` GPUs. Where ``ep`` does not divide the ``E`` experts the spare
+    slots hold redundant copies of the busiest experts, as EPLB places them (DeepSeek-V3
+    decoding: 256 experts + 32 redundant over EP 288 / 72; SGLang's
+    ``--ep-num-redundant-experts``); with ``ep`` dividing ``E`` this is ``1 / (tp x dp)``.
+
+    >>> from opweave.costmodel import load_model
+    >>> moe = load_model("qwen3-30b-a3b")  # 128 experts
+    >>> experts = next(o for o in moe.operators if o.moe is not None)
+    >>> weight_share(experts, Parallelism(tp=1, ep=8, dp=8)), weight_share(
+    ...     experts, Parallelism(tp=1, ep=48, dp=48))  # 3 slots of 128 on each of 48 GPUs
+    (0.125, 0.0234375)
+    """
+    if not is_group_op(op):
+        return shard_fraction(op, par.tp)
+    if op.moe is None or par.ep == 1:
+        return shard_fraction(op, par.gpus)
+    experts = op.moe.num_experts
+    return math.ceil(experts / par.ep) / experts * shard_fraction(op, par.expert_tp)
 
 
 def request_bytes_per_gpu(ops: Sequence[OperatorSpec], par: Parallelism, context: float) -> float:
     """State (KV cache, recurrent state) and activations one request adds on the GPUs of the
     DP rank that holds it."""
     state = sum(
-        float(op.state_bytes(context)) * shard_fraction(op, par.tp) for op in ops if op.holds_state
+        float(op.state_bytes(context)) * state_shard_fraction(op, par.tp)
+        for op in ops
+        if op.holds_state
     )
     return state + activation_bytes_per_rank(list(ops), 1.0)
 

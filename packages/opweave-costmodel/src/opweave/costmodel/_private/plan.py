@@ -115,6 +115,7 @@ class PlanModel(FileSchema):
     family: str
     num_layers: int
     period_layers: int
+    prefix_layers: int = Field(default=0, description="Irregular layers before the first block.")
     config_sha256: str
     quant: str = Field(
         default="bf16",
@@ -221,46 +222,102 @@ def check_template(model: ModelSpec, template: StageTemplate) -> None:
 
     Stages are contiguous; each holds at least one non-small operator (small ops attach to a
     neighbour); attention state never leaves its ``core_attn`` (an operator is indivisible).
+    The same holds for the stages it makes in a prefix of irregular layers.
     """
-    n = len(model.block.op_names)
+    block = model.block
+    n = len(block.op_names)
     if template.cuts[-1] >= n:
         raise ConfigError(f"template cut {template.cuts[-1]} is past the block's {n} operators")
-    layer0 = model.layers[: model.block.period_layers]
+    first = block.prefix_layers
+    layer0 = model.layers[first : first + block.period_layers]
     classes = [op.op_class for layer in layer0 for op in layer.ops]
     cuts = template.cuts
     for j, start in enumerate(cuts):
         end = cuts[j + 1] if j + 1 < len(cuts) else cuts[0] + n
         members = [classes[i % n] for i in range(start, end)]
         if all(c is OpClass.SMALL for c in members):
-            names = [model.block.op_names[i % n] for i in range(start, end)]
+            names = [block.op_names[i % n] for i in range(start, end)]
             raise ConfigError(
                 f"template stage {j} holds only small operators {names}; "
                 "attach them to a neighbouring stage"
+            )
+    if block.prefix_layers:
+        _check_prefix_stages(model, template)
+
+
+def _block_index(model: ModelSpec) -> list[list[int | None]]:
+    """For each layer's operators, its index in the block sequence: a block layer's own; a
+    prefix layer's operator that of the same name in the block layer it aligns with (None when
+    that layer has none, e.g. a dense FFN against an MoE block: it never starts a stage)."""
+    block = model.block
+    starts = {off: block.op_layers.index(off) for off in range(block.period_layers)}
+    by_name = [
+        {
+            name: i
+            for i, (name, o) in enumerate(zip(block.op_names, block.op_layers, strict=True))
+            if o == off
+        }
+        for off in range(block.period_layers)
+    ]
+    out: list[list[int | None]] = []
+    for layer in model.layers:
+        _, off = block.block_layer(layer.index)
+        if layer.index >= block.prefix_layers:
+            out.append([starts[off] + j for j in range(len(layer.ops))])
+        else:
+            out.append([by_name[off].get(op.name) for op in layer.ops])
+    return out
+
+
+def _tagged(model: ModelSpec, template: StageTemplate) -> list[tuple[int, int, OperatorSpec]]:
+    """Every layer operator with its stage position and template stage.
+
+    Stage ``j`` of block ``i`` has position ``i * k + j`` (``k`` stages per template; shifted
+    by one when the first stage wraps in from a previous block), renumbered so that the model's
+    first operator is at position 0.
+    """
+    stage_of = {c: j for j, c in enumerate(template.cuts)}
+    k = template.num_stages
+    shift = 0 if template.cuts[0] == 0 else 1
+    block = model.block
+    # ops before the first cut belong to the wrapped last stage of the previous block
+    stage, blk = k - 1, block.block_layer(0)[0] - 1
+    tagged: list[tuple[int, int, OperatorSpec]] = []
+    for layer, index in zip(model.layers, _block_index(model), strict=True):
+        for op, i in zip(layer.ops, index, strict=True):
+            if i is not None and i in stage_of:
+                stage, blk = stage_of[i], block.block_layer(layer.index)[0]
+            tagged.append((blk * k + stage + shift, stage, op))
+    origin = tagged[0][0]
+    return [(position - origin, stage, op) for position, stage, op in tagged]
+
+
+def _check_prefix_stages(model: ModelSpec, template: StageTemplate) -> None:
+    prefix_ops = {id(op) for layer in model.layers[: model.block.prefix_layers] for op in layer.ops}
+    instances: dict[int, list[tuple[int, OperatorSpec]]] = {}
+    for position, stage, op in _tagged(model, template):
+        instances.setdefault(position, []).append((stage, op))
+    # the model's first stage may be a partial one (it starts mid-template), as without a prefix
+    for members in list(instances.values())[1:]:
+        if not any(id(op) in prefix_ops for _, op in members):
+            continue
+        if all(op.op_class is OpClass.SMALL for _, op in members):
+            raise ConfigError(
+                f"template stage {members[0][0]} holds only small operators "
+                f"{[op.key for _, op in members]} in the model's first "
+                f"{model.block.prefix_layers} layers; attach them to a neighbouring stage"
             )
 
 
 def segments(model: ModelSpec, template: StageTemplate, num_owners: int) -> list[Segment]:
     """Tile ``template`` over the model: the ordered stage instances and their owners.
 
-    Stage ``j`` of block ``i`` has position ``i * k + j`` (``k`` stages per template; shifted
-    by one when the first stage wraps in from a previous block) and runs on owner
-    ``position % num_owners``. Consecutive instances on the same owner merge into one segment.
+    Stage instances are numbered along the model (:func:`_tagged`) and instance ``p`` runs on
+    owner ``p % num_owners``. Consecutive instances on the same owner merge into one segment.
     ``embed`` joins the first segment and ``final_norm``/``lm_head``/``sample`` the last.
     """
     check_template(model, template)
-    stage_of = {c: j for j, c in enumerate(template.cuts)}
-    k = template.num_stages
-    shift = 0 if template.cuts[0] == 0 else 1
-    period = model.block.period_layers
-    # Each op of the block sequence, tagged with its stage position.
-    tagged: list[tuple[int, int, OperatorSpec]] = []
-    stage, block = k - 1, -1  # ops before the first cut belong to the wrapped last stage
-    for layer in model.layers:
-        base = model.block.op_layers.index(layer.index % period)
-        for j, op in enumerate(layer.ops):
-            if base + j in stage_of:
-                stage, block = stage_of[base + j], layer.index // period
-            tagged.append((block * k + stage + shift, stage, op))
+    tagged = _tagged(model, template)
     out: list[Segment] = []
     ops: list[OperatorSpec] = list(model.pre_ops)
     first_stage = tagged[0][1]
@@ -340,6 +397,7 @@ def plan_model(model: ModelSpec) -> PlanModel:
         family=model.family,
         num_layers=model.num_layers,
         period_layers=model.block.period_layers,
+        prefix_layers=model.block.prefix_layers,
         config_sha256=model.config_sha256,
         quant=model.precision.quant,
         kv_cache_dtype=model.precision.kv_cache_dtype,

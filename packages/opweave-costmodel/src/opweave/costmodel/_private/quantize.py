@@ -96,8 +96,11 @@ def _quantized_weights(
     return out
 
 
-# Row-parallel linears (their input dimension is sharded under TP); the rest are column-parallel.
+# Row-parallel linears (their input dimension is sharded under TP); the rest are column-parallel
+# but for MLA's down-projections, which every rank holds whole (ReplicatedLinear in vLLM's
+# deepseek_v2.py; mla.py), so no shard of them has to hold whole scale blocks.
 ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "w2"})
+REPLICATED = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
 
 
 def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | None:
@@ -118,6 +121,8 @@ def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | N
         if scheme is None or scheme.scale_rows is None or scheme.scale_cols is None:
             continue
         name = linear.module.rsplit(".", 1)[-1]
+        if name in REPLICATED:
+            continue
         row = name in ROW_PARALLEL
         size = linear.in_features if row else linear.out_features
         block = scheme.scale_cols if row else scheme.scale_rows

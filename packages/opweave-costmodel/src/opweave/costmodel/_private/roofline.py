@@ -37,20 +37,35 @@ NETWORK_EFFICIENCY = 0.95
 
 
 def shard_fraction(op: OperatorSpec, tp: int) -> float:
-    """Share of an operator's weights, state and FLOPs one of ``tp`` ranks holds."""
+    """Share of an operator's weights, FLOPs and activations one of ``tp`` ranks holds
+    (its replicated share whole, the rest split)."""
     if tp == 1 or not op.tp_sharded:
         return 1.0
-    if op.shard_units:
-        return math.ceil(op.shard_units / tp) / op.shard_units
-    return 1.0 / tp
+    split = math.ceil(op.shard_units / tp) / op.shard_units if op.shard_units else 1.0 / tp
+    replicated = op.tp_replicated_fraction
+    return replicated + (1.0 - replicated) * split
+
+
+def state_shard_fraction(op: OperatorSpec, tp: int) -> float:
+    """Share of an operator's per-request state one of ``tp`` ranks holds and reads."""
+    return 1.0 if op.state_tp_replicated else shard_fraction(op, tp)
+
+
+def bytes_moved_per_rank(op: OperatorSpec, tp: int, batch: float, context: float) -> float:
+    """Bytes one of ``tp`` ranks moves for one execution (weights, activations and state)."""
+    moved = float(op.bytes_moved(batch, context)) * shard_fraction(op, tp)
+    if op.state_tp_replicated and tp > 1:
+        state = batch * float(op.state_bytes_read(context))
+        moved += state * (state_shard_fraction(op, tp) - shard_fraction(op, tp))
+    return moved
 
 
 def op_bytes_and_flops(
     op: OperatorSpec, tp: int, batch: float, context: float
 ) -> tuple[float, float]:
     """Bytes moved and FLOPs of one rank for one execution."""
-    frac = shard_fraction(op, tp)
-    return float(op.bytes_moved(batch, context)) * frac, float(op.flops(batch, context)) * frac
+    flops = float(op.flops(batch, context)) * shard_fraction(op, tp)
+    return bytes_moved_per_rank(op, tp, batch, context), flops
 
 
 @dataclass(frozen=True)
@@ -175,7 +190,7 @@ def state_bytes_per_rank(
     """KV / recurrent state one rank holds for ``batch`` requests at context ``context``."""
     return float(
         sum(
-            batch * float(op.state_bytes(context)) * shard_fraction(op, tp)
+            batch * float(op.state_bytes(context)) * state_shard_fraction(op, tp)
             for op in ops
             if op.holds_state
         )

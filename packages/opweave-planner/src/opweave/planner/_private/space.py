@@ -103,7 +103,8 @@ class Candidate:
 
 
 def _layer_kinds(model: ModelSpec) -> list[str]:
-    return [model.layers[i].attention.value for i in range(model.block.period_layers)]
+    first = model.block.prefix_layers  # the block's layers (a prefix is cut as they are)
+    return [model.layers[first + i].attention.value for i in range(model.block.period_layers)]
 
 
 def pattern_template(

@@ -22,12 +22,14 @@ from opweave.costmodel import (
     Parallelism,
     Segment,
     StageTemplate,
+    bytes_moved_per_rank,
     dp_batch,
     is_group_op,
     max_resident_batch,
     parallel_op_latency_s,
     segments,
-    shard_fraction,
+    state_shard_fraction,
+    weight_share,
 )
 
 from .devices import Device
@@ -117,27 +119,23 @@ class OpTables:
         if cached is None:
             cached = np.array(
                 [
-                    [
-                        float(op.bytes_moved(float(b), float(self.context)))
-                        * shard_fraction(op, tp)
-                        for b in batches
-                    ]
+                    [bytes_moved_per_rank(op, tp, float(b), float(self.context)) for b in batches]
                     for op, _ in self.reps
                 ]
             ).reshape(len(self.reps), len(batches))
             self._bytes[key] = cached
         return cached
 
-    def _class_terms(self, tp: int, gpus: int) -> tuple[np.ndarray, np.ndarray]:
+    def _class_terms(self, par: Parallelism) -> tuple[np.ndarray, np.ndarray]:
         """Per distinct operator: weight bytes per GPU, state bytes per request per GPU."""
-        key = ("terms", tp, gpus)
+        key = ("terms", par)
         if key not in self._mem:
             ctx = float(self.context)
             self._mem[key] = np.array(
                 [
                     [
-                        op.weight_bytes * shard_fraction(op, gpus if is_group_op(op) else tp),
-                        float(op.state_bytes(ctx)) * shard_fraction(op, tp),
+                        op.weight_bytes * weight_share(op, par),
+                        float(op.state_bytes(ctx)) * state_shard_fraction(op, par.tp),
                     ]
                     for op, _ in self.reps
                 ]
@@ -157,7 +155,7 @@ class OpTables:
         """:meth:`max_resident_batch` of each of ``pars``, at once."""
         if not pars:
             return np.zeros(0, dtype=np.int64)
-        terms = [self._class_terms(p.tp, p.gpus) for p in pars]
+        terms = [self._class_terms(p) for p in pars]
         weights = np.stack([w for w, _ in terms], axis=1)  # K x P
         state = np.stack([s for _, s in terms], axis=1)
         held = counts > 0

@@ -94,7 +94,7 @@ class Router(Operator):
         weights, ids = torch.topk(probs, moe.top_k, dim=-1)
         if moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        if self.arch.family != "mixtral":
+        if not moe.routing_weights_fp32:
             weights = weights.to(logits.dtype)
         return batch.replace(topk_weights=weights, topk_ids=ids)
 
