@@ -356,7 +356,7 @@ def test_a_hardware_file_cannot_take_another_gpus_alias_or_an_unlistable_id(
     assert "may hold only letters, digits" in _error(["gpus", "--hardware", str(odd)])
     small = tmp_path / "small.toml"
     small.write_text('[[gpus]]\nid = "h100"\ngpus_per_node = 2\n')
-    assert "h100-sxm has 2 GPUs per node" in _error(
+    assert "h100-sxm has 2 GPUs per NVLink domain" in _error(
         ["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "4", "--hardware", str(small)]
     )
     version = tmp_path / "version.toml"
