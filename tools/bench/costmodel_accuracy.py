@@ -55,6 +55,15 @@ be negative. Same goal per group: median <= 6%, max <= 20%.
     python tools/bench/costmodel_accuracy.py --fixed-costs off
     python tools/bench/costmodel_accuracy.py --host overlapped
     python tools/bench/costmodel_accuracy.py --profile h100-profile.json --model qwen3-32b
+
+``--profiles aiconfigurator`` (needs the profiler's ``aiconfigurator`` extra) compares the
+reference rows three ways: the roofline as above, a profile imported from NVIDIA's silicon
+database for the row's GPU, engine (vllm, sglang or trtllm by the row's engine name), model,
+precision, TP, batch and context (its ``sample`` operator carries the row's host profile, as
+the roofline's does), and their difference. Rows on GPUs the database has no system for are
+left out and counted.
+
+    python tools/bench/costmodel_accuracy.py --profiles aiconfigurator
 """
 
 from __future__ import annotations
@@ -564,6 +573,92 @@ def run_profile(path: Path, model_name: str | None, gpu: str | None) -> None:
         )
 
 
+def _engine(name: str) -> str:
+    low = name.lower()
+    return (
+        "sglang" if "sglang" in low else "trtllm" if "tensorrt" in low or "trt" in low else "vllm"
+    )
+
+
+def run_imported() -> None:
+    """The reference rows: roofline vs a profile imported from the silicon database."""
+    from opweave.costmodel import ProfiledLatency
+    from opweave.profiler import import_profile, open_database
+    from opweave.profiler._private.aic_db import SYSTEMS
+
+    configs, rows = load_reference()
+    catalog = default_catalog()
+    db = open_database()
+    inside = [r for r in rows if r.in_scope]
+    covered = [r for r in inside if catalog.resolve(r.gpu) in SYSTEMS]
+    roof = {id(r.row): r for r in evaluate(covered, configs, catalog.get)}
+    results: list[tuple[Result, Result]] = []
+    for row in covered:
+        model = model_for(row, configs)
+        hw = catalog.get(row.gpu)
+        hw = host_profile(row.host).apply(hw) if row.host else hw
+        run = import_profile(
+            model,
+            hw.id,
+            engine=_engine(row.engine),
+            tp=[row.tp],
+            batches=(row.batch,),
+            contexts=(row.context,),
+            database=db,
+            hardware=hw,
+        )
+        est = estimate_step(
+            model,
+            hw,
+            tp=row.tp,
+            batch=row.batch,
+            context=row.context,
+            latency=ProfiledLatency(run.profile),
+        )
+        pre = prefill_s(model, hw, row.tp, row.prefill_tokens) / row.decode_tokens
+        base = roof[id(row)]
+        results.append(
+            (base, Result(row, base.moe, (est.step_latency_s + pre) * 1e3, pre * 1e3, row.host))
+        )
+    print(
+        f"Published decode steps: roofline vs a profile imported from the silicon database "
+        f"({db.origin}); {len(covered)} of {len(inside)} in-scope rows are on GPUs it covers"
+    )
+    head = (
+        f"{'model':<15}{'gpu':<15}{'tp':>3}{'batch':>6}{'context':>8}{'meas ms':>9}"
+        f"{'roof ms':>9}{'err':>8}{'imp ms':>9}{'err':>8}{'imp-roof':>9}  engine"
+    )
+    print(head)
+    print("-" * len(head))
+    for base, imp in results:
+        row = base.row
+        diff = (imp.estimate_ms - base.estimate_ms) / base.estimate_ms
+        print(
+            f"{row.model:<15}{row.gpu:<15}{row.tp:>3}{row.batch:>6}{row.context:>8}"
+            f"{row.measured_ms:>9.2f}{base.estimate_ms:>9.2f}{100 * base.error:>+7.1f}%"
+            f"{imp.estimate_ms:>9.2f}{100 * imp.error:>+7.1f}%{100 * diff:>+8.1f}%  {row.engine}"
+        )
+    groups: list[tuple[str, Callable[[Result], bool]]] = [
+        ("all covered", lambda r: True),
+        ("batch 1", lambda r: r.row.batch == 1),
+        ("batch > 1", lambda r: r.row.batch > 1),
+        ("MoE", lambda r: r.moe),
+        ("dense", lambda r: not r.moe),
+        ("TP > 1", lambda r: r.row.tp > 1),
+        ("TP 1", lambda r: r.row.tp == 1),
+    ]
+    for gpu in sorted({b.row.gpu for b, _ in results}):
+        groups.append((f"GPU {gpu}", lambda r, g=gpu: r.row.gpu == g))
+    for engine in sorted({b.row.engine for b, _ in results}):
+        groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
+    print("\nErrors, signed = (estimate - measured) / measured")
+    for name, keep in groups:
+        base = [b for b, _ in results if keep(b)]
+        imp = [i for _, i in results if keep(i)]
+        print(f"{name:<22}roofline {summary(base)}")
+        print(f"{'':<22}imported {summary(imp)}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--fixed-costs", choices=("on", "off"), default="on")
@@ -580,12 +675,19 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="which published measurements to compare with (default: both)",
     )
     parser.add_argument("--profile", type=Path, help="compare this measured profile instead")
+    parser.add_argument(
+        "--profiles",
+        choices=("aiconfigurator",),
+        help="also compare the reference rows with profiles imported from this source",
+    )
     parser.add_argument("--model", help="model the profile was measured on (default: its name)")
     parser.add_argument("--gpu", help="catalog GPU to model the profile with (default: its device)")
     args = parser.parse_args(argv)
     try:
         if args.profile is not None:
             run_profile(args.profile, args.model, args.gpu)
+        elif args.profiles == "aiconfigurator":
+            run_imported()
         else:
             if args.set in ("reference", "all"):
                 run_reference(args.fixed_costs == "on", args.host)

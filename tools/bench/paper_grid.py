@@ -19,6 +19,10 @@ reach 3-7 ms at batch 1 on these models, so neither SLO is infeasible outright; 
 far batching may go, and at 20 ms the per-stage transfer latency and bubbles of 100+-stage
 fine-grained plans take a real share of the budget.
 
+``--profiles aiconfigurator`` (the profiler's ``aiconfigurator`` extra) plans every setting again
+on profiles imported from NVIDIA's silicon database for each GPU of the cluster and prints the
+best plan's cost and gain beside the roofline's.
+
 Targets on 2 cores: one setting planned in <= 10 s, the whole grid in <= 10 minutes, peak
 memory < 2 GB.
 
@@ -75,13 +79,37 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+_IMPORTED: dict[tuple[str, str], Any] = {}
+
+
+def imported(model_name: str, gpu: str) -> Any:
+    """A profile of ``model_name`` on ``gpu`` from NVIDIA's silicon database (memoised)."""
+    from opweave.profiler import import_profile
+
+    key = (model_name, gpu)
+    if key not in _IMPORTED:
+        _IMPORTED[key] = import_profile(load_model(model_name), gpu).profile
+    return _IMPORTED[key]
+
+
 def run_setting(
-    model_name: str, ctx: str, slo: str, cluster: str, catalog: HardwareCatalog
+    model_name: str,
+    ctx: str,
+    slo: str,
+    cluster: str,
+    catalog: HardwareCatalog,
+    profiles: str | None = None,
 ) -> dict[str, Any]:
     model = load_model(model_name)
+    given = [imported(model_name, g) for g in CLUSTERS[cluster]] if profiles else []
     start, cpu = time.perf_counter(), time.process_time()
     result = plan(
-        model, CLUSTERS[cluster], context=CONTEXTS[ctx], tpot_slo_s=SLOS[slo], catalog=catalog
+        model,
+        CLUSTERS[cluster],
+        context=CONTEXTS[ctx],
+        tpot_slo_s=SLOS[slo],
+        catalog=catalog,
+        profiles=given,
     )
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
     doc = result.to_json()
@@ -115,10 +143,19 @@ def run_setting(
         tpot_slo_s=SLOS[slo],
         inventory=fleet,
         catalog=catalog,
+        profiles=given,
     )
     row["inventory_wall_s"] = time.perf_counter() - start
     row["inventory"] = bounded.to_json()["best"]
     return row
+
+
+def _best_and_gain(row: dict[str, Any]) -> str:
+    best = row["best"]
+    if not best:
+        return "infeasible"
+    gain = f"{row['gain']:.2f}x" if row["gain"] else "-"
+    return f"${best['usd_per_million_tokens']:.3f} gain {gain}"
 
 
 def fmt_usd(entry: dict[str, Any] | None) -> str:
@@ -268,6 +305,12 @@ def main() -> None:
         default="on",
         help="off: plan on the plain roofline (the cost model's fixed costs zeroed)",
     )
+    parser.add_argument(
+        "--profiles",
+        choices=("aiconfigurator",),
+        help="also plan every setting on profiles imported from NVIDIA's silicon database "
+        "(the profiler's aiconfigurator extra) and print their gains beside the roofline's",
+    )
     args = parser.parse_args()
     catalog = default_catalog()
     if args.fixed_costs == "off":
@@ -290,6 +333,23 @@ def main() -> None:
     grid_s = time.perf_counter() - start
     print_grid(rows)
     print_means(rows)
+    if args.profiles:
+        side = [run_setting(*setting, catalog, args.profiles) for setting in settings]
+        print("\nImported profiles (aiconfigurator) beside the roofline, same settings:")
+        print(f"{'model':<20}{'ctx':>5} {'slo':<8}{'cluster':<11}{'roofline':>22}{'imported':>22}")
+        for r, i in zip(rows, side, strict=True):
+            print(
+                f"{r['model']:<20}{r['context']:>5} {r['slo']:<8}{r['cluster']:<11}"
+                f"{_best_and_gain(r):>22}{_best_and_gain(i):>22}"
+            )
+        gains = [(r["gain"], i["gain"]) for r, i in zip(rows, side, strict=True)]
+        both = [(a, b) for a, b in gains if a and b]
+        if both:
+            print(
+                f"mean gain over the best baseline: roofline "
+                f"{statistics.mean(a for a, _ in both):.2f}x, imported "
+                f"{statistics.mean(b for _, b in both):.2f}x ({len(both)} settings)"
+            )
     walls = [r["wall_s"] for r in rows]
     cpus = [r["cpu_s"] for r in rows]
     inv = [r["inventory_wall_s"] for r in rows]

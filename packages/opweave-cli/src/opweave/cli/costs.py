@@ -98,6 +98,14 @@ def estimate(
             "output states.",
         ),
     ] = None,
+    profile_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--profile",
+            help="A profile of this model on --gpu (measured, or imported with opweave profile "
+            "--from aiconfigurator): its operator latencies replace the roofline's.",
+        ),
+    ] = None,
 ) -> None:
     """Colocated decode step: where its latency goes, memory per GPU and whether it fits."""
     from opweave.costmodel import TP_DEGREES, estimate_step, host_profile
@@ -120,6 +128,10 @@ def estimate(
     profile = None if host is None else host_profile(host)
     _check_tp(spec, hw, tp)
     _check_parallelism(spec, hw, tp, ep, dp, expert_imbalance)
+    latency = None
+    if profile_path is not None:
+        latency = _profiled(profile_path, spec, hw, tp, host)
+        hw = latency.hardware
     est = estimate_step(
         spec,
         hw,
@@ -129,10 +141,15 @@ def estimate(
         batch=batch,
         context=tokens,
         host=profile,
+        latency=latency,
         expert_skew=expert_imbalance,
     )
     if json_out:
-        emit_json(est.model_dump())
+        doc = est.model_dump()
+        if latency is not None:
+            prov = latency.profile.provenance
+            doc["profile"] = {"source": prov.source, "date": prov.date, "note": prov.note}
+        emit_json(doc)
         return
     fits = "yes" if est.fits else "NO (exceeds usable memory)"
     layout = ""
@@ -168,6 +185,37 @@ def estimate(
             else f"; cost: ${est.usd_per_million_tokens:.3f} per million tokens"
         )
     )
+
+
+def _profiled(path: Path, spec: Any, hw: Any, tp: int, host: str | None) -> Any:
+    """The ``--profile`` file as a latency model of ``hw`` for ``spec`` at ``tp``."""
+    from opweave.costmodel import ConfigError, ProfiledLatency, default_catalog
+    from opweave.costmodel.errors import UnknownGPUError
+
+    from .planning import load_profiles
+
+    if host is not None:
+        raise typer.BadParameter("--host applies to the roofline, not to a --profile")
+    (prof,) = load_profiles([path])
+    try:
+        device = default_catalog().resolve(prof.device.id)
+    except UnknownGPUError:
+        device = prof.device.id
+    if device != hw.id:
+        raise ConfigError(f"profile {path} is of {prof.device.id}, not --gpu {hw.id}")
+    if prof.config_sha256 != spec.config_sha256:
+        raise ConfigError(
+            f"profile {path} was made for model {prof.model!r}, not {spec.name!r}; profile this "
+            "model with opweave profile --model"
+        )
+    if not any(t.tp == tp for t in prof.ops):
+        have = sorted({t.tp for t in prof.ops})
+        raise ConfigError(f"profile {path} has no tables at --tp {tp}; it has tp {have}")
+    if hw.usd_per_hour is not None and prof.device.usd_per_hour is None:
+        prof = prof.model_copy(
+            update={"device": prof.device.model_copy(update={"usd_per_hour": hw.usd_per_hour})}
+        )
+    return ProfiledLatency(prof)
 
 
 def analyze(

@@ -15,10 +15,15 @@ import typer
 from ._common import (
     MAX_BATCH,
     MAX_COUNT,
+    HardwareOpt,
     JsonOpt,
+    KvCacheOpt,
+    QuantOpt,
+    catalog,
     check_context,
     emit_json,
     finite,
+    load_spec,
     output_file,
     parse_list,
     positive_price,
@@ -99,8 +104,49 @@ def profile(
     output: Annotated[
         Path, typer.Option("-o", "--output", help="Write the profile (Profile schema JSON) here.")
     ],
-    device: Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")] = "cpu",
-    tp: Annotated[str, typer.Option("--tp", help="TP degrees to measure, e.g. 1.")] = "1",
+    device: Annotated[
+        str,
+        typer.Option(
+            "--device", help="cpu, cuda or cuda:N; with --from aiconfigurator a GPU id (h100)."
+        ),
+    ] = "cpu",
+    source: Annotated[
+        str | None,
+        typer.Option(
+            "--from",
+            help="aiconfigurator: import the operator latencies from NVIDIA's silicon database "
+            "(aiconfigurator-core, the profiler's aiconfigurator extra) instead of measuring.",
+        ),
+    ] = None,
+    engine: Annotated[
+        str, typer.Option("--engine", help="--from aiconfigurator: vllm, sglang or trtllm.")
+    ] = "vllm",
+    engine_version: Annotated[
+        str | None,
+        typer.Option(
+            "--engine-version",
+            help="--from aiconfigurator: the engine version measured (default: the newest "
+            "the database has per kernel table).",
+        ),
+    ] = None,
+    database: Annotated[
+        Path | None,
+        typer.Option(
+            "--database",
+            help="--from aiconfigurator: a database folder in aiconfigurator-core's layout "
+            "(default: the installed package's).",
+        ),
+    ] = None,
+    quant: QuantOpt = None,
+    kv_cache_dtype: KvCacheOpt = "auto",
+    tp: Annotated[
+        str | None,
+        typer.Option(
+            "--tp",
+            help="TP degrees, e.g. 1 (default: 1 when measuring; every degree of a node that "
+            "the model shards over when importing).",
+        ),
+    ] = None,
     batches: Annotated[
         str | None,
         typer.Option("--batches", help="Batch sizes, e.g. 1,4,16 (default: log-spaced grid)."),
@@ -205,6 +251,7 @@ def profile(
             help="CPU: skip timing reads of a buffer after idle gaps (a few s).",
         ),
     ] = False,
+    hardware: HardwareOpt = None,
     seed: Annotated[
         int,
         typer.Option("--seed", min=0, max=2**32 - 1, help="Seed of random weights and inputs."),
@@ -216,6 +263,30 @@ def profile(
     over batch and context grids, and point-to-point transfers, into a profile file."""
     from opweave.costmodel import TP_DEGREES, load_model
 
+    if source is not None:
+        if source != "aiconfigurator":
+            raise typer.BadParameter(f"--from takes aiconfigurator, got {source!r}")
+        _import(
+            model,
+            device,
+            engine,
+            engine_version,
+            database,
+            quant,
+            kv_cache_dtype,
+            tp,
+            batches,
+            contexts,
+            output,
+            hardware,
+            json_out,
+        )
+        return
+    if quant is not None or kv_cache_dtype != "auto":
+        raise typer.BadParameter(
+            "--quant and --kv-cache-dtype apply to --from aiconfigurator; a measured profile "
+            "times the checkpoint's own weights (--dtype sets the compute dtype)"
+        )
     dev = _device(device)
     if kernels not in KERNELS:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
@@ -223,7 +294,7 @@ def profile(
         raise typer.BadParameter(
             f"--decode-step must be one of {', '.join(DECODE_STEPS)}, got {decode_step!r}"
         )
-    tps = parse_list(tp, int, "--tp")
+    tps = parse_list(tp or "1", int, "--tp")
     if any(t not in TP_DEGREES for t in tps):
         raise typer.BadParameter(f"--tp takes degrees among {', '.join(map(str, TP_DEGREES))}")
     grid_b = parse_list(batches, int, "--batches") if batches else None
@@ -302,3 +373,67 @@ def profile(
             f"{f['compute_efficiency']:.3f}, {f['kernel_overhead_s'] * 1e6:.1f} us per kernel; "
             f"median error x{f['median_error_factor']:.2f}, p90 x{f['p90_error_factor']:.2f}"
         )
+
+
+def _import(
+    model: str,
+    gpu: str,
+    engine: str,
+    engine_version: str | None,
+    database: Path | None,
+    quant: str | None,
+    kv_cache_dtype: str,
+    tp: str | None,
+    batches: str | None,
+    contexts: str | None,
+    output: Path,
+    hardware: Path | None,
+    json_out: bool,
+) -> None:
+    """``opweave profile --from aiconfigurator``: no torch, no device; the database's rows."""
+    from opweave.profiler import BATCHES_IMPORTED, import_profile, save_profile
+
+    output_file(output, "-o")
+    spec = load_spec(model, quant, kv_cache_dtype)
+    hw = catalog(hardware).get(gpu)
+    grid_b = parse_list(batches, int, "--batches") if batches else list(BATCHES_IMPORTED)
+    if min(grid_b) < 1 or max(grid_b) > MAX_BATCH:
+        raise typer.BadParameter(f"--batches takes batch sizes from 1 to {MAX_BATCH}")
+    grid_s = parse_list(contexts, int, "--contexts") if contexts else None
+    for s in grid_s or []:
+        check_context(spec, s, "--contexts:")
+    run = import_profile(
+        spec,
+        hw.id,
+        engine=engine,
+        engine_version=engine_version,
+        tp=parse_list(tp, int, "--tp") if tp else None,
+        batches=sorted(set(grid_b)),
+        contexts=sorted(set(grid_s)) if grid_s else None,
+        database=database,
+        hardware=hw,
+    )
+    path = save_profile(run.profile, output)
+    doc = {
+        "path": str(path),
+        "model": run.profile.model,
+        "device": {"id": hw.id, "name": hw.name},
+        "source": "aiconfigurator",
+        "database": run.database,
+        "system": run.system,
+        "engine": run.engine,
+        "table_versions": run.versions,
+        "tables": len(run.profile.ops),
+        "cells": dict(run.cells),
+        "operators": [{"op": t.op, "tp": t.tp, "source": t.source} for t in run.profile.ops],
+        "collectives": [
+            {"kind": c.kind, "gpus": c.gpus, "source": c.source} for c in run.profile.collectives
+        ],
+    }
+    if json_out:
+        emit_json(doc)
+        return
+    typer.echo(f"wrote {path}: {run.describe()}")
+    for t in run.profile.ops:
+        if (t.source or "").startswith("roofline") and t.tp == min(x.tp for x in run.profile.ops):
+            typer.echo(f"  roofline: {t.op} -- {t.source}")

@@ -139,6 +139,7 @@ from ._private.precision import (
 )
 from ._private.profile import (
     PROFILE_SCHEMA_VERSION,
+    CollectiveTable,
     IdleSlowdown,
     LatencyModel,
     OpLatencyTable,
@@ -239,6 +240,7 @@ __all__ = [
     "PROFILE_SCHEMA_VERSION",
     "IdleSlowdown",
     "LatencyModel",
+    "CollectiveTable",
     "OpLatencyTable",
     "OrchestrationProfile",
     "ProfiledLatency",

@@ -58,8 +58,9 @@ class StepEstimate(Frozen):
         "per-expert cost) and step_overhead (the engine's host work per step: scheduling, "
         "sampling, host round trip; the host profile's when one is given). With a measured "
         "profile, kernel_launch and moe_experts are zero (its operator times contain them); the "
-        "collectives and step_overhead stay the model's, as the profile holds no collectives and "
-        "times the sampling kernel, not the step around it."
+        "collectives stay the model's unless the profile holds measured all-reduce tables (an "
+        "imported profile's, in communication), and step_overhead stays the model's, as a "
+        "measured profile times the sampling kernel, not the step around it."
     )
     memory_bytes_per_gpu: float = Field(
         description="Busiest GPU: weights, and the state and activations of its DP rank."
@@ -138,7 +139,7 @@ def estimate_step(
         | {term: 0.0 for term in FIXED_TERMS.values()}
     )
     layer_of = {op.key: layer for layer in model.layers for op in layer.ops}
-    # the collectives are the roofline's for a profile too (it holds none): floor and payload
+    # the collectives are the roofline's unless a profile measured them: floor and payload
     roof = RooflineLatency(lat.hardware)
     split = isinstance(lat, (RooflineLatency, ProfiledLatency))
     skew = 1.0 if expert_skew is None else expert_skew
@@ -154,7 +155,8 @@ def estimate_step(
         breakdown[op.op_class.value] += seconds - step
         breakdown["step_overhead"] += step
         if split:
-            floor, payload = roof.collective_terms_s(op, tp, batch)
+            source = lat if isinstance(lat, ProfiledLatency) else roof
+            floor, payload = source.collective_terms_s(op, tp, batch)
             breakdown["allreduce_latency"] += floor
             breakdown["communication"] += payload
         else:

@@ -40,6 +40,12 @@ class OpLatencyTable(FileSchema):
     spread_s: tuple[tuple[float, ...], ...] | None = Field(
         default=None, description="[batch][context] interquartile range of the repeats."
     )
+    source: str | None = Field(
+        default=None,
+        description="Where this table's latencies come from, when not what the profile's "
+        "provenance says of all of them (an imported profile: the database table, or the "
+        "roofline, and how many cells were measured, interpolated or extrapolated).",
+    )
 
     @model_validator(mode="after")
     def _shape(self) -> OpLatencyTable:
@@ -80,6 +86,38 @@ def _interp_log(xs: tuple[int, ...], log_ys: np.ndarray, x: float) -> float:
         slope = min(max(slope, 0.0), 1.0)  # never faster than flat, never superlinear
         return float(log_ys[0] + slope * (t - lx[0]))
     return float(log_ys[-1] + max(slope, 0.0) * (t - lx[-1]))
+
+
+CollectiveKind = Literal["allreduce"]
+
+
+class CollectiveTable(FileSchema):
+    """Latency of one tensor-parallel collective over ``gpus`` GPUs by message size.
+
+    An imported profile carries the database's measured all-reduce; a lookup interpolates
+    log-log between message sizes and extrapolates as :class:`OpLatencyTable` does.
+    """
+
+    kind: CollectiveKind
+    gpus: int = Field(ge=2, le=1024)
+    message_bytes: tuple[int, ...] = Field(min_length=1, description="Payload per GPU.")
+    latency_s: tuple[float, ...] = Field(min_length=1)
+    source: str = Field(default="", description="Where the latencies come from.")
+
+    @model_validator(mode="after")
+    def _shape(self) -> CollectiveTable:
+        sizes = list(self.message_bytes)
+        if sizes != sorted(set(sizes)) or sizes[0] < 1 or sizes[-1] > 1 << 50:
+            raise ValueError("message_bytes must be distinct, increasing, from 1 to 2^50")
+        if len(self.latency_s) != len(sizes):
+            raise ValueError("latency_s must give one latency per message size")
+        if any(not (v > 0 and np.isfinite(v)) for v in self.latency_s):
+            raise ValueError("latencies must be positive and finite")
+        return self
+
+    def __call__(self, num_bytes: float) -> float:
+        logs = np.log(np.asarray(self.latency_s, dtype=np.float64))
+        return float(np.exp(_interp_log(self.message_bytes, logs, num_bytes)))
 
 
 class TransferProfile(FileSchema):
@@ -159,7 +197,11 @@ class IdleSlowdown(FileSchema):
 
 
 class Provenance(FileSchema):
-    source: Literal["measured", "roofline"]
+    source: Literal["measured", "roofline", "aiconfigurator"] = Field(
+        description="measured: the profiler timed the runtime's operators; roofline: "
+        "synthesised; aiconfigurator: imported from NVIDIA's silicon database (each table's "
+        "`source` says which of its cells the database covers)."
+    )
     device_name: str
     date: str = Field(default_factory=lambda: date.today().isoformat())
     versions: dict[str, str] = Field(default_factory=dict)
@@ -183,6 +225,11 @@ class Profile(FileSchema):
     dtype: str
     ops: tuple[OpLatencyTable, ...]
     transfers: tuple[TransferProfile, ...] = ()
+    collectives: tuple[CollectiveTable, ...] = Field(
+        default=(),
+        description="Measured TP collectives (an imported profile's all-reduce); the cost "
+        "model's collective terms stand in for any not given.",
+    )
     orchestration: OrchestrationProfile | None = Field(
         default=None, description="The runtime loop's host time per stage and per microbatch."
     )
@@ -205,6 +252,9 @@ class Profile(FileSchema):
             if (t.op, t.tp) in seen:
                 raise ValueError(f"ops: two tables for {t.op} at tp={t.tp}")
             seen.add((t.op, t.tp))
+        groups = [(c.kind, c.gpus) for c in self.collectives]
+        if len(set(groups)) < len(groups):
+            raise ValueError("collectives: two tables for one kind and GPU count")
         links = [t.link for t in self.transfers]
         if len(set(links)) < len(links):
             raise ValueError("transfers: a link kind is given twice")
@@ -220,6 +270,9 @@ class Profile(FileSchema):
             f"it has {', '.join(have[:8])}{'...' if len(have) > 8 else ''}; "
             "re-profile with that --tp"
         )
+
+    def collective(self, kind: CollectiveKind, gpus: int) -> CollectiveTable | None:
+        return next((c for c in self.collectives if c.kind == kind and c.gpus == gpus), None)
 
     def transfer(self, link: LinkKind) -> TransferProfile | None:
         return next((t for t in self.transfers if t.link == link), None)

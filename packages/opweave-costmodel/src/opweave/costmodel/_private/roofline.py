@@ -162,7 +162,17 @@ class ProfiledLatency:
         return median * (1.0 + self.profile.stall_overhead) + self.step_s(op, batch)
 
     def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float:
-        return RooflineLatency(self.hardware).collective_s(op, tp, batch)
+        return sum(self.collective_terms_s(op, tp, batch))
+
+    def collective_terms_s(self, op: OperatorSpec, tp: int, batch: float) -> tuple[float, float]:
+        """(latency floor, payload) of ``op``'s TP collective: the profile's measured
+        all-reduce at the payload's size (all of it payload), else the roofline's terms."""
+        table = None
+        if tp > 1 and op.tp_collective == TPCollective.ALLREDUCE and batch > 0:
+            table = self.profile.collective("allreduce", tp)
+        if table is None:
+            return RooflineLatency(self.hardware).collective_terms_s(op, tp, batch)
+        return (0.0, table(batch * op.tp_collective_bytes_per_token))
 
     def transfer_s(self, link: LinkKind, num_bytes: float) -> float:
         measured = self.profile.transfer(link)

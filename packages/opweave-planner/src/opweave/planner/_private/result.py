@@ -263,6 +263,7 @@ class PlanResult:
             "GPU counts with no given number are unbounded (cost per token does not depend on "
             "the number of replica sets)",
             *self._precision(),
+            *self._imported(),
             *(self._expert_load() if self._uses_ep() else []),
             *(self._extrapolated(self.best) if self.best is not None else []),
         ]
@@ -281,6 +282,31 @@ class PlanResult:
             f"precision: {precision.describe()}"
             + (f"; quantised GEMMs on {', '.join(paths)}" if precision.quantized and paths else "")
         ]
+
+    def _imported(self) -> list[str]:
+        """Which GPU types' latencies come from an imported (not measured) profile."""
+        out = []
+        for d in self.devices:
+            if not isinstance(d.latency, ProfiledLatency):
+                continue
+            prof = d.latency.profile
+            if prof.provenance.source != "aiconfigurator":
+                continue
+            settings = prof.provenance.settings
+            roofline = sum((t.source or "").startswith("roofline") for t in prof.ops)
+            out.append(
+                f"{d.id} latencies: imported from NVIDIA's silicon database "
+                f"({settings.get('database', '?')}, {settings.get('system', '?')}, "
+                f"{settings.get('engine', '?')} {settings.get('engine_version', '?')}); "
+                f"{len(prof.ops) - roofline} of {len(prof.ops)} operator tables from its "
+                f"kernels, the rest roofline"
+                + (
+                    f"; all-reduce measured ({prof.collectives[0].source})"
+                    if prof.collectives
+                    else ""
+                )
+            )
+        return out
 
     def _uses_ep(self) -> bool:
         plans = [self.best, *self.baselines.values()]

@@ -1,0 +1,299 @@
+"""``opweave profile --from aiconfigurator``: profiles imported from NVIDIA's silicon database.
+
+Without the package, the tests write a small database in its layout (parquet tables under
+``<system>/<op>/<engine>/<version>/``) with latencies from a formula of their own, so every
+expected value below is computed here, independently of the importer. With the package
+installed, one test checks a real row.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from opweave.costmodel import ProfiledLatency, RooflineLatency, default_catalog, load_model
+from opweave.profiler import ProfilerError, import_profile
+from tests.helpers import run_cli
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+M_GRID = (1, 2, 4, 8)
+NK_GRID = (32, 64, 256, 384, 512, 1024, 2048)
+BATCHES = (1, 2, 4, 8)
+CONTEXTS = (512, 1024)
+
+
+def gemm_ms(m: int, n: int, k: int) -> float:
+    """The fixture's GEMM latency: a floor plus a weight read and a per-row term."""
+    return 0.004 + n * k * 2 / 2.5e9 + m * n * 1e-7
+
+
+def attention_ms(batch: int, context: int) -> float:
+    return 0.006 + batch * context * 2e-6
+
+
+def ar_ms(elements: int) -> float:
+    return 0.005 + elements * 1e-8
+
+
+def _write(folder: Path, name: str, columns: dict[str, list], schema_version: int = 1) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "collection_meta.yaml").write_text(f"schema_version: {schema_version}\n")
+    pq.write_table(pa.table(columns), folder / f"{name}.parquet")
+
+
+def write_database(root: Path, *, head_dim: int = 64, schema_version: int = 1) -> Path:
+    data = root / "data"
+    base = data / "h100_sxm"
+    shapes = [(m, n, k) for m in M_GRID for n in NK_GRID for k in NK_GRID]
+    _write(
+        base / "gemm" / "vllm" / "0.24.0",
+        "gemm_perf",
+        {
+            "gemm_dtype": ["bfloat16"] * len(shapes),
+            "m": [s[0] for s in shapes],
+            "n": [s[1] for s in shapes],
+            "k": [s[2] for s in shapes],
+            "latency": [gemm_ms(*s) for s in shapes],
+        },
+        schema_version,
+    )
+    # decode attention of the tiny model's layout at TP 1 (4 heads over 2 KV heads); step is
+    # the tokens after a 1-token prompt, as the database records them
+    cells = [(b, s) for b in BATCHES for s in (256, 512, 1024)]
+    n = len(cells)
+    _write(
+        base / "attention" / "vllm" / "0.24.0",
+        "generation_attention_perf",
+        {
+            "batch_size": [c[0] for c in cells],
+            "isl": [1] * n,
+            "step": [c[1] - 1 for c in cells],
+            "num_heads": [4] * n,
+            "num_key_value_heads": [2] * n,
+            "head_dim": [head_dim] * n,
+            "attn_dtype": ["bfloat16"] * n,
+            "kv_cache_dtype": ["bfloat16"] * n,
+            "window_size": [0] * n,
+            "latency": [attention_ms(*c) for c in cells],
+        },
+    )
+    sizes = [2**i for i in range(7, 16)]
+    _write(
+        base / "comm" / "vllm" / "0.24.0",
+        "custom_allreduce_perf",
+        {
+            "allreduce_dtype": ["bfloat16"] * len(sizes),
+            "num_gpus": [2] * len(sizes),
+            "message_size": sizes,
+            "backend": ["vllm_graph"] * len(sizes),
+            "latency": [ar_ms(e) for e in sizes],
+        },
+    )
+    return data
+
+
+@pytest.fixture
+def tiny(tmp_path: Path):
+    path = tmp_path / "tiny" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(CONFIG))
+    return load_model(str(path)), path
+
+
+def _table(profile, key: str, tp: int = 1):
+    return next(t for t in profile.ops if t.op == key and t.tp == tp)
+
+
+def test_gemm_at_a_measured_shape_is_the_database_row(tmp_path: Path, tiny) -> None:
+    model, _ = tiny
+    run = import_profile(model, "h100", database=write_database(tmp_path), batches=BATCHES, tp=[1])
+    down = _table(run.profile, "down_proj@full")  # hidden 256 <- intermediate 512
+    assert [row[0] for row in down.latency_s] == [gemm_ms(b, 256, 512) * 1e-3 for b in BATCHES]
+    assert down.source is not None and down.source.startswith("aiconfigurator gemm bfloat16")
+    assert "4 measured" in down.source
+    # q, k and v run as one GEMM: n = (4 + 2 + 2) x 64
+    qkv = _table(run.profile, "qkv_proj@full")
+    assert qkv.latency_s[1][0] == gemm_ms(2, 512, 256) * 1e-3
+    assert run.profile.provenance.source == "aiconfigurator"
+    assert run.profile.provenance.settings["system"] == "h100_sxm"
+
+
+def test_interpolation_lies_between_neighbours(tmp_path: Path, tiny) -> None:
+    model, _ = tiny
+    run = import_profile(
+        model, "h100", database=write_database(tmp_path), batches=(2, 3, 4), tp=[1]
+    )
+    down = _table(run.profile, "down_proj@full")
+    lo, mid, hi = (row[0] for row in down.latency_s)
+    assert lo == gemm_ms(2, 256, 512) * 1e-3 and hi == gemm_ms(4, 256, 512) * 1e-3
+    assert lo < mid < hi
+    # log-log between m = 2 and m = 4, computed here
+    t = (math.log(3) - math.log(2)) / (math.log(4) - math.log(2))
+    assert mid == pytest.approx(math.exp((1 - t) * math.log(lo) + t * math.log(hi)), rel=1e-12)
+    assert "interpolated" in (down.source or "")
+    attn = _table(run.profile, "core_attn@full")
+    assert attn.contexts == (1024, 2048, 4096)
+    assert attn.latency_s[0][0] == attention_ms(2, 1024) * 1e-3
+    # beyond the longest measured context: in proportion to the context (KV-read bound)
+    assert attn.latency_s[0][1] == pytest.approx(attention_ms(2, 1024) * 2e-3, rel=1e-12)
+
+
+def test_a_shape_outside_the_data_falls_back_to_the_roofline(tmp_path: Path, tiny) -> None:
+    model, _ = tiny
+    run = import_profile(
+        model, "h100", database=write_database(tmp_path, head_dim=128), batches=BATCHES, tp=[1]
+    )
+    attn = _table(run.profile, "core_attn@full")
+    assert attn.source is not None and attn.source.startswith("roofline")
+    assert "no decode attention for 4 heads / 2 KV heads of 64" in attn.source
+    roof = RooflineLatency(default_catalog().get("h100"))
+    layer = model.layers[0]
+    op = next(o for o in layer.ops if o.name == "core_attn")
+    assert attn.latency_s[2][1] == roof.op_latency_s(model, op, layer, 1, 4, attn.contexts[1])
+    norm = _table(run.profile, "attn_norm@full")
+    assert norm.source == "roofline (attn_norm is not in the database)"
+    assert "core_attn@full@tp1" in run.profile.provenance.settings["roofline_tables"]
+
+
+def test_allreduce_is_the_engines_measured_one(tmp_path: Path, tiny) -> None:
+    model, _ = tiny
+    run = import_profile(
+        model, "h100", database=write_database(tmp_path), batches=BATCHES, tp=[1, 2]
+    )
+    (table,) = run.profile.collectives
+    assert (table.kind, table.gpus) == ("allreduce", 2)
+    o_proj = next(o for o in model.layers[0].ops if o.name == "o_proj")
+    # 4 tokens x 256 BF16 values = 1024 elements: a measured message size
+    measured = ar_ms(1024) * 1e-3
+    assert ProfiledLatency(run.profile).collective_s(o_proj, 2, 4) == pytest.approx(
+        measured, rel=1e-12
+    )
+
+
+def test_a_newer_layout_is_a_clear_error(tmp_path: Path, tiny) -> None:
+    model, _ = tiny
+    db = write_database(tmp_path, schema_version=2)
+    with pytest.raises(ProfilerError, match="schema_version 2, not 1"):
+        import_profile(model, "h100", database=db, batches=BATCHES, tp=[1])
+
+
+def test_cli_import_then_plan_says_where_latencies_came_from(tmp_path: Path, tiny) -> None:
+    _, config = tiny
+    db = write_database(tmp_path)
+    out = tmp_path / "h100.json"
+    done = run_cli(
+        "profile",
+        "--model",
+        str(config),
+        "--from",
+        "aiconfigurator",
+        "--device",
+        "h100",
+        "--database",
+        str(db),
+        "--tp",
+        "1",
+        "--batches",
+        "1,2,4,8",
+        "-o",
+        str(out),
+        "--json",
+    )
+    doc = json.loads(done.stdout)
+    assert doc["system"] == "h100_sxm" and doc["source"] == "aiconfigurator"
+    plan_file = tmp_path / "plan.json"
+    plan = json.loads(
+        run_cli(
+            "plan",
+            str(config),
+            "--gpus",
+            "h100",
+            "--context",
+            "1K",
+            "--tpot-slo-ms",
+            "1000",
+            "--profile",
+            str(out),
+            "-o",
+            str(plan_file),
+            "--json",
+        ).stdout
+    )
+    assert any("imported from NVIDIA's silicon database" in a for a in plan["assumptions"])
+    (source,) = json.loads(plan_file.read_text())["profiles"]
+    assert source.startswith("h100-sxm:aiconfigurator:")
+    sim = json.loads(
+        run_cli(
+            "simulate", str(plan_file), "--model", str(config), "--profile", str(out), "--json"
+        ).stdout
+    )
+    assert sim["tpot_s"] > 0 and not sim["notes"]
+    est = json.loads(
+        run_cli(
+            "estimate",
+            str(config),
+            "--gpu",
+            "h100",
+            "--batch",
+            "4",
+            "--context",
+            "1K",
+            "--profile",
+            str(out),
+            "--json",
+        ).stdout
+    )
+    assert est["profile"]["source"] == "aiconfigurator"
+
+
+@pytest.mark.skipif(find_spec("aiconfigurator_core") is not None, reason="the extra is installed")
+def test_missing_extra_is_a_one_line_error(tmp_path: Path) -> None:
+    done = run_cli(
+        "profile",
+        "--model",
+        "qwen3-32b",
+        "--from",
+        "aiconfigurator",
+        "--device",
+        "h100",
+        "-o",
+        str(tmp_path / "p.json"),
+        check=False,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith("error: opweave profile --from aiconfigurator needs the ")
+    assert "opweave-profiler[aiconfigurator]" in done.stderr
+
+
+@pytest.mark.skipif(find_spec("aiconfigurator_core") is None, reason="needs aiconfigurator-core")
+def test_real_database_row() -> None:
+    """With the package: qwen3-32b's o_proj at TP 1 (n 5120, k 8192, both measured) at batch 8
+    is the fastest BF16 row the H100 vLLM table holds for that shape."""
+    from opweave.profiler import open_database
+
+    db = open_database()
+    run = import_profile(load_model("qwen3-32b"), "h100", database=db, batches=(8,), tp=[1])
+    rows = pq.read_table(db.root / "h100_sxm/gemm/vllm/0.24.0/gemm_perf.parquet").to_pandas()
+    hit = rows[(rows.gemm_dtype == "bfloat16") & (rows.m == 8) & (rows.n == 5120)]
+    expected = hit[hit.k == 8192].latency.min() * 1e-3
+    assert _table(run.profile, "o_proj@full").latency_s[0][0] == expected
