@@ -154,13 +154,11 @@ def test_the_probe_idles_as_ranks_wait() -> None:
             assert timeouts == [0.2]
 
 
-def test_profile_says_how_the_gaps_were_spent(monkeypatch) -> None:
+def test_profile_says_how_the_gaps_were_spent() -> None:
     import torch
 
     from opweave.profiler._private.profile import ranks_spin
 
-    monkeypatch.setenv("OPWEAVE_WAIT", "block")
-    assert not ranks_spin(torch.device("cpu"))
-    monkeypatch.setenv("OPWEAVE_WAIT", "spin")
-    assert ranks_spin(torch.device("cpu"))
-    assert not ranks_spin(torch.device("meta"))  # only CPU ranks spin on sockets
+    assert not ranks_spin(torch.device("cpu"), "block")
+    assert ranks_spin(torch.device("cpu"), "spin")
+    assert not ranks_spin(torch.device("meta"), "spin")  # only CPU ranks spin on sockets

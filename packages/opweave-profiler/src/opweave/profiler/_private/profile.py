@@ -641,13 +641,14 @@ def profile_model(
     return ProfileRun(profile, report, link, cells, time.perf_counter() - started, loop, idle_fit)
 
 
-def ranks_spin(dev: torch.device) -> bool:
-    """Whether the runtime's ranks busy-poll while they wait on this machine: CPU ranks with a
-    core each (a plan's ranks here get one per core when there are enough), as
-    ``RunOptions(wait="auto")`` has them (see ``opweave.runtime``'s wire)."""
+def ranks_spin(dev: torch.device, wait: str = "auto") -> bool:
+    """Whether the runtime's ranks busy-poll while they wait on this machine, run with
+    ``RunOptions(wait=wait)``: by default CPU ranks with a core each (a plan's ranks here get
+    one per core when there are enough; see ``opweave.runtime``'s wire)."""
     from opweave.runtime import RunOptions
 
-    return dev.type == "cpu" and RunOptions(device="cpu").spin_s(len(available_cores()) >= 2) > 0
+    options = RunOptions(device="cpu", wait=wait)
+    return dev.type == "cpu" and options.spin_s(len(available_cores()) >= 2) > 0
 
 
 def _idle_unavailable(dev: torch.device, chain_bytes: float) -> str | None:
