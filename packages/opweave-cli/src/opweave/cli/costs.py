@@ -264,8 +264,8 @@ def _estimate_serving(
     if (flags["--concurrency"] is None) == (flags["--rate"] is None):
         raise typer.BadParameter("serving needs one of --concurrency C or --rate R, not both")
     rate = flags["--rate"]
-    if rate is not None and not 0 < rate <= 1e6:
-        raise typer.BadParameter(f"--rate must be above 0 and at most 1e6 requests/s, got {rate}")
+    if rate is not None and not 1e-6 <= rate <= 1e6:
+        raise typer.BadParameter(f"--rate must be from 1e-6 to 1e6 requests/s, got {rate}")
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     for flag, value in (("--ep", ep), ("--dp", dp)):

@@ -41,7 +41,12 @@ from .fixed_costs import launch_s
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .parallelism import Parallelism, parallel_op_terms_s, weight_bytes_per_gpu
-from .roofline import activation_bytes_per_rank, shard_fraction, state_shard_fraction
+from .roofline import (
+    activation_bytes_per_rank,
+    op_bytes_and_flops,
+    shard_fraction,
+    state_shard_fraction,
+)
 
 # Operators that run over one position per scheduled request, not over every token.
 PER_REQUEST_OPS = frozenset({"lm_head", "sample"})
@@ -255,6 +260,21 @@ class EngineStepCost:
             below = np.searchsorted(ordered, kind.window - j, side="left")
             out.append(prefix[below] + below * j + (n - below) * kind.window)
         return out
+
+    def prefill_work(self, start: int, tokens: int) -> tuple[float, float]:
+        """FLOPs and bytes one GPU of the rank spends on a prefill chunk of ``tokens`` from
+        position ``start`` in a step of its own (logits at its last position)."""
+        flops = num_bytes = 0.0
+        for ops, batch in ((self.body, tokens), (self.head, 1)):
+            for op, count in ops:
+                b, f = op_bytes_and_flops(op, self.par.tp, batch, 0.0)
+                flops += count * f
+                num_bytes += count * b
+        for kind in self.kinds:
+            f, b = self._prefill_work(kind, [(start, tokens)])
+            flops += kind.count * f
+            num_bytes += kind.count * (b + kind.weight_bytes)
+        return flops, num_bytes
 
     # -- whole steps ---------------------------------------------------------------------------
     def step_s(self, contexts: NDArray[np.float64], chunks: Sequence[Chunk]) -> float:

@@ -201,10 +201,18 @@ def estimate_serving(
     par = Parallelism(tp=tp, ep=ep, dp=dp)
     cost, setup = _engine(model, hardware, par, workload, host)
     rank = workload.per_replica(dp)
+    # Clients beyond the running limit only wait in the queue: simulate a quarter more than
+    # the limit (the queue never empties) and add the rest's wait by Little's law
+    queued = 0
+    limit = setup.max_num_seqs + max(1, setup.max_num_seqs // 4)
+    if rank.num_requests is None and rank.concurrency is not None and rank.concurrency > limit:
+        queued = rank.concurrency - limit
+        rank = rank.model_copy(update={"concurrency": limit})
     n, first, last = _population(workload, rank)
     sim = _run(cost, setup, rank, n, prefill_only=False)
-    ttft, tpot = sim.ttft_s[first:last], _tpot(sim, first, last)
     per_rank_tokens, batch = _window_throughput(sim, first, last, rank.num_requests is not None)
+    wait = queued / (per_rank_tokens / float(np.mean(sim.output_tokens))) if queued else 0.0
+    ttft, tpot = sim.ttft_s[first:last] + wait, _tpot(sim, first, last)
     tokens_per_s = per_rank_tokens * dp
     mean_osl = float(np.mean(sim.output_tokens))
     price = hardware.usd_per_hour
@@ -213,9 +221,13 @@ def estimate_serving(
     context = workload.mean_decode_context
     decode_step = float(cost.decode_run_s(np.full(max(1, round(batch)), context), 1)[0])
     tokens, seqs = setup.max_num_batched_tokens, setup.max_num_seqs
-    # overloaded: over the measured window the engine generates less than the arrivals ask
-    offered = None if rank.rate_per_s is None else rank.rate_per_s * mean_osl
-    saturated = offered is not None and per_rank_tokens < SATURATED * offered
+    # overloaded: over the measured window the engine generates less than the requests that
+    # arrived in it ask for (the realised arrivals, not the nominal rate: Poisson noise)
+    saturated = False
+    if rank.rate_per_s is not None and last - 1 > first:
+        span = float(sim.arrival_s[last - 1] - sim.arrival_s[first])
+        offered = (last - 1 - first) / span * mean_osl
+        saturated = per_rank_tokens < SATURATED * offered
     return ServingEstimate(
         model=model.name,
         gpu=hardware.id,
@@ -229,7 +241,8 @@ def estimate_serving(
         ttft_p99_s=float(np.percentile(ttft, 99)),
         tpot_p90_s=float(np.percentile(tpot, 90)),
         tpot_p99_s=float(np.percentile(tpot, 99)),
-        statistic=_statistic(rank, n, first, last),
+        statistic=_statistic(rank, n, first, last)
+        + (f"; {queued} more clients' queueing added by Little's law" if queued else ""),
         tokens_per_s=tokens_per_s,
         requests_per_s=tokens_per_s / mean_osl,
         usd_per_hour=usd_hour,

@@ -110,8 +110,10 @@ class _Engine:
     per_request: float = 0.0
 
     def __post_init__(self) -> None:
-        self.per_token = sum(k.count * k.kv_bytes_per_token for k in self.cost.kinds)
-        self.per_request = sum(k.count * k.kv_bytes_fixed for k in self.cost.kinds)
+        # a request's cache is concave in its tokens (a window caps it): the line through
+        # its sizes at 0 and 1 token bounds it from above
+        self.per_request = float(self.cost.kv_bytes(0.0))
+        self.per_token = float(self.cost.kv_bytes(1.0)) - self.per_request
 
     def kv_after(self, extra: dict[int, int]) -> float:
         """Cache bytes of the running requests once each has ``extra[index]`` more tokens."""

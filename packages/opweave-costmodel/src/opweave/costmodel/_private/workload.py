@@ -32,6 +32,7 @@ SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS = 2048, 256
 MAX_BATCHED_TOKENS = 1 << 20
 MAX_SEQS = 1 << 16
 MAX_REQUESTS = 1 << 20
+MIN_RATE_PER_S, MAX_RATE_PER_S = 1e-6, 1e6
 
 
 def default_batch_limits(hardware: HardwareSpec) -> tuple[int, int]:
@@ -123,8 +124,14 @@ class Workload(Frozen):
 
     isl: Lengths = Field(description="Prompt (input) tokens per request.")
     osl: Lengths = Field(description="Generated (output) tokens per request.")
+    # one request in 11 days to a million a second: beyond either end, a simulated clock of
+    # seconds loses the steps' milliseconds (or no engine comes near)
     rate_per_s: float | None = Field(
-        default=None, gt=0, le=1e7, allow_inf_nan=False, description="Poisson arrival rate."
+        default=None,
+        ge=MIN_RATE_PER_S,
+        le=MAX_RATE_PER_S,
+        allow_inf_nan=False,
+        description="Poisson arrival rate.",
     )
     concurrency: int | None = Field(
         default=None, ge=1, le=MAX_SEQS * 16, description="Closed-loop clients."
