@@ -515,8 +515,7 @@ def run_production() -> None:
     for deployment in ("pd", "aggregated"):
         part = [r for r in described if r.row.deployment == deployment]
         print(f"{'all ' + deployment:<26}{production_summary(part)}")
-    aggregated = [r for r in described if r.row.deployment == "aggregated"]
-    served = serving_results(aggregated, data)
+    served = serving_results(results, data)
     print(
         "\nAggregated rows with the serving model (estimate_serving: prefill chunks mixed into "
         "the decode steps, the row's client replayed)"
@@ -544,21 +543,18 @@ def run_production() -> None:
 def serving_results(
     results: Sequence[ProductionResult], data: dict[str, Any]
 ) -> list[ProductionResult]:
-    """``results``' rows re-estimated by the aggregated serving model."""
-    raw = {
-        (r["model"], r["gpu"], r["tp"], r["batch"], r["isl"], r["osl"], r["source"]): r
-        for r in tomllib.loads(PRODUCTION.read_text())["rows"]
-    }
+    """The aggregated rows among ``results`` (in-scope rows, in file order) re-estimated by
+    the serving model."""
+    raw = [r for r in tomllib.loads(PRODUCTION.read_text())["rows"] if r.get("in_scope", True)]
     out = []
-    for r in results:
-        row = r.row
-        key = (row.model, row.gpu, row.tp, row.batch, None, None, None)
-        match = [v for k, v in raw.items() if k[:4] == key[:4] and v["deployment"] == "aggregated"]
+    for source, r in zip(raw, results, strict=True):
+        if r.estimate_ms is None or source["deployment"] != "aggregated":
+            continue
         try:
-            model = production_model(row, data)
-            out.append(ProductionResult(row, _serving_set().production_tpot_ms(match[0], model)))
-        except (OpWeaveError, IndexError) as exc:
-            out.append(ProductionResult(row, None, str(exc)))
+            model = production_model(r.row, data)
+            out.append(ProductionResult(r.row, _serving_set().production_tpot_ms(source, model)))
+        except OpWeaveError as exc:
+            out.append(ProductionResult(r.row, None, str(exc)))
     return [r for r in out if r.estimate_ms is not None]
 
 
