@@ -221,3 +221,98 @@ def test_commands_of_a_missing_library_say_which_package_they_need() -> None:
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: opweave run needs opweave-runtime, which is not")
     assert proc.stderr.count("\n") == 1
+
+
+def test_estimate_serving_json_contract() -> None:
+    """``estimate --isl --osl --concurrency --json``: TTFT, TPOT and tokens/s of aggregated
+    serving; TPOT above the bare decode step (prefill chunks mixed in), tokens/s = requests/s
+    x osl."""
+    out = cli_json(
+        "estimate",
+        "qwen3-32b",
+        "--gpu",
+        "h100",
+        "--tp",
+        "4",
+        "--isl",
+        "4096",
+        "--osl",
+        "1024",
+        "--concurrency",
+        "64",
+    )
+    assert out["ttft_s"] > 0 and out["tpot_s"] > out["decode_step_s"] > 0
+    assert out["tokens_per_s"] == pytest.approx(out["requests_per_s"] * 1024)
+    assert out["max_num_batched_tokens"] == 8192  # vLLM's API-server default on an H100
+    assert any("closed loop, 64 concurrent" in a for a in out["assumptions"])
+    rate = cli_json(
+        "estimate",
+        "qwen3-32b",
+        "--gpu",
+        "h100",
+        "--tp",
+        "4",
+        "--isl",
+        "1K",
+        "--osl",
+        "256",
+        "--rate",
+        "1.5",
+    )
+    assert any("Poisson arrivals at 1.5 requests/s" in a for a in rate["assumptions"])
+    assert rate["ttft_p99_s"] >= rate["ttft_s"]
+
+
+def test_estimate_serving_table_says_what_it_assumed() -> None:
+    proc = run_cli(
+        "estimate",
+        "qwen3-32b",
+        "--gpu",
+        "h100",
+        "--tp",
+        "4",
+        "--isl",
+        "2K",
+        "--osl",
+        "512",
+        "--concurrency",
+        "16",
+    )
+    for words in (
+        "TTFT",
+        "TPOT",
+        "output tokens/s",
+        "statistic: mean",
+        "chunked prefill",
+        "8192 tokens per step",
+    ):
+        assert words in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--isl", "1K", "--osl", "1K", "--concurrency", "8", "--batch", "8"],
+            "--batch (a decode step) cannot be combined with --isl and --osl and --concurrency",
+        ),
+        (
+            ["--isl", "1K", "--osl", "1K", "--concurrency", "8", "--context", "4K"],
+            "--context (a decode step) cannot be combined",
+        ),
+        (["--isl", "1K", "--concurrency", "8"], "serving needs --osl"),
+        (["--isl", "1K", "--osl", "1K"], "one of --concurrency C or --rate R"),
+        (
+            ["--isl", "1K", "--osl", "1K", "--concurrency", "8", "--rate", "2"],
+            "one of --concurrency C or --rate R",
+        ),
+        (["--isl", "1K", "--osl", "1K", "--rate", "-1"], "--rate must be from 1e-6 to 1e6"),
+        (["--isl", "40K", "--osl", "1K", "--rate", "1"], "beyond qwen3-32b's context"),
+        (["--isl", "0", "--osl", "1K", "--rate", "1"], "must be at least 1"),
+    ],
+)
+def test_estimate_serving_refuses_bad_input(args: list[str], message: str) -> None:
+    proc = run_cli("estimate", "qwen3-32b", "--gpu", "h100", "--tp", "4", *args, check=False)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]

@@ -140,6 +140,22 @@ def test_estimate_flags(flag: str, value: str) -> None:
         assert value.strip()
 
 
+SERVING_FLAGS = ("--isl", "--osl", "--concurrency", "--rate", "--max-num-batched-tokens")
+
+
+@FUZZ
+@given(flag=st.sampled_from(SERVING_FLAGS), value=numbers)
+def test_estimate_serving_flags(flag: str, value: str) -> None:
+    """Aggregated serving with one flag fuzzed: an estimate, or one ``error:`` line."""
+    given = {"--isl": "1K", "--osl": "256", "--concurrency": "8"} | {flag: value}
+    if flag == "--rate":
+        del given["--concurrency"]
+    args = ["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "2", "--json"]
+    code, out = check_output("estimate serving", [*args, *(f"{f}={v}" for f, v in given.items())])
+    if code == 0:
+        assert json.loads(out)["tpot_s"] > 0
+
+
 PARALLEL_FLAGS = ("--tp", "--ep", "--dp", "--expert-imbalance", "--batch")
 degrees = st.one_of(st.sampled_from(("1", "2", "4", "8", "16", "32", "64", "72", "128")), numbers)
 

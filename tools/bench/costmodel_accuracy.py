@@ -69,11 +69,14 @@ left out and counted.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
+import sys
 import tomllib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from opweave.costmodel import (
@@ -95,6 +98,18 @@ from opweave.costmodel import (
 from opweave.costmodel._private.roofline import op_bytes_and_flops
 from opweave.costmodel.errors import ConfigError, OpWeaveError
 from opweave.profiler import load_profile
+
+
+def _serving_set() -> ModuleType:
+    """``serving_accuracy.py`` beside this file (a script's sibling, not a package)."""
+    path = Path(__file__).with_name("serving_accuracy.py")
+    spec = importlib.util.spec_from_file_location("serving_accuracy", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("serving_accuracy", module)
+    spec.loader.exec_module(module)
+    return module
+
 
 DATA = Path(__file__).with_name("costmodel_accuracy_data.toml")
 PRODUCTION = Path(__file__).with_name("production_decode_data.toml")
@@ -509,6 +524,16 @@ def run_production() -> None:
     for deployment in ("pd", "aggregated"):
         part = [r for r in described if r.row.deployment == deployment]
         print(f"{'all ' + deployment:<26}{production_summary(part)}")
+    served = serving_results(results, data)
+    print(
+        "\nAggregated rows with the serving model (estimate_serving: prefill chunks mixed into "
+        "the decode steps, the row's client replayed)"
+    )
+    print_production_rows(served)
+    for group in GROUPS:
+        part = [r for r in served if group in r.row.groups]
+        print(f"{group + ' aggregated (serving)':<26}{production_summary(part)}")
+    print(f"{'all aggregated (serving)':<26}{production_summary(served)}")
     print(
         f"goal median <= {100 * GOAL_MEDIAN:.0f}% and max <= {100 * GOAL_MAX:.0f}% per group "
         f"(pd rows): {'met' if met and all(met) else 'not met'} "
@@ -522,6 +547,56 @@ def run_production() -> None:
             reasons[why] = reasons.get(why, 0) + 1
         for why, n in sorted(reasons.items()):
             print(f"  {n} x {why}")
+
+
+def serving_results(
+    results: Sequence[ProductionResult], data: dict[str, Any]
+) -> list[ProductionResult]:
+    """The aggregated rows among ``results`` (in-scope rows, in file order) re-estimated by
+    the serving model."""
+    raw = [r for r in tomllib.loads(PRODUCTION.read_text())["rows"] if r.get("in_scope", True)]
+    out = []
+    for source, r in zip(raw, results, strict=True):
+        if r.estimate_ms is None or source["deployment"] != "aggregated":
+            continue
+        try:
+            model = production_model(r.row, data)
+            out.append(ProductionResult(r.row, _serving_set().production_tpot_ms(source, model)))
+        except OpWeaveError as exc:
+            out.append(ProductionResult(r.row, None, str(exc)))
+    return [r for r in out if r.estimate_ms is not None]
+
+
+_SERVING_MODELS: dict[tuple[str, str, str], ModelSpec] = {}
+
+
+def serving_model(row: dict[str, Any]) -> ModelSpec:
+    """A serving row's checkpoint, resolved as the production rows' are."""
+    key = (row["model"], row["quant"], row.get("kv_cache_dtype", "auto"))
+    if key in _SERVING_MODELS:
+        return _SERVING_MODELS[key]
+    data, _ = load_production()
+    as_row = ProductionRow(
+        model=row["model"],
+        gpu=row["gpu"],
+        tp=int(row["tp"]),
+        ep=int(row["ep"]),
+        dp=int(row["dp"]),
+        batch=1.0,
+        context=1,
+        measured_ms=1.0,
+        quant=row["quant"],
+        kv_cache_dtype=row.get("kv_cache_dtype", "auto"),
+        engine=row["engine"],
+        deployment=row["deployment"],
+        groups=(),
+        prefill_tokens=0,
+        decode_tokens=1,
+        in_scope=True,
+        scope_note="",
+    )
+    _SERVING_MODELS[key] = production_model(as_row, data)
+    return _SERVING_MODELS[key]
 
 
 def run_profile(path: Path, model_name: str | None, gpu: str | None) -> None:
@@ -670,9 +745,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     parser.add_argument(
         "--set",
-        choices=("reference", "production", "all"),
+        choices=("reference", "production", "serving", "all"),
         default="all",
-        help="which published measurements to compare with (default: both)",
+        help="which published measurements to compare with (default: every set)",
     )
     parser.add_argument("--profile", type=Path, help="compare this measured profile instead")
     parser.add_argument(
@@ -693,6 +768,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 run_reference(args.fixed_costs == "on", args.host)
             if args.set in ("production", "all"):
                 run_production()
+            if args.set in ("serving", "all"):
+                _serving_set().run_serving(serving_model)
     except OpWeaveError as exc:
         parser.exit(2, f"error: {exc}\n")
 

@@ -60,14 +60,15 @@ def estimate(
         ),
     ] = 1,
     batch: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--batch",
             min=1,
             max=MAX_BATCH,
-            help="Requests per step of the replica, split over its DP ranks (ceil(B/dp) each).",
+            help="Requests per step of the replica, split over its DP ranks (ceil(B/dp) each); "
+            "default 1. A single decode step (not with --isl/--osl).",
         ),
-    ] = 1,
+    ] = None,
     context: Annotated[
         str | None,
         typer.Option(
@@ -106,9 +107,82 @@ def estimate(
             "--from aiconfigurator): its operator latencies replace the roofline's.",
         ),
     ] = None,
+    isl: Annotated[
+        str | None,
+        typer.Option("--isl", help="Serving: prompt tokens per request, e.g. 4096 or 4K."),
+    ] = None,
+    osl: Annotated[
+        str | None,
+        typer.Option("--osl", help="Serving: generated tokens per request, e.g. 1024 or 1K."),
+    ] = None,
+    concurrency: Annotated[
+        int | None,
+        typer.Option(
+            "--concurrency",
+            min=1,
+            max=MAX_BATCH,
+            help="Serving: closed-loop clients, each sending its next request when the last "
+            "one finishes.",
+        ),
+    ] = None,
+    rate: Annotated[
+        float | None,
+        typer.Option(
+            "--rate",
+            callback=finite,
+            help="Serving: Poisson arrivals, requests per second (instead of --concurrency).",
+        ),
+    ] = None,
+    max_num_batched_tokens: Annotated[
+        int | None,
+        typer.Option(
+            "--max-num-batched-tokens",
+            min=1,
+            max=1 << 20,
+            help="Serving: token budget of one engine step (default: vLLM's for the GPU).",
+        ),
+    ] = None,
+    max_num_seqs: Annotated[
+        int | None,
+        typer.Option(
+            "--max-num-seqs",
+            min=1,
+            max=1 << 16,
+            help="Serving: requests one engine runs at once (default: vLLM's for the GPU).",
+        ),
+    ] = None,
 ) -> None:
-    """Colocated decode step: where its latency goes, memory per GPU and whether it fits."""
+    """Colocated decode step (--batch --context): where its latency goes, memory per GPU and
+    whether it fits; or aggregated serving (--isl --osl --concurrency | --rate): TTFT, TPOT
+    and tokens/s of one engine that prefills and decodes (vLLM's chunked prefill)."""
     from opweave.costmodel import TP_DEGREES, estimate_step, host_profile
+
+    serving = {
+        "--isl": isl,
+        "--osl": osl,
+        "--concurrency": concurrency,
+        "--rate": rate,
+        "--max-num-batched-tokens": max_num_batched_tokens,
+        "--max-num-seqs": max_num_seqs,
+    }
+    given = [flag for flag, value in serving.items() if value is not None]
+    if given:
+        step_flags = [f for f, v in (("--batch", batch), ("--context", context)) if v is not None]
+        if step_flags:
+            raise typer.BadParameter(
+                f"{' and '.join(step_flags)} (a decode step) cannot be combined with "
+                f"{' and '.join(given)} (serving); give one or the other"
+            )
+        for flag, value in (("--expert-imbalance", expert_imbalance), ("--profile", profile_path)):
+            if value is not None:
+                raise typer.BadParameter(
+                    f"{flag} applies to a decode step (--batch --context), not serving"
+                )
+        _estimate_serving(
+            model, gpu, tp, ep, dp, json_out, hardware, host, quant, kv_cache_dtype, serving
+        )
+        return
+    batch = 1 if batch is None else batch
 
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
@@ -216,6 +290,91 @@ def _profiled(path: Path, spec: Any, hw: Any, tp: int, host: str | None) -> Any:
             update={"device": prof.device.model_copy(update={"usd_per_hour": hw.usd_per_hour})}
         )
     return ProfiledLatency(prof)
+
+
+def _estimate_serving(
+    model: str,
+    gpu: str,
+    tp: int,
+    ep: int,
+    dp: int,
+    json_out: bool,
+    hardware: Path | None,
+    host: str | None,
+    quant: str | None,
+    kv_cache_dtype: str,
+    flags: dict[str, Any],
+) -> None:
+    from opweave.costmodel import TP_DEGREES, Lengths, Workload, estimate_serving, host_profile
+
+    missing = [f for f in ("--isl", "--osl") if flags[f] is None]
+    if missing:
+        raise typer.BadParameter(f"serving needs {' and '.join(missing)} (tokens per request)")
+    if (flags["--concurrency"] is None) == (flags["--rate"] is None):
+        raise typer.BadParameter("serving needs one of --concurrency C or --rate R, not both")
+    rate = flags["--rate"]
+    if rate is not None and not 1e-6 <= rate <= 1e6:
+        raise typer.BadParameter(f"--rate must be from 1e-6 to 1e6 requests/s, got {rate}")
+    if tp not in TP_DEGREES:
+        raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
+    for flag, value in (("--ep", ep), ("--dp", dp)):
+        if not 1 <= value <= MAX_GROUP:
+            raise typer.BadParameter(f"{flag} must be from 1 to {MAX_GROUP}, got {value}")
+    isl, osl = parse_size(flags["--isl"]), parse_size(flags["--osl"])
+    spec = load_spec(model, quant, kv_cache_dtype)
+    check_context(spec, isl + osl, "--isl + --osl")
+    hw = catalog(hardware).get(gpu)
+    _check_tp(spec, hw, tp)
+    _check_parallelism(spec, hw, tp, ep, dp, None)
+    workload = Workload(
+        isl=Lengths.fixed(isl),
+        osl=Lengths.fixed(osl),
+        concurrency=flags["--concurrency"],
+        rate_per_s=rate,
+        max_num_batched_tokens=flags["--max-num-batched-tokens"],
+        max_num_seqs=flags["--max-num-seqs"],
+    )
+    profile = None if host is None else host_profile(host)
+    est = estimate_serving(spec, hw, tp=tp, ep=ep, dp=dp, workload=workload, host=profile)
+    if json_out:
+        emit_json(est.model_dump())
+        return
+    layout = "" if ep == 1 and dp == 1 else f" (tp {tp}, ep {ep}, dp {dp})"
+    typer.echo(f"{spec.name} on {est.gpus} x {hw.id}{layout}, aggregated serving")
+    typer.echo(
+        table(
+            [
+                [
+                    "TTFT",
+                    f"{est.ttft_s * 1e3:,.1f} ms",
+                    f"{est.ttft_p90_s * 1e3:,.1f} ms",
+                    f"{est.ttft_p99_s * 1e3:,.1f} ms",
+                ],
+                [
+                    "TPOT",
+                    f"{est.tpot_s * 1e3:,.2f} ms",
+                    f"{est.tpot_p90_s * 1e3:,.2f} ms",
+                    f"{est.tpot_p99_s * 1e3:,.2f} ms",
+                ],
+            ],
+            ["", "mean", "p90", "p99"],
+        )
+    )
+    typer.echo(
+        f"throughput: {est.tokens_per_s:,.0f} output tokens/s ({est.requests_per_s:,.2f} "
+        f"requests/s); mean decode batch {est.decode_batch:.1f} (a decode step alone: "
+        f"{est.decode_step_s * 1e3:.2f} ms)"
+        + (
+            ""
+            if est.usd_per_million_tokens is None
+            else f"; cost: ${est.usd_per_million_tokens:.3f} per million output tokens"
+        )
+    )
+    if est.saturated:
+        typer.echo("overloaded: the engine serves less than the offered rate; TTFT keeps growing")
+    typer.echo(f"statistic: {est.statistic}")
+    for line in est.assumptions:
+        typer.echo(f"assumed: {line}")
 
 
 def analyze(

@@ -32,6 +32,7 @@ from ._private.architecture import (
     resolve_architecture,
 )
 from ._private.blocks import partition_block
+from ._private.engine_step import EngineStepCost, causal_pairs
 from ._private.estimate import StepEstimate, estimate_step
 from ._private.expert_comm import (
     alltoall_bytes_per_gpu,
@@ -163,7 +164,19 @@ from ._private.roofline import (
     state_shard_fraction,
     weight_bytes_per_rank,
 )
+from ._private.serving import (
+    DecodePoolEstimate,
+    PrefillPoolEstimate,
+    ServingEstimate,
+    decode_pool,
+    estimate_serving,
+    kv_bytes_per_gpu,
+    kv_transfer_s,
+    prefill_pool,
+)
+from ._private.serving_sim import EngineSetup, SimResult, simulate
 from ._private.sharding import tp_problem
+from ._private.workload import Lengths, Workload, default_batch_limits
 from .errors import (
     ConfigError,
     InfeasibleError,
@@ -327,6 +340,23 @@ __all__ = [
     "state_bytes_per_rank",
     "weight_bytes_per_rank",
     "weight_share",
+    # serving: workloads, prefill, aggregated engines and P/D pools
+    "DecodePoolEstimate",
+    "EngineSetup",
+    "EngineStepCost",
+    "Lengths",
+    "PrefillPoolEstimate",
+    "ServingEstimate",
+    "SimResult",
+    "Workload",
+    "causal_pairs",
+    "decode_pool",
+    "default_batch_limits",
+    "estimate_serving",
+    "kv_bytes_per_gpu",
+    "kv_transfer_s",
+    "prefill_pool",
+    "simulate",
     # errors
     "ConfigError",
     "InfeasibleError",

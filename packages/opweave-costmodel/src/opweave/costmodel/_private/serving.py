@@ -1,0 +1,430 @@
+"""Whole-deployment serving estimates: an aggregated engine (prefill and decode in one engine, as
+vLLM serves by default), and the building blocks of prefill/decode disaggregation (a prefill
+pool, the KV transfer between the pools, a decode pool).
+
+Sources:
+  [NIXL] P/D engines move a request's KV cache from the prefill to the decode GPUs with NIXL
+  (vLLM's ``NixlConnector``, NVIDIA Dynamo, llm-d): each tensor-parallel worker reads its own
+  shard of the blocks GPU to GPU, over NVLink within a node or NVLink domain (UCX ``cuda_ipc``)
+  and over the NICs with GPUDirect RDMA across nodes (Dynamo's disaggregated-serving docs; vLLM
+  ``docs/features/nixl_connector_usage.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+from pydantic import Field
+
+from ..errors import ConfigError, InfeasibleError
+from .base import Frozen
+from .engine_step import EngineStepCost
+from .hardware import HardwareSpec
+from .host import HostProfile
+from .model import ModelSpec
+from .parallelism import Parallelism, parallelism_problem
+from .precision import check_runs
+from .roofline import NETWORK_EFFICIENCY, state_shard_fraction
+from .serving_sim import EngineSetup, SimResult, simulate
+from .workload import Lengths, Workload
+
+# Closed loop, steady state: the clients' first requests all arrive at once and the last ones
+# leave a draining engine; the figures are taken over the requests sent in between.
+STEADY_ROUNDS = 8  # requests per client
+STEADY_MIN_REQUESTS = 32
+OPEN_LOOP_REQUESTS = 400
+OPEN_LOOP_WARMUP = 0.2  # share of the requests left out as warm-up
+SATURATED = 0.95  # served / offered rate below which an open loop is overloaded
+
+
+class ServingEstimate(Frozen):
+    """Aggregated serving of one replica (``tp x dp`` GPUs) under a workload."""
+
+    model: str
+    gpu: str
+    tp: int
+    ep: int
+    dp: int
+    gpus: int
+    ttft_s: float = Field(description="Time to first token: queueing plus prefill (mean).")
+    tpot_s: float = Field(
+        description="Time per output token after the first, (finish - first token) / "
+        "(output - 1) per request, mean over requests; it includes the prefill chunks "
+        "mixed into the decode steps."
+    )
+    ttft_p90_s: float
+    ttft_p99_s: float
+    tpot_p90_s: float
+    tpot_p99_s: float
+    statistic: str = Field(description="What the figures are: which requests, which statistic.")
+    tokens_per_s: float = Field(description="Output tokens per second of the replica.")
+    requests_per_s: float
+    usd_per_hour: float | None
+    usd_per_million_tokens: float | None = Field(description="Per million output tokens.")
+    decode_batch: float = Field(description="Mean requests decoding per step (time-weighted).")
+    decode_step_s: float = Field(
+        description="A decode-only step at decode_batch and the mean decode context, for "
+        "comparison with tpot_s (the difference is the prefill mixed in)."
+    )
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_capacity_tokens: float = Field(description="Full-attention tokens the cache holds.")
+    preemptions: int
+    saturated: bool = Field(description="Open loop: the engine serves less than the offered rate.")
+    assumptions: tuple[str, ...]
+
+
+class PrefillPoolEstimate(Frozen):
+    """One replica of a prefill-only engine (P/D): its TTFT and how many prompts it serves."""
+
+    gpu: str
+    tp: int
+    ep: int
+    dp: int
+    gpus: int
+    prefill_s: float = Field(description="One prompt alone: its chunks' steps.")
+    ttft_s: float = Field(description="Mean queueing plus prefill at the given rate.")
+    ttft_p90_s: float
+    ttft_p99_s: float
+    capacity_requests_per_s: float = Field(description="Prompts per second at saturation.")
+    capacity_tokens_per_s: float = Field(description="Prompt tokens per second at saturation.")
+    rate_per_s: float | None = Field(description="Arrivals per replica the TTFT is taken at.")
+    saturated: bool
+    statistic: str
+
+
+class DecodePoolEstimate(Frozen):
+    """A decode-only pool replica running ``batch`` requests at ``step_s`` per step."""
+
+    batch: float
+    step_s: float
+    tpot_s: float = Field(description="Every step gives each running request one token.")
+    tokens_per_s: float
+    requests_per_s: float = Field(description="Little's law: batch / (decode tokens x TPOT).")
+
+
+def _check(model: ModelSpec, hardware: HardwareSpec, par: Parallelism, workload: Workload) -> None:
+    check_runs(model.precision, hardware)
+    problem = parallelism_problem(model, par, hardware)
+    if problem is not None:
+        raise ConfigError(problem)
+    if workload.max_context_tokens > model.max_context_tokens:
+        raise ConfigError(
+            f"isl + osl reaches {workload.max_context_tokens} tokens, beyond {model.name}'s "
+            f"context of {model.max_context_tokens}; shorten the prompts or the answers"
+        )
+
+
+def _engine(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    par: Parallelism,
+    workload: Workload,
+    host: HostProfile | None,
+) -> tuple[EngineStepCost, EngineSetup]:
+    _check(model, hardware, par, workload)
+    hw = hardware if host is None else host.apply(hardware)
+    cost = EngineStepCost.build(model, hw, par)
+    tokens, seqs = workload.batch_limits(hardware)
+    capacity = cost.kv_capacity_bytes(tokens)
+    longest = float(cost.kv_bytes(float(workload.max_context_tokens)))
+    if capacity < longest:
+        raise InfeasibleError(
+            f"{model.name} on {par.gpus} x {hardware.id} ({par}) leaves "
+            f"{capacity / 1e9:.1f} GB per GPU for the KV cache, less than one request of "
+            f"{workload.max_context_tokens} tokens needs; use more GPUs or shorter requests"
+        )
+    return cost, EngineSetup(tokens, seqs, capacity)
+
+
+def _population(workload: Workload, rank: Workload) -> tuple[int, int, int]:
+    """Requests to simulate for one engine, and the measured window ``[first, last)``."""
+    if rank.num_requests is not None:
+        return rank.num_requests, 0, rank.num_requests
+    if rank.concurrency is not None:
+        c = rank.concurrency
+        n = max(STEADY_ROUNDS * c, STEADY_MIN_REQUESTS + 2 * c)
+        return n, c, n - c
+    del workload
+    return OPEN_LOOP_REQUESTS, int(OPEN_LOOP_REQUESTS * OPEN_LOOP_WARMUP), OPEN_LOOP_REQUESTS
+
+
+def _run(
+    cost: EngineStepCost, setup: EngineSetup, rank: Workload, n: int, *, prefill_only: bool
+) -> SimResult:
+    rng = np.random.default_rng(rank.seed)
+    prompts = rank.isl.sample(n, rng)
+    outputs = np.ones(n, dtype=np.int64) if prefill_only else rank.osl.sample(n, rng)
+    if rank.concurrency is not None:
+        return simulate(cost, setup, prompts, outputs, clients=rank.concurrency)
+    assert rank.rate_per_s is not None
+    arrivals = np.cumsum(rng.exponential(1.0 / rank.rate_per_s, size=n))
+    return simulate(cost, setup, prompts, outputs, arrivals_s=arrivals)
+
+
+def _window_throughput(
+    sim: SimResult, first: int, last: int, benchmark: bool
+) -> tuple[float, float]:
+    """Output tokens/s and mean decode batch: over the whole run for a benchmark's population
+    (as its client reports them: tokens over the run's duration), else between the arrivals of
+    the first and last measured requests."""
+    if benchmark:
+        return sim.throughput(0.0, float(np.max(sim.finish_s)))
+    start = float(sim.arrival_s[first])
+    end = float(sim.arrival_s[last - 1]) if last - 1 > first else float(np.max(sim.finish_s))
+    return sim.throughput(start, end)
+
+
+def estimate_serving(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    *,
+    tp: int,
+    ep: int = 1,
+    dp: int = 1,
+    workload: Workload,
+    host: HostProfile | None = None,
+) -> ServingEstimate:
+    """Aggregated serving (prefill and decode in one engine, chunked prefill) of one replica of
+    ``tp x dp`` GPUs under ``workload``, by a simulation of the engine's scheduler
+    (:mod:`.serving_sim`) over the step costs of :mod:`.engine_step`.
+
+    >>> from opweave.costmodel import default_catalog, load_model, Lengths, Workload
+    >>> w = Workload(isl=Lengths.fixed(4096), osl=Lengths.fixed(1024), concurrency=64)
+    >>> est = estimate_serving(load_model("qwen3-32b"), default_catalog().get("h100"), tp=4,
+    ...                        workload=w)
+    >>> round(est.tpot_s * 1e3), est.tpot_s > est.decode_step_s
+    (25, True)
+    """
+    par = Parallelism(tp=tp, ep=ep, dp=dp)
+    cost, setup = _engine(model, hardware, par, workload, host)
+    rank = workload.per_replica(dp)
+    # Clients beyond the running limit only wait in the queue: simulate a quarter more than
+    # the limit (the queue never empties) and add the rest's wait by Little's law
+    queued = 0
+    limit = setup.max_num_seqs + max(1, setup.max_num_seqs // 4)
+    if rank.num_requests is None and rank.concurrency is not None and rank.concurrency > limit:
+        queued = rank.concurrency - limit
+        rank = rank.model_copy(update={"concurrency": limit})
+    n, first, last = _population(workload, rank)
+    sim = _run(cost, setup, rank, n, prefill_only=False)
+    per_rank_tokens, batch = _window_throughput(sim, first, last, rank.num_requests is not None)
+    wait = queued / (per_rank_tokens / float(np.mean(sim.output_tokens))) if queued else 0.0
+    ttft, tpot = sim.ttft_s[first:last] + wait, _tpot(sim, first, last)
+    tokens_per_s = per_rank_tokens * dp
+    mean_osl = float(np.mean(sim.output_tokens))
+    price = hardware.usd_per_hour
+    usd_hour = None if price is None else price * par.gpus
+    usd = None if usd_hour is None else usd_hour / 3600 / tokens_per_s * 1e6
+    context = workload.mean_decode_context
+    decode_step = float(cost.decode_run_s(np.full(max(1, round(batch)), context), 1)[0])
+    tokens, seqs = setup.max_num_batched_tokens, setup.max_num_seqs
+    # overloaded: over the measured window the engine generates less than the requests that
+    # arrived in it ask for (the realised arrivals, not the nominal rate: Poisson noise)
+    saturated = False
+    if rank.rate_per_s is not None and last - 1 > first:
+        span = float(sim.arrival_s[last - 1] - sim.arrival_s[first])
+        offered = (last - 1 - first) / span * mean_osl
+        saturated = per_rank_tokens < SATURATED * offered
+    return ServingEstimate(
+        model=model.name,
+        gpu=hardware.id,
+        tp=tp,
+        ep=ep,
+        dp=dp,
+        gpus=par.gpus,
+        ttft_s=float(np.mean(ttft)),
+        tpot_s=float(np.mean(tpot)),
+        ttft_p90_s=float(np.percentile(ttft, 90)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        tpot_p90_s=float(np.percentile(tpot, 90)),
+        tpot_p99_s=float(np.percentile(tpot, 99)),
+        statistic=_statistic(rank, n, first, last)
+        + (f"; {queued} more clients' queueing added by Little's law" if queued else ""),
+        tokens_per_s=tokens_per_s,
+        requests_per_s=tokens_per_s / mean_osl,
+        usd_per_hour=usd_hour,
+        usd_per_million_tokens=usd,
+        decode_batch=batch * dp,
+        decode_step_s=decode_step,
+        max_num_batched_tokens=tokens,
+        max_num_seqs=seqs,
+        kv_capacity_tokens=setup.kv_capacity_bytes / max(float(cost.kv_bytes(1.0)), 1e-30),
+        preemptions=sim.preemptions,
+        saturated=bool(saturated),
+        assumptions=_assumptions(workload, tokens, seqs, dp),
+    )
+
+
+def _tpot(sim: SimResult, first: int, last: int) -> np.ndarray:
+    keep = np.zeros(len(sim.output_tokens), dtype=bool)
+    keep[first:last] = True
+    keep &= sim.output_tokens > 1
+    if not keep.any():
+        return np.zeros(1)
+    return (sim.finish_s[keep] - sim.first_token_s[keep]) / (sim.output_tokens[keep] - 1)
+
+
+def _statistic(rank: Workload, n: int, first: int, last: int) -> str:
+    if rank.num_requests is not None:
+        return f"mean (and p90/p99) over all {n} requests of the benchmark, as its client reports"
+    return (
+        f"mean (and p90/p99) over {last - first} simulated requests in steady state (of {n}; "
+        "the warm-up and the drain left out)"
+    )
+
+
+def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[str, ...]:
+    given = workload.max_num_batched_tokens is not None
+    out = [
+        f"arrivals: {workload.arrival}",
+        f"lengths: isl {_lengths(workload.isl)}, osl {_lengths(workload.osl)}",
+        f"engine: continuous batching with chunked prefill, decodes scheduled first, then "
+        f"prefill chunks up to {tokens} tokens per step "
+        f"({'given' if given else 'vLLM V1 API-server default'}), at most {seqs} running "
+        "requests, recompute preemption when the KV cache is full",
+        "prefill: GEMMs over the chunk's tokens at the weight format's tensor-core rate, causal "
+        "attention over the prompt so far, weights read once per step",
+    ]
+    if dp > 1:
+        out.append(f"data-parallel attention: {dp} engines with equal shares of the arrivals")
+    return tuple(out)
+
+
+def _lengths(lengths: Lengths) -> str:
+    if lengths.kind == "fixed":
+        return f"{lengths.tokens} tokens"
+    return f"uniform {lengths.low_tokens}-{lengths.high_tokens} tokens"
+
+
+# -- P/D building blocks -------------------------------------------------------------------------
+def prefill_pool(
+    model: ModelSpec,
+    hardware: HardwareSpec,
+    *,
+    tp: int,
+    ep: int = 1,
+    dp: int = 1,
+    workload: Workload,
+    rate_per_s: float | None = None,
+    host: HostProfile | None = None,
+) -> PrefillPoolEstimate:
+    """One prefill-only replica: prompts batched up to the token budget per step, each request
+    leaving once its first token is sampled. ``rate_per_s`` (Poisson arrivals at this replica;
+    default: the workload's rate) sets the queueing; without a rate the TTFT is a prompt alone.
+
+    >>> from opweave.costmodel import default_catalog, load_model, Lengths, Workload
+    >>> w = Workload(isl=Lengths.fixed(4096), osl=Lengths.fixed(1024), rate_per_s=2.0)
+    >>> pool = prefill_pool(load_model("qwen3-32b"), default_catalog().get("h100"), tp=4,
+    ...                     workload=w)
+    >>> pool.capacity_requests_per_s > 2, pool.ttft_s >= pool.prefill_s
+    (True, True)
+    """
+    par = Parallelism(tp=tp, ep=ep, dp=dp)
+    cost, setup = _engine(model, hardware, par, workload, host)
+    per_prompt = max(1, math.ceil(setup.max_num_batched_tokens / max(1.0, workload.isl.mean)))
+    alone = workload.model_copy(update={"concurrency": 1, "rate_per_s": None, "num_requests": 4})
+    prefill = float(np.mean(_run(cost, setup, alone, 4, prefill_only=True).ttft_s))
+    # saturation: enough clients to fill every step's budget twice over
+    full = workload.model_copy(
+        update={"concurrency": 2 * per_prompt, "rate_per_s": None, "num_requests": None}
+    )
+    n = max(STEADY_ROUNDS * 2 * per_prompt, STEADY_MIN_REQUESTS)
+    sat = _run(cost, setup, full, n, prefill_only=True)
+    span = float(np.max(sat.finish_s))
+    capacity = n / span * dp
+    rate = rate_per_s if rate_per_s is not None else workload.rate_per_s
+    if rate is None:
+        ttft = np.full(1, prefill)
+        statistic = "a prompt alone (no arrival rate given: no queueing)"
+    else:
+        rank = workload.model_copy(
+            update={"rate_per_s": rate / dp, "concurrency": None, "num_requests": None}
+        )
+        n_open = OPEN_LOOP_REQUESTS
+        first = int(n_open * OPEN_LOOP_WARMUP)
+        ttft = _run(cost, setup, rank, n_open, prefill_only=True).ttft_s[first:]
+        statistic = f"mean (and p90/p99) over {n_open - first} simulated Poisson arrivals"
+    return PrefillPoolEstimate(
+        gpu=hardware.id,
+        tp=tp,
+        ep=ep,
+        dp=dp,
+        gpus=par.gpus,
+        prefill_s=prefill,
+        ttft_s=float(np.mean(ttft)),
+        ttft_p90_s=float(np.percentile(ttft, 90)),
+        ttft_p99_s=float(np.percentile(ttft, 99)),
+        capacity_requests_per_s=capacity,
+        capacity_tokens_per_s=capacity * workload.isl.mean,
+        rate_per_s=rate,
+        saturated=rate is not None and rate > SATURATED * capacity,
+        statistic=statistic,
+    )
+
+
+def kv_bytes_per_gpu(model: ModelSpec, tokens: float, tp: int) -> float:
+    """KV cache (and recurrent state) of a ``tokens``-token prompt one of ``tp`` prefill GPUs
+    holds, and so sends: its shard of the heads (the whole latent for MLA)."""
+    return float(
+        sum(
+            float(op.state_bytes(tokens)) * state_shard_fraction(op, tp)
+            for op in model.operators
+            if op.holds_state
+        )
+    )
+
+
+def kv_transfer_s(
+    model: ModelSpec,
+    tokens: float,
+    *,
+    tp: int,
+    link: Literal["nvlink", "network"],
+    prefill: HardwareSpec,
+    decode: HardwareSpec | None = None,
+) -> float:
+    """Seconds to move one request's KV cache of ``tokens`` prompt tokens from a prefill
+    replica of ``tp`` GPUs to the decode pool ([NIXL]): every prefill GPU sends its shard in
+    parallel over ``link`` (``nvlink`` within one NVLink domain, else the ``network``), at the
+    slower endpoint's per-GPU bandwidth, after the link's latency.
+
+    >>> from opweave.costmodel import default_catalog, load_model
+    >>> h100 = default_catalog().get("h100")
+    >>> s = kv_transfer_s(load_model("qwen3-32b"), 4096, tp=4, link="network", prefill=h100)
+    >>> round(s * 1e3, 2)  # 4096 x 64 KiB per GPU at 95% of 50 GB/s
+    5.66
+    """
+    per_gpu = kv_bytes_per_gpu(model, tokens, tp)
+    ends = (prefill,) if decode is None else (prefill, decode)
+    if link == "nvlink":
+        bw = min(h.intra_node_bandwidth_bytes_per_s * h.link_efficiency for h in ends)
+        latency = max(h.intra_node_latency_s for h in ends)
+    else:
+        bw = min(h.network_bandwidth_bytes_per_s * NETWORK_EFFICIENCY for h in ends)
+        latency = max(h.network_latency_s for h in ends)
+    return latency + per_gpu / bw
+
+
+def decode_pool(batch: float, step_s: float, osl: float) -> DecodePoolEstimate:
+    """A decode-only replica holding ``batch`` requests at ``step_s`` per step, answers of
+    ``osl`` tokens (the first comes from the prefill pool): each step gives every request one
+    token, so TPOT is the step, and Little's law gives the requests it completes.
+
+    >>> decode_pool(64, 0.02, 1025).requests_per_s
+    3.125
+    """
+    if batch <= 0 or step_s <= 0 or osl < 1:
+        raise ConfigError(
+            f"a decode pool needs a positive batch, step and osl, got {batch}, {step_s}, {osl}"
+        )
+    decode_tokens = max(1.0, osl - 1)
+    return DecodePoolEstimate(
+        batch=batch,
+        step_s=step_s,
+        tpot_s=step_s,
+        tokens_per_s=batch / step_s,
+        requests_per_s=batch / (decode_tokens * step_s),
+    )

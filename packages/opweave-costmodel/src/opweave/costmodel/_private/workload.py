@@ -1,0 +1,208 @@
+"""A serving workload: prompt and answer lengths, how requests arrive, the engine's batch limits.
+
+Sources:
+  [VLLM-BATCH] vLLM ``EngineArgs.get_batch_defaults`` (``vllm/engine/arg_utils.py``, V1 engine):
+  on GPUs with at least 70 GiB that are not A100s, ``max_num_batched_tokens`` defaults to 8192
+  for the OpenAI API server (16384 for the offline ``LLM`` class) and ``max_num_seqs`` to 1024;
+  on other GPUs 2048 (8192 offline) and 256 ("Setting large max_num_batched_tokens for A100
+  reduces throughput, see PR #17885").
+  [RANGE] vLLM's and SGLang's ``random`` benchmark datasets (``--random-range-ratio``) draw each
+  length uniformly from ``[L (1 - r), L (1 + r)]`` (vLLM) or ``[L r, L]`` (SGLang, InferenceX's
+  ``--random-range-ratio 0.8``); ``Lengths.uniform`` takes the bounds either way.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from .base import Frozen
+from .hardware import HardwareSpec
+
+GIB = float(1 << 30)
+# [VLLM-BATCH]: the API server's defaults, by GPU memory
+LARGE_GPU_BYTES = 70 * GIB
+LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS = 8192, 1024
+SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS = 2048, 256
+# Beyond any engine's step (vLLM validates its budget against max_model_len; 1M tokens is past
+# every built-in context) and beyond any benchmark's population.
+MAX_BATCHED_TOKENS = 1 << 20
+MAX_SEQS = 1 << 16
+MAX_REQUESTS = 1 << 20
+MIN_RATE_PER_S, MAX_RATE_PER_S = 1e-6, 1e6
+
+
+def default_batch_limits(hardware: HardwareSpec) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` vLLM's OpenAI API server uses on ``hardware``
+    by default ([VLLM-BATCH]).
+
+    >>> from opweave.costmodel import default_catalog
+    >>> cat = default_catalog()
+    >>> default_batch_limits(cat.get("h100")), default_batch_limits(cat.get("a100"))
+    ((8192, 1024), (2048, 256))
+    """
+    large = hardware.memory_bytes >= LARGE_GPU_BYTES and not hardware.id.startswith("a100")
+    if large:
+        return LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS
+    return SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS
+
+
+class Lengths(Frozen):
+    """A token length: fixed, or drawn uniformly from ``[low, high]`` per request."""
+
+    kind: Literal["fixed", "uniform"] = "fixed"
+    tokens: int = Field(ge=1, le=MAX_BATCHED_TOKENS * 16, description="Fixed length (tokens).")
+    low_tokens: int | None = Field(default=None, ge=1, description="Uniform: lowest length.")
+    high_tokens: int | None = Field(default=None, ge=1, description="Uniform: highest length.")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> Lengths:
+        if self.kind == "uniform":
+            if self.low_tokens is None or self.high_tokens is None:
+                raise ValueError("a uniform length needs low_tokens and high_tokens")
+            if self.low_tokens > self.high_tokens:
+                raise ValueError(
+                    f"low_tokens {self.low_tokens} is above high_tokens {self.high_tokens}"
+                )
+        elif self.low_tokens is not None or self.high_tokens is not None:
+            raise ValueError("low_tokens and high_tokens belong to a uniform length")
+        return self
+
+    @classmethod
+    def fixed(cls, tokens: int) -> Lengths:
+        return cls(kind="fixed", tokens=tokens)
+
+    @classmethod
+    def uniform(cls, low: int, high: int) -> Lengths:
+        """Uniform on ``[low, high]``; ``tokens`` is its mean (rounded)."""
+        return cls(kind="uniform", tokens=round((low + high) / 2), low_tokens=low, high_tokens=high)
+
+    @classmethod
+    def range_ratio(cls, tokens: int, ratio: float) -> Lengths:
+        """SGLang's / InferenceX's ``--random-range-ratio r``: uniform on ``[r L, L]`` ([RANGE]).
+
+        >>> Lengths.range_ratio(1024, 0.8).model_dump(exclude_none=True)
+        {'kind': 'uniform', 'tokens': 922, 'low_tokens': 819, 'high_tokens': 1024}
+        """
+        return cls.uniform(max(1, int(tokens * ratio)), tokens)
+
+    @property
+    def mean(self) -> float:
+        if self.kind == "fixed":
+            return float(self.tokens)
+        assert self.low_tokens is not None and self.high_tokens is not None
+        return (self.low_tokens + self.high_tokens) / 2
+
+    @property
+    def max(self) -> int:
+        return self.tokens if self.high_tokens is None else self.high_tokens
+
+    def sample(self, count: int, rng: np.random.Generator) -> np.ndarray:
+        """``count`` lengths (integers) drawn from this distribution."""
+        if self.kind == "fixed":
+            return np.full(count, self.tokens, dtype=np.int64)
+        assert self.low_tokens is not None and self.high_tokens is not None
+        return rng.integers(self.low_tokens, self.high_tokens + 1, size=count)
+
+
+class Workload(Frozen):
+    """What a deployment serves: lengths, arrivals and the engine's per-step limits.
+
+    Arrivals are either open loop (``rate_per_s``: Poisson arrivals at that mean rate, seeded)
+    or closed loop (``concurrency`` clients, each sending its next request when its previous
+    one completes). ``num_requests`` bounds the population as benchmark clients do (InferenceX
+    sends 10 x concurrency prompts; ``vllm bench serve`` without a rate sends every prompt at
+    once: ``concurrency = num_requests``); ``None`` measures the steady state.
+
+    >>> w = Workload(isl=Lengths.fixed(4096), osl=Lengths.fixed(1024), concurrency=64)
+    >>> w.arrival
+    'closed loop, 64 concurrent requests (steady state)'
+    """
+
+    isl: Lengths = Field(description="Prompt (input) tokens per request.")
+    osl: Lengths = Field(description="Generated (output) tokens per request.")
+    # one request in 11 days to a million a second: beyond either end, a simulated clock of
+    # seconds loses the steps' milliseconds (or no engine comes near)
+    rate_per_s: float | None = Field(
+        default=None,
+        ge=MIN_RATE_PER_S,
+        le=MAX_RATE_PER_S,
+        allow_inf_nan=False,
+        description="Poisson arrival rate.",
+    )
+    concurrency: int | None = Field(
+        default=None, ge=1, le=MAX_SEQS * 16, description="Closed-loop clients."
+    )
+    num_requests: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_REQUESTS,
+        description="Requests the benchmark sends in all; None: the steady state.",
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_BATCHED_TOKENS,
+        description="Token budget of one engine step (prefill chunks + decodes); None: vLLM's "
+        "default for the GPU (default_batch_limits).",
+    )
+    max_num_seqs: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_SEQS,
+        description="Requests one engine runs at once; None: vLLM's default for the GPU.",
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of Poisson arrivals and drawn lengths.")
+
+    @model_validator(mode="after")
+    def _one_arrival(self) -> Workload:
+        if (self.rate_per_s is None) == (self.concurrency is None):
+            raise ValueError("give either rate_per_s (open loop) or concurrency (closed loop)")
+        return self
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.concurrency is not None
+
+    @property
+    def arrival(self) -> str:
+        """The arrival process in words."""
+        tail = (
+            " (steady state)"
+            if self.num_requests is None
+            else f", {self.num_requests} requests in all"
+        )
+        if self.concurrency is not None:
+            return f"closed loop, {self.concurrency} concurrent requests{tail}"
+        return f"open loop, Poisson arrivals at {self.rate_per_s:g} requests/s{tail}"
+
+    def batch_limits(self, hardware: HardwareSpec) -> tuple[int, int]:
+        """``(max_num_batched_tokens, max_num_seqs)`` on ``hardware``: as given, else vLLM's."""
+        tokens, seqs = default_batch_limits(hardware)
+        return self.max_num_batched_tokens or tokens, self.max_num_seqs or seqs
+
+    @property
+    def max_context_tokens(self) -> int:
+        """Longest prompt plus answer the workload holds."""
+        return self.isl.max + self.osl.max
+
+    @property
+    def mean_decode_context(self) -> float:
+        """Mean context of a decode step: the prompt plus half the answer."""
+        return self.isl.mean + self.osl.mean / 2
+
+    def per_replica(self, replicas: int) -> Workload:
+        """This workload's share of one of ``replicas`` engines (arrivals split evenly)."""
+        if replicas == 1:
+            return self
+        update: dict[str, object] = {}
+        if self.rate_per_s is not None:
+            update["rate_per_s"] = self.rate_per_s / replicas
+        if self.concurrency is not None:
+            update["concurrency"] = max(1, math.ceil(self.concurrency / replicas))
+        if self.num_requests is not None:
+            update["num_requests"] = max(1, math.ceil(self.num_requests / replicas))
+        return self.model_copy(update=update)

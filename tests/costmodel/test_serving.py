@@ -1,0 +1,305 @@
+"""Serving estimates (issue 38): prefill cost, the scheduler simulation, aggregated serving."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import ClassVar
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from opweave.costmodel import (
+    EngineSetup,
+    EngineStepCost,
+    Lengths,
+    Parallelism,
+    Workload,
+    causal_pairs,
+    decode_pool,
+    default_batch_limits,
+    default_catalog,
+    estimate_serving,
+    estimate_step,
+    kv_transfer_s,
+    load_model,
+    prefill_pool,
+    simulate,
+)
+
+# Qwen/Qwen3-32B config.json (huggingface.co): the numbers an independent count needs
+Q32 = {
+    "hidden": 5120,
+    "layers": 64,
+    "heads": 64,
+    "kv_heads": 8,
+    "head_dim": 128,
+    "intermediate": 25600,
+    "vocab": 151936,
+}
+
+
+def independent_prefill_flops(start: int, tokens: int, tp: int) -> float:
+    """Matmul FLOPs of a Qwen3-32B prefill chunk from its config: 2 x weights x tokens for
+    the projections and MLP, 4 x heads x head_dim per causal query-key pair, the LM head at
+    one position; split over ``tp`` GPUs."""
+    h, d = Q32["hidden"], Q32["head_dim"]
+    q, kv = Q32["heads"] * d, Q32["kv_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * Q32["intermediate"]
+    pairs = sum(range(start + 1, start + tokens + 1))
+    attention = 4 * Q32["heads"] * d * pairs
+    layers = Q32["layers"] * (2 * per_layer * tokens + attention)
+    return (layers + 2 * h * Q32["vocab"]) / tp
+
+
+@pytest.fixture(scope="module")
+def qwen32():
+    return load_model("qwen3-32b")
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return default_catalog().get("h100")
+
+
+@pytest.mark.parametrize(("start", "tokens", "tp"), [(0, 4096, 1), (8192, 2048, 4), (0, 1, 2)])
+def test_prefill_flops_match_an_independent_count(qwen32, h100, start, tokens, tp) -> None:
+    cost = EngineStepCost.build(qwen32, h100, Parallelism(tp=tp))
+    flops, _ = cost.prefill_work(start, tokens)
+    expected = independent_prefill_flops(start, tokens, tp)
+    # the rest is norms, rope, the router-free activations: well under 1%
+    assert flops == pytest.approx(expected, rel=0.01)
+    assert flops >= expected
+
+
+def test_a_long_prefill_chunk_is_compute_bound_and_reads_the_weights_once(qwen32, h100) -> None:
+    tp = 4
+    cost = EngineStepCost.build(qwen32, h100, Parallelism(tp=tp))
+    flops, num_bytes = cost.prefill_work(0, 8192)
+    weights = qwen32.weight_bytes / tp
+    kv_written = 8192 * 64 * 2 * (8 // tp) * 128 * 2
+    assert num_bytes > weights + kv_written  # and activations, per token
+    # the weights once per step: a second chunk in the same step adds no weight bytes
+    _, twice = cost.prefill_work(0, 16384)
+    assert twice - num_bytes == pytest.approx(num_bytes - weights, rel=0.02)
+    assert num_bytes / h100.effective_bandwidth < flops / h100.effective_flops  # compute-bound
+    seconds = cost.step_s(np.zeros(0), [(0, 8192)])
+    compute = independent_prefill_flops(0, 8192, tp) / h100.effective_flops
+    # at most: the math, every byte at the memory's rate, the two ring all-reduces per layer
+    # of the chunk's hidden states over NVLink, and a millisecond of launches
+    ring = 2 * (tp - 1) / tp * 8192 * Q32["hidden"] * 2
+    allreduce = 2 * 64 * ring / (h100.intra_node_bandwidth_bytes_per_s * h100.link_efficiency)
+    upper = compute + num_bytes / h100.effective_bandwidth + allreduce + 1e-3
+    assert compute < seconds < upper
+
+
+def test_causal_pairs_against_counting() -> None:
+    for start, tokens, window in [(0, 7, math.inf), (5, 9, math.inf), (3, 10, 6), (10, 4, 6)]:
+        brute = sum(min(i, window) for i in range(start + 1, start + tokens + 1))
+        assert causal_pairs(start, tokens, window) == brute
+
+
+def test_mla_prefill_attends_in_the_expanded_form(h100) -> None:
+    """DeepSeek-V3 prefills with 192-wide keys and 128-wide values per head (vLLM's MLA
+    prefill path), not over the 576-wide latent its decode attends."""
+    ds = load_model("deepseek-v3")
+    cost = EngineStepCost.build(ds, default_catalog().get("h200"), Parallelism(tp=8))
+    kind = next(k for k in cost.kinds if k.prefill_flops_per_pair)
+    assert kind.prefill_flops_per_pair == 128 / 8 * 2 * (192 + 128)
+    assert kind.flops_per_attended == 128 / 8 * (2 * 576 + 2 * 512)
+
+
+def test_a_decode_only_step_is_the_decode_estimate(qwen32, h100) -> None:
+    cost = EngineStepCost.build(qwen32, h100, Parallelism(tp=2))
+    est = estimate_step(qwen32, h100, tp=2, batch=48, context=3000)
+    assert cost.step_s(np.full(48, 3000.0), []) == pytest.approx(est.step_latency_s, rel=1e-9)
+    run = cost.decode_run_s(np.array([100.0, 200.0]), 3)
+    each = [cost.step_s(np.array([100.0 + j, 200.0 + j]), []) for j in range(3)]
+    assert run == pytest.approx(each, rel=1e-12)
+
+
+# -- the scheduler simulation against a brute force written here -----------------------------
+class StubCost:
+    """Step time = 1 ms + 0.1 ms per token + 1 us per attended decode position; a cache of one
+    byte per token."""
+
+    kinds: ClassVar[list[object]] = []
+
+    def step_s(self, contexts, chunks) -> float:
+        tokens = len(contexts) + sum(c for _, c in chunks)
+        return 1e-3 + 1e-4 * tokens + 1e-6 * float(np.sum(contexts))
+
+    def decode_run_s(self, contexts, steps):
+        return np.array([self.step_s(contexts + j, []) for j in range(steps)])
+
+    def kv_bytes(self, contexts):
+        return np.asarray(contexts, dtype=np.float64)
+
+
+def brute_force(prompt: int, output: int, clients: int, n: int, step_budget: int):
+    """One step at a time: running requests first (a decode token, or the next chunk of the
+    prompt), then waiting ones while budget is left; first token when a prompt completes."""
+    cost = StubCost()
+    t = 0.0
+    waiting = deque(range(min(clients, n)))
+    sent = len(waiting)
+    arrival = dict.fromkeys(waiting, 0.0)
+    cached = dict.fromkeys(range(n), 0)
+    generated = dict.fromkeys(range(n), 0)
+    first, finish = {}, {}
+    running: list[int] = []
+    while len(finish) < n:
+        budget, decodes, chunks = step_budget, [], []
+        for r in running:
+            if cached[r] < prompt:
+                take = min(prompt - cached[r], budget)
+                chunks.append((r, take))
+            else:
+                take = 1
+                decodes.append(r)
+            budget -= take
+        while waiting and budget > 0:
+            r = waiting.popleft()
+            running.append(r)
+            take = min(prompt, budget)
+            chunks.append((r, take))
+            budget -= take
+        contexts = np.array([cached[r] + 1 for r in decodes], dtype=float)
+        t += cost.step_s(contexts, [(cached[r], c) for r, c in chunks])
+        for r in decodes:
+            cached[r] += 1
+            generated[r] += 1
+        for r, c in chunks:
+            cached[r] += c
+            if cached[r] == prompt:
+                generated[r] = 1
+                first[r] = t
+        for r in [r for r in running if generated[r] == output]:
+            running.remove(r)
+            finish[r] = t
+            if sent < n:
+                arrival[sent] = t
+                waiting.append(sent)
+                sent += 1
+    return arrival, first, finish
+
+
+@pytest.mark.parametrize(
+    ("prompt", "output", "clients", "n", "budget"),
+    [(4, 3, 1, 2, 2), (5, 4, 2, 5, 6), (3, 6, 3, 7, 4), (10, 2, 3, 6, 8)],
+)
+def test_the_simulation_matches_a_brute_force_scheduler(prompt, output, clients, n, budget) -> None:
+    setup = EngineSetup(max_num_batched_tokens=budget, max_num_seqs=64, kv_capacity_bytes=1e9)
+    sim = simulate(
+        StubCost(),  # type: ignore[arg-type]
+        setup,
+        np.full(n, prompt),
+        np.full(n, output),
+        clients=clients,
+    )
+    arrival, first, finish = brute_force(prompt, output, clients, n, budget)
+    assert sim.arrival_s == pytest.approx([arrival[i] for i in range(n)], abs=1e-12)
+    assert sim.first_token_s == pytest.approx([first[i] for i in range(n)], abs=1e-12)
+    assert sim.finish_s == pytest.approx([finish[i] for i in range(n)], abs=1e-12)
+
+
+def test_one_request_worked_by_hand() -> None:
+    """Prompt 4, budget 2, 3 output tokens: chunks of 2 and 2 (the second samples the first
+    token), then two decodes at contexts 5 and 6."""
+    setup = EngineSetup(max_num_batched_tokens=2, max_num_seqs=8, kv_capacity_bytes=1e9)
+    sim = simulate(StubCost(), setup, np.array([4]), np.array([3]), clients=1)  # type: ignore[arg-type]
+    step1 = 1e-3 + 2e-4
+    step2 = 1e-3 + 2e-4
+    dec1 = 1e-3 + 1e-4 + 5e-6
+    dec2 = 1e-3 + 1e-4 + 6e-6
+    assert sim.ttft_s[0] == pytest.approx(step1 + step2)
+    assert sim.tpot_s[0] == pytest.approx((dec1 + dec2) / 2)
+
+
+def test_a_full_cache_preempts_and_recomputes() -> None:
+    """Two requests whose answers outgrow a 24-token cache: one is preempted and finishes
+    after the other, every output token still produced."""
+    setup = EngineSetup(max_num_batched_tokens=64, max_num_seqs=8, kv_capacity_bytes=24.0)
+    sim = simulate(StubCost(), setup, np.array([8, 8]), np.array([8, 8]), clients=2)  # type: ignore[arg-type]
+    assert sim.preemptions >= 1
+    assert sim.tokens_out[-1] >= 16
+    assert np.all(np.isfinite(sim.finish_s))
+
+
+# -- aggregated serving ------------------------------------------------------------------------
+def test_a_very_long_answer_converges_to_the_decode_step(qwen32, h100) -> None:
+    w = Workload(isl=Lengths.fixed(128), osl=Lengths.fixed(32000), concurrency=8)
+    est = estimate_serving(qwen32, h100, tp=2, workload=w)
+    step = estimate_step(qwen32, h100, tp=2, batch=8, context=128 + 16000)
+    assert est.tpot_s == pytest.approx(step.step_latency_s, rel=0.01)
+    assert est.decode_batch == pytest.approx(8, rel=0.01)
+
+
+def test_prefill_mixed_in_raises_tpot_above_the_decode_step(qwen32, h100) -> None:
+    short = Workload(isl=Lengths.fixed(4096), osl=Lengths.fixed(128), concurrency=64)
+    long = short.model_copy(update={"osl": Lengths.fixed(1024)})
+    a, b = (estimate_serving(qwen32, h100, tp=4, workload=w) for w in (short, long))
+    assert a.tpot_s > b.tpot_s > b.decode_step_s
+    assert a.ttft_s > a.decode_step_s
+    assert b.tokens_per_s == pytest.approx(b.requests_per_s * 1024)
+    assert b.usd_per_million_tokens == pytest.approx(
+        h100.usd_per_hour * 4 / 3600 / b.tokens_per_s * 1e6
+    )
+
+
+def test_open_loop_is_seeded_and_a_light_load_waits_for_nothing(qwen32, h100) -> None:
+    w = Workload(isl=Lengths.fixed(1024), osl=Lengths.fixed(64), rate_per_s=0.05)
+    a = estimate_serving(qwen32, h100, tp=4, workload=w)
+    b = estimate_serving(qwen32, h100, tp=4, workload=w)
+    assert a == b
+    alone = EngineStepCost.build(qwen32, h100, Parallelism(tp=4)).step_s(np.zeros(0), [(0, 1024)])
+    assert a.ttft_s == pytest.approx(alone, rel=0.02)
+    assert not a.saturated
+    heavy = estimate_serving(qwen32, h100, tp=4, workload=w.model_copy(update={"rate_per_s": 500}))
+    assert heavy.saturated
+
+
+def test_vllm_batch_defaults() -> None:
+    cat = default_catalog()
+    assert default_batch_limits(cat.get("h200")) == (8192, 1024)
+    assert default_batch_limits(cat.get("a100")) == (2048, 256)  # A100: the small defaults
+    assert default_batch_limits(cat.get("l4")) == (2048, 256)
+
+
+def test_workload_needs_one_arrival_process() -> None:
+    with pytest.raises(ValidationError, match="either rate_per_s"):
+        Workload(isl=Lengths.fixed(8), osl=Lengths.fixed(8))
+    with pytest.raises(ValidationError, match="either rate_per_s"):
+        Workload(isl=Lengths.fixed(8), osl=Lengths.fixed(8), rate_per_s=1, concurrency=2)
+    w = Workload(isl=Lengths.range_ratio(1000, 0.8), osl=Lengths.fixed(8), concurrency=2)
+    assert w.isl.mean == 900
+
+
+# -- P/D building blocks -------------------------------------------------------------------------
+def test_kv_transfer_against_the_cache_size(qwen32, h100) -> None:
+    tokens, tp = 4096, 4
+    # K and V, 8 KV heads of 128 in BF16, 64 layers; each of the 4 GPUs holds 2 heads
+    per_gpu = tokens * 64 * 2 * (8 // tp) * 128 * 2
+    nvlink = kv_transfer_s(qwen32, tokens, tp=tp, link="nvlink", prefill=h100)
+    expected = h100.intra_node_latency_s + per_gpu / (
+        h100.intra_node_bandwidth_bytes_per_s * h100.link_efficiency
+    )
+    assert nvlink == pytest.approx(expected)
+    assert kv_transfer_s(qwen32, tokens, tp=tp, link="network", prefill=h100) > nvlink
+
+
+def test_prefill_pool_capacity_is_the_budget_over_a_full_step(qwen32, h100) -> None:
+    w = Workload(isl=Lengths.fixed(2048), osl=Lengths.fixed(512), rate_per_s=1.0)
+    pool = prefill_pool(qwen32, h100, tp=4, workload=w)
+    cost = EngineStepCost.build(qwen32, h100, Parallelism(tp=4))
+    full = cost.step_s(np.zeros(0), [(0, 2048)] * 4)  # 4 prompts fill the 8192-token budget
+    assert pool.capacity_tokens_per_s == pytest.approx(8192 / full, rel=0.05)
+    assert pool.prefill_s == pytest.approx(cost.step_s(np.zeros(0), [(0, 2048)]))
+    assert pool.prefill_s <= pool.ttft_s < 2 * pool.prefill_s
+
+
+def test_decode_pool_is_littles_law() -> None:
+    pool = decode_pool(32, 0.015, 513)
+    assert pool.tpot_s == 0.015
+    assert pool.requests_per_s == pytest.approx(32 / (512 * 0.015))

@@ -1,0 +1,260 @@
+"""``costmodel_accuracy.py --set serving``: TTFT and TPOT against published serving benchmarks.
+
+The reference is ``serving_accuracy_data.toml`` beside this file (see its header). Each row is
+replayed as its benchmark ran it:
+
+- **aggregated** rows: :func:`opweave.costmodel.estimate_serving` (a simulation of the engine's
+  scheduler with chunked prefill) with the row's client: InferenceX's closed loop of 10 x
+  concurrency prompts with lengths uniform in [0.8 L, L]; ``sglang.bench_serving``'s
+  ``--num-prompts`` where the row's note names it; ``vllm bench serve`` sending every prompt at
+  once (rate "inf": a population of ``concurrency`` requests that all arrive at time 0); a
+  steady closed loop otherwise. The engine's limits are those its serve command sets
+  (``--chunked-prefill-size``, ``--max-num-batched-tokens``, ``--max-running-requests``,
+  ``--max-num-seqs``), else vLLM's defaults for the GPU (said in the output).
+- **P/D** rows: the decode pool's step at its per-worker batch and mean context is the TPOT
+  (:func:`~opweave.costmodel.decode_pool`); the TTFT is the prefill pool's
+  (:func:`~opweave.costmodel.prefill_pool`, Poisson arrivals at the closed loop's request rate
+  split over the prefill workers) plus the KV transfer between the pools
+  (:func:`~opweave.costmodel.kv_transfer_s`: NVLink inside a GB200/GB300 NVL72 rack, the network
+  otherwise).
+
+The signed error is ``(estimate - measured) / measured``; the medians of the absolute errors are
+printed per engine, GPU and deployment. Goal: median <= 8% for TPOT and <= 15% for TTFT.
+"""
+
+from __future__ import annotations
+
+import re
+import statistics
+import tomllib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from opweave.costmodel import (
+    Lengths,
+    ModelSpec,
+    Workload,
+    default_catalog,
+    estimate_serving,
+    estimate_step,
+    host_profile,
+    kv_transfer_s,
+    prefill_pool,
+)
+from opweave.costmodel.errors import ConfigError, OpWeaveError
+
+SERVING = Path(__file__).with_name("serving_accuracy_data.toml")
+GOAL_TPOT, GOAL_TTFT = 0.08, 0.15
+# InferenceX: lengths uniform in [0.8 L, L], 10 x concurrency prompts (the data file's header)
+INFERENCEX_RATIO, INFERENCEX_PROMPTS_PER_CLIENT = 0.8, 10
+RACK_SCALE = ("gb200", "gb300")
+FLAGS = {
+    "max_num_batched_tokens": (
+        r"--chunked-prefill-size[ =](\d+)",
+        r"--max-num-batched-tokens[ =](\d+)",
+    ),
+    "max_num_seqs": (r"--max-running-requests[ =](\d+)", r"--max-num-seqs[ =](\d+)"),
+}
+
+
+@dataclass(frozen=True)
+class ServingResult:
+    row: dict[str, Any]
+    ttft_ms: float | None
+    tpot_ms: float | None
+    why: str = ""
+    limits: str = ""
+
+    def error(self, which: str) -> float:
+        est = self.ttft_ms if which == "ttft" else self.tpot_ms
+        assert est is not None
+        meas = float(self.row[f"{which}_ms"])
+        return (est - meas) / meas
+
+
+def engine_limits(row: dict[str, Any]) -> tuple[dict[str, int], str]:
+    """The batch limits the row's serve command sets, and where they come from."""
+    command = row.get("serve_command", "")
+    limits: dict[str, int] = {}
+    for field, patterns in FLAGS.items():
+        for pattern in patterns:
+            match = re.search(pattern, command)
+            if match:
+                limits[field] = int(match.group(1))
+    if "max_num_batched_tokens" in row:
+        limits["max_num_batched_tokens"] = int(row["max_num_batched_tokens"])
+    return limits, "serve command" if limits else "vLLM defaults"
+
+
+def workload_for(row: dict[str, Any], replicas: int) -> Workload:
+    limits, _ = engine_limits(row)
+    isl, osl = round(float(row["isl"])), max(2, round(float(row["osl"])))
+    conc = int(row["concurrency"])
+    prompts: int | None = None
+    if row["source"].startswith("InferenceX"):
+        isl_l = Lengths.range_ratio(isl, INFERENCEX_RATIO)
+        osl_l = Lengths.range_ratio(osl, INFERENCEX_RATIO)
+        prompts = INFERENCEX_PROMPTS_PER_CLIENT * conc
+    else:
+        isl_l, osl_l = Lengths.fixed(isl), Lengths.fixed(osl)
+        match = re.search(r"--num-prompts?\s+(\d+)", row.get("note", ""))
+        if match:
+            prompts = int(match.group(1))
+        if str(row.get("rate_rps", "")).startswith("inf"):
+            prompts = conc
+    w = Workload(isl=isl_l, osl=osl_l, concurrency=conc, num_requests=prompts, **limits)
+    return w.per_replica(replicas)
+
+
+def _aggregated(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
+    hw = default_catalog().get(row["gpu"])
+    tp, dp = int(row["tp"]), int(row["dp"])
+    if tp % dp:
+        raise ConfigError(f"dp {dp} does not divide tp {tp}")
+    w = workload_for(row, int(row.get("replicas", 1)))
+    est = estimate_serving(
+        model,
+        hw,
+        tp=tp // dp,
+        ep=int(row["ep"]),
+        dp=dp,
+        workload=w,
+        host=host_profile("overlapped"),
+    )
+    return est.ttft_s * 1e3, est.tpot_s * 1e3
+
+
+def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
+    hw = default_catalog().get(row["gpu"])
+    pre, dec = row["prefill_pool"], row["decode_pool"]
+    conc = int(row["concurrency"])
+    isl, osl = round(float(row["isl"]) * 0.9), round(float(row["osl"]) * 0.9)  # InferenceX means
+
+    def layout(pool: dict[str, Any]) -> tuple[int, int, int]:
+        tp, ep = int(pool["tp"]), int(pool.get("ep", 1))
+        return (1, ep, tp) if pool.get("dp_attention") else (tp, ep, 1)
+
+    dtp, dep, ddp = layout(dec)
+    per_worker = max(1, round(conc / int(dec["workers"])))
+    step = estimate_step(
+        model,
+        hw,
+        tp=dtp,
+        ep=dep,
+        dp=ddp,
+        batch=per_worker,
+        context=isl + osl // 2,
+        host=host_profile("overlapped"),
+    ).step_latency_s
+    rate = conc / (osl * step)  # closed loop: every client's request lasts about osl steps
+    ptp, pep, pdp = layout(pre)
+    w = Workload(isl=Lengths.fixed(isl), osl=Lengths.fixed(osl), rate_per_s=rate)
+    pool = prefill_pool(
+        model, hw, tp=ptp, ep=pep, dp=pdp, workload=w, rate_per_s=rate / int(pre["workers"])
+    )
+    link = "nvlink" if row["gpu"] in RACK_SCALE else "network"
+    move = kv_transfer_s(model, isl, tp=ptp, link=link, prefill=hw)
+    return (pool.ttft_s + move) * 1e3, step * 1e3
+
+
+def evaluate(
+    rows: Sequence[dict[str, Any]], model_of: Callable[[dict[str, Any]], ModelSpec]
+) -> list[ServingResult]:
+    out = []
+    for row in rows:
+        try:
+            model = model_of(row)
+            run = _pd if row["deployment"] == "pd" else _aggregated
+            ttft, tpot = run(row, model)
+            out.append(ServingResult(row, ttft, tpot, limits=engine_limits(row)[1]))
+        except (OpWeaveError, KeyError, ValueError) as exc:
+            out.append(ServingResult(row, None, None, str(exc).strip("'\"")))
+    return out
+
+
+def _median(results: Sequence[ServingResult], which: str) -> str:
+    errs = [abs(r.error(which)) for r in results]
+    if not errs:
+        return "     -"
+    return f"{100 * statistics.median(errs):5.1f}%"
+
+
+def summary(results: Sequence[ServingResult]) -> str:
+    if not results:
+        return "n=0"
+    signed = [r.error("tpot") for r in results]
+    return (
+        f"n={len(results):<4} TPOT median |err| {_median(results, 'tpot')} (signed mean "
+        f"{100 * statistics.mean(signed):+6.1f}%)   TTFT median |err| {_median(results, 'ttft')}"
+    )
+
+
+def print_rows(results: Sequence[ServingResult]) -> None:
+    head = (
+        f"{'model':<15}{'quant':<10}{'gpu':<9}{'tp':>3}{'ep':>4}{'dp':>4}{'conc':>6}{'isl':>7}"
+        f"{'osl':>7}{'TTFT ms':>10}{'est':>10}{'err':>8}{'TPOT ms':>9}{'est':>8}{'err':>8}  "
+        f"{'deploy':<11}{'engine':<22}limits"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        row = r.row
+        assert r.ttft_ms is not None and r.tpot_ms is not None
+        print(
+            f"{row['model']:<15}{row['quant']:<10}{row['gpu']:<9}{row['tp']:>3}{row['ep']:>4}"
+            f"{row['dp']:>4}{row['concurrency']:>6}{float(row['isl']):>7.0f}{float(row['osl']):>7.0f}"
+            f"{row['ttft_ms']:>10.1f}{r.ttft_ms:>10.1f}{100 * r.error('ttft'):>+7.0f}%"
+            f"{row['tpot_ms']:>9.2f}{r.tpot_ms:>8.2f}{100 * r.error('tpot'):>+7.0f}%  "
+            f"{row['deployment']:<11}{row['engine']:<22}{r.limits}"
+        )
+
+
+def run_serving(model_of: Callable[[dict[str, Any]], ModelSpec]) -> None:
+    rows = tomllib.loads(SERVING.read_text())["rows"]
+    scoped = [r for r in rows if r.get("in_scope", True)]
+    results = evaluate(scoped, model_of)
+    described = [r for r in results if r.ttft_ms is not None]
+    missing = [r for r in results if r.ttft_ms is None]
+    print(
+        f"\nCost model vs published serving benchmarks ({SERVING.name}): {len(scoped)} rows in "
+        f"scope ({len(rows) - len(scoped)} out of scope), {len(described)} described "
+        f"({100 * len(described) / max(1, len(scoped)):.0f}%). Statistic: the mean TTFT and TPOT "
+        "over the benchmark's requests, as the rows print them."
+    )
+    print_rows(described)
+    print("\nErrors, signed = (estimate - measured) / measured")
+    groups: list[tuple[str, Callable[[ServingResult], bool]]] = [("all", lambda r: True)]
+    for key in ("deployment", "engine", "gpu"):
+        for value in sorted({str(r.row[key]) for r in described}):
+            groups.append((f"{key} {value}", lambda r, k=key, v=value: str(r.row[k]) == v))
+    for name, keep in groups:
+        print(f"{name:<32}{summary([r for r in described if keep(r)])}")
+    if described:
+        tpot = statistics.median(abs(r.error("tpot")) for r in described)
+        ttft = statistics.median(abs(r.error("ttft")) for r in described)
+        print(
+            f"goal median <= {100 * GOAL_TPOT:.0f}% TPOT and <= {100 * GOAL_TTFT:.0f}% TTFT: "
+            f"TPOT {'met' if tpot <= GOAL_TPOT else 'not met'} ({100 * tpot:.1f}%), "
+            f"TTFT {'met' if ttft <= GOAL_TTFT else 'not met'} ({100 * ttft:.1f}%)"
+        )
+    if missing:
+        print("\nNot described (not in the statistics):")
+        reasons: dict[str, int] = {}
+        for r in missing:
+            row = r.row
+            why = f"{row['model']} on {row['gpu']} ({row['deployment']}): {r.why}"
+            reasons[why] = reasons.get(why, 0) + 1
+        for why, n in sorted(reasons.items()):
+            print(f"  {n} x {why}")
+
+
+def production_tpot_ms(row: dict[str, Any], model: ModelSpec) -> float:
+    """TPOT of an aggregated row of ``production_decode_data.toml`` (fields: tp, ep, dp,
+    batch per DP rank or instance, isl, osl, source, note) with prefill mixed in."""
+    as_serving = dict(row) | {
+        "concurrency": max(1, round(float(row["batch"]) * int(row["dp"]))),
+        "replicas": 1,
+    }
+    return _aggregated(as_serving, model)[1]
