@@ -645,9 +645,9 @@ def ranks_spin(dev: torch.device, wait: str = "auto") -> bool:
     """Whether the runtime's ranks busy-poll while they wait on this machine, run with
     ``RunOptions(wait=wait)``: by default CPU ranks with a core each (a plan's ranks here get
     one per core when there are enough; see ``opweave.runtime``'s wire)."""
-    from opweave.runtime import RunOptions
+    from opweave.runtime import RunOptions, Wait
 
-    options = RunOptions(device="cpu", wait=wait)
+    options = RunOptions(device="cpu", wait=Wait(wait))
     return dev.type == "cpu" and options.spin_s(len(available_cores()) >= 2) > 0
 
 
