@@ -165,7 +165,7 @@ def test_tensor_parallel_and_replicated_plans_offline(shape, tiny_model, hf_gree
 
 
 def test_a_driver_with_other_threads_starts_its_ranks_from_the_launcher(
-    tiny_model, hf_greedy, prompts, monkeypatch
+    tiny_model, hf_greedy, prompts
 ):
     """A fork copies only the calling thread, so a lock another thread holds (OpenMP's, oneDNN's,
     an engine's) stays locked forever in the rank. A driver with other threads therefore starts
@@ -181,8 +181,7 @@ def test_a_driver_with_other_threads_starts_its_ranks_from_the_launcher(
     try:
         runs = []
         for wait in ("block", "spin"):
-            monkeypatch.setenv("OPWEAVE_WAIT", wait)
-            runs.append(_run(model_dir, plan, prompts))
+            runs.append(_run(model_dir, plan, prompts, wait=wait))
     finally:
         stop.set()
         other.join()
