@@ -105,7 +105,9 @@ class Server:
             cmd += ["--model-path", str(model), "--timeout-s", "5", *common]
         else:
             cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
-            cmd += ["--model", str(model), *common]
+            # on CPU this share of the host's memory is reserved (KV cache): a shared machine
+            # has far less than vLLM's default 0.92 free
+            cmd += ["--model", str(model), "--gpu-memory-utilization", "0.2", *common]
         env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
         env |= {"HF_HUB_OFFLINE": "1", "TMPDIR": str(self.temp)}
         self.log = self.temp.parent / f"{self.temp.name}.log"
@@ -230,6 +232,7 @@ def main() -> None:
     parser.add_argument("--drain-s", type=float, default=5.0)
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--only", default=",".join(CASES))
+    parser.add_argument("--servers", default="opweave,vllm")
     args = parser.parse_args()
     from opweave.runtime import write_tiny_model
 
@@ -239,7 +242,7 @@ def main() -> None:
     )
     print(f"{args.clients} streaming clients, drain deadline {args.drain_s:g} s; shared machine")
     for name in args.only.split(","):
-        for kind in ("opweave", "vllm"):
+        for kind in args.servers.split(","):
             if name == "rank" and kind == "vllm":
                 continue
             rows = [case(kind, name, model, args, root) for _ in range(args.repeats)]

@@ -138,6 +138,8 @@ class Cluster(ControlHub):
             self._listener.bind((host, 0))
             self._listener.listen(max(self.world, 8))
             control = (host, self._listener.getsockname()[1])
+            # the control port; closed once every rank has joined (nobody else may connect)
+            self.control_address = control
             self._start_ranks(model_dir, topology, host, control, start_method)
             if multi:  # hosted after every fork, so no rank inherits the store's thread
                 agent = torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
