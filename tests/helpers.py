@@ -23,6 +23,9 @@ TINY_LLAMA: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+# `opweave deploy --image`, which has no default (no public image exists)
+IMAGE = ("--image", "registry.example.com/opweave:1.0")
+
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``opweave`` as a user would: a fresh process, output captured."""

@@ -19,7 +19,7 @@ import yaml
 
 from opweave.costmodel import Node, Plan, canonical_plan, load_model, plan_nodes
 from opweave.planner import plan as search
-from tests.helpers import cli_json, free_port, run_cli
+from tests.helpers import IMAGE, cli_json, free_port, run_cli
 
 K8S_VERSION = "1.30"
 MAX_TOKENS = 16  # shares hf_greedy's cache with the runtime tests
@@ -55,7 +55,7 @@ def fleet_plan(tmp_path_factory) -> tuple[Plan, Path]:
 def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
     plan, path = fleet_plan
     out = tmp_path / "dep"
-    doc = cli_json("deploy", str(path), "-o", str(out), "--namespace", "serving")
+    doc = cli_json("deploy", str(path), "-o", str(out), *IMAGE, "--namespace", "serving")
     nodes = [Node.model_validate(n) for n in json.loads((out / "nodes.json").read_text())]
     assert nodes == plan_nodes(plan, {"h100-sxm": 8, "a100-sxm-80gb": 8})
     assert [n.model_dump(mode="json") for n in nodes] == doc["nodes"]
@@ -77,7 +77,12 @@ def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
         assert "run-secret" in text
     manifests = {p.name: yaml.safe_load(p.read_text()) for p in (out / "k8s").iterdir()}
     kinds = sorted(m["kind"] for m in manifests.values())
-    groups = len({(n.gpu, n.gpus) for n in nodes})
+    # node 0 alone (it serves), then runs of consecutive nodes of one GPU type and count
+    groups = 1 + sum(
+        1
+        for r in range(1, len(nodes))
+        if r == 1 or (nodes[r].gpu, nodes[r].gpus) != (nodes[r - 1].gpu, nodes[r - 1].gpus)
+    )
     assert kinds == sorted(["ConfigMap", "Secret", "Service", "Service"] + ["StatefulSet"] * groups)
     for name, manifest in manifests.items():
         kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
@@ -100,6 +105,81 @@ def test_deploy_files_round_trip_and_validate(fleet_plan, tmp_path) -> None:
             env["valueFrom"]["secretKeyRef"]["name"] == manifests["secret.yaml"]["metadata"]["name"]
         )
         assert s["spec"]["serviceName"].endswith("-rdzv")
+        assert container["image"] == IMAGE[1]
+
+
+def _wide_plan(tmp_path: Path) -> Path:
+    """A wide-EP plan: 2 replicas of 8 DP ranks of TP 2 (experts over EP 16), 32 H100s."""
+    plan = canonical_plan(
+        load_model("qwen3-30b-a3b"),
+        "colocated",
+        gpu="h100-sxm",
+        batch=64,
+        tp=2,
+        ep=16,
+        dp=8,
+        replicas=2,
+    )
+    path = tmp_path / "plan.json"
+    path.write_text(plan.model_dump_json())
+    return path
+
+
+def test_the_api_is_behind_a_key_and_probed_on_health(tmp_path) -> None:
+    """Node 0 serves on 0.0.0.0 behind the API key of the deployment's Secret (a file it reads,
+    the same key as DIR/api-key), and is ready when /health says 200; the other nodes serve
+    nothing. The launch scripts need MASTER_ADDR on a deployment of several nodes."""
+    path = _wide_plan(tmp_path)
+    out = tmp_path / "dep"
+    cli_json("deploy", str(path), "-o", str(out), *IMAGE)
+    key = (out / "api-key").read_text().strip()
+    assert len(key) >= 32 and (out / "api-key").stat().st_mode & 0o077 == 0
+    manifests = {p.name: yaml.safe_load(p.read_text()) for p in (out / "k8s").iterdir()}
+    secret = manifests["secret.yaml"]
+    assert secret["stringData"]["api-key"] == key
+    sets = sorted(
+        (m for m in manifests.values() if m["kind"] == "StatefulSet"),
+        key=lambda m: m["metadata"]["name"],
+    )
+    first = sets[0]
+    assert first["metadata"]["name"].endswith("-g0") and first["spec"]["replicas"] == 1
+    assert [s["spec"]["replicas"] for s in sets[1:]] == [3]  # nodes 1-3: one group
+    for s in sets:
+        pod = s["spec"]["template"]["spec"]
+        (container,) = pod["containers"]
+        args = container["args"][0]
+        serves = s is first
+        assert ("--host 0.0.0.0" in args) == serves
+        assert pod["terminationGracePeriodSeconds"] > 10 + 5  # the drain, then some
+        if not serves:
+            assert "readinessProbe" not in container and "--api-key" not in args
+            continue
+        assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        flag = args.split("--api-key-file ")[1].split()[0]
+        mount = next(m for m in container["volumeMounts"] if flag.startswith(m["mountPath"] + "/"))
+        volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+        assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+        (item,) = volume["secret"]["items"]
+        assert item["key"] == "api-key" and flag == f"{mount['mountPath']}/{item['path']}"
+    service = manifests["api-service.yaml"]["spec"]["selector"]
+    assert service == {"statefulset.kubernetes.io/pod-name": f"{first['metadata']['name']}-0"}
+    # the launch scripts: node 0 serves with the deployment's key; MASTER_ADDR is required
+    assert '"$here/../api-key"' in (out / "launch" / "node-0.sh").read_text()
+    assert "api-key" not in (out / "launch" / "node-1.sh").read_text()
+    env = {k: v for k, v in os.environ.items() if k != "MASTER_ADDR"}
+    env |= {"MODEL_PATH": str(tmp_path), "OPWEAVE": "echo"}
+    for r in (0, 1):
+        proc = subprocess.run(
+            ["bash", str(out / "launch" / f"node-{r}.sh")], env=env, capture_output=True, text=True
+        )
+        assert proc.returncode != 0 and "set MASTER_ADDR" in proc.stderr, proc.stderr
+    proc = subprocess.run(
+        ["bash", str(out / "launch" / "node-1.sh")],
+        env={**env, "MASTER_ADDR": "10.0.0.1"},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0 and "--master-addr 10.0.0.1" in proc.stdout, proc.stderr
 
 
 def test_deploy_counts_tp_x_dp_gpus_per_replica(tmp_path) -> None:
@@ -118,7 +198,7 @@ def test_deploy_counts_tp_x_dp_gpus_per_replica(tmp_path) -> None:
     path = tmp_path / "plan.json"
     path.write_text(plan.model_dump_json())
     out = tmp_path / "dep"
-    cli_json("deploy", str(path), "-o", str(out))
+    cli_json("deploy", str(path), "-o", str(out), *IMAGE)
     nodes = json.loads((out / "nodes.json").read_text())
     assert [(n["gpu"], n["gpus"]) for n in nodes] == [("h100-sxm", 8)] * 4
     assert [r for n in nodes for r in n["ranks"]] == list(range(32))
@@ -129,7 +209,7 @@ def test_manifests_fail_validation_when_broken(fleet_plan, tmp_path) -> None:
     """The validation above can fail: a manifest with a wrong field type does not pass."""
     _, path = fleet_plan
     out = tmp_path / "dep"
-    run_cli("deploy", str(path), "-o", str(out))
+    run_cli("deploy", str(path), "-o", str(out), *IMAGE)
     manifest = yaml.safe_load((out / "k8s" / "node-group-0.yaml").read_text())
     manifest["spec"]["replicas"] = "two"
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -145,10 +225,12 @@ def test_bad_deploy_input_is_one_line_errors(fleet_plan, tmp_path) -> None:
         canonical_plan(load_model("qwen3-32b"), "afd", gpu="cpu", batch=2).model_dump_json()
     )
     cases = [
-        (("deploy", str(bad), "-o", str(tmp_path / "x")), "not a valid plan"),
-        (("deploy", str(cpu_plan), "-o", str(tmp_path / "x")), "unknown GPU 'cpu'"),
-        (("deploy", str(path), "-o", str(tmp_path / "x"), "--name", "Bad_Name"), "--name"),
-        (("deploy", str(path), "-o", str(bad)), "is not a directory"),
+        (("deploy", str(bad), "-o", str(tmp_path / "x"), *IMAGE), "not a valid plan"),
+        (("deploy", str(cpu_plan), "-o", str(tmp_path / "x"), *IMAGE), "unknown GPU 'cpu'"),
+        (("deploy", str(path), "-o", str(tmp_path / "x"), *IMAGE, "--name", "Bad_Name"), "--name"),
+        (("deploy", str(path), "-o", str(bad), *IMAGE), "is not a directory"),
+        # no image exists by default: Kubernetes would pull one that does not exist
+        (("deploy", str(path), "-o", str(tmp_path / "x")), "Missing option '--image'"),
     ]
     for args, message in cases:
         proc = run_cli(*args, check=False)
@@ -166,7 +248,7 @@ def test_launch_scripts_run_two_nodes(tmp_path, tiny_model, hf_greedy, prompts) 
     hw = tmp_path / "cpu.toml"
     hw.write_text(CPU_NODE)
     out = tmp_path / "dep"
-    doc = cli_json("deploy", str(plan_path), "-o", str(out), "--hardware", str(hw))
+    doc = cli_json("deploy", str(plan_path), "-o", str(out), *IMAGE, "--hardware", str(hw))
     assert doc["nodes"] == [
         {"gpu": "cpu", "gpus": 1, "ranks": [0]},
         {"gpu": "cpu", "gpus": 1, "ranks": [1]},

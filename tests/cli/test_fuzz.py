@@ -45,7 +45,7 @@ from tests.fuzzing import (
     mutated,
     numbers,
 )
-from tests.helpers import TINY_LLAMA
+from tests.helpers import IMAGE, TINY_LLAMA
 
 FUZZ = settings(
     max_examples=60,
@@ -505,7 +505,7 @@ def test_plan_files(data: st.DataObject, plan_doc: dict[str, Any], tiny_config, 
     doc = data.draw(mutated(plan_doc, ["prediction", "profiles", "tpot_slo_s"]))
     path = _write(root / "plan.json", doc)
     check("plan file: simulate", ["simulate", str(path), "--model", str(tiny_config), "--json"])
-    check("plan file: deploy", ["deploy", str(path), "-o", str(root / "deploy"), "--json"])
+    check("plan file: deploy", ["deploy", str(path), "-o", str(root / "deploy"), *IMAGE, "--json"])
 
 
 @settings(FUZZ, max_examples=30)

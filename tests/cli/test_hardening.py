@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.fuzzing import invoke
-from tests.helpers import TINY_LLAMA
+from tests.helpers import IMAGE, TINY_LLAMA
 
 
 def _error(args: list[str]) -> str:
@@ -377,12 +377,12 @@ def test_deploy_refuses_what_kubernetes_would_and_leaves_no_stale_node_groups(
         ("--model-pvc", "x y"),
         ("--node-selector-key", "bad key!"),
     ):
-        assert flag in _error(["deploy", str(plan), "-o", str(out), flag, value])
+        assert flag in _error(["deploy", str(plan), "-o", str(out), *IMAGE, flag, value])
     (out / "k8s").mkdir(parents=True)
     (out / "launch").mkdir()
     (out / "k8s" / "node-group-5.yaml").write_text("old")
     (out / "launch" / "node-5.sh").write_text("old")
-    code, _, err, _ = invoke(["deploy", str(plan), "-o", str(out)])
+    code, _, err, _ = invoke(["deploy", str(plan), "-o", str(out), *IMAGE])
     assert code == 0, err
     assert not (out / "k8s" / "node-group-5.yaml").exists()
     assert not (out / "launch" / "node-5.sh").exists()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.fuzzing import invoke
-from tests.helpers import TINY_LLAMA
+from tests.helpers import IMAGE, TINY_LLAMA
 
 PLAN = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "4K", "--tpot-slo-ms", "50"]
 
@@ -72,7 +72,7 @@ def test_deploy_lays_nodes_out_with_the_planned_node_size(tmp_path: Path) -> Non
     assert doc["hardware"][0]["gpus_per_node"] == 2 and owner["tp"] <= 2
     doc["owners"] = [{**owner, "replicas": 2}]  # two replica sets: more GPUs than one node
     plan_file.write_text(json.dumps(doc))
-    out, _ = _ok(["deploy", str(plan_file), "-o", str(tmp_path / "dep"), "--json"])
+    out, _ = _ok(["deploy", str(plan_file), "-o", str(tmp_path / "dep"), *IMAGE, "--json"])
     nodes = json.loads(out)["nodes"]
     assert sum(n["gpus"] for n in nodes) == 2 * owner["tp"] * len(doc["owners"])
     assert max(n["gpus"] for n in nodes) <= 2  # the built-in h100-sxm has 8 per node

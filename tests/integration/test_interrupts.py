@@ -125,39 +125,50 @@ def test_sigint_stops_a_profile_run(write_config, tmp_path):
 
 
 def test_the_control_channel_refuses_a_peer_without_the_secret(tiny_model):
-    """A process that reaches the driver's control port without the run's secret is dropped
-    at the handshake; the run goes on and its results are unchanged."""
+    """A process without the run's secret is dropped at the handshake; once every rank has
+    joined, the driver's control port is closed, so no process can reach it at all; the run goes
+    on and its results are unchanged."""
     import socket
+    import threading
 
     from opweave.costmodel import canonical_plan, load_model
     from opweave.runtime import Cluster, Request
     from opweave.runtime._private.control import (
         AuthError,
         ChannelClosed,
-        ControlClient,
         client_handshake,
+        server_handshake,
     )
     from opweave.runtime._private.driver import OfflineDriver
 
+    key = bytes(range(32))
+    for wrong in (b"\x00" * 32, b"wrong key"):  # the handshake: a guessed key is refused
+        server, client = socket.socketpair()
+        outcome: list[object] = []
+
+        def serve(sock=server, out=outcome) -> None:
+            try:
+                out.append(server_handshake(sock, key))
+            except (AuthError, ChannelClosed, OSError) as exc:
+                out.append(exc)
+            finally:
+                sock.close()
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        with client, pytest.raises((AuthError, ChannelClosed, OSError)):
+            client_handshake(client, wrong, 0)
+        thread.join(30)
+        assert len(outcome) == 1 and isinstance(outcome[0], AuthError)
     model_dir = tiny_model("llama")
     spec = load_model(model_dir)
     plan = canonical_plan(spec, "colocated", gpu="cpu", batch=1)
     cluster = Cluster(plan, spec, model_dir)
     try:
-        host, port = cluster._listener.getsockname()
+        host, port = cluster.control_address
         assert host == "127.0.0.1"
-        with pytest.raises((AuthError, ChannelClosed)):  # posing as rank 0, with a guessed key
-            ControlClient(host, port, b"\x00" * 32, 0, timeout_s=5)
-        with socket.create_connection((host, port), timeout=5) as raw:  # a silent stranger
-            raw.sendall(b"\xff" * 72)  # as long as a proof, so the driver reads all of it
-            raw.settimeout(15)
-            assert raw.recv(4096).startswith(b"OPWEAVE1")  # the challenge, nothing else
-            assert raw.recv(4096) == b""  # then dropped
-        with (
-            socket.create_connection((host, port), timeout=5) as other,
-            pytest.raises((AuthError, ChannelClosed, OSError)),
-        ):
-            client_handshake(other, b"wrong key", 0)
+        with pytest.raises(ConnectionRefusedError):  # every rank joined: the port is closed
+            socket.create_connection((host, port), timeout=5).close()
         driver = OfflineDriver(cluster, [Request((5, 6, 7), 4)], spec.arch.eos_token_ids)
         driver.run()
         assert len(driver.outputs()[0].token_ids) == 4

@@ -149,6 +149,27 @@ def test_sigstop_of_a_rank(model, tmp_path):
     assert "stopped responding" in line
 
 
+def test_sigstop_of_a_tensor_parallel_follower_keeps_the_logs(model, tmp_path):
+    """Its group's leader times out in a collective (gloo: "Timed out waiting ... for recv"):
+    the stopped rank is named, not the one that waited; with --log-dir the ranks' logs stay
+    and the message says where."""
+    log, logs = tmp_path / "server.log", tmp_path / "rank-logs"
+    args = ["--strategy", "afd", "--tp", "2", "--model-path", str(model), *SERVER]
+    server = _Server([*args, "--log-dir", str(logs)], log, _temp(tmp_path))
+    rank = rank_pids(server.proc.pid)[1]  # owner 0, tp rank 1
+    events, errors = _under_load(server.base, model, lambda: os.kill(rank, signal.SIGSTOP))
+    try:
+        line = _check(events, errors, server, log, server.pids, [server.temp])
+    finally:
+        if _alive(rank):
+            os.kill(rank, signal.SIGKILL)
+    assert line.startswith("error: rank 1 (owner 0, replica 0, tp rank 1 of 2: stages"), line
+    assert "stopped responding" in line
+    assert line.endswith(f"; the ranks' logs are in {logs}"), line
+    assert sorted(p.name for p in logs.iterdir()) == [f"rank{r}.log" for r in range(4)]
+    assert "Timed out" in (logs / "rank0.log").read_text()
+
+
 def test_sigkill_of_a_rank_on_another_node(model, tmp_path):
     from opweave.costmodel import canonical_plan, load_model
 

@@ -11,6 +11,14 @@ from typing import Annotated, Any
 
 import typer
 
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind like Ctrl-C does, so every ``finally`` (a run's ranks, its
+    folder) runs before the process exits (status 143; its message, if any, follows the error
+    line's "terminated (SIGTERM)"). A ``BaseException``, as ``KeyboardInterrupt`` is, so no
+    ``except Exception`` on the way swallows it."""
+
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document, nothing else.")]
 HardwareOpt = Annotated[
     Path | None,

@@ -6,11 +6,13 @@ contents; ``deploying.py`` writes them. Layout of the output directory::
     DIR/plan.json            the plan, so the directory is self-contained
     DIR/nodes.json           [{"gpu": id, "gpus": n, "ranks": [global ranks]}, ...]
     DIR/run-secret           the run's shared secret (mode 0600): ranks authenticate with it
+    DIR/api-key              the API key clients send (mode 0600): node 0 serves behind it
     DIR/launch/node-R.sh     `opweave run` of node R (rendezvous address, port, model path
                              and extra `opweave run` options from the environment / arguments)
-    DIR/k8s/*.yaml           ConfigMap (plan + nodes), Secret (the run's secret), headless
-                             rendezvous Service, API Service, one StatefulSet per group of
-                             consecutive identical nodes
+    DIR/k8s/*.yaml           ConfigMap (plan + nodes), Secret (the run's secret and the API
+                             key), headless rendezvous Service, API Service, one StatefulSet
+                             for node 0 (it serves; ready when ``/health`` says so) and one per
+                             group of consecutive identical nodes after it
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ RENDEZVOUS_PORT = 29500  # torch.distributed's customary MASTER_PORT
 API_PORT = 8000  # `opweave run`'s serving port (DESIGN: --port 8000)
 MODEL_MOUNT = "/models"
 CONFIG_MOUNT = "/etc/opweave"
+SECRET_MOUNT = "/etc/opweave-secrets"  # the API key, as a file (not an environment variable)
+# SIGTERM drains for up to 10 s (opweave run's drain deadline); Kubernetes SIGKILLs a pod this
+# long after SIGTERM, so the drain ends first
+TERMINATION_GRACE_S = 30
 
 
 @dataclass(frozen=True)
@@ -39,10 +45,12 @@ class NodeGroup:
 
 
 def node_groups(nodes: Sequence[Any]) -> list[NodeGroup]:
+    """Node 0 alone (it serves the API: its pod alone has a readiness probe on ``/health``),
+    then runs of consecutive nodes with the same GPU type and count."""
     groups: list[NodeGroup] = []
     for r, node in enumerate(nodes):
         last = groups[-1] if groups else None
-        if last is not None and (last.gpu, last.gpus) == (node.gpu, node.gpus):
+        if last is not None and r > 1 and (last.gpu, last.gpus) == (node.gpu, node.gpus):
             groups[-1] = NodeGroup(last.index, last.first_node, last.count + 1, node.gpu, node.gpus)
         else:
             groups.append(NodeGroup(len(groups), r, 1, node.gpu, node.gpus))
@@ -63,6 +71,19 @@ def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
     node = nodes[rank]
     first, last = node.ranks[0], node.ranks[-1]
     ranks = f"rank {first}" if first == last else f"ranks {first}-{last}"
+    if len(nodes) > 1:  # every node must reach node 0: loopback would never be right
+        master_doc = "address of node 0, the rendezvous (required)"
+        master = ': "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0 (the rendezvous)}"\n'
+    else:
+        master_doc = "address of node 0, the rendezvous (default 127.0.0.1)"
+        master = 'MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"\n'
+    key_doc = key = ""
+    if rank == 0:  # node 0 serves: clients must send the deployment's API key
+        key_doc = (
+            "\n#   OPWEAVE_API_KEY     the key API clients must send (default: the deployment's"
+            "\n#                       api-key file; keep it private)"
+        )
+        key = 'export OPWEAVE_API_KEY="${OPWEAVE_API_KEY:-$(cat "$here/../api-key")}"\n'
     return f"""#!/usr/bin/env bash
 # OpWeave: node {rank} of {len(nodes)} for the {plan.strategy} plan of {plan.model.name}:
 # {node.gpus} x {node.gpu}, global {ranks}. Written by `opweave deploy`; run it on that node
@@ -73,18 +94,18 @@ def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
 # Options go to `opweave run`: --prompt/--prompts-file with --max-tokens generate and exit;
 # without prompts node 0 serves the OpenAI API (--host, --port).
 #   MODEL_PATH          the model folder (config.json + safetensors) on this node (required)
-#   MASTER_ADDR         address of node 0, the rendezvous (default 127.0.0.1)
+#   MASTER_ADDR         {master_doc}
 #   MASTER_PORT         rendezvous port on node 0 (default {RENDEZVOUS_PORT})
 #   OPWEAVE_RUN_SECRET  the secret every node's ranks authenticate with (default: the
 #                       deployment's run-secret file; keep it private)
-#   OPWEAVE             the opweave command (default: opweave on PATH)
+#   OPWEAVE             the opweave command (default: opweave on PATH){key_doc}
 set -euo pipefail
 here="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
 : "${{MODEL_PATH:?set MODEL_PATH to the model folder on this node}}"
-export OPWEAVE_RUN_SECRET="${{OPWEAVE_RUN_SECRET:-$(cat "$here/../run-secret")}}"
-exec ${{OPWEAVE:-opweave}} run "$here/../plan.json" --model-path "$MODEL_PATH" \\
+{master}export OPWEAVE_RUN_SECRET="${{OPWEAVE_RUN_SECRET:-$(cat "$here/../run-secret")}}"
+{key}exec ${{OPWEAVE:-opweave}} run "$here/../plan.json" --model-path "$MODEL_PATH" \\
   --nnodes {len(nodes)} --node-rank {rank} --nodes "$here/../nodes.json" \\
-  --master-addr "${{MASTER_ADDR:-127.0.0.1}}" --master-port "${{MASTER_PORT:-{RENDEZVOUS_PORT}}}" \\
+  --master-addr "$MASTER_ADDR" --master-port "${{MASTER_PORT:-{RENDEZVOUS_PORT}}}" \\
   "$@"
 """
 
@@ -119,6 +140,7 @@ def k8s_manifests(
     opts: K8sOptions,
     gpu_resources: dict[str, str | None],
     secret: str,
+    api_key: str,
 ) -> dict[str, dict[str, Any]]:
     """File name -> Kubernetes resource (as a dict) for the plan's deployment."""
     rdzv = f"{opts.name}-rdzv"
@@ -131,13 +153,14 @@ def k8s_manifests(
             "metadata": _meta(opts, f"{opts.name}-plan"),
             "data": {"plan.json": plan_text, "nodes.json": nodes_json(nodes)},
         },
-        # the run's shared secret: ranks of the run accept only each other
+        # the run's shared secret (ranks of the run accept only each other) and the API key
+        # (node 0 serves only clients that send it)
         "secret.yaml": {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": _meta(opts, f"{opts.name}-run-secret"),
             "type": "Opaque",
-            "stringData": {"secret": secret},
+            "stringData": {"secret": secret, "api-key": api_key},
         },
         # a stable DNS name per pod (node 0: the rendezvous), resolvable before pods are ready
         "rendezvous-service.yaml": {
@@ -166,12 +189,14 @@ def k8s_manifests(
         group_label = {"opweave.io/node-group": str(g.index)}
         # node rank = the group's first node + the pod's ordinal (its hostname's suffix);
         # `$$(` is Kubernetes' escape for a literal `$(` in args
+        serves = g.first_node == 0  # node 0, alone in its group (node_groups)
         command = (
             f"exec opweave run {CONFIG_MOUNT}/plan.json --model-path {MODEL_MOUNT} "
             f"--nnodes {len(nodes)} --node-rank $$(({g.first_node} + ${{HOSTNAME##*-}}))"
-            f"{nodes_flag} --master-addr {master} --master-port {RENDEZVOUS_PORT} "
-            f"--host 0.0.0.0 --port {API_PORT}"
+            f"{nodes_flag} --master-addr {master} --master-port {RENDEZVOUS_PORT}"
         )
+        if serves:
+            command += f" --host 0.0.0.0 --port {API_PORT} --api-key-file {SECRET_MOUNT}/api-key"
         resource = gpu_resources.get(g.gpu)
         limits = {resource: g.gpus} if resource else {}
         container: dict[str, Any] = {
@@ -187,16 +212,44 @@ def k8s_manifests(
                     },
                 }
             ],
-            "ports": [
-                {"name": "rendezvous", "containerPort": RENDEZVOUS_PORT},
-                {"name": "http", "containerPort": API_PORT},
-            ],
+            "ports": [{"name": "rendezvous", "containerPort": RENDEZVOUS_PORT}],
             "volumeMounts": [
                 {"name": "plan", "mountPath": CONFIG_MOUNT, "readOnly": True},
                 {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True},
                 {"name": "shm", "mountPath": "/dev/shm"},
             ],
         }
+        volumes: list[dict[str, Any]] = [
+            {"name": "plan", "configMap": {"name": f"{opts.name}-plan"}},
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": opts.model_pvc, "readOnly": True},
+            },
+            # NCCL and torch share tensors through /dev/shm
+            {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        ]
+        if serves:
+            container["ports"].append({"name": "http", "containerPort": API_PORT})
+            container["volumeMounts"].append(
+                {"name": "api-key", "mountPath": SECRET_MOUNT, "readOnly": True}
+            )
+            volumes.append(
+                {
+                    "name": "api-key",
+                    "secret": {
+                        "secretName": f"{opts.name}-run-secret",
+                        "items": [{"key": "api-key", "path": "api-key"}],
+                        "defaultMode": 0o400,
+                    },
+                }
+            )
+            # /health is the one route without the key: 200 while serving, 503 while draining
+            # (then the API Service stops sending it requests)
+            container["readinessProbe"] = {
+                "httpGet": {"path": "/health", "port": "http"},
+                "periodSeconds": 5,
+                "failureThreshold": 1,
+            }
         if limits:
             container["resources"] = {"limits": limits, "requests": limits}
         out[f"node-group-{g.index}.yaml"] = {
@@ -221,19 +274,9 @@ def k8s_manifests(
                     },
                     "spec": {
                         "nodeSelector": {opts.node_selector_key: g.gpu},
+                        "terminationGracePeriodSeconds": TERMINATION_GRACE_S,
                         "containers": [container],
-                        "volumes": [
-                            {"name": "plan", "configMap": {"name": f"{opts.name}-plan"}},
-                            {
-                                "name": "model",
-                                "persistentVolumeClaim": {
-                                    "claimName": opts.model_pvc,
-                                    "readOnly": True,
-                                },
-                            },
-                            # NCCL and torch share tensors through /dev/shm
-                            {"name": "shm", "emptyDir": {"medium": "Memory"}},
-                        ],
+                        "volumes": volumes,
                     },
                 },
             },

@@ -16,6 +16,7 @@ from typing import Any
 import typer
 
 from . import catalog, costs, deploying
+from ._common import Terminated
 
 app = typer.Typer(
     name="opweave",
@@ -83,12 +84,6 @@ def _register_optional() -> None:
 _register_optional()
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived: unwind like Ctrl-C does, so every ``finally`` (a run's ranks, its
-    folder) runs before the process exits. A ``BaseException``, as ``KeyboardInterrupt`` is, so
-    no ``except Exception`` on the way swallows it."""
-
-
 def _on_signal(signum: int, _frame: object) -> None:
     # One interruption unwinds; more of them while the run cleans up (seconds at most) would
     # only cut the clean-up short and leave ranks or files behind.
@@ -145,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     except (typer.Abort, KeyboardInterrupt):
         print("error: interrupted (SIGINT)", file=sys.stderr)
         return 130
-    except Terminated:
-        print("error: terminated (SIGTERM)", file=sys.stderr)
+    except Terminated as exc:
+        detail = f": {exc}" if str(exc) else ""
+        print(f"error: terminated (SIGTERM){detail}", file=sys.stderr)
         return 143
     except typer.TyperException as exc:  # usage errors: bad or missing options
         if debug:
@@ -197,7 +193,15 @@ def _argument_problem(args: list[str]) -> str | None:
 
 
 def _console_main() -> None:
-    sys.exit(main())
+    code = main()
+    if "vllm" in sys.modules:
+        # vLLM's native extensions (nanobind's) print dozens of "leaked" lines while the
+        # interpreter finalises, after the one error line; the server has stopped by now
+        # (engine, ranks, folders), so nothing is left for the finalisation to do
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,12 @@ def deploy(
     ] = None,
     image: Annotated[
         str,
-        typer.Option("--image", help="Container image with opweave installed, for Kubernetes."),
-    ] = "opweave:latest",
+        typer.Option(
+            "--image",
+            help="Container image with opweave installed, for Kubernetes (required: no "
+            "public image exists).",
+        ),
+    ] = ...,  # type: ignore[assignment]
     model_pvc: Annotated[
         str | None,
         typer.Option(
@@ -77,6 +81,7 @@ def deploy(
         raise ConfigError(f"{output} exists and is not a directory")
     plan_text = the_plan.model_dump_json(indent=2) + "\n"
     secret = secrets.token_hex(32)
+    api_key = secrets.token_urlsafe(32)
     files: dict[Path, str] = {
         output / "plan.json": plan_text,
         output / "nodes.json": _deploy.nodes_json(nodes),
@@ -92,12 +97,13 @@ def deploy(
     )
     resources = {gpu: _gpu_resource(hw) for gpu, hw in specs.items()}
     for fname, manifest in _deploy.k8s_manifests(
-        the_plan, nodes, plan_text, opts, resources, secret
+        the_plan, nodes, plan_text, opts, resources, secret, api_key
     ).items():
         files[output / "k8s" / fname] = _deploy.to_yaml(manifest)
     output.mkdir(parents=True, exist_ok=True)
-    key_file = output / "run-secret"
+    key_file, api_key_file = output / "run-secret", output / "api-key"
     _write_private(key_file, secret + "\n")
+    _write_private(api_key_file, api_key + "\n")
     for path, text in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.name == "secret.yaml":  # holds the run's secret, as run-secret does
@@ -116,7 +122,7 @@ def deploy(
         emit_json(
             {
                 "nodes": [n.model_dump(mode="json") for n in nodes],
-                "files": sorted(str(p) for p in [*files, key_file]),
+                "files": sorted(str(p) for p in [*files, key_file, api_key_file]),
             }
         )
         return
@@ -129,8 +135,9 @@ def deploy(
         typer.echo(f"  node {r}: {n.gpus} x {n.gpu}, ranks {n.ranks[0]}-{n.ranks[-1]}")
     typer.echo(
         f"wrote {output}/nodes.json, {output}/launch/node-0..{len(nodes) - 1}.sh and "
-        f"{output}/k8s/ ({len(files) - 2 - len(nodes)} manifests); the run's secret is "
-        f"in {output}/run-secret (keep it private)\n"
+        f"{output}/k8s/ ({len(files) - 2 - len(nodes)} manifests, image {image}); the run's "
+        f"secret is in {output}/run-secret and the API key clients must send in "
+        f"{output}/api-key (keep both private)\n"
         f"  on each node: MODEL_PATH=DIR MASTER_ADDR=<node 0> {output}/launch/node-R.sh\n"
         f"  on Kubernetes: label the nodes {node_selector_key}=<gpu id>, put the model in "
         f"PersistentVolumeClaim {opts.model_pvc}, kubectl apply -f {output}/k8s/"

@@ -27,6 +27,7 @@ from ._common import (
     MAX_COUNT,
     MAX_TOKENS,
     JsonOpt,
+    Terminated,
     emit_json,
     finite,
     human_bytes,
@@ -45,6 +46,34 @@ API_KEY_ENV = "OPWEAVE_API_KEY"  # the server's key, kept out of the command lin
 # A test seam, hidden from --help: RANK:ITERATION:exit|kill|hang makes that rank fail on purpose
 # (opweave.runtime.RunOptions.fault), so tests can check how a run fails through the CLI.
 FaultOpt = Annotated[str | None, typer.Option("--fault", hidden=True)]
+LogDirOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--log-dir",
+        help="Write the ranks' logs (rank<N>.log) to this folder and keep them; a failure's "
+        "message names it.",
+    ),
+]
+MaxNOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-n",
+        min=1,
+        max=MAX_BATCH,
+        help="Serving: most completions one request may ask for (n; default: the plan's "
+        "global batch); more gets HTTP 400.",
+    ),
+]
+MaxRequestTokensOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-request-tokens",
+        min=1,
+        max=MAX_TOKENS,
+        help="Serving: most new tokens one request may ask for per completion (max_tokens; "
+        "default: what --max-model-len leaves); more gets HTTP 400.",
+    ),
+]
 _SERVE_BATCH = 8  # --strategy's resident batch per replica when serving
 _SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 
@@ -194,6 +223,9 @@ def run(
         int | None,
         typer.Option("--master-port", min=1, max=65535, help="Rendezvous port on node 0."),
     ] = None,
+    log_dir: LogDirOpt = None,
+    max_n: MaxNOpt = None,
+    max_request_tokens: MaxRequestTokensOpt = None,
     fault: FaultOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
@@ -253,6 +285,9 @@ def serve(
     nodes_file: Annotated[Path | None, typer.Option("--nodes")] = None,
     master_addr: Annotated[str, typer.Option("--master-addr")] = "127.0.0.1",
     master_port: Annotated[int | None, typer.Option("--master-port", min=1, max=65535)] = None,
+    log_dir: LogDirOpt = None,
+    max_n: MaxNOpt = None,
+    max_request_tokens: MaxRequestTokensOpt = None,
     fault: FaultOpt = None,
 ) -> None:
     """Serve the OpenAI API with a plan (alias of `opweave run` without prompts)."""
@@ -297,6 +332,10 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         raise typer.BadParameter(f"unknown option(s) for offline generation: {' '.join(vllm_args)}")
     if offline and (o["api_key"] is not None or o["api_key_file"] is not None):
         raise typer.BadParameter("--api-key and --api-key-file apply to serving (no prompts)")
+    if offline and (o["max_n"] is not None or o["max_request_tokens"] is not None):
+        raise typer.BadParameter("--max-n and --max-request-tokens apply to serving (no prompts)")
+    if o["log_dir"] is not None:
+        o["log_dir"] = _log_dir(o["log_dir"])
     o["api_key"] = None if offline else _api_key(o["api_key"], o["api_key_file"])
     if o["node_rank"] >= o["nnodes"]:
         raise typer.BadParameter(
@@ -505,8 +544,22 @@ def _options(o: dict[str, Any]) -> Any:
         kernels=o["kernels"],
         decode_step=o["decode_step"],
         wait=o["wait"],
+        log_dir=None if o["log_dir"] is None else str(o["log_dir"]),
         fault=_fault(o["fault"]),
     )
+
+
+def _log_dir(path: Path) -> Path:
+    """``--log-dir``: made if missing; refused if it is not a folder this user can write."""
+    from opweave.costmodel import ConfigError
+
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--log-dir {path}: {exc.strerror or exc}") from None
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"--log-dir {path} is not a folder this user can write to")
+    return path.resolve()
 
 
 def _fault(text: str | None) -> Any:
@@ -557,8 +610,10 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
         DEVICE_KEY,
         FAULT_KEY,
         KERNELS_KEY,
+        LOG_DIR_KEY,
         NODES_KEY,
         TIMEOUT_KEY,
+        WAIT_KEY,
     )
     from opweave.runtime.vllm.serve import serve as run_server
 
@@ -567,7 +622,10 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
         TIMEOUT_KEY: o["timeout_s"],
         KERNELS_KEY: o["kernels"],
         DECODE_KEY: o["decode_step"],
+        WAIT_KEY: o["wait"],
     }
+    if o["log_dir"] is not None:
+        extra[LOG_DIR_KEY] = str(o["log_dir"])
     fault = _fault(o["fault"])
     if fault is not None:
         extra[FAULT_KEY] = fault.model_dump()
@@ -587,7 +645,7 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
             return text.splitlines()[0] if text else None
 
         try:
-            stopped_by = run_server(
+            stopped = run_server(
                 o["model_path"],
                 plan.model_dump(mode="json"),
                 host=o["host"],
@@ -596,17 +654,31 @@ def _serve(o: dict[str, Any], plan: Any, nodes: Any, vllm_args: list[str]) -> No
                 chat_template=o["chat_template"],
                 vllm_args=vllm_args,
                 additional_config=extra,
+                # more completions than the plan holds at once would queue behind each other
+                max_n=o["max_n"] or plan.global_batch,
+                max_request_tokens=o["max_request_tokens"],
             )
         except Exception:  # vLLM's engine did not start: the ranks' reason, if they left one
             if failed() is None:
                 raise
-            stopped_by = None
+            stopped = None
         reason = failed()
         if reason is not None:
             raise OpWeaveError(reason)
-    if stopped_by == signal.SIGINT:
+    if stopped is None or stopped.signal is None:
+        # no signal stopped it: vLLM's engine failed (its process died) and took the server
+        raise OpWeaveError(
+            "vLLM's engine stopped unexpectedly (its process died or failed; see the log "
+            "above); the server was stopped"
+        )
+    if stopped.signal == signal.SIGINT:
         raise KeyboardInterrupt  # exit 130, as every command does on Ctrl-C
-    # SIGTERM is how supervisors (systemd, Kubernetes) stop a server: an orderly exit, 0
+    if stopped.cut:
+        n = stopped.cut
+        raise Terminated(
+            f"the drain deadline cut {n} request{'s' if n != 1 else ''} short (each got an error)"
+        )
+    # SIGTERM after a clean drain (every request finished): how supervisors stop a server, 0
 
 
 @contextlib.contextmanager
@@ -617,13 +689,18 @@ def _temporary_folder(folder: str) -> Iterator[None]:
     has passed, leaving it no time to clean up, so the run's folder and vLLM's IPC sockets,
     which it would leave in /tmp, go in here and are removed with it.
     """
+    from opweave.runtime import Reaper
+
     keys = ("TMPDIR", "VLLM_RPC_BASE_PATH")
     saved_env, saved_dir = {k: os.environ.get(k) for k in keys}, tempfile.tempdir
     sockets = None
+    # if this process is killed (SIGKILL, the OOM killer), the reaper removes the folders
+    reaper = Reaper([folder])
     if "VLLM_RPC_BASE_PATH" not in os.environ:
         # a socket's path holds at most 107 bytes: vLLM's are a 36-character uuid in here
         if len(os.fsencode(folder)) + 37 > _SOCKET_PATH_MAX:
             sockets = tempfile.mkdtemp(prefix="opweave-ipc-", dir="/tmp")
+            reaper.add(sockets)
         os.environ["VLLM_RPC_BASE_PATH"] = sockets or folder
     os.environ["TMPDIR"] = folder
     tempfile.tempdir = folder
@@ -632,6 +709,8 @@ def _temporary_folder(folder: str) -> Iterator[None]:
     finally:
         if sockets is not None:
             shutil.rmtree(sockets, ignore_errors=True)
+        # the folder itself goes when the caller's TemporaryDirectory exits, just after
+        reaper.close()
         tempfile.tempdir = saved_dir
         for key, value in saved_env.items():
             if value is None:

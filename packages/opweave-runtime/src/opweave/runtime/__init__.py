@@ -38,6 +38,7 @@ from ._private.options import (
     resolve_device_name,
 )
 from ._private.placement import Placement, check_plan, total_ranks
+from ._private.reaper import Reaper
 from ._private.results import (
     RUN_RESULT_SCHEMA_VERSION,
     DriverStats,
@@ -63,6 +64,7 @@ from .errors import (
 )
 
 __all__ = [
+    "Reaper",
     # model description (the cost model's ModelSpec)
     "model_spec",
     "check_runtime_support",

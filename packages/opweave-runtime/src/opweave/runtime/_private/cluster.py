@@ -57,6 +57,7 @@ from .messages import (
 from .nodes import Topology, host_store
 from .options import RunOptions
 from .placement import Placement, check_plan, total_ranks
+from .reaper import Reaper
 from .results import RankStats
 from .schedule import compile_schedule
 from .stepping import submit_warm_up
@@ -126,6 +127,8 @@ class Cluster(ControlHub):
         self._receivers = self._who_gets_work()
         self._key = run_secret(multi_process_origin=multi)
         self.run_dir = Path(tempfile.mkdtemp(prefix="opweave-run-"))
+        # if this process is killed, the reaper kills the ranks and removes the run's folder
+        self._reaper: Reaper | None = Reaper([self.run_dir])
         self.children: list[RankProcess] = []
         self._store: Any = None
         host = node_address(topology.master_addr) if multi else "127.0.0.1"
@@ -135,6 +138,8 @@ class Cluster(ControlHub):
             self._listener.bind((host, 0))
             self._listener.listen(max(self.world, 8))
             control = (host, self._listener.getsockname()[1])
+            # the control port; closed once every rank has joined (nobody else may connect)
+            self.control_address = control
             self._start_ranks(model_dir, topology, host, control, start_method)
             if multi:  # hosted after every fork, so no rank inherits the store's thread
                 agent = torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -188,7 +193,10 @@ class Cluster(ControlHub):
             store=store,
             control=control,
         ):
-            self.children.append(start.start(spec, self.run_dir))
+            child = start.start(spec, self.run_dir)
+            self.children.append(child)
+            if self._reaper is not None:
+                self._reaper.watch(child.pid)
 
     # -- what the driver uses -----------------------------------------------------------------
     @property
@@ -318,6 +326,9 @@ class Cluster(ControlHub):
             print(f"opweave: the ranks' logs are kept in {self.run_dir}", file=sys.stderr)
         else:
             shutil.rmtree(self.run_dir, ignore_errors=True)
+        reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.close()
 
     def describe(self, rank: int) -> str:
         node = next(n for n, ranks in enumerate(self.layout) if rank in ranks)
@@ -453,6 +464,8 @@ class Cluster(ControlHub):
             hang=self._hang,
             first_signal=self._first_signal,
         )
+        if self.options.log_dir is not None:
+            message += f"; the ranks' logs are in {self.options.log_dir}"
         self.failed = RunFailedError(message)
         for child in self.children:
             child.kill()

@@ -24,6 +24,9 @@ from .control import AuthError, ChannelClosed, server_handshake
 from .messages import Error, FrameReader, Ready, ToDriver, encode
 
 _POLL_S = 0.05
+# connections proving the secret at once, at most: a local process that floods the port must
+# not start a thread (and hold a descriptor) per connection; beyond it a connection is dropped
+_HANDSHAKES = 32
 
 
 @dataclass
@@ -57,8 +60,10 @@ class ControlHub:
     _lock: threading.Lock
     _closing: bool
     _stopping: bool
+    _stop_listening: bool = False
 
     def _start_io(self) -> None:
+        self._handshakes = threading.BoundedSemaphore(_HANDSHAKES)
         self._wake_r, self._wake_w = socket.socketpair()
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._listener, selectors.EVENT_READ, "listener")
@@ -92,6 +97,8 @@ class ControlHub:
     def _loop(self) -> None:
         while not self._closing:
             try:
+                if self._stop_listening:
+                    self._close_listener()
                 self._register_writes()
                 for key, mask in self._selector.select(timeout=_POLL_S):
                     if key.data == "listener":
@@ -111,6 +118,14 @@ class ControlHub:
                 self._finish_failure(force=True)
                 return
 
+    def _close_listener(self) -> None:
+        """Every rank joined: close the control port, so no other process can connect."""
+        self._stop_listening = False
+        with contextlib.suppress(KeyError, ValueError):
+            self._selector.unregister(self._listener)
+        with contextlib.suppress(OSError):
+            self._listener.close()
+
     def _register_writes(self) -> None:
         for conn in list(self._conns.values()):
             if conn.state == "closed":
@@ -120,7 +135,15 @@ class ControlHub:
                 self._selector.modify(conn.sock, events, conn)
 
     def _accept(self) -> None:
-        sock, _ = self._listener.accept()
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError:  # out of descriptors, or the listener was closed: drop this one
+            return
+        if not self._handshakes.acquire(blocking=False):
+            sock.close()  # too many at once: a flood, not the run's ranks
+            return
         threading.Thread(target=self._handshake, args=(sock,), daemon=True).start()
 
     def _handshake(self, sock: socket.socket) -> None:
@@ -130,14 +153,19 @@ class ControlHub:
         except (AuthError, ChannelClosed, OSError):
             sock.close()  # not a rank of this run
             return
+        finally:
+            self._handshakes.release()
         with self._lock:
             if not 0 <= rank < self.world or rank in self._claimed or self._closing:
                 sock.close()
                 return
             self._claimed.add(rank)
+            everyone = len(self._claimed) == self.world
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setblocking(False)
         self._new_conns.put(Conn(sock, rank))  # registered by the IO thread
+        if everyone:
+            self._stop_listening = True  # nobody else may join: the IO thread closes the port
         with contextlib.suppress(OSError):
             self._wake_w.send(b"c")
 

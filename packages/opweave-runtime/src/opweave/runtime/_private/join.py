@@ -32,7 +32,7 @@ from opweave.costmodel import Plan, load_model
 from .control import ChannelClosed, ControlClient, store_namespace
 from .messages import PROTOCOL_VERSION, Error, Hello, Loading, Ready, Stats
 from .placement import Placement
-from .proc import die_with_parent, name_process, watch_parent
+from .proc import die_with_parent, name_process, refuse_new_connections, watch_parent
 from .rank import StageWorker
 from .spec import RankSpec, read_spec
 from .wire import PeerError
@@ -127,6 +127,7 @@ def run_rank(spec: RankSpec) -> int:
     with contextlib.suppress(Exception):  # a crash in native code leaves its stack in the log
         faulthandler.enable(file=sys.__stderr__ or sys.stderr)
     control: ControlClient | None = None
+    worker: StageWorker | None = None
     try:
         control, store = connect(spec)
         load_start = time.perf_counter()
@@ -143,6 +144,10 @@ def run_rank(spec: RankSpec) -> int:
                 key=bytes.fromhex(spec.key),
             )
         load_s = time.perf_counter() - load_start
+        if spec.options.device == "cpu":
+            # every process group and peer is connected now: no other process may connect to
+            # this rank's ports (gloo's keep what they accept; on CUDA, NCCL connects lazily)
+            refuse_new_connections()
         module = worker.module
         control.send(
             Ready(
@@ -166,6 +171,12 @@ def run_rank(spec: RankSpec) -> int:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, PeerError):
             report = Error("peer", text, exc.peer)
+        elif worker is not None and _collective_timeout(exc):
+            # a tensor-parallel collective waited in vain: a peer of the group stopped, not
+            # this rank (the driver names it: the one peer, or the group's silent one)
+            group = next((g for g in worker.placement.tp_groups if spec.rank in g), ())
+            peers = [r for r in group if r != spec.rank]
+            report = Error("peer", text, peers[0] if len(peers) == 1 else None)
         else:
             report = Error("error", f"{type(exc).__name__}: {text}")
         if control is not None:
@@ -177,6 +188,11 @@ def run_rank(spec: RankSpec) -> int:
         with contextlib.suppress(Exception):
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _collective_timeout(exc: BaseException) -> bool:
+    """gloo's error when a collective's peer did not answer within the group's timeout."""
+    return "Timed out waiting" in str(exc) and ("recv" in str(exc) or "send" in str(exc))
 
 
 def main(argv: list[str]) -> int:

@@ -233,6 +233,12 @@ class Starter(Protocol):
     def start(self, spec: RankSpec, run_dir: Path) -> RankProcess: ...
 
 
+def log_path(spec: RankSpec, run_dir: Path) -> Path:
+    """Where a rank writes its output: the run's ``log_dir`` (kept), else its folder."""
+    folder = Path(spec.options.log_dir) if spec.options.log_dir is not None else run_dir
+    return folder / f"rank{spec.rank}.log"
+
+
 def _write_spec(spec: RankSpec, path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds the key
     with os.fdopen(fd, "w") as f:
@@ -248,7 +254,7 @@ class ForkStarter:
         self.close_fds = list(close_fds)
 
     def start(self, spec: RankSpec, run_dir: Path) -> RankProcess:
-        log = run_dir / f"rank{spec.rank}.log"
+        log = log_path(spec, run_dir)
         env = rank_env(spec.host, spec.options.threads)
         sys.stdout.flush()
         sys.stderr.flush()
@@ -289,7 +295,7 @@ class SpawnStarter:
     name = "spawn"
 
     def start(self, spec: RankSpec, run_dir: Path) -> RankProcess:
-        log = run_dir / f"rank{spec.rank}.log"
+        log = log_path(spec, run_dir)
         path = run_dir / f"rank{spec.rank}.json"
         _write_spec(spec, path)
         env = {**os.environ, **rank_env(spec.host, spec.options.threads)}
@@ -314,7 +320,7 @@ class LauncherStarter:
         self.launcher = _Launcher.shared()
 
     def start(self, spec: RankSpec, run_dir: Path) -> RankProcess:
-        log = run_dir / f"rank{spec.rank}.log"
+        log = log_path(spec, run_dir)
         env = {**os.environ, **rank_env(spec.host, spec.options.threads)}
         spec = spec.model_copy(update={"log": str(log), "env": env})
         return self.launcher.start(spec, run_dir)

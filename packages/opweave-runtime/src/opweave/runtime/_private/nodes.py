@@ -31,6 +31,7 @@ from .join import run_rank
 from .launch import RankProcess, fork_is_safe, node_layout, rank_specs, starter
 from .options import RunOptions
 from .placement import check_plan, total_ranks
+from .reaper import Reaper
 from .weights import check_weights
 from .wire import node_address
 
@@ -77,6 +78,7 @@ def run_node(
     if options.native(total_ranks(plan)):
         native.load()  # built once here (cached), not by every rank at once
     run_dir = Path(tempfile.mkdtemp(prefix="opweave-node-"))
+    reaper = Reaper([run_dir])  # removes it if this process is killed
     children: list[RankProcess] = []
     try:
         specs = rank_specs(
@@ -91,7 +93,9 @@ def run_node(
         # a node runs no engine: a fork where it is safe, else a fresh interpreter per rank
         fork = options.device == "cpu" and fork_is_safe()
         start = starter("fork" if fork else "spawn", device=options.device)
-        children = [start.start(spec, run_dir) for spec in specs]
+        for spec in specs:
+            children.append(start.start(spec, run_dir))
+            reaper.watch(children[-1].pid)
         while any(c.poll() is None for c in children):
             if any(c.poll() not in (None, 0) for c in children):
                 break
@@ -104,11 +108,13 @@ def run_node(
                 f"rank {c.rank} on node {node_rank} {c.ended()}"
                 + (f" ({tail})" if tail else "")
                 + "; node 0's driver names the cause"
+                + (f"; this node's rank logs are in {options.log_dir}" if options.log_dir else "")
             )
     finally:
         for child in children:
             child.kill()
         shutil.rmtree(run_dir, ignore_errors=True)
+        reaper.close()
 
 
 def run_torchrun_rank(

@@ -116,6 +116,12 @@ class RunOptions(BaseModel):
         description="How CPU ranks wait for peers (opweave run --wait): auto spins on a core "
         "of a rank's own and blocks where ranks share cores.",
     )
+    log_dir: str | None = Field(
+        default=None,
+        description="A folder the ranks write their logs to (rank<N>.log), kept after the run "
+        "and named in a failure's message (opweave run --log-dir); None: the run's temporary "
+        "folder, removed with it.",
+    )
     fault: FaultInjection | None = Field(
         default=None, description="Test seam: a rank that fails on purpose (tests only)."
     )

@@ -24,7 +24,8 @@ executor does not start without it, nor when the model's generation config sets 
 Each rank of the plan is a process of its own (this process is their driver: it turns every
 engine step into one iteration of the plan); other keys of ``additional_config`` (the fields of
 :class:`~opweave.runtime.RunOptions` they set): ``opweave_device``, ``opweave_timeout_s``,
-``opweave_kernels``, ``opweave_decode_step``, and ``opweave_nodes`` (several nodes).
+``opweave_kernels``, ``opweave_decode_step``, ``opweave_wait``, ``opweave_log_dir``, and
+``opweave_nodes`` (several nodes).
 
 Importing this package does not import vLLM; ``OpWeaveExecutor`` and ``RequestCheck`` (and vLLM
 with them) are imported on first access.
@@ -39,10 +40,12 @@ from ._config import (
     DEVICE_KEY,
     FAULT_KEY,
     KERNELS_KEY,
+    LOG_DIR_KEY,
     NODES_KEY,
     PLAN_KEY,
     REQUEST_CHECK,
     TIMEOUT_KEY,
+    WAIT_KEY,
     load_plan,
     run_options,
     unapplied,
@@ -58,6 +61,8 @@ __all__ = [
     "DEVICE_KEY",
     "TIMEOUT_KEY",
     "KERNELS_KEY",
+    "WAIT_KEY",
+    "LOG_DIR_KEY",
     "DECODE_KEY",
     "FAULT_KEY",
     "NODES_KEY",

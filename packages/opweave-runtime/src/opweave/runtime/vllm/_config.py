@@ -20,6 +20,8 @@ TIMEOUT_KEY = "opweave_timeout_s"  # longest wait of a rank for a step's message
 KERNELS_KEY = "opweave_kernels"  # "opweave" (default), "vllm" or "vllm-all"
 DECODE_KEY = "opweave_decode_step"  # "per-request" (default), "static", "compiled" or "traced"
 NODES_KEY = "opweave_nodes"  # {"nnodes", "master_addr", "master_port", "layout"}: several nodes
+WAIT_KEY = "opweave_wait"  # how CPU ranks wait: "auto" (default), "spin" or "block"
+LOG_DIR_KEY = "opweave_log_dir"  # a folder for the ranks' logs, kept (default: none)
 FAULT_KEY = "opweave_fault"  # test seam: RunOptions.fault ({"rank", "iteration", "mode"})
 FAILURE_ENV = "OPWEAVE_FAILURE_FILE"  # a file to leave the failure's one line in (opweave run)
 # vLLM's per-request parameter check (a logits processor's ``validate_params``, run by vLLM's
@@ -98,6 +100,8 @@ OPTION_KEYS = {
     TIMEOUT_KEY: "timeout_s",
     KERNELS_KEY: "kernels",
     DECODE_KEY: "decode_step",
+    WAIT_KEY: "wait",
+    LOG_DIR_KEY: "log_dir",
     FAULT_KEY: "fault",
 }
 

@@ -73,6 +73,21 @@ def _unwrap(value: Any) -> Any:
     return value.result() if isinstance(value, Future) else value
 
 
+def _follow_the_front_end() -> None:
+    """In vLLM's engine-core process (started by the server with multiprocessing): die with the
+    server process, however it ends. vLLM's engine would otherwise outlive a SIGKILLed server
+    (or one the OOM killer chose) under PID 1 with every rank; with it gone, the rank launcher
+    and the ranks follow (each has a parent-death signal) and the run's reaper removes its
+    folder (:mod:`~opweave.runtime._private.reaper`)."""
+    import multiprocessing
+
+    from .._private.proc import die_with_parent
+
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None:
+        die_with_parent(parent.pid)
+
+
 class OpWeaveExecutor(Executor):
     """Runs each engine step on a plan's ranks (:class:`~opweave.runtime.Cluster`).
 
@@ -103,6 +118,7 @@ class OpWeaveExecutor(Executor):
     supports_pp = False
 
     def _init_executor(self) -> None:
+        _follow_the_front_end()
         extra = self.vllm_config.additional_config
         extra = extra if isinstance(extra, dict) else {}
         if self.speculative_config is not None:

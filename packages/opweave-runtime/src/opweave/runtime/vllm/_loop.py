@@ -1,6 +1,6 @@
 # pyright: reportMissingImports=false
 # (uvloop comes with vLLM, an optional extra: this module is imported by serve() only)
-"""uvloop's event loop, noting which signal vLLM's server stopped for."""
+"""uvloop's event loop, handing the server's stopping signals to the drain."""
 
 from __future__ import annotations
 
@@ -8,18 +8,23 @@ from typing import Any
 
 import uvloop
 
+from ._guard import Drain
+
 
 class NotingLoop(uvloop.Loop):
-    """uvloop's loop; each signal the server's own handlers are called for is appended to
-    :attr:`stopped_by` (one list per server run, set before the loop runs)."""
+    """uvloop's loop; a signal vLLM's server installs a handler for goes to :attr:`drain`
+    (one per server run, set before the loop runs), which calls vLLM's handler once the
+    drain has ended."""
 
-    stopped_by: list[int]
+    drain: Drain
 
     def add_signal_handler(self, sig: int, callback: Any, *args: Any) -> None:
-        stopped_by = self.stopped_by
+        drain = self.drain
 
-        def note(*given: Any) -> None:
-            stopped_by.append(sig)
-            callback(*given)
+        def stop() -> None:
+            callback(*args)
 
-        super().add_signal_handler(sig, note, *args)
+        def note() -> None:
+            drain.on_signal(sig, stop)
+
+        super().add_signal_handler(sig, note)

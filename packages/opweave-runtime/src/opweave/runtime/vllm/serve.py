@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,34 +90,76 @@ def server_args(
     return args
 
 
-def serve(model_dir: str | Path, plan: str | Path | None = None, **kwargs: Any) -> int | None:
-    """Run the server until interrupted (blocks); ``kwargs`` as :func:`server_args`.
+@dataclass(frozen=True)
+class Stopped:
+    """How :func:`serve` ended: the signal that stopped it (``None``: it stopped on its own,
+    its engine having failed), and how many requests the drain deadline cut."""
 
-    Returns the signal that stopped it (``signal.SIGINT`` or ``signal.SIGTERM``; vLLM's server
-    handles both, draining the engine and stopping the plan's ranks), or ``None``.
+    signal: int | None
+    cut: int = 0
+
+
+def serve(
+    model_dir: str | Path,
+    plan: str | Path | None = None,
+    *,
+    max_n: int | None = None,
+    max_request_tokens: int | None = None,
+    **kwargs: Any,
+) -> Stopped:
+    """Run the server until a signal stops it, or its engine fails (blocks); ``kwargs`` as
+    :func:`server_args`. A request for more than ``max_n`` completions or ``max_request_tokens``
+    new tokens each gets HTTP 400.
+
+    Every route but ``/health`` needs the API key when one is given (vLLM's own check covers
+    only some). A first SIGINT or SIGTERM drains (:class:`~._guard.Drain`): 503 for new
+    requests and ``/health``, in-flight requests get until ``--shutdown-timeout`` and are then
+    cut (an error event and ``[DONE]``), then vLLM's engine and the plan's ranks stop; a second
+    signal exits the process at once (status 128 + the signal).
     """
     import uvloop
-    from vllm.entrypoints.launchers.api_server.entry import run_server
+    from vllm.entrypoints.launchers.api_server import entry
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+
+    from ._guard import Drain, Guard
+    from ._loop import NotingLoop
 
     cli_env_setup()
     args = server_args(model_dir, plan, **kwargs)
+    from ._request_check import RequestCheck
+
+    # vLLM's front end, in this process, runs the check on every request
+    RequestCheck.max_n, RequestCheck.max_tokens = max_n, max_request_tokens
     stopped_by: list[int] = []
+    drain = Drain(float(args.shutdown_timeout), stopped_by)
     front_end, quiet = logging.getLogger("vllm.v1.engine.async_llm"), _QuietEngineStop(stopped_by)
     front_end.addFilter(quiet)
+    build_app = entry.build_app
 
-    from ._loop import NotingLoop
+    def guarded_app(*given: Any, **named: Any) -> Any:
+        app = build_app(*given, **named)
+        if app.middleware_stack is None:
+            app.add_middleware(Guard, key=args.api_key, drain=drain)
+        else:  # vLLM built its stack already: the guard goes in front of it
+            app.middleware_stack = Guard(app.middleware_stack, key=args.api_key, drain=drain)
+        return app
 
     def loop() -> NotingLoop:
         made = NotingLoop()
-        made.stopped_by = stopped_by
+        made.drain = drain
         return made
 
+    entry.build_app = guarded_app
     try:
-        uvloop.run(run_server(args), loop_factory=loop)
+        # connections still open once the drain has ended every response: closed after this
+        uvloop.run(entry.run_server(args, timeout_graceful_shutdown=_CLOSE_S), loop_factory=loop)
     finally:
+        entry.build_app = build_app
         front_end.removeFilter(quiet)
-    return stopped_by[0] if stopped_by else None
+    return Stopped(stopped_by[0] if stopped_by else None, drain.cut)
+
+
+_CLOSE_S = 2  # seconds uvicorn waits for connections to close once every response has ended
 
 
 class _QuietEngineStop(logging.Filter):
