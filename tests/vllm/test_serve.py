@@ -109,7 +109,7 @@ def test_the_api_surface(server, model, expected):
         pytest.skip("checked once, on the largest plan")
     status, body = http(base + "/v1/models", key=KEY)
     assert status == 200 and json.loads(body)["data"][0]["id"] == str(model)
-    status, body = http(base + "/metrics")
+    status, body = http(base + "/metrics", key=KEY)  # every route but /health takes the key
     assert status == 200 and b"vllm:" in body
     # streaming: the concatenated chunks are the whole completion
     req = {"model": str(model), "prompt": "t9 t10 t11", "max_tokens": 6, "temperature": 0}
