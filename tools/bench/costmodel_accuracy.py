@@ -222,7 +222,7 @@ def evaluate(
     return results
 
 
-def summary(results: Sequence[Result]) -> str:
+def summary(results: Sequence[Result | ProductionResult]) -> str:
     errs = [r.error for r in results]
     if not errs:
         return "n=0"
@@ -468,32 +468,6 @@ def print_production_rows(results: Sequence[ProductionResult]) -> None:
         )
 
 
-def production_summary(results: Sequence[ProductionResult]) -> str:
-    return summary([Result(_as_row(r), False, r.estimate_ms or 0.0, 0.0, "-") for r in results])
-
-
-def _as_row(r: ProductionResult) -> Row:
-    row = r.row
-    return Row(
-        model=row.model,
-        gpu=row.gpu,
-        tp=row.tp,
-        batch=int(row.batch),
-        context=row.context,
-        measured_ms=row.measured_ms,
-        dtype=None,
-        quant=row.quant,
-        kv_cache_dtype=row.kv_cache_dtype,
-        engine=row.engine,
-        host="overlapped",
-        source="",
-        prefill_tokens=row.prefill_tokens,
-        decode_tokens=row.decode_tokens,
-        in_scope=row.in_scope,
-        scope_note=row.scope_note,
-    )
-
-
 def run_production() -> None:
     data, rows = load_production()
     scoped = [r for r in rows if r.in_scope]
@@ -517,13 +491,13 @@ def run_production() -> None:
                 r for r in described if group in r.row.groups and r.row.deployment == deployment
             ]
             label = f"{group} {deployment}"
-            print(f"{label:<26}{production_summary(part)}")
+            print(f"{label:<26}{summary(part)}")
             if part and deployment == "pd":
                 errs = [abs(r.error) for r in part]
                 met.append(statistics.median(errs) <= GOAL_MEDIAN and max(errs) <= GOAL_MAX)
     for deployment in ("pd", "aggregated"):
         part = [r for r in described if r.row.deployment == deployment]
-        print(f"{'all ' + deployment:<26}{production_summary(part)}")
+        print(f"{'all ' + deployment:<26}{summary(part)}")
     served = serving_results(results, data)
     print(
         "\nAggregated rows with the serving model (estimate_serving: prefill chunks mixed into "
@@ -532,8 +506,8 @@ def run_production() -> None:
     print_production_rows(served)
     for group in GROUPS:
         part = [r for r in served if group in r.row.groups]
-        print(f"{group + ' aggregated (serving)':<26}{production_summary(part)}")
-    print(f"{'all aggregated (serving)':<26}{production_summary(served)}")
+        print(f"{group + ' aggregated (serving)':<26}{summary(part)}")
+    print(f"{'all aggregated (serving)':<26}{summary(served)}")
     print(
         f"goal median <= {100 * GOAL_MEDIAN:.0f}% and max <= {100 * GOAL_MAX:.0f}% per group "
         f"(pd rows): {'met' if met and all(met) else 'not met'} "
