@@ -213,3 +213,64 @@ def load_spec(model: str, quant: str | None, kv_cache_dtype: str):  # -> ModelSp
             f"--kv-cache-dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_CHOICES)}"
         )
     return load_model(model, quant=quant, kv_cache_dtype=kv_cache_dtype)
+
+
+# -- a serving workload (estimate, plan) ---------------------------------------------------------
+IslOpt = Annotated[
+    str | None, typer.Option("--isl", help="Serving: prompt tokens per request, e.g. 4096 or 4K.")
+]
+OslOpt = Annotated[
+    str | None,
+    typer.Option("--osl", help="Serving: generated tokens per request, e.g. 1024 or 1K."),
+]
+ConcurrencyOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--concurrency",
+        min=1,
+        max=MAX_BATCH,
+        help="Serving: closed-loop clients, each sending its next request when the last one "
+        "finishes.",
+    ),
+]
+RateOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--rate",
+        callback=finite,
+        help="Serving: Poisson arrivals, requests per second (instead of --concurrency).",
+    ),
+]
+
+
+def workload_from_flags(
+    spec: Any,
+    isl: str | None,
+    osl: str | None,
+    concurrency: int | None,
+    rate: float | None,
+    max_num_batched_tokens: int | None = None,
+    max_num_seqs: int | None = None,
+):  # -> Workload
+    """The workload ``--isl --osl (--concurrency | --rate)`` describe, checked against the
+    model's context, with the engine's step limits where given."""
+    from opweave.costmodel import Lengths, Workload
+
+    missing = [f for f, v in (("--isl", isl), ("--osl", osl)) if v is None]
+    if missing:
+        raise typer.BadParameter(f"serving needs {' and '.join(missing)} (tokens per request)")
+    if (concurrency is None) == (rate is None):
+        raise typer.BadParameter("serving needs one of --concurrency C or --rate R, not both")
+    if rate is not None and not 1e-6 <= rate <= 1e6:
+        raise typer.BadParameter(f"--rate must be from 1e-6 to 1e6 requests/s, got {rate}")
+    assert isl is not None and osl is not None
+    prompt, answer = parse_size(isl), parse_size(osl)
+    check_context(spec, prompt + answer, "--isl + --osl")
+    return Workload(
+        isl=Lengths.fixed(prompt),
+        osl=Lengths.fixed(answer),
+        concurrency=concurrency,
+        rate_per_s=rate,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+    )

@@ -11,11 +11,15 @@ from ._common import (
     MAX_BATCH,
     MAX_GROUP,
     PLOT_SUFFIXES,
+    ConcurrencyOpt,
     HardwareOpt,
+    IslOpt,
     JsonOpt,
     KvCacheOpt,
     ModelArg,
+    OslOpt,
     QuantOpt,
+    RateOpt,
     catalog,
     check_context,
     emit_json,
@@ -26,6 +30,7 @@ from ._common import (
     parse_list,
     parse_size,
     table,
+    workload_from_flags,
 )
 
 DEFAULT_CONTEXTS = "1K,2K,4K,8K,16K,32K,64K,128K"
@@ -107,32 +112,10 @@ def estimate(
             "--from aiconfigurator): its operator latencies replace the roofline's.",
         ),
     ] = None,
-    isl: Annotated[
-        str | None,
-        typer.Option("--isl", help="Serving: prompt tokens per request, e.g. 4096 or 4K."),
-    ] = None,
-    osl: Annotated[
-        str | None,
-        typer.Option("--osl", help="Serving: generated tokens per request, e.g. 1024 or 1K."),
-    ] = None,
-    concurrency: Annotated[
-        int | None,
-        typer.Option(
-            "--concurrency",
-            min=1,
-            max=MAX_BATCH,
-            help="Serving: closed-loop clients, each sending its next request when the last "
-            "one finishes.",
-        ),
-    ] = None,
-    rate: Annotated[
-        float | None,
-        typer.Option(
-            "--rate",
-            callback=finite,
-            help="Serving: Poisson arrivals, requests per second (instead of --concurrency).",
-        ),
-    ] = None,
+    isl: IslOpt = None,
+    osl: OslOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    rate: RateOpt = None,
     max_num_batched_tokens: Annotated[
         int | None,
         typer.Option(
@@ -305,35 +288,26 @@ def _estimate_serving(
     kv_cache_dtype: str,
     flags: dict[str, Any],
 ) -> None:
-    from opweave.costmodel import TP_DEGREES, Lengths, Workload, estimate_serving, host_profile
+    from opweave.costmodel import TP_DEGREES, estimate_serving, host_profile
 
-    missing = [f for f in ("--isl", "--osl") if flags[f] is None]
-    if missing:
-        raise typer.BadParameter(f"serving needs {' and '.join(missing)} (tokens per request)")
-    if (flags["--concurrency"] is None) == (flags["--rate"] is None):
-        raise typer.BadParameter("serving needs one of --concurrency C or --rate R, not both")
-    rate = flags["--rate"]
-    if rate is not None and not 1e-6 <= rate <= 1e6:
-        raise typer.BadParameter(f"--rate must be from 1e-6 to 1e6 requests/s, got {rate}")
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     for flag, value in (("--ep", ep), ("--dp", dp)):
         if not 1 <= value <= MAX_GROUP:
             raise typer.BadParameter(f"{flag} must be from 1 to {MAX_GROUP}, got {value}")
-    isl, osl = parse_size(flags["--isl"]), parse_size(flags["--osl"])
     spec = load_spec(model, quant, kv_cache_dtype)
-    check_context(spec, isl + osl, "--isl + --osl")
-    hw = catalog(hardware).get(gpu)
-    _check_tp(spec, hw, tp)
-    _check_parallelism(spec, hw, tp, ep, dp, None)
-    workload = Workload(
-        isl=Lengths.fixed(isl),
-        osl=Lengths.fixed(osl),
-        concurrency=flags["--concurrency"],
-        rate_per_s=rate,
+    workload = workload_from_flags(
+        spec,
+        flags["--isl"],
+        flags["--osl"],
+        flags["--concurrency"],
+        flags["--rate"],
         max_num_batched_tokens=flags["--max-num-batched-tokens"],
         max_num_seqs=flags["--max-num-seqs"],
     )
+    hw = catalog(hardware).get(gpu)
+    _check_tp(spec, hw, tp)
+    _check_parallelism(spec, hw, tp, ep, dp, None)
     profile = None if host is None else host_profile(host)
     est = estimate_serving(spec, hw, tp=tp, ep=ep, dp=dp, workload=workload, host=profile)
     if json_out:

@@ -65,9 +65,9 @@ def deploy(
     from opweave.costmodel import ConfigError, plan_nodes
 
     from . import _deploy
-    from .planning import load_plan_file, load_profiles
+    from .planning import load_profiles, load_servable_plan
 
-    the_plan = load_plan_file(plan_file)
+    the_plan = load_servable_plan(plan_file, "deploy")
     specs = _hardware(the_plan, hardware, load_profiles(profile))
     nodes = plan_nodes(the_plan, {gpu: hw.gpus_per_node for gpu, hw in specs.items()})
     prefix = _deploy.dns_name(name or f"opweave-{the_plan.model.name}")

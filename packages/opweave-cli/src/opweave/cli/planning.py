@@ -12,14 +12,19 @@ import typer
 from ._common import (
     MAX_BATCH,
     PLOT_SUFFIXES,
+    ConcurrencyOpt,
     HardwareOpt,
+    IslOpt,
     JsonOpt,
     KvCacheOpt,
     ModelArg,
+    OslOpt,
     QuantOpt,
+    RateOpt,
     catalog,
     check_context,
     emit_json,
+    finite,
     load_spec,
     missing_file,
     output_file,
@@ -88,6 +93,21 @@ def load_plan_file(path: Path):  # -> Plan
         ) from None
 
 
+def load_servable_plan(path: Path, command: str):  # -> Plan
+    """A plan file ``command`` (run, deploy) can serve: not one with a prefill pool."""
+    from opweave.costmodel import ConfigError
+
+    the_plan = load_plan_file(path)
+    pool = the_plan.prefill
+    if pool is not None:
+        raise ConfigError(
+            f"plan {path} is a P/D deployment with a prefill pool of {pool.gpus} x {pool.gpu}; "
+            f"opweave {command} serves plans whose replicas prefill their own requests only: "
+            "plan with --context, or take the aggregated deployment of opweave plan --isl"
+        )
+    return the_plan
+
+
 class _Progress:
     """A one-line live progress display on stderr (only when it is a terminal)."""
 
@@ -123,7 +143,6 @@ def plan(
             "(h100:16,a100:8), without a count it is unbounded.",
         ),
     ],
-    context: Annotated[str, typer.Option("--context", help="Context tokens, e.g. 32K.")],
     tpot_slo_ms: Annotated[
         str,
         typer.Option(
@@ -132,6 +151,31 @@ def plan(
             "the cost vs TPOT frontier.",
         ),
     ],
+    context: Annotated[
+        str | None,
+        typer.Option(
+            "--context", help="Decode only: every request at this context, e.g. 32K."
+        ),
+    ] = None,
+    isl: IslOpt = None,
+    osl: OslOpt = None,
+    concurrency: ConcurrencyOpt = None,
+    rate: RateOpt = None,
+    ttft_slo_ms: Annotated[
+        float | None,
+        typer.Option(
+            "--ttft-slo-ms",
+            callback=finite,
+            help="Serving: time-to-first-token SLO in ms (default: none).",
+        ),
+    ] = None,
+    slo_statistic: Annotated[
+        str,
+        typer.Option(
+            "--slo-statistic",
+            help="Serving: what the SLOs bound of the simulated requests: mean, p90 or p99.",
+        ),
+    ] = "p90",
     profile: ProfileOpt = None,
     output: Annotated[
         Path | None,
@@ -172,12 +216,54 @@ def plan(
     kv_cache_dtype: KvCacheOpt = "auto",
 ) -> None:
     """Search operator partitions, GPU types, TP, batching and microbatching for the cheapest
-    plan that meets the TPOT SLO; compare with colocated, AFD and CAD."""
+    decode plan that meets the TPOT SLO at --context, compared with colocated, AFD and CAD; or,
+    with a workload (--isl --osl --concurrency | --rate), the cheapest whole deployment
+    (aggregated, or a prefill pool beside a colocated, AFD, CAD or OpWeave decode pool)."""
     from opweave.costmodel import InfeasibleError
     from opweave.planner import plan as search
 
     names, inventory = parse_gpus(gpus)
     slos = parse_slos(tpot_slo_ms)
+    serving = {
+        "--isl": isl,
+        "--osl": osl,
+        "--concurrency": concurrency,
+        "--rate": rate,
+        "--ttft-slo-ms": ttft_slo_ms,
+    }
+    if any(v is not None for v in serving.values()) or slo_statistic != "p90":
+        from .serving_plans import plan_serving
+
+        refused = {
+            "--context": context,
+            "--plot": plot,
+            "--batch": batch,
+            "--microbatches": microbatches,
+            "--no-frontier-pruning": no_frontier_pruning or None,
+            "--no-branch-and-bound": no_branch_and_bound or None,
+        }
+        plan_serving(
+            model,
+            names,
+            inventory,
+            slos,
+            serving,
+            slo_statistic,
+            refused={k: v for k, v in refused.items() if v is not None},
+            profile=profile,
+            output=output,
+            max_owners=max_owners,
+            json_out=json_out,
+            hardware=hardware,
+            quant=quant,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+        return
+    if context is None:
+        raise typer.BadParameter(
+            "plan needs --context (decode only) or a workload: --isl --osl with --concurrency "
+            "or --rate"
+        )
     tokens = parse_size(context)
     if max_owners not in (1, 2, 3):
         raise typer.BadParameter(f"--max-owners must be 1, 2 or 3, got {max_owners}")

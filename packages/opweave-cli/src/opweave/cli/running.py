@@ -369,9 +369,9 @@ def _split_plan(args: list[str]) -> tuple[Path | None, list[str]]:
 
 def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) -> Any:
     if plan_file is not None:
-        from .planning import load_plan_file
+        from .planning import load_servable_plan
 
-        return load_plan_file(plan_file)
+        return load_servable_plan(plan_file, "run")
     from pydantic import ValidationError
 
     from opweave.costmodel import canonical_plan

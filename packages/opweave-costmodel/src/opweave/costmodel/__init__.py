@@ -114,6 +114,7 @@ from ._private.plan import (
     Plan,
     PlanModel,
     Prediction,
+    PrefillPool,
     Segment,
     StageTemplate,
     afd_template,
@@ -166,6 +167,7 @@ from ._private.roofline import (
 )
 from ._private.serving import (
     DecodePoolEstimate,
+    PrefillEngine,
     PrefillPoolEstimate,
     ServingEstimate,
     decode_pool,
@@ -274,6 +276,7 @@ __all__ = [
     "Owner",
     "Plan",
     "PlanModel",
+    "PrefillPool",
     "Prediction",
     "Segment",
     "StageTemplate",
@@ -345,6 +348,7 @@ __all__ = [
     "EngineSetup",
     "EngineStepCost",
     "Lengths",
+    "PrefillEngine",
     "PrefillPoolEstimate",
     "ServingEstimate",
     "SimResult",

@@ -10,6 +10,8 @@ installs. Depends on opweave-costmodel and numpy only (matplotlib for Gantt char
 from __future__ import annotations
 
 from ._private.api import plan
+from ._private.deployment import plan_deployment
+from ._private.deployment_result import Deployment, DeploymentResult, Fleet, Pool
 from ._private.devices import Device, profile_device_id, resolve_devices
 from ._private.evaluate import SimResult, simulate_plan
 from ._private.gantt import gantt
@@ -30,6 +32,12 @@ __all__ = [
     # planning
     "plan",
     "PlanResult",
+    # whole deployments for a workload
+    "plan_deployment",
+    "Deployment",
+    "DeploymentResult",
+    "Fleet",
+    "Pool",
     "SearchProgress",
     "SearchStats",
     "describe_plan",

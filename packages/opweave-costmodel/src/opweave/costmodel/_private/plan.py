@@ -147,8 +147,32 @@ class Prediction(FileSchema):
     compute_occupancy: float | None = Field(default=None, description="Mean busy share of owners.")
 
 
+class PrefillPool(FileSchema):
+    """A P/D deployment's prefill pool beside the plan's decode owners: ``replicas`` engines
+    of ``tp x dp`` GPUs that prefill every prompt and send its KV cache to the decode GPUs."""
+
+    gpu: str = Field(description="GPU id of the prefill engines.")
+    tp: int = Field(description="Tensor-parallel degree of each DP rank (1, 2, 4 or 8).")
+    ep: int = Field(default=1, ge=1, le=MAX_GROUP_GPUS, description="Expert-parallel degree.")
+    dp: int = Field(default=1, ge=1, le=MAX_GROUP_GPUS, description="Data-parallel ranks.")
+    replicas: int = Field(ge=1, le=MAX_REPLICAS, description="Prefill engines.")
+
+    @model_validator(mode="after")
+    def _tp(self) -> PrefillPool:
+        if self.tp not in TP_DEGREES:
+            raise ValueError(f"tp must be one of {TP_DEGREES}, got {self.tp}")
+        if (self.tp * self.dp) % self.ep:
+            raise ValueError(f"ep {self.ep} must divide tp x dp = {self.tp * self.dp}")
+        return self
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.dp * self.replicas
+
+
 class Plan(FileSchema):
-    """A serving plan: template + owners + batching + microbatching + prediction."""
+    """A serving plan: template + owners + batching + microbatching + prediction; a P/D
+    deployment's plan also names its prefill pool."""
 
     schema_version: Literal[1] = PLAN_SCHEMA_VERSION
     strategy: Strategy
@@ -161,6 +185,11 @@ class Plan(FileSchema):
     prediction: Prediction | None = None
     profiles: tuple[str, ...] = Field(
         default=(), description="Provenance of the latency profiles used."
+    )
+    prefill: PrefillPool | None = Field(
+        default=None,
+        description="P/D: the prefill pool the decode owners take their requests' KV cache "
+        "from; none: every decode replica prefills its own requests.",
     )
     hardware: tuple[HardwareSpec, ...] = Field(
         default=(),
@@ -175,7 +204,8 @@ class Plan(FileSchema):
         ids = [hw.id for hw in self.hardware]
         if len(set(ids)) != len(ids):
             raise ValueError("hardware lists a GPU type twice")
-        stray = set(ids) - {o.gpu for o in self.owners}
+        used = {o.gpu for o in self.owners} | ({self.prefill.gpu} if self.prefill else set())
+        stray = set(ids) - used
         if stray:
             raise ValueError(f"hardware describes {sorted(stray)[0]}, which no owner uses")
         return self

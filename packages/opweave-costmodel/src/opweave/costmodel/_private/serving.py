@@ -300,6 +300,81 @@ def _lengths(lengths: Lengths) -> str:
 
 
 # -- P/D building blocks -------------------------------------------------------------------------
+class PrefillEngine:
+    """One prefill-only replica (P/D): prompts batched up to the token budget per step, each
+    request leaving once its first token is sampled. Built once (a prompt alone and the
+    saturation throughput are simulated here), then asked at any arrival rate with :meth:`at`.
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        *,
+        tp: int,
+        ep: int = 1,
+        dp: int = 1,
+        workload: Workload,
+        host: HostProfile | None = None,
+    ) -> None:
+        self.hardware = hardware
+        self.par = Parallelism(tp=tp, ep=ep, dp=dp)
+        self.workload = workload
+        self.cost, self.setup = _engine(model, hardware, self.par, workload, host)
+        budget = self.setup.max_num_batched_tokens
+        per_step = max(1, math.ceil(budget / max(1.0, workload.isl.mean)))
+        alone = workload.model_copy(
+            update={"concurrency": 1, "rate_per_s": None, "num_requests": 4}
+        )
+        self.prefill_s = float(np.mean(self._run(alone, 4).ttft_s))
+        # saturation: enough clients to fill every step's budget twice over
+        full = workload.model_copy(
+            update={"concurrency": 2 * per_step, "rate_per_s": None, "num_requests": None}
+        )
+        n = max(STEADY_ROUNDS * 2 * per_step, STEADY_MIN_REQUESTS)
+        span = float(np.max(self._run(full, n).finish_s))
+        self.capacity_requests_per_s = n / span * self.par.dp
+
+    def _run(self, rank: Workload, n: int) -> SimResult:
+        return _run(self.cost, self.setup, rank, n, prefill_only=True)
+
+    def at(self, rate_per_s: float | None) -> PrefillPoolEstimate:
+        """The replica at ``rate_per_s`` Poisson arrivals (``None``: a prompt alone)."""
+        if rate_per_s is None:
+            ttft = np.full(1, self.prefill_s)
+            statistic = "a prompt alone (no arrival rate given: no queueing)"
+        else:
+            rank = self.workload.model_copy(
+                update={
+                    "rate_per_s": rate_per_s / self.par.dp,
+                    "concurrency": None,
+                    "num_requests": None,
+                }
+            )
+            first = int(OPEN_LOOP_REQUESTS * OPEN_LOOP_WARMUP)
+            ttft = self._run(rank, OPEN_LOOP_REQUESTS).ttft_s[first:]
+            statistic = (
+                f"mean (and p90/p99) over {OPEN_LOOP_REQUESTS - first} simulated Poisson arrivals"
+            )
+        par, capacity = self.par, self.capacity_requests_per_s
+        return PrefillPoolEstimate(
+            gpu=self.hardware.id,
+            tp=par.tp,
+            ep=par.ep,
+            dp=par.dp,
+            gpus=par.gpus,
+            prefill_s=self.prefill_s,
+            ttft_s=float(np.mean(ttft)),
+            ttft_p90_s=float(np.percentile(ttft, 90)),
+            ttft_p99_s=float(np.percentile(ttft, 99)),
+            capacity_requests_per_s=capacity,
+            capacity_tokens_per_s=capacity * self.workload.isl.mean,
+            rate_per_s=rate_per_s,
+            saturated=rate_per_s is not None and rate_per_s > SATURATED * capacity,
+            statistic=statistic,
+        )
+
+
 def prefill_pool(
     model: ModelSpec,
     hardware: HardwareSpec,
@@ -311,9 +386,8 @@ def prefill_pool(
     rate_per_s: float | None = None,
     host: HostProfile | None = None,
 ) -> PrefillPoolEstimate:
-    """One prefill-only replica: prompts batched up to the token budget per step, each request
-    leaving once its first token is sampled. ``rate_per_s`` (Poisson arrivals at this replica;
-    default: the workload's rate) sets the queueing; without a rate the TTFT is a prompt alone.
+    """One prefill-only replica (:class:`PrefillEngine`) at ``rate_per_s`` Poisson arrivals
+    (default: the workload's rate); without a rate the TTFT is a prompt alone.
 
     >>> from opweave.costmodel import default_catalog, load_model, Lengths, Workload
     >>> w = Workload(isl=Lengths.fixed(4096), osl=Lengths.fixed(1024), rate_per_s=2.0)
@@ -322,47 +396,8 @@ def prefill_pool(
     >>> pool.capacity_requests_per_s > 2, pool.ttft_s >= pool.prefill_s
     (True, True)
     """
-    par = Parallelism(tp=tp, ep=ep, dp=dp)
-    cost, setup = _engine(model, hardware, par, workload, host)
-    per_prompt = max(1, math.ceil(setup.max_num_batched_tokens / max(1.0, workload.isl.mean)))
-    alone = workload.model_copy(update={"concurrency": 1, "rate_per_s": None, "num_requests": 4})
-    prefill = float(np.mean(_run(cost, setup, alone, 4, prefill_only=True).ttft_s))
-    # saturation: enough clients to fill every step's budget twice over
-    full = workload.model_copy(
-        update={"concurrency": 2 * per_prompt, "rate_per_s": None, "num_requests": None}
-    )
-    n = max(STEADY_ROUNDS * 2 * per_prompt, STEADY_MIN_REQUESTS)
-    sat = _run(cost, setup, full, n, prefill_only=True)
-    span = float(np.max(sat.finish_s))
-    capacity = n / span * dp
-    rate = rate_per_s if rate_per_s is not None else workload.rate_per_s
-    if rate is None:
-        ttft = np.full(1, prefill)
-        statistic = "a prompt alone (no arrival rate given: no queueing)"
-    else:
-        rank = workload.model_copy(
-            update={"rate_per_s": rate / dp, "concurrency": None, "num_requests": None}
-        )
-        n_open = OPEN_LOOP_REQUESTS
-        first = int(n_open * OPEN_LOOP_WARMUP)
-        ttft = _run(cost, setup, rank, n_open, prefill_only=True).ttft_s[first:]
-        statistic = f"mean (and p90/p99) over {n_open - first} simulated Poisson arrivals"
-    return PrefillPoolEstimate(
-        gpu=hardware.id,
-        tp=tp,
-        ep=ep,
-        dp=dp,
-        gpus=par.gpus,
-        prefill_s=prefill,
-        ttft_s=float(np.mean(ttft)),
-        ttft_p90_s=float(np.percentile(ttft, 90)),
-        ttft_p99_s=float(np.percentile(ttft, 99)),
-        capacity_requests_per_s=capacity,
-        capacity_tokens_per_s=capacity * workload.isl.mean,
-        rate_per_s=rate,
-        saturated=rate is not None and rate > SATURATED * capacity,
-        statistic=statistic,
-    )
+    engine = PrefillEngine(model, hardware, tp=tp, ep=ep, dp=dp, workload=workload, host=host)
+    return engine.at(rate_per_s if rate_per_s is not None else workload.rate_per_s)
 
 
 def kv_bytes_per_gpu(model: ModelSpec, tokens: float, tp: int) -> float:

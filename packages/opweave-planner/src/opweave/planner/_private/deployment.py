@@ -1,0 +1,547 @@
+"""``plan_deployment()``: whole deployments for a workload, compared.
+
+A deployment serves the whole workload (prompt and answer lengths, an arrival rate or a number
+of concurrent clients) within a TPOT and optionally a TTFT SLO. Compared, each at its cheapest:
+
+- *aggregated*: replicas of one engine that prefills and decodes (chunked prefill, vLLM's
+  default); its TPOT includes the prefill chunks mixed into the decode steps;
+- *pd*: a prefill pool and a decode pool of colocated decode plans (Dynamo's, llm-d's P/D);
+- *afd*, *cad*, *opweave*: a prefill pool and a decode pool of the planner's AFD, CAD or best
+  operator-disaggregated plan.
+
+Decode pools are :func:`~.api.plan`'s plans at the workload's mean decode context, as many
+replica sets as the requests decoding at once (Little's law) fill; prefill pools and aggregated
+engines are sized by :mod:`.engines`. Each pool takes any GPU type of the fleet, within the
+inventory when counts are given.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from opweave.costmodel import (
+    GROUP_GPUS,
+    HardwareCatalog,
+    Lengths,
+    ModelSpec,
+    Plan,
+    Profile,
+    Workload,
+    fits_inventory,
+    kv_transfer_s,
+)
+from opweave.costmodel.errors import ConfigError, OpWeaveError
+
+from .api import plan
+from .deployment_result import KINDS, Deployment, DeploymentResult, Fleet, Pool
+from .devices import Device
+from .engines import (
+    STATISTICS,
+    AggregatedSearch,
+    EngineOption,
+    PrefillSearch,
+    Slos,
+    Statistic,
+    engine_options,
+)
+from .result import PlanResult, gpus_used
+from .search import SearchProgress
+from .space import U_GRID
+
+# P/D kinds and the decode plan of plan()'s result each takes (None: its best).
+DECODE_PLANS: dict[str, str | None] = {
+    "pd": "colocated",
+    "afd": "afd",
+    "cad": "cad",
+    "opweave": None,
+}
+# A decode plan whose global batch is more than this many times the requests decoding at once
+# is re-planned with smaller batches (its replica set would idle most of its slots).
+UNDERFILLED = 2
+
+
+@dataclass(frozen=True)
+class Query:
+    """Everything one deployment search is asked."""
+
+    model: ModelSpec
+    gpus: tuple[str, ...]
+    workload: Workload
+    slos: Slos
+    catalog: HardwareCatalog | None
+    profiles: tuple[Profile, ...]
+    inventory: Mapping[str, int] | None
+    max_owners: int
+    max_group_gpus: int
+    expert_skew: float
+
+    def decode_plans(
+        self,
+        progress: Callable[[SearchProgress], None] | None = None,
+        u_grid: Sequence[int] = U_GRID,
+    ) -> PlanResult:
+        """Decode plans at the workload's mean decode context."""
+        return plan(
+            self.model,
+            self.gpus,
+            context=max(1, round(self.workload.mean_decode_context)),
+            tpot_slo_s=self.slos.tpot_s,
+            catalog=self.catalog,
+            profiles=self.profiles,
+            inventory=self.inventory,
+            max_owners=self.max_owners,
+            max_group_gpus=self.max_group_gpus,
+            expert_skew=self.expert_skew,
+            progress=progress,
+            u_grid=u_grid,
+        )
+
+
+def plan_deployment(
+    model: ModelSpec,
+    gpus: Sequence[str],
+    *,
+    workload: Workload,
+    tpot_slo_s: float,
+    ttft_slo_s: float | None = None,
+    statistic: Statistic = "p90",
+    catalog: HardwareCatalog | None = None,
+    profiles: Sequence[Profile] = (),
+    inventory: Mapping[str, int] | None = None,
+    max_owners: int = 2,
+    max_group_gpus: int = GROUP_GPUS[-1],
+    expert_skew: float = 1.0,
+    progress: Callable[[SearchProgress], None] | None = None,
+    fleet: bool = True,
+) -> DeploymentResult:
+    """The cheapest whole deployment (USD per million output tokens) of ``model`` on ``gpus``
+    serving ``workload`` within ``tpot_slo_s`` (and ``ttft_slo_s``), and the cheapest of each
+    kind: aggregated, pd, afd, cad, opweave (see the module doc).
+
+    ``statistic`` is what the SLOs bound of the simulated figures (``mean``, ``p90``, ``p99``
+    over requests; a decode plan's TPOT is one steady-state figure). With ``inventory`` every
+    deployment fits it, and (``fleet``) the result says how many copies the inventory holds
+    and what the GPUs left over can run.
+    """
+    started = time.perf_counter()
+    _check(model, workload, tpot_slo_s, ttft_slo_s, statistic)
+    query = Query(
+        model=model,
+        gpus=tuple(gpus),
+        workload=workload,
+        slos=Slos(tpot_slo_s, ttft_slo_s, statistic),
+        catalog=catalog,
+        profiles=tuple(profiles),
+        inventory=inventory,
+        max_owners=max_owners,
+        max_group_gpus=max_group_gpus,
+        expert_skew=expert_skew,
+    )
+    decode = query.decode_plans(progress)
+    devices = decode.devices
+    by_id = {d.id: d for d in devices}
+    per_node = {d.id: d.hardware.gpus_per_node for d in devices}
+    limits = {g: n for g, n in decode.inventory.items() if n is not None}
+    options = engine_options(model, devices, max_group_gpus)
+    reasons: dict[str, str] = {}
+
+    agg = AggregatedSearch(model, workload, query.slos)
+    found: dict[str, Deployment | None] = {
+        "aggregated": _aggregated(agg, options, limits, per_node)
+    }
+    if found["aggregated"] is None:
+        reasons["aggregated"] = _aggregated_reason(agg, options, query.slos)
+
+    prefill = PrefillSearch(model, workload, query.slos)
+    small: PlanResult | None = None
+    for kind, key in DECODE_PLANS.items():
+        chosen = _decode_plan(decode, key)
+        if chosen is None:
+            found[kind] = None
+            reasons[kind] = "decode pool: " + _decode_reason(decode, key)
+            continue
+        candidates = [chosen]
+        if chosen.global_batch > UNDERFILLED * _decoding(chosen, workload, chosen_ttft=0.0):
+            # few requests decode at once: smaller batches may leave fewer slots idle
+            if small is None:
+                small = query.decode_plans(u_grid=_small_grid(chosen, workload))
+            other = _decode_plan(small, key)
+            if other is not None:
+                candidates.append(other)
+        best: Deployment | None = None
+        why = ""
+        for decode_plan in candidates:
+            dep, why = _disaggregated(
+                query, kind, decode_plan, prefill, options, by_id, limits, per_node
+            )
+            if dep is not None and (
+                best is None or dep.usd_per_million_tokens < best.usd_per_million_tokens
+            ):
+                best = dep
+        found[kind] = best
+        if best is None:
+            reasons[kind] = why
+
+    feasible = [d for d in found.values() if d is not None]
+    best = min(feasible, key=lambda d: d.usd_per_million_tokens, default=None)
+    result = DeploymentResult(
+        model=model.name,
+        gpus=tuple(d.id for d in devices),
+        workload=workload,
+        slos=query.slos,
+        best=best,
+        baselines={k: found[k] for k in KINDS},
+        reasons=reasons,
+        decode=decode,
+        inventory=dict(decode.inventory),
+        assumptions=_assumptions(query, decode),
+        simulations=agg.calls + prefill.calls,
+    )
+    usage = None
+    if best is not None and limits:
+        usage = _fleet(query, result, best, limits, per_node, second=fleet)
+    return replace(result, fleet=usage, wall_s=time.perf_counter() - started)
+
+
+def _check(
+    model: ModelSpec,
+    workload: Workload,
+    tpot_slo_s: float,
+    ttft_slo_s: float | None,
+    statistic: str,
+) -> None:
+    if not (tpot_slo_s > 0 and math.isfinite(tpot_slo_s)):
+        raise ConfigError(f"the TPOT SLO must be a positive number of seconds, got {tpot_slo_s}")
+    if ttft_slo_s is not None and not (ttft_slo_s > 0 and math.isfinite(ttft_slo_s)):
+        raise ConfigError(f"the TTFT SLO must be a positive number of seconds, got {ttft_slo_s}")
+    if statistic not in STATISTICS:
+        raise ConfigError(
+            f"the SLO statistic must be one of {', '.join(STATISTICS)}, got {statistic!r}"
+        )
+    if workload.num_requests is not None:
+        raise ConfigError(
+            "a deployment is planned for the steady state; give the workload no num_requests"
+        )
+    if workload.max_context_tokens > model.max_context_tokens:
+        raise ConfigError(
+            f"isl + osl reaches {workload.max_context_tokens} tokens, beyond {model.name}'s "
+            f"context of {model.max_context_tokens}; shorten the prompts or the answers"
+        )
+
+
+# -- aggregated ----------------------------------------------------------------------------------
+def _room(limits: Mapping[str, int], used: Mapping[str, int], option: EngineOption) -> int:
+    """Replicas of ``option`` the inventory has GPUs for beside ``used``."""
+    gpu = option.device.id
+    if gpu not in limits:
+        return 1 << 30
+    return max(0, limits[gpu] - used.get(gpu, 0)) // option.gpus
+
+
+def _aggregated(
+    search: AggregatedSearch,
+    options: Sequence[EngineOption],
+    limits: Mapping[str, int],
+    per_node: Mapping[str, int],
+) -> Deployment | None:
+    """The cheapest aggregated deployment: options in order of their cost bound, each sized,
+    until the bound is above the best found."""
+    bounds = {o: search.lower_bound_usd_per_mtok(o) for o in options}
+    best: Deployment | None = None
+    for option in sorted(options, key=lambda o: bounds[o]):
+        if not math.isfinite(bounds[option]):
+            continue
+        if best is not None and bounds[option] >= best.usd_per_million_tokens:
+            break
+        sizing = search.size(option, _room(limits, {}, option))
+        if sizing is None:
+            continue
+        est = sizing.estimate
+        pool = Pool.of_engine("aggregated", option, sizing.replicas)
+        dep = Deployment(
+            kind="aggregated",
+            pools=(pool,),
+            ttft_s=est.ttft_s,
+            ttft_p90_s=est.ttft_p90_s,
+            ttft_p99_s=est.ttft_p99_s,
+            tpot_s=est.tpot_s,
+            tpot_p90_s=est.tpot_p90_s,
+            tpot_p99_s=est.tpot_p99_s,
+            tokens_per_s=sizing.tokens_per_s,
+            requests_per_s=sizing.tokens_per_s / search.workload.osl.mean,
+        )
+        if not fits_inventory(dep.nodes(per_node), limits, per_node):
+            continue
+        if best is None or dep.usd_per_million_tokens < best.usd_per_million_tokens:
+            best = dep
+    return best
+
+
+def _aggregated_reason(
+    search: AggregatedSearch, options: Sequence[EngineOption], slos: Slos
+) -> str:
+    if not options:
+        return "no engine layout of the model splits over these GPU types"
+    if all(not math.isfinite(search.lower_bound_usd_per_mtok(o)) for o in options):
+        return (
+            f"no engine holds one request's decode step within the {slos.tpot_s * 1e3:g} ms "
+            "TPOT SLO (or its KV cache) on these GPU types"
+        )
+    return (
+        "no number of replicas of any engine layout meets the SLOs: the prefill chunks mixed "
+        "into the decode steps (or the queueing before them) exceed them"
+        + (" within the inventory" if search.calls else "")
+    )
+
+
+# -- P/D -----------------------------------------------------------------------------------------
+def _decode_plan(result: PlanResult, key: str | None) -> Plan | None:
+    return result.best if key is None else result.baselines.get(key)
+
+
+def _decode_reason(result: PlanResult, key: str | None) -> str:
+    if key is None:
+        return result.message()
+    return result.reasons.get(key, result.message())
+
+
+def _decoding(decode_plan: Plan, workload: Workload, chosen_ttft: float) -> float:
+    """Requests decoding at once (Little's law): arrivals times the time each decodes."""
+    pred = decode_plan.prediction
+    assert pred is not None
+    decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
+    return _arrivals(workload, chosen_ttft, decode_s) * decode_s
+
+
+def _arrivals(workload: Workload, ttft_s: float, decode_s: float) -> float:
+    """Requests per second the deployment takes: the rate, or (closed loop) the clients over
+    the time each request takes."""
+    if workload.rate_per_s is not None:
+        return workload.rate_per_s
+    assert workload.concurrency is not None
+    return workload.concurrency / (ttft_s + decode_s)
+
+
+def _small_grid(decode_plan: Plan, workload: Workload) -> list[int]:
+    top = max(1.0, _decoding(decode_plan, workload, chosen_ttft=0.0))
+    return [u for u in U_GRID if u <= top] or [U_GRID[0]]
+
+
+def _link(option: EngineOption, decode_plan: Plan, devices: Mapping[str, Device]) -> str:
+    """``nvlink`` when the prefill and decode GPUs share one rack-scale NVLink domain (one
+    type with a scale-up domain beyond a node, e.g. GB200 NVL72), else the ``network``."""
+    hw = option.device.hardware
+    same = all(o.gpu == option.device.id for o in decode_plan.owners)
+    return "nvlink" if same and hw.scale_up_gpus > hw.gpus_per_node else "network"
+
+
+def _transfer_s(
+    model: ModelSpec,
+    option: EngineOption,
+    decode_plan: Plan,
+    devices: Mapping[str, Device],
+    tokens: float,
+) -> float:
+    """One request's KV transfer to the decode pool, at its slowest receiving GPU type."""
+    link = _link(option, decode_plan, devices)
+    return max(
+        kv_transfer_s(
+            model,
+            tokens,
+            tp=option.par.tp,
+            link=link,  # type: ignore[arg-type]
+            prefill=option.device.hardware,
+            decode=devices[gpu].hardware,
+        )
+        for gpu in gpus_used(decode_plan)
+    )
+
+
+def _disaggregated(
+    query: Query,
+    kind: str,
+    decode_plan: Plan,
+    prefill: PrefillSearch,
+    options: Sequence[EngineOption],
+    devices: Mapping[str, Device],
+    limits: Mapping[str, int],
+    per_node: Mapping[str, int],
+) -> tuple[Deployment | None, str]:
+    """The cheapest prefill pool beside ``decode_plan``'s decode pool, or why there is none."""
+    workload, slos, model = query.workload, query.slos, query.model
+    pred = decode_plan.prediction
+    assert pred is not None
+    prices = {d.id: d.usd_per_hour for d in devices.values()}
+    decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
+    osl = workload.osl.mean
+    best: Deployment | None = None
+    reason = "no prefill engine of these GPU types takes the prompts within the TTFT SLO"
+    # each option's prefill pool costs at least its replicas at capacity: visit the cheapest
+    # capacity first and stop once that bound alone is above the best deployment found
+    engines = {o: prefill.engine(o) for o in options}
+    usable = [o for o in options if engines[o] is not None]
+    usable.sort(key=lambda o: o.usd_per_hour / engines[o].capacity_requests_per_s)  # type: ignore[union-attr]
+    for option in usable:
+        alone = engines[option]
+        assert alone is not None
+        transfer = _transfer_s(model, option, decode_plan, devices, workload.isl.mean)
+        budget = None if slos.ttft_s is None else slos.ttft_s - transfer
+        if budget is not None and alone.prefill_s > budget:
+            reason = (
+                f"a prompt alone takes {alone.prefill_s:.3g} s to prefill on {option} (and "
+                f"{transfer * 1e3:.3g} ms to move its KV cache), beyond the "
+                f"{budget + transfer:g} s TTFT SLO"
+            )
+            continue
+        ttft = alone.prefill_s + transfer
+        rate = _arrivals(workload, ttft, decode_s)
+        floor = option.usd_per_hour * rate / alone.capacity_requests_per_s
+        if best is not None and (floor / 3600 / (rate * osl) * 1e6) >= best.usd_per_million_tokens:
+            break
+        sets = 0
+        sizing = None
+        for _ in range(2 if workload.concurrency is not None else 1):
+            sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
+            decode_pool = Pool.of_plan(decode_plan, sets, prices)
+            room = _room(limits, decode_pool.gpus_by_type, option)
+            sizing = prefill.size(option, rate, budget, room)
+            if sizing is None:
+                break
+            est = sizing.estimate
+            ttft = slos.pick(est.ttft_s, est.ttft_p90_s, est.ttft_p99_s) + transfer
+            rate = _arrivals(workload, ttft, decode_s)
+        if sizing is None:
+            reason = (
+                f"no prefill pool on {', '.join(sorted(devices))} meets the TTFT SLO "
+                "within the inventory"
+                if limits
+                else reason
+            )
+            continue
+        sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
+        est = sizing.estimate
+        dep = Deployment(
+            kind=kind,
+            pools=(
+                Pool.of_engine("prefill", option, sizing.replicas),
+                Pool.of_plan(decode_plan, sets, prices),
+            ),
+            ttft_s=est.ttft_s + transfer,
+            ttft_p90_s=est.ttft_p90_s + transfer,
+            ttft_p99_s=est.ttft_p99_s + transfer,
+            tpot_s=pred.tpot_s,
+            tpot_p90_s=pred.tpot_s,
+            tpot_p99_s=pred.tpot_s,
+            tokens_per_s=rate * osl,
+            requests_per_s=rate,
+            kv_transfer_s=transfer,
+        )
+        if limits and not fits_inventory(dep.nodes(per_node), limits, per_node):
+            reason = "the prefill and decode pools together do not fit the inventory"
+            continue
+        if best is None or dep.usd_per_million_tokens < best.usd_per_million_tokens:
+            best = dep
+    return best, reason
+
+
+# -- the fleet -----------------------------------------------------------------------------------
+def _fleet(
+    query: Query,
+    result: DeploymentResult,
+    best: Deployment,
+    limits: Mapping[str, int],
+    per_node: Mapping[str, int],
+    *,
+    second: bool,
+) -> Fleet:
+    """Copies of ``best`` the inventory holds, and (closed loop, ``second``) what the GPUs
+    left over run: the best deployment of their own, or why they stay idle."""
+    inventory: dict[str, int | None] = dict(result.inventory)
+    copies = best.copies_in(inventory, per_node)
+    used = best.gpus_by_type
+    left = {g: n - copies * used.get(g, 0) for g, n in limits.items()}
+    fleet = Fleet(
+        deployments=copies,
+        tokens_per_s=copies * best.tokens_per_s,
+        usd_per_hour=copies * best.usd_per_hour,
+        gpus_left=left,
+    )
+    rest = {g: n for g, n in left.items() if n > 0}
+    if not rest:
+        return fleet
+    if query.workload.rate_per_s is not None or not second:
+        return replace(
+            fleet,
+            idle_reason="the deployment is sized for the rate; these GPUs are its headroom"
+            if query.workload.rate_per_s is not None
+            else "too few for another deployment meeting the SLOs",
+        )
+    try:
+        other = plan_deployment(
+            query.model,
+            list(rest),
+            workload=query.workload,
+            tpot_slo_s=query.slos.tpot_s,
+            ttft_slo_s=query.slos.ttft_s,
+            statistic=query.slos.statistic,
+            catalog=query.catalog,
+            profiles=query.profiles,
+            inventory=rest,
+            max_owners=query.max_owners,
+            max_group_gpus=query.max_group_gpus,
+            expert_skew=query.expert_skew,
+            fleet=False,
+        )
+    except OpWeaveError as exc:
+        return replace(fleet, idle_reason=str(exc))
+    if other.best is None:
+        return replace(fleet, idle_reason=other.message())
+    copies2 = other.best.copies_in(dict(rest), per_node)
+    used2 = other.best.gpus_by_type
+    after = {g: n - copies2 * used2.get(g, 0) for g, n in rest.items()}
+    other = replace(
+        other,
+        fleet=Fleet(
+            deployments=copies2,
+            tokens_per_s=copies2 * other.best.tokens_per_s,
+            usd_per_hour=copies2 * other.best.usd_per_hour,
+            gpus_left=after,
+        ),
+    )
+    return replace(fleet, second=other, second_copies=copies2)
+
+
+def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
+    w, s = query.workload, query.slos
+    out = [
+        f"arrivals: {w.arrival}"
+        + (
+            "; a P/D prefill pool takes the closed loop's requests as Poisson arrivals at its "
+            "throughput"
+            if w.concurrency is not None
+            else ""
+        ),
+        f"lengths: isl {_lengths_text(w.isl)}, osl {_lengths_text(w.osl)}",
+        f"SLOs bound the {s.statistic} over requests of the simulated engines' TTFT and TPOT; "
+        "a decode plan's TPOT is its steady-state step, the same for every request",
+        "aggregated engines and prefill pools: vLLM V1's scheduler simulated (chunked prefill "
+        "under its default token budget per GPU, decodes first), replicas sharing the arrivals "
+        "evenly",
+        "decode pools: replica sets of a decode plan at the mean decode context "
+        f"({max(1, round(w.mean_decode_context))} tokens), as many as the requests decoding at "
+        "once fill (Little's law); each set's TPOT at its full batch",
+        "KV cache moved from prefill to decode GPUs once per request, every prefill GPU "
+        "sending its shard (NIXL), over the network unless both pools share a rack-scale "
+        "NVLink domain",
+    ]
+    decode_notes = [a for a in decode.assumptions() if not a.startswith(("decode only", "every "))]
+    return tuple(out + decode_notes)
+
+
+def _lengths_text(lengths: Lengths) -> str:
+    if lengths.kind == "fixed":
+        return f"{lengths.tokens} tokens"
+    return f"uniform {lengths.low_tokens}-{lengths.high_tokens} tokens"
