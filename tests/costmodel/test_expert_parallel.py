@@ -15,6 +15,7 @@ from opweave.costmodel import (
     Owner,
     Parallelism,
     Plan,
+    RooflineLatency,
     alltoall_bytes_per_gpu,
     alltoall_s,
     canonical_plan,
@@ -24,9 +25,11 @@ from opweave.costmodel import (
     expert_load_imbalance,
     load_model,
     memory_bytes_per_gpu,
+    parallel_op_terms_s,
     parallelism_problem,
     plan_groups,
     plan_nodes,
+    weight_bytes_per_gpu,
     weight_share,
 )
 from opweave.costmodel._private.models import builtin_config
@@ -285,3 +288,58 @@ def test_experts_that_do_not_split_evenly_fill_redundant_slots() -> None:
     assert sum(op.weight_bytes * weight_share(op, even) for op in experts) == pytest.approx(
         8 * per_expert
     )
+
+
+def test_dense_ffn_data_parallel_holds_it_whole_and_runs_it_on_local_tokens() -> None:
+    """DeepSeek-V3 (FP8 128x128 blocks) under attention DP: its 3 dense FFN layers (18432
+    channels) do not split over 32 GPUs in whole scale blocks (576 channels); held whole on
+    every GPU (SGLang's --moe-dense-tp-size 1, TensorRT-LLM's attention DP) they run, on each
+    GPU's own tokens, with no collective of their own."""
+    cfg = builtin_config("deepseek-v3")
+    hidden, inter, dense = (
+        cfg["hidden_size"],
+        cfg["intermediate_size"],
+        cfg["first_k_dense_replace"],
+    )
+    assert (hidden, inter, dense) == (7168, 18432, 3)
+    # per layer: gate, up, down in FP8 (1 byte) plus one FP32 scale per 128x128 block of each
+    per_layer = 3 * hidden * inter + 3 * (hidden // 128) * (inter // 128) * 4
+    model = load_model("deepseek-v3")
+    dense_ops = [o for o in model.operators if o.name in ("gate_up_proj", "down_proj")]
+    assert sum(o.weight_bytes for o in dense_ops) == dense * per_layer
+    catalog = default_catalog()
+    gb300, h200 = catalog.get("gb300"), catalog.get("h200")
+    wide = Parallelism(tp=1, ep=32, dp=32)
+    problem = parallelism_problem(model, wide, gb300)
+    assert problem is not None and "576 are not whole 128x128 FP8 scale blocks at tp 32" in problem
+    whole = Parallelism(tp=1, ep=32, dp=32, dense_dp=True)
+    assert parallelism_problem(model, whole, gb300) is None
+    # memory: the dense FFN whole instead of an eighth of it, all else the same
+    ep8, ep8_dense = Parallelism(tp=1, ep=8, dp=8), Parallelism(tp=1, ep=8, dp=8, dense_dp=True)
+    assert weight_bytes_per_gpu(model.operators, ep8_dense) - weight_bytes_per_gpu(
+        model.operators, ep8
+    ) == pytest.approx(dense * per_layer * (1 - 1 / 8))
+    # latency: 16 requests per DP rank; at 16 tokens the FP8 GEMMs are weight-bound, so each
+    # dense layer reads its whole weights (activations: 16 x (7168 + 2 x 18432) BF16 values
+    # more, 0.5%); no gather/scatter over the group
+    est = estimate_step(model, gb300, tp=1, ep=32, dp=32, dense_dp=True, batch=512, context=4096)
+    assert est.dense_dp and est.weight_bytes_per_gpu == weight_bytes_per_gpu(model.operators, whole)
+    for op in dense_ops:
+        terms = parallel_op_terms_s(gb300, model, op, whole, 512, 4096)
+        assert terms["collective"] == terms["collective_latency"] == 0.0
+        assert terms["roofline"] == pytest.approx(
+            op.weight_bytes / gb300.effective_bandwidth, rel=0.01
+        )
+        over_group = parallel_op_terms_s(h200, model, op, ep8, 512, 4096)
+        if op.name == "down_proj":
+            assert over_group["collective_latency"] > 0.0
+    # tp 2 x dp 4: a DP rank's 16 requests scattered over its 2 attention-TP GPUs, 8 each
+    four = Parallelism(tp=2, ep=8, dp=4, dense_dp=True)
+    down = next(o for o in dense_ops if o.name == "down_proj")
+    eight = RooflineLatency(h200).op_terms_s(down, 1, 8, 4096)
+    assert parallel_op_terms_s(h200, model, down, four, 64, 4096)["roofline"] == eight["roofline"]
+    # only with data-parallel attention
+    problem = parallelism_problem(model, Parallelism(tp=8, ep=8, dense_dp=True), h200)
+    assert problem == "dense FFN data-parallel needs data-parallel attention (dp > 1)"
+    with pytest.raises(ConfigError, match="needs data-parallel attention"):
+        estimate_step(model, h200, tp=8, ep=8, dense_dp=True, batch=16, context=1024)

@@ -35,20 +35,21 @@ the step around it.
 Prints figures; asserts nothing. Goal: median <= 6%, max <= 20% over the in-scope rows.
 
 ``--set production`` (run after the reference by default) compares the cost model with
-``production_decode_data.toml``: measured production deployments in FP8/FP4, with multi-head
-latent attention and with expert parallelism and data-parallel attention (engine, GPU, batch,
-context and source per row; see its header). A row's deployment maps onto an owner's
-parallelism as the engines lay it out: ``tp`` GPUs per instance; with ``dp > 1`` each of the
-``dp`` attention ranks holds ``tp / dp`` GPUs and ``batch`` requests, the experts sharded over
-``ep``. A checkpoint that is not a built-in (or a built-in in another format, e.g. NVIDIA's NVFP4
-DeepSeek) is read from ``configs/`` beside this file (byte copies of the published
-``config.json`` / ``hf_quant_config.json``; ``[checkpoints]`` in the data file maps them). A
-row the cost model cannot describe (a model with no config here, a GPU outside the catalog, a
-layout outside its parallelism) is listed with the reason and counted in the coverage line.
-Errors are printed per group (fp8, fp4, mla, ep), apart for P/D decode pools (decode steps
-only) and aggregated engines, whose TPOT also holds the prefill chunks an engine mixes into
-its decode steps: a decode-step estimate leaves those out, so its error there is expected to
-be negative. Same goal per group: median <= 6%, max <= 20%.
+``production_decode_data.toml``: measured production deployments in FP8/FP4, with multi-head latent
+attention and with expert parallelism and data-parallel attention (engine, GPU, batch, context and
+source per row; see its header). A row's deployment maps onto an owner's parallelism as the engines
+lay it out: ``tp`` GPUs per instance; with ``dp > 1`` each of the ``dp`` attention ranks holds
+``tp/dp`` GPUs and ``batch`` requests, the experts sharded over ``ep``; ``dense_dp = true`` holds
+the dense FFN layers whole on every GPU (the engine's layout where the row's source shows it)
+instead of tensor-parallel over the group. A checkpoint that is not a built-in (or a built-in in
+another format, e.g. NVIDIA's NVFP4 DeepSeek) is read from ``configs/`` beside this file (byte
+copies of the published ``config.json`` / ``hf_quant_config.json``; ``[checkpoints]`` in the data
+file maps them). A row the cost model cannot describe (a model with no config here, a GPU outside
+the catalog, a layout outside its parallelism) is listed with the reason and counted in the
+coverage line. Errors are printed per group (fp8, fp4, mla, ep), apart for P/D decode pools (decode
+steps only) and aggregated engines, whose TPOT also holds the prefill chunks an engine mixes into
+its decode steps: a decode-step estimate leaves those out, so its error there is expected to be
+negative. Same goal per group: median <= 6%, max <= 20%.
 
     python tools/bench/costmodel_accuracy.py
     python tools/bench/costmodel_accuracy.py --set production
@@ -322,6 +323,7 @@ class ProductionRow:
     tp: int
     ep: int
     dp: int
+    dense_dp: bool
     batch: float
     context: int
     measured_ms: float
@@ -357,6 +359,7 @@ def load_production(path: Path = PRODUCTION) -> tuple[dict[str, Any], list[Produ
             tp=int(r["tp"]),
             ep=int(r["ep"]),
             dp=int(r["dp"]),
+            dense_dp=bool(r.get("dense_dp", False)),
             batch=float(r["batch"]),
             context=int(r["context"]),
             measured_ms=float(r["measured_ms"]),
@@ -413,6 +416,7 @@ def production_step_ms(row: ProductionRow, model: ModelSpec, hw: HardwareSpec) -
             tp=tp,
             ep=row.ep,
             dp=row.dp,
+            dense_dp=row.dense_dp,
             batch=batch * row.dp,
             context=row.context,
             host=profile,
@@ -556,6 +560,7 @@ def serving_model(row: dict[str, Any]) -> ModelSpec:
         tp=int(row["tp"]),
         ep=int(row["ep"]),
         dp=int(row["dp"]),
+        dense_dp=bool(row.get("dense_dp", False)),
         batch=1.0,
         context=1,
         measured_ms=1.0,

@@ -44,6 +44,11 @@ class StepEstimate(Frozen):
     tp: int
     ep: int = 1
     dp: int = 1
+    dense_dp: bool = Field(
+        default=False,
+        description="Dense FFN layers fully data-parallel (whole on every GPU, on its own "
+        "tokens) instead of tensor-parallel over tp x dp.",
+    )
     batch: int = Field(
         description="Requests of the replica (tp x dp GPUs), split over its DP ranks."
     )
@@ -68,7 +73,7 @@ class StepEstimate(Frozen):
     weight_bytes_per_gpu: float = Field(
         description="Resident weights per GPU, in their formats (scales and unquantised "
         "modules included): non-expert operators over tp, routed experts and dense FFN layers "
-        "over tp x dp."
+        "over tp x dp (dense FFN whole with dense_dp)."
     )
     memory_capacity_bytes: float = Field(description="Usable memory per GPU.")
     quant: str = Field(description="Weight format (precision.py; bf16: unquantised).")
@@ -99,10 +104,12 @@ def estimate_step(
     ep: int = 1,
     dp: int = 1,
     expert_skew: float | None = None,
+    dense_dp: bool = False,
 ) -> StepEstimate:
     """Latency, memory and cost of one colocated decode step of a replica of ``tp x dp`` GPUs
     (layout: :mod:`.parallelism`): ``batch`` requests split over ``dp`` data-parallel ranks,
-    routed experts over ``ep``.
+    routed experts over ``ep``; ``dense_dp`` holds dense FFN layers whole on every GPU (SGLang's
+    ``--moe-dense-tp-size 1``, TensorRT-LLM under attention DP) instead of over the group.
 
     ``host`` names the serving engine's per-step host time (``HOST_PROFILES``) in place of the
     hardware's; it applies to the analytical latency model, not to a given ``latency``.
@@ -119,7 +126,7 @@ def estimate_step(
     1.55
     """
     gemm_path = check_runs(model.precision, hardware)
-    par = Parallelism(tp=tp, ep=ep, dp=dp)
+    par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
     if not par.plain:
         problem = parallelism_problem(model, par, hardware)
         if problem is not None:
@@ -176,6 +183,7 @@ def estimate_step(
         tp=tp,
         ep=ep,
         dp=dp,
+        dense_dp=dense_dp,
         batch=batch,
         context_tokens=context,
         step_latency_s=step,

@@ -26,13 +26,21 @@ One replica spans ``tp x dp`` GPUs, its *group*:
   ``ep`` is: every GPU already holds every token, so no all-to-all).
 - **dense FFN layers** (``gate_up_proj``, ``down_proj``) span the group too, tensor-parallel over
   all ``tp x dp`` GPUs (SGLang's default under DP attention); ``ep`` is 1 on a dense model.
+  With ``dense_dp`` (``dp > 1``) they are instead fully data-parallel: every GPU holds them whole
+  and computes them for its own share of its DP rank's tokens, ``ceil(ceil(batch / dp) / tp)``,
+  with no collective of their own. That is SGLang's ``--moe-dense-tp-size 1`` under DP attention
+  (the dense MLP runs on the tokens scattered over the attention-TP ranks) and TensorRT-LLM's
+  layout whenever attention DP is on (``DeepseekV3DecoderLayer._compute_mlp_tp_size`` in
+  ``tensorrt_llm/_torch/models/modeling_deepseekv3.py``: "If using attention DP, the MLP also uses
+  DP instead of TP", mlp_tp_size = 1); SGLang's wide-EP recipes set it (lmsys large-scale EP and
+  GB200 blogs, Dynamo's ``examples/backends/sglang/slurm_jobs/scripts/gb200-fp8``).
 
-Legal combinations (:func:`parallelism_problem`): ``tp``, ``ep``, ``dp`` at least 1; ``ep``
-divides ``tp x dp`` and is at most the number of routed experts; every operator splits as its
-degree asks (attention heads over ``tp``, dense FFN over ``tp x dp``, each expert over
-``tp x dp / ep``); a TP group within one NVLink domain (``scale_up_gpus``: the node, or a
-rack-scale domain such as GB200 NVL72's, whose trays of 4 GPUs share one NVLink fabric); a group
-within one domain or a whole number of domains joined by the network.
+Legal combinations (:func:`parallelism_problem`): ``tp``, ``ep``, ``dp`` at least 1; ``ep`` divides
+``tp x dp`` and is at most the number of routed experts; ``dense_dp`` only with ``dp > 1``; every
+operator splits as its degree asks (attention heads over ``tp``, dense FFN over ``tp x dp`` or not
+at all, each expert over ``tp x dp / ep``); a TP group within one NVLink domain (``scale_up_gpus``:
+the node, or a rack-scale domain such as GB200 NVL72's, whose trays of 4 GPUs share one NVLink
+fabric); a group within one domain or a whole number of domains joined by the network.
 """
 
 from __future__ import annotations
@@ -97,11 +105,14 @@ class Parallelism:
     >>> p = Parallelism(tp=2, ep=8, dp=4)
     >>> p.gpus, p.expert_tp, p.wide_ep, str(p)
     (8, 1, True, 'tp2 ep8 dp4')
+    >>> str(Parallelism(tp=1, ep=32, dp=32, dense_dp=True))
+    'tp1 ep32 dp32 dense-dp'
     """
 
     tp: int = 1
     ep: int = 1
     dp: int = 1
+    dense_dp: bool = False  # dense FFN layers fully data-parallel (see the module docstring)
 
     @property
     def gpus(self) -> int:
@@ -126,15 +137,28 @@ class Parallelism:
     @property
     def plain(self) -> bool:
         """Tensor parallelism only (``ep = dp = 1``)."""
-        return self.ep == 1 and self.dp == 1
+        return self.ep == 1 and self.dp == 1 and not self.dense_dp
 
     def __str__(self) -> str:
-        return f"tp{self.tp}" if self.plain else f"tp{self.tp} ep{self.ep} dp{self.dp}"
+        if self.plain:
+            return f"tp{self.tp}"
+        return f"tp{self.tp} ep{self.ep} dp{self.dp}" + (" dense-dp" if self.dense_dp else "")
 
 
 def is_group_op(op: OperatorSpec) -> bool:
     """Whether ``op`` spans the replica's whole group: routed experts and dense FFN layers."""
     return op.moe is not None or op.name in ("gate_up_proj", "down_proj")
+
+
+def spans_group(op: OperatorSpec, par: Parallelism) -> bool:
+    """Whether ``op`` spans the group at ``par``: routed experts, and dense FFN layers unless
+    they are data-parallel (``par.dense_dp``)."""
+    return is_group_op(op) and not (par.dense_dp and op.moe is None)
+
+
+def is_dense_dp_op(op: OperatorSpec, par: Parallelism) -> bool:
+    """A dense FFN layer held whole on every GPU (``par.dense_dp``)."""
+    return par.dense_dp and is_group_op(op) and op.moe is None
 
 
 def dp_batch(batch: float, dp: int) -> float:
@@ -216,6 +240,8 @@ def parallelism_problem(
         return f"ep {par.ep}: {model.name} has no routed experts (a dense model); use ep 1"
     if g % par.ep:
         return f"ep {par.ep} does not divide tp x dp = {g}"
+    if par.dense_dp and par.dp == 1:
+        return "dense FFN data-parallel needs data-parallel attention (dp > 1)"
     if moe is not None and par.ep > moe.num_experts:
         return f"ep {par.ep} is more than the {moe.num_experts} routed experts"
     seen: set[tuple[str, str | None]] = set()
@@ -225,9 +251,11 @@ def parallelism_problem(
         if (op.name, kind) in seen:
             continue
         seen.add((op.name, kind))
+        if is_dense_dp_op(op, par):
+            continue  # whole on every GPU: nothing to split
         problem = (
             _group_op_problem(model, op, par)
-            if is_group_op(op)
+            if spans_group(op, par)
             else op_tp_problem(model, op, par.tp)
         )
         if problem:
@@ -307,7 +335,12 @@ def parallel_op_terms_s(
     out: dict[str, float] = dict.fromkeys(TERMS, 0.0)
     if batch <= 0:
         return out
-    if not is_group_op(op) or par.plain:
+    if is_dense_dp_op(op, par):
+        # whole on every GPU, on its share of its DP rank's tokens; no collective of its own
+        b = float(math.ceil(dp_batch(batch, par.dp) / par.tp - 1e-9))
+        out.update(RooflineLatency(hw).op_terms_s(op, 1, b, context))
+        return out
+    if not spans_group(op, par) or par.plain:
         # each DP rank at tp: the roofline's terms and the operator's TP collective
         b = dp_batch(batch, par.dp)
         lat = RooflineLatency(hw)
@@ -363,7 +396,8 @@ def parallel_op_latency_s(
 # -- memory -------------------------------------------------------------------------------------
 def weight_bytes_per_gpu(ops: Sequence[OperatorSpec], par: Parallelism) -> float:
     """Weights one GPU holds: non-expert operators sharded over ``tp`` (replicated on every DP
-    rank), routed experts and dense FFN layers over all ``tp x dp`` GPUs; tied weights once."""
+    rank), routed experts and dense FFN layers over all ``tp x dp`` GPUs (whole with
+    ``dense_dp``); tied weights once."""
     seen: set[str] = set()
     total = 0.0
     for op in ops:
@@ -377,10 +411,10 @@ def weight_bytes_per_gpu(ops: Sequence[OperatorSpec], par: Parallelism) -> float
 
 def weight_share(op: OperatorSpec, par: Parallelism) -> float:
     """Share of ``op``'s weights one GPU holds: non-expert operators over ``tp``, dense FFN
-    layers over the group, routed experts ``ceil(E / ep)`` expert slots per expert set, each
-    split over its ``expert_tp`` GPUs. Where ``ep`` does not divide the ``E`` experts the spare
-    slots hold redundant copies of the busiest experts, as EPLB places them (DeepSeek-V3
-    decoding: 256 experts + 32 redundant over EP 288 / 72; SGLang's
+    layers over the group (whole with ``dense_dp``), routed experts ``ceil(E / ep)`` expert
+    slots per expert set, each split over its ``expert_tp`` GPUs. Where ``ep`` does not divide
+    the ``E`` experts the spare slots hold redundant copies of the busiest experts, as EPLB
+    places them (DeepSeek-V3 decoding: 256 experts + 32 redundant over EP 288 / 72; SGLang's
     ``--ep-num-redundant-experts``); with ``ep`` dividing ``E`` this is ``1 / (tp x dp)``.
 
     >>> from opweave.costmodel import load_model
@@ -390,7 +424,9 @@ def weight_share(op: OperatorSpec, par: Parallelism) -> float:
     ...     experts, Parallelism(tp=1, ep=48, dp=48))  # 3 slots of 128 on each of 48 GPUs
     (0.125, 0.0234375)
     """
-    if not is_group_op(op):
+    if is_dense_dp_op(op, par):
+        return 1.0
+    if not spans_group(op, par):
         return shard_fraction(op, par.tp)
     if op.moe is None or par.ep == 1:
         return shard_fraction(op, par.gpus)
