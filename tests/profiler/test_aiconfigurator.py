@@ -54,6 +54,10 @@ def ar_ms(elements: int) -> float:
     return 0.005 + elements * 1e-8
 
 
+def ag_ms(elements: int) -> float:
+    return 0.007 + elements * 3e-9
+
+
 def _write(folder: Path, name: str, columns: dict[str, list], schema_version: int = 1) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "collection_meta.yaml").write_text(f"schema_version: {schema_version}\n")
@@ -106,6 +110,19 @@ def write_database(root: Path, *, head_dim: int = 64, schema_version: int = 1) -
             "message_size": sizes,
             "backend": ["vllm_graph"] * len(sizes),
             "latency": [ar_ms(e) for e in sizes],
+        },
+    )
+    # NCCL's table: an all-gather to read, and an all-reduce the engine's own one replaces
+    ops = [(op, e) for op in ("all_gather", "all_reduce") for e in sizes]
+    _write(
+        base / "comm" / "nccl" / "2.29.2",
+        "nccl_perf",
+        {
+            "op_name": [o for o, _ in ops],
+            "nccl_dtype": ["half"] * len(ops),
+            "num_gpus": [2] * len(ops),
+            "message_size": [e for _, e in ops],
+            "latency": [ag_ms(e) if o == "all_gather" else 1.0 for o, e in ops],
         },
     )
     return data
@@ -179,14 +196,25 @@ def test_allreduce_is_the_engines_measured_one(tmp_path: Path, tiny) -> None:
     run = import_profile(
         model, "h100", database=write_database(tmp_path), batches=BATCHES, tp=[1, 2]
     )
-    (table,) = run.profile.collectives
-    assert (table.kind, table.gpus) == ("allreduce", 2)
+    reduce, gather = run.profile.collectives
+    assert (reduce.kind, reduce.gpus) == ("allreduce", 2)
+    assert reduce.source == "vllm custom all-reduce (0.24.0)"
     o_proj = next(o for o in model.layers[0].ops if o.name == "o_proj")
     # 4 tokens x 256 BF16 values = 1024 elements: a measured message size
     measured = ar_ms(1024) * 1e-3
     assert ProfiledLatency(run.profile).collective_s(o_proj, 2, 4) == pytest.approx(
         measured, rel=1e-12
     )
+    # the head's logits are all-gathered: NCCL's measured all-gather of the gathered tensor
+    assert (gather.kind, gather.gpus, gather.source) == ("allgather", 2, "NCCL all-gather (2.29.2)")
+    head = next(o for o in model.post_ops if o.name == "lm_head")
+    # 8 tokens x 1000 logits = 8000 elements, between the measured 4096 and 8192: log-log
+    lo, hi = ag_ms(4096) * 1e-3, ag_ms(8192) * 1e-3
+    t = (math.log(8000) - math.log(4096)) / (math.log(8192) - math.log(4096))
+    expected = math.exp((1 - t) * math.log(lo) + t * math.log(hi))
+    got = ProfiledLatency(run.profile).collective_s(head, 2, 8)
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got != pytest.approx(RooflineLatency(run.profile.device).collective_s(head, 2, 8))
 
 
 def test_a_newer_layout_is_a_clear_error(tmp_path: Path, tiny) -> None:

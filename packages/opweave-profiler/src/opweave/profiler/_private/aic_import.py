@@ -20,7 +20,8 @@ database kernels it runs, in the model's precision:
 
 Norms, rope, embedding and sampling, MLA's latent attention, and any shape the database lacks
 take the roofline of the catalog GPU (its cited fixed costs included), per operator. Each table
-says which (``OpLatencyTable.source``); the TP all-reduce is the engine's measured one.
+says which (``OpLatencyTable.source``); the TP all-reduce is the engine's measured one, the
+head's all-gather NCCL's.
 """
 
 from __future__ import annotations
@@ -370,17 +371,20 @@ def import_profile(
     ]
     collectives = tuple(
         CollectiveTable(
-            kind="allreduce",
+            kind=kind,
             gpus=t,
-            message_bytes=tuple(int(x) for x in kernels.allreduce[t][0]),
-            latency_s=tuple(float(y) for y in kernels.allreduce[t][1]),
-            source=kernels.allreduce_source,
+            message_bytes=tuple(int(x) for x in curves[t][0]),
+            latency_s=tuple(float(y) for y in curves[t][1]),
+            source=source,
         )
+        for kind, used, curves, source in (
+            ("allreduce", TPCollective.ALLREDUCE, kernels.allreduce, kernels.allreduce_source),
+            ("allgather", TPCollective.ALLGATHER, kernels.allgather, kernels.allgather_source),
+        )
+        if any(op.tp_collective == used for op in model.operators)
         for t in degrees
-        if t > 1 and t in kernels.allreduce
+        if t > 1 and t in curves
     )
-    if not any(op.tp_collective == TPCollective.ALLREDUCE for op in model.operators):
-        collectives = ()
     settings: dict[str, str | int | float | list[int] | list[str]] = {
         "database": db.origin,
         "system": system,
