@@ -54,6 +54,10 @@ def ar_ms(elements: int) -> float:
     return 0.005 + elements * 1e-8
 
 
+def ag_ms(elements: int) -> float:
+    return 0.007 + elements * 3e-9
+
+
 def _write(folder: Path, name: str, columns: dict[str, list], schema_version: int = 1) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "collection_meta.yaml").write_text(f"schema_version: {schema_version}\n")
@@ -106,6 +110,19 @@ def write_database(root: Path, *, head_dim: int = 64, schema_version: int = 1) -
             "message_size": sizes,
             "backend": ["vllm_graph"] * len(sizes),
             "latency": [ar_ms(e) for e in sizes],
+        },
+    )
+    # NCCL's table: an all-gather to read, and an all-reduce the engine's own one replaces
+    ops = [(op, e) for op in ("all_gather", "all_reduce") for e in sizes]
+    _write(
+        base / "comm" / "nccl" / "2.29.2",
+        "nccl_perf",
+        {
+            "op_name": [o for o, _ in ops],
+            "nccl_dtype": ["half"] * len(ops),
+            "num_gpus": [2] * len(ops),
+            "message_size": [e for _, e in ops],
+            "latency": [ag_ms(e) if o == "all_gather" else 1.0 for o, e in ops],
         },
     )
     return data
@@ -179,14 +196,46 @@ def test_allreduce_is_the_engines_measured_one(tmp_path: Path, tiny) -> None:
     run = import_profile(
         model, "h100", database=write_database(tmp_path), batches=BATCHES, tp=[1, 2]
     )
-    (table,) = run.profile.collectives
-    assert (table.kind, table.gpus) == ("allreduce", 2)
+    reduce, gather = run.profile.collectives
+    assert (reduce.kind, reduce.gpus) == ("allreduce", 2)
+    assert reduce.source == "vllm custom all-reduce (0.24.0)"
     o_proj = next(o for o in model.layers[0].ops if o.name == "o_proj")
     # 4 tokens x 256 BF16 values = 1024 elements: a measured message size
     measured = ar_ms(1024) * 1e-3
     assert ProfiledLatency(run.profile).collective_s(o_proj, 2, 4) == pytest.approx(
         measured, rel=1e-12
     )
+    # the head's logits are all-gathered: NCCL's measured all-gather of the gathered tensor
+    assert (gather.kind, gather.gpus, gather.source) == ("allgather", 2, "NCCL all-gather (2.29.2)")
+    head = next(o for o in model.post_ops if o.name == "lm_head")
+    # 8 tokens x 1000 logits = 8000 elements, between the measured 4096 and 8192: log-log
+    lo, hi = ag_ms(4096) * 1e-3, ag_ms(8192) * 1e-3
+    t = (math.log(8000) - math.log(4096)) / (math.log(8192) - math.log(4096))
+    expected = math.exp((1 - t) * math.log(lo) + t * math.log(hi))
+    got = ProfiledLatency(run.profile).collective_s(head, 2, 8)
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert got != pytest.approx(RooflineLatency(run.profile.device).collective_s(head, 2, 8))
+
+
+def test_an_all_reduce_table_without_backends_is_read(tmp_path: Path, tiny) -> None:
+    """TensorRT-LLM's all-reduce tables have no ``backend`` column: every row is read."""
+    model, _ = tiny
+    db = write_database(tmp_path)
+    sizes = [2**i for i in range(7, 16)]
+    _write(
+        db / "h100_sxm" / "comm" / "trtllm" / "1.3.0rc20",
+        "custom_allreduce_perf",
+        {
+            "allreduce_dtype": ["bfloat16"] * len(sizes),
+            "num_gpus": [2] * len(sizes),
+            "message_size": sizes,
+            "latency": [ar_ms(e) / 2 for e in sizes],
+        },
+    )
+    run = import_profile(model, "h100", engine="trtllm", database=db, batches=BATCHES, tp=[2])
+    reduce = run.profile.collective("allreduce", 2)
+    assert reduce is not None and reduce.source == "trtllm custom all-reduce (1.3.0rc20)"
+    assert reduce(2048) == pytest.approx(ar_ms(1024) / 2 * 1e-3, rel=1e-12)  # 1024 BF16 values
 
 
 def test_a_newer_layout_is_a_clear_error(tmp_path: Path, tiny) -> None:
@@ -297,3 +346,101 @@ def test_real_database_row() -> None:
     hit = rows[(rows.gemm_dtype == "bfloat16") & (rows.m == 8) & (rows.n == 5120)]
     expected = hit[hit.k == 8192].latency.min() * 1e-3
     assert _table(run.profile, "o_proj@full").latency_s[0][0] == expected
+
+
+# a two-layer DeepSeek-V3 at DeepSeek-V3's latent (512 + 64), the one the database's MLA
+# attention was measured at; 4 heads, so 4 per rank at TP 1 and 2 at TP 2
+MLA_CONFIG = {
+    "model_type": "deepseek_v3",
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "first_k_dense_replace": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "q_lora_rank": 64,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 32,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 32,
+    "vocab_size": 1000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
+
+
+def mla_ms(heads: int, batch: int, context: int) -> float:
+    return 0.010 + heads * batch * context * 1e-6
+
+
+def write_mla(root: Path) -> Path:
+    """The tiny database plus SGLang's MLA decode attention for 4 and 2 heads per rank."""
+    data = write_database(root)
+    cells = [(h, b, s) for h in (4, 2) for b in BATCHES for s in (1024, 2048, 4096)]
+    _write(
+        data / "h100_sxm" / "mla" / "sglang" / "0.5.14",
+        "generation_mla_perf",
+        {
+            "mla_dtype": ["bfloat16"] * len(cells),
+            "kv_cache_dtype": ["bfloat16"] * len(cells),
+            "num_heads": [c[0] for c in cells],
+            "batch_size": [c[1] for c in cells],
+            "isl": [1] * len(cells),
+            "step": [c[2] - 1 for c in cells],
+            "latency": [mla_ms(*c) for c in cells],
+        },
+    )
+    return data
+
+
+def _mla_model(tmp_path: Path, **changes):
+    path = tmp_path / "tiny-mla" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(MLA_CONFIG | changes))
+    return load_model(str(path))
+
+
+def test_mla_decode_attention_is_the_databases_latent_attention(tmp_path: Path) -> None:
+    model = _mla_model(tmp_path)
+    db = write_mla(tmp_path)
+    run = import_profile(
+        model,
+        "h100",
+        engine="sglang",
+        database=db,
+        batches=BATCHES,
+        tp=[1, 2],
+        contexts=(1024, 2048, 4096),
+    )
+    for tp, heads in ((1, 4), (2, 2)):
+        attn = _table(run.profile, "core_attn@full", tp)
+        assert attn.latency_s == tuple(
+            tuple(mla_ms(heads, b, s) * 1e-3 for s in (1024, 2048, 4096)) for b in BATCHES
+        )
+        assert (attn.source or "").startswith("aiconfigurator generation_mla: 12 measured")
+    # vLLM's table times the whole MLA module (projections included): the roofline's, and why
+    run = import_profile(model, "h100", database=db, batches=BATCHES, tp=[1])
+    attn = _table(run.profile, "core_attn@full")
+    assert attn.source == "roofline (no MLA decode attention for vllm in the database)"
+
+
+def test_mla_at_another_latent_falls_back_and_says_so(tmp_path: Path) -> None:
+    model = _mla_model(tmp_path, kv_lora_rank=256)
+    run = import_profile(
+        model, "h100", engine="sglang", database=write_mla(tmp_path), batches=BATCHES, tp=[1]
+    )
+    attn = _table(run.profile, "core_attn@full")
+    assert attn.source == (
+        "roofline (MLA decode attention is measured at a 512 + 64 latent only, not 256 + 64)"
+    )
+    roof = RooflineLatency(default_catalog().get("h100"))
+    layer = model.layers[0]
+    op = next(o for o in layer.ops if o.name == "core_attn")
+    assert attn.latency_s[1][0] == roof.op_latency_s(model, op, layer, 1, 2, attn.contexts[0])

@@ -63,9 +63,9 @@ class StepEstimate(Frozen):
         "per-expert cost) and step_overhead (the engine's host work per step: scheduling, "
         "sampling, host round trip; the host profile's when one is given). With a measured "
         "profile, kernel_launch and moe_experts are zero (its operator times contain them); the "
-        "collectives stay the model's unless the profile holds measured all-reduce tables (an "
-        "imported profile's, in communication), and step_overhead stays the model's, as a "
-        "measured profile times the sampling kernel, not the step around it."
+        "collectives stay the model's unless the profile holds measured all-reduce or "
+        "all-gather tables (an imported profile's, in communication), and step_overhead stays "
+        "the model's, as a measured profile times the sampling kernel, not the step around it."
     )
     memory_bytes_per_gpu: float = Field(
         description="Busiest GPU: weights, and the state and activations of its DP rank."

@@ -88,14 +88,18 @@ def _interp_log(xs: tuple[int, ...], log_ys: np.ndarray, x: float) -> float:
     return float(log_ys[-1] + max(slope, 0.0) * (t - lx[-1]))
 
 
-CollectiveKind = Literal["allreduce"]
+# the collectives a TP group runs after an operator (``TPCollective``: row-parallel linears
+# all-reduce, a vocabulary-parallel head all-gathers its logits)
+CollectiveKind = Literal["allreduce", "allgather"]
 
 
 class CollectiveTable(FileSchema):
     """Latency of one tensor-parallel collective over ``gpus`` GPUs by message size.
 
-    An imported profile carries the database's measured all-reduce; a lookup interpolates
-    log-log between message sizes and extrapolates as :class:`OpLatencyTable` does.
+    An imported profile carries the database's measured all-reduce and all-gather; a lookup
+    interpolates log-log between message sizes and extrapolates as :class:`OpLatencyTable` does.
+    An all-gather's message is what every GPU ends up holding (the gathered tensor), as NCCL's
+    tests count it.
     """
 
     kind: CollectiveKind
@@ -227,8 +231,8 @@ class Profile(FileSchema):
     transfers: tuple[TransferProfile, ...] = ()
     collectives: tuple[CollectiveTable, ...] = Field(
         default=(),
-        description="Measured TP collectives (an imported profile's all-reduce); the cost "
-        "model's collective terms stand in for any not given.",
+        description="Measured TP collectives (an imported profile's all-reduce and "
+        "all-gather); the cost model's collective terms stand in for any not given.",
     )
     orchestration: OrchestrationProfile | None = Field(
         default=None, description="The runtime loop's host time per stage and per microbatch."

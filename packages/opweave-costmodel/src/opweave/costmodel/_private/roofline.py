@@ -26,6 +26,7 @@ from .formulas import max_resident_batch
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec, TPCollective
 from .profile import (
+    CollectiveKind,
     LinkKind,
     Profile,
     profile_key,
@@ -166,10 +167,14 @@ class ProfiledLatency:
 
     def collective_terms_s(self, op: OperatorSpec, tp: int, batch: float) -> tuple[float, float]:
         """(latency floor, payload) of ``op``'s TP collective: the profile's measured
-        all-reduce at the payload's size (all of it payload), else the roofline's terms."""
+        all-reduce or all-gather at the payload's size (all of it payload), else the roofline's
+        terms."""
         table = None
-        if tp > 1 and op.tp_collective == TPCollective.ALLREDUCE and batch > 0:
-            table = self.profile.collective("allreduce", tp)
+        if tp > 1 and op.tp_collective != TPCollective.NONE and batch > 0:
+            kind: CollectiveKind = (
+                "allreduce" if op.tp_collective == TPCollective.ALLREDUCE else "allgather"
+            )
+            table = self.profile.collective(kind, tp)
         if table is None:
             return RooflineLatency(self.hardware).collective_terms_s(op, tp, batch)
         return (0.0, table(batch * op.tp_collective_bytes_per_token))

@@ -300,10 +300,9 @@ class PlanResult:
                 f"{settings.get('engine', '?')} {settings.get('engine_version', '?')}); "
                 f"{len(prof.ops) - roofline} of {len(prof.ops)} operator tables from its "
                 f"kernels, the rest roofline"
-                + (
-                    f"; all-reduce measured ({prof.collectives[0].source})"
-                    if prof.collectives
-                    else ""
+                + "".join(
+                    f"; {kind.replace('all', 'all-')} measured ({source})"
+                    for kind, source in dict.fromkeys((c.kind, c.source) for c in prof.collectives)
                 )
             )
         return out

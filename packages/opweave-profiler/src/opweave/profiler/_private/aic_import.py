@@ -15,12 +15,16 @@ database kernels it runs, in the model's precision:
   differently (``b`` requests of ``h`` heads over ``kv`` KV heads run as ``b kv / kv'``
   requests of ``h kv' / kv`` over ``kv'``: decode kernels parallelise over requests times KV
   heads);
+- ``core_attn`` of MLA layers: the latent (absorbed) decode attention by batch, context and
+  heads per rank, where the engine's table times it alone (SGLang, TensorRT-LLM) and the
+  model's latent is DeepSeek-V3's (512 + 64), at which the database measured it;
 - ``core_attn`` of gated-DeltaNet layers: the decode convolution plus the recurrent update;
 - ``experts``: the fused-MoE kernel at the layer's shape, TP degree and balanced routing.
 
-Norms, rope, embedding and sampling, MLA's latent attention, and any shape the database lacks
+Norms, rope, embedding and sampling, and any shape the database lacks
 take the roofline of the catalog GPU (its cited fixed costs included), per operator. Each table
-says which (``OpLatencyTable.source``); the TP all-reduce is the engine's measured one.
+says which (``OpLatencyTable.source``); the TP all-reduce is the engine's measured one, the
+head's all-gather NCCL's.
 """
 
 from __future__ import annotations
@@ -64,6 +68,9 @@ INTERPOLATION = (
     "in proportion to them (KV-read bound); a GEMM narrower than measured at the narrowest, "
     "wider than measured as column slices"
 )
+# DeepSeek-V3's latent (kv_lora_rank, qk_rope_head_dim): the shape of the database's MLA
+# attention (aiconfigurator-core's DeepSeek model builds its generation MLA at these widths)
+MLA_LATENT = (512, 64)
 GEMM_OPS = {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "shared_expert", "router", "lm_head"}
 # linears the engines run as one GEMM (vLLM's QKVParallelLinear, MergedColumnParallelLinear,
 # DeepSeek's fused_qkv_a_proj, gated DeltaNet's in_proj_qkvz / in_proj_ba)
@@ -151,10 +158,10 @@ class _Mapper:
         if op.name == "core_attn" and layer is not None:
             if layer.attention.value == "linear":
                 return self._gdn(tp, batch)
-            if arch.mla is not None:
-                return None, "MLA's latent decode attention is not imported"
             window = layer.window_tokens
             attended = context if window is None else min(context, window)
+            if arch.mla is not None:
+                return self._mla(math.ceil(arch.num_heads / tp), batch, attended)
             heads = math.ceil(arch.num_heads / tp)
             kv = math.ceil(arch.num_kv_heads / tp)
             return self._attention(batch, attended, heads, kv, arch.head_dim)
@@ -200,6 +207,24 @@ class _Mapper:
         if found is not None and scale != 1.0:
             found = (found[0], worst(found[1], "interpolated"))
         return found, "generation_attention"
+
+    def _mla(self, heads: int, batch: int, context: int) -> tuple[Lookup | None, str]:
+        """The latent (absorbed) decode attention of ``heads`` heads per rank. The database
+        measured it at DeepSeek-V3's latent only (its table records no widths); another
+        latent is a different kernel's work, so it takes the roofline."""
+        mla = self.model.arch.mla
+        assert mla is not None
+        if (mla.kv_lora_rank, mla.qk_rope_head_dim) != MLA_LATENT:
+            return None, (
+                f"MLA decode attention is measured at a {MLA_LATENT[0]} + {MLA_LATENT[1]} latent "
+                f"only, not {mla.kv_lora_rank} + {mla.qk_rope_head_dim}"
+            )
+        if not self.kernels.mla:
+            return None, f"no MLA decode attention for {self.kernels.engine} in the database"
+        table = self.kernels.mla.get((heads,))
+        if table is None:
+            return None, f"no MLA decode attention for {heads} heads per rank"
+        return table(batch, context), "generation_mla"
 
     def _gdn(self, tp: int, batch: int) -> tuple[Lookup | None, str]:
         la = self.model.arch.linear_attn
@@ -370,17 +395,20 @@ def import_profile(
     ]
     collectives = tuple(
         CollectiveTable(
-            kind="allreduce",
+            kind="allreduce" if used == TPCollective.ALLREDUCE else "allgather",
             gpus=t,
-            message_bytes=tuple(int(x) for x in kernels.allreduce[t][0]),
-            latency_s=tuple(float(y) for y in kernels.allreduce[t][1]),
-            source=kernels.allreduce_source,
+            message_bytes=tuple(int(x) for x in curves[t][0]),
+            latency_s=tuple(float(y) for y in curves[t][1]),
+            source=source,
         )
+        for used, curves, source in (
+            (TPCollective.ALLREDUCE, kernels.allreduce, kernels.allreduce_source),
+            (TPCollective.ALLGATHER, kernels.allgather, kernels.allgather_source),
+        )
+        if any(op.tp_collective == used for op in model.operators)
         for t in degrees
-        if t > 1 and t in kernels.allreduce
+        if t > 1 and t in curves
     )
-    if not any(op.tp_collective == TPCollective.ALLREDUCE for op in model.operators):
-        collectives = ()
     settings: dict[str, str | int | float | list[int] | list[str]] = {
         "database": db.origin,
         "system": system,

@@ -2,10 +2,14 @@
 
 Each operator family maps to the database's table for it: GEMMs (``gemm/gemm_perf``), decode
 attention (``attention/generation_attention_perf``), fused MoE (``moe/moe_perf``), gated
-DeltaNet (``linear_attention/gdn_perf``), MLA's per-head batched GEMMs around the latent
-(``mla_bmm/mla_bmm_perf``) and the engine's custom all-reduce (``comm/<engine>``, NCCL's where
-the engine has none). The engine's version is the one asked for where the database measured it,
-else the newest measured for that table (recorded per table in the provenance).
+DeltaNet (``linear_attention/gdn_perf``), MLA's latent (absorbed) decode attention
+(``mla/generation_mla_perf``, measured at DeepSeek-V3's latent: 512 + 64 wide), MLA's per-head
+batched GEMMs around the latent (``mla_bmm/mla_bmm_perf``), the engine's custom all-reduce
+(``comm/<engine>``, NCCL's where the engine has none) and NCCL's all-gather
+(``comm/nccl/<version>/nccl_perf``, the newest NCCL measured), which the engines run for a
+vocabulary-parallel head's logits. The engine's version
+is the one asked for where the database measured it, else the newest measured for that table
+(recorded per table in the provenance).
 """
 
 from __future__ import annotations
@@ -77,6 +81,13 @@ MLA_BMM = (
     "mla_bmm_perf",
     ("op_name", "bmm_dtype", "num_tokens", "num_heads", "latency"),
 )
+# MLA's latent decode attention alone (SGLang's and TensorRT-LLM's tables; vLLM's database times
+# the whole MLA module, projections included, in ``mla_generation_module_perf``, not read)
+MLA = (
+    "mla",
+    "generation_mla_perf",
+    ("mla_dtype", "kv_cache_dtype", "num_heads", "batch_size", "isl", "step", "latency"),
+)
 ALLREDUCE = (
     "comm",
     "custom_allreduce_perf",
@@ -84,7 +95,12 @@ ALLREDUCE = (
 )
 NCCL = ("comm", "nccl_perf", ("op_name", "nccl_dtype", "num_gpus", "message_size", "latency"))
 # columns that older collections lack, and what their absence means
-DEFAULTS: dict[str, dict[str, object]] = {"generation_attention_perf": {"window_size": 0}}
+# (TensorRT-LLM's all-reduce tables name no backend: one per shape, or several of which the
+# fastest is taken, as TRT-LLM's automatic strategy picks)
+DEFAULTS: dict[str, dict[str, object]] = {
+    "generation_attention_perf": {"window_size": 0},
+    "custom_allreduce_perf": {"backend": ""},
+}
 # MoE routing the database measured, most even first: OpWeave's experts assume balanced load
 DISTRIBUTIONS = ("balanced", "power_law_1.01", "power_law_1.2")
 
@@ -103,8 +119,11 @@ class KernelTables:
     moe_distribution: str | None = None
     gdn: dict[tuple, Curve] = field(default_factory=dict)
     mla_bmm: dict[tuple, Curve] = field(default_factory=dict)
+    mla: dict[tuple, BatchContextTable] = field(default_factory=dict)
     allreduce: dict[int, Curve] = field(default_factory=dict)
     allreduce_source: str = ""
+    allgather: dict[int, Curve] = field(default_factory=dict)
+    allgather_source: str = ""
     versions: dict[str, str] = field(default_factory=dict)
 
 
@@ -129,7 +148,7 @@ def load_kernels(
     of them, or an engine it never measured there, is an error naming what it has."""
     if engine not in ENGINES:
         raise ProfilerError(f"--engine must be one of {', '.join(ENGINES)}, got {engine!r}")
-    folders = [GEMM, ATTENTION, MOE, GDN, MLA_BMM, ALLREDUCE]
+    folders = [GEMM, ATTENTION, MOE, GDN, MLA_BMM, MLA, ALLREDUCE]
     measured = {v for spec in folders for v in db.versions(system, spec[0], engine)}
     if not measured:
         raise ProfilerError(f"the {db.origin} has no {engine} measurements for {system}")
@@ -196,32 +215,62 @@ def load_kernels(
             for name, h in zip(b["op_name"][keep], b["num_heads"][keep], strict=True)
         ]
         out.mla_bmm = curves_by_key(keys, b["num_tokens"][keep], b["latency"][keep])
+    if (g := read(MLA)) is not None:
+        # ``num_heads`` is per rank (DeepSeek-V3's 128 over the table's ``tp_size``)
+        keep = (g["mla_dtype"] == "bfloat16") & (g["kv_cache_dtype"] == kv_dtype)
+        out.mla = batch_context_tables(
+            [(int(h),) for h in g["num_heads"][keep]],
+            g["batch_size"][keep],
+            g["isl"][keep] + g["step"][keep],
+            g["latency"][keep],
+        )
     _load_allreduce(db, system, out, read)
     return out
 
 
+def _by_gpus(table: dict[str, np.ndarray], keep: np.ndarray) -> dict[int, Curve]:
+    """Per GPU count a curve by message bytes: ``message_size`` counts 16-bit elements."""
+    curves = curves_by_key(
+        [(int(g),) for g in table["num_gpus"][keep]],
+        table["message_size"][keep] * 2,
+        table["latency"][keep],
+    )
+    return {key[0]: curve for key, curve in curves.items()}
+
+
+def _nccl(db: Database, system: str, out: KernelTables) -> tuple[dict[str, np.ndarray], str] | None:
+    """NCCL's table of the newest NCCL measured on ``system`` (the engines ship recent NCCL)."""
+    found = db.versions(system, "comm", "nccl")
+    folder = db.root / system / "comm" / "nccl" / found[-1] if found else None
+    if folder is None or not (folder / "nccl_perf.parquet").is_file():
+        return None
+    out.versions["nccl_perf"] = found[-1]
+    return db.read(folder, "nccl_perf", NCCL[2]), found[-1]
+
+
 def _load_allreduce(db: Database, system: str, out: KernelTables, read: Reader) -> None:
     """The engine's custom all-reduce, CUDA-graph captured as decode runs it; else NCCL's.
-    ``message_size`` counts BF16 elements; the profile holds bytes."""
+    NCCL's all-gather beside it: its message is the gathered tensor, as NCCL's tests count it
+    (at 512 MiB over 8 H100s the table's time is ~335 GB/s of bus bandwidth under that reading,
+    NVLink's range; under the other it would be 8 times NVLink's)."""
+    nccl = _nccl(db, system, out)
+    if nccl is not None:
+        table, version = nccl
+        keep = (table["op_name"] == "all_gather") & (table["nccl_dtype"] == "half")
+        if keep.any():
+            out.allgather = _by_gpus(table, keep)
+            out.allgather_source = f"NCCL all-gather ({version})"
     ar = read(ALLREDUCE)
     if ar is not None:
         keep = ar["allreduce_dtype"] == "bfloat16"
         graph = keep & np.char.find(ar["backend"].astype(str), "graph") >= 0
         keep = graph if graph.any() else keep
         label = f"{out.engine} custom all-reduce ({out.versions['custom_allreduce_perf']})"
-    else:
-        nccl = db.versions(system, "comm", "nccl")
-        folder = db.root / system / "comm" / "nccl" / nccl[-1] if nccl else None
-        if folder is None or not (folder / "nccl_perf.parquet").is_file():
-            return
-        ar = db.read(folder, "nccl_perf", NCCL[2])
+    elif nccl is not None:
+        ar, version = nccl
         keep = (ar["op_name"] == "all_reduce") & (ar["nccl_dtype"] == "half")
-        label = f"NCCL all-reduce ({nccl[-1]})"
-        out.versions["nccl_perf"] = nccl[-1]
-    curves = curves_by_key(
-        [(int(g),) for g in ar["num_gpus"][keep]],
-        ar["message_size"][keep] * 2,
-        ar["latency"][keep],
-    )
-    out.allreduce = {key[0]: curve for key, curve in curves.items()}
+        label = f"NCCL all-reduce ({version})"
+    else:
+        return
+    out.allreduce = _by_gpus(ar, keep)
     out.allreduce_source = label
