@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ._private.api import plan
 from ._private.deployment import plan_deployment
-from ._private.deployment_result import Deployment, DeploymentResult, Fleet, Pool
+from ._private.deployment_result import KINDS, Deployment, DeploymentResult, Fleet, Pool
 from ._private.devices import Device, profile_device_id, resolve_devices
 from ._private.evaluate import SimResult, simulate_plan
 from ._private.gantt import gantt
@@ -34,6 +34,7 @@ __all__ = [
     "PlanResult",
     # whole deployments for a workload
     "plan_deployment",
+    "KINDS",
     "Deployment",
     "DeploymentResult",
     "Fleet",

@@ -43,6 +43,7 @@ from .engines import (
     AggregatedSearch,
     EngineOption,
     PrefillSearch,
+    PrefillSizing,
     Slos,
     Statistic,
     engine_options,
@@ -184,6 +185,16 @@ def plan_deployment(
         found[kind] = best
         if best is None:
             reasons[kind] = why
+    # OpWeave's decode space holds the colocated, AFD and CAD plans: at a partial load a
+    # cheaper-at-full-batch plan may need more replica sets, so its best is the least of all
+    fixed = [found[k] for k in ("pd", "afd", "cad") if found[k] is not None]
+    cheapest = min(fixed, key=lambda d: d.usd_per_million_tokens, default=None)  # type: ignore[union-attr]
+    own = found["opweave"]
+    if cheapest is not None and (
+        own is None or cheapest.usd_per_million_tokens < own.usd_per_million_tokens
+    ):
+        found["opweave"] = replace(cheapest, kind="opweave")
+        reasons.pop("opweave", None)
 
     feasible = [d for d in found.values() if d is not None]
     best = min(feasible, key=lambda d: d.usd_per_million_tokens, default=None)
@@ -256,7 +267,11 @@ def _aggregated(
             continue
         if best is not None and bounds[option] >= best.usd_per_million_tokens:
             break
-        sizing = search.size(option, _room(limits, {}, option))
+        most = _room(limits, {}, option)
+        if best is not None and search.workload.rate_per_s is not None:
+            # at a given rate the tokens are fixed: more replicas than cost the best are moot
+            most = min(most, math.ceil(best.usd_per_hour / option.usd_per_hour) - 1)
+        sizing = search.size(option, most)
         if sizing is None:
             continue
         est = sizing.estimate
@@ -376,75 +391,74 @@ def _disaggregated(
     assert pred is not None
     prices = {d.id: d.usd_per_hour for d in devices.values()}
     decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
-    osl = workload.osl.mean
-    best: Deployment | None = None
-    reason = "no prefill engine of these GPU types takes the prompts within the TTFT SLO"
-    # each option's prefill pool costs at least its replicas at capacity: visit the cheapest
-    # capacity first and stop once that bound alone is above the best deployment found
-    engines = {o: prefill.engine(o) for o in options}
-    usable = [o for o in options if engines[o] is not None]
-    usable.sort(key=lambda o: o.usd_per_hour / engines[o].capacity_requests_per_s)  # type: ignore[union-attr]
-    for option in usable:
-        alone = engines[option]
-        assert alone is not None
-        transfer = _transfer_s(model, option, decode_plan, devices, workload.isl.mean)
-        budget = None if slos.ttft_s is None else slos.ttft_s - transfer
-        if budget is not None and alone.prefill_s > budget:
-            reason = (
-                f"a prompt alone takes {alone.prefill_s:.3g} s to prefill on {option} (and "
-                f"{transfer * 1e3:.3g} ms to move its KV cache), beyond the "
-                f"{budget + transfer:g} s TTFT SLO"
-            )
-            continue
-        ttft = alone.prefill_s + transfer
-        rate = _arrivals(workload, ttft, decode_s)
-        floor = option.usd_per_hour * rate / alone.capacity_requests_per_s
-        if best is not None and (floor / 3600 / (rate * osl) * 1e6) >= best.usd_per_million_tokens:
-            break
-        sets = 0
-        sizing = None
-        for _ in range(2 if workload.concurrency is not None else 1):
-            sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
-            decode_pool = Pool.of_plan(decode_plan, sets, prices)
-            room = _room(limits, decode_pool.gpus_by_type, option)
-            sizing = prefill.size(option, rate, budget, room)
-            if sizing is None:
-                break
-            est = sizing.estimate
-            ttft = slos.pick(est.ttft_s, est.ttft_p90_s, est.ttft_p99_s) + transfer
-            rate = _arrivals(workload, ttft, decode_s)
-        if sizing is None:
-            reason = (
-                f"no prefill pool on {', '.join(sorted(devices))} meets the TTFT SLO "
-                "within the inventory"
-                if limits
-                else reason
-            )
-            continue
+    transfers = {o: _transfer_s(model, o, decode_plan, devices, workload.isl.mean) for o in options}
+
+    def budget(option: EngineOption) -> float | None:
+        return None if slos.ttft_s is None else slos.ttft_s - transfers[option]
+
+    def sized(rate: float) -> PrefillSizing | None:
         sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
-        est = sizing.estimate
-        dep = Deployment(
-            kind=kind,
-            pools=(
-                Pool.of_engine("prefill", option, sizing.replicas),
-                Pool.of_plan(decode_plan, sets, prices),
-            ),
-            ttft_s=est.ttft_s + transfer,
-            ttft_p90_s=est.ttft_p90_s + transfer,
-            ttft_p99_s=est.ttft_p99_s + transfer,
-            tpot_s=pred.tpot_s,
-            tpot_p90_s=pred.tpot_s,
-            tpot_p99_s=pred.tpot_s,
-            tokens_per_s=rate * osl,
-            requests_per_s=rate,
-            kv_transfer_s=transfer,
+        used = Pool.of_plan(decode_plan, sets, prices).gpus_by_type
+        return prefill.cheapest(options, rate, budget, lambda o: _room(limits, used, o))
+
+    # closed loop: the arrivals are the clients over each request's time, which the prefill
+    # pool's TTFT is part of: size for the most arrivals (no TTFT), then settle on the pool's
+    # mean TTFT (Little's law), once
+    rate = _arrivals(workload, 0.0, decode_s)
+    sizing = sized(rate)
+    if sizing is not None and workload.concurrency is not None:
+        rate = _arrivals(workload, sizing.estimate.ttft_s + transfers[sizing.option], decode_s)
+        sizing = sized(rate)
+    if sizing is None:
+        return None, _prefill_reason(prefill, options, transfers, slos, bool(limits))
+    transfer = transfers[sizing.option]
+    if workload.concurrency is not None:
+        rate = _arrivals(workload, sizing.estimate.ttft_s + transfer, decode_s)
+    sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
+    est = sizing.estimate
+    dep = Deployment(
+        kind=kind,
+        pools=(
+            Pool.of_engine("prefill", sizing.option, sizing.replicas),
+            Pool.of_plan(decode_plan, sets, prices),
+        ),
+        ttft_s=est.ttft_s + transfer,
+        ttft_p90_s=est.ttft_p90_s + transfer,
+        ttft_p99_s=est.ttft_p99_s + transfer,
+        tpot_s=pred.tpot_s,
+        tpot_p90_s=pred.tpot_s,
+        tpot_p99_s=pred.tpot_s,
+        tokens_per_s=rate * workload.osl.mean,
+        requests_per_s=rate,
+        kv_transfer_s=transfer,
+    )
+    if limits and not fits_inventory(dep.nodes(per_node), limits, per_node):
+        return None, "its prefill and decode pools together do not fit the inventory"
+    return dep, ""
+
+
+def _prefill_reason(
+    prefill: PrefillSearch,
+    options: Sequence[EngineOption],
+    transfers: Mapping[EngineOption, float],
+    slos: Slos,
+    bounded: bool,
+) -> str:
+    alone = [
+        (engine.prefill_s + transfers[o], o)
+        for o in options
+        if (engine := prefill.engine(o)) is not None
+    ]
+    if not alone:
+        return "the model fits no prefill engine of these GPU types"
+    quickest, option = min(alone, key=lambda t: t[0])
+    if slos.ttft_s is not None and quickest > slos.ttft_s:
+        return (
+            f"a prompt alone reaches its first token in {quickest:.3g} s at best ({option}, "
+            f"its KV transfer included), beyond the {slos.ttft_s * 1e3:g} ms TTFT SLO"
         )
-        if limits and not fits_inventory(dep.nodes(per_node), limits, per_node):
-            reason = "the prefill and decode pools together do not fit the inventory"
-            continue
-        if best is None or dep.usd_per_million_tokens < best.usd_per_million_tokens:
-            best = dep
-    return best, reason
+    where = " within the inventory" if bounded else ""
+    return f"no prefill pool takes the arrivals{where} within the TTFT SLO"
 
 
 # -- the fleet -----------------------------------------------------------------------------------

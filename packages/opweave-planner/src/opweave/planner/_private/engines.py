@@ -273,6 +273,7 @@ class PrefillSearch:
         self.calls = 0
         self._engines: dict[EngineOption, PrefillEngine | None] = {}
         self._memo: dict[tuple[EngineOption, float | None], PrefillPoolEstimate] = {}
+        self._bounds: dict[EngineOption, float] = {}
 
     def engine(self, option: EngineOption) -> PrefillEngine | None:
         """``option``'s prefill engine (a prompt alone, its capacity), ``None`` where the model
@@ -327,3 +328,39 @@ class PrefillSearch:
         est = self.estimate(option, rate_per_s / n)
         assert est is not None
         return PrefillSizing(option, n, est)
+
+    def capacity_bound(self, option: EngineOption) -> float:
+        """Prompts/s one replica cannot exceed, without simulating: each DP rank's steps of a
+        full token budget take at least their GEMMs' time."""
+        if option not in self._bounds:
+            hw = option.device.hardware
+            cost = EngineStepCost.build(self.model, hw, option.par)
+            budget, _ = self.workload.batch_limits(hw)
+            step = cost.tokens_s(budget, 1)
+            self._bounds[option] = (
+                option.par.dp * budget / self.workload.isl.mean / step if step > 0 else math.inf
+            )
+        return self._bounds[option]
+
+    def cheapest(
+        self,
+        options: Sequence[EngineOption],
+        rate_per_s: float,
+        budget: Callable[[EngineOption], float | None],
+        most: Callable[[EngineOption], int],
+    ) -> PrefillSizing | None:
+        """The cheapest prefill pool over ``options`` taking ``rate_per_s`` within each
+        option's TTFT ``budget`` and replica bound ``most``: options in order of the cost their
+        capacity bound allows, until that bound is above the best found."""
+
+        def floor(o: EngineOption) -> float:
+            return o.usd_per_hour * max(1, math.ceil(rate_per_s / self.capacity_bound(o)))
+
+        best: PrefillSizing | None = None
+        for option in sorted(options, key=floor):
+            if best is not None and floor(option) >= best.usd_per_hour:
+                break
+            sizing = self.size(option, rate_per_s, budget(option), most(option))
+            if sizing is not None and (best is None or sizing.usd_per_hour < best.usd_per_hour):
+                best = sizing
+        return best
