@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pydantic import TypeAdapter
 
-from opweave.costmodel import HardwareSpec, ModelSpec, Node, Plan, Profile
+from opweave.costmodel import HardwareSpec, ModelSpec, Node, Plan, Profile, Workload
 from opweave.runtime import RunResult
 
 SCHEMAS = {
@@ -24,6 +24,8 @@ SCHEMAS = {
     "nodes.schema.json": list[Node],
     # `opweave run --json` of an offline run (beside "model", "strategy" and "plan")
     "run-result.schema.json": RunResult,
+    # `--workload FILE` of estimate and plan (a length may also be a bare number of tokens)
+    "workload.schema.json": Workload,
 }
 ROOT = Path(__file__).resolve().parent.parent / "schemas"
 

@@ -22,16 +22,16 @@ def test_json_contract_with_concurrency_and_an_inventory() -> None:
     )  # fmt: skip
     assert {"aggregated", "pd", "afd", "cad"} <= set(doc["baselines"])
     best = doc["best"]
-    assert DEPLOYMENT_KEYS <= set(best)
+    assert set(best) >= DEPLOYMENT_KEYS
     for kind, dep in doc["baselines"].items():
-        assert DEPLOYMENT_KEYS <= set(dep), kind
+        assert set(dep) >= DEPLOYMENT_KEYS, kind
         if dep["pools"] is None:
             assert dep["reason"], kind
             continue
         expected = {"aggregated"} if kind == "aggregated" else {"prefill", "decode"}
         assert set(dep["pools"]) == expected, kind
         for pool in dep["pools"].values():
-            assert POOL_KEYS <= set(pool)
+            assert set(pool) >= POOL_KEYS
         assert dep["gpus_used"] == sum(p["gpus_used"] for p in dep["pools"].values())
         assert best["usd_per_million_tokens"] <= dep["usd_per_million_tokens"]
     # the fleet: copies of the best, and every GPU of the inventory accounted for
@@ -61,6 +61,9 @@ def test_rate_with_ttft_slo_writes_a_plan_the_runtime_refuses_only_for_prefill(
         proc = run_cli("deploy", str(out), "-o", str(tmp_path / "k8s"), *IMAGE, check=False)
         assert proc.returncode == 2
         assert "prefill pool" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        sim = cli_json("simulate", str(out))
+        assert sim["prefill"]["replicas"] == pre["replicas"]
+        assert sim["prefill"]["gpus"] == pre["gpus_used"]
     else:
         assert plan.get("prefill") is None
 
@@ -98,3 +101,60 @@ def test_plan_without_context_or_workload_says_what_it_needs() -> None:
     proc = run_cli("plan", "qwen3-32b", "--gpus", "h100", "--tpot-slo-ms", "50", check=False)
     assert proc.returncode == 2
     assert "--context" in proc.stderr and "--isl" in proc.stderr
+
+
+def test_workload_file_gives_length_distributions(tmp_path: Path) -> None:
+    from opweave.costmodel import (
+        Lengths,
+        Workload,
+        default_catalog,
+        estimate_serving,
+        load_model,
+    )
+
+    path = tmp_path / "chat.toml"
+    path.write_text(
+        'isl = {kind = "uniform", low_tokens = 1000, high_tokens = 3000}\nosl = 512\n'
+        "concurrency = 8\n"
+    )
+    doc = cli_json("estimate", "qwen3-32b", "--gpu", "h100", "--tp", "4", "--workload", str(path))
+    expected = estimate_serving(
+        load_model("qwen3-32b"),
+        default_catalog().get("h100"),
+        tp=4,
+        workload=Workload(isl=Lengths.uniform(1000, 3000), osl=Lengths.fixed(512), concurrency=8),
+    )
+    assert doc["ttft_s"] == pytest.approx(expected.ttft_s)
+    assert doc["tpot_s"] == pytest.approx(expected.tpot_s)
+    # --rate replaces the file's arrival
+    plan = cli_json(
+        "plan", "qwen3-32b", "--gpus", "h100", "--workload", str(path), "--rate", "2",
+        "--tpot-slo-ms", "50",
+    )  # fmt: skip
+    assert plan["workload"]["rate_per_s"] == 2 and "concurrency" not in plan["workload"]
+    assert plan["best"]["tokens_per_s"] == pytest.approx(2 * 512)
+
+
+@pytest.mark.parametrize(
+    ("text", "extra", "message"),
+    [
+        ("isl = 100\nosl = 5\nrate = 3\n", (), "rate: Extra inputs are not permitted"),
+        ("isl = 100\nosl = 5\n", (), "give either rate_per_s"),
+        ("isl = 100\nosl = 5\nconcurrency = 2\n", ("--isl", "5"), "--workload gives the lengths"),
+        ('isl = {kind = "uniform", low_tokens = 9, high_tokens = 3}\nosl = 5\nconcurrency = 2\n',
+         (), "above high_tokens"),
+        ("isl = [\n", (), "is malformed"),
+    ],
+)  # fmt: skip
+def test_bad_workload_files_are_one_line_errors(
+    tmp_path: Path, text: str, extra: tuple[str, ...], message: str
+) -> None:
+    path = tmp_path / "w.toml"
+    path.write_text(text)
+    proc = run_cli(
+        "plan", "qwen3-32b", "--gpus", "h100", "--workload", str(path), "--tpot-slo-ms", "50",
+        *extra, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

@@ -243,6 +243,17 @@ RateOpt = Annotated[
 ]
 
 
+WorkloadFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--workload",
+        help='Serving: a TOML/JSON workload file (isl, osl as tokens or {kind = "uniform", '
+        "low_tokens, high_tokens}; rate_per_s or concurrency); --rate/--concurrency replace "
+        "its arrival.",
+    ),
+]
+
+
 def workload_from_flags(
     spec: Any,
     isl: str | None,
@@ -251,11 +262,31 @@ def workload_from_flags(
     rate: float | None,
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
+    workload_file: Path | None = None,
 ):  # -> Workload
-    """The workload ``--isl --osl (--concurrency | --rate)`` describe, checked against the
-    model's context, with the engine's step limits where given."""
-    from opweave.costmodel import Lengths, Workload
+    """The workload ``--isl --osl (--concurrency | --rate)`` or ``--workload FILE`` describe,
+    checked against the model's context, with the engine's step limits where given."""
+    from opweave.costmodel import Lengths, Workload, load_workload_file
 
+    if workload_file is not None:
+        both = [f for f, v in (("--isl", isl), ("--osl", osl)) if v is not None]
+        if both:
+            raise typer.BadParameter(
+                f"--workload gives the lengths; drop {' and '.join(both)} or the file"
+            )
+        if concurrency is not None and rate is not None:
+            raise typer.BadParameter("give one of --concurrency C or --rate R, not both")
+        if rate is not None and not 1e-6 <= rate <= 1e6:
+            raise typer.BadParameter(f"--rate must be from 1e-6 to 1e6 requests/s, got {rate}")
+        workload = load_workload_file(
+            workload_file,
+            concurrency=concurrency,
+            rate_per_s=rate,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_num_seqs=max_num_seqs,
+        )
+        check_context(spec, workload.max_context_tokens, "the workload's longest isl + osl")
+        return workload
     missing = [f for f, v in (("--isl", isl), ("--osl", osl)) if v is None]
     if missing:
         raise typer.BadParameter(f"serving needs {' and '.join(missing)} (tokens per request)")

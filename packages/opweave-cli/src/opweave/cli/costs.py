@@ -20,6 +20,7 @@ from ._common import (
     OslOpt,
     QuantOpt,
     RateOpt,
+    WorkloadFileOpt,
     catalog,
     check_context,
     emit_json,
@@ -116,6 +117,7 @@ def estimate(
     osl: OslOpt = None,
     concurrency: ConcurrencyOpt = None,
     rate: RateOpt = None,
+    workload_file: WorkloadFileOpt = None,
     max_num_batched_tokens: Annotated[
         int | None,
         typer.Option(
@@ -145,6 +147,7 @@ def estimate(
         "--osl": osl,
         "--concurrency": concurrency,
         "--rate": rate,
+        "--workload": workload_file,
         "--max-num-batched-tokens": max_num_batched_tokens,
         "--max-num-seqs": max_num_seqs,
     }
@@ -304,6 +307,7 @@ def _estimate_serving(
         flags["--rate"],
         max_num_batched_tokens=flags["--max-num-batched-tokens"],
         max_num_seqs=flags["--max-num-seqs"],
+        workload_file=flags["--workload"],
     )
     hw = catalog(hardware).get(gpu)
     _check_tp(spec, hw, tp)

@@ -21,6 +21,7 @@ from ._common import (
     OslOpt,
     QuantOpt,
     RateOpt,
+    WorkloadFileOpt,
     catalog,
     check_context,
     emit_json,
@@ -153,14 +154,13 @@ def plan(
     ],
     context: Annotated[
         str | None,
-        typer.Option(
-            "--context", help="Decode only: every request at this context, e.g. 32K."
-        ),
+        typer.Option("--context", help="Decode only: every request at this context, e.g. 32K."),
     ] = None,
     isl: IslOpt = None,
     osl: OslOpt = None,
     concurrency: ConcurrencyOpt = None,
     rate: RateOpt = None,
+    workload_file: WorkloadFileOpt = None,
     ttft_slo_ms: Annotated[
         float | None,
         typer.Option(
@@ -229,6 +229,7 @@ def plan(
         "--osl": osl,
         "--concurrency": concurrency,
         "--rate": rate,
+        "--workload": workload_file,
         "--ttft-slo-ms": ttft_slo_ms,
     }
     if any(v is not None for v in serving.values()) or slo_statistic != "p90":
@@ -541,9 +542,12 @@ def simulate(
     if gantt is not None:
         draw_gantt(sim, gantt)
     precision = spec.precision
+    pool = the_plan.prefill
     if json_out:
         emit_json(
-            sim.to_json() | {"quant": precision.quant, "kv_cache_dtype": precision.kv_cache_dtype}
+            sim.to_json()
+            | {"quant": precision.quant, "kv_cache_dtype": precision.kv_cache_dtype}
+            | {"prefill": None if pool is None else pool.model_dump() | {"gpus": pool.gpus}}
         )
         return
     typer.echo(
@@ -561,5 +565,12 @@ def simulate(
         for name, busy in sim.busy_s.items()
     ]
     typer.echo(table(rows, ["resource", "busy ms/iter", "occupancy"]))
+    if pool is not None:
+        typer.echo(
+            f"prefill pool: {pool.replicas} engine{'s' if pool.replicas > 1 else ''} of "
+            f"{pool.tp * pool.dp} x {pool.gpu} (tp {pool.tp}, ep {pool.ep}, dp {pool.dp}), "
+            f"{pool.gpus} GPUs; it prefills every prompt and sends its KV cache to the decode "
+            "owners above (the iteration simulated is the decode pool's)"
+        )
     if gantt is not None:
         typer.echo(f"gantt chart written to {gantt}")

@@ -51,7 +51,12 @@ def plan_serving(
     output_file(output, "-o")
     spec = load_spec(model, quant, kv_cache_dtype)
     workload = workload_from_flags(
-        spec, serving["--isl"], serving["--osl"], serving["--concurrency"], serving["--rate"]
+        spec,
+        serving["--isl"],
+        serving["--osl"],
+        serving["--concurrency"],
+        serving["--rate"],
+        workload_file=serving["--workload"],
     )
     progress = _Progress(not json_out)
     try:

@@ -178,7 +178,7 @@ from ._private.serving import (
 )
 from ._private.serving_sim import EngineSetup, SimResult, simulate
 from ._private.sharding import tp_problem
-from ._private.workload import Lengths, Workload, default_batch_limits
+from ._private.workload import Lengths, Workload, default_batch_limits, load_workload_file
 from .errors import (
     ConfigError,
     InfeasibleError,
@@ -353,6 +353,7 @@ __all__ = [
     "ServingEstimate",
     "SimResult",
     "Workload",
+    "load_workload_file",
     "causal_pairs",
     "decode_pool",
     "default_batch_limits",

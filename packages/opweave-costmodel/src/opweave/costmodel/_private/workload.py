@@ -13,12 +13,16 @@ Sources:
 
 from __future__ import annotations
 
+import json
 import math
-from typing import Literal
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
+from ..errors import ConfigError
 from .base import Frozen
 from .hardware import HardwareSpec
 
@@ -206,3 +210,57 @@ class Workload(Frozen):
         if self.num_requests is not None:
             update["num_requests"] = max(1, math.ceil(self.num_requests / replicas))
         return self.model_copy(update=update)
+
+
+def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
+    """A workload from a TOML or JSON file of :class:`Workload`'s fields; a length may be a
+    number of tokens (fixed) or a table (``{kind = "uniform", low_tokens = 1000,
+    high_tokens = 3000}``). ``overrides`` (not ``None``) replace the file's fields: an arrival
+    given beside the file replaces the file's arrival.
+
+    >>> import tempfile, pathlib
+    >>> f = pathlib.Path(tempfile.mkdtemp()) / "chat.toml"
+    >>> _ = f.write_text('isl = {kind = "uniform", low_tokens = 512, high_tokens = 1536}\\n'
+    ...                  'osl = 256\\n')
+    >>> w = load_workload_file(f, rate_per_s=2.0)
+    >>> w.isl.mean, w.osl.tokens, w.arrival
+    (1024.0, 256, 'open loop, Poisson arrivals at 2 requests/s (steady state)')
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is not a regular file" if path.exists() else "does not exist"
+        raise ConfigError(f"workload file {path} {what}")
+    try:
+        text = path.read_text()
+        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except OSError as exc:
+        raise ConfigError(f"cannot read workload file {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"workload file {path} is malformed: {exc}") from None
+    except (ValueError, RecursionError):
+        raise ConfigError(
+            f"workload file {path} is malformed (a number or nesting too deep)"
+        ) from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"workload file {path} must hold a table of the workload's fields")
+    given = {k: v for k, v in overrides.items() if v is not None}
+    if {"rate_per_s", "concurrency"} & set(given):
+        data = {k: v for k, v in data.items() if k not in ("rate_per_s", "concurrency")}
+    data = {**data, **given}
+    for key in ("isl", "osl"):
+        value = data.get(key)
+        if isinstance(value, int) and not isinstance(value, bool):
+            data[key] = {"kind": "fixed", "tokens": value}
+        elif isinstance(value, dict) and value.get("kind") == "uniform" and "tokens" not in value:
+            low, high = value.get("low_tokens"), value.get("high_tokens")
+            if isinstance(low, int) and isinstance(high, int):
+                data[key] = {**value, "tokens": round((low + high) / 2)}
+    try:
+        return Workload.model_validate(data, strict=False)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "file"
+        raise ConfigError(
+            f"workload file {path}: {where}: {err['msg']} (fields: isl, osl, rate_per_s or "
+            "concurrency, max_num_batched_tokens, max_num_seqs, seed)"
+        ) from None
