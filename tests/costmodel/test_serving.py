@@ -303,3 +303,14 @@ def test_decode_pool_is_littles_law() -> None:
     pool = decode_pool(32, 0.015, 513)
     assert pool.tpot_s == 0.015
     assert pool.requests_per_s == pytest.approx(32 / (512 * 0.015))
+
+
+def test_fewer_clients_than_dp_ranks_leave_ranks_idle(h100) -> None:
+    """8 clients over 16 data-parallel ranks: 8 ranks serve one client each, 8 idle, so the
+    replica's output is 8 ranks' worth (not 16), the same as 8 ranks of 1 client."""
+    moe = load_model("qwen3-30b-a3b")
+    w8 = Workload(isl=Lengths.fixed(512), osl=Lengths.fixed(256), concurrency=8)
+    wide = estimate_serving(moe, h100, tp=1, ep=16, dp=16, workload=w8)
+    # one client per busy rank: the output is at most 8 clients' worth of decode steps
+    assert wide.tokens_per_s <= 8 / wide.tpot_s * 1.001
+    assert wide.decode_batch <= 8

@@ -201,6 +201,11 @@ def estimate_serving(
     par = Parallelism(tp=tp, ep=ep, dp=dp)
     cost, setup = _engine(model, hardware, par, workload, host)
     rank = workload.per_replica(dp)
+    # the replica's output is its ranks' together: dp ranks at a rate share, or (closed loop)
+    # as many rank shares as the clients fill (fewer clients than ranks leave ranks idle)
+    ranks = float(dp)
+    if workload.concurrency is not None and rank.concurrency is not None:
+        ranks = workload.concurrency / rank.concurrency
     # Clients beyond the running limit only wait in the queue: simulate a quarter more than
     # the limit (the queue never empties) and add the rest's wait by Little's law
     queued = 0
@@ -213,7 +218,7 @@ def estimate_serving(
     per_rank_tokens, batch = _window_throughput(sim, first, last, rank.num_requests is not None)
     wait = queued / (per_rank_tokens / float(np.mean(sim.output_tokens))) if queued else 0.0
     ttft, tpot = sim.ttft_s[first:last] + wait, _tpot(sim, first, last)
-    tokens_per_s = per_rank_tokens * dp
+    tokens_per_s = per_rank_tokens * ranks
     mean_osl = float(np.mean(sim.output_tokens))
     price = hardware.usd_per_hour
     usd_hour = None if price is None else price * par.gpus
@@ -247,7 +252,7 @@ def estimate_serving(
         requests_per_s=tokens_per_s / mean_osl,
         usd_per_hour=usd_hour,
         usd_per_million_tokens=usd,
-        decode_batch=batch * dp,
+        decode_batch=batch * ranks,
         decode_step_s=decode_step,
         max_num_batched_tokens=tokens,
         max_num_seqs=seqs,

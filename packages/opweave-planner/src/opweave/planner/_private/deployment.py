@@ -541,9 +541,9 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
         f"lengths: isl {_lengths_text(w.isl)}, osl {_lengths_text(w.osl)}",
         f"SLOs bound the {s.statistic} over requests of the simulated engines' TTFT and TPOT; "
         "a decode plan's TPOT is its steady-state step, the same for every request",
-        "aggregated engines and prefill pools: vLLM V1's scheduler simulated (chunked prefill "
-        "under its default token budget per GPU, decodes first), replicas sharing the arrivals "
-        "evenly",
+        "aggregated engines and prefill pools: vLLM V1's scheduler simulated (decodes first, "
+        f"then prompt chunks up to a token budget per step: {_limits_text(w, decode)}), "
+        "replicas sharing the arrivals evenly",
         "decode pools: replica sets of a decode plan at the mean decode context "
         f"({max(1, round(w.mean_decode_context))} tokens), as many as the requests decoding at "
         "once fill (Little's law); each set's TPOT at its full batch",
@@ -553,6 +553,16 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
     ]
     decode_notes = [a for a in decode.assumptions() if not a.startswith(("decode only", "every "))]
     return tuple(out + decode_notes)
+
+
+def _limits_text(workload: Workload, decode: PlanResult) -> str:
+    """``8192 tokens and 1024 requests on h100-sxm (vLLM's default), ...``."""
+    given = workload.max_num_batched_tokens is not None or workload.max_num_seqs is not None
+    parts = []
+    for d in decode.devices:
+        tokens, seqs = workload.batch_limits(d.hardware)
+        parts.append(f"{tokens} tokens and {seqs} requests on {d.id}")
+    return ", ".join(parts) + (" (given)" if given else " (vLLM's defaults)")
 
 
 def _lengths_text(lengths: Lengths) -> str:
