@@ -158,3 +158,18 @@ def test_bad_workload_files_are_one_line_errors(
     assert proc.returncode == 2
     assert message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_dense_dp_estimates_an_sglang_dp_attention_layout() -> None:
+    """DeepSeek-V3's dense FFN (18432 wide, FP8 128x128 blocks) cannot split over 32 GPUs; with
+    --dense-dp each GPU holds it whole, as SGLang's --moe-dense-tp-size 1 runs it."""
+    base = ("estimate", "deepseek-v3", "--gpu", "gb300", "--tp", "1", "--ep", "32", "--dp", "32")
+    split = run_cli(*base, "--batch", "256", "--context", "4K", check=False)
+    assert split.returncode == 2 and "128x128 FP8 scale blocks" in split.stderr
+    step = cli_json(*base, "--dense-dp", "--batch", "256", "--context", "4K")
+    serving = cli_json(*base, "--dense-dp", *WORKLOAD, "--concurrency", "256")
+    assert step["dense_dp"] and serving["dense_dp"]
+    assert serving["tpot_s"] > 0 and serving["ttft_s"] > 0
+    proc = run_cli("estimate", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--dense-dp",
+                   check=False)  # fmt: skip
+    assert proc.returncode == 2 and "--dense-dp applies to data-parallel attention" in proc.stderr

@@ -65,6 +65,15 @@ def estimate(
             "tp GPUs runs attention (with its own KV cache) on its share of --batch.",
         ),
     ] = 1,
+    dense_dp: Annotated[
+        bool,
+        typer.Option(
+            "--dense-dp",
+            help="With --dp above 1: dense FFN layers whole on every GPU, each computing its "
+            "own tokens (SGLang's --moe-dense-tp-size 1, TensorRT-LLM under attention DP), not "
+            "split over the replica.",
+        ),
+    ] = False,
     batch: Annotated[
         int | None,
         typer.Option(
@@ -165,7 +174,15 @@ def estimate(
                     f"{flag} applies to a decode step (--batch --context), not serving"
                 )
         _estimate_serving(
-            model, gpu, tp, ep, dp, json_out, hardware, host, quant, kv_cache_dtype, serving
+            model,
+            gpu,
+            (tp, ep, dp, dense_dp),
+            json_out,
+            hardware,
+            host,
+            quant,
+            kv_cache_dtype,
+            serving,
         )
         return
     batch = 1 if batch is None else batch
@@ -187,7 +204,7 @@ def estimate(
     hw = catalog(hardware).get(gpu)
     profile = None if host is None else host_profile(host)
     _check_tp(spec, hw, tp)
-    _check_parallelism(spec, hw, tp, ep, dp, expert_imbalance)
+    _check_parallelism(spec, hw, tp, ep, dp, expert_imbalance, dense_dp)
     latency = None
     if profile_path is not None:
         latency = _profiled(profile_path, spec, hw, tp, host)
@@ -203,6 +220,7 @@ def estimate(
         host=profile,
         latency=latency,
         expert_skew=expert_imbalance,
+        dense_dp=dense_dp,
     )
     if json_out:
         doc = est.model_dump()
@@ -281,9 +299,7 @@ def _profiled(path: Path, spec: Any, hw: Any, tp: int, host: str | None) -> Any:
 def _estimate_serving(
     model: str,
     gpu: str,
-    tp: int,
-    ep: int,
-    dp: int,
+    layout: tuple[int, int, int, bool],
     json_out: bool,
     hardware: Path | None,
     host: str | None,
@@ -293,6 +309,7 @@ def _estimate_serving(
 ) -> None:
     from opweave.costmodel import TP_DEGREES, estimate_serving, host_profile
 
+    tp, ep, dp, dense_dp = layout
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     for flag, value in (("--ep", ep), ("--dp", dp)):
@@ -311,14 +328,17 @@ def _estimate_serving(
     )
     hw = catalog(hardware).get(gpu)
     _check_tp(spec, hw, tp)
-    _check_parallelism(spec, hw, tp, ep, dp, None)
+    _check_parallelism(spec, hw, tp, ep, dp, None, dense_dp)
     profile = None if host is None else host_profile(host)
-    est = estimate_serving(spec, hw, tp=tp, ep=ep, dp=dp, workload=workload, host=profile)
+    est = estimate_serving(
+        spec, hw, tp=tp, ep=ep, dp=dp, dense_dp=dense_dp, workload=workload, host=profile
+    )
     if json_out:
         emit_json(est.model_dump())
         return
-    layout = "" if ep == 1 and dp == 1 else f" (tp {tp}, ep {ep}, dp {dp})"
-    typer.echo(f"{spec.name} on {est.gpus} x {hw.id}{layout}, aggregated serving")
+    where = "" if ep == 1 and dp == 1 else f" (tp {tp}, ep {ep}, dp {dp})"
+    where = where.replace(")", ", dense FFN data-parallel)") if dense_dp else where
+    typer.echo(f"{spec.name} on {est.gpus} x {hw.id}{where}, aggregated serving")
     typer.echo(
         table(
             [
@@ -415,15 +435,25 @@ def analyze(
 
 
 def _check_parallelism(
-    spec: Any, hw: Any, tp: int, ep: int, dp: int, imbalance: float | None
+    spec: Any,
+    hw: Any,
+    tp: int,
+    ep: int,
+    dp: int,
+    imbalance: float | None,
+    dense_dp: bool = False,
 ) -> None:
     """That the model's operators split as ``(tp, ep, dp)`` asks on ``hw`` (one-line errors)."""
     from opweave.costmodel import ConfigError, Parallelism, parallelism_problem
 
+    if dense_dp and dp == 1:
+        raise ConfigError("--dense-dp applies to data-parallel attention; give --dp above 1")
     if ep != 1 or dp != 1:
-        problem = parallelism_problem(spec, Parallelism(tp=tp, ep=ep, dp=dp), hw)
+        par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
+        problem = parallelism_problem(spec, par, hw)
         if problem is not None:
-            raise ConfigError(f"--tp {tp} --ep {ep} --dp {dp}: {problem}")
+            flags = f"--tp {tp} --ep {ep} --dp {dp}" + (" --dense-dp" if dense_dp else "")
+            raise ConfigError(f"{flags}: {problem}")
     if imbalance is not None and ep == 1:
         raise ConfigError(
             "--expert-imbalance applies to expert parallelism; give --ep above 1 with it"

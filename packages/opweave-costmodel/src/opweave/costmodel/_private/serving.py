@@ -47,6 +47,7 @@ class ServingEstimate(Frozen):
     tp: int
     ep: int
     dp: int
+    dense_dp: bool = Field(default=False, description="Dense FFN layers data-parallel.")
     gpus: int
     ttft_s: float = Field(description="Time to first token: queueing plus prefill (mean).")
     tpot_s: float = Field(
@@ -184,6 +185,7 @@ def estimate_serving(
     tp: int,
     ep: int = 1,
     dp: int = 1,
+    dense_dp: bool = False,
     workload: Workload,
     host: HostProfile | None = None,
 ) -> ServingEstimate:
@@ -198,7 +200,7 @@ def estimate_serving(
     >>> round(est.tpot_s * 1e3), est.tpot_s > est.decode_step_s
     (25, True)
     """
-    par = Parallelism(tp=tp, ep=ep, dp=dp)
+    par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
     cost, setup = _engine(model, hardware, par, workload, host)
     rank = workload.per_replica(dp)
     # the replica's output is its ranks' together: dp ranks at a rate share, or (closed loop)
@@ -239,6 +241,7 @@ def estimate_serving(
         tp=tp,
         ep=ep,
         dp=dp,
+        dense_dp=dense_dp,
         gpus=par.gpus,
         ttft_s=float(np.mean(ttft)),
         tpot_s=float(np.mean(tpot)),
@@ -319,11 +322,12 @@ class PrefillEngine:
         tp: int,
         ep: int = 1,
         dp: int = 1,
+        dense_dp: bool = False,
         workload: Workload,
         host: HostProfile | None = None,
     ) -> None:
         self.hardware = hardware
-        self.par = Parallelism(tp=tp, ep=ep, dp=dp)
+        self.par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
         self.workload = workload
         self.cost, self.setup = _engine(model, hardware, self.par, workload, host)
         budget = self.setup.max_num_batched_tokens
