@@ -191,8 +191,9 @@ def test_a_second_signal_exits_at_once(model, tmp_path):
     assert code == 143
     (line,) = _errors(log)
     assert line.startswith("error: terminated (SIGTERM) again: stopped at once"), line
-    # at once: no error event, the connection just closes (no client is left waiting)
-    assert all(o["end"] is not None or o.get("closed") for o in outs), outs
+    # at once, and every stream still running ends with an error event (none just stops)
+    assert all(o.get("closed") and o["end"] in ("done", "error") for o in outs), outs
+    assert any(o["end"] == "error" for o in outs), outs
     assert not any(t.is_alive() for t in threads)
     _gone(pids, temp)
 

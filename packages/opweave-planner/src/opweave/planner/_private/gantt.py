@@ -52,12 +52,19 @@ def gantt(sim: SimResult, path: str | Path) -> Path:
     ax.set_xlim(0, (t1 - t0) * scale)
     ax.set_xlabel("time within one steady-state iteration (ms)")
     plan = sim.plan
-    ax.set_title(
+    title = (
         f"{plan.model.name} {plan.strategy}: TPOT {sim.tpot_s * 1e3:.2f} ms, "
         f"{sim.stages_per_token} stages/token, compute occupancy "
-        f"{100 * sim.compute_occupancy:.0f}%",
-        fontsize=10,
+        f"{100 * sim.compute_occupancy:.0f}%"
     )
+    pool = plan.prefill
+    if pool is not None:
+        title += (
+            f"\nbeside a prefill pool of {pool.replicas} engine{'s' if pool.replicas > 1 else ''}"
+            f" of {pool.tp * pool.dp} x {pool.gpu} ({pool.gpus} GPUs), which prefill every "
+            "prompt and send its KV cache here"
+        )
+    ax.set_title(title, fontsize=10)
     handles = [Patch(color=cmap(m % 10)) for m in range(plan.microbatches)]
     ax.legend(
         handles,

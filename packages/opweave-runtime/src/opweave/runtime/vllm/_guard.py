@@ -10,7 +10,8 @@ once; the requests in flight get until the drain deadline (``--shutdown-timeout`
 at the deadline each unfinished stream gets an error event and ``data: [DONE]`` and ends (a
 request whose response had not started gets a 503), which also aborts it in vLLM's engine;
 only then is vLLM's own stop called (engine, ranks, HTTP server), with nothing left to wait
-for. A second signal exits at once. Pure ASGI and asyncio: no vLLM here.
+for. A second signal ends every request in flight the same way at once and exits within a
+second. Pure ASGI and asyncio: no vLLM here.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -33,6 +35,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 PUBLIC = frozenset({"/health"})  # answered without the key (documented in the README)
 _CUT_GRACE_S = 2.0  # after the deadline: how long cut requests get to end their responses
+_SECOND_GRACE_S = 0.5  # after a second signal: how long they get to write their error events
 
 
 class Drain:
@@ -68,17 +71,35 @@ class Drain:
         stop()
 
     def _exit_now(self, sig: int) -> None:
-        """A second signal: no more waiting. The engine, the ranks and the run's folders go
-        with this process (parent-death signals and the run's reapers)."""
+        """A second signal: no more waiting. Each request in flight ends at once (an error
+        event on a stream, a 503 where no response had started), given at most
+        :data:`_SECOND_GRACE_S` to be written; then the process exits, and the engine, the
+        ranks and the run's folders go with it (parent-death signals and the run's reapers)."""
         name = signal.Signals(sig).name
         what = "interrupted" if sig == signal.SIGINT else "terminated"
         cut = len(self.active)
         detail = f", cutting {cut} request{'s' if cut != 1 else ''}" if cut else ""
-        with contextlib.suppress(Exception):
-            sys.stdout.flush()
-            sys.stderr.write(f"error: {what} ({name}) again: stopped at once{detail}\n")
-            sys.stderr.flush()
-        os._exit(128 + sig)
+
+        def leave() -> None:
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+                sys.stderr.write(f"error: {what} ({name}) again: stopped at once{detail}\n")
+                sys.stderr.flush()
+            os._exit(128 + sig)
+
+        if not cut:
+            leave()
+        for exchange in list(self.active):
+            exchange.cut()
+        # a loop too busy to write the error events must not keep the process alive
+        threading.Timer(2 * _SECOND_GRACE_S, leave).start()
+        asyncio.get_running_loop().create_task(self._leave_when_written(leave))
+
+    async def _leave_when_written(self, leave: Callable[[], None]) -> None:
+        end = asyncio.get_running_loop().time() + _SECOND_GRACE_S
+        while self.active and asyncio.get_running_loop().time() < end:
+            await asyncio.sleep(0.01)
+        leave()
 
 
 class Guard:
