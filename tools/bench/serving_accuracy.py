@@ -10,7 +10,9 @@ replayed as its benchmark ran it:
   once (rate "inf": a population of ``concurrency`` requests that all arrive at time 0); a
   steady closed loop otherwise. The engine's limits are those its serve command sets
   (``--chunked-prefill-size``, ``--max-num-batched-tokens``, ``--max-running-requests``,
-  ``--max-num-seqs``), else vLLM's defaults for the GPU (said in the output).
+  ``--max-num-seqs``), else vLLM's defaults for the GPU (said in the output). SGLang rows
+  schedule prompt chunks in steps of their own (its default, unless the serve command has
+  ``--enable-mixed-chunk``); the other engines mix them into the decode steps.
 - **P/D** rows: the decode pool's step at its per-worker batch and mean context is the TPOT
   (:func:`~opweave.costmodel.decode_pool`); the TTFT is the prefill pool's
   (:func:`~opweave.costmodel.prefill_pool`, Poisson arrivals at the closed loop's request rate
@@ -104,7 +106,17 @@ def workload_for(row: dict[str, Any], replicas: int) -> Workload:
             prompts = int(match.group(1))
         if str(row.get("rate_rps", "")).startswith("inf"):
             prompts = conc
-    w = Workload(isl=isl_l, osl=osl_l, concurrency=conc, num_requests=prompts, **limits)
+    # SGLang runs a waiting prompt's chunks in a step of their own unless --enable-mixed-chunk
+    # ([SGL-SCHED] in opweave.costmodel's serving_sim)
+    mixed = "sglang" not in row["engine"] or "--enable-mixed-chunk" in row.get("serve_command", "")
+    w = Workload(
+        isl=isl_l,
+        osl=osl_l,
+        concurrency=conc,
+        num_requests=prompts,
+        scheduling="mixed" if mixed else "prefill-first",
+        **limits,
+    )
     return w.per_replica(replicas)
 
 

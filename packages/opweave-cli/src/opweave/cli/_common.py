@@ -243,6 +243,15 @@ RateOpt = Annotated[
 ]
 
 
+SchedulingOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--scheduling",
+        help="Serving: the engine's step policy: mixed (prompt chunks share the decode steps, "
+        "vLLM and TensorRT-LLM; default) or prefill-first (prompt chunks in steps of their own, "
+        "SGLang without --enable-mixed-chunk).",
+    ),
+]
 WorkloadFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -263,11 +272,14 @@ def workload_from_flags(
     max_num_batched_tokens: int | None = None,
     max_num_seqs: int | None = None,
     workload_file: Path | None = None,
+    scheduling: str | None = None,
 ):  # -> Workload
     """The workload ``--isl --osl (--concurrency | --rate)`` or ``--workload FILE`` describe,
     checked against the model's context, with the engine's step limits where given."""
     from opweave.costmodel import Lengths, Workload, load_workload_file
 
+    if scheduling is not None and scheduling not in ("mixed", "prefill-first"):
+        raise typer.BadParameter(f"--scheduling takes mixed or prefill-first, got {scheduling!r}")
     if workload_file is not None:
         both = [f for f, v in (("--isl", isl), ("--osl", osl)) if v is not None]
         if both:
@@ -284,6 +296,7 @@ def workload_from_flags(
             rate_per_s=rate,
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
+            scheduling=scheduling,
         )
         check_context(spec, workload.max_context_tokens, "the workload's longest isl + osl")
         return workload
@@ -304,4 +317,5 @@ def workload_from_flags(
         rate_per_s=rate,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
+        scheduling=scheduling or "mixed",
     )

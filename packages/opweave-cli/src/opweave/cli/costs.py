@@ -20,6 +20,7 @@ from ._common import (
     OslOpt,
     QuantOpt,
     RateOpt,
+    SchedulingOpt,
     WorkloadFileOpt,
     catalog,
     check_context,
@@ -127,6 +128,7 @@ def estimate(
     concurrency: ConcurrencyOpt = None,
     rate: RateOpt = None,
     workload_file: WorkloadFileOpt = None,
+    scheduling: SchedulingOpt = None,
     max_num_batched_tokens: Annotated[
         int | None,
         typer.Option(
@@ -157,6 +159,7 @@ def estimate(
         "--concurrency": concurrency,
         "--rate": rate,
         "--workload": workload_file,
+        "--scheduling": scheduling,
         "--max-num-batched-tokens": max_num_batched_tokens,
         "--max-num-seqs": max_num_seqs,
     }
@@ -325,6 +328,7 @@ def _estimate_serving(
         max_num_batched_tokens=flags["--max-num-batched-tokens"],
         max_num_seqs=flags["--max-num-seqs"],
         workload_file=flags["--workload"],
+        scheduling=flags["--scheduling"],
     )
     hw = catalog(hardware).get(gpu)
     _check_tp(spec, hw, tp)

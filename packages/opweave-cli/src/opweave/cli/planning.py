@@ -21,6 +21,7 @@ from ._common import (
     OslOpt,
     QuantOpt,
     RateOpt,
+    SchedulingOpt,
     WorkloadFileOpt,
     catalog,
     check_context,
@@ -161,6 +162,7 @@ def plan(
     concurrency: ConcurrencyOpt = None,
     rate: RateOpt = None,
     workload_file: WorkloadFileOpt = None,
+    scheduling: SchedulingOpt = None,
     ttft_slo_ms: Annotated[
         float | None,
         typer.Option(
@@ -230,6 +232,7 @@ def plan(
         "--concurrency": concurrency,
         "--rate": rate,
         "--workload": workload_file,
+        "--scheduling": scheduling,
         "--ttft-slo-ms": ttft_slo_ms,
     }
     if any(v is not None for v in serving.values()) or slo_statistic != "p90":

@@ -57,6 +57,7 @@ def plan_serving(
         serving["--concurrency"],
         serving["--rate"],
         workload_file=serving["--workload"],
+        scheduling=serving["--scheduling"],
     )
     progress = _Progress(not json_out)
     try:

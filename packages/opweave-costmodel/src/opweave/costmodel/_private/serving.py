@@ -137,7 +137,7 @@ def _engine(
             f"{capacity / 1e9:.1f} GB per GPU for the KV cache, less than one request of "
             f"{workload.max_context_tokens} tokens needs; use more GPUs or shorter requests"
         )
-    return cost, EngineSetup(tokens, seqs, capacity)
+    return cost, EngineSetup(tokens, seqs, capacity, workload.scheduling == "prefill-first")
 
 
 def _population(workload: Workload, rank: Workload) -> tuple[int, int, int]:
@@ -289,7 +289,7 @@ def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[s
     out = [
         f"arrivals: {workload.arrival}",
         f"lengths: isl {_lengths(workload.isl)}, osl {_lengths(workload.osl)}",
-        f"engine: continuous batching with chunked prefill, decodes scheduled first, then "
+        f"engine: continuous batching with chunked prefill, {_policy(workload)}"
         f"prefill chunks up to {tokens} tokens per step "
         f"({'given' if given else 'vLLM V1 API-server default'}), at most {seqs} running "
         "requests, recompute preemption when the KV cache is full",
@@ -299,6 +299,12 @@ def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[s
     if dp > 1:
         out.append(f"data-parallel attention: {dp} engines with equal shares of the arrivals")
     return tuple(out)
+
+
+def _policy(workload: Workload) -> str:
+    if workload.scheduling == "prefill-first":
+        return "a step of prompt chunks alone whenever prompts wait (SGLang's default), "
+    return "decodes scheduled first, then "
 
 
 def _lengths(lengths: Lengths) -> str:

@@ -14,6 +14,12 @@ The step that finishes a prompt samples the request's first token (TTFT ends the
 later step gives it one more token. A request's TPOT is ``(finish - first token) / (output - 1)``,
 the definition of vLLM's and SGLang's benchmark clients. Deterministic for a given seed.
 
+[SGL-SCHED] SGLang's scheduler (``python/sglang/srt/managers/scheduler.py``,
+``get_next_batch_to_run``) builds a prefill batch from the waiting queue (a chunked prompt
+first, up to ``--chunked-prefill-size`` tokens) and runs it if there is one ("run prefill
+first"), a decode step of every running request otherwise; ``--enable-mixed-chunk`` (off by
+default) adds the running decodes to the prefill batch instead.
+
 Steps that only decode, with nothing to admit, repeat until the next completion or arrival: the
 simulation takes them as one run, with their step times vectorised over the run
 (:meth:`~.engine_step.EngineStepCost.decode_run_s`), so its cost grows with requests, not tokens.
@@ -58,11 +64,15 @@ class _Request:
 
 @dataclass(frozen=True)
 class EngineSetup:
-    """The engine's limits: per-step token budget, running requests, cache bytes per GPU."""
+    """The engine's limits: per-step token budget, running requests, cache bytes per GPU;
+    and its step policy: ``prefill_first`` runs a step of prompt chunks alone whenever prompts
+    wait, decode steps only otherwise ([SGL-SCHED]); else decodes and prompt chunks share a
+    step, decodes first (vLLM V1, this module's doc)."""
 
     max_num_batched_tokens: int
     max_num_seqs: int
     kv_capacity_bytes: float
+    prefill_first: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,8 @@ class _Engine:
 
     def schedule(self) -> tuple[list[_Request], list[tuple[_Request, int]]]:
         """The next step's decodes and prefill chunks (preempting where the cache is full)."""
+        if self.setup.prefill_first:
+            return self._prefill_first()
         setup = self.setup
         while True:
             budget = setup.max_num_batched_tokens
@@ -162,6 +174,38 @@ class _Engine:
             used += need
             budget -= take
         return decodes, chunks
+
+    def _prefill_first(self) -> tuple[list[_Request], list[tuple[_Request, int]]]:
+        """[SGL-SCHED]: prompt chunks alone while any can run, else every running decode."""
+        setup = self.setup
+        budget = setup.max_num_batched_tokens
+        chunks: list[tuple[_Request, int]] = []
+        extra: dict[int, int] = {}
+        for r in self.running:  # a prompt part-way through its chunks goes on first
+            if r.prefilling and budget > 0:
+                take = min(r.target - r.cached, budget)
+                chunks.append((r, take))
+                extra[r.index] = take
+                budget -= take
+        used = self.kv_after(extra)
+        while self.waiting and budget > 0 and len(self.running) < setup.max_num_seqs:
+            r = self.waiting[0]
+            take = min(r.target - r.cached, budget)
+            need = float(self.cost.kv_bytes(float(take)))
+            if self.running and used + need > setup.kv_capacity_bytes:
+                break
+            self.waiting.popleft()
+            self.running.append(r)
+            chunks.append((r, take))
+            used += need
+            budget -= take
+        if chunks:
+            return [], chunks
+        while len(self.running) > 1:
+            if self.kv_after({r.index: 1 for r in self.running}) <= setup.kv_capacity_bytes:
+                break
+            self._preempt()
+        return list(self.running), []
 
     def _preempt(self) -> None:
         victim = self.running.pop()

@@ -159,6 +159,12 @@ class Workload(Frozen):
         le=MAX_SEQS,
         description="Requests one engine runs at once; None: vLLM's default for the GPU.",
     )
+    scheduling: Literal["mixed", "prefill-first"] = Field(
+        default="mixed",
+        description="mixed: decodes and prompt chunks share each step, decodes first (vLLM V1, "
+        "TensorRT-LLM's in-flight batching); prefill-first: a step of prompt chunks alone "
+        "whenever prompts wait, decode steps otherwise (SGLang without --enable-mixed-chunk).",
+    )
     seed: int = Field(default=0, ge=0, description="Seed of Poisson arrivals and drawn lengths.")
 
     @model_validator(mode="after")
@@ -262,5 +268,5 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
         where = ".".join(str(p) for p in err["loc"]) or "file"
         raise ConfigError(
             f"workload file {path}: {where}: {err['msg']} (fields: isl, osl, rate_per_s or "
-            "concurrency, max_num_batched_tokens, max_num_seqs, seed)"
+            "concurrency, max_num_batched_tokens, max_num_seqs, scheduling, seed)"
         ) from None
