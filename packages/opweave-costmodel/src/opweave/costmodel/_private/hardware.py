@@ -27,9 +27,7 @@ Override any field with ``--hardware FILE``.
 
 from __future__ import annotations
 
-import json
 import re
-import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Annotated, Any
@@ -37,7 +35,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, model_validator
 
 from ..errors import ConfigError, UnknownGPUError
-from .base import FileSchema
+from .base import FileSchema, read_data_file
 
 HARDWARE_SCHEMA_VERSION = 1
 GB = 1e9
@@ -327,20 +325,7 @@ def load_hardware_file(path: str | Path, base: HardwareCatalog | None = None) ->
     intra_node_bandwidth_bytes_per_s, network_bandwidth_bytes_per_s).
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is not a regular file" if path.exists() else "does not exist"
-        raise ConfigError(f"hardware file {path} {what}")
-    try:
-        text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except OSError as exc:
-        raise ConfigError(f"cannot read hardware file {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"hardware file {path} is malformed: {exc}") from None
-    except ValueError:  # an integer of more than 4300 digits
-        raise ConfigError(f"hardware file {path} holds a number too long to be one") from None
-    except RecursionError:
-        raise ConfigError(f"hardware file {path} nests too deeply to be a hardware file") from None
+    data = read_data_file(path, "hardware file")
     if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
         raise ConfigError(f"hardware file {path} needs a list 'gpus' of GPU entries")
     unknown = sorted(set(data) - {"schema_version", "gpus"})

@@ -161,7 +161,14 @@ class _Engine:
             if len(self.running) <= 1 or self.kv_after(extra) <= setup.kv_capacity_bytes:
                 break
             self._preempt()
-        used = self.kv_after(extra)
+        self._admit(chunks, self.kv_after(extra), budget)
+        return decodes, chunks
+
+    def _admit(self, chunks: list[tuple[_Request, int]], used: float, budget: int) -> None:
+        """Waiting requests join, first come first served, with their first chunk, while
+        ``budget`` tokens are left, fewer than ``max_num_seqs`` run and the cache (``used``
+        bytes so far) holds the chunk."""
+        setup = self.setup
         while self.waiting and budget > 0 and len(self.running) < setup.max_num_seqs:
             r = self.waiting[0]
             take = min(r.target - r.cached, budget)
@@ -173,7 +180,6 @@ class _Engine:
             chunks.append((r, take))
             used += need
             budget -= take
-        return decodes, chunks
 
     def _prefill_first(self) -> tuple[list[_Request], list[tuple[_Request, int]]]:
         """[SGL-SCHED]: prompt chunks alone while any can run, else every running decode."""
@@ -187,18 +193,7 @@ class _Engine:
                 chunks.append((r, take))
                 extra[r.index] = take
                 budget -= take
-        used = self.kv_after(extra)
-        while self.waiting and budget > 0 and len(self.running) < setup.max_num_seqs:
-            r = self.waiting[0]
-            take = min(r.target - r.cached, budget)
-            need = float(self.cost.kv_bytes(float(take)))
-            if self.running and used + need > setup.kv_capacity_bytes:
-                break
-            self.waiting.popleft()
-            self.running.append(r)
-            chunks.append((r, take))
-            used += need
-            budget -= take
+        self._admit(chunks, self.kv_after(extra), budget)
         if chunks:
             return [], chunks
         while len(self.running) > 1:

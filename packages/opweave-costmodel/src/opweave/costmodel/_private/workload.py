@@ -13,9 +13,7 @@ Sources:
 
 from __future__ import annotations
 
-import json
 import math
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -23,7 +21,7 @@ import numpy as np
 from pydantic import Field, ValidationError, model_validator
 
 from ..errors import ConfigError
-from .base import Frozen
+from .base import Frozen, read_data_file
 from .hardware import HardwareSpec
 
 GIB = float(1 << 30)
@@ -233,20 +231,7 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
     (1024.0, 256, 'open loop, Poisson arrivals at 2 requests/s (steady state)')
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is not a regular file" if path.exists() else "does not exist"
-        raise ConfigError(f"workload file {path} {what}")
-    try:
-        text = path.read_text()
-        data = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except OSError as exc:
-        raise ConfigError(f"cannot read workload file {path}: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"workload file {path} is malformed: {exc}") from None
-    except (ValueError, RecursionError):
-        raise ConfigError(
-            f"workload file {path} is malformed (a number or nesting too deep)"
-        ) from None
+    data = read_data_file(path, "workload file")
     if not isinstance(data, dict):
         raise ConfigError(f"workload file {path} must hold a table of the workload's fields")
     given = {k: v for k, v in overrides.items() if v is not None}
