@@ -13,7 +13,7 @@ per replica never makes a TTFT or TPOT worse).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -113,6 +113,14 @@ def engine_options(
             if parallelism_problem(model, par, device.hardware) is None:
                 out.append(EngineOption(device, par))
     return out
+
+
+def room_for(limits: Mapping[str, int], used: Mapping[str, int], option: EngineOption) -> int:
+    """Replicas of ``option`` the inventory has GPUs for beside ``used``."""
+    gpu = option.device.id
+    if gpu not in limits:
+        return 1 << 30
+    return max(0, limits[gpu] - used.get(gpu, 0)) // option.gpus
 
 
 def _decode_ceiling(
