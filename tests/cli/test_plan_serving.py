@@ -71,7 +71,7 @@ def test_rate_with_ttft_slo_writes_a_plan_the_runtime_refuses_only_for_prefill(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--context", "4K"), "--context belong to decode-only planning"),
+        (("--context", "4K"), "--context belongs to decode-only planning"),
         (("--tpot-slo-ms", "20,50"), "one --tpot-slo-ms"),
         (("--slo-statistic", "p50"), "--slo-statistic takes mean, p90 or p99"),
         (("--ttft-slo-ms", "0"), "--ttft-slo-ms must be a positive"),

@@ -36,7 +36,8 @@ def plan_serving(
 
     if refused:
         raise typer.BadParameter(
-            f"{' and '.join(refused)} belong to decode-only planning (--context); a workload "
+            f"{' and '.join(refused)} belong{'s' if len(refused) == 1 else ''} to decode-only "
+            "planning (--context); a workload "
             "(--isl --osl --concurrency | --rate) plans whole deployments without them"
         )
     if len(slos_ms) > 1:
