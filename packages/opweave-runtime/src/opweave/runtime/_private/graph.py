@@ -18,7 +18,7 @@ from opweave.costmodel import LINEAR_ATTENTION, ModelSpec, load_model, model_spe
 
 from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
-from .kernels import KernelSet
+from .kernels import KernelSet, weight_formats
 from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
 from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert
 from .ops import (
@@ -76,12 +76,7 @@ def check_runtime_support(model: ModelSpec) -> None:
             f"the runtime does not implement {model.family} models (planning and estimates "
             f"cover them); it runs {', '.join(RUNTIME_FAMILIES)}"
         )
-    unsupported = model.precision.runtime_unsupported
-    if unsupported is not None:
-        raise UnsupportedModelError(
-            f"the runtime does not run {unsupported} yet (planning and estimates cover it); "
-            "serve an unquantised checkpoint"
-        )
+    check_precision(model)
     arch = model.arch
     if arch.hidden_act not in ACTIVATIONS:
         raise UnsupportedModelError(
@@ -93,6 +88,33 @@ def check_runtime_support(model: ModelSpec) -> None:
                 f"RoPE type {rope.rope_type!r} is not implemented (of the {kind} layers; "
                 f"{', '.join(ROPE_TYPES)} are)"
             )
+
+
+def check_precision(model: ModelSpec) -> None:
+    """Raise :class:`UnsupportedModelError` for weights or a KV cache the runtime cannot hold:
+    a weight format no device has a kernel for, or ``--quant`` asking to quantise at serving
+    time (the runtime serves a checkpoint in the format it is stored in)."""
+    precision = model.precision
+    if precision.quantized:
+        formats = {r.scheme.format for r in precision.rules}
+        missing = sorted(formats - set(weight_formats()))
+        if missing:
+            raise UnsupportedModelError(
+                f"the runtime does not run {'+'.join(missing)} weights yet ({precision.source}; "
+                f"planning and estimates cover them); it serves "
+                f"{', '.join(weight_formats())} checkpoints, or unquantised ones"
+            )
+        if precision.source.startswith("--quant"):
+            raise UnsupportedModelError(
+                f"{precision.source.split(':')[0]}: the runtime serves a checkpoint in the format "
+                "it is stored in and does not quantise one while loading; quantise the "
+                "checkpoint, or drop --quant"
+            )
+    if precision.kv_fp8:
+        raise UnsupportedModelError(
+            f"the runtime does not run an fp8 KV cache yet ({precision.kv_source}; planning "
+            "and estimates cover it); serve with --kv-cache-dtype auto"
+        )
 
 
 def compute_dtype(model: ModelSpec, dtype: torch.dtype | str | None = None) -> torch.dtype:

@@ -19,6 +19,9 @@ from functools import cached_property
 from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments, tp_problem
 
 from ..errors import PlanMismatchError, ShardingError, UnsupportedModelError
+from .quant import scale_block_problem
+
+UNQUANTISED_LABELS = ("bf16", "fp16", "fp32")  # a plan's quant for unquantised weights
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,16 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
     one whose tensor-parallel owners cannot shard their operators, or a launch with the wrong
     number of ranks."""
     pm = plan.model
-    if pm.quant not in ("bf16", "fp16", "fp32") or pm.kv_cache_dtype == "fp8":
+    if pm.kv_cache_dtype == "fp8":
         raise UnsupportedModelError(
-            f"the plan assumes {pm.quant} weights and a {pm.kv_cache_dtype} KV cache; the "
-            "runtime does not run quantised weights or an fp8 KV cache yet (re-plan without "
-            "--quant and --kv-cache-dtype)"
+            f"the plan assumes an {pm.kv_cache_dtype} KV cache; the runtime does not run an fp8 "
+            "KV cache yet (re-plan without --kv-cache-dtype fp8)"
+        )
+    stored = model.precision.quant
+    if pm.quant != stored and (model.precision.quantized or pm.quant not in UNQUANTISED_LABELS):
+        raise PlanMismatchError(
+            f"the plan assumes {pm.quant} weights, but the checkpoint stores {stored} weights "
+            "and the runtime serves them as stored; re-plan for this checkpoint (without --quant)"
         )
     facts = (
         ("family", pm.family, model.family),
@@ -171,7 +179,7 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
             if seg.owner == o
             for op in seg.ops
         ]
-        problem = tp_problem(model, owner.tp, ops)
+        problem = tp_problem(model, owner.tp, ops) or scale_block_problem(model, owner.tp, ops)
         if problem:
             raise ShardingError(
                 f"plan owner {o} ({owner.gpu} x tp {owner.tp}) cannot shard {problem}; "

@@ -50,7 +50,7 @@ class StageModule:
         compute = compute_dtype(self.model, dtype)
         if kernels is not None:
             kernels.check(torch.device(device), compute)
-        self.checkpoint = Checkpoint(model_dir)
+        self.checkpoint = Checkpoint(model_dir, self.model.precision)
         ctx = OpContext(
             self.model.arch,
             self.checkpoint,
