@@ -25,7 +25,9 @@ from opweave.runtime import (
     LocalModel,
     Request,
     RunOptions,
+    Shard,
     ShardingError,
+    StageModule,
     UnsupportedModelError,
     run_plan,
     write_tiny_model,
@@ -94,7 +96,7 @@ def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 # -- checkpoints -----------------------------------------------------------------------------
 def _quantised_pair(src: Path, root: Path, fmt: str, block=(16, 16)) -> tuple[Path, Path]:
-    """``(quantised folder, oracle folder with the dequantised weights)`` of the model at ``src``."""
+    """``(quantised folder, oracle folder: the dequantised weights)`` of the model at ``src``."""
     quant_dir, oracle_dir = root / f"{fmt}-quantised", root / f"{fmt}-oracle"
     for d in (quant_dir, oracle_dir):
         shutil.copytree(src, d)
@@ -188,3 +190,118 @@ def test_fp8_checkpoints_in_one_process(tmp_path, hf_greedy, prompts):
         assert model.generate(prompts, MAX_NEW_TOKENS) == hf_greedy(
             oracle_dir, prompts, MAX_NEW_TOKENS
         )
+
+
+def test_opweave_run_serves_a_block_fp8_checkpoint_offline(
+    block_fp8_model, hf_greedy, prompts, capsys
+):
+    """The CLI path: ``opweave run --strategy afd --tp 2`` on the quantised folder."""
+    quant_dir, oracle_dir = block_fp8_model
+    args = ["run", "--strategy", "afd", "--tp", "2", "--model-path", str(quant_dir)]
+    for p in prompts:
+        args += ["--prompt", " ".join(f"t{t}" for t in p)]
+    code = main([*args, "--max-tokens", str(MAX_NEW_TOKENS), "--json"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    doc = json.loads(out.out)
+    tokens = [o["token_ids"] for o in doc["outputs"]]
+    assert tokens == hf_greedy(oracle_dir, prompts, MAX_NEW_TOKENS)
+    # a rank reads its quantised slices and their scales, not dequantised weights: 1 byte a
+    # value where the unquantised checkpoint stores 4
+    oracle = load_model(oracle_dir).weight_bytes
+    assert sum(r["weight_bytes_read"] for r in doc["ranks"]) < oracle
+
+
+# -- errors ----------------------------------------------------------------------------------
+def _edit(folder: Path, drop: str | None = None, **qc) -> Path:
+    if drop is not None:
+        tensors = load_file(folder / "model.safetensors")
+        del tensors[drop]
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] |= qc
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def fp8_llama(tmp_path) -> Path:
+    src = write_tiny_model("llama", tmp_path / "src")
+    return _quantised_pair(src, tmp_path, "fp8-block", (32, 32))[0]
+
+
+def test_a_tp_slice_that_cuts_a_scale_block_is_refused(fp8_llama):
+    """Blocks of 32 rows, 16 key/value rows per rank at TP 2: refused before any rank starts,
+    and by a rank that loads the slice anyway."""
+    plan = canonical_plan(load_model(fp8_llama), "colocated", gpu="cpu", batch=2, tp=2)
+    with pytest.raises(
+        ShardingError,
+        match=r"^plan owner 0 \(cpu x tp 2\) cannot shard L0.qkv_proj: self_attn.k_proj shards of "
+        r"16 are not whole 32x32 FP8 scale blocks at tp 2",
+    ):
+        run_plan(plan, fp8_llama, [Request((5, 6), 2)])
+    with pytest.raises(
+        ShardingError,
+        match=r"^model.layers.0.self_attn.k_proj.weight: a tensor-parallel slice \[16, 32\) of "
+        r"dimension 0 cuts its fp8-block scale blocks of 32; choose a tp",
+    ):
+        StageModule(fp8_llama, [(0, "qkv_proj")], shard=Shard(rank=1, size=2))
+
+
+def test_a_missing_scale_tensor_names_it(fp8_llama):
+    name = "model.layers.1.mlp.down_proj.weight"
+    _edit(fp8_llama, drop=name + "_scale_inv")
+    with pytest.raises(
+        CheckpointError,
+        match=rf"fp8-block tensor '{name}' has no scale tensor '{name}_scale_inv'; the "
+        "checkpoint is incomplete",
+    ):
+        LocalModel(fp8_llama)
+
+
+def test_a_quantised_tensor_the_config_leaves_unquantised_is_refused(fp8_llama):
+    _edit(fp8_llama, modules_to_not_convert=["o_proj"])
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor 'model.layers.0.self_attn.o_proj.weight' is stored as fp8-block weights, "
+        r"but the config \(.*\) leaves model.layers.0.self_attn.o_proj unquantised",
+    ):
+        LocalModel(fp8_llama)
+
+
+def test_scales_of_another_block_size_are_refused(fp8_llama):
+    _edit(fp8_llama, weight_block_size=[16, 16])
+    with pytest.raises(CheckpointError, match=r"scale tensor '.*_scale_inv' has shape \[2, 2\]"):
+        LocalModel(fp8_llama)
+
+
+def test_an_unsupported_format_is_a_one_line_cli_error(tmp_path, capsys):
+    src = write_tiny_model("llama", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32}
+    (src / "config.json").write_text(json.dumps(config))
+    capsys.readouterr()
+    args = ["run", "--strategy", "colocated", "--model-path", str(src), "--prompt", "t5"]
+    code = main([*args, "--max-tokens", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: the runtime does not run int4-wo weights yet (config.json")
+    assert "it serves fp8, fp8-block, mxfp4, nvfp4 checkpoints, or unquantised ones" in err
+    assert len(err.splitlines()) == 1
+    with pytest.raises(UnsupportedModelError, match="does not run int4-wo weights"):
+        LocalModel(src)
+
+
+def test_mxfp4_groups_cut_by_tp_are_refused_before_any_rank_starts(tmp_path):
+    """Experts of 32 channels: each of 2 ranks would hold 16 columns of a 32-value group."""
+    src = write_tiny_model("qwen3_moe", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (src / "config.json").write_text(json.dumps(config))
+    plan = canonical_plan(load_model(src), "afd", gpu="cpu", batch=2, tp=2)
+    with pytest.raises(
+        ShardingError,
+        match=r"^plan owner 1 \(cpu x tp 2\) cannot shard L1.experts: mlp.experts.down_proj "
+        r"shards of 16 are not whole 1x32 MXFP4 scale blocks at tp 2",
+    ):
+        run_plan(plan, src, [Request((5, 6), 2)])

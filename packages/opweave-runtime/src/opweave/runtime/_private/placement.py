@@ -19,7 +19,6 @@ from functools import cached_property
 from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments, tp_problem
 
 from ..errors import PlanMismatchError, ShardingError, UnsupportedModelError
-from .quant import scale_block_problem
 
 UNQUANTISED_LABELS = ("bf16", "fp16", "fp32")  # a plan's quant for unquantised weights
 
@@ -179,7 +178,7 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
             if seg.owner == o
             for op in seg.ops
         ]
-        problem = tp_problem(model, owner.tp, ops) or scale_block_problem(model, owner.tp, ops)
+        problem = tp_problem(model, owner.tp, ops)
         if problem:
             raise ShardingError(
                 f"plan owner {o} ({owner.gpu} x tp {owner.tp}) cannot shard {problem}; "

@@ -30,12 +30,10 @@ that would cut one is refused, naming the tensor (vLLM refuses the same plan, se
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-
-from opweave.costmodel import LINEAR_ATTENTION, ModelSpec, OperatorSpec
 
 from ..errors import CheckpointError, ShardingError
 
@@ -246,52 +244,3 @@ class Dequantise:
 
 
 DEQUANTISE = Dequantise()
-
-
-# -- plans -----------------------------------------------------------------------------------
-def scale_block_problem(model: ModelSpec, tp: int, ops: Iterable[OperatorSpec]) -> str | None:
-    """Why ``ops`` of ``model`` cannot shard over ``tp`` with whole scale blocks per rank
-    (None: they can), checked before any rank starts; each rank checks its slices again when
-    it loads them (:func:`read_slice`)."""
-    precision, arch = model.precision, model.arch
-    if not precision.quantized or tp == 1:
-        return None
-    hd = arch.head_dim
-    for op in ops:
-        layer = f"model.layers.{op.layer}."
-        checks: list[tuple[str, int, int]] = []  # (module, extent per rank, 0 rows / 1 cols)
-        if op.name == "qkv_proj" and arch.layer_types[op.layer or 0] != LINEAR_ATTENTION:
-            kv = arch.num_kv_heads // tp if arch.num_kv_heads % tp == 0 else 1
-            q = arch.num_heads // tp * hd * (2 if arch.attn_output_gate else 1)
-            checks += [("self_attn.q_proj", q, 0), ("self_attn.k_proj", kv * hd, 0)]
-            checks += [("self_attn.v_proj", kv * hd, 0)]
-        elif op.name == "o_proj" and arch.layer_types[op.layer or 0] != LINEAR_ATTENTION:
-            checks.append(("self_attn.o_proj", arch.num_heads // tp * hd, 1))
-        elif op.name in ("gate_up_proj", "down_proj"):
-            inter = arch.intermediate_size // tp
-            checks += (
-                [("mlp.gate_proj", inter, 0), ("mlp.up_proj", inter, 0)]
-                if op.name == "gate_up_proj"
-                else [("mlp.down_proj", inter, 1)]
-            )
-        elif op.name == "experts" and arch.moe is not None:
-            inter = arch.moe.intermediate_size // tp
-            checks += [("mlp.experts.0.gate_proj", inter, 0), ("mlp.experts.0.down_proj", inter, 1)]
-        elif op.name == "shared_expert" and arch.moe is not None:
-            inter = arch.moe.shared_intermediate_size // tp
-            checks += [("mlp.shared_expert.gate_proj", inter, 0)]
-            checks += [("mlp.shared_expert.down_proj", inter, 1)]
-        for module, extent, axis in checks:
-            scheme = precision.scheme_for(
-                (layer + module,), router=False, expert=".experts." in module
-            )
-            if scheme is None or scheme.format == "fp8":
-                continue
-            block = block_of(scheme.format, scheme.scale_rows, scheme.scale_cols)[axis]
-            if block > 1 and extent % block:
-                what = "output rows" if axis == 0 else "input columns"
-                return (
-                    f"L{op.layer}.{op.name}: {module} holds {extent} {what} per rank, which "
-                    f"cuts its {scheme.format} scale blocks of {block}"
-                )
-    return None
