@@ -79,6 +79,9 @@ FORMATS = {
     "nvfp4": StoredFormat("nvfp4", "", ("_scale",), ("_scale_2",)),
 }
 
+# what a checkpoint holding quantised tensors names the tensors beside them
+SCALE_SUFFIXES = ("_scale", "_scale_inv", "_scale_2", "_scales", "_blocks")
+
 
 @dataclass(frozen=True)
 class QuantisedSlice:
@@ -95,20 +98,6 @@ class QuantisedSlice:
 
 
 Read = Callable[[str, int, Ranges | None], torch.Tensor]
-
-
-def stored_format(
-    name: str, has: Callable[[str], bool], dtype_of: Callable[[str], str]
-) -> str | None:
-    """The format ``name`` is stored in (None: unquantised), from the tensors beside it."""
-    if not has(name):
-        return "mxfp4" if has(name + "_blocks") else None
-    dtype = dtype_of(name)
-    if dtype == "F8_E4M3":
-        return "fp8-block" if has(name + "_scale_inv") else "fp8"
-    if dtype == "U8" and has(name + "_scale_2"):
-        return "nvfp4"
-    return None
 
 
 def block_of(fmt: str, scheme_rows: int | None, scheme_cols: int | None) -> tuple[int, int]:

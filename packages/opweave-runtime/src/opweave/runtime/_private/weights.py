@@ -141,6 +141,12 @@ class Checkpoint(TensorSource):
                 f"{self.model_dir}: no decoder layers found under {', '.join(_MODEL_PREFIXES)}"
             )
         self.prefix = prefix
+        # headers are only consulted for a tensor's storage when something may be quantised
+        self._may_be_quantised = (
+            precision is None
+            or precision.quantized
+            or any(n.endswith(quant.SCALE_SUFFIXES) for n in self._file_of)
+        )
 
     def _index(self) -> dict[str, Path]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -226,6 +232,8 @@ class Checkpoint(TensorSource):
 
     def _stored_format(self, name: str) -> str | None:
         """``fp8`` (or ``fp8-block``), ``mxfp4``, ``nvfp4``, or None (stored as it is used)."""
+        if not self._may_be_quantised:
+            return None
         if name not in self._file_of:
             return "mxfp4" if name + "_blocks" in self._file_of else None
         dtype = self._header(name).get_dtype()
