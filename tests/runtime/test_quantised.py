@@ -1,21 +1,13 @@
 """Quantised checkpoints: block-FP8, per-tensor FP8 and MXFP4 safetensors load, shard over TP
 with their scales, and generate the greedy tokens transformers generates on the same weights
-dequantised by this file's own code.
-
-The quantisers and dequantisers below are written from the formats' definitions (DeepSeek-V3's
-128x128 block FP8 with ``weight_scale_inv``; OCP Microscaling MXFP4: E2M1 pairs, low nibble
-first, an E8M0 scale per 32 values), independently of the runtime's reader.
-"""
+dequantised by the tests' own code (:mod:`tests.quantise`)."""
 
 from __future__ import annotations
 
 import json
-import math
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from opweave.cli.app import main
@@ -32,114 +24,16 @@ from opweave.runtime import (
     run_plan,
     write_tiny_model,
 )
+from tests.quantise import quantised_pair
 
 MAX_NEW_TOKENS = 8
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-# -- the test's own formats ------------------------------------------------------------------
-def block_fp8(w: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(fp8 values, float32 scale per rows x cols block)``, DeepSeek-V3's layout."""
-    r, c = w.shape
-    nr, nc = math.ceil(r / rows), math.ceil(c / cols)
-    padded = torch.zeros(nr * rows, nc * cols)
-    padded[:r, :c] = w.float()
-    blocks = padded.view(nr, rows, nc, cols)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
-    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
-    return q.view(nr * rows, nc * cols)[:r, :c].contiguous(), scale
-
-
-def block_fp8_values(q: torch.Tensor, scale: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    r, c = q.shape
-    out = torch.empty(r, c)
-    for i in range(scale.shape[0]):
-        for j in range(scale.shape[1]):
-            sl = (slice(i * rows, (i + 1) * rows), slice(j * cols, (j + 1) * cols))
-            out[sl] = q[sl].float() * scale[i, j]
-    return out
-
-
-def tensor_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    scale = w.abs().max().float() / FP8_MAX
-    return (w.float() / scale).to(torch.float8_e4m3fn), scale.reshape(())
-
-
-def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(blocks uint8 [R, C/32, 16], scales uint8 [R, C/32])``: gpt-oss's layout."""
-    r, c = w.shape
-    groups = w.float().view(r, c // 32, 32)
-    amax = groups.abs().amax(dim=-1).clamp(min=2.0**-100)
-    exponent = torch.floor(torch.log2(amax)) - 2  # the largest E2M1 value, 6, is 1.5 * 2^2
-    scaled = groups / torch.pow(2.0, exponent)[..., None]
-    nearest = (scaled.abs()[..., None] - E2M1).abs().argmin(dim=-1)
-    codes = nearest + 8 * (scaled < 0).long()
-    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed.to(torch.uint8), (exponent + 127).to(torch.uint8)
-
-
-def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    r, g, _ = blocks.shape
-    out = torch.empty(r, g * 32)
-    signed = torch.cat([E2M1, -E2M1])
-    for i in range(r):
-        for k in range(g):
-            for b in range(16):
-                byte = int(blocks[i, k, b])
-                scale = 2.0 ** (int(scales[i, k]) - 127)
-                out[i, k * 32 + 2 * b] = signed[byte & 15] * scale
-                out[i, k * 32 + 2 * b + 1] = signed[byte >> 4] * scale
-    return out
-
-
-# -- checkpoints -----------------------------------------------------------------------------
-def _quantised_pair(src: Path, root: Path, fmt: str, block=(16, 16)) -> tuple[Path, Path]:
-    """``(quantised folder, oracle folder: the dequantised weights)`` of the model at ``src``."""
-    quant_dir, oracle_dir = root / f"{fmt}-quantised", root / f"{fmt}-oracle"
-    for d in (quant_dir, oracle_dir):
-        shutil.copytree(src, d)
-    tensors = load_file(src / "model.safetensors")
-    stored, dequantised = {}, {}
-    for name, w in tensors.items():
-        linear = name.endswith(".weight") and name.split(".")[-2] in LINEARS
-        if fmt == "mxfp4":
-            linear = linear and ".experts." in name
-        if not linear:
-            stored[name] = dequantised[name] = w
-            continue
-        if fmt == "fp8-block":
-            q, scale = block_fp8(w, *block)
-            stored |= {name: q, name + "_scale_inv": scale}
-            dequantised[name] = block_fp8_values(q, scale, *block)
-        elif fmt == "fp8":
-            q, scale = tensor_fp8(w)
-            stored |= {name: q, name + "_scale": scale}
-            dequantised[name] = q.float() * scale
-        else:
-            blocks, scales = mxfp4(w)
-            stored |= {name + "_blocks": blocks, name + "_scales": scales}
-            dequantised[name] = mxfp4_values(blocks, scales)
-        assert not torch.equal(dequantised[name], w)  # quantising changed the weights
-    save_file(stored, quant_dir / "model.safetensors", metadata={"format": "pt"})
-    save_file(dequantised, oracle_dir / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((src / "config.json").read_text())
-    if fmt == "mxfp4":
-        qc = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head", "self_attn"]}
-    else:
-        qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-        if fmt == "fp8-block":
-            qc["weight_block_size"] = list(block)
-    (quant_dir / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
-    return quant_dir, oracle_dir
 
 
 @pytest.fixture(scope="module")
 def block_fp8_model(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("fp8block")
     src = write_tiny_model("qwen3_moe", root / "src")
-    return _quantised_pair(src, root, "fp8-block")
+    return quantised_pair(src, root, "fp8-block")
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +41,7 @@ def mxfp4_model(tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("mxfp4")
     # experts' down projections split over TP 2 into whole 32-value scale groups
     src = write_tiny_model("qwen3_moe", root / "src", moe_intermediate_size=64)
-    return _quantised_pair(src, root, "mxfp4")
+    return quantised_pair(src, root, "mxfp4")
 
 
 def _run(model_dir: Path, strategy: str, tp: int, prompts) -> list[list[int]]:
@@ -184,7 +78,7 @@ def test_fp8_checkpoints_in_one_process(tmp_path, hf_greedy, prompts):
     """Per-tensor FP8, and 128x128 blocks larger than every tiny matrix (partial blocks)."""
     src = write_tiny_model("llama", tmp_path / "src")
     for fmt, block in (("fp8", (16, 16)), ("fp8-block", (128, 128))):
-        quant_dir, oracle_dir = _quantised_pair(src, tmp_path / fmt, fmt, block)
+        quant_dir, oracle_dir = quantised_pair(src, tmp_path / fmt, fmt, block)
         model = LocalModel(quant_dir)
         assert load_model(quant_dir).precision.quant == fmt
         assert model.generate(prompts, MAX_NEW_TOKENS) == hf_greedy(
@@ -227,7 +121,7 @@ def _edit(folder: Path, drop: str | None = None, **qc) -> Path:
 @pytest.fixture
 def fp8_llama(tmp_path) -> Path:
     src = write_tiny_model("llama", tmp_path / "src")
-    return _quantised_pair(src, tmp_path, "fp8-block", (32, 32))[0]
+    return quantised_pair(src, tmp_path, "fp8-block", (32, 32))[0]
 
 
 def test_a_tp_slice_that_cuts_a_scale_block_is_refused(fp8_llama):
