@@ -62,6 +62,29 @@ def mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed.to(torch.uint8), (exponent + 127).to(torch.uint8)
 
 
+def nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ModelOpt NVFP4: ``(E2M1 pairs uint8 [R, C/2], fp8 scale per 16 values, fp32 global)``."""
+    r, c = w.shape
+    groups = w.float().view(r, c // 16, 16)
+    global_scale = w.abs().max().float() / (6.0 * FP8_MAX)
+    scale = (groups.abs().amax(dim=-1) / 6.0 / global_scale).to(torch.float8_e4m3fn)
+    step = scale.float().clamp(min=2.0**-9) * global_scale
+    scaled = groups / step[..., None]
+    nearest = (scaled.abs()[..., None] - E2M1).abs().argmin(dim=-1)
+    codes = (nearest + 8 * (scaled < 0).long()).view(r, c)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return packed.to(torch.uint8), scale, global_scale.reshape(())
+
+
+def nvfp4_values(packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor):
+    signed = torch.cat([E2M1, -E2M1])
+    r, half = packed.shape
+    out = torch.empty(r, 2 * half)
+    out[:, 0::2] = signed[(packed & 15).long()]
+    out[:, 1::2] = signed[(packed >> 4).long()]
+    return out * scale.float().repeat_interleave(16, dim=1) * global_scale
+
+
 def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     r, g, _ = blocks.shape
     out = torch.empty(r, g * 32)
@@ -98,6 +121,10 @@ def quantised_pair(src: Path, root: Path, fmt: str, block=(16, 16)) -> tuple[Pat
             q, scale = tensor_fp8(w)
             stored |= {name: q, name + "_scale": scale}
             dequantised[name] = q.float() * scale
+        elif fmt == "nvfp4":
+            packed, scale, global_scale = nvfp4(w)
+            stored |= {name: packed, name + "_scale": scale, name + "_scale_2": global_scale}
+            dequantised[name] = nvfp4_values(packed, scale, global_scale)
         else:
             blocks, scales = mxfp4(w)
             stored |= {name + "_blocks": blocks, name + "_scales": scales}
@@ -108,6 +135,9 @@ def quantised_pair(src: Path, root: Path, fmt: str, block=(16, 16)) -> tuple[Pat
     config = json.loads((src / "config.json").read_text())
     if fmt == "mxfp4":
         qc = {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head", "self_attn"]}
+    elif fmt == "nvfp4":
+        qc = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16}
+        qc["ignore"] = ["lm_head", "re:.*mlp.gate$"]
     else:
         qc = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
         if fmt == "fp8-block":

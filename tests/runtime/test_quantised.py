@@ -74,6 +74,14 @@ def test_mxfp4_experts_over_tp2(strategy, mxfp4_model, hf_greedy, prompts):
     assert _run(quant_dir, strategy, 2, prompts) == hf_greedy(oracle_dir, prompts, MAX_NEW_TOKENS)
 
 
+@pytest.mark.parametrize("strategy", ["colocated", "afd"])
+def test_nvfp4_checkpoint_over_tp2(strategy, tmp_path, hf_greedy, prompts):
+    src = write_tiny_model("qwen3_moe", tmp_path / "src", moe_intermediate_size=64)
+    quant_dir, oracle_dir = quantised_pair(src, tmp_path, "nvfp4")
+    assert load_model(quant_dir).precision.quant == "nvfp4"
+    assert _run(quant_dir, strategy, 2, prompts) == hf_greedy(oracle_dir, prompts, MAX_NEW_TOKENS)
+
+
 def test_fp8_checkpoints_in_one_process(tmp_path, hf_greedy, prompts):
     """Per-tensor FP8, and 128x128 blocks larger than every tiny matrix (partial blocks)."""
     src = write_tiny_model("llama", tmp_path / "src")

@@ -190,8 +190,11 @@ class Checkpoint(TensorSource):
                 handle = self._handles[file] = _open(file)
             try:
                 got = tuple(handle.get_slice(name).get_shape())
+                fmt = self._stored_format(name)
             except Exception as exc:  # safetensors raises its own error types
                 raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from None
+            if fmt is not None:  # packed values: the shape they dequantise to
+                got = self._dequantised_shape(name, fmt)
             if got != want:
                 raise CheckpointError(
                     f"{self.model_dir}: tensor {name!r} has shape {list(got)}, but config.json "
