@@ -18,7 +18,7 @@ from opweave.costmodel import LINEAR_ATTENTION, ModelSpec, load_model, model_spe
 
 from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
-from .kernels import KernelSet, weight_formats
+from .kernels import KernelSet
 from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
 from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert
 from .ops import (
@@ -32,6 +32,7 @@ from .ops import (
     Operator,
     Sample,
 )
+from .quant import weight_formats
 from .rope import ROPE_TYPES, Rope
 from .tensor_parallel import Shard, TPComm
 from .weights import TensorSource

@@ -12,7 +12,7 @@ vLLM's CPU kernels (``--kernels vllm`` / ``vllm-all``) are one registration belo
 kernels would be another.
 
 Quantised weights have a registry of their own, keyed by weight format and device type
-(:func:`register_weight_kernel`): what a quantised checkpoint tensor becomes when an operator
+(:func:`.quant.register_weight_kernel`): what a quantised checkpoint tensor becomes when an operator
 loads it. The runtime registers dequantise-then-matmul for every format it reads (the weight is
 dequantised to the compute dtype once, at load); a device with native FP8/FP4 GEMMs registers
 its own kernel for the formats it runs, and a later registration for a format and device wins.
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
     from opweave.costmodel import ModelSpec
 
     from .ops import OpContext, Operator
-    from .quant import QuantisedSlice
 
 
 class KernelBackend(Protocol):
@@ -69,7 +68,7 @@ class _Registration:
 
 
 _REGISTRY: list[_Registration] = []
-_LOADED: dict[str, Any] = {}  # provider -> its imported object
+_LOADED: dict[str, KernelBackend] = {}
 
 
 def register_kernels(
@@ -91,41 +90,6 @@ def backend_for(name: str, device: torch.device, dtype: torch.dtype) -> KernelBa
                 backend = _LOADED[reg.provider] = getattr(importlib.import_module(module), attr)
             return backend
     return None
-
-
-class WeightKernel(Protocol):
-    """What a quantised weight is loaded as (see :mod:`.quant`)."""
-
-    def load(self, q: QuantisedSlice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The weight an operator multiplies by, from one rank's slice of the stored tensor."""
-        ...
-
-
-_WEIGHT_KERNELS: dict[tuple[str, str], str] = {}
-
-
-def register_weight_kernel(fmt: str, *, device: str, provider: str) -> None:
-    """Load ``fmt`` weights (a cost-model weight format: ``fp8-block``, ``fp8``, ``mxfp4``,
-    ``nvfp4``) on ``device`` (a device type) with ``provider`` (``"module:attribute"``, imported
-    on first use); replaces an earlier registration for the same format and device."""
-    _WEIGHT_KERNELS[(fmt, device)] = provider
-
-
-def weight_kernel_for(fmt: str, device: torch.device) -> WeightKernel | None:
-    """The kernel registered for ``fmt`` weights on ``device``, or None."""
-    provider = _WEIGHT_KERNELS.get((fmt, device.type))
-    if provider is None:
-        return None
-    kernel = _LOADED.get(provider)
-    if kernel is None:
-        module, attr = provider.split(":")
-        kernel = _LOADED[provider] = getattr(importlib.import_module(module), attr)
-    return kernel  # type: ignore[return-value]
-
-
-def weight_formats() -> tuple[str, ...]:
-    """The quantised weight formats some device has a registered kernel for."""
-    return tuple(sorted({fmt for fmt, _ in _WEIGHT_KERNELS}))
 
 
 @dataclass
@@ -182,11 +146,3 @@ register_kernels(
     dtypes=(torch.float32, torch.bfloat16),
     provider="opweave.runtime.vllm._kernels:CPU_KERNELS",
 )
-
-# Quantised checkpoints: dequantised to the compute dtype at load, then the ordinary GEMM (any
-# device torch runs on); native FP8/FP4 GEMMs would register over these
-for _fmt in ("fp8-block", "fp8", "mxfp4", "nvfp4"):
-    for _device in ("cpu", "cuda"):
-        register_weight_kernel(
-            _fmt, device=_device, provider="opweave.runtime._private.quant:DEQUANTISE"
-        )

@@ -29,9 +29,11 @@ that would cut one is refused, naming the tensor (vLLM refuses the same plan, se
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -233,3 +235,49 @@ class Dequantise:
 
 
 DEQUANTISE = Dequantise()
+
+
+# -- the weight-kernel registry ------------------------------------------------------------
+class WeightKernel(Protocol):
+    """What a quantised weight is loaded as (see :mod:`.quant`)."""
+
+    def load(self, q: QuantisedSlice, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The weight an operator multiplies by, from one rank's slice of the stored tensor."""
+        ...
+
+
+_WEIGHT_KERNELS: dict[tuple[str, str], str] = {}
+_WEIGHT_LOADED: dict[str, WeightKernel] = {}
+
+
+def register_weight_kernel(fmt: str, *, device: str, provider: str) -> None:
+    """Load ``fmt`` weights (a cost-model weight format: ``fp8-block``, ``fp8``, ``mxfp4``,
+    ``nvfp4``) on ``device`` (a device type) with ``provider`` (``"module:attribute"``, imported
+    on first use); replaces an earlier registration for the same format and device."""
+    _WEIGHT_KERNELS[(fmt, device)] = provider
+
+
+def weight_kernel_for(fmt: str, device: torch.device) -> WeightKernel | None:
+    """The kernel registered for ``fmt`` weights on ``device``, or None."""
+    provider = _WEIGHT_KERNELS.get((fmt, device.type))
+    if provider is None:
+        return None
+    kernel = _WEIGHT_LOADED.get(provider)
+    if kernel is None:
+        module, attr = provider.split(":")
+        kernel = _WEIGHT_LOADED[provider] = getattr(importlib.import_module(module), attr)
+    return kernel
+
+
+def weight_formats() -> tuple[str, ...]:
+    """The quantised weight formats some device has a registered kernel for."""
+    return tuple(sorted({fmt for fmt, _ in _WEIGHT_KERNELS}))
+
+
+# Quantised checkpoints: dequantised to the compute dtype at load, then the ordinary GEMM (any
+# device torch runs on); native FP8/FP4 GEMMs would register over these
+for _fmt in ("fp8-block", "fp8", "mxfp4", "nvfp4"):
+    for _device in ("cpu", "cuda"):
+        register_weight_kernel(
+            _fmt, device=_device, provider="opweave.runtime._private.quant:DEQUANTISE"
+        )

@@ -22,7 +22,6 @@ from opweave.costmodel import LINEAR_ATTENTION, Architecture, ModelSpec, Precisi
 
 from ..errors import CheckpointError, UnsupportedModelError
 from . import quant
-from .kernels import weight_kernel_for
 
 _MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 Ranges = Sequence[tuple[int, int]]
@@ -218,7 +217,7 @@ class Checkpoint(TensorSource):
             tensor = self._read(name, dim, ranges)
             return tensor.to(device=device, dtype=dtype or tensor.dtype)
         fmt, block = self._check_quantised(name, fmt, device)
-        kernel = weight_kernel_for(fmt, device)
+        kernel = quant.weight_kernel_for(fmt, device)
         assert kernel is not None  # checked above
         shape = self._dequantised_shape(name, fmt)
         self._check_scale_shape(name, fmt, block, shape)
@@ -287,7 +286,7 @@ class Checkpoint(TensorSource):
                 f"{self.model_dir}: {fmt_said} tensor {name!r} has no scale tensor {missing!r}; "
                 "the checkpoint is incomplete (export it again with its scales)"
             )
-        if weight_kernel_for(fmt_said, device) is None:
+        if quant.weight_kernel_for(fmt_said, device) is None:
             raise UnsupportedModelError(
                 f"no weight kernel loads {fmt_said} weights on {device.type} (tensor {name!r}); "
                 "serve this checkpoint on a device that has one, or an unquantised checkpoint"
