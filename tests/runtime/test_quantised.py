@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 from opweave.cli.app import main
@@ -207,3 +208,48 @@ def test_mxfp4_groups_cut_by_tp_are_refused_before_any_rank_starts(tmp_path):
         r"shards of 16 are not whole 1x32 MXFP4 scale blocks at tp 2",
     ):
         run_plan(plan, src, [Request((5, 6), 2)])
+
+
+# -- FP8 KV cache ----------------------------------------------------------------------------
+def _fp8_kv_attention(module, query, key, value, *args, **kwargs):
+    """transformers' SDPA attention over keys and values as an FP8 E4M3 cache with scale 1.0
+    holds them (rounding is idempotent: cached keys come back unchanged)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    key, value = (t.to(torch.float8_e4m3fn).to(t.dtype) for t in (key, value))
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, *args, **kwargs)
+
+
+def _fp8_kv_greedy(model_dir: Path, prompts) -> list[list[int]]:
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    AttentionInterface.register("opweave_test_fp8_kv", _fp8_kv_attention)
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype="auto", attn_implementation="opweave_test_fp8_kv"
+    )
+    out = []
+    for p in prompts:
+        ids = model.generate(
+            torch.tensor([list(p)]), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+        )
+        out.append(ids[0, len(p) :].tolist())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("strategy", "decode_step"), [("colocated", "per-request"), ("afd", "static")]
+)
+def test_a_plan_with_an_fp8_kv_cache(strategy, decode_step, tiny_model, hf_greedy, prompts):
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir, kv_cache_dtype="fp8")
+    plan = canonical_plan(model, strategy, gpu="cpu", batch=4, microbatches=1, tp=2)
+    assert plan.model.kv_cache_dtype == "fp8"
+    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
+    options = RunOptions(timeout_s=20.0, decode_step=decode_step)
+    result = run_plan(plan, model_dir, requests, options)
+    assert result is not None
+    tokens = [list(out.token_ids) for out in result.outputs]
+    expected = _fp8_kv_greedy(model_dir, prompts)
+    assert tokens == expected
+    # the rounding is visible: the same model with its KV cache in float32 differs
+    assert expected != hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)

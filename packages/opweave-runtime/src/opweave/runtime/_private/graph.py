@@ -111,11 +111,6 @@ def check_precision(model: ModelSpec) -> None:
                 "it is stored in and does not quantise one while loading; quantise the "
                 "checkpoint, or drop --quant"
             )
-    if precision.kv_fp8:
-        raise UnsupportedModelError(
-            f"the runtime does not run an fp8 KV cache yet ({precision.kv_source}; planning "
-            "and estimates cover it); serve with --kv-cache-dtype auto"
-        )
 
 
 def compute_dtype(model: ModelSpec, dtype: torch.dtype | str | None = None) -> torch.dtype:

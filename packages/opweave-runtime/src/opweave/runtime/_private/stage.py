@@ -59,6 +59,7 @@ class StageModule:
             shard or Shard(),
             comm,
             kernels,
+            torch.float8_e4m3fn if self.model.precision.kv_fp8 else None,
         )
         self.comm = comm
         self.refs: tuple[OpRef, ...] = tuple(OpRef(*ref) for ref in ops)
