@@ -253,3 +253,13 @@ def test_a_plan_with_an_fp8_kv_cache(strategy, decode_step, tiny_model, hf_greed
     assert tokens == expected
     # the rounding is visible: the same model with its KV cache in float32 differs
     assert expected != hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+
+
+def test_quantising_while_loading_is_refused(tiny_model):
+    """``--quant`` on an unquantised checkpoint costs a format the runtime does not make."""
+    model_dir = tiny_model("llama")
+    with pytest.raises(
+        UnsupportedModelError,
+        match=r"^--quant fp8-block: the runtime serves a checkpoint in the format it is stored in",
+    ):
+        StageModule(model_dir, [(0, "qkv_proj")], model=load_model(model_dir, quant="fp8-block"))
