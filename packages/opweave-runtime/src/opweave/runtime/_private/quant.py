@@ -60,7 +60,6 @@ E2M1_VALUES = (
     -6.0,
 )
 MX_BLOCK = 32  # values per E8M0 scale (OCP MX: k = 32)
-FP8 = torch.float8_e4m3fn
 
 
 @dataclass(frozen=True)
@@ -141,6 +140,7 @@ def read_slice(
                     "blocks, or serve a checkpoint with smaller blocks"
                 )
         value_ranges = list(ranges)
+        # a scale per block (per value along dims blocks do not span); one for the whole extent
         scale_ranges = (
             [(lo // along, math.ceil(hi / along)) for lo, hi in ranges] if along else None
         )
@@ -158,8 +158,6 @@ def read_slice(
                 scale = scale.reshape(-1)[[i for lo, hi in ranges for i in range(lo, hi)]]
             scales.append(scale.reshape(-1, 1) if per_row else scale.reshape(()))
             continue
-        if scale_ranges is None and ranges is not None:  # a dimension blocks do not cover
-            scale_ranges = list(ranges)
         scales.append(read(scale_name, scale_dim, scale_ranges))
     tensor_scales = tuple(read(name + s, 0, None) for s in stored.tensor_scales)
     shape = list(full_shape)
@@ -199,8 +197,8 @@ def _e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def dequantise(q: QuantisedSlice) -> torch.Tensor:
-    """The float32 values of a quantised slice (every product exact in float32: an FP8 or FP4
-    value has at most 4 significant bits, a scale 8 or 24)."""
+    """The float32 values of a quantised slice: the stored value times its scale(s), in that
+    order, in float32 (the products a reference dequantiser forms; E2M1 x E8M0 is exact)."""
     if q.format in ("fp8", "fp8-block"):
         values = q.values.float()
         scale = q.scales[0]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from opweave.costmodel import LINEAR_ATTENTION, Architecture, ModelSpec, Precision
+from opweave.costmodel import LINEAR_ATTENTION, Architecture, ModelSpec, Precision, WeightScheme
 
 from ..errors import CheckpointError, UnsupportedModelError
 from . import quant
@@ -215,6 +215,8 @@ class Checkpoint(TensorSource):
         fmt = self._stored_format(name)
         if fmt is None:
             tensor = self._read(name, dim, ranges)
+            if self._may_be_quantised and tensor.is_floating_point():
+                self._check_unquantised(name, tensor.dtype)
             return tensor.to(device=device, dtype=dtype or tensor.dtype)
         fmt, block = self._check_quantised(name, fmt, device)
         kernel = quant.weight_kernel_for(fmt, device)
@@ -259,11 +261,7 @@ class Checkpoint(TensorSource):
         """That ``name``, stored in ``fmt``, is what the config says, has its scales and a
         kernel here; returns the format the config says and the block one scale covers."""
         precision = self.precision()
-        path = name.removesuffix(".weight")
-        if path.startswith(self.prefix):
-            path = "model." + path[len(self.prefix) :]
-        router = path.endswith((".gate", "shared_expert_gate"))
-        scheme = precision.scheme_for((path,), router=router, expert=".experts." in path)
+        path, scheme = self._module_scheme(name)
         if scheme is not None and scheme.format in ("fp8", "fp8-block") and fmt.startswith("fp8"):
             fmt_said = scheme.format
         else:
@@ -310,6 +308,28 @@ class Checkpoint(TensorSource):
                 f"{self.model_dir}: scale tensor {scale!r} has shape {list(got)}, but {fmt} "
                 f"blocks of {br}x{bc} over {name!r} {list(shape)} need {list(want)}; the "
                 "checkpoint and its quantization_config (weight_block_size) disagree"
+            )
+
+    def _module_scheme(self, name: str) -> tuple[str, WeightScheme | None]:
+        """The module path of a checkpoint tensor and the scheme its config gives it."""
+        path = name.removesuffix(".weight")
+        if path.startswith(self.prefix):
+            path = "model." + path[len(self.prefix) :]
+        router = path.endswith((".gate", "shared_expert_gate"))
+        expert = ".experts." in path
+        return path, self.precision().scheme_for((path,), router=router, expert=expert)
+
+    def _check_unquantised(self, name: str, dtype: torch.dtype) -> None:
+        """A linear weight stored unquantised that the config says is quantised is refused."""
+        if not _LINEAR_WEIGHT.search(name):
+            return
+        path, scheme = self._module_scheme(name)
+        if scheme is not None:
+            raise CheckpointError(
+                f"{self.model_dir}: tensor {name!r} is stored unquantised "
+                f"({str(dtype).removeprefix('torch.')}), but the config "
+                f"({self.precision().source}) quantises {path} as {scheme.format}; the "
+                "checkpoint and its quantization_config disagree"
             )
 
     def _dequantised_shape(self, name: str, fmt: str) -> tuple[int, ...]:
@@ -431,6 +451,10 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a readable safetensors file ({text})") from None
 
 
+# the linear weights a quantization_config may quantise (projections, experts, lm_head)
+_LINEAR_WEIGHT = re.compile(
+    r"(_proj|\.w[123])\.weight$|experts\.(gate_up|down)_proj$|lm_head\.weight$"
+)
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 
