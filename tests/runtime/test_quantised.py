@@ -263,3 +263,18 @@ def test_quantising_while_loading_is_refused(tiny_model):
         match=r"^--quant fp8-block: the runtime serves a checkpoint in the format it is stored in",
     ):
         StageModule(model_dir, [(0, "qkv_proj")], model=load_model(model_dir, quant="fp8-block"))
+
+
+def test_opweave_run_a_plan_file_with_an_fp8_kv_cache(tmp_path, tiny_model, prompts, capsys):
+    model_dir = tiny_model("llama")
+    plan = canonical_plan(load_model(model_dir, kv_cache_dtype="fp8"), "colocated", gpu="cpu")
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(plan.model_dump_json())
+    prompt = prompts[3]
+    args = ["run", str(plan_file), "--model-path", str(model_dir), "--json"]
+    args += ["--prompt", " ".join(f"t{t}" for t in prompt), "--max-tokens", str(MAX_NEW_TOKENS)]
+    capsys.readouterr()
+    code = main(args)
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert json.loads(out.out)["outputs"][0]["token_ids"] == _fp8_kv_greedy(model_dir, [prompt])[0]
