@@ -153,7 +153,9 @@ def plan(
     ],
     context: Annotated[
         str | None,
-        typer.Option("--context", help="Decode only: every request at this context, e.g. 32K."),
+        typer.Option(
+            "--context", help="Decode only: every request at this context, e.g. 32K."
+        ),
     ] = None,
     isl: IslOpt = None,
     osl: OslOpt = None,
