@@ -250,29 +250,31 @@ def test_shipped_configs_that_omit_default_keys_parse() -> None:
     assert parse_config(builtin_config("gemma-3-27b")).vocab_size == 262208
 
 
-def test_quantised_weights_and_an_fp8_kv_cache_are_refused(tmp_path):
-    """The cost model plans quantised checkpoints and FP8 KV caches; the runtime says it does
-    not run them yet, naming the format."""
+def test_a_config_and_weights_that_disagree_on_precision_are_refused(tmp_path):
+    """A config that says block FP8 over unquantised weights, and a plan for an FP8 KV cache
+    checked against a model loaded without one, are one-line errors naming the difference."""
     import json
 
     from opweave.costmodel import canonical_plan, load_model
-    from opweave.runtime import check_plan
+    from opweave.runtime import CheckpointError, PlanMismatchError, check_plan, plan_model
 
     folder = write_tiny_model("qwen3", tmp_path / "fp8")
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(
-        UnsupportedModelError,
-        match=r"^the runtime does not run fp8-block weights \(config.json quantization_config: "
-        r"fp8, 128x128 blocks\) yet",
+        CheckpointError,
+        match=r"tensor 'model.layers.0.self_attn.q_proj.weight' is stored unquantised \(float32\), "
+        r"but the config \(config.json quantization_config: fp8, 128x128 blocks\) quantises "
+        r"model.layers.0.self_attn.q_proj as fp8-block",
     ):
         StageModule(folder, [(0, "qkv_proj")])
     plain = write_tiny_model("qwen3", tmp_path / "plain")
     planned = load_model(plain, kv_cache_dtype="fp8")
     plan = canonical_plan(planned, "colocated", gpu="cpu", batch=1)
-    with pytest.raises(UnsupportedModelError, match="and a fp8 KV cache; the runtime does not"):
+    with pytest.raises(PlanMismatchError, match="the plan assumes a fp8 KV cache, the model is"):
         check_plan(plan, load_model(plain))
+    check_plan(plan, plan_model(plan, plain))
     check_plan(
         canonical_plan(load_model(plain), "colocated", gpu="cpu", batch=1), load_model(plain)
     )

@@ -346,6 +346,10 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         raise ConfigError(f"--model-path {model_path} is not a model folder (no config.json)")
     model = load_model(model_path)
     plan = _plan(o, model, plan_file, offline)
+    if plan.model.kv_cache_dtype != model.precision.kv_cache_dtype:
+        from opweave.runtime import plan_model
+
+        model = plan_model(plan, model_path)  # the plan's FP8 KV cache
     _check(plan, model, o)
     nodes = None
     if o["nodes_file"] is not None:

@@ -37,7 +37,8 @@ from ._private.options import (
     Wait,
     resolve_device_name,
 )
-from ._private.placement import Placement, check_plan, total_ranks
+from ._private.placement import Placement, check_plan, plan_model, total_ranks
+from ._private.quant import QuantisedSlice, dequantise, register_weight_kernel, weight_formats
 from ._private.reaper import Reaper
 from ._private.results import (
     RUN_RESULT_SCHEMA_VERSION,
@@ -80,6 +81,10 @@ __all__ = [
     "build_operator",
     "KernelSet",
     "register_kernels",
+    "register_weight_kernel",
+    "weight_formats",
+    "QuantisedSlice",
+    "dequantise",
     "StageModule",
     "StaticStep",
     # activations between operators
@@ -111,6 +116,7 @@ __all__ = [
     "resolve_device_name",
     "Placement",
     "check_plan",
+    "plan_model",
     "check_weights",
     "total_ranks",
     "compile_schedule",

@@ -205,15 +205,6 @@ class Precision(Frozen):
     def kv_bytes_per_value(self) -> float:
         return FP8_BYTES if self.kv_fp8 else self.dtype_bytes
 
-    @property
-    def runtime_unsupported(self) -> str | None:
-        """What of this precision the runtime cannot run yet (None: nothing)."""
-        if self.quantized:
-            return f"{self.quant} weights ({self.source})"
-        if self.kv_fp8:
-            return f"an fp8 KV cache ({self.kv_source})"
-        return None
-
     def describe(self) -> str:
         """``weights fp8-block (config.json quantization_config ...), KV cache fp8 (...)``."""
         weights = f"weights {self.quant} ({self.source})"

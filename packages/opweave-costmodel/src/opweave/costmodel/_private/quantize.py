@@ -103,6 +103,10 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "w2"})
 REPLICATED = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
 
 
+# formats whose scales cover blocks or groups of a weight, and how errors name them
+_BLOCK_FORMATS = {"fp8-block": "FP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
+
+
 def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | None:
     """Why ``tp`` ranks cannot shard ``op``'s block-scaled weights (``None``: they can).
 
@@ -110,8 +114,10 @@ def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | N
     the block along the sharded dimension, as vLLM checks when it loads one (``Fp8LinearMethod``
     for column- and row-parallel layers, ``Fp8MoEMethod``: "not divisible by weight
     quantization block"). Qwen3-235B-A22B-FP8's experts (1536 channels) do not split over 8.
+    MXFP4 and NVFP4 scale groups (32 and 16 input columns) bind row-parallel shards alike, as
+    the runtime reads them (whole groups per rank).
     """
-    if tp == 1 or op.weight_format != "fp8-block":
+    if tp == 1 or op.weight_format not in _BLOCK_FORMATS:
         return None
     for linear in op.linears:
         expert = _is_expert(op, linear)
@@ -131,9 +137,10 @@ def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | N
             # fewer KV heads than ranks: each rank holds whole heads (shard_fraction's rule)
             shard = size * math.ceil(op.shard_units / tp) / op.shard_units
         if not shard.is_integer() or int(shard) % block:
+            kind = _BLOCK_FORMATS[scheme.format]
             return (
                 f"{op.key}: {linear.module} shards of {shard:g} are not whole "
-                f"{scheme.scale_rows}x{scheme.scale_cols} FP8 scale blocks at tp {tp}"
+                f"{scheme.scale_rows}x{scheme.scale_cols} {kind} scale blocks at tp {tp}"
             )
     return None
 

@@ -79,6 +79,39 @@ def attention_layouts(arch: Architecture) -> dict[str, Layout]:
     }
 
 
+class KvCache:
+    """How a layer's keys and values are stored: in the compute dtype, or in FP8 E4M3 with a
+    scale per tensor (1.0 unless the checkpoint ships ``k_scale``/``v_scale``), stored as
+    ``x / scale`` rounded and read back as ``fp8 * scale`` in the compute dtype, as vLLM's
+    ``kv_cache_dtype=fp8`` does. Attention always reads what the cache holds, the new tokens'
+    keys and values included."""
+
+    def __init__(self, dtype: torch.dtype, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        self.dtype = dtype
+        self.scales = (k_scale, v_scale)
+
+    @property
+    def quantised(self) -> bool:
+        return self.dtype == torch.float8_e4m3fn
+
+    def store(self, x: torch.Tensor, *, key: bool) -> torch.Tensor:
+        if not self.quantised:
+            return x
+        scale = self.scales[0 if key else 1]
+        return (x if scale == 1.0 else x / scale).to(self.dtype)
+
+    def read(self, x: torch.Tensor, dtype: torch.dtype, *, key: bool) -> torch.Tensor:
+        if not self.quantised:
+            return x
+        scale = self.scales[0 if key else 1]
+        out = x.to(dtype)
+        return out if scale == 1.0 else out * scale
+
+    def round(self, x: torch.Tensor, *, key: bool) -> torch.Tensor:
+        """``x`` as the cache will hold it, in ``x``'s dtype."""
+        return self.read(self.store(x, key=key), x.dtype, key=key)
+
+
 class _KvState:
     """One request's keys/values ``[kv_heads, capacity, head_dim]``.
 
@@ -94,12 +127,16 @@ class _KvState:
         window: int | None,
         dtype: torch.dtype,
         device: torch.device,
+        cache: KvCache | None = None,
     ) -> None:
         capacity = _MIN_CAPACITY if window is None else min(_MIN_CAPACITY, window)
-        self.k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        self.cache = cache or KvCache(dtype)
+        stored = self.cache.dtype
+        self.k = torch.empty(kv_heads, capacity, head_dim, dtype=stored, device=device)
         self.v = torch.empty_like(self.k)
         self.window = window
         self.length = 0  # tokens seen so far (positions 0..length-1)
+        self.dtype = dtype
 
     def _reserve(self, needed: int) -> None:
         capacity = self.k.shape[1]
@@ -117,13 +154,17 @@ class _KvState:
     def ordered_window(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Cached keys/values a new token may still see, oldest first (for multi-token steps)."""
         if self.window is None or self.length < self.window:
-            return self.k[:, : self.length], self.v[:, : self.length]
+            return self._read(self.k[:, : self.length], self.v[:, : self.length])
         first = self.length - self.window + 1
         slots = torch.arange(first, self.length, device=self.k.device) % self.window
-        return self.k[:, slots], self.v[:, slots]
+        return self._read(self.k[:, slots], self.v[:, slots])
+
+    def _read(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.read(k, self.dtype, key=True), self.cache.read(v, self.dtype, key=False)
 
     def append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store ``k``/``v`` ``[kv_heads, n, head_dim]`` for positions ``length .. length+n-1``."""
+        k, v = self.cache.store(k, key=True), self.cache.store(v, key=False)
         n = k.shape[1]
         end = self.length + n
         keep = n if self.window is None else min(n, self.window)
@@ -140,7 +181,7 @@ class _KvState:
     def visible(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored keys/values (after an append, exactly what a single new query attends to)."""
         used = min(self.length, self.k.shape[1])
-        return self.k[:, :used], self.v[:, :used]
+        return self._read(self.k[:, :used], self.v[:, :used])
 
 
 class CoreAttention(StatefulOperator):
@@ -160,6 +201,7 @@ class CoreAttention(StatefulOperator):
         self.num_heads, self.num_kv_heads = h1 - h0, k1 - k0
         self.groups = self.num_heads // self.num_kv_heads
         self._states: dict[str, _KvState] = {}
+        self.cache = KvCache(ctx.kv_cache_dtype or self.dtype, *self._kv_scales(ctx))
         if self.sharded:
             self.tp_in = attention_layouts(a)
             self.tp_out = {"hidden": Layout(1, (a.num_heads * a.head_dim,))}
@@ -169,9 +211,25 @@ class CoreAttention(StatefulOperator):
         # layers of this window in a SlabPool; a request's _KvState becomes a view of its row
         # when it first decodes that way
 
+    def _kv_scales(self, ctx: OpContext) -> tuple[float, float]:
+        """An FP8 cache's key and value scales: the checkpoint's (vLLM's ``self_attn.k_scale``,
+        or ModelOpt's ``k_proj.k_scale``), else 1.0."""
+        if ctx.kv_cache_dtype is None:
+            return 1.0, 1.0
+        scales = []
+        for kind in ("k", "v"):
+            found = 1.0
+            for suffix in (f"self_attn.{kind}_scale", f"self_attn.{kind}_proj.{kind}_scale"):
+                tensor = self._optional_layer_tensor(suffix)
+                if tensor is not None:
+                    found = float(tensor.float().reshape(-1)[0])
+                    break
+            scales.append(found)
+        return scales[0], scales[1]
+
     def _init_state(self, request_id: str) -> None:
         self._states[request_id] = _KvState(
-            self.num_kv_heads, self.arch.head_dim, self.window, self.dtype, self.device
+            self.num_kv_heads, self.arch.head_dim, self.window, self.dtype, self.device, self.cache
         )
 
     def _drop_state(self, request_id: str) -> None:
@@ -184,11 +242,12 @@ class CoreAttention(StatefulOperator):
         self._grow_slabs(rows + 1, tokens)
 
     def slab_key(self) -> tuple[object, ...]:
-        return ("kv", self.window, self.num_kv_heads, self.arch.head_dim, self.dtype, self.device)
+        kv = self.cache.dtype
+        return ("kv", self.window, self.num_kv_heads, self.arch.head_dim, kv, self.device)
 
     def slab_layout(self, rows: int, tokens: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         shape = (rows, self.num_kv_heads, tokens, self.arch.head_dim)
-        return [(shape, self.dtype), (shape, self.dtype)]
+        return [(shape, self.cache.dtype), (shape, self.cache.dtype)]
 
     def slab_token_limit(self) -> int | None:
         return self.window
@@ -224,11 +283,13 @@ class CoreAttention(StatefulOperator):
         rows, pos = batch.step.rows, batch.step.positions
         layer = self._slab_rows(rows)
         slot = pos if self.window is None else pos % self.window
-        keys[layer, rows, :, slot] = batch["k"]
-        values[layer, rows, :, slot] = batch["v"]
+        keys[layer, rows, :, slot] = self.cache.store(batch["k"], key=True)
+        values[layer, rows, :, slot] = self.cache.store(batch["v"], key=False)
         k, v = keys[layer, rows], values[layer, rows]  # [B, kv_heads, capacity, head_dim]
         if self.window is None:  # no row holds a slot past the span (begin_static_step grew them)
             k, v = k.narrow(2, 0, batch.step.span), v.narrow(2, 0, batch.step.span)
+        dtype = batch["q"].dtype
+        k, v = self.cache.read(k, dtype, key=True), self.cache.read(v, dtype, key=False)
         visible = torch.arange(k.shape[2], device=pos.device)[None, :] <= pos[:, None]
         q = batch["q"][:, :, None, :]  # [B, heads, 1, head_dim]
         if self.arch.attn_softcap is not None:
@@ -269,6 +330,8 @@ class CoreAttention(StatefulOperator):
             held = state.k
             # [n, heads, d] -> [heads, n, d]
             q_r, k_r, v_r = (t[lo:hi].transpose(0, 1) for t in (q, k, v))
+            if self.cache.quantised:  # the new tokens are attended to as the cache holds them
+                k_r, v_r = self.cache.round(k_r, key=True), self.cache.round(v_r, key=False)
             if hi - lo == 1:
                 state.append(k_r, v_r)
                 keys, values = state.visible()

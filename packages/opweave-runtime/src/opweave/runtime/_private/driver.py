@@ -239,14 +239,13 @@ def run_plan(
     resident, time in operators (``busy_s``), blocked in transfers (``comm_s``) and elsewhere in
     the loop (``overhead_s``).
     """
-    from opweave.costmodel import load_model
 
     from .graph import check_runtime_support
-    from .placement import check_plan, total_ranks
+    from .placement import check_plan, plan_model, total_ranks
 
     options = options or RunOptions()
     topology = topology or Topology()
-    model: ModelSpec = load_model(model_dir)
+    model: ModelSpec = plan_model(plan, model_dir)
     check_runtime_support(model)
     world = total_ranks(plan)
     check_plan(plan, model, world if ranks is None else ranks)

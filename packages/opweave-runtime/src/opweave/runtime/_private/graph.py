@@ -32,6 +32,7 @@ from .ops import (
     Operator,
     Sample,
 )
+from .quant import weight_formats
 from .rope import ROPE_TYPES, Rope
 from .tensor_parallel import Shard, TPComm
 from .weights import TensorSource
@@ -76,12 +77,7 @@ def check_runtime_support(model: ModelSpec) -> None:
             f"the runtime does not implement {model.family} models (planning and estimates "
             f"cover them); it runs {', '.join(RUNTIME_FAMILIES)}"
         )
-    unsupported = model.precision.runtime_unsupported
-    if unsupported is not None:
-        raise UnsupportedModelError(
-            f"the runtime does not run {unsupported} yet (planning and estimates cover it); "
-            "serve an unquantised checkpoint"
-        )
+    check_precision(model)
     arch = model.arch
     if arch.hidden_act not in ACTIVATIONS:
         raise UnsupportedModelError(
@@ -92,6 +88,28 @@ def check_runtime_support(model: ModelSpec) -> None:
             raise UnsupportedModelError(
                 f"RoPE type {rope.rope_type!r} is not implemented (of the {kind} layers; "
                 f"{', '.join(ROPE_TYPES)} are)"
+            )
+
+
+def check_precision(model: ModelSpec) -> None:
+    """Raise :class:`UnsupportedModelError` for weights or a KV cache the runtime cannot hold:
+    a weight format no device has a kernel for, or ``--quant`` asking to quantise at serving
+    time (the runtime serves a checkpoint in the format it is stored in)."""
+    precision = model.precision
+    if precision.quantized:
+        formats = {r.scheme.format for r in precision.rules}
+        missing = sorted(formats - set(weight_formats()))
+        if missing:
+            raise UnsupportedModelError(
+                f"the runtime does not run {'+'.join(missing)} weights yet ({precision.source}; "
+                f"planning and estimates cover them); it serves "
+                f"{', '.join(weight_formats())} checkpoints, or unquantised ones"
+            )
+        if precision.source.startswith("--quant"):
+            raise UnsupportedModelError(
+                f"{precision.source.split(':')[0]}: the runtime serves a checkpoint in the format "
+                "it is stored in and does not quantise one while loading; quantise the "
+                "checkpoint, or drop --quant"
             )
 
 

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from opweave.costmodel import Plan, load_model
+from opweave.costmodel import Plan
 
 from .control import ChannelClosed, ControlClient, store_namespace
 from .messages import PROTOCOL_VERSION, Error, Hello, Loading, Ready, Stats
-from .placement import Placement
+from .placement import Placement, plan_model
 from .proc import die_with_parent, name_process, refuse_new_connections, watch_parent
 from .rank import StageWorker
 from .spec import RankSpec, read_spec
@@ -117,7 +117,8 @@ def init_group(spec: RankSpec, store: Any) -> Placement:
         dist.init_process_group(backend, store=store, **kwargs)
     else:
         dist.init_process_group(backend, init_method="env://", **kwargs)
-    return Placement(Plan.model_validate(spec.plan), load_model(spec.model_dir))
+    plan = Plan.model_validate(spec.plan)
+    return Placement(plan, plan_model(plan, spec.model_dir))
 
 
 def run_rank(spec: RankSpec) -> int:

@@ -10,6 +10,12 @@ Backends are registered by name, device type and dtype (:func:`register_kernels`
 on first use from the module that implements them, so the runtime's core never imports them:
 vLLM's CPU kernels (``--kernels vllm`` / ``vllm-all``) are one registration below; its CUDA
 kernels would be another.
+
+Quantised weights have a registry of their own, keyed by weight format and device type
+(:func:`.quant.register_weight_kernel`): what a quantised checkpoint tensor becomes when an operator
+loads it. The runtime registers dequantise-then-matmul for every format it reads (the weight is
+dequantised to the compute dtype once, at load); a device with native FP8/FP4 GEMMs registers
+its own kernel for the formats it runs, and a later registration for a format and device wins.
 """
 
 from __future__ import annotations

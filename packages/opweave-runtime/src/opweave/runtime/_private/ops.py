@@ -73,6 +73,7 @@ class OpContext:
     shard: Shard = field(default_factory=Shard)
     comm: TPComm | None = None
     kernels: KernelChoice | None = None  # the stage's kernels (None: the runtime's own)
+    kv_cache_dtype: torch.dtype | None = None  # softmax attention's KV cache (None: ``dtype``)
 
 
 class Operator:

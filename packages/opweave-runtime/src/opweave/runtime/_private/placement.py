@@ -15,10 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments, tp_problem
 
-from ..errors import PlanMismatchError, ShardingError, UnsupportedModelError
+from ..errors import PlanMismatchError, ShardingError
+
+UNQUANTISED_LABELS = ("bf16", "fp16", "fp32")  # a plan's quant for unquantised weights
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,16 @@ def overlap(a: range, b: range) -> range:
     return range(max(a.start, b.start), min(a.stop, b.stop)) if a.stop > b.start else range(0)
 
 
+def plan_model(plan: Plan, model_dir: str | Path) -> ModelSpec:
+    """The model folder's spec in the precision ``plan`` was made for: the checkpoint's weights,
+    and the plan's KV-cache dtype (an FP8 cache where the plan, or the checkpoint, says so)."""
+    from opweave.costmodel import load_model
+
+    return load_model(
+        model_dir, kv_cache_dtype="fp8" if plan.model.kv_cache_dtype == "fp8" else "auto"
+    )
+
+
 def total_ranks(plan: Plan) -> int:
     """Processes (GPUs) a plan needs: replicas x TP degree, summed over its owners."""
     return sum(o.replicas * o.tp for o in plan.owners)
@@ -133,11 +146,16 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
     one whose tensor-parallel owners cannot shard their operators, or a launch with the wrong
     number of ranks."""
     pm = plan.model
-    if pm.quant not in ("bf16", "fp16", "fp32") or pm.kv_cache_dtype == "fp8":
-        raise UnsupportedModelError(
-            f"the plan assumes {pm.quant} weights and a {pm.kv_cache_dtype} KV cache; the "
-            "runtime does not run quantised weights or an fp8 KV cache yet (re-plan without "
-            "--quant and --kv-cache-dtype)"
+    if pm.kv_cache_dtype != model.precision.kv_cache_dtype:
+        raise PlanMismatchError(
+            f"the plan assumes a {pm.kv_cache_dtype} KV cache, the model is loaded with a "
+            f"{model.precision.kv_cache_dtype} one; load it in the plan's precision (plan_model)"
+        )
+    stored = model.precision.quant
+    if pm.quant != stored and (model.precision.quantized or pm.quant not in UNQUANTISED_LABELS):
+        raise PlanMismatchError(
+            f"the plan assumes {pm.quant} weights, but the checkpoint stores {stored} weights "
+            "and the runtime serves them as stored; re-plan for this checkpoint (without --quant)"
         )
     facts = (
         ("family", pm.family, model.family),

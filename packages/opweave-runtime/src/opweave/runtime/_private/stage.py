@@ -50,7 +50,7 @@ class StageModule:
         compute = compute_dtype(self.model, dtype)
         if kernels is not None:
             kernels.check(torch.device(device), compute)
-        self.checkpoint = Checkpoint(model_dir)
+        self.checkpoint = Checkpoint(model_dir, self.model.precision)
         ctx = OpContext(
             self.model.arch,
             self.checkpoint,
@@ -59,6 +59,7 @@ class StageModule:
             shard or Shard(),
             comm,
             kernels,
+            torch.float8_e4m3fn if self.model.precision.kv_fp8 else None,
         )
         self.comm = comm
         self.refs: tuple[OpRef, ...] = tuple(OpRef(*ref) for ref in ops)

@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from opweave.costmodel import LINEAR_ATTENTION, Architecture, ModelSpec
+from opweave.costmodel import LINEAR_ATTENTION, Architecture, ModelSpec, Precision, WeightScheme
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsupportedModelError
+from . import quant
 
 _MODEL_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
 Ranges = Sequence[tuple[int, int]]
@@ -116,11 +117,18 @@ class TensorSource:
 
 
 class Checkpoint(TensorSource):
-    """Named-tensor access to a model folder (single ``model.safetensors`` or a sharded index)."""
+    """Named-tensor access to a model folder (single ``model.safetensors`` or a sharded index).
 
-    def __init__(self, model_dir: str | Path) -> None:
+    A quantised tensor (see :mod:`.quant`) is read with its scales, only the rank's slice of
+    both, and loaded by the weight kernel registered for its format and device; ``precision``
+    (the model's, from its ``quantization_config``; read from the folder when not given) says
+    which modules are quantised, and in which blocks.
+    """
+
+    def __init__(self, model_dir: str | Path, precision: Precision | None = None) -> None:
         super().__init__()
         self.model_dir = Path(model_dir)
+        self._precision = precision
         self._file_of = self._index()
         self._handles: dict[Path, Any] = {}
         prefix = next(
@@ -132,6 +140,12 @@ class Checkpoint(TensorSource):
                 f"{self.model_dir}: no decoder layers found under {', '.join(_MODEL_PREFIXES)}"
             )
         self.prefix = prefix
+        # headers are only consulted for a tensor's storage when something may be quantised
+        self._may_be_quantised = (
+            precision is None
+            or precision.quantized
+            or any(n.endswith(quant.SCALE_SUFFIXES) for n in self._file_of)
+        )
 
     def _index(self) -> dict[str, Path]:
         index = self.model_dir / "model.safetensors.index.json"
@@ -158,7 +172,7 @@ class Checkpoint(TensorSource):
         return file_of
 
     def has(self, name: str) -> bool:
-        return name in self._file_of
+        return name in self._file_of or name + "_blocks" in self._file_of  # mxfp4: see .quant
 
     def check_shapes(self, arch: Architecture) -> int:
         """Raise :class:`CheckpointError` naming the first tensor whose stored shape is not the
@@ -175,8 +189,11 @@ class Checkpoint(TensorSource):
                 handle = self._handles[file] = _open(file)
             try:
                 got = tuple(handle.get_slice(name).get_shape())
+                fmt = self._stored_format(name)
             except Exception as exc:  # safetensors raises its own error types
                 raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from None
+            if fmt is not None:  # packed values: the shape they dequantise to
+                got = self._dequantised_shape(name, fmt)
             if got != want:
                 raise CheckpointError(
                     f"{self.model_dir}: tensor {name!r} has shape {list(got)}, but config.json "
@@ -194,7 +211,138 @@ class Checkpoint(TensorSource):
         ranges: Ranges | None = None,
     ) -> torch.Tensor:
         """Read one tensor, or only its ``ranges`` along ``dim`` (the bytes stored are what
-        counts), and move it to device/dtype."""
+        counts), and move it to device/dtype; a quantised one through its weight kernel."""
+        fmt = self._stored_format(name)
+        if fmt is None:
+            tensor = self._read(name, dim, ranges)
+            if self._may_be_quantised and tensor.is_floating_point():
+                self._check_unquantised(name, tensor.dtype)
+            return tensor.to(device=device, dtype=dtype or tensor.dtype)
+        fmt, block = self._check_quantised(name, fmt, device)
+        kernel = quant.weight_kernel_for(fmt, device)
+        assert kernel is not None  # checked above
+        shape = self._dequantised_shape(name, fmt)
+        self._check_scale_shape(name, fmt, block, shape)
+        q = quant.read_slice(name, fmt, block, shape, self._read, dim, ranges)
+        return kernel.load(q, dtype or torch.float32, device)
+
+    # --- quantised tensors ----------------------------------------------------------------------
+    def _header(self, name: str) -> Any:
+        file = self._file_of[name]
+        handle = self._handles.get(file)
+        if handle is None:
+            handle = self._handles[file] = _open(file)
+        return handle.get_slice(name)
+
+    def _stored_format(self, name: str) -> str | None:
+        """``fp8`` (or ``fp8-block``), ``mxfp4``, ``nvfp4``, or None (stored as it is used)."""
+        if not self._may_be_quantised:
+            return None
+        if name not in self._file_of:
+            return "mxfp4" if name + "_blocks" in self._file_of else None
+        dtype = self._header(name).get_dtype()
+        if dtype == "F8_E4M3":
+            return "fp8-block" if f"{name}_scale_inv" in self._file_of else "fp8"
+        if dtype == "U8" and f"{name}_scale_2" in self._file_of:
+            return "nvfp4"
+        return None
+
+    def precision(self) -> Precision:
+        """The model's precision: given, or read from the folder's config."""
+        if self._precision is None:
+            from opweave.costmodel import load_model
+
+            self._precision = load_model(self.model_dir).precision
+        return self._precision
+
+    def _check_quantised(
+        self, name: str, fmt: str, device: torch.device
+    ) -> tuple[str, tuple[int, int]]:
+        """That ``name``, stored in ``fmt``, is what the config says, has its scales and a
+        kernel here; returns the format the config says and the block one scale covers."""
+        precision = self.precision()
+        path, scheme = self._module_scheme(name)
+        if scheme is not None and scheme.format in ("fp8", "fp8-block") and fmt.startswith("fp8"):
+            fmt_said = scheme.format
+        else:
+            fmt_said = None if scheme is None else scheme.format
+        if fmt_said is None:
+            raise CheckpointError(
+                f"{self.model_dir}: tensor {name!r} is stored as {fmt} weights, but the config "
+                f"({precision.source}) leaves {path} unquantised; the checkpoint and its "
+                "quantization_config disagree"
+            )
+        if fmt_said != fmt and not (fmt_said.startswith("fp8") and fmt.startswith("fp8")):
+            raise CheckpointError(
+                f"{self.model_dir}: tensor {name!r} is stored as {fmt} weights, but the config "
+                f"({precision.source}) says {fmt_said}; the checkpoint and its "
+                "quantization_config disagree"
+            )
+        missing = quant.missing_scale(name, fmt_said, self.has)
+        if missing is not None:
+            raise CheckpointError(
+                f"{self.model_dir}: {fmt_said} tensor {name!r} has no scale tensor {missing!r}; "
+                "the checkpoint is incomplete (export it again with its scales)"
+            )
+        if quant.weight_kernel_for(fmt_said, device) is None:
+            raise UnsupportedModelError(
+                f"no weight kernel loads {fmt_said} weights on {device.type} (tensor {name!r}); "
+                "serve this checkpoint on a device that has one, or an unquantised checkpoint"
+            )
+        assert scheme is not None
+        return fmt_said, quant.block_of(fmt_said, scheme.scale_rows, scheme.scale_cols)
+
+    def _check_scale_shape(
+        self, name: str, fmt: str, block: tuple[int, int], shape: tuple[int, ...]
+    ) -> None:
+        """A block-scaled tensor's scales have one entry per block of its values."""
+        if fmt == "fp8":
+            return
+        scale = name + quant.FORMATS[fmt].scales[0]
+        br, bc = block
+        rows, cols = shape[-2], shape[-1]
+        want = (*shape[:-2], -(-rows // br) if br else 1, -(-cols // bc) if bc else 1)
+        got = tuple(self._header(scale).get_shape())
+        if got != want:
+            raise CheckpointError(
+                f"{self.model_dir}: scale tensor {scale!r} has shape {list(got)}, but {fmt} "
+                f"blocks of {br}x{bc} over {name!r} {list(shape)} need {list(want)}; the "
+                "checkpoint and its quantization_config (weight_block_size) disagree"
+            )
+
+    def _module_scheme(self, name: str) -> tuple[str, WeightScheme | None]:
+        """The module path of a checkpoint tensor and the scheme its config gives it."""
+        path = name.removesuffix(".weight")
+        if path.startswith(self.prefix):
+            path = "model." + path[len(self.prefix) :]
+        router = path.endswith((".gate", "shared_expert_gate"))
+        expert = ".experts." in path
+        return path, self.precision().scheme_for((path,), router=router, expert=expert)
+
+    def _check_unquantised(self, name: str, dtype: torch.dtype) -> None:
+        """A linear weight stored unquantised that the config says is quantised is refused."""
+        if not _LINEAR_WEIGHT.search(name):
+            return
+        path, scheme = self._module_scheme(name)
+        if scheme is not None:
+            raise CheckpointError(
+                f"{self.model_dir}: tensor {name!r} is stored unquantised "
+                f"({str(dtype).removeprefix('torch.')}), but the config "
+                f"({self.precision().source}) quantises {path} as {scheme.format}; the "
+                "checkpoint and its quantization_config disagree"
+            )
+
+    def _dequantised_shape(self, name: str, fmt: str) -> tuple[int, ...]:
+        if fmt == "mxfp4":
+            shape = list(self._header(name + "_blocks").get_shape())
+            return (*shape[:-2], shape[-2] * shape[-1] * 2)
+        shape = list(self._header(name).get_shape())
+        if fmt == "nvfp4":
+            return (*shape[:-1], shape[-1] * 2)
+        return tuple(shape)
+
+    def _read(self, name: str, dim: int = 0, ranges: Ranges | None = None) -> torch.Tensor:
+        """One stored tensor as stored, or only its ``ranges`` along ``dim``; accounted."""
         file = self._file_of.get(name)
         if file is None:
             raise CheckpointError(f"{self.model_dir}: tensor {name!r} not in checkpoint")
@@ -221,7 +369,7 @@ class Checkpoint(TensorSource):
                 parts.append(view[index])
             tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
         self._account(name, tensor)
-        return tensor.to(device=device, dtype=dtype or tensor.dtype)
+        return tensor
 
     def close(self) -> None:
         """Drop file handles and the sharing cache (loaded tensors stay with their operators)."""
@@ -303,6 +451,10 @@ def _open(file: Path) -> Any:
         raise CheckpointError(f"{file}: not a readable safetensors file ({text})") from None
 
 
+# the linear weights a quantization_config may quantise (projections, experts, lm_head)
+_LINEAR_WEIGHT = re.compile(
+    r"(_proj|\.w[123])\.weight$|experts\.(gate_up|down)_proj$|lm_head\.weight$"
+)
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
 

@@ -27,6 +27,7 @@ from opweave.costmodel import OpWeaveError, canonical_plan, load_model
 from .._private.cluster import Cluster
 from .._private.graph import check_runtime_support
 from .._private.nodes import Topology
+from .._private.placement import plan_model
 from .._private.stepping import Step, StepDriver, StepItem
 from .._private.work import SamplingParams
 from ..errors import OpWeaveRuntimeError
@@ -137,6 +138,7 @@ class OpWeaveExecutor(Executor):
         if plan is None:
             batch = int(self.scheduler_config.max_num_seqs)
             plan = canonical_plan(model, "colocated", gpu="cpu", batch=batch)
+        model = plan_model(plan, model_dir)  # the plan's KV-cache dtype
         nodes = dict(extra.get(NODES_KEY) or {})
         options = run_options(extra, dtype=str(self.model_config.dtype))
         topology = Topology(

@@ -136,6 +136,8 @@ class VllmCpuKernels:
         why = cls.unsupported(model.arch, layer, ctx.dtype)
         if why is None and kernels.exact and ctx.dtype != torch.float32:
             why = _inexact(ctx.dtype)
+        if why is None and ctx.kv_cache_dtype is not None and base.name == "core_attn":
+            why = "an fp8 KV cache is held by the runtime's own attention"
         if why is not None:
             _note_once(f"{base.name} ({base.__name__})", why)
             return None

@@ -41,6 +41,20 @@ def has_chat_template(model_dir: str | Path) -> bool:
 SHUTDOWN_TIMEOUT_S = 10  # on SIGTERM/Ctrl-C: in-flight requests' time to finish, then abort
 
 
+def is_quantised(model_dir: str | Path) -> bool:
+    """Whether a model folder's config.json declares a ``quantization_config``."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # vLLM reports an unreadable config itself
+    if not isinstance(config, dict):
+        return False
+    text = config.get("text_config")
+    return "quantization_config" in config or (
+        isinstance(text, dict) and "quantization_config" in text
+    )
+
+
 def server_args(
     model_dir: str | Path,
     plan: str | Path | dict[str, Any] | None = None,
@@ -76,6 +90,12 @@ def server_args(
             f"--logits-processors {' '.join(map(str, args.logits_processors))}: OpWeave's ranks "
             f"run no custom logits processors (they sample with {APPLIED}); leave the option out"
         )
+    if is_quantised(model_dir):
+        # The plan's ranks read and dequantise the weights (opweave.runtime's weight kernels);
+        # vLLM's engine only tokenises and schedules here, so its own checks of the format
+        # (vLLM's fp8 method refuses float32, the CPU runtime's exact dtype) do not apply.
+        overrides = args.hf_overrides if isinstance(args.hf_overrides, dict) else {}
+        args.hf_overrides = {**overrides, "quantization_config": None}
     # vLLM's front end refuses, with HTTP 400, requests for what the ranks do not compute
     args.logits_processors = [REQUEST_CHECK]
     # Set after parsing: vLLM's parser lists only its built-in executors as choices.
