@@ -20,7 +20,8 @@ from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
 from .kernels import KernelSet
 from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
-from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert
+from .mla import MlaCoreAttention, MlaOProj, MlaQkvProj, MlaRope
+from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert, router_class
 from .ops import (
     ACTIVATIONS,
     AttnNorm,
@@ -46,6 +47,7 @@ RUNTIME_FAMILIES = (
     "mixtral",
     "gemma3_text",
     "qwen3_next",
+    "deepseek_v3",
 )
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -148,6 +150,12 @@ _LINEAR_OPS: dict[str, type[Operator]] = {
     "core_attn": LinearCoreAttention,
     "o_proj": LinearOProj,
 }
+_MLA_OPS: dict[str, type[Operator]] = {
+    "qkv_proj": MlaQkvProj,
+    "rope": MlaRope,
+    "core_attn": MlaCoreAttention,
+    "o_proj": MlaOProj,
+}
 
 
 def build_operator(
@@ -186,8 +194,16 @@ def operator_from(model: ModelSpec, ctx: OpContext, ref: OpRef) -> Operator:
             raise UnsupportedModelError(
                 f"layer {layer} of this {model.family} model has no operator {name!r}"
             )
-        linear = model.arch.layer_types[layer] == LINEAR_ATTENTION
-        cls = (_LINEAR_OPS.get(name) if linear else None) or _LAYER_OPS.get(name)
+        arch = model.arch
+        if arch.layer_types[layer] == LINEAR_ATTENTION:
+            cls = _LINEAR_OPS.get(name)
+        elif arch.mla is not None:
+            cls = _MLA_OPS.get(name)
+        else:
+            cls = None
+        if cls is None and name == "router" and arch.moe is not None:
+            cls = router_class(arch.moe)
+        cls = cls or _LAYER_OPS.get(name)
     if cls is None:
         raise UnsupportedModelError(f"unknown operator {ref}")
     if ctx.kernels is None:
