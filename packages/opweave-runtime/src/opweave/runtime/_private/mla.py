@@ -44,6 +44,19 @@ def _head_rows(h0: int, h1: int, stride: int, lo: int, hi: int) -> list[tuple[in
     return [(h * stride + lo, h * stride + hi) for h in range(h0, h1)]
 
 
+def _kv_b_part(op: Operator, heads: tuple[int, int], rows: tuple[int, int], part: str) -> torch.Tensor:
+    """Rows ``rows`` of each local head's block of ``kv_b_proj`` (``W_UK`` or ``W_UV``),
+    counted under their own name: ``qkv_proj`` and ``o_proj`` each hold a disjoint part of the
+    one tensor, and a stage holding both holds it once (a stage's weights are summed by name)."""
+    m = _mla(op)
+    assert op.layer is not None
+    name = op._ckpt.layer_name(op.layer, "self_attn.kv_b_proj.weight")
+    stride = m.qk_nope_head_dim + m.v_head_dim
+    tensor = op._tensor(name, ranges=_head_rows(*heads, stride, *rows))
+    op.weight_sizes[f"{name}:{part}"] = op.weight_sizes.pop(name)
+    return tensor
+
+
 def _local_heads(op: Operator) -> tuple[int, int]:
     return op.shard.part(op.arch.num_heads, f"L{op.layer}.{op.name}: attention heads")
 
@@ -78,11 +91,7 @@ class MlaQkvProj(Operator):
             self._layer_tensor("self_attn.kv_a_layernorm.weight"), a.rms_norm_eps, gemma=False
         )
         # W_UK: the key rows of each local head of kv_b_proj, [heads, qk_nope_head_dim, latent]
-        stride = m.qk_nope_head_dim + m.v_head_dim
-        w_uk = self._layer_tensor(
-            "self_attn.kv_b_proj.weight",
-            ranges=_head_rows(h0, h1, stride, 0, m.qk_nope_head_dim),
-        )
+        w_uk = _kv_b_part(self, (h0, h1), (0, m.qk_nope_head_dim), "W_UK")
         self.w_uk = w_uk.view(self.num_heads, m.qk_nope_head_dim, m.kv_lora_rank)
         if self.sharded:
             self.tp_out = {"q": Layout(1, (a.num_heads,))}
@@ -279,9 +288,7 @@ class MlaOProj(Operator):
         h0, h1 = _local_heads(self)
         self.num_heads = h1 - h0
         stride = m.qk_nope_head_dim + m.v_head_dim
-        w_uv = self._layer_tensor(
-            "self_attn.kv_b_proj.weight", ranges=_head_rows(h0, h1, stride, m.qk_nope_head_dim, stride)
-        )
+        w_uv = _kv_b_part(self, (h0, h1), (m.qk_nope_head_dim, stride), "W_UV")
         # [heads, latent, v_head_dim]: the output's latent times it gives each head's value
         self.w_uv = w_uv.view(self.num_heads, m.v_head_dim, m.kv_lora_rank).transpose(1, 2)
         cols = [(h0 * m.v_head_dim, h1 * m.v_head_dim)] if self.sharded else None
