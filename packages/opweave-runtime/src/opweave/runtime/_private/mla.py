@@ -27,7 +27,7 @@ from opweave.costmodel import MLASpec
 
 from .batch import TokenBatch
 from .ops import OpContext, Operator, RMSNorm, StatefulOperator, linear
-from .rope import inverse_frequencies
+from .rope import attention_scaling, inverse_frequencies
 from .tensor_parallel import Layout
 
 _MIN_CAPACITY = 16
@@ -138,6 +138,7 @@ class MlaRope(Operator):
         rope = self.arch.rope[self.arch.layer_types[layer]]
         whole = rope.model_copy(update={"partial_rotary_factor": 1.0})
         self.inv_freq = inverse_frequencies(whole, m.qk_rope_head_dim).to(self.device)
+        self.scaling = attention_scaling(rope)
         self.latent = m.kv_lora_rank
         self._table_key = ("mla_rope", rope.model_dump_json(), m.qk_rope_head_dim, str(self.dtype))
         if self.sharded:  # head-wise: works on full or sharded heads alike
@@ -145,7 +146,10 @@ class MlaRope(Operator):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(self.device).float()[:, None] * self.inv_freq
-        return freqs.cos().to(self.dtype), freqs.sin().to(self.dtype)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.scaling != 1.0:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        return cos.to(self.dtype), sin.to(self.dtype)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         meta = batch.step or batch.meta

@@ -99,10 +99,21 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 48,
         "full_attention_interval": 4,
     },
-    # MLA with a query LoRA; layer 0 dense (first_k_dense_replace), layers 1-2 with a shared
+    # MLA with a query LoRA and YaRN RoPE (mscale != mscale_all_dim, so both the cos/sin and the
+    # softmax scale move); layer 0 dense (first_k_dense_replace), layers 1-2 with a shared
     # expert and 8 routed experts in 4 groups of which a token may use 2 (group-limited
     # routing); the noaux_tc correction bias is perturbed like every parameter.
     "deepseek_v3": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10_000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
         "num_hidden_layers": 3,
         "num_key_value_heads": 4,
         "q_lora_rank": 32,
