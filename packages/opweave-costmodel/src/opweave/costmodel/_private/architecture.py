@@ -97,6 +97,10 @@ class MLASpec(Frozen):
     qk_nope_head_dim: int
     qk_rope_head_dim: int = Field(description="Width of the decoupled RoPE key (one per token).")
     v_head_dim: int
+    rope_interleave: bool = Field(
+        default=True,
+        description="RoPE rotates adjacent channel pairs (DeepSeek's checkpoints), not halves.",
+    )
 
     @property
     def qk_head_dim(self) -> int:
@@ -462,6 +466,7 @@ def _mla(cfg: Any) -> MLASpec:
         qk_nope_head_dim=cfg.qk_nope_head_dim,
         qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
+        rope_interleave=cfg.rope_interleave,
     )
 
 

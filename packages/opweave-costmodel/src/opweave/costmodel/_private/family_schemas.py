@@ -261,6 +261,7 @@ class DeepseekV3Config(_RoutedExperts):
     qk_nope_head_dim: Width = 128
     qk_rope_head_dim: Width = 64
     v_head_dim: Width = 128
+    rope_interleave: Flag = True  # transformers' default: the released checkpoints' layout
     moe_intermediate_size: Width = 2048
     num_experts: Experts0 = Field(
         256, validation_alias=_experts_key("n_routed_experts", "num_local_experts")

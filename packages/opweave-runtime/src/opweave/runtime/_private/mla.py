@@ -27,7 +27,7 @@ from opweave.costmodel import MLASpec
 
 from .batch import TokenBatch
 from .ops import OpContext, Operator, RMSNorm, StatefulOperator, linear
-from .rope import attention_scaling, inverse_frequencies
+from .rope import attention_scaling, inverse_frequencies, rotate
 from .tensor_parallel import Layout
 
 _MIN_CAPACITY = 16
@@ -121,9 +121,14 @@ def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     """RoPE on adjacent pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek's layout, vLLM's
     ``is_neox_style=False``), written out as the rotated even then odd channels, as
     transformers' ``apply_rotary_pos_emb_interleave`` does (queries and keys alike, so the
-    scores are the same)."""
+    scores are the same). ``cos``/``sin``: one per pair."""
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on the pairs ``(x_i, x_{i + d/2})`` (``rope_interleave: false``)."""
+    return rotate(x, torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1))
 
 
 class MlaRope(Operator):
@@ -140,6 +145,7 @@ class MlaRope(Operator):
         self.inv_freq = inverse_frequencies(whole, m.qk_rope_head_dim).to(self.device)
         self.scaling = attention_scaling(rope)
         self.latent = m.kv_lora_rank
+        self.rotate = rotate_interleaved if m.rope_interleave else _rotate_halves
         self._table_key = ("mla_rope", rope.model_dump_json(), m.qk_rope_head_dim, str(self.dtype))
         if self.sharded:  # head-wise: works on full or sharded heads alike
             self.tp_pass = frozenset(("q", "kv"))
@@ -155,8 +161,8 @@ class MlaRope(Operator):
         meta = batch.step or batch.meta
         cos, sin = meta.shared(self._table_key, lambda: self.cos_sin(meta.positions))
         q, kv, lat = batch["q"], batch["kv"], self.latent
-        q = torch.cat((q[..., :lat], rotate_interleaved(q[..., lat:], cos[:, None], sin[:, None])), -1)
-        kv = torch.cat((kv[..., :lat], rotate_interleaved(kv[..., lat:], cos, sin)), -1)
+        q = torch.cat((q[..., :lat], self.rotate(q[..., lat:], cos[:, None], sin[:, None])), -1)
+        kv = torch.cat((kv[..., :lat], self.rotate(kv[..., lat:], cos, sin)), -1)
         return batch.replace(q=q, kv=kv)
 
 
