@@ -89,6 +89,14 @@ def check_runtime_support(model: ModelSpec) -> None:
         raise UnsupportedModelError(
             f"hidden_act: the runtime implements {', '.join(ACTIVATIONS)}, not {arch.hidden_act!r}"
         )
+    moe = arch.moe
+    if moe is not None and moe.num_groups > 1 and moe.num_experts < 2 * moe.num_groups:
+        # transformers' DeepseekV3TopkRouter and vLLM's grouped_topk (with the noaux_tc bias)
+        # take each group's top two scores
+        raise UnsupportedModelError(
+            f"n_group: {moe.num_groups} groups of one expert; group-limited routing ranks a "
+            "group by its two best experts, so a group needs at least 2"
+        )
     for kind, rope in arch.rope.items():
         if rope.rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(

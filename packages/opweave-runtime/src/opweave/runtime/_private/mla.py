@@ -44,7 +44,9 @@ def _head_rows(h0: int, h1: int, stride: int, lo: int, hi: int) -> list[tuple[in
     return [(h * stride + lo, h * stride + hi) for h in range(h0, h1)]
 
 
-def _kv_b_part(op: Operator, heads: tuple[int, int], rows: tuple[int, int], part: str) -> torch.Tensor:
+def _kv_b_part(
+    op: Operator, heads: tuple[int, int], rows: tuple[int, int], part: str
+) -> torch.Tensor:
     """Rows ``rows`` of each local head's block of ``kv_b_proj`` (``W_UK`` or ``W_UV``),
     counted under their own name: ``qkv_proj`` and ``o_proj`` each hold a disjoint part of the
     one tensor, and a stage holding both holds it once (a stage's weights are summed by name)."""
@@ -215,7 +217,12 @@ class MlaCoreAttention(StatefulOperator):
         """``q [B, heads, n, width]`` against ``cache [B, m, width]`` (values: its latent)."""
         k = cache[:, None].expand(-1, q.shape[1], -1, -1)
         return F.scaled_dot_product_attention(
-            q, k, k[..., : self.latent], attn_mask=mask, is_causal=causal, scale=self.arch.attn_scale
+            q,
+            k,
+            k[..., : self.latent],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.arch.attn_scale,
         )
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
@@ -237,7 +244,10 @@ class MlaCoreAttention(StatefulOperator):
                 q_pos = torch.arange(start, start + n, device=self.device)[:, None]
                 mask = torch.arange(start + n, device=self.device)[None, :] <= q_pos
             o = self._attend(
-                q[lo:hi].transpose(0, 1)[None], state.c[None, : state.length], mask, n > 1 and start == 0
+                q[lo:hi].transpose(0, 1)[None],
+                state.c[None, : state.length],
+                mask,
+                n > 1 and start == 0,
             )
             out[lo:hi] = o[0].transpose(0, 1).reshape(n, -1)
             if state.c is not held:  # it outgrew its slab row (or had none): not in the slab
