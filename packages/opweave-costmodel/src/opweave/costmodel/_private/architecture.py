@@ -46,6 +46,9 @@ class RopeSpec(Frozen):
     beta_slow: float = Field(default=1.0, gt=0)
     mscale: float = Field(default=1.0, ge=0)
     mscale_all_dim: float = Field(default=0.0, ge=0)
+    truncate: bool = Field(
+        default=True, description="YaRN rounds its ramp's band edges outwards (gpt-oss: false)."
+    )
 
     @model_validator(mode="after")
     def _llama3_band(self) -> RopeSpec:
@@ -135,6 +138,13 @@ class ExpertsSpec(Frozen):
     )
     router_bias: bool = False
     expert_bias: bool = False
+    swiglu_limit: float | None = Field(
+        default=None,
+        description="gpt-oss's clamped SwiGLU: gate clamped above, up on both sides at this.",
+    )
+    swiglu_alpha: float = Field(
+        default=1.0, description="gpt-oss's SwiGLU: gate * sigmoid(alpha * gate) * (up + 1)."
+    )
 
 
 class Architecture(Frozen):
@@ -395,7 +405,7 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
 
 # RopeSpec field -> the config key it comes from
 _ROPE_KEYS = {"theta": "rope_theta"}
-_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 
 
 def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tuple[int, ...]]:
@@ -455,6 +465,8 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
         routing_weights_fp32=flags.routing_weights_fp32,
         router_bias=flags.router_bias,
         expert_bias=flags.expert_bias,
+        swiglu_limit=getattr(cfg, "swiglu_limit", None),
+        swiglu_alpha=getattr(cfg, "swiglu_alpha", 1.0),
     )
     return spec, layers
 

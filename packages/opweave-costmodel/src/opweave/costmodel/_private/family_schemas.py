@@ -242,6 +242,8 @@ class GptOssConfig(_RoutedExperts):
     num_experts_per_tok: Experts = 4
     norm_topk_prob: Flag = False
     attention_bias: Flag = True
+    swiglu_alpha: Positive = 1.702
+    swiglu_limit: Positive = 7.0
 
 
 class DeepseekV3Config(_RoutedExperts):

@@ -18,6 +18,7 @@ from opweave.costmodel import LINEAR_ATTENTION, ModelSpec, load_model, model_spe
 
 from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
+from .gpt_oss import GptOssExperts, GptOssRouter
 from .kernels import KernelSet
 from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
 from .mla import MlaCoreAttention, MlaOProj, MlaQkvProj, MlaRope
@@ -48,6 +49,7 @@ RUNTIME_FAMILIES = (
     "gemma3_text",
     "qwen3_next",
     "deepseek_v3",
+    "gpt_oss",
 )
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -209,6 +211,8 @@ def operator_from(model: ModelSpec, ctx: OpContext, ref: OpRef) -> Operator:
             cls = _MLA_OPS.get(name)
         else:
             cls = None
+        if cls is None and arch.moe is not None and arch.moe.expert_bias:  # gpt-oss
+            cls = {"router": GptOssRouter, "experts": GptOssExperts}.get(name)
         if cls is None and name == "router" and arch.moe is not None:
             cls = router_class(arch.moe)
         cls = cls or _LAYER_OPS.get(name)

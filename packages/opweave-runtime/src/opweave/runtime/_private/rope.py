@@ -48,14 +48,16 @@ def _yarn_frequencies(rope: RopeSpec, dim: int) -> torch.Tensor:
     """YaRN (arXiv:2309.00071, §3.2 "NTK-by-parts"): dimensions that turn fewer than
     ``beta_slow`` times over the original context are interpolated (divided by ``factor``),
     those turning more than ``beta_fast`` times kept, a linear ramp between, the band edges
-    rounded outwards (transformers' ``truncate``, its default)."""
+    rounded outwards unless ``truncate`` is false (gpt-oss)."""
     base, old_len = rope.theta, rope.original_max_position_embeddings
 
     def correction_dim(rotations: float) -> float:
         return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
 
-    low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # a zero-width ramp: a step
     ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)

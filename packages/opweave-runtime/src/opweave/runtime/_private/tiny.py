@@ -130,6 +130,26 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.5,
     },
+    # Sliding (window 8) and full layers alternating, attention sinks, biased q/k/v/o, router
+    # and experts, the clamped SwiGLU (a limit the random activations reach), YaRN without
+    # truncation as the released models use it.
+    "gpt_oss": {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "swiglu_limit": 1.5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150_000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+    },
 }
 
 
