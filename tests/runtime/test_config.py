@@ -214,6 +214,17 @@ def test_operator_sequence_brackets_layers_with_model_ops():
             1000000.0,
         ),
         ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}, 1e4),
+        (  # gpt-oss's: the ramp's band edges not rounded
+            {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            150000.0,
+        ),
     ],
 )
 def test_inverse_frequencies_match_transformers(rope_scaling, rope_theta):

@@ -1,8 +1,8 @@
 """gpt-oss's feed-forward: a biased router with a softmax over the top-k logits, and experts
 with biases and a clamped SwiGLU, stored as transformers stores them (``gate_up_proj``
 ``[E, hidden, 2I]`` with gate and up interleaved channel by channel, ``down_proj``
-``[E, I, hidden]``). BF16/FP32 checkpoints; the released MXFP4 experts are dequantised by the
-checkpoint loader.
+``[E, I, hidden]``), from BF16/FP32 checkpoints (the released MXFP4 experts are refused with
+the other quantised formats, see ``Precision.runtime_unsupported``).
 
 Under TP a rank holds the intermediate channels ``[lo, hi)`` of every expert (the interleaved
 gate/up columns ``[2 lo, 2 hi)``); the down projection's partial sums are all-reduced and the

@@ -372,6 +372,7 @@ def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...]
             a + "o_proj.bias": (hidden,),
             a + "q_norm.weight": (hd,),
             a + "k_norm.weight": (hd,),
+            a + "sinks": (arch.num_heads,),
         }
         if arch.mla is not None:
             shapes |= _mla_shapes(arch)
@@ -391,6 +392,15 @@ def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...]
             }
         if moe.score_correction_bias:
             shapes["mlp.gate.e_score_correction_bias"] = (e,)
+        if moe.expert_bias:  # gpt-oss: biased router, experts stored [E, in, out]
+            shapes |= {
+                "mlp.router.weight": (e, hidden),
+                "mlp.router.bias": (e,),
+                "mlp.experts.gate_up_proj": (e, hidden, 2 * inter),
+                "mlp.experts.gate_up_proj_bias": (e, 2 * inter),
+                "mlp.experts.down_proj": (e, inter, hidden),
+                "mlp.experts.down_proj_bias": (e, hidden),
+            }
         if moe.shared_intermediate_size:
             shared = moe.shared_intermediate_size
             for module in ("mlp.shared_expert.", "mlp.shared_experts."):
