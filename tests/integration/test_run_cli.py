@@ -154,6 +154,23 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
     assert err.endswith("--wait must be one of auto, spin, block\n"), err
 
 
+def test_a_deepseek_config_the_runtime_cannot_route_is_one_line(tmp_path, capsys, tiny_model):
+    """Group-limited routing with one expert a group: planned, but not run (exit 2)."""
+    import shutil
+
+    folder = tmp_path / "one-per-group"
+    shutil.copytree(tiny_model("deepseek_v3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"n_group": 8}))
+    args = ("--strategy", "afd", "--model-path", str(folder), "--prompt", "t5")
+    code, out, err = _opweave(capsys, "run", *args, "--max-tokens", "2")
+    assert (code, out) == (2, "")
+    assert err == (
+        "error: n_group: 8 groups of one expert; group-limited routing ranks a group by its two "
+        "best experts, so a group needs at least 2\n"
+    )
+
+
 def test_a_bad_choice_is_refused_before_torch_loads_naming_the_runtimes_choices(tiny_model):
     """``opweave run`` checks --kernels, --decode-step and --wait before it imports the runtime
     (which imports torch), so it keeps its own tuples of their choices: those must be the choices

@@ -13,7 +13,7 @@ from opweave.runtime import (
     operator_sequence,
     write_tiny_model,
 )
-from opweave.runtime._private.rope import inverse_frequencies
+from opweave.runtime._private.rope import attention_scaling, inverse_frequencies
 
 
 def parse_config(config: dict) -> Architecture:
@@ -201,6 +201,30 @@ def test_operator_sequence_brackets_layers_with_model_ops():
         ),
         ({"rope_type": "linear", "factor": 4.0}, 10000.0),
         (None, 1000000.0),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32768,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "mscale": 0.707,
+                "mscale_all_dim": 1.0,
+            },
+            1000000.0,
+        ),
+        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4096}, 1e4),
+        (  # gpt-oss's: the ramp's band edges not rounded
+            {
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "original_max_position_embeddings": 4096,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+            },
+            150000.0,
+        ),
     ],
 )
 def test_inverse_frequencies_match_transformers(rope_scaling, rope_theta):
@@ -216,21 +240,23 @@ def test_inverse_frequencies_match_transformers(rope_scaling, rope_theta):
         if rope_type == "default"
         else ROPE_INIT_FUNCTIONS[rope_type]
     )
-    expected, _ = init(hf_config)
+    expected, scaling = init(hf_config)
 
     spec = parse_config(raw)
-    assert torch.equal(inverse_frequencies(spec.rope["full_attention"], spec.head_dim), expected)
+    rope = spec.rope["full_attention"]
+    assert torch.equal(inverse_frequencies(rope, spec.head_dim), expected)
+    assert attention_scaling(rope) == pytest.approx(scaling, rel=1e-12)
 
 
 def test_unsupported_inputs_raise_user_errors(tmp_path):
     with pytest.raises(UnsupportedModelError, match="model_type 'gpt2' is not supported"):
         parse_config({"model_type": "gpt2"})
-    # The cost model plans a yarn-scaled llama; the runtime refuses to build its rope.
+    # The cost model plans a dynamic-NTK llama; the runtime refuses to build its rope.
     folder = write_tiny_model(
-        "llama", tmp_path / "yarn", rope_scaling={"rope_type": "yarn", "factor": 4.0}
+        "llama", tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic", "factor": 4.0}
     )
-    assert parse_config(LLAMA_33_70B | {"rope_scaling": {"rope_type": "yarn"}}).rope
-    with pytest.raises(UnsupportedModelError, match="RoPE type 'yarn' is not implemented"):
+    assert parse_config(LLAMA_33_70B | {"rope_scaling": {"rope_type": "dynamic"}}).rope
+    with pytest.raises(UnsupportedModelError, match="RoPE type 'dynamic' is not implemented"):
         StageModule(folder, [(0, "rope")])
 
 

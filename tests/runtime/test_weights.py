@@ -207,7 +207,17 @@ def test_fused_expert_layout_loads(tiny_model, tmp_path, hf_greedy, prompts):
 
 
 @pytest.mark.parametrize(
-    "family", ["llama", "qwen2", "qwen3_moe", "mixtral", "gemma3_text", "qwen3_next"]
+    "family",
+    [
+        "llama",
+        "qwen2",
+        "qwen3_moe",
+        "mixtral",
+        "gemma3_text",
+        "qwen3_next",
+        "deepseek_v3",
+        "gpt_oss",
+    ],
 )
 def test_every_tensor_has_the_shape_its_config_implies(family, tiny_model):
     """The shapes the runtime expects agree with transformers' own layout of every family."""

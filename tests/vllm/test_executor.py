@@ -122,6 +122,28 @@ def test_greedy_tokens_equal_plain_vllm(
     assert (probe["carried"] > 0) == (decode_step != "per-request")
 
 
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_mla_and_sinks_through_the_engine_equal_transformers(
+    family, tmp_path, hf_greedy, gpu_like_scheduling
+) -> None:
+    """MLA and group-limited experts (vLLM's engine turns chunked prefill off for MLA on CPU),
+    and gpt-oss's sinks and biased experts, behind vLLM's engine: a CAD plan at TP 2 on static
+    decode steps, tokens as transformers'."""
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import write_tiny_model
+    from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, REQUEST_CHECK, OpWeaveExecutor
+
+    model_dir = write_tiny_model(family, tmp_path / family)
+    plan = canonical_plan(load_model(model_dir), "cad", gpu="cpu", batch=4, microbatches=2, tp=2)
+    tokens = _generate(
+        model_dir,
+        distributed_executor_backend=OpWeaveExecutor,
+        additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: "static"},
+        logits_processors=[REQUEST_CHECK],
+    )
+    assert tokens == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+
+
 def test_executor_by_dotted_name_with_plan_file(model_dir, plain_vllm, tmp_path) -> None:
     """The plan as a file path and the executor as a dotted name (what the CLI passes)."""
     from opweave.costmodel import canonical_plan, load_model

@@ -46,6 +46,9 @@ class RopeSpec(Frozen):
     beta_slow: float = Field(default=1.0, gt=0)
     mscale: float = Field(default=1.0, ge=0)
     mscale_all_dim: float = Field(default=0.0, ge=0)
+    truncate: bool = Field(
+        default=True, description="YaRN rounds its ramp's band edges outwards (gpt-oss: false)."
+    )
 
     @model_validator(mode="after")
     def _llama3_band(self) -> RopeSpec:
@@ -97,6 +100,10 @@ class MLASpec(Frozen):
     qk_nope_head_dim: int
     qk_rope_head_dim: int = Field(description="Width of the decoupled RoPE key (one per token).")
     v_head_dim: int
+    rope_interleave: bool = Field(
+        default=True,
+        description="RoPE rotates adjacent channel pairs (DeepSeek's checkpoints), not halves.",
+    )
 
     @property
     def qk_head_dim(self) -> int:
@@ -131,6 +138,13 @@ class ExpertsSpec(Frozen):
     )
     router_bias: bool = False
     expert_bias: bool = False
+    swiglu_limit: float | None = Field(
+        default=None,
+        description="gpt-oss's clamped SwiGLU: gate clamped above, up on both sides at this.",
+    )
+    swiglu_alpha: float = Field(
+        default=1.0, description="gpt-oss's SwiGLU: gate * sigmoid(alpha * gate) * (up + 1)."
+    )
 
 
 class Architecture(Frozen):
@@ -391,7 +405,7 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
 
 # RopeSpec field -> the config key it comes from
 _ROPE_KEYS = {"theta": "rope_theta"}
-_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
 
 
 def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tuple[int, ...]]:
@@ -451,6 +465,8 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
         routing_weights_fp32=flags.routing_weights_fp32,
         router_bias=flags.router_bias,
         expert_bias=flags.expert_bias,
+        swiglu_limit=getattr(cfg, "swiglu_limit", None),
+        swiglu_alpha=getattr(cfg, "swiglu_alpha", 1.0),
     )
     return spec, layers
 
@@ -462,6 +478,7 @@ def _mla(cfg: Any) -> MLASpec:
         qk_nope_head_dim=cfg.qk_nope_head_dim,
         qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
+        rope_interleave=cfg.rope_interleave,
     )
 
 

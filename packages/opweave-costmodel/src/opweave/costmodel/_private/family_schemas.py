@@ -242,6 +242,8 @@ class GptOssConfig(_RoutedExperts):
     num_experts_per_tok: Experts = 4
     norm_topk_prob: Flag = False
     attention_bias: Flag = True
+    swiglu_alpha: Positive = 1.702
+    swiglu_limit: Positive = 7.0
 
 
 class DeepseekV3Config(_RoutedExperts):
@@ -261,6 +263,7 @@ class DeepseekV3Config(_RoutedExperts):
     qk_nope_head_dim: Width = 128
     qk_rope_head_dim: Width = 64
     v_head_dim: Width = 128
+    rope_interleave: Flag = True  # transformers' default: the released checkpoints' layout
     moe_intermediate_size: Width = 2048
     num_experts: Experts0 = Field(
         256, validation_alias=_experts_key("n_routed_experts", "num_local_experts")

@@ -200,6 +200,10 @@ class CoreAttention(StatefulOperator):
         k0, k1 = self.shard.heads(a.num_kv_heads, f"{where}: key/value heads")
         self.num_heads, self.num_kv_heads = h1 - h0, k1 - k0
         self.groups = self.num_heads // self.num_kv_heads
+        # gpt-oss: a learned logit per head that joins every softmax and is then dropped
+        self.sinks = None
+        if a.attn_sinks:
+            self.sinks = self._layer_tensor("self_attn.sinks", ranges=[(h0, h1)])
         self._states: dict[str, _KvState] = {}
         self.cache = KvCache(ctx.kv_cache_dtype or self.dtype, *self._kv_scales(ctx))
         if self.sharded:
@@ -292,7 +296,10 @@ class CoreAttention(StatefulOperator):
         k, v = self.cache.read(k, dtype, key=True), self.cache.read(v, dtype, key=False)
         visible = torch.arange(k.shape[2], device=pos.device)[None, :] <= pos[:, None]
         q = batch["q"][:, :, None, :]  # [B, heads, 1, head_dim]
-        if self.arch.attn_softcap is not None:
+        if self.sinks is not None:
+            k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
+            o = self._softmax_with_sinks(q @ k.transpose(-1, -2), visible[:, None, None, :]) @ v
+        elif self.arch.attn_softcap is not None:
             k, v = (t.repeat_interleave(self.groups, dim=1) for t in (k, v))
             cap = self.arch.attn_softcap
             scores = torch.tanh((q @ k.transpose(-1, -2)) * self.arch.attn_scale / cap) * cap
@@ -366,6 +373,11 @@ class CoreAttention(StatefulOperator):
         """``q [heads, n, d]`` against ``k``/``v`` ``[kv_heads, m, d]``."""
         n = q.shape[1]
         causal = mask is None and n > 1
+        if self.sinks is not None:
+            if causal:
+                mask = torch.ones(n, k.shape[1], dtype=torch.bool, device=q.device).tril()
+            k, v = (t.repeat_interleave(self.groups, dim=0) for t in (k, v))
+            return self._softmax_with_sinks(q @ k.transpose(-1, -2), mask) @ v
         if self.arch.attn_softcap is not None:
             return self._attend_softcapped(q, k, v, mask, causal)
         if mask is None:
@@ -381,6 +393,21 @@ class CoreAttention(StatefulOperator):
         return F.scaled_dot_product_attention(
             q[None], k[None], v[None], attn_mask=mask, scale=self.arch.attn_scale
         )[0]
+
+    def _softmax_with_sinks(self, qk: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Attention weights over the keys with each head's sink logit in the softmax (then
+        dropped), so a head may attend to nothing (gpt-oss; transformers' eager path, which
+        also subtracts the row maximum first)."""
+        assert self.sinks is not None
+        scores = qk * self.arch.attn_scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        heads = scores.shape[-3]
+        sinks = self.sinks.reshape(heads, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+        logits = torch.cat((scores, sinks), dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1, dtype=logits.dtype)
+        return probs[..., :-1].to(qk.dtype)
 
     def _attend_softcapped(
         self,

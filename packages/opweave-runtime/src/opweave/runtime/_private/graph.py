@@ -18,9 +18,11 @@ from opweave.costmodel import LINEAR_ATTENTION, ModelSpec, load_model, model_spe
 
 from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
+from .gpt_oss import GptOssExperts, GptOssRouter
 from .kernels import KernelSet
 from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
-from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert
+from .mla import MlaCoreAttention, MlaOProj, MlaQkvProj, MlaRope
+from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert, router_class
 from .ops import (
     ACTIVATIONS,
     AttnNorm,
@@ -47,6 +49,8 @@ RUNTIME_FAMILIES = (
     "mixtral",
     "gemma3_text",
     "qwen3_next",
+    "deepseek_v3",
+    "gpt_oss",
 )
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -82,6 +86,14 @@ def check_runtime_support(model: ModelSpec) -> None:
     if arch.hidden_act not in ACTIVATIONS:
         raise UnsupportedModelError(
             f"hidden_act: the runtime implements {', '.join(ACTIVATIONS)}, not {arch.hidden_act!r}"
+        )
+    moe = arch.moe
+    if moe is not None and moe.num_groups > 1 and moe.num_experts < 2 * moe.num_groups:
+        # transformers' DeepseekV3TopkRouter and vLLM's grouped_topk (with the noaux_tc bias)
+        # take each group's top two scores
+        raise UnsupportedModelError(
+            f"n_group: {moe.num_groups} groups of one expert; group-limited routing ranks a "
+            "group by its two best experts, so a group needs at least 2"
         )
     for kind, rope in arch.rope.items():
         if rope.rope_type not in ROPE_TYPES:
@@ -166,6 +178,12 @@ _LINEAR_OPS: dict[str, type[Operator]] = {
     "core_attn": LinearCoreAttention,
     "o_proj": LinearOProj,
 }
+_MLA_OPS: dict[str, type[Operator]] = {
+    "qkv_proj": MlaQkvProj,
+    "rope": MlaRope,
+    "core_attn": MlaCoreAttention,
+    "o_proj": MlaOProj,
+}
 
 
 def build_operator(
@@ -204,8 +222,18 @@ def operator_from(model: ModelSpec, ctx: OpContext, ref: OpRef) -> Operator:
             raise UnsupportedModelError(
                 f"layer {layer} of this {model.family} model has no operator {name!r}"
             )
-        linear = model.arch.layer_types[layer] == LINEAR_ATTENTION
-        cls = (_LINEAR_OPS.get(name) if linear else None) or _LAYER_OPS.get(name)
+        arch = model.arch
+        if arch.layer_types[layer] == LINEAR_ATTENTION:
+            cls = _LINEAR_OPS.get(name)
+        elif arch.mla is not None:
+            cls = _MLA_OPS.get(name)
+        else:
+            cls = None
+        if cls is None and arch.moe is not None and arch.moe.expert_bias:  # gpt-oss
+            cls = {"router": GptOssRouter, "experts": GptOssExperts}.get(name)
+        if cls is None and name == "router" and arch.moe is not None:
+            cls = router_class(arch.moe)
+        cls = cls or _LAYER_OPS.get(name)
     if cls is None:
         raise UnsupportedModelError(f"unknown operator {ref}")
     if ctx.kernels is None:

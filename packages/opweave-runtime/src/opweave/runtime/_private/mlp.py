@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from opweave.costmodel import ExpertsSpec
+
 from .batch import TokenBatch
 from .ops import OpContext, Operator, RMSNorm, activation, linear
 from .tensor_parallel import Layout
@@ -99,6 +101,70 @@ class Router(Operator):
         return batch.replace(topk_weights=weights, topk_ids=ids)
 
 
+class GroupLimitedRouter(Operator):
+    """DeepSeek-V3's router: sigmoid (or softmax) scores; experts chosen on the scores plus the
+    ``e_score_correction_bias`` (the noaux_tc gate; selection only), from the ``topk_group``
+    groups whose two best experts score highest (of ``n_group``); the chosen scores
+    renormalised (``norm_topk_prob``) and times ``routed_scaling_factor`` (DeepSeek-V3 report,
+    arXiv:2412.19437, §2.1.2; transformers' ``DeepseekV3TopkRouter``). Scores and weights stay
+    in float32, with the gate weight kept in float32 as the checkpoints ship it. Replicated under
+    TP."""
+
+    name, op_class = "router", "gemm"
+
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        moe = self.arch.moe
+        assert layer is not None and moe is not None
+        module = ctx.ckpt.moe_module(layer)
+        self.weight = self._fp32(f"{module}gate.weight")
+        self.bias = None
+        if moe.score_correction_bias:
+            self.bias = self._fp32(f"{module}gate.e_score_correction_bias")
+
+    def _fp32(self, suffix: str) -> torch.Tensor:
+        assert self.layer is not None
+        name = self._ckpt.layer_name(self.layer, suffix)
+        tensor = self._ckpt.get(name, dtype=torch.float32, device=self.device)
+        self.weight_sizes[name] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        moe = self.arch.moe
+        assert moe is not None
+        logits = F.linear(batch["hidden"].float(), self.weight)
+        if moe.scoring_func == "sigmoid":
+            scores = logits.sigmoid()
+        else:
+            scores = torch.softmax(logits, dim=-1)
+        choice = scores if self.bias is None else scores + self.bias
+        if moe.num_groups > 1:
+            n, groups = choice.shape[0], moe.num_groups
+            grouped = choice.view(n, groups, -1)
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+            keep = torch.zeros_like(best)
+            keep.scatter_(1, torch.topk(best, k=moe.topk_groups, dim=-1, sorted=False)[1], 1)
+            allowed = keep[:, :, None].expand_as(grouped).reshape(n, -1).bool()
+            choice = choice.masked_fill(~allowed, float("-inf"))
+        ids = torch.topk(choice, k=moe.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights * moe.routed_scaling_factor
+        return batch.replace(topk_weights=weights, topk_ids=ids)
+
+
+def router_class(moe: ExpertsSpec) -> type[Operator]:
+    """The router a model's MoE layers run: plain top-k of a softmax, or group-limited."""
+    plain = (
+        moe.scoring_func == "softmax"
+        and moe.num_groups == 1
+        and not moe.score_correction_bias
+        and moe.routed_scaling_factor == 1.0
+    )
+    return Router if plain else GroupLimitedRouter
+
+
 class Experts(Operator):
     """The routed experts: rows gathered per expert, summed in expert order as transformers does.
 
@@ -170,7 +236,8 @@ class Experts(Operator):
 
 
 class SharedExpert(Operator):
-    """Qwen3-Next's always-on expert, scaled by a per-row sigmoid gate, added to the routed sum."""
+    """The always-on expert added to the routed sum: Qwen3-Next's (``mlp.shared_expert``,
+    scaled by a per-row sigmoid gate) or DeepSeek-V3's (``mlp.shared_experts``, ungated)."""
 
     name, op_class = "shared_expert", "gemm"
     linear_weights = ("w_gate", "w_up", "w_down", "w_score")
@@ -186,16 +253,23 @@ class SharedExpert(Operator):
                 moe.shared_intermediate_size, f"L{layer}.shared_expert: intermediate size"
             )
             rows, cols = [part], [part]
-        self.w_gate = self._layer_tensor("mlp.shared_expert.gate_proj.weight", ranges=rows)
-        self.w_up = self._layer_tensor("mlp.shared_expert.up_proj.weight", ranges=rows)
-        self.w_down = self._layer_tensor("mlp.shared_expert.down_proj.weight", dim=1, ranges=cols)
-        self.w_score = self._layer_tensor("mlp.shared_expert_gate.weight")
+        assert layer is not None
+        module = "mlp.shared_expert"
+        if ctx.ckpt.has(ctx.ckpt.layer_name(layer, "mlp.shared_experts.gate_proj.weight")):
+            module = "mlp.shared_experts"
+        self.w_gate = self._layer_tensor(f"{module}.gate_proj.weight", ranges=rows)
+        self.w_up = self._layer_tensor(f"{module}.up_proj.weight", ranges=rows)
+        self.w_down = self._layer_tensor(f"{module}.down_proj.weight", dim=1, ranges=cols)
+        self.w_score = None
+        if moe.shared_expert_gate:
+            self.w_score = self._layer_tensor("mlp.shared_expert_gate.weight")
         self.act = activation(self.arch.hidden_act)
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x = batch["hidden"]
         inner = self.act(linear(x, self.w_gate)) * linear(x, self.w_up)
         shared = self._reduce(linear(inner, self.w_down))
-        shared = torch.sigmoid(linear(x, self.w_score)) * shared
+        if self.w_score is not None:
+            shared = torch.sigmoid(linear(x, self.w_score)) * shared
         out = batch["moe_out"] + shared
         return batch.replace(drop=("moe_out", "residual"), hidden=batch["residual"] + out)

@@ -99,6 +99,57 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 48,
         "full_attention_interval": 4,
     },
+    # MLA with a query LoRA and YaRN RoPE (mscale != mscale_all_dim, so both the cos/sin and the
+    # softmax scale move); layer 0 dense (first_k_dense_replace), layers 1-2 with a shared
+    # expert and 8 routed experts in 4 groups of which a token may use 2 (group-limited
+    # routing); the noaux_tc correction bias is perturbed like every parameter.
+    "deepseek_v3": {
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 10_000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 1.0,
+        },
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_group": 4,
+        "topk_group": 2,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 2.5,
+    },
+    # Sliding (window 8) and full layers alternating, attention sinks, biased q/k/v/o, router
+    # and experts, the clamped SwiGLU (a limit the random activations reach), YaRN without
+    # truncation as the released models use it.
+    "gpt_oss": {
+        "head_dim": 16,
+        "sliding_window": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "swiglu_limit": 1.5,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "rope_theta": 150_000.0,
+            "factor": 4.0,
+            "original_max_position_embeddings": 128,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+        },
+    },
 }
 
 

@@ -524,7 +524,10 @@ def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...]
             a + "o_proj.bias": (hidden,),
             a + "q_norm.weight": (hd,),
             a + "k_norm.weight": (hd,),
+            a + "sinks": (arch.num_heads,),
         }
+        if arch.mla is not None:
+            shapes |= _mla_shapes(arch)
     moe = arch.moe
     if moe is not None and arch.is_moe_layer(layer):
         e, inter = moe.num_experts, moe.intermediate_size
@@ -539,20 +542,56 @@ def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...]
                 module + "experts.gate_up_proj": (e, 2 * inter, hidden),
                 module + "experts.down_proj": (e, hidden, inter),
             }
+        if moe.score_correction_bias:
+            shapes["mlp.gate.e_score_correction_bias"] = (e,)
+        if moe.expert_bias:  # gpt-oss: biased router, experts stored [E, in, out]
+            shapes |= {
+                "mlp.router.weight": (e, hidden),
+                "mlp.router.bias": (e,),
+                "mlp.experts.gate_up_proj": (e, hidden, 2 * inter),
+                "mlp.experts.gate_up_proj_bias": (e, 2 * inter),
+                "mlp.experts.down_proj": (e, inter, hidden),
+                "mlp.experts.down_proj_bias": (e, hidden),
+            }
         if moe.shared_intermediate_size:
             shared = moe.shared_intermediate_size
-            shapes |= {
-                "mlp.shared_expert.gate_proj.weight": (shared, hidden),
-                "mlp.shared_expert.up_proj.weight": (shared, hidden),
-                "mlp.shared_expert.down_proj.weight": (hidden, shared),
-                "mlp.shared_expert_gate.weight": (1, hidden),
-            }
+            for module in ("mlp.shared_expert.", "mlp.shared_experts."):
+                shapes |= {
+                    module + "gate_proj.weight": (shared, hidden),
+                    module + "up_proj.weight": (shared, hidden),
+                    module + "down_proj.weight": (hidden, shared),
+                }
+            shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
     else:
         inter = arch.intermediate_size
         for proj in ("gate_proj", "up_proj"):
             shapes |= {f"mlp.{proj}.weight": (inter, hidden), f"mlp.{proj}.bias": (inter,)}
         shapes |= {"mlp.down_proj.weight": (hidden, inter), "mlp.down_proj.bias": (hidden,)}
     return shapes.get(suffix)
+
+
+def _mla_shapes(arch: Architecture) -> dict[str, tuple[int, ...]]:
+    """An MLA layer's attention tensors (``self_attn.``), from its latent geometry."""
+    m, hidden, heads = arch.mla, arch.hidden_size, arch.num_heads
+    assert m is not None
+    q_out = heads * m.qk_head_dim
+    a = "self_attn."
+    shapes = {
+        a + "q_proj.weight": (q_out, hidden),
+        a + "kv_a_proj_with_mqa.weight": (m.latent_dim, hidden),
+        a + "kv_a_proj_with_mqa.bias": (m.latent_dim,),
+        a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
+        a + "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        a + "o_proj.weight": (hidden, heads * m.v_head_dim),
+    }
+    if m.q_lora_rank:
+        shapes |= {
+            a + "q_a_proj.weight": (m.q_lora_rank, hidden),
+            a + "q_a_proj.bias": (m.q_lora_rank,),
+            a + "q_a_layernorm.weight": (m.q_lora_rank,),
+            a + "q_b_proj.weight": (q_out, m.q_lora_rank),
+        }
+    return shapes
 
 
 def check_weights(model_dir: str | Path, model: ModelSpec) -> None:

@@ -188,6 +188,8 @@ class PagedCoreAttention(KernelOperator, CoreAttention):
             return "sliding window (the runtime's ring buffer bounds the state; pages would not)"
         if arch.attn_softcap is not None:
             return "attention logit soft-capping"
+        if arch.attn_sinks:
+            return "attention sinks"
         return None
 
     def _setup_kernel(self) -> None:
