@@ -170,10 +170,7 @@ def brute_force(
             chunks.append((r, take))
             budget -= take
         if prefill_first:
-            if chunks:
-                decodes = []
-            else:
-                decodes = [r for r in running if cached[r] >= prompt]
+            decodes = [] if chunks else [r for r in running if cached[r] >= prompt]
         contexts = np.array([cached[r] + 1 for r in decodes], dtype=float)
         t += cost.step_s(contexts, [(cached[r], c) for r, c in chunks])
         for r in decodes:
@@ -228,7 +225,7 @@ def test_prefill_first_matches_a_brute_force_scheduler(prompt, output, clients, 
         np.full(n, output),
         clients=clients,
     )
-    arrival, first, finish = brute_force(prompt, output, clients, n, budget, prefill_first=True)
+    _arrival, first, finish = brute_force(prompt, output, clients, n, budget, prefill_first=True)
     assert sim.first_token_s == pytest.approx([first[i] for i in range(n)], abs=1e-12)
     assert sim.finish_s == pytest.approx([finish[i] for i in range(n)], abs=1e-12)
 
