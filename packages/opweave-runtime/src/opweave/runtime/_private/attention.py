@@ -15,7 +15,7 @@ from opweave.costmodel import Architecture
 
 from .batch import TokenBatch
 from .ops import OpContext, Operator, RMSNorm, StatefulOperator, linear
-from .tensor_parallel import Layout
+from .tensor_parallel import Layout, TPComm
 
 _MIN_CAPACITY = 16
 
@@ -45,7 +45,19 @@ class QkvProj(Operator):
         self.wk, self.bk = self._column_parallel("self_attn.k_proj", kv_rows)
         self.wv, self.bv = self._column_parallel("self_attn.v_proj", kv_rows)
         self.q_norm = self.k_norm = None
-        if a.qk_norm:
+        self.layer_norms: tuple[WideRMSNorm, WideRMSNorm] | None = None
+        if a.qk_norm and a.qk_norm_per_layer:
+            # MiniMax-M2: one norm over all heads' queries (keys); each rank holds its heads'
+            # weights, a key/value head shared by several ranks counts once
+            q_part = [(h0 * hd, h1 * hd)] if self.sharded else None
+            q_norm = self._layer_tensor("self_attn.q_norm.weight", ranges=q_part)
+            k_norm = self._layer_tensor("self_attn.k_norm.weight", ranges=kv_rows)
+            shared_by = self.shard.size * (k1 - k0) // a.num_kv_heads
+            self.layer_norms = (
+                WideRMSNorm(q_norm, a.rms_norm_eps, a.num_heads * hd, self.comm, 1),
+                WideRMSNorm(k_norm, a.rms_norm_eps, a.num_kv_heads * hd, self.comm, shared_by),
+            )
+        elif a.qk_norm:
             eps, gemma = a.rms_norm_eps, a.gemma_norms
             self.q_norm = RMSNorm(self._layer_tensor("self_attn.q_norm.weight"), eps, gemma=gemma)
             self.k_norm = RMSNorm(self._layer_tensor("self_attn.k_norm.weight"), eps, gemma=gemma)
@@ -56,7 +68,10 @@ class QkvProj(Operator):
         x = batch["hidden"]
         n, hd = x.shape[0], self.arch.head_dim
         q = linear(x, self.wq, self.bq)
-        k = linear(x, self.wk, self.bk).view(n, -1, hd)
+        k = linear(x, self.wk, self.bk)
+        if self.layer_norms is not None:
+            q, k = self.layer_norms[0](q), self.layer_norms[1](k)
+        k = k.view(n, -1, hd)
         v = linear(x, self.wv, self.bv).view(n, -1, hd)
         updates = {}
         if self.arch.attn_output_gate:
@@ -66,6 +81,30 @@ class QkvProj(Operator):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return batch.replace(drop=("hidden",), q=q, k=k, v=v, **updates)
+
+
+class WideRMSNorm:
+    """RMSNorm over a whole layer's queries or keys (``[N, heads * head_dim]``), Llama's rounding.
+
+    Under TP a rank holds ``width / tp`` of the channels: the sum of squares is all-reduced
+    (divided by ``shared_by`` where ranks hold copies of the same key/value head), as vLLM's
+    MiniMax attention does; without TP it is transformers' own mean.
+    """
+
+    def __init__(
+        self, weight: torch.Tensor, eps: float, width: int, comm: TPComm | None, shared_by: int
+    ) -> None:
+        self.weight, self.eps, self.width = weight, eps, width
+        self.comm, self.shared_by = comm, shared_by
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.to(torch.float32)
+        if self.comm is None:
+            variance = y.pow(2).mean(-1, keepdim=True)
+        else:
+            squares = self.comm.all_reduce(y.pow(2).sum(-1, keepdim=True))
+            variance = squares / (self.shared_by * self.width)
+        return self.weight * (y * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
 
 def attention_layouts(arch: Architecture) -> dict[str, Layout]:

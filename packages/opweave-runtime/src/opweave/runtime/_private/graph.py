@@ -20,7 +20,12 @@ from ..errors import UnsupportedModelError
 from .attention import CoreAttention, OProj, QkvProj
 from .gpt_oss import GptOssExperts, GptOssRouter
 from .kernels import KernelSet
-from .linear_attention import LinearCoreAttention, LinearOProj, LinearQkvProj
+from .linear_attention import (
+    LinearCoreAttention,
+    LinearOProj,
+    LinearQkvProj,
+    SplitLinearQkvProj,
+)
 from .mla import MlaCoreAttention, MlaOProj, MlaQkvProj, MlaRope
 from .mlp import DownProj, Experts, GateUpProj, Router, SharedExpert, router_class
 from .ops import (
@@ -49,8 +54,10 @@ RUNTIME_FAMILIES = (
     "mixtral",
     "gemma3_text",
     "qwen3_next",
+    "qwen3_5_moe",
     "deepseek_v3",
     "gpt_oss",
+    "minimax_m2",
 )
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -186,6 +193,13 @@ _MLA_OPS: dict[str, type[Operator]] = {
 }
 
 
+def _split_gdn_projections(model: ModelSpec, layer: int) -> bool:
+    """Whether the family's checkpoints hold a gated-DeltaNet layer's input projections as
+    four linears (Qwen3.5) rather than two fused ones (Qwen3-Next)."""
+    op = next(op for op in model.layers[layer].ops if op.name == "qkv_proj")
+    return any(lin.module.endswith(".in_proj_qkv") for lin in op.linears)
+
+
 def build_operator(
     model: ModelSpec,
     ckpt: TensorSource,
@@ -225,6 +239,8 @@ def operator_from(model: ModelSpec, ctx: OpContext, ref: OpRef) -> Operator:
         arch = model.arch
         if arch.layer_types[layer] == LINEAR_ATTENTION:
             cls = _LINEAR_OPS.get(name)
+            if name == "qkv_proj" and _split_gdn_projections(model, layer):
+                cls = SplitLinearQkvProj
         elif arch.mla is not None:
             cls = _MLA_OPS.get(name)
         else:

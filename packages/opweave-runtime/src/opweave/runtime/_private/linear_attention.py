@@ -1,4 +1,5 @@
-"""Qwen3-Next linear-attention (gated DeltaNet) layers: ``qkv_proj``, ``core_attn``, ``o_proj``.
+"""Qwen3-Next and Qwen3.5 linear-attention (gated DeltaNet) layers: ``qkv_proj``, ``core_attn``,
+``o_proj``.
 
 Per request the layer keeps a short causal-conv window (``conv_kernel - 1`` inputs) and a recurrent
 state ``[v_heads, k_head_dim, v_head_dim]`` whose size does not grow with context: the reason these
@@ -85,6 +86,49 @@ class LinearQkvProj(Operator):
             z=z.reshape(n, la.num_v_heads, la.v_head_dim),
             b=b.reshape(n, la.num_v_heads),
             a=a.reshape(n, la.num_v_heads),
+        )
+
+
+class SplitLinearQkvProj(Operator):
+    """Qwen3.5's four input projections (``in_proj_qkv`` flat q | k | v, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``); under TP each rank reads its key heads' rows of q and k and
+    their value heads' rows of the rest."""
+
+    name, op_class = "qkv_proj", "gemm"
+    linear_weights = ("w_qkv", "w_z", "w_b", "w_a")
+    same_input = (linear_weights,)
+
+    def __init__(self, ctx: OpContext, layer: int | None) -> None:
+        super().__init__(ctx, layer)
+        self.la, (k0, k1) = local_geometry(self)
+        full = self.arch.linear_attn
+        assert full is not None
+        r, dk, dv = full.num_v_heads // full.num_k_heads, full.k_head_dim, full.v_head_dim
+        qkv = z = ba = None
+        if self.sharded:
+            v0 = 2 * full.key_dim
+            qkv = [
+                (k0 * dk, k1 * dk),
+                (full.key_dim + k0 * dk, full.key_dim + k1 * dk),
+                (v0 + k0 * r * dv, v0 + k1 * r * dv),
+            ]
+            z, ba = [(k0 * r * dv, k1 * r * dv)], [(k0 * r, k1 * r)]
+            self.tp_out = linear_layouts(full)
+        self.w_qkv = self._layer_tensor("linear_attn.in_proj_qkv.weight", ranges=qkv)
+        self.w_z = self._layer_tensor("linear_attn.in_proj_z.weight", ranges=z)
+        self.w_b = self._layer_tensor("linear_attn.in_proj_b.weight", ranges=ba)
+        self.w_a = self._layer_tensor("linear_attn.in_proj_a.weight", ranges=ba)
+
+    def forward(self, batch: TokenBatch) -> TokenBatch:
+        la = self.la
+        x = batch["hidden"]
+        n = x.shape[0]
+        return batch.replace(
+            drop=("hidden",),
+            mixed_qkv=linear(x, self.w_qkv),
+            z=linear(x, self.w_z).view(n, la.num_v_heads, la.v_head_dim),
+            b=linear(x, self.w_b),
+            a=linear(x, self.w_a),
         )
 
 

@@ -102,13 +102,13 @@ class Router(Operator):
 
 
 class GroupLimitedRouter(Operator):
-    """DeepSeek-V3's router: sigmoid (or softmax) scores; experts chosen on the scores plus the
-    ``e_score_correction_bias`` (the noaux_tc gate; selection only), from the ``topk_group``
-    groups whose two best experts score highest (of ``n_group``); the chosen scores
-    renormalised (``norm_topk_prob``) and times ``routed_scaling_factor`` (DeepSeek-V3 report,
-    arXiv:2412.19437, §2.1.2; transformers' ``DeepseekV3TopkRouter``). Scores and weights stay
-    in float32, with the gate weight kept in float32 as the checkpoints ship it. Replicated under
-    TP."""
+    """DeepSeek-V3's (and MiniMax-M2's) router: sigmoid (or softmax) scores; experts chosen on
+    the scores plus the ``e_score_correction_bias`` (the noaux_tc gate; selection only), from
+    the ``topk_group`` groups whose two best experts score highest (of ``n_group``); the chosen
+    scores renormalised (``norm_topk_prob``) and times ``routed_scaling_factor`` (DeepSeek-V3
+    report, arXiv:2412.19437, §2.1.2; transformers' ``DeepseekV3TopkRouter``). Scores and
+    weights stay in float32, with the gate weight kept in float32 as the checkpoints ship it.
+    Replicated under TP."""
 
     name, op_class = "router", "gemm"
 
@@ -119,8 +119,11 @@ class GroupLimitedRouter(Operator):
         module = ctx.ckpt.moe_module(layer)
         self.weight = self._fp32(f"{module}gate.weight")
         self.bias = None
-        if moe.score_correction_bias:
-            self.bias = self._fp32(f"{module}gate.e_score_correction_bias")
+        if moe.score_correction_bias:  # DeepSeek's sits in the gate, MiniMax's beside it
+            name = f"{module}gate.e_score_correction_bias"
+            if not ctx.ckpt.has(ctx.ckpt.layer_name(layer, name)):
+                name = f"{module}e_score_correction_bias"
+            self.bias = self._fp32(name)
 
     def _fp32(self, suffix: str) -> torch.Tensor:
         assert self.layer is not None

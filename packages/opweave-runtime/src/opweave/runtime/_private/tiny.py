@@ -99,6 +99,38 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "shared_expert_intermediate_size": 48,
         "full_attention_interval": 4,
     },
+    # Qwen3.5: Qwen3-Next's layers with four gated-DeltaNet input projections, every layer
+    # sparse, the attention output gate; written as the released checkpoints are, a multimodal
+    # wrapper (text model under text_config, weights under model.language_model.).
+    "qwen3_5_moe": {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    },
+    # MiniMax-M2: one q and one k norm over all heads, half of each head rotated (rotary_dim,
+    # as the released config says it), sigmoid routing with a selection bias, experts as
+    # block_sparse_moe.experts.N.w1/w2/w3.
+    "minimax_m2": {
+        "head_dim": 16,
+        "rotary_dim": 8,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+        "use_routing_bias": True,
+        "scoring_func": "sigmoid",
+    },
     # MLA with a query LoRA and YaRN RoPE (mscale != mscale_all_dim, so both the cos/sin and the
     # softmax scale move); layer 0 dense (first_k_dense_replace), layers 1-2 with a shared
     # expert and 8 routed experts in 4 groups of which a token may use 2 (group-limited
@@ -153,6 +185,20 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# Multimodal wrappers: the smallest vision tower their config accepts (the runtime serves text
+# and reads none of it, but the checkpoint has its layout).
+_TINY_VISION: dict[str, dict[str, Any]] = {
+    "qwen3_5_moe": {
+        "depth": 1,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": 64,
+    },
+}
+_WRAPPER_KEYS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
+
 def write_tiny_model(
     family: str,
     out_dir: str | Path,
@@ -171,7 +217,7 @@ def write_tiny_model(
     ``max_shard_size`` (e.g. ``"200KB"``) writes a sharded checkpoint with an index file.
     ``overrides`` replace config keys (e.g. ``num_hidden_layers=4``).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     if family not in TINY_CONFIGS:
         raise UnsupportedModelError(
@@ -180,11 +226,19 @@ def write_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     kwargs = {**_COMMON, **TINY_CONFIGS[family], **overrides}
-    config = AutoConfig.for_model(family, **kwargs)
+    vision = _TINY_VISION.get(family)
+    if vision is None:
+        config = AutoConfig.for_model(family, **kwargs)
+    else:  # the text model under text_config; what the wrapper carries, on both
+        carried = {k: kwargs[k] for k in _WRAPPER_KEYS}
+        config = AutoConfig.for_model(family, text_config=kwargs, vision_config=vision, **carried)
     torch_dtype = getattr(torch, dtype)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        if vision is None:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        else:
+            model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
         _perturb(model)
     model.to(torch_dtype)
     model.config.dtype = torch_dtype
@@ -195,10 +249,14 @@ def write_tiny_model(
 
 @torch.no_grad()
 def _perturb(model: torch.nn.Module) -> None:
-    """Add noise to every parameter; vectors (norm weights, biases, A_log, dt_bias) get more."""
+    """Add noise to every parameter (and routing-bias buffer); vectors (norm weights, biases,
+    A_log, dt_bias) get more."""
     for param in model.parameters():
         scale = 0.2 if param.dim() == 1 else 0.02
         param.add_(torch.randn_like(param) * scale)
+    for name, buffer in model.named_buffers():  # MiniMax-M2 keeps its selection bias as a buffer
+        if name.endswith("e_score_correction_bias"):
+            buffer.add_(torch.randn_like(buffer) * 0.2)
 
 
 def write_tokenizer(out_dir: str | Path, vocab_size: int) -> None:

@@ -504,6 +504,10 @@ def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...]
         shapes |= {
             a + "in_proj_qkvz.weight": (2 * la.key_dim + 2 * la.value_dim, hidden),
             a + "in_proj_ba.weight": (2 * la.num_v_heads, hidden),
+            a + "in_proj_qkv.weight": (la.conv_dim, hidden),  # Qwen3.5: four projections
+            a + "in_proj_z.weight": (la.value_dim, hidden),
+            a + "in_proj_b.weight": (la.num_v_heads, hidden),
+            a + "in_proj_a.weight": (la.num_v_heads, hidden),
             a + "conv1d.weight": (la.conv_dim, 1, la.conv_kernel),
             a + "conv1d.bias": (la.conv_dim,),
             a + "A_log": (la.num_v_heads,),
@@ -522,8 +526,8 @@ def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...]
             a + "v_proj.bias": (kv,),
             a + "o_proj.weight": (hidden, arch.num_heads * hd),
             a + "o_proj.bias": (hidden,),
-            a + "q_norm.weight": (hd,),
-            a + "k_norm.weight": (hd,),
+            a + "q_norm.weight": (arch.num_heads * hd,) if arch.qk_norm_per_layer else (hd,),
+            a + "k_norm.weight": (kv,) if arch.qk_norm_per_layer else (hd,),
             a + "sinks": (arch.num_heads,),
         }
         if arch.mla is not None:
@@ -544,6 +548,7 @@ def _layer_shape(arch: Architecture, layer: int, suffix: str) -> tuple[int, ...]
             }
         if moe.score_correction_bias:
             shapes["mlp.gate.e_score_correction_bias"] = (e,)
+            shapes["block_sparse_moe.e_score_correction_bias"] = (e,)
         if moe.expert_bias:  # gpt-oss: biased router, experts stored [E, in, out]
             shapes |= {
                 "mlp.router.weight": (e, hidden),
