@@ -144,3 +144,37 @@ def quantised_pair(src: Path, root: Path, fmt: str, block=(16, 16)) -> tuple[Pat
             qc["weight_block_size"] = list(block)
     (quant_dir / "config.json").write_text(json.dumps(config | {"quantization_config": qc}))
     return quant_dir, oracle_dir
+
+
+def gpt_oss_mxfp4_pair(src: Path, root: Path) -> tuple[Path, Path]:
+    """gpt-oss as released: every expert's ``gate_up_proj`` / ``down_proj`` in MXFP4, stored
+    ``[E, out, in / 32, 16]`` (the transpose of transformers' ``[E, in, out]``), with the
+    config's ``modules_to_not_convert``; and the oracle with those weights dequantised."""
+    quant_dir, oracle_dir = root / "mxfp4-quantised", root / "mxfp4-oracle"
+    for d in (quant_dir, oracle_dir):
+        shutil.copytree(src, d)
+    stored, dequantised = {}, {}
+    for name, w in load_file(src / "model.safetensors").items():
+        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            stored[name] = dequantised[name] = w
+            continue
+        blocks, scales = (torch.stack(t) for t in zip(*(mxfp4(e.T) for e in w), strict=True))
+        stored |= {name + "_blocks": blocks, name + "_scales": scales}
+        dequantised[name] = torch.stack(
+            [mxfp4_values(b, s).T for b, s in zip(blocks, scales, strict=True)]
+        )
+        assert not torch.equal(dequantised[name], w)
+    save_file(stored, quant_dir / "model.safetensors", metadata={"format": "pt"})
+    save_file(dequantised, oracle_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    return quant_dir, oracle_dir

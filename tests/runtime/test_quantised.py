@@ -25,7 +25,7 @@ from opweave.runtime import (
     run_plan,
     write_tiny_model,
 )
-from tests.quantise import quantised_pair
+from tests.quantise import gpt_oss_mxfp4_pair, quantised_pair
 
 MAX_NEW_TOKENS = 8
 
@@ -72,6 +72,15 @@ def test_block_fp8_checkpoint_over_tp2(strategy, block_fp8_model, hf_greedy, pro
 @pytest.mark.parametrize("strategy", ["colocated", "afd"])
 def test_mxfp4_experts_over_tp2(strategy, mxfp4_model, hf_greedy, prompts):
     quant_dir, oracle_dir = mxfp4_model
+    assert _run(quant_dir, strategy, 2, prompts) == hf_greedy(oracle_dir, prompts, MAX_NEW_TOKENS)
+
+
+@pytest.mark.parametrize("strategy", ["colocated", "afd"])
+def test_gpt_oss_released_mxfp4_experts_over_tp2(strategy, tmp_path, hf_greedy, prompts):
+    """gpt-oss's own layout: packed experts stored out-by-in, biases and attention unquantised."""
+    src = write_tiny_model("gpt_oss", tmp_path / "src", intermediate_size=64)
+    quant_dir, oracle_dir = gpt_oss_mxfp4_pair(src, tmp_path)
+    assert load_model(quant_dir).precision.quant == "mxfp4"
     assert _run(quant_dir, strategy, 2, prompts) == hf_greedy(oracle_dir, prompts, MAX_NEW_TOKENS)
 
 

@@ -1,8 +1,8 @@
 """gpt-oss's feed-forward: a biased router with a softmax over the top-k logits, and experts
 with biases and a clamped SwiGLU, stored as transformers stores them (``gate_up_proj``
 ``[E, hidden, 2I]`` with gate and up interleaved channel by channel, ``down_proj``
-``[E, I, hidden]``), from BF16/FP32 checkpoints (the released MXFP4 experts are refused with
-the other quantised formats, see ``Precision.runtime_unsupported``).
+``[E, I, hidden]``), from BF16/FP32 checkpoints or the released MXFP4 ones, whose packed
+experts are stored the other way round (``[E, out, in / 32, 16]``, as transformers reads them).
 
 Under TP a rank holds the intermediate channels ``[lo, hi)`` of every expert (the interleaved
 gate/up columns ``[2 lo, 2 hi)``); the down projection's partial sums are all-reduced and the
@@ -56,9 +56,15 @@ class GptOssExperts(Operator):
         base = f"{ctx.ckpt.moe_module(layer)}experts."
         pairs = [(2 * lo, 2 * hi)] if self.sharded else None
         own = [(lo, hi)] if self.sharded else None
-        self.gate_up = self._layer_tensor(base + "gate_up_proj", dim=2, ranges=pairs)
+        if ctx.ckpt.has(ctx.ckpt.layer_name(layer, base + "gate_up_proj_blocks")):  # MXFP4
+            gate_up = self._layer_tensor(base + "gate_up_proj", dim=1, ranges=pairs)
+            down = self._layer_tensor(base + "down_proj", dim=2, ranges=own)
+            self.gate_up = gate_up.transpose(1, 2).contiguous()
+            self.down = down.transpose(1, 2).contiguous()
+        else:
+            self.gate_up = self._layer_tensor(base + "gate_up_proj", dim=2, ranges=pairs)
+            self.down = self._layer_tensor(base + "down_proj", dim=1, ranges=own)
         self.gate_up_bias = self._layer_tensor(base + "gate_up_proj_bias", dim=1, ranges=pairs)
-        self.down = self._layer_tensor(base + "down_proj", dim=1, ranges=own)
         down_bias = self._layer_tensor(base + "down_proj_bias")
         # added before the reduce on one rank of the group: sum_r (partial_r) + b, weighted
         self.down_bias = down_bias if self.shard.rank == 0 else torch.zeros_like(down_bias)
