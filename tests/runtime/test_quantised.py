@@ -276,7 +276,9 @@ def test_quantising_while_loading_is_refused(tiny_model):
 
 def test_opweave_run_a_plan_file_with_an_fp8_kv_cache(tmp_path, tiny_model, prompts, capsys):
     model_dir = tiny_model("llama")
-    plan = canonical_plan(load_model(model_dir, kv_cache_dtype="fp8"), "colocated", gpu="cpu")
+    plan = canonical_plan(
+        load_model(model_dir, kv_cache_dtype="fp8"), "colocated", gpu="cpu", batch=4
+    )
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(plan.model_dump_json())
     prompt = prompts[3]

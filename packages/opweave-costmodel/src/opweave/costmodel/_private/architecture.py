@@ -78,6 +78,12 @@ class LinearAttentionSpec(Frozen):
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    split_projections: bool = Field(
+        default=False,
+        description="The checkpoint holds the input projections as four linears "
+        "(in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: Qwen3.5) rather than two fused ones "
+        "(in_proj_qkvz, in_proj_ba: Qwen3-Next).",
+    )
 
     @property
     def key_dim(self) -> int:
@@ -279,7 +285,11 @@ def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None)
         mla=mla,
         moe=moe,
         moe_layers=moe_layers,
-        linear_attn=_linear_attention(cfg) if LINEAR in layer_types else None,
+        linear_attn=(
+            _linear_attention(cfg, family.checkpoint.gdn_split_projections)
+            if LINEAR in layer_types
+            else None
+        ),
         attn_softcap=cfg.attn_logit_softcapping if flags.logit_softcapping else None,
         final_softcap=cfg.final_logit_softcapping if flags.logit_softcapping else None,
         quant_method=quant if isinstance(quant, str) else None,
@@ -482,7 +492,7 @@ def _mla(cfg: Any) -> MLASpec:
     )
 
 
-def _linear_attention(cfg: Any) -> LinearAttentionSpec:
+def _linear_attention(cfg: Any, split_projections: bool) -> LinearAttentionSpec:
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     if nv % nk:
         raise ConfigError(
@@ -494,4 +504,5 @@ def _linear_attention(cfg: Any) -> LinearAttentionSpec:
         k_head_dim=cfg.linear_key_head_dim,
         v_head_dim=cfg.linear_value_head_dim,
         conv_kernel=cfg.linear_conv_kernel_dim,
+        split_projections=split_projections,
     )

@@ -52,13 +52,21 @@ def tensor_shapes(
             la = spec.linear_attn
             assert la is not None
             a = f"{p}linear_attn."
-            shapes[f"{a}in_proj_qkvz.weight"] = (2 * la.key_dim + 2 * la.value_dim, h)
-            shapes[f"{a}in_proj_ba.weight"] = (2 * la.num_v_heads, h)
+            if la.split_projections:  # Qwen3.5's four input projections
+                shapes[f"{a}in_proj_qkv.weight"] = (la.conv_dim, h)
+                shapes[f"{a}in_proj_z.weight"] = (la.value_dim, h)
+                shapes[f"{a}in_proj_b.weight"] = (la.num_v_heads, h)
+                shapes[f"{a}in_proj_a.weight"] = (la.num_v_heads, h)
+            else:
+                shapes[f"{a}in_proj_qkvz.weight"] = (2 * la.key_dim + 2 * la.value_dim, h)
+                shapes[f"{a}in_proj_ba.weight"] = (2 * la.num_v_heads, h)
             shapes[f"{a}conv1d.weight"] = (la.conv_dim, 1, la.conv_kernel)
             shapes[f"{a}A_log"] = (la.num_v_heads,)
             shapes[f"{a}dt_bias"] = (la.num_v_heads,)
             shapes[f"{a}norm.weight"] = (la.v_head_dim,)
             shapes[f"{a}out_proj.weight"] = (h, la.value_dim)
+        elif spec.mla is not None:
+            shapes.update(_mla_shapes(spec, f"{p}self_attn."))
         else:
             a = f"{p}self_attn."
             q_out = nq * d * (2 if spec.attn_output_gate else 1)
@@ -69,22 +77,36 @@ def tensor_shapes(
             shapes[f"{a}o_proj.weight"] = (h, nq * d)
             if o_bias:
                 shapes[f"{a}o_proj.bias"] = (h,)
-            if spec.qk_norm:
-                shapes[f"{a}q_norm.weight"] = (d,)
-                shapes[f"{a}k_norm.weight"] = (d,)
+            if spec.qk_norm:  # per head, or (MiniMax-M2) one norm over all heads
+                wide = spec.qk_norm_per_layer
+                shapes[f"{a}q_norm.weight"] = (nq * d,) if wide else (d,)
+                shapes[f"{a}k_norm.weight"] = (nkv * d,) if wide else (d,)
+            if spec.attn_sinks:
+                shapes[f"{a}sinks"] = (nq,)
         if spec.is_moe_layer(i):
             moe = spec.moe
             assert moe is not None
-            m, inter = f"{p}mlp.", moe.intermediate_size
-            shapes[f"{m}gate.weight"] = (moe.num_experts, h)
-            shapes[f"{m}experts.gate_up_proj"] = (moe.num_experts, 2 * inter, h)
-            shapes[f"{m}experts.down_proj"] = (moe.num_experts, h, inter)
+            m, e, inter = f"{p}mlp.", moe.num_experts, moe.intermediate_size
+            if moe.expert_bias:  # gpt-oss: biased router, experts stored [E, in, out]
+                shapes[f"{m}router.weight"] = (e, h)
+                shapes[f"{m}router.bias"] = (e,)
+                shapes[f"{m}experts.gate_up_proj"] = (e, h, 2 * inter)
+                shapes[f"{m}experts.gate_up_proj_bias"] = (e, 2 * inter)
+                shapes[f"{m}experts.down_proj"] = (e, inter, h)
+                shapes[f"{m}experts.down_proj_bias"] = (e, h)
+            else:
+                shapes[f"{m}gate.weight"] = (e, h)
+                shapes[f"{m}experts.gate_up_proj"] = (e, 2 * inter, h)
+                shapes[f"{m}experts.down_proj"] = (e, h, inter)
+            if moe.score_correction_bias:
+                shapes[f"{m}gate.e_score_correction_bias"] = (e,)
             if moe.shared_intermediate_size:
                 si = moe.shared_intermediate_size
                 shapes[f"{m}shared_expert.gate_proj.weight"] = (si, h)
                 shapes[f"{m}shared_expert.up_proj.weight"] = (si, h)
                 shapes[f"{m}shared_expert.down_proj.weight"] = (h, si)
-                shapes[f"{m}shared_expert_gate.weight"] = (1, h)
+                if moe.shared_expert_gate:
+                    shapes[f"{m}shared_expert_gate.weight"] = (1, h)
         else:
             m, inter = f"{p}mlp.", spec.intermediate_size
             for name, shape in (
@@ -95,6 +117,28 @@ def tensor_shapes(
                 shapes[f"{m}{name}.weight"] = shape
                 if mlp_bias:
                     shapes[f"{m}{name}.bias"] = (shape[0],)
+    return shapes
+
+
+def _mla_shapes(spec: Architecture, a: str) -> dict[str, tuple[int, ...]]:
+    """An MLA layer's attention tensors (DeepSeek-V3's names), from its latent geometry."""
+    m, h, nq = spec.mla, spec.hidden_size, spec.num_heads
+    assert m is not None
+    q_out = nq * m.qk_head_dim
+    shapes = {
+        f"{a}kv_a_proj_with_mqa.weight": (m.latent_dim, h),
+        f"{a}kv_a_layernorm.weight": (m.kv_lora_rank,),
+        f"{a}kv_b_proj.weight": (nq * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        f"{a}o_proj.weight": (h, nq * m.v_head_dim),
+    }
+    if m.q_lora_rank:
+        shapes |= {
+            f"{a}q_a_proj.weight": (m.q_lora_rank, h),
+            f"{a}q_a_layernorm.weight": (m.q_lora_rank,),
+            f"{a}q_b_proj.weight": (q_out, m.q_lora_rank),
+        }
+    else:
+        shapes[f"{a}q_proj.weight"] = (q_out, h)
     return shapes
 
 

@@ -193,13 +193,6 @@ _MLA_OPS: dict[str, type[Operator]] = {
 }
 
 
-def _split_gdn_projections(model: ModelSpec, layer: int) -> bool:
-    """Whether the family's checkpoints hold a gated-DeltaNet layer's input projections as
-    four linears (Qwen3.5) rather than two fused ones (Qwen3-Next)."""
-    op = next(op for op in model.layers[layer].ops if op.name == "qkv_proj")
-    return any(lin.module.endswith(".in_proj_qkv") for lin in op.linears)
-
-
 def build_operator(
     model: ModelSpec,
     ckpt: TensorSource,
@@ -239,7 +232,7 @@ def operator_from(model: ModelSpec, ctx: OpContext, ref: OpRef) -> Operator:
         arch = model.arch
         if arch.layer_types[layer] == LINEAR_ATTENTION:
             cls = _LINEAR_OPS.get(name)
-            if name == "qkv_proj" and _split_gdn_projections(model, layer):
+            if name == "qkv_proj" and arch.linear_attn and arch.linear_attn.split_projections:
                 cls = SplitLinearQkvProj
         elif arch.mla is not None:
             cls = _MLA_OPS.get(name)
