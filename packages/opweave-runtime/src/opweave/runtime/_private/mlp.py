@@ -169,7 +169,8 @@ class Experts(Operator):
     """The routed experts: rows gathered per expert, summed in expert order as transformers does.
 
     Under TP every rank holds every expert's slice of the intermediate channels; the partial sums
-    are all-reduced.
+    are all-reduced. Under EP a rank holds only its group position's experts, and computes what
+    they add to every row of the group (:mod:`.expert_parallel`).
     """
 
     name, op_class = "experts", "gemm"
@@ -183,6 +184,10 @@ class Experts(Operator):
             channels = self.shard.part(
                 moe.intermediate_size, f"L{layer}.experts: intermediate size"
             )
+        self.ep = ctx.ep
+        self.held = (0, moe.num_experts)  # [lo, hi): the experts this rank holds
+        if self.ep is not None:
+            self.held = self.ep.experts(moe.num_experts, f"L{layer}.experts")
         self.gate_up, self.down = ctx.ckpt.load_experts(
             layer,
             moe.num_experts,
@@ -190,6 +195,7 @@ class Experts(Operator):
             dtype=self.dtype,
             device=self.device,
             channels=channels,
+            experts=self.held if self.ep is not None else None,
         )
         for part, tensor in (("gate_up", self.gate_up), ("down", self.down)):
             self.weight_sizes[f"layers.{layer}.experts.{part}"] = (
@@ -199,30 +205,65 @@ class Experts(Operator):
         self.ends_layer = moe.shared_intermediate_size == 0
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        if batch.step is not None:
-            return self._finish(batch, self._gathered(batch))
         x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
+        if self.ep is None:
+            return self._finish(batch, self._routed(x, ids, weights, batch.step is not None))
+        # dispatch every row of the group (with its routing: ids and weights are exact in
+        # float32), add this rank's experts' share to each, combine the group's shares
+        hidden, k = x.shape[1], ids.shape[1]
+        packed = torch.cat([x.float(), ids.float(), weights.float()], dim=1)
+        rows, counts = self.ep.dispatch(packed)
+        out = self._routed(
+            rows[:, :hidden].to(x.dtype),
+            rows[:, hidden : hidden + k].to(ids.dtype),
+            rows[:, hidden + k :].to(weights.dtype),
+            batch.step is not None,
+        )
+        return self._finish(batch, self.ep.combine(out, counts))
+
+    def _routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, static: bool
+    ) -> torch.Tensor:
+        """What the experts held here add to each row (every expert's share without EP)."""
+        lo, hi = self.held
+        if static:
+            return self._gathered(x, ids, weights)
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
+            if not lo <= expert < hi:
+                continue
             slot, rows = torch.where((ids == expert).T)
-            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down[expert]) * weights[rows, slot, None]
+            gate, up = F.linear(x[rows], self.gate_up[expert - lo]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down[expert - lo]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        return self._finish(batch, out)
+        return out
 
-    def _gathered(self, batch: TokenBatch) -> torch.Tensor:
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The static decode step's form: each row multiplies the weights of its own top-k
         experts (gathered, so the shapes do not depend on the routing), and the k results are
-        summed in ascending expert order, as the per-expert form adds them."""
-        x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
+        summed in ascending expert order, as the per-expert form adds them. Under EP an expert
+        held elsewhere adds nothing (its weight here is zero)."""
         ids, order = torch.sort(ids, dim=-1)
         weights = torch.gather(weights, 1, order)
+        ids, weights = self._held_only(ids, weights)
         gate, up = (self.gate_up[ids] @ x[:, None, :, None])[..., 0].chunk(2, dim=-1)
         y = (self.down[ids] @ (self.act(gate) * up)[..., None])[..., 0] * weights[..., None]
         out = torch.zeros_like(x)
         for j in range(ids.shape[1]):
             out = out + y[:, j].to(out.dtype)
         return out
+
+    def _held_only(
+        self, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing as indices into the experts held here; a row's choice of an expert held
+        elsewhere becomes held expert 0 at weight zero (it adds exactly nothing)."""
+        if self.ep is None:
+            return ids, weights
+        lo, hi = self.held
+        here = (ids >= lo) & (ids < hi)
+        weights = torch.where(here, weights, torch.zeros_like(weights))
+        return torch.where(here, ids - lo, torch.zeros_like(ids)), weights
 
     def _finish(self, batch: TokenBatch, out: torch.Tensor) -> TokenBatch:
         """The layer's residual add (after the TP reduce), or the routed sum handed to the

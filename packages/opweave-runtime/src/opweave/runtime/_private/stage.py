@@ -12,6 +12,7 @@ from opweave.costmodel import ModelSpec
 from ..errors import OpWeaveRuntimeError
 from .batch import TokenBatch
 from .decode import StaticStep, is_decode, why_not_static
+from .expert_parallel import EPComm
 from .graph import OpRef, compute_dtype, model_spec, operator_from, operator_sequence
 from .kernels import KernelSet
 from .ops import OpContext, Operator, StatefulOperator, share_slabs
@@ -45,6 +46,7 @@ class StageModule:
         comm: TPComm | None = None,
         model: ModelSpec | None = None,
         kernels: KernelSet | None = None,
+        ep: EPComm | None = None,
     ) -> None:
         self.model: ModelSpec = model or model_spec(model_dir)
         compute = compute_dtype(self.model, dtype)
@@ -60,6 +62,7 @@ class StageModule:
             comm,
             kernels,
             torch.float8_e4m3fn if self.model.precision.kv_fp8 else None,
+            ep,
         )
         self.comm = comm
         self.refs: tuple[OpRef, ...] = tuple(OpRef(*ref) for ref in ops)

@@ -303,9 +303,12 @@ class FusedMoeExperts(KernelOperator, Experts):
         self.gate_up = ops.cpu_prepack_moe_weight(gate_up.contiguous(), self._isa)
         self.down = ops.cpu_prepack_moe_weight(down.contiguous(), self._isa)
 
-    def forward(self, batch: TokenBatch) -> TokenBatch:
-        x = batch["hidden"].contiguous()
+    def _routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, static: bool
+    ) -> torch.Tensor:
+        x = x.contiguous()
         out = torch.empty_like(x)
+        ids, weights = self._held_only(ids, weights)
         if x.shape[0]:
             vllm_ops().cpu_fused_moe(
                 out,
@@ -314,12 +317,12 @@ class FusedMoeExperts(KernelOperator, Experts):
                 self.down,
                 None,
                 None,
-                batch["topk_weights"].to(torch.float32).contiguous(),
-                batch["topk_ids"].to(torch.int32).contiguous(),
+                weights.to(torch.float32).contiguous(),
+                ids.to(torch.int32).contiguous(),
                 self._act,
                 self._isa,
             )
-        return self._finish(batch, out)
+        return out
 
 
 class ChunkedDeltaRuleAttention(KernelOperator, LinearCoreAttention):
