@@ -10,7 +10,15 @@ import pytest
 from safetensors import safe_open
 
 from opweave.costmodel import Plan, canonical_plan, load_model
-from opweave.runtime import PlanMismatchError, Request, RunOptions, run_plan
+from opweave.runtime import (
+    Placement,
+    PlanMismatchError,
+    Request,
+    RunOptions,
+    StageModule,
+    run_plan,
+)
+from opweave.runtime._private.schedule import rank_ops
 
 MAX_NEW_TOKENS = 16  # the same as the other runtime tests, so hf_greedy's cache is shared
 TIMEOUT_S = 20.0
@@ -22,8 +30,9 @@ def _ep_plan(model_dir: Path, strategy: str, *, ep: int = 2, batch: int = 4, mb:
     )
 
 
-def _run(model_dir: Path, plan: Plan, prompts, **kw) -> dict:
-    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
+def _run(model_dir: Path, plan: Plan, prompts, limits=None, **kw) -> dict:
+    limits = limits or [MAX_NEW_TOKENS] * len(prompts)
+    requests = [Request(tuple(p), n) for p, n in zip(prompts, limits, strict=True)]
     result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=TIMEOUT_S, **kw))
     assert result is not None
     return result.model_dump(mode="json")
@@ -69,3 +78,75 @@ def test_an_ep2_owner_generates_transformers_tokens(
     for i, r in enumerate(ranks):
         others = sum(b for e, b in experts.items() if not i * n // 2 <= e < (i + 1) * n // 2)
         assert r["weight_bytes_read"] == total - others
+
+
+@pytest.mark.parametrize("decode_step", ["per-request", "static"])
+def test_a_data_parallel_rank_without_requests_still_joins_the_exchanges(
+    decode_step, tiny_model, hf_greedy, prompts
+):
+    """More requests than slots, finishing at different steps: one rank prefills a newcomer
+    while the other decodes, and a rank whose requests are done idles while the other runs."""
+    model_dir = tiny_model("qwen3_moe")
+    more = [*prompts, (7, 8, 9), tuple(range(40, 50))]
+    limits = [16, 3, 16, 2, 16, 9]
+    expected = [
+        t[:n] for t, n in zip(hf_greedy(model_dir, more, MAX_NEW_TOKENS), limits, strict=True)
+    ]
+    plan = _ep_plan(model_dir, "colocated")
+    result = _run(model_dir, plan, more, limits, decode_step=decode_step)
+    assert [o["token_ids"] for o in result["outputs"]] == expected
+
+
+def test_an_afd_plan_whose_ffn_owner_has_ep2(tiny_model, hf_greedy, prompts):
+    """Attention as two data-parallel replicas, the experts over the FFN owner's two ranks."""
+    model_dir = tiny_model("qwen3_moe")
+    plan = _ep_plan(model_dir, "afd")
+    result = _run(model_dir, plan, prompts, decode_step="static")
+    assert [o["token_ids"] for o in result["outputs"]] == hf_greedy(
+        model_dir, prompts, MAX_NEW_TOKENS
+    )
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
+    assert [(r["owner"], r["replica"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # the FFN ranks read what the FFN owner's operators read unsharded, less the other
+    # rank's experts; the attention ranks read theirs whole
+    _, experts = _checkpoint_bytes(model_dir)
+    n = len(experts)
+    placement = Placement(plan, load_model(model_dir))
+    for r in ranks:
+        whole = StageModule(model_dir, rank_ops(placement, r["rank"])).checkpoint.bytes_read
+        if r["owner"] == 0:
+            assert r["weight_bytes_read"] == whole
+            continue
+        i = r["replica"]
+        others = sum(b for e, b in experts.items() if not i * n // 2 <= e < (i + 1) * n // 2)
+        assert r["weight_bytes_read"] == whole - others
+
+
+@pytest.mark.parametrize(
+    ("plan_kw", "message"),
+    [
+        ({"tp": 2, "ep": 2, "dp": 1}, r"runs expert parallelism .* at tp 1 and ep = dp only"),
+        ({"ep": 2, "dp": 2, "batch": 3}, r"a resident batch of 3 does not split over dp 2"),
+        (
+            {"ep": 2, "dp": 2, "batch": 4, "microbatches": 2},
+            r"microbatch 0 has 2, 0 slots",
+        ),
+    ],
+)
+def test_ep_plans_the_runtime_does_not_run_are_refused(plan_kw, message, tiny_model):
+    model_dir = tiny_model("qwen3_moe")
+    kw = {"batch": 4, "microbatches": 1} | plan_kw
+    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", **kw)
+    with pytest.raises(PlanMismatchError, match=message):
+        run_plan(plan, model_dir, [Request((5, 6), 2)])
+
+
+def test_ep_over_a_dense_model_or_uneven_experts_is_refused(tiny_model):
+    llama = tiny_model("llama")
+    plan = _ep_plan(llama, "colocated")
+    with pytest.raises(PlanMismatchError, match="has no routed experts; use ep 1"):
+        run_plan(plan, llama, [Request((5, 6), 2)])
+    mixtral = tiny_model("mixtral")  # 4 experts
+    plan = canonical_plan(load_model(mixtral), "colocated", gpu="cpu", batch=8, tp=1, ep=8, dp=8)
+    with pytest.raises(PlanMismatchError, match="4 routed experts do not split over ep 8"):
+        run_plan(plan, mixtral, [Request((5, 6), 2)])

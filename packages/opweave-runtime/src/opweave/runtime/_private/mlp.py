@@ -221,6 +221,18 @@ class Experts(Operator):
         )
         return self._finish(batch, self.ep.combine(out, counts))
 
+    def idle(self) -> None:
+        """Join the group's exchanges with no rows: this rank has no requests in the step the
+        others run (its data-parallel replica holds none of the microbatch's)."""
+        assert self.ep is not None and self.arch.moe is not None
+        width = self.arch.hidden_size + 2 * self.arch.moe.top_k
+        empty = torch.zeros((0, width), dtype=torch.float32, device=self.device)
+        _, counts = self.ep.dispatch(empty)
+        partial = torch.zeros(
+            (sum(counts), self.arch.hidden_size), dtype=self.dtype, device=self.device
+        )
+        self.ep.combine(partial, counts)
+
     def _routed(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, static: bool
     ) -> torch.Tensor:

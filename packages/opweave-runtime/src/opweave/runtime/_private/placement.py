@@ -258,7 +258,7 @@ def check_expert_parallel(plan: Plan, model: ModelSpec, o: int) -> None:
             sizes = [len(overlap(range(d * b, (d + 1) * b), mb)) for d in dp_ranks]
             if any(sizes) and len(set(sizes)) > 1:
                 raise PlanMismatchError(
-                    f"{what}: microbatch {k} gives the data-parallel ranks of replica {j} "
-                    f"{', '.join(map(str, sizes))} slots, where the expert exchange needs as many "
-                    "each; use 1 microbatch or a batch that splits evenly"
+                    f"{what}: microbatch {k} has {', '.join(map(str, sizes))} slots on the "
+                    f"data-parallel ranks of replica {j}, and the expert exchange needs as many "
+                    "on each; use 1 microbatch or a batch that splits evenly"
                 )

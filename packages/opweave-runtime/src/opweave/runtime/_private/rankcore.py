@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from .control import ControlClient
+from .expert_parallel import EPComm
 from .messages import Result
 from .placement import RankInfo
 from .schedule import Compute
 from .stage import StageModule
-from .expert_parallel import EPComm
 from .tensor_parallel import TPComm
 from .transport import Transport
 from .work import GREEDY, SamplingParams, Work, sample_rows
