@@ -376,7 +376,7 @@ def test_bad_expert_parallelism_is_one_line_errors(tmp_path, capsys, tiny_model)
     plan_path.write_text(plan.model_dump_json())
     prompt = ("--prompt", "t5", "--max-tokens", "2")
     cases = [
-        (("--ep", "2", "--model-path", dense), "--ep 2: tiny-llama has no routed experts"),
+        (("--ep", "2", "--model-path", dense), "has no routed experts (a dense model); drop --ep"),
         (("--ep", "3", "--model-path", moe), "--ep 3 does not divide the 8 routed experts"),
         (("--ep", "2", "--tp", "2", "--model-path", moe), "--ep runs at --tp 1"),
         ((str(plan_path), "--ep", "2", "--model-path", moe), "--ep, --replicas, --batch and"),
