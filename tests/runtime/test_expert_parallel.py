@@ -80,7 +80,9 @@ def test_an_ep2_owner_generates_transformers_tokens(
         assert r["weight_bytes_read"] == total - others
 
 
-@pytest.mark.parametrize("decode_step", ["per-request", "static"])
+# traced, compiled: each decode iteration one rank program, the exchanges inside its graph
+# (compiled: inductor's C++ wrapper)
+@pytest.mark.parametrize("decode_step", ["per-request", "static", "traced", "compiled"])
 def test_a_data_parallel_rank_without_requests_still_joins_the_exchanges(
     decode_step, tiny_model, hf_greedy, prompts
 ):
@@ -95,6 +97,8 @@ def test_a_data_parallel_rank_without_requests_still_joins_the_exchanges(
     plan = _ep_plan(model_dir, "colocated")
     result = _run(model_dir, plan, more, limits, decode_step=decode_step)
     assert [o["token_ids"] for o in result["outputs"]] == expected
+    for r in result["ranks"]:
+        assert r["traffic_compiles"] == 0  # the warm-up traced every step the exchanges run in
 
 
 def test_an_afd_plan_whose_ffn_owner_has_ep2(tiny_model, hf_greedy, prompts):
