@@ -11,9 +11,11 @@ from safetensors import safe_open
 
 from opweave.costmodel import Plan, canonical_plan, load_model
 from opweave.runtime import (
+    FaultInjection,
     Placement,
     PlanMismatchError,
     Request,
+    RunFailedError,
     RunOptions,
     StageModule,
     run_plan,
@@ -154,3 +156,44 @@ def test_ep_over_a_dense_model_or_uneven_experts_is_refused(tiny_model):
     plan = canonical_plan(load_model(mixtral), "colocated", gpu="cpu", batch=8, tp=1, ep=8, dp=8)
     with pytest.raises(PlanMismatchError, match="4 routed experts do not split over ep 8"):
         run_plan(plan, mixtral, [Request((5, 6), 2)])
+
+
+def test_a_hanging_expert_parallel_peer_fails_the_run_naming_it(tiny_model):
+    """Rank 1 hangs: rank 0 waits for it in an expert exchange, and the run ends naming rank 1
+    (and its place in the group)."""
+    model_dir = tiny_model("qwen3_moe")
+    plan = _ep_plan(model_dir, "colocated")
+    fault = FaultInjection(rank=1, iteration=3, mode="hang")
+    with pytest.raises(RunFailedError) as info:
+        run_plan(
+            plan,
+            model_dir,
+            [Request((5, 6, 7), 12), Request((8, 9), 12), Request((10, 11), 12)],
+            RunOptions(timeout_s=3, fault=fault),
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("rank 1 (owner 0, replica 0, dp rank 1 of 2: stages embed..")
+    assert "stopped responding" in message
+
+
+def _cuda_devices() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs two CUDA devices (one NCCL rank each)")
+@pytest.mark.parametrize("decode_step", ["per-request", "compiled"])
+def test_an_ep2_owner_on_cuda_with_nccl(decode_step, tiny_model, prompts):
+    """The exchanges over NCCL (all-to-all; a CUDA graph's all-reduces when compiled); tokens
+    equal the single-process runtime's on the same device."""
+    from opweave.runtime import LocalModel
+
+    model_dir = tiny_model("qwen3_moe")
+    expected = LocalModel(model_dir, device="cuda").generate(prompts, MAX_NEW_TOKENS)
+    plan = _ep_plan(model_dir, "colocated")
+    result = _run(model_dir, plan, prompts, device="cuda", decode_step=decode_step)
+    assert [o["token_ids"] for o in result["outputs"]] == expected
+    assert all(r["device"].startswith("cuda") for r in result["ranks"])

@@ -6,13 +6,19 @@ replica with its own slice of the replica's slots (see :mod:`.placement`) and ea
 checkpoint). Everything else of the owner (embedding, attention, router, shared expert, dense
 layers, head) is replicated and runs on the rank's own rows.
 
-At a layer's ``experts`` the group exchanges rows: **dispatch** gives every rank every rank's rows
-with their routing (an all-gather, in rank order), each rank computes what its own experts add to
-each row, and **combine** sums those partial outputs over the group and hands each rank back its
-own rows (an all-reduce of the gathered rows, of which a rank keeps its part). A rank with no
-requests in a step still joins with zero rows, and the row counts travel first, so ranks of one
-group may run different numbers of rows; inside a compiled static decode step the counts are the
-step's rows, equal on every rank of the group (:func:`.placement.check_expert_parallel`).
+At a layer's ``experts`` the group exchanges rows, in one of two forms:
+
+- **all-to-all** (eager steps): each (row, choice) pair goes to the rank holding its expert
+  (**dispatch**: :meth:`EPComm.all_to_all` after every rank learns every other's pair counts),
+  that rank applies the expert and its routing weight, and the results go back the same way
+  (**combine**) to be added to their rows in ascending expert order, as transformers adds them;
+- **gathered** (inside a compiled or traced static decode step, whose shapes cannot depend on the
+  routing): every rank's rows with their routing go to every rank (:meth:`EPComm.dispatch`), each
+  adds its own experts' share, and the shares are summed back (:meth:`EPComm.combine`); the
+  step's rows are equal on every rank of the group (:func:`.placement.check_expert_parallel`).
+
+Every rank of a group runs the same form at the same step (a step is a decode step on every
+rank or on none), and a rank with no requests in a step still joins with zero rows.
 """
 
 from __future__ import annotations
@@ -44,45 +50,43 @@ class EPComm:
         per = num_experts // self.size
         return self.rank * per, (self.rank + 1) * per
 
-    def dispatch(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Every rank's rows of ``local`` (``[n_r, ...]``), concatenated in rank order, and
-        each rank's ``n_r``."""
-        if torch.compiler.is_compiling():  # a static step: every rank has as many rows
-            n = local.shape[0]
-            blocks = [torch.zeros_like(local) for _ in range(self.size - 1)]
-            blocks.insert(self.rank, local)
-            # an all-reduce of blocks that are zero but for each rank's own (exact): inductor's
-            # CPU wrapper cannot call all_gather_into_tensor on every torch a rank may run
-            full = funcol.all_reduce(torch.cat(blocks), "sum", self.group)  # type: ignore[arg-type]
-            return full, [n] * self.size
+    def counts(self, send: torch.Tensor) -> list[list[int]]:
+        """Every rank's ``send`` (int64 rows for each rank of the group, on the rank's device),
+        row ``r`` rank ``r``'s."""
         start = time.perf_counter()
-        count = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
-        counts_t = [torch.empty_like(count) for _ in range(self.size)]
-        dist.all_gather(counts_t, count, group=self.group)  # type: ignore[arg-type]
-        counts = [int(c.item()) for c in counts_t]
-        most = max(counts)
-        if most == 0:
-            self.comm_s += time.perf_counter() - start
-            return local, counts
-        padded = local.new_zeros((most, *local.shape[1:]))
-        padded[: local.shape[0]] = local
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(parts, padded, group=self.group)  # type: ignore[arg-type]
-        full = torch.cat([p[:n] for p, n in zip(parts, counts, strict=True)])
+        parts = [torch.empty_like(send) for _ in range(self.size)]
+        dist.all_gather(parts, send, group=self.group)  # type: ignore[arg-type]
+        matrix = [p.tolist() for p in parts]
         self.comm_s += time.perf_counter() - start
-        return full, counts
+        return matrix
+
+    def all_to_all(self, rows: torch.Tensor, matrix: list[list[int]]) -> torch.Tensor:
+        """Send ``rows`` (``matrix[rank][r]`` of them, in order, to each rank ``r``) and
+        receive from each rank ``r`` its ``matrix[r][rank]`` rows, in rank order."""
+        send = matrix[self.rank]
+        recv = [row[self.rank] for row in matrix]
+        out = rows.new_empty((sum(recv), *rows.shape[1:]))
+        if not any(any(row) for row in matrix):
+            return out  # nothing moves anywhere in the group
+        start = time.perf_counter()
+        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)  # type: ignore[arg-type]
+        self.comm_s += time.perf_counter() - start
+        return out
+
+    def dispatch(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Inside a compiled step: every rank's rows of ``local`` (as many on every rank),
+        concatenated in rank order, and each rank's count (the gathered form)."""
+        n = local.shape[0]
+        blocks = [torch.zeros_like(local) for _ in range(self.size - 1)]
+        blocks.insert(self.rank, local)
+        # an all-reduce of blocks that are zero but for each rank's own (exact): inductor's CPU
+        # wrapper cannot call all_gather_into_tensor on every torch a rank may run
+        full = funcol.all_reduce(torch.cat(blocks), "sum", self.group)  # type: ignore[arg-type]
+        return full, [n] * self.size
 
     def combine(self, partial: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """The sum over the group of every rank's ``partial`` (rows as :meth:`dispatch` gave
-        them), this rank's rows of it."""
+        """Inside a compiled step: the sum over the group of every rank's ``partial`` (rows as
+        :meth:`dispatch` gave them), this rank's rows of it."""
         lo = sum(counts[: self.rank])
-        hi = lo + counts[self.rank]
-        if torch.compiler.is_compiling():
-            return funcol.all_reduce(partial, "sum", self.group)[lo:hi]  # type: ignore[arg-type]
-        if not partial.shape[0]:
-            return partial
-        start = time.perf_counter()
-        partial = partial.contiguous()
-        dist.all_reduce(partial, group=self.group)  # type: ignore[arg-type]
-        self.comm_s += time.perf_counter() - start
-        return partial[lo:hi]
+        summed = funcol.all_reduce(partial, "sum", self.group)  # type: ignore[arg-type]
+        return summed[lo : lo + counts[self.rank]]

@@ -207,57 +207,86 @@ class Experts(Operator):
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
         if self.ep is None:
-            return self._finish(batch, self._routed(x, ids, weights, batch.step is not None))
-        # dispatch every row of the group (with its routing: ids and weights are exact in
-        # float32), add this rank's experts' share to each, combine the group's shares
-        hidden, k = x.shape[1], ids.shape[1]
-        packed = torch.cat([x.float(), ids.float(), weights.float()], dim=1)
-        rows, counts = self.ep.dispatch(packed)
-        out = self._routed(
-            rows[:, :hidden].to(x.dtype),
-            rows[:, hidden : hidden + k].to(ids.dtype),
-            rows[:, hidden + k :].to(weights.dtype),
-            batch.step is not None,
+            out = self._routed(x, ids, weights, static=batch.step is not None)
+        elif torch.compiler.is_compiling():
+            out = self._gathered_exchange(x, ids, weights)
+        else:
+            out = self._all_to_all(x, ids, weights)
+        return self._finish(batch, out)
+
+    def _all_to_all(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """EP's all-to-all: each (row, choice) pair, in ascending expert order, to the rank
+        holding the expert; the weighted results back, added to their rows in that order (as
+        the per-expert form adds them). Routing travels in float32 beside the row (exact)."""
+        assert self.ep is not None
+        ep, (lo, hi), k = self.ep, self.held, ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, rows = flat[order], torch.div(order, k, rounding_mode="floor")
+        routing = weights.reshape(-1)[order]
+        send = torch.bincount(torch.div(experts, hi - lo, rounding_mode="floor"), minlength=ep.size)
+        matrix = ep.counts(send)
+        pairs = torch.cat(
+            [x[rows].float(), experts[:, None].float(), routing[:, None].float()], dim=1
         )
-        return self._finish(batch, self.ep.combine(out, counts))
+        got = ep.all_to_all(pairs, matrix)
+        h = x.shape[1]
+        y = self._routed(
+            got[:, :h].to(x.dtype),
+            got[:, h : h + 1].to(ids.dtype) - lo,
+            got[:, h + 1 :].to(weights.dtype),
+            static=False,
+        )
+        back = ep.all_to_all(y, [list(col) for col in zip(*matrix, strict=True)])
+        return torch.zeros_like(x).index_add_(0, rows, back)
+
+    def _gathered_exchange(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """EP inside a compiled static step (shapes independent of the routing): every rank's
+        rows to every rank, each adding its own experts' share, the shares summed back."""
+        assert self.ep is not None
+        hidden, k = x.shape[1], ids.shape[1]
+        rows, counts = self.ep.dispatch(torch.cat([x.float(), ids.float(), weights.float()], dim=1))
+        held_ids, held_weights = self._held_only(
+            rows[:, hidden : hidden + k].to(ids.dtype), rows[:, hidden + k :].to(weights.dtype)
+        )
+        out = self._routed(rows[:, :hidden].to(x.dtype), held_ids, held_weights, static=True)
+        return self.ep.combine(out, counts)
 
     def idle(self) -> None:
         """Join the group's exchanges with no rows: this rank has no requests in the step the
         others run (its data-parallel replica holds none of the microbatch's)."""
         assert self.ep is not None and self.arch.moe is not None
-        width = self.arch.hidden_size + 2 * self.arch.moe.top_k
-        empty = torch.zeros((0, width), dtype=torch.float32, device=self.device)
-        _, counts = self.ep.dispatch(empty)
-        partial = torch.zeros(
-            (sum(counts), self.arch.hidden_size), dtype=self.dtype, device=self.device
+        hidden, k = self.arch.hidden_size, self.arch.moe.top_k
+        self._all_to_all(
+            torch.zeros((0, hidden), dtype=self.dtype, device=self.device),
+            torch.zeros((0, k), dtype=torch.int64, device=self.device),
+            torch.zeros((0, k), dtype=torch.float32, device=self.device),
         )
-        self.ep.combine(partial, counts)
 
     def _routed(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, static: bool
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
     ) -> torch.Tensor:
-        """What the experts held here add to each row (every expert's share without EP)."""
-        lo, hi = self.held
+        """What experts ``ids`` (indices into those held here) add to each row."""
         if static:
             return self._gathered(x, ids, weights)
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
-            if not lo <= expert < hi:
-                continue
             slot, rows = torch.where((ids == expert).T)
-            gate, up = F.linear(x[rows], self.gate_up[expert - lo]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down[expert - lo]) * weights[rows, slot, None]
+            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down[expert]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The static decode step's form: each row multiplies the weights of its own top-k
         experts (gathered, so the shapes do not depend on the routing), and the k results are
-        summed in ascending expert order, as the per-expert form adds them. Under EP an expert
-        held elsewhere adds nothing (its weight here is zero)."""
+        summed in ascending expert order, as the per-expert form adds them."""
         ids, order = torch.sort(ids, dim=-1)
         weights = torch.gather(weights, 1, order)
-        ids, weights = self._held_only(ids, weights)
         gate, up = (self.gate_up[ids] @ x[:, None, :, None])[..., 0].chunk(2, dim=-1)
         y = (self.down[ids] @ (self.act(gate) * up)[..., None])[..., 0] * weights[..., None]
         out = torch.zeros_like(x)
@@ -270,8 +299,6 @@ class Experts(Operator):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing as indices into the experts held here; a row's choice of an expert held
         elsewhere becomes held expert 0 at weight zero (it adds exactly nothing)."""
-        if self.ep is None:
-            return ids, weights
         lo, hi = self.held
         here = (ids >= lo) & (ids < hi)
         weights = torch.where(here, weights, torch.zeros_like(weights))

@@ -304,11 +304,10 @@ class FusedMoeExperts(KernelOperator, Experts):
         self.down = ops.cpu_prepack_moe_weight(down.contiguous(), self._isa)
 
     def _routed(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, static: bool
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
     ) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty_like(x)
-        ids, weights = self._held_only(ids, weights)
         if x.shape[0]:
             vllm_ops().cpu_fused_moe(
                 out,
