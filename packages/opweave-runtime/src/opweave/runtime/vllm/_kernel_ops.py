@@ -306,7 +306,10 @@ class FusedMoeExperts(KernelOperator, Experts):
     def _routed(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
     ) -> torch.Tensor:
-        x = x.contiguous()
+        # row-major strides: a one-row view of EP's received pairs counts as contiguous but
+        # keeps the pairs' wider row stride, which the kernel rejects
+        if x.stride() != (x.shape[1], 1):
+            x = x.clone(memory_format=torch.contiguous_format)
         out = torch.empty_like(x)
         if x.shape[0]:
             vllm_ops().cpu_fused_moe(
