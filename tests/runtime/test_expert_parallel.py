@@ -103,6 +103,18 @@ def test_a_data_parallel_rank_without_requests_still_joins_the_exchanges(
         assert r["traffic_compiles"] == 0  # the warm-up traced every step the exchanges run in
 
 
+def test_data_parallel_attention_over_a_dense_model(tiny_model, hf_greedy, prompts):
+    """dp 2 at ep 1: two attention replicas of half the batch each, every weight on both."""
+    model_dir = tiny_model("llama")
+    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=4, dp=2)
+    result = _run(model_dir, plan, prompts)
+    assert [o["token_ids"] for o in result["outputs"]] == hf_greedy(
+        model_dir, prompts, MAX_NEW_TOKENS
+    )
+    total, _ = _checkpoint_bytes(model_dir)
+    assert [r["weight_bytes_read"] for r in result["ranks"]] == [total, total]
+
+
 def test_an_afd_plan_whose_ffn_owner_has_ep2(tiny_model, hf_greedy, prompts):
     """Attention as two data-parallel replicas, the experts over the FFN owner's two ranks."""
     model_dir = tiny_model("qwen3_moe")
@@ -131,7 +143,8 @@ def test_an_afd_plan_whose_ffn_owner_has_ep2(tiny_model, hf_greedy, prompts):
 @pytest.mark.parametrize(
     ("plan_kw", "message"),
     [
-        ({"tp": 2, "ep": 2, "dp": 1}, r"runs expert parallelism .* at tp 1 and ep = dp only"),
+        ({"tp": 2, "ep": 2, "dp": 1}, r"runs data-parallel attention at tp 1, and expert"),
+        ({"ep": 2, "dp": 4}, r"and expert parallelism with ep = dp only"),
         ({"ep": 2, "dp": 2, "batch": 3}, r"a resident batch of 3 does not split over dp 2"),
         (
             {"ep": 2, "dp": 2, "batch": 4, "microbatches": 2},

@@ -10,9 +10,9 @@ ever has to ask another:
   ``j`` of owner ``o`` serves slots ``[j * b_o, (j + 1) * b_o)`` and keeps the per-request state of
   exactly those slots; microbatch ``k`` is slots ``[k * B // m, (k + 1) * B // m)``.
 
-An owner with data-parallel attention (``dp > 1``, run at ``tp = 1`` with ``ep = dp``: the
-wide-EP layout) splits each plan replica into ``dp`` attention replicas of ``b_o / dp`` slots,
-laid out as above (``replica`` below counts them); the ``dp`` ranks of one plan replica form its
+An owner with data-parallel attention (``dp > 1``, run at ``tp = 1``) splits each plan replica
+into ``dp`` attention replicas of ``b_o / dp`` slots, laid out as above (``replica`` below counts
+them); with ``ep = dp > 1`` (the wide-EP layout) the ``dp`` ranks of one plan replica form its
 expert-parallel group, over which each MoE layer's routed experts are sharded
 (:mod:`.expert_parallel`).
 """
@@ -226,29 +226,39 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
 
 
 def check_expert_parallel(plan: Plan, model: ModelSpec, o: int) -> None:
-    """Refuse an owner's (TP, EP, DP) the runtime does not run: it runs ``tp = 1`` with
-    ``ep = dp`` (each GPU an attention replica and an expert set), the routed experts splitting
-    evenly, and every microbatch giving each of a replica's DP ranks as many slots (its expert
-    exchanges are collectives every DP rank joins with the same shapes)."""
+    """Refuse an owner's (TP, EP, DP) the runtime does not run. It runs data-parallel ranks at
+    ``tp = 1``; where the owner holds routed experts and ``ep > 1``, with ``ep = dp`` (each GPU
+    an attention replica and an expert set), the experts splitting evenly, and every microbatch
+    giving each of a replica's DP ranks as many slots (its expert exchanges are collectives
+    every DP rank joins, with the same shapes inside a compiled step)."""
     owner = plan.owners[o]
     what = f"plan owner {o} ({owner.gpu} tp {owner.tp} ep {owner.ep} dp {owner.dp})"
-    if owner.tp != 1 or owner.ep != owner.dp:
-        raise PlanMismatchError(
-            f"{what}: the runtime runs expert parallelism with data-parallel attention at tp 1 "
-            "and ep = dp only; re-plan (or use --ep with --tp 1)"
-        )
     moe = model.arch.moe
-    if moe is None:
+    if owner.ep > 1 and moe is None:
         raise PlanMismatchError(f"{what}: {model.name} has no routed experts; use ep 1")
-    if moe.num_experts % owner.ep:
+    experts = any(
+        op.name == "experts"
+        for seg in segments(model, plan.template, len(plan.owners))
+        if seg.owner == o
+        for op in seg.ops
+    )
+    if owner.tp != 1 or (experts and owner.ep not in (1, owner.dp)):
         raise PlanMismatchError(
-            f"{what}: {moe.num_experts} routed experts do not split over ep {owner.ep}; "
-            "choose an ep that divides them"
+            f"{what}: the runtime runs data-parallel attention at tp 1, and expert parallelism "
+            "with ep = dp only; re-plan (or use --ep with --tp 1)"
         )
     if owner.resident_batch % owner.dp:
         raise PlanMismatchError(
             f"{what}: a resident batch of {owner.resident_batch} does not split over dp "
             f"{owner.dp}; choose a batch that divides by it"
+        )
+    if not experts or owner.ep == 1:
+        return
+    assert moe is not None
+    if moe.num_experts % owner.ep:
+        raise PlanMismatchError(
+            f"{what}: {moe.num_experts} routed experts do not split over ep {owner.ep}; "
+            "choose an ep that divides them"
         )
     b, m, gb = owner.resident_batch // owner.dp, plan.microbatches, plan.global_batch
     for k in range(m):
