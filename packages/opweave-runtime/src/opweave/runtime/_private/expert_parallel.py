@@ -76,12 +76,14 @@ class EPComm:
     def dispatch(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Inside a compiled step: every rank's rows of ``local`` (as many on every rank),
         concatenated in rank order, and each rank's count (the gathered form)."""
-        n = local.shape[0]
+        n, group = local.shape[0], self.group
+        if local.device.type != "cpu":
+            return funcol.all_gather_tensor(local, 0, group), [n] * self.size  # type: ignore[arg-type]
         blocks = [torch.zeros_like(local) for _ in range(self.size - 1)]
         blocks.insert(self.rank, local)
         # an all-reduce of blocks that are zero but for each rank's own (exact): inductor's CPU
         # wrapper cannot call all_gather_into_tensor on every torch a rank may run
-        full = funcol.all_reduce(torch.cat(blocks), "sum", self.group)  # type: ignore[arg-type]
+        full = funcol.all_reduce(torch.cat(blocks), "sum", group)  # type: ignore[arg-type]
         return full, [n] * self.size
 
     def combine(self, partial: torch.Tensor, counts: list[int]) -> torch.Tensor:
