@@ -62,7 +62,7 @@ def _checkpoint_bytes(model_dir: Path) -> tuple[int, dict[int, int]]:
 
 
 @pytest.mark.parametrize("decode_step", ["per-request", "static"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3"])
 def test_an_ep2_owner_generates_transformers_tokens(
     family, decode_step, tiny_model, hf_greedy, prompts
 ):
