@@ -113,7 +113,7 @@ def test_bad_input_is_one_line_errors(tmp_path, capsys, monkeypatch, tiny_model)
         ),
         (
             ("run", "--strategy", "afd", "--tp", "2", "--ranks", "3", "--prompt", "t5", *common),
-            "the plan needs 4 ranks (replicas x tp, summed over its owners), got 3",
+            "the plan needs 4 ranks (replicas x tp x dp, summed over its owners), got 3",
         ),
         (
             ("run", "--strategy", "afd", "--tp", "8", "--prompt", "t5", *common),
@@ -349,3 +349,45 @@ def test_a_prompts_files_own_budgets_need_no_max_tokens(tmp_path, capsys, tiny_m
     assert err.startswith('error: request 1 of the prompts file has no "max_tokens"'), err
     code, out, err = _opweave(capsys, "run", "--model-path", model_dir, "--prompt", "t5")
     assert code == 2 and "--prompt needs --max-tokens" in err
+
+
+def test_run_with_expert_parallelism(tmp_path, capsys, tiny_model, hf_greedy, prompts):
+    """``--ep 2``: the MoE owner over two ranks, each an attention replica with half the batch
+    and half the experts."""
+    model_dir = tiny_model("qwen3_moe")
+    capsys.readouterr()
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt_token_ids": list(p)}) + "\n" for p in prompts))
+    args = ("--model-path", str(model_dir), "--prompts-file", str(path))
+    code, out, err = _opweave(
+        capsys, "run", "--ep", "2", *args, "--max-tokens", str(MAX_TOKENS), "--json"
+    )
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [o["token_ids"] for o in doc["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert [(r["owner"], r["replica"]) for r in doc["ranks"]] == [(0, 0), (0, 1)]
+
+
+def test_bad_expert_parallelism_is_one_line_errors(tmp_path, capsys, tiny_model):
+    moe, dense = str(tiny_model("qwen3_moe")), str(tiny_model("llama"))
+    capsys.readouterr()
+    plan = canonical_plan(load_model(moe), "colocated", gpu="cpu", batch=2)
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(plan.model_dump_json())
+    prompt = ("--prompt", "t5", "--max-tokens", "2")
+    cases = [
+        (("--ep", "2", "--model-path", dense), "has no routed experts (a dense model); drop --ep"),
+        (("--ep", "3", "--model-path", moe), "--ep 3 does not divide the 8 routed experts"),
+        (("--ep", "2", "--tp", "2", "--model-path", moe), "--ep runs at --tp 1"),
+        ((str(plan_path), "--ep", "2", "--model-path", moe), "--ep, --replicas, --batch and"),
+        (
+            ("--ep", "2", "--microbatches", "2", "--batch", "4", "--model-path", moe),
+            "microbatch 0 has 2, 0 slots on the data-parallel ranks of replica 0",
+        ),
+    ]
+    for args, message in cases:
+        code, out, err = _opweave(capsys, "run", *args, *prompt)
+        assert code == 2, (args, err)
+        assert err.startswith("error: ") and err.count("\n") == 1, err
+        assert message in err, err
+        assert out == ""

@@ -497,17 +497,6 @@ def test_wrong_rank_count_and_wrong_model_are_refused(tiny_model, write_config):
         run_plan(plan, other, request)
 
 
-def test_expert_and_data_parallel_plans_are_refused(tiny_model):
-    model_dir = tiny_model("qwen3_moe")
-    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=4, ep=2, dp=2)
-    with pytest.raises(
-        PlanMismatchError,
-        match=r"plan owner 0 \(cpu tp 1 ep 2 dp 2\) uses "
-        "expert parallelism / data-parallel attention, which the runtime does not",
-    ):
-        run_plan(plan, model_dir, [Request((5, 6), 2)])
-
-
 # -- CUDA / NCCL (skipped without a GPU) -----------------------------------------------------
 def _cuda_devices() -> int:
     import torch

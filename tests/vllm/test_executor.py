@@ -146,6 +146,26 @@ def test_newer_families_through_the_engine_equal_transformers(
     assert tokens == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
 
 
+def test_an_expert_parallel_plan_through_the_engine_equals_transformers(
+    tmp_path, hf_greedy, gpu_like_scheduling
+) -> None:
+    """An MoE model on two ranks, each a data-parallel attention replica holding half the
+    experts, behind vLLM's engine: prefills and decodes mixed, tokens as transformers'."""
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import write_tiny_model
+    from opweave.runtime.vllm import DECODE_KEY, PLAN_KEY, REQUEST_CHECK, OpWeaveExecutor
+
+    model_dir = write_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
+    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=4, ep=2, dp=2)
+    tokens = _generate(
+        model_dir,
+        distributed_executor_backend=OpWeaveExecutor,
+        additional_config={PLAN_KEY: plan.model_dump(mode="json"), DECODE_KEY: "static"},
+        logits_processors=[REQUEST_CHECK],
+    )
+    assert tokens == hf_greedy(model_dir, PROMPTS, MAX_TOKENS)
+
+
 def test_executor_by_dotted_name_with_plan_file(model_dir, plain_vllm, tmp_path) -> None:
     """The plan as a file path and the executor as a dotted name (what the CLI passes)."""
     from opweave.costmodel import canonical_plan, load_model

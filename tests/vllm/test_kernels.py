@@ -403,3 +403,24 @@ def test_the_profiler_refuses_kernels_its_device_does_not_run(tiny_model, tmp_pa
 
     with pytest.raises(ProfilerError, match="choose one of opweave, vllm, vllm-all"):
         profile_model(tiny_model("llama"), kernels="fastest", progress=False)
+
+
+def test_fused_moe_serves_an_expert_parallel_rank(model_dir):
+    """Under EP 2 vLLM's fused MoE kernel runs each rank's half of the experts on the pairs
+    dispatched to it: tokens as the runtime's own experts give."""
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import Request, RunOptions, run_plan
+
+    path = model_dir("qwen3_moe")
+    plan = canonical_plan(load_model(path), "colocated", gpu="cpu", batch=4, ep=2, dp=2)
+    requests = [Request((5, 6, 7, 8), 6), Request(LONG_PROMPT, 6), Request((9, 10), 6)]
+    runs = {
+        c: run_plan(plan, path, requests, RunOptions(kernels=c, timeout_s=120)).model_dump(
+            mode="json"
+        )
+        for c in ("vllm", "opweave")
+    }
+    for r in runs["vllm"]["ranks"]:
+        assert any(k.endswith(":fused_moe") for k in r["kernels"]), r["kernels"]
+    tokens = {c: [o["token_ids"] for o in run["outputs"]] for c, run in runs.items()}
+    assert tokens["vllm"] == tokens["opweave"]

@@ -276,3 +276,17 @@ def test_a_plan_for_another_model_is_refused_before_anything_starts(model, tmp_p
     # no vLLM import, no process start (no run folder); how soon: tools/bench/faults.py
     assert proc.stdout.splitlines()[-1] == "no vllm"
     assert list(temp.iterdir()) == []
+
+
+def test_an_expert_parallel_plan_serves_over_http(tmp_path, hf_greedy):
+    """``opweave serve --ep 2``: an MoE model's two ranks, each an attention replica with half
+    the experts, behind the OpenAI server; concurrent completions as transformers'."""
+    from opweave.runtime import write_tiny_model
+
+    model = write_tiny_model("qwen3_moe", tmp_path / "qwen3_moe")
+    args = ["--ep", "2", "--batch", "4", "--model-path", str(model), "--api-key", KEY, *SERVER]
+    proc, base = start_server(args, tmp_path / "server.log")
+    try:
+        assert _concurrently(base, model) == hf_greedy(model, PROMPTS, MAX_TOKENS)
+    finally:
+        stop_server(proc)

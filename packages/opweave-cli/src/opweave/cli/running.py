@@ -110,6 +110,16 @@ def run(
             "--replicas", min=1, max=MAX_COUNT, help="With --strategy: replicas per owner."
         ),
     ] = 1,
+    ep: Annotated[
+        int,
+        typer.Option(
+            "--ep",
+            min=1,
+            max=MAX_COUNT,
+            help="With --strategy: expert parallelism of the MoE owner over EP GPUs, each a "
+            "data-parallel attention rank with its share of the batch (at --tp 1).",
+        ),
+    ] = 1,
     batch: Annotated[
         int | None,
         typer.Option(
@@ -248,6 +258,9 @@ def serve(
     replicas: Annotated[
         int, typer.Option("--replicas", min=1, max=MAX_COUNT, help="With --strategy.")
     ] = 1,
+    ep: Annotated[
+        int, typer.Option("--ep", min=1, max=MAX_COUNT, help="With --strategy: EP = DP.")
+    ] = 1,
     batch: Annotated[
         int | None, typer.Option("--batch", min=1, max=MAX_BATCH, help="With --strategy.")
     ] = None,
@@ -307,11 +320,17 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
     if o["strategy"] is not None and o["strategy"] not in STRATEGIES:
         raise typer.BadParameter(f"--strategy must be one of {', '.join(STRATEGIES)}")
     if plan_file is not None and any(
-        o[k] not in (None, 1) for k in ("tp", "replicas", "batch", "microbatches")
+        o[k] not in (None, 1) for k in ("tp", "ep", "replicas", "batch", "microbatches")
     ):
-        raise typer.BadParameter("--tp, --replicas, --batch and --microbatches apply to --strategy")
+        raise typer.BadParameter(
+            "--tp, --ep, --replicas, --batch and --microbatches apply to --strategy"
+        )
     if o["tp"] not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
+    if o["ep"] > 1 and o["tp"] > 1:
+        raise typer.BadParameter(
+            "--ep runs at --tp 1 (each of its GPUs holds the whole attention); give one of them"
+        )
     if o["kernels"] not in KERNELS:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}")
     if o["decode_step"] not in DECODE_STEPS:
@@ -380,8 +399,12 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
 
     from opweave.costmodel import canonical_plan
 
+    ep = o["ep"]
+    if ep > 1:
+        _check_ep(model, ep)
     owners = 1 if o["strategy"] == "colocated" else 2
-    m = o["microbatches"] or owners
+    # every microbatch must reach each data-parallel rank alike: one, under expert parallelism
+    m = o["microbatches"] or (1 if ep > 1 else owners)
     if o["batch"] is not None and o["batch"] < m:
         raise typer.BadParameter(
             f"--batch {o['batch']} is below the {m} microbatches of this plan: each needs a "
@@ -389,6 +412,8 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
         )
     per_replica = o["batch"] or (_offline_batch(o) if offline else _SERVE_BATCH)
     b = max(per_replica, m)
+    if o["batch"] is None:
+        b = -(-b // ep) * ep  # a share for each data-parallel rank
     try:
         return canonical_plan(
             model,
@@ -397,10 +422,28 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
             batch=b,
             microbatches=m,
             tp=o["tp"],
+            ep=ep,
+            dp=ep,
             replicas=o["replicas"],
         )
     except ValidationError as exc:  # a bound of the Plan schema (replicas x tp, batches)
         raise typer.BadParameter(f"no such plan: {exc.errors()[0]['msg']}") from None
+
+
+def _check_ep(model: Any, ep: int) -> None:
+    """``--ep`` on a model without routed experts, or not dividing them, is an error."""
+    from opweave.costmodel import ConfigError
+
+    moe = model.arch.moe
+    if moe is None:
+        raise ConfigError(
+            f"--ep {ep}: {model.name} has no routed experts (a dense model); drop --ep"
+        )
+    if moe.num_experts % ep:
+        raise ConfigError(
+            f"--ep {ep} does not divide the {moe.num_experts} routed experts of {model.name}; "
+            "choose an --ep that divides them"
+        )
 
 
 def _offline_batch(o: dict[str, Any]) -> int:
@@ -525,6 +568,8 @@ def _loopback(host: str) -> bool:
 def _resize(plan: Any, requests: int) -> Any:
     """A --strategy plan for a prompts file: every request gets a slot (up to 64 per replica)."""
     per = max(min(-(-requests // plan.owners[0].replicas), 64), plan.microbatches)
+    dp = plan.owners[0].dp
+    per = -(-per // dp) * dp  # a share for each data-parallel rank
     owners = [ow.model_copy(update={"resident_batch": per}) for ow in plan.owners]
     return plan.model_copy(update={"owners": tuple(owners)})
 

@@ -219,9 +219,15 @@ class RandomCheckpoint(TensorSource):
         dtype: torch.dtype,
         device: torch.device | str,
         channels: tuple[int, int] | None = None,
+        experts: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         del num_experts
         base = self.layer_name(layer, "mlp.experts.")
+        if experts is not None:
+            return (
+                self.get(f"{base}gate_up_proj", dtype=dtype, device=device, ranges=[experts]),
+                self.get(f"{base}down_proj", dtype=dtype, device=device, ranges=[experts]),
+            )
         if channels is None:
             return (
                 self.get(f"{base}gate_up_proj", dtype=dtype, device=device),

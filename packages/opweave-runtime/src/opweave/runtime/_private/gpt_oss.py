@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ShardingError
 from .batch import TokenBatch
 from .ops import OpContext, Operator, linear
 
@@ -49,6 +50,8 @@ class GptOssExperts(Operator):
         super().__init__(ctx, layer)
         moe = self.arch.moe
         assert layer is not None and moe is not None
+        if ctx.ep is not None:
+            raise ShardingError(f"L{layer}.experts: gpt-oss's experts do not run expert-parallel")
         inter = moe.intermediate_size
         lo, hi = (0, inter)
         if self.sharded:

@@ -128,6 +128,7 @@ class InProcessRank(RankCore):
         self.device = device
         self.group = None
         self.comm = None
+        self.ep = None
         self.transport = LoopbackTransport()  # type: ignore[assignment]
         self.module = StageModule(
             model_dir,

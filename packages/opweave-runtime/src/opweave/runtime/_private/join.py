@@ -173,9 +173,10 @@ def run_rank(spec: RankSpec) -> int:
         if isinstance(exc, PeerError):
             report = Error("peer", text, exc.peer)
         elif worker is not None and _collective_timeout(exc):
-            # a tensor-parallel collective waited in vain: a peer of the group stopped, not
-            # this rank (the driver names it: the one peer, or the group's silent one)
-            group = next((g for g in worker.placement.tp_groups if spec.rank in g), ())
+            # a tensor- or expert-parallel collective waited in vain: a peer of the group
+            # stopped, not this rank (the driver names it: the one peer, or the group's silent one)
+            p = worker.placement
+            group = next((g for g in (*p.tp_groups, *p.ep_groups) if spec.rank in g), ())
             peers = [r for r in group if r != spec.rank]
             report = Error("peer", text, peers[0] if len(peers) == 1 else None)
         else:

@@ -58,7 +58,7 @@ def rank_specs(
 ) -> list[RankSpec]:
     """The specs of ``ranks`` (global ranks started by one node, in local order): local rank
     ``i`` is ``ranks[i]`` unless ``local_ranks`` says otherwise (torchrun's)."""
-    world = sum(o.replicas * o.tp for o in plan.owners)
+    world = sum(o.replicas * o.gpus_per_replica for o in plan.owners)
     doc = plan.model_dump(mode="json")
     local = list(local_ranks) if local_ranks is not None else list(range(len(ranks)))
     return [

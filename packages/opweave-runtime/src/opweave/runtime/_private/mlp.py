@@ -172,7 +172,8 @@ class Experts(Operator):
     """The routed experts: rows gathered per expert, summed in expert order as transformers does.
 
     Under TP every rank holds every expert's slice of the intermediate channels; the partial sums
-    are all-reduced.
+    are all-reduced. Under EP a rank holds only its group position's experts, and computes what
+    they add to every row of the group (:mod:`.expert_parallel`).
     """
 
     name, op_class = "experts", "gemm"
@@ -186,6 +187,10 @@ class Experts(Operator):
             channels = self.shard.part(
                 moe.intermediate_size, f"L{layer}.experts: intermediate size"
             )
+        self.ep = ctx.ep
+        self.held = (0, moe.num_experts)  # [lo, hi): the experts this rank holds
+        if self.ep is not None:
+            self.held = self.ep.experts(moe.num_experts, f"L{layer}.experts")
         self.gate_up, self.down = ctx.ckpt.load_experts(
             layer,
             moe.num_experts,
@@ -193,6 +198,7 @@ class Experts(Operator):
             dtype=self.dtype,
             device=self.device,
             channels=channels,
+            experts=self.held if self.ep is not None else None,
         )
         for part, tensor in (("gate_up", self.gate_up), ("down", self.down)):
             self.weight_sizes[f"layers.{layer}.experts.{part}"] = (
@@ -202,22 +208,86 @@ class Experts(Operator):
         self.ends_layer = moe.shared_intermediate_size == 0
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
-        if batch.step is not None:
-            return self._finish(batch, self._gathered(batch))
         x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
+        if self.ep is None:
+            out = self._routed(x, ids, weights, static=batch.step is not None)
+        elif torch.compiler.is_compiling():
+            out = self._gathered_exchange(x, ids, weights)
+        else:
+            out = self._all_to_all(x, ids, weights)
+        return self._finish(batch, out)
+
+    def _all_to_all(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """EP's all-to-all: each (row, choice) pair, in ascending expert order, to the rank
+        holding the expert; the weighted results back, added to their rows in that order (as
+        the per-expert form adds them). Routing travels in float32 beside the row (exact)."""
+        assert self.ep is not None
+        ep, (lo, hi), k = self.ep, self.held, ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        experts, rows = flat[order], torch.div(order, k, rounding_mode="floor")
+        routing = weights.reshape(-1)[order]
+        send = torch.bincount(torch.div(experts, hi - lo, rounding_mode="floor"), minlength=ep.size)
+        matrix = ep.counts(send)
+        pairs = torch.cat(
+            [x[rows].float(), experts[:, None].float(), routing[:, None].float()], dim=1
+        )
+        got = ep.all_to_all(pairs, matrix)
+        h = x.shape[1]
+        y = self._routed(
+            got[:, :h].to(x.dtype),
+            got[:, h : h + 1].to(ids.dtype) - lo,
+            got[:, h + 1 :].to(weights.dtype),
+            static=False,
+        )
+        back = ep.all_to_all(y, [list(col) for col in zip(*matrix, strict=True)])
+        return torch.zeros_like(x).index_add_(0, rows, back)
+
+    def _gathered_exchange(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """EP inside a compiled static step (shapes independent of the routing): every rank's
+        rows to every rank, each adding its own experts' share, the shares summed back."""
+        assert self.ep is not None
+        hidden, k = x.shape[1], ids.shape[1]
+        rows, counts = self.ep.dispatch(torch.cat([x.float(), ids.float(), weights.float()], dim=1))
+        held_ids, held_weights = self._held_only(
+            rows[:, hidden : hidden + k].to(ids.dtype), rows[:, hidden + k :].to(weights.dtype)
+        )
+        out = self._routed(rows[:, :hidden].to(x.dtype), held_ids, held_weights, static=True)
+        return self.ep.combine(out, counts)
+
+    def idle(self) -> None:
+        """Join the group's exchanges with no rows: this rank has no requests in the step the
+        others run (its data-parallel replica holds none of the microbatch's)."""
+        assert self.ep is not None and self.arch.moe is not None
+        hidden, k = self.arch.hidden_size, self.arch.moe.top_k
+        self._all_to_all(
+            torch.zeros((0, hidden), dtype=self.dtype, device=self.device),
+            torch.zeros((0, k), dtype=torch.int64, device=self.device),
+            torch.zeros((0, k), dtype=torch.float32, device=self.device),
+        )
+
+    def _routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
+    ) -> torch.Tensor:
+        """What experts ``ids`` (indices into those held here) add to each row."""
+        if static:
+            return self._gathered(x, ids, weights)
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
             slot, rows = torch.where((ids == expert).T)
             gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
             y = F.linear(self.act(gate) * up, self.down[expert]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
-        return self._finish(batch, out)
+        return out
 
-    def _gathered(self, batch: TokenBatch) -> torch.Tensor:
+    def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The static decode step's form: each row multiplies the weights of its own top-k
         experts (gathered, so the shapes do not depend on the routing), and the k results are
         summed in ascending expert order, as the per-expert form adds them."""
-        x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
         ids, order = torch.sort(ids, dim=-1)
         weights = torch.gather(weights, 1, order)
         gate, up = (self.gate_up[ids] @ x[:, None, :, None])[..., 0].chunk(2, dim=-1)
@@ -226,6 +296,16 @@ class Experts(Operator):
         for j in range(ids.shape[1]):
             out = out + y[:, j].to(out.dtype)
         return out
+
+    def _held_only(
+        self, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing as indices into the experts held here; a row's choice of an expert held
+        elsewhere becomes held expert 0 at weight zero (it adds exactly nothing)."""
+        lo, hi = self.held
+        here = (ids >= lo) & (ids < hi)
+        weights = torch.where(here, weights, torch.zeros_like(weights))
+        return torch.where(here, ids - lo, torch.zeros_like(ids)), weights
 
     def _finish(self, batch: TokenBatch, out: torch.Tensor) -> TokenBatch:
         """The layer's residual add (after the TP reduce), or the routed sum handed to the

@@ -20,6 +20,7 @@ from opweave.costmodel import Architecture
 
 from ..errors import RequestStateError, UnsupportedModelError
 from .batch import TokenBatch
+from .expert_parallel import EPComm
 from .tensor_parallel import Layout, Shard, TPComm
 from .weights import TensorSource
 
@@ -74,6 +75,7 @@ class OpContext:
     comm: TPComm | None = None
     kernels: KernelChoice | None = None  # the stage's kernels (None: the runtime's own)
     kv_cache_dtype: torch.dtype | None = None  # softmax attention's KV cache (None: ``dtype``)
+    ep: EPComm | None = None  # the expert-parallel group (None: every expert here)
 
 
 class Operator:

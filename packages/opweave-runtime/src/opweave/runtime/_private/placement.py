@@ -9,6 +9,12 @@ ever has to ask another:
 - the global batch is ``B = replicas_o * resident_batch_o`` slots (equal for every owner); replica
   ``j`` of owner ``o`` serves slots ``[j * b_o, (j + 1) * b_o)`` and keeps the per-request state of
   exactly those slots; microbatch ``k`` is slots ``[k * B // m, (k + 1) * B // m)``.
+
+An owner with data-parallel attention (``dp > 1``, run at ``tp = 1``) splits each plan replica
+into ``dp`` attention replicas of ``b_o / dp`` slots, laid out as above (``replica`` below counts
+them); with ``ep = dp > 1`` (the wide-EP layout) the ``dp`` ranks of one plan replica form its
+expert-parallel group, over which each MoE layer's routed experts are sharded
+(:mod:`.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ class RankInfo:
     tp_size: int
     leader: int
     group: tuple[int, ...]
+    ep_group: tuple[int, ...] = ()  # the plan replica's expert-parallel ranks (ep > 1)
 
     @property
     def is_leader(self) -> bool:
@@ -62,11 +69,16 @@ class Placement:
         self.microbatches = plan.microbatches
         ranks: list[RankInfo] = []
         for o, owner in enumerate(plan.owners):
-            for j in range(owner.replicas):
+            for j in range(owner.replicas * owner.dp):
                 base = len(ranks)
                 group = tuple(range(base, base + owner.tp))
+                first = base - (j % owner.dp) * owner.tp  # of the plan replica's ranks
+                ep_group = tuple(range(first, first + owner.gpus_per_replica))
                 ranks += [
-                    RankInfo(base + t, o, j, t, owner.tp, base, group) for t in range(owner.tp)
+                    RankInfo(
+                        base + t, o, j, t, owner.tp, base, group, ep_group if owner.ep > 1 else ()
+                    )
+                    for t in range(owner.tp)
                 ]
         self.ranks = tuple(ranks)
 
@@ -83,8 +95,14 @@ class Placement:
             r.rank for r in self.ranks if (r.owner, r.replica, r.tp_rank) == (owner, replica, 0)
         )
 
+    def replicas(self, owner: int) -> int:
+        """Replicas of ``owner`` as the runtime lays them out: data-parallel ranks count."""
+        o = self.plan.owners[owner]
+        return o.replicas * o.dp
+
     def replica_slots(self, owner: int, replica: int) -> range:
-        b = self.plan.owners[owner].resident_batch
+        o = self.plan.owners[owner]
+        b = o.resident_batch // o.dp
         return range(replica * b, (replica + 1) * b)
 
     def microbatch_slots(self, k: int) -> range:
@@ -97,7 +115,7 @@ class Placement:
     def replicas_serving(self, owner: int, slots: range) -> list[tuple[int, range]]:
         """Replicas of ``owner`` holding any of ``slots``, with the overlap each holds."""
         out = []
-        for j in range(self.plan.owners[owner].replicas):
+        for j in range(self.replicas(owner)):
             part = overlap(self.replica_slots(owner, j), slots)
             if part:
                 out.append((j, part))
@@ -108,10 +126,18 @@ class Placement:
         """Every replica's rank group with more than one member, in rank order."""
         return sorted({r.group for r in self.ranks if r.tp_size > 1})
 
+    @cached_property
+    def ep_groups(self) -> list[tuple[int, ...]]:
+        """Every plan replica's expert-parallel rank group (owners with ``ep > 1``)."""
+        return sorted({r.ep_group for r in self.ranks if r.ep_group})
+
     def describe(self, rank: int) -> str:
         """``owner 1, replica 0: stages L0.ffn_norm..L0.down_proj, ...`` (for errors)."""
         info = self.ranks[rank]
-        where = f"owner {info.owner}, replica {info.replica}"
+        dp = self.plan.owners[info.owner].dp
+        where = f"owner {info.owner}, replica {info.replica // dp}"
+        if dp > 1:
+            where += f", dp rank {info.replica % dp} of {dp}"
         if info.tp_size > 1:
             where += f", tp rank {info.tp_rank} of {info.tp_size}"
         stages = ", ".join(segment_label(s) for s in self.segments_of(info.owner)) or "none"
@@ -137,8 +163,8 @@ def plan_model(plan: Plan, model_dir: str | Path) -> ModelSpec:
 
 
 def total_ranks(plan: Plan) -> int:
-    """Processes (GPUs) a plan needs: replicas x TP degree, summed over its owners."""
-    return sum(o.replicas * o.tp for o in plan.owners)
+    """Processes (GPUs) a plan needs: replicas x TP x DP degree, summed over its owners."""
+    return sum(o.replicas * o.gpus_per_replica for o in plan.owners)
 
 
 def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> None:
@@ -176,11 +202,7 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
         )
     for o, owner in enumerate(plan.owners):
         if owner.ep > 1 or owner.dp > 1:
-            raise PlanMismatchError(
-                f"plan owner {o} ({owner.gpu} tp {owner.tp} ep {owner.ep} dp {owner.dp}) uses "
-                "expert parallelism / data-parallel attention, which the runtime does not run "
-                "yet; re-plan for it with tensor parallelism only"
-            )
+            check_expert_parallel(plan, model, o)
         if owner.tp == 1:
             continue
         ops = [
@@ -198,6 +220,55 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
     needed = total_ranks(plan)
     if world_size is not None and world_size != needed:
         raise PlanMismatchError(
-            f"the plan needs {needed} ranks (replicas x tp, summed over its owners), "
+            f"the plan needs {needed} ranks (replicas x tp x dp, summed over its owners), "
             f"got {world_size}; launch with --ranks {needed}"
         )
+
+
+def check_expert_parallel(plan: Plan, model: ModelSpec, o: int) -> None:
+    """Refuse an owner's (TP, EP, DP) the runtime does not run. It runs data-parallel ranks at
+    ``tp = 1``; where the owner holds routed experts and ``ep > 1``, with ``ep = dp`` (each GPU
+    an attention replica and an expert set), the experts splitting evenly, and every microbatch
+    giving each of a replica's DP ranks as many slots (its expert exchanges are collectives
+    every DP rank joins, with the same shapes inside a compiled step)."""
+    owner = plan.owners[o]
+    what = f"plan owner {o} ({owner.gpu} tp {owner.tp} ep {owner.ep} dp {owner.dp})"
+    moe = model.arch.moe
+    if owner.ep > 1 and moe is None:
+        raise PlanMismatchError(f"{what}: {model.name} has no routed experts; use ep 1")
+    experts = any(
+        op.name == "experts"
+        for seg in segments(model, plan.template, len(plan.owners))
+        if seg.owner == o
+        for op in seg.ops
+    )
+    if owner.tp != 1 or (experts and owner.ep not in (1, owner.dp)):
+        raise PlanMismatchError(
+            f"{what}: the runtime runs data-parallel attention at tp 1, and expert parallelism "
+            "with ep = dp only; re-plan (or use --ep with --tp 1)"
+        )
+    if owner.resident_batch % owner.dp:
+        raise PlanMismatchError(
+            f"{what}: a resident batch of {owner.resident_batch} does not split over dp "
+            f"{owner.dp}; choose a batch that divides by it"
+        )
+    if not experts or owner.ep == 1:
+        return
+    assert moe is not None
+    if moe.num_experts % owner.ep:
+        raise PlanMismatchError(
+            f"{what}: {moe.num_experts} routed experts do not split over ep {owner.ep}; "
+            "choose an ep that divides them"
+        )
+    b, m, gb = owner.resident_batch // owner.dp, plan.microbatches, plan.global_batch
+    for k in range(m):
+        mb = range(k * gb // m, (k + 1) * gb // m)
+        for j in range(owner.replicas):
+            dp_ranks = range(j * owner.dp, (j + 1) * owner.dp)
+            sizes = [len(overlap(range(d * b, (d + 1) * b), mb)) for d in dp_ranks]
+            if any(sizes) and len(set(sizes)) > 1:
+                raise PlanMismatchError(
+                    f"{what}: microbatch {k} has {', '.join(map(str, sizes))} slots on the "
+                    f"data-parallel ranks of replica {j}, and the expert exchange needs as many "
+                    "on each; use 1 microbatch or a batch that splits evenly"
+                )

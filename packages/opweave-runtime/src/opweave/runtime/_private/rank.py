@@ -33,6 +33,7 @@ import torch.distributed as dist
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .control import ControlClient
 from .decode import compiled_graphs, trust_warm_graphs
+from .expert_parallel import EPComm
 from .kernels import KernelSet
 from .messages import Shutdown, Warm, Warmed
 from .options import FaultInjection, RunOptions
@@ -84,6 +85,11 @@ class StageWorker(RankCore):
             g = dist.new_group(list(ranks), timeout=timeout)
             if rank in ranks:
                 self.group = g
+        self.ep: EPComm | None = None
+        for ranks in placement.ep_groups:
+            g = dist.new_group(list(ranks), timeout=timeout)
+            if rank in ranks:
+                self.ep = EPComm(ranks.index(rank), len(ranks), g)
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         world = placement.world_size
         self.transport = Transport(
@@ -110,6 +116,7 @@ class StageWorker(RankCore):
             model=placement.model,
             # a static decode step takes vLLM's GEMMs only (the rest of its kernels do not trace)
             kernels=KernelSet(options.kernels, gemms_only=step.static),
+            ep=self.ep,
         )
         if step.static:  # slabs for every slot, of the plan's context
             self.module.use_static_decode(
@@ -258,8 +265,9 @@ class StageWorker(RankCore):
         self.module.submissions = 0
         self.transport.comm_s = 0.0
         self.transport.bytes_sent = self.transport.messages_sent = 0
-        if self.comm is not None:
-            self.comm.comm_s = 0.0
+        for c in (self.comm, self.ep):
+            if c is not None:
+                c.comm_s = 0.0
         self.clock = Clock()
         self._warm_up_iterations = self.iterations
         self._warm_up_s = time.perf_counter() - start

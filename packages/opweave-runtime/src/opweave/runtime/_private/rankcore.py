@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from .control import ControlClient
+from .expert_parallel import EPComm
 from .messages import Result
 from .placement import RankInfo
 from .schedule import Compute
@@ -58,6 +59,7 @@ class RankCore:
     actions: list[Compute]
     group: Any
     comm: TPComm | None
+    ep: EPComm | None
     transport: Transport
     module: StageModule
     control: ControlClient
@@ -74,14 +76,17 @@ class RankCore:
     # -- what every runner shares ----------------------------------------------------------------
     @contextlib.contextmanager
     def computing(self) -> Iterator[None]:
-        """Time the operators run inside as compute, less their TP collectives, which count as
-        communication."""
+        """Time the operators run inside as compute, less their TP and EP collectives, which
+        count as communication."""
         start = time.perf_counter()
-        tp_before = self.comm.comm_s if self.comm is not None else 0.0
+        before = self._collective_s()
         yield
-        tp_comm = (self.comm.comm_s - tp_before) if self.comm is not None else 0.0
-        self.transport.comm_s += tp_comm
-        self.clock.compute_s += time.perf_counter() - start - tp_comm
+        collective = self._collective_s() - before
+        self.transport.comm_s += collective
+        self.clock.compute_s += time.perf_counter() - start - collective
+
+    def _collective_s(self) -> float:
+        return sum(c.comm_s for c in (self.comm, self.ep) if c is not None)
 
     @staticmethod
     def ops(action: Compute, *, sample: bool) -> slice:

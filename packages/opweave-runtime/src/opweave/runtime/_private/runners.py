@@ -161,7 +161,13 @@ class PerRequestRunner:
             w.inputs[key] = {
                 name: (t.dtype, tuple(t.shape[1:])) for name, t in batch.tensors.items()
             }
-        batch = self._run(action, batch) if batch.meta.request_ids else TokenBatch(batch.meta, {})
+        if batch.meta.request_ids:
+            batch = self._run(action, batch)
+        else:
+            if w.module.expert_parallel:  # the data-parallel peers' exchanges need this rank
+                with w.computing(), torch.inference_mode():
+                    w.module.idle(w.ops(action, sample=False))
+            batch = TokenBatch(batch.meta, {})
         if not leader:
             return
         if action.last:
@@ -254,7 +260,9 @@ class RowsRunner:
                     w.transport.recv_rows(link, [inputs[n][lo:hi] for n in names], what)
             if w.info.tp_size > 1:
                 w.transport.fanout_rows(list(inputs.values()), w.info.leader, w.group)
-        if idx:
+        # under EP a replica with none of the microbatch's requests still runs its padding
+        # rows: its data-parallel peers' expert exchanges need it
+        if idx or w.module.expert_parallel:
             rids = [work.request_ids[j] for j in idx]
             with w.computing():
                 out = w.module.run_rows(

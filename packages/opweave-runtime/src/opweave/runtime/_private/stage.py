@@ -12,8 +12,10 @@ from opweave.costmodel import ModelSpec
 from ..errors import OpWeaveRuntimeError
 from .batch import TokenBatch
 from .decode import StaticStep, is_decode, why_not_static
+from .expert_parallel import EPComm
 from .graph import OpRef, compute_dtype, model_spec, operator_from, operator_sequence
 from .kernels import KernelSet
+from .mlp import Experts
 from .ops import OpContext, Operator, StatefulOperator, share_slabs
 from .sequence import run_ops
 from .tensor_parallel import Shard, TPComm
@@ -45,6 +47,7 @@ class StageModule:
         comm: TPComm | None = None,
         model: ModelSpec | None = None,
         kernels: KernelSet | None = None,
+        ep: EPComm | None = None,
     ) -> None:
         self.model: ModelSpec = model or model_spec(model_dir)
         compute = compute_dtype(self.model, dtype)
@@ -60,8 +63,10 @@ class StageModule:
             comm,
             kernels,
             torch.float8_e4m3fn if self.model.precision.kv_fp8 else None,
+            ep,
         )
         self.comm = comm
+        self.ep = ep
         self.refs: tuple[OpRef, ...] = tuple(OpRef(*ref) for ref in ops)
         self.operators: list[Operator] = [operator_from(self.model, ctx, r) for r in self.refs]
         self.checkpoint.close()
@@ -154,13 +159,27 @@ class StageModule:
         one per operator otherwise.
         """
         chosen = self.operators[ops]
-        if self._static is not None and is_decode(batch.meta):
+        # under EP a packed batch runs eagerly, as the data-parallel peers' prefills run: the
+        # group's exchanges must be the same collectives on every rank (a decode step whose
+        # rows every rank runs goes through run_rows)
+        if self._static is not None and is_decode(batch.meta) and self.ep is None:
             size = len(batch.meta.request_ids) if size is None else size
             step = self.decode_step(ops, size)
             self.submissions += 1 if step.native else len(chosen)
             return step(batch, place)
         self.submissions += len(chosen)
         return run_ops(chosen, batch, self.comm)
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether this stage's experts exchange rows with an expert-parallel group."""
+        return self.ep is not None and any(isinstance(op, Experts) for op in self.operators)
+
+    def idle(self, ops: slice) -> None:
+        """Join the expert exchanges of ``ops`` without rows (no requests here this step)."""
+        for op in self.operators[ops]:
+            if isinstance(op, Experts) and op.ep is not None:
+                op.idle()
 
     @torch.inference_mode()
     def run_rows(

@@ -104,6 +104,7 @@ class TensorSource:
         dtype: torch.dtype,
         device: torch.device | str,
         channels: tuple[int, int] | None = None,
+        experts: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``."""
         raise NotImplementedError
@@ -400,17 +401,25 @@ class Checkpoint(TensorSource):
         dtype: torch.dtype,
         device: torch.device | str,
         channels: tuple[int, int] | None = None,
+        experts: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``; with
-        ``channels`` only those ``[lo, hi)`` intermediate channels of every expert (TP).
+        ``channels`` only those ``[lo, hi)`` intermediate channels of every expert (TP); with
+        ``experts`` only those ``[lo, hi)`` experts (EP; not both).
 
         transformers 5 computes with this fused layout, so matching it keeps the matmul shapes (and
         hence the float rounding) the same as the reference; per-expert files are stacked to it.
         """
         module = self.moe_module(layer)
         fused = self.layer_name(layer, f"{module}experts.gate_up_proj")
+        if experts is not None and channels is not None:
+            raise ValueError("experts are split either by channels (TP) or by expert (EP)")
         if self.has(fused):
             down = self.layer_name(layer, f"{module}experts.down_proj")
+            if experts is not None:
+                return self.get(fused, dtype=dtype, device=device, ranges=[experts]), self.get(
+                    down, dtype=dtype, device=device, ranges=[experts]
+                )
             if channels is None:
                 return self.get(fused, dtype=dtype, device=device), self.get(
                     down, dtype=dtype, device=device
@@ -431,7 +440,7 @@ class Checkpoint(TensorSource):
         )
         rows = None if channels is None else [channels]
         gate_up, down = [], []
-        for e in range(num_experts):
+        for e in range(*(experts or (0, num_experts))):
 
             def part(n: str, dim: int, e: int = e) -> torch.Tensor:
                 name = self.layer_name(layer, f"{module}experts.{e}.{n}.weight")

@@ -303,8 +303,13 @@ class FusedMoeExperts(KernelOperator, Experts):
         self.gate_up = ops.cpu_prepack_moe_weight(gate_up.contiguous(), self._isa)
         self.down = ops.cpu_prepack_moe_weight(down.contiguous(), self._isa)
 
-    def forward(self, batch: TokenBatch) -> TokenBatch:
-        x = batch["hidden"].contiguous()
+    def _routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
+    ) -> torch.Tensor:
+        # row-major strides: a one-row view of EP's received pairs counts as contiguous but
+        # keeps the pairs' wider row stride, which the kernel rejects
+        if x.stride() != (x.shape[1], 1):
+            x = x.clone(memory_format=torch.contiguous_format)
         out = torch.empty_like(x)
         if x.shape[0]:
             vllm_ops().cpu_fused_moe(
@@ -314,12 +319,12 @@ class FusedMoeExperts(KernelOperator, Experts):
                 self.down,
                 None,
                 None,
-                batch["topk_weights"].to(torch.float32).contiguous(),
-                batch["topk_ids"].to(torch.int32).contiguous(),
+                weights.to(torch.float32).contiguous(),
+                ids.to(torch.int32).contiguous(),
                 self._act,
                 self._isa,
             )
-        return self._finish(batch, out)
+        return out
 
 
 class ChunkedDeltaRuleAttention(KernelOperator, LinearCoreAttention):
