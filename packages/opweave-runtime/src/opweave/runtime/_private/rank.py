@@ -24,11 +24,9 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .control import ControlClient
@@ -37,13 +35,14 @@ from .kernels import KernelSet
 from .messages import Shutdown, Warm, Warmed
 from .options import FaultInjection, RunOptions
 from .placement import Placement
+from .prefill import StateInbox
 from .proc import RunQueueClock, pin_to_core, resolve_device
 from .program import RankProgram
 from .rankcore import Clock, RankCore, RankRequest, Rows
 from .runners import IterationRunner, PerRequestRunner, ProgramRunner, RowsRunner
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
-from .tensor_parallel import Shard, TPComm
+from .tensor_parallel import Shard, TPComm, new_groups
 from .transport import Transport
 from .work import GREEDY, Work
 
@@ -78,12 +77,7 @@ class StageWorker(RankCore):
         self.device = resolve_device(options.device, local_rank)
         self.actions: list[Compute] = compile_schedule(placement, rank)
         self.mine = placement.replica_slots(self.info.owner, self.info.replica)
-        self.group = None
-        timeout = timedelta(seconds=options.timeout_s)
-        for ranks in placement.tp_groups:  # every rank creates every group, in the same order
-            g = dist.new_group(list(ranks), timeout=timeout)
-            if rank in ranks:
-                self.group = g
+        self.group = new_groups(placement.tp_groups, rank, options.timeout_s)
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         world = placement.world_size
         self.transport = Transport(
@@ -118,6 +112,7 @@ class StageWorker(RankCore):
                 compile=step.compiler,
             )
         self.held: dict[str, RankRequest] = {}
+        self.inbox = StateInbox(rank, placement, self.transport)  # states a prefill pool sent
         self._works: dict[tuple[int, int], Work] = {}
         self._synced: set[tuple[int, int]] = set()
         self.clock = Clock()
@@ -211,26 +206,45 @@ class StageWorker(RankCore):
         return work
 
     def _sync(self, work: Work) -> None:
-        """Free finished requests, admit new ones (a request at context 0 that is held restarts)."""
+        """Free finished requests, admit new ones (a request at context 0 that is held
+        restarts; one a prefill pool prefilled arrives with its state)."""
         for rid in work.free:
             if rid in self.held:
                 self.module.free(rid)
                 del self.held[rid]
+        stateful = self.placement.holds_state(self.info.owner)
+        for slot, replica, seq in work.discard:
+            if stateful and slot in self.mine:
+                self.inbox.take(replica, seq)
+        for rid, (replica, seq) in work.imports.items():
+            i = work.request_ids.index(rid)
+            if work.slots[i] not in self.mine:
+                continue
+            if rid in self.held:
+                self.module.free(rid)
+            self.module.admit(rid, rows=[work.slots[i] - self.mine.start])
+            self.held[rid] = self._request(work, rid)
+            if stateful:
+                self.module.import_state(rid, work.context_lens[i], self.inbox.take(replica, seq))
         for i in work.requests_in(self.mine):
             rid, ctx = work.request_ids[i], work.context_lens[i]
             if ctx == 0:
                 if rid in self.held:
                     self.module.free(rid)
                 self.module.admit(rid, rows=[work.slots[i] - self.mine.start])
-                params = work.params.get(rid, GREEDY)
-                gen = None
-                if params.seed is not None:
-                    gen = torch.Generator().manual_seed(int(params.seed))
-                self.held[rid] = RankRequest(params, gen)
+                self.held[rid] = self._request(work, rid)
             elif rid not in self.held:
                 raise RequestStateError(
                     f"rank {self.rank} holds no state for request {rid!r} at context {ctx}"
                 )
+
+    @staticmethod
+    def _request(work: Work, rid: str) -> RankRequest:
+        params = work.params.get(rid, GREEDY)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(int(params.seed))
+        return RankRequest(params, gen)
 
     # -- the warm-up ----------------------------------------------------------------------------
     def warm(self, request_ids: Sequence[str]) -> None:
