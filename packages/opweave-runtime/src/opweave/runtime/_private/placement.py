@@ -162,7 +162,8 @@ class Placement:
 
     def stage_labels(self, rank: int) -> list[str]:
         if self.ranks[rank].prefills:
-            return [f"prefill: {segment_label(s)}" for s in self.segments]
+            first, last = self.segments[0].ops[0], self.segments[-1].ops[-1]
+            return [f"prefill: {op_label(first)}..{op_label(last)}"]
         return [segment_label(s) for s in self.segments_of(self.ranks[rank].owner)]
 
 
