@@ -152,9 +152,8 @@ def _hardware(plan: Any, hardware: Path | None, profiles: list[Any]) -> dict[str
 
     cat = planned_catalog(plan, None if hardware is None else catalog(hardware))
     by_profile = {profile_device_id(p, cat): p.device for p in profiles}
-    return {
-        o.gpu: by_profile[o.gpu] if o.gpu in by_profile else cat.get(o.gpu) for o in plan.owners
-    }
+    gpus = [o.gpu for o in plan.owners] + ([plan.prefill.gpu] if plan.prefill else [])
+    return {gpu: by_profile[gpu] if gpu in by_profile else cat.get(gpu) for gpu in gpus}
 
 
 def _gpu_resource(hw: Any) -> str | None:

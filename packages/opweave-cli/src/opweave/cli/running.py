@@ -110,6 +110,9 @@ def run(
             "--replicas", min=1, max=MAX_COUNT, help="With --strategy: replicas per owner."
         ),
     ] = 1,
+    prefill_replicas: Annotated[
+        int, typer.Option("--prefill-replicas", min=0, max=MAX_COUNT, help=PREFILL_HELP)
+    ] = 0,
     batch: Annotated[
         int | None,
         typer.Option(
@@ -248,6 +251,9 @@ def serve(
     replicas: Annotated[
         int, typer.Option("--replicas", min=1, max=MAX_COUNT, help="With --strategy.")
     ] = 1,
+    prefill_replicas: Annotated[
+        int, typer.Option("--prefill-replicas", min=0, max=MAX_COUNT, help=PREFILL_HELP)
+    ] = 0,
     batch: Annotated[
         int | None, typer.Option("--batch", min=1, max=MAX_BATCH, help="With --strategy.")
     ] = None,
@@ -295,6 +301,12 @@ def serve(
     _run(ctx, options)
 
 
+PREFILL_HELP = (
+    "With --strategy: a prefill pool of P colocated replicas at --tp that prefill every prompt "
+    "and send its KV cache to the decode ranks (P/D); 0: each replica prefills its own."
+)
+
+
 def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
     from opweave.costmodel import TP_DEGREES, ConfigError, load_model
 
@@ -310,6 +322,10 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         o[k] not in (None, 1) for k in ("tp", "replicas", "batch", "microbatches")
     ):
         raise typer.BadParameter("--tp, --replicas, --batch and --microbatches apply to --strategy")
+    if plan_file is not None and o["prefill_replicas"]:
+        raise typer.BadParameter(
+            "--prefill-replicas applies to --strategy; a plan file names its own prefill pool"
+        )
     if o["tp"] not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     if o["kernels"] not in KERNELS:
@@ -378,7 +394,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
         return load_servable_plan(plan_file, "run")
     from pydantic import ValidationError
 
-    from opweave.costmodel import canonical_plan
+    from opweave.costmodel import PrefillPool, canonical_plan
 
     owners = 1 if o["strategy"] == "colocated" else 2
     m = o["microbatches"] or owners
@@ -390,7 +406,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
     per_replica = o["batch"] or (_offline_batch(o) if offline else _SERVE_BATCH)
     b = max(per_replica, m)
     try:
-        return canonical_plan(
+        plan = canonical_plan(
             model,
             o["strategy"],
             gpu="cpu",
@@ -399,6 +415,10 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
             tp=o["tp"],
             replicas=o["replicas"],
         )
+        if o["prefill_replicas"]:
+            pool = PrefillPool(gpu="cpu", tp=o["tp"], replicas=o["prefill_replicas"])
+            plan = plan.model_copy(update={"prefill": pool})
+        return plan
     except ValidationError as exc:  # a bound of the Plan schema (replicas x tp, batches)
         raise typer.BadParameter(f"no such plan: {exc.errors()[0]['msg']}") from None
 
@@ -451,6 +471,7 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
             "template_cuts": list(plan.template.cuts),
             "owners": [ow.model_dump() for ow in plan.owners],
             "microbatches": plan.microbatches,
+            "prefill": None if plan.prefill is None else plan.prefill.model_dump(),
         },
         **result.model_copy(update={"outputs": tuple(outputs)}).model_dump(mode="json"),
     }
@@ -829,11 +850,17 @@ def _print_human(doc: dict[str, Any]) -> None:
     for out in doc["outputs"]:
         text = out["text"] if out["text"] is not None else " ".join(map(str, out["token_ids"]))
         typer.echo(f"[{out['request_id']}] {text}")
-    tpot = doc["tpot_s"]
+    tpot, ttft, sent = doc["tpot_s"], doc["ttft_s"], doc["transfer"]
     typer.echo(
         f"\n{doc['strategy']} on {len(doc['ranks'])} rank(s), {doc['iterations']} iterations; "
         + ("TPOT n/a (one token per request)" if tpot is None else f"TPOT {tpot * 1e3:.3f} ms")
+        + ("" if ttft is None else f"; TTFT {ttft * 1e3:.3f} ms")
     )
+    if sent is not None:
+        typer.echo(
+            f"prefill pool: {sent['prefills']} prompt(s), {human_bytes(sent['bytes'])} of state "
+            f"in {sent['messages']} message(s) to the decode ranks"
+        )
     rows = []
     for r in doc["ranks"]:
         loop = r.get("loop_s") or 1.0
