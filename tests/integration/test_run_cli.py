@@ -383,6 +383,7 @@ def test_prefill_replicas_with_a_plan_file_is_one_error_line(tmp_path, capsys, t
     plan_path = tmp_path / "plan.json"
     plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=2)
     plan_path.write_text(plan.model_dump_json())
+    capsys.readouterr()  # the tiny model's writing, if this test wrote it
     code, _, err = _opweave(
         capsys, "run", str(plan_path), "--prefill-replicas", "2", "--model-path", str(model_dir),
         "--prompt", "t5 t6", "--max-tokens", "2",
