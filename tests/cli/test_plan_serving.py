@@ -61,7 +61,10 @@ def test_rate_with_ttft_slo_writes_a_plan_deploy_launches_with_both_pools(
         deployed = cli_json("deploy", str(out), "-o", str(tmp_path / "k8s"), *IMAGE)
         ranks = sorted(r for n in deployed["nodes"] for r in n["ranks"])
         assert ranks == list(range(dec["gpus_used"] + pre["gpus_used"]))  # both pools launched
-        scripts = [(tmp_path / "k8s" / "launch" / f"node-{r}.sh").read_text() for r in range(len(deployed["nodes"]))]
+        scripts = [
+            (tmp_path / "k8s" / "launch" / f"node-{r}.sh").read_text()
+            for r in range(len(deployed["nodes"]))
+        ]
         assert any("Prefill pool ranks here" in s for s in scripts)
         sim = cli_json("simulate", str(out))
         assert sim["prefill"]["replicas"] == pre["replicas"]

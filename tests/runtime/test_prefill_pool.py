@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 from opweave.costmodel import Plan, PrefillPool, canonical_plan, load_model
-from opweave.runtime import PlanMismatchError, Request, RunOptions, run_plan
+from opweave.runtime import (
+    FaultInjection,
+    PlanMismatchError,
+    Request,
+    RunFailedError,
+    RunOptions,
+    run_plan,
+)
 
 MAX_NEW_TOKENS = 16  # as the other runtime tests, so hf_greedy's cache is shared
 TIMEOUT_S = 20.0
@@ -109,3 +116,41 @@ def test_a_prefill_pool_at_another_tp_than_the_attention_owner_is_refused(tiny_m
     plan = plan.model_copy(update={"prefill": PrefillPool(gpu="cpu", tp=1, replicas=1)})
     with pytest.raises(PlanMismatchError, match="prefill pool runs at tp 1.*tp 2"):
         run_plan(plan, model_dir, [Request((5, 6, 7), 2)], RunOptions(timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.parametrize(
+    ("mode", "expect"),
+    [("kill", "killed by signal 9"), ("hang", "stopped responding"), ("exit", "exited")],
+)
+def test_a_prefill_rank_that_dies_or_hangs_fails_the_run_naming_it(mode, expect, tiny_model):
+    """Rank 2 is the prefill pool's (after the AFD plan's two decode ranks); it fails at its
+    second prefill, while the decode ranks wait for that request's state."""
+    model_dir = tiny_model("llama")
+    plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=2, microbatches=2)
+    plan = plan.model_copy(update={"prefill": PrefillPool(gpu="cpu", tp=1, replicas=1)})
+    fault = FaultInjection(rank=2, iteration=1, mode=mode)
+    with pytest.raises(RunFailedError) as info:
+        run_plan(
+            plan,
+            model_dir,
+            [Request((5, 6, 7), 8), Request((8, 9), 8)],
+            RunOptions(timeout_s=3, fault=fault),
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("rank 2 (prefill replica 0: the whole model's prefill)")
+    assert expect in message
+
+
+def test_a_decode_rank_that_dies_fails_a_pd_run_naming_it(tiny_model):
+    model_dir = tiny_model("llama")
+    plan = _pd_plan(model_dir, "afd", pool=1)
+    fault = FaultInjection(rank=2, iteration=3, mode="kill")  # owner 1's first replica
+    with pytest.raises(RunFailedError) as info:
+        run_plan(
+            plan, model_dir, [Request((5, 6, 7), 12)], RunOptions(timeout_s=3, fault=fault)
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("rank 2 (owner 1, replica 0: stages L0.ffn_norm..L0.down_proj")
+    assert "killed by signal 9" in message

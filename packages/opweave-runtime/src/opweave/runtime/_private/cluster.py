@@ -459,7 +459,12 @@ class Cluster(ControlHub):
     def _signal_hang(self, waited_s: float) -> None:
         """Called by a driver whose step produced nothing within the timeout."""
         with self._lock:
-            owing = sorted({r for ranks in self._expected.values() for r in ranks})
+            # a prefill owed comes first: the driver holds the decode ranks' next works for it
+            first = {
+                r for key, ranks in self._expected.items() if key[1] == PREFILL_KEY for r in ranks
+            }
+            rest = {r for ranks in self._expected.values() for r in ranks} - first
+            owing = sorted(first) + sorted(rest)
         self._hang = (owing, waited_s)
         self._signal("a step yielded no result")
 

@@ -32,8 +32,8 @@ from opweave.costmodel import Plan
 from .control import ChannelClosed, ControlClient, store_namespace
 from .messages import PROTOCOL_VERSION, Error, Hello, Loading, Ready, Stats
 from .placement import Placement, plan_model
-from .proc import die_with_parent, name_process, refuse_new_connections, watch_parent
 from .prefill import PrefillWorker
+from .proc import die_with_parent, name_process, refuse_new_connections, watch_parent
 from .rank import StageWorker
 from .spec import RankSpec, read_spec
 from .wire import PeerError

@@ -57,8 +57,9 @@ class Wait(StrEnum):
 
 class FaultInjection(BaseModel):
     """A test seam: rank ``rank`` exits, is killed or hangs at the start of iteration
-    ``iteration``. Set only by tests (``RunOptions(fault=...)``); a rank installs it as a hook
-    of its loop, which runs nothing otherwise."""
+    ``iteration`` (a prefill pool's rank: of its prefill number ``iteration``). Set only by
+    tests (``RunOptions(fault=...)``); a rank installs it as a hook of its loop, which runs
+    nothing otherwise."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, TokenBatch
 from .control import ControlClient
+from .faults import fault_hook
 from .graph import OpRef
 from .kernels import KernelSet
 from .messages import Prefill, Prefilled, Shutdown, Warm, Warmed
@@ -139,6 +141,9 @@ class PrefillWorker:
         self.clock = Clock()
         self.prefills = 0
         self.state_bytes = 0
+        self.hooks: list[Callable[[int], None]] = []  # called with the prefill about to start
+        if options.fault is not None and options.fault.rank == rank:
+            self.hooks.append(fault_hook(options.fault))
 
     def serve(self) -> None:
         """Prefill until the driver says stop."""
@@ -155,6 +160,8 @@ class PrefillWorker:
                 raise OpWeaveRuntimeError(f"unexpected control message {msg!r} for a prefill rank")
             if self.clock.started is None:
                 self.clock.started = time.perf_counter()
+            for hook in self.hooks:
+                hook(self.prefills)
             self._prefill(msg)
         self.transport.flush()
 
@@ -182,7 +189,9 @@ class PrefillWorker:
         self.clock.compute_s += time.perf_counter() - start
         sent = messages = 0
         for peer in self._receivers(msg.slot):
-            tensors = [t for layer in self._takes[peer] for t in self._layers[layer].export_state(rid)]
+            tensors = [
+                t for layer in self._takes[peer] for t in self._layers[layer].export_state(rid)
+            ]
             sent += sum(t.numel() * t.element_size() for t in tensors)
             self.transport.send(
                 Message(peer, range(0), STATE_TAG), state_message(msg.seq, n, tensors), msg.seq

@@ -19,11 +19,9 @@ core), which lands in whichever of the three it happened in.
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,9 +29,10 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .control import ControlClient
 from .decode import compiled_graphs, trust_warm_graphs
+from .faults import Hook, fault_hook
 from .kernels import KernelSet
 from .messages import Shutdown, Warm, Warmed
-from .options import FaultInjection, RunOptions
+from .options import RunOptions
 from .placement import Placement
 from .prefill import StateInbox
 from .proc import RunQueueClock, pin_to_core, resolve_device
@@ -45,8 +44,6 @@ from .stage import StageModule
 from .tensor_parallel import Shard, TPComm, new_groups
 from .transport import Transport
 from .work import GREEDY, Work
-
-Hook = Callable[[int], None]  # called with the iteration about to start
 
 
 class _Shutdown(Exception):
@@ -383,20 +380,3 @@ class StageWorker(RankCore):
             "bytes_sent": self.transport.bytes_sent,
             "messages_sent": self.transport.messages_sent,
         }
-
-
-def fault_hook(fault: FaultInjection) -> Hook:
-    """The test seam of :attr:`~.options.RunOptions.fault`: at iteration ``fault.iteration``
-    this rank exits, is killed, or hangs."""
-
-    def hook(iteration: int) -> None:
-        if iteration != fault.iteration:
-            return
-        if fault.mode == "exit":
-            os._exit(1)
-        if fault.mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        while True:  # hang
-            time.sleep(3600)
-
-    return hook
