@@ -147,9 +147,7 @@ def test_a_decode_rank_that_dies_fails_a_pd_run_naming_it(tiny_model):
     plan = _pd_plan(model_dir, "afd", pool=1)
     fault = FaultInjection(rank=2, iteration=3, mode="kill")  # owner 1's first replica
     with pytest.raises(RunFailedError) as info:
-        run_plan(
-            plan, model_dir, [Request((5, 6, 7), 12)], RunOptions(timeout_s=3, fault=fault)
-        )
+        run_plan(plan, model_dir, [Request((5, 6, 7), 12)], RunOptions(timeout_s=3, fault=fault))
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("rank 2 (owner 1, replica 0: stages L0.ffn_norm..L0.down_proj")

@@ -78,6 +78,12 @@ _SERVE_BATCH = 8  # --strategy's resident batch per replica when serving
 _SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 
 
+PREFILL_HELP = (
+    "With --strategy: a prefill pool of P colocated replicas at --tp that prefill every prompt "
+    "and send its KV cache to the decode ranks (P/D); 0: each replica prefills its own."
+)
+
+
 def register(app: typer.Typer) -> None:
     settings = {"allow_extra_args": True, "ignore_unknown_options": True}
     usage = "[PLAN] [OPTIONS] [VLLM SERVER ARGS]"
@@ -299,12 +305,6 @@ def serve(
     """Serve the OpenAI API with a plan (alias of `opweave run` without prompts)."""
     options = dict(locals(), prompt=None, prompts_file=None, max_tokens=None, json_out=False)
     _run(ctx, options)
-
-
-PREFILL_HELP = (
-    "With --strategy: a prefill pool of P colocated replicas at --tp that prefill every prompt "
-    "and send its KV cache to the decode ranks (P/D); 0: each replica prefills its own."
-)
 
 
 def _run(ctx: typer.Context, o: dict[str, Any]) -> None:

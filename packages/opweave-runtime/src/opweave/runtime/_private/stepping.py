@@ -127,7 +127,7 @@ class StepDriver:
         self._epochs = itertools.count(1)
         # a prefill pool: its replicas, prefill numbers, states to drop per microbatch, and the
         # state bytes and messages its ranks sent, in total and per request
-        self.prefill_pool = getattr(self.cluster.placement, "prefill_replicas", 0)
+        self.prefill_pool: int = self.cluster.placement.prefill_replicas
         self._prefills = itertools.count()
         self._discard: dict[int, list[tuple[int, int, int]]] = {k: [] for k in range(m)}
         self.transfer = {"bytes": 0, "messages": 0}
