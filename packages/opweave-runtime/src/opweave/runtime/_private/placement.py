@@ -249,9 +249,9 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
         check_prefill_pool(plan, model)
     needed = total_ranks(plan)
     if world_size is not None and world_size != needed:
+        pool = " and its prefill pool" if plan.prefill is not None else ""
         raise PlanMismatchError(
-            f"the plan needs {needed} ranks (replicas x tp, summed over its owners and its "
-            "prefill pool), "
+            f"the plan needs {needed} ranks (replicas x tp, summed over its owners{pool}), "
             f"got {world_size}; launch with --ranks {needed}"
         )
 
