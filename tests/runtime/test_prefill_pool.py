@@ -152,3 +152,38 @@ def test_a_decode_rank_that_dies_fails_a_pd_run_naming_it(tiny_model):
     assert "\n" not in message
     assert message.startswith("rank 2 (owner 1, replica 0: stages L0.ffn_norm..L0.down_proj")
     assert "killed by signal 9" in message
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_with_and_without_the_pool(tiny_model):
+    """The prefill rank draws the first token from the request's seed; the decode rank's
+    generator continues after that draw, so every token is the one the plan without a pool
+    samples."""
+    from opweave.runtime import Cluster, SamplingParams, StepDriver, StepItem
+
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1234)
+    prompt = tuple(range(5, 17))
+
+    def sample(plan: Plan) -> list[int]:
+        cluster = Cluster(plan, model, model_dir, RunOptions(timeout_s=TIMEOUT_S))
+        try:
+            driver = StepDriver(cluster)
+            driver.add("a", prompt, params)
+            driver.step([StepItem("a", 0, len(prompt))])
+            for _ in range(7):
+                known = len(driver.requests["a"].token_ids)
+                driver.step([StepItem("a", known - 1, 1)])
+            tokens = driver.requests["a"].token_ids[len(prompt) :]
+            driver.drop("a")
+            driver.flush()
+            cluster.shutdown()
+        finally:
+            cluster.close()
+        return tokens
+
+    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2)
+    alone = sample(plan)
+    pool = PrefillPool(gpu="cpu", tp=1, replicas=1)
+    assert sample(plan.model_copy(update={"prefill": pool})) == alone
+    assert len(alone) == 8

@@ -43,7 +43,7 @@ from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
 from .tensor_parallel import Shard, TPComm, new_groups
 from .transport import Transport
-from .work import GREEDY, Work
+from .work import GREEDY, Work, skip_draw
 
 
 class _Shutdown(Exception):
@@ -220,7 +220,9 @@ class StageWorker(RankCore):
             if rid in self.held:
                 self.module.free(rid)
             self.module.admit(rid, rows=[work.slots[i] - self.mine.start])
-            self.held[rid] = self._request(work, rid)
+            self.held[rid] = held = self._request(work, rid)
+            if held.generator is not None:  # the prefill rank drew the first token from it
+                skip_draw(held.params, held.generator, self.placement.model.vocab_size)
             if stateful:
                 self.module.import_state(rid, work.context_lens[i], self.inbox.take(replica, seq))
         for i in work.requests_in(self.mine):

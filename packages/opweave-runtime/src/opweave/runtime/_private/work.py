@@ -149,6 +149,13 @@ def sample_rows(
     return [int(t) for t in out]
 
 
+def skip_draw(params: SamplingParams, generator: torch.Generator, vocab_size: int) -> None:
+    """Advance ``generator`` past one token's draw (what :func:`sample_rows` takes of it does
+    not depend on the logits, only on their width): a request whose first token was sampled
+    elsewhere (a prefill pool) then draws its next ones as if it had been sampled here."""
+    sample_rows(torch.zeros(1, vocab_size), [params], [generator])
+
+
 def _sample_one(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     row = row / p.temperature
     if p.top_k and 0 < p.top_k < row.shape[-1]:
