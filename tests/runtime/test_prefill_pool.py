@@ -67,6 +67,8 @@ def _state_bytes_per_request(model_dir: Path, prompt_tokens: int) -> int:
 
 CASES = {
     "llama-colocated": ("llama", "colocated", 1, "per-request"),
+    # the states through torch.distributed point-to-point (gloo), the path CUDA takes (NCCL)
+    "llama-cad-tp2-gloo-p2p": ("llama", "cad", 2, "torch-p2p"),
     "llama-afd-tp2": ("llama", "afd", 2, "per-request"),
     "gemma3-cad-static": ("gemma3_text", "cad", 1, "static"),
     "qwen3_next-cad-tp2-static": ("qwen3_next", "cad", 2, "static"),
@@ -81,7 +83,10 @@ def test_a_prefill_pool_prefills_and_the_decode_ranks_continue_token_exact(
     model_dir = tiny_model(family)
     plan = _pd_plan(model_dir, strategy, tp=tp)
     requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
-    options = RunOptions(timeout_s=TIMEOUT_S, decode_step=step)
+    p2p = step == "torch-p2p"
+    options = RunOptions(
+        timeout_s=TIMEOUT_S, decode_step="per-request" if p2p else step, test_torch_p2p=p2p
+    )
     result = run_plan(plan, model_dir, requests, options)
     assert result is not None
     assert [list(o.token_ids) for o in result.outputs] == hf_greedy(
