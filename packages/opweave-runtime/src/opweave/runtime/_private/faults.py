@@ -9,17 +9,11 @@ over an error over the peer others waited on.
 
 from __future__ import annotations
 
-import os
-import signal
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from .launch import RankProcess
 from .messages import Error
-from .options import FaultInjection
-
-Hook = Callable[[int], None]  # called with the iteration (or prefill) about to start
 
 
 @dataclass
@@ -81,20 +75,3 @@ def diagnose(
         tail = child.log_tail() if child is not None else ""
         return f"{who(missing[0])} did not join the run" + (f": {tail}" if tail else "")
     return f"the run failed: {first_signal}"
-
-
-def fault_hook(fault: FaultInjection) -> Hook:
-    """The test seam of :attr:`~.options.RunOptions.fault`: at iteration ``fault.iteration``
-    this rank exits, is killed, or hangs."""
-
-    def hook(iteration: int) -> None:
-        if iteration != fault.iteration:
-            return
-        if fault.mode == "exit":
-            os._exit(1)
-        if fault.mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        while True:  # hang
-            time.sleep(3600)
-
-    return hook

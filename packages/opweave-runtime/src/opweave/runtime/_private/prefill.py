@@ -32,11 +32,10 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, TokenBatch
 from .control import ControlClient
-from .faults import fault_hook
 from .graph import OpRef
 from .kernels import KernelSet
 from .messages import Prefill, Prefilled, Shutdown, Warm, Warmed
-from .options import RunOptions
+from .options import RunOptions, fault_hook
 from .placement import Placement
 from .proc import pin_to_core, resolve_device
 from .rankcore import Clock

@@ -29,10 +29,9 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .control import ControlClient
 from .decode import compiled_graphs, trust_warm_graphs
-from .faults import Hook, fault_hook
 from .kernels import KernelSet
 from .messages import Shutdown, Warm, Warmed
-from .options import RunOptions
+from .options import Hook, RunOptions, fault_hook
 from .placement import Placement
 from .prefill import StateInbox
 from .proc import RunQueueClock, pin_to_core, resolve_device
