@@ -83,10 +83,10 @@ def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
         decode = sum(o.replicas * o.tp * o.dp for o in plan.owners)
         mine = [r for r in node.ranks if r >= decode]
         pool = (
-            f"\n# Prefill pool ranks here: {mine[0]}-{mine[-1]} (they prefill every prompt and "
-            "send its KV cache to the decode ranks)."
+            f"\n# Prefill pool ranks here: {mine[0]}-{mine[-1]} (they prefill every prompt and"
+            "\n# send its KV cache to the decode ranks)."
             if mine
-            else "\n# Decode ranks only (the plan's prefill pool runs on other nodes)."
+            else "\n# Decode ranks only: the plan's prefill pool runs on other nodes."
         )
     if rank == 0:  # node 0 serves: clients must send the deployment's API key
         key_doc = (
@@ -96,8 +96,8 @@ def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
         key = 'export OPWEAVE_API_KEY="${OPWEAVE_API_KEY:-$(cat "$here/../api-key")}"\n'
     return f"""#!/usr/bin/env bash
 # OpWeave: node {rank} of {len(nodes)} for the {plan.strategy} plan of {plan.model.name}:
-# {node.gpus} x {node.gpu}, global {ranks}.{pool} Written by `opweave deploy`; run it on
-# that node (every node's script at about the same time; node 0 hosts the rendezvous and serves):
+# {node.gpus} x {node.gpu}, global {ranks}. Written by `opweave deploy`; run it on that node
+# (every node's script at about the same time; node 0 hosts the rendezvous and serves).{pool}
 #
 #   MODEL_PATH=/path/to/model MASTER_ADDR=<address of node 0> ./node-{rank}.sh [options]
 #

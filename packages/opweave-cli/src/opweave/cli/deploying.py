@@ -127,9 +127,16 @@ def deploy(
         )
         return
     used = sum(n.gpus for n in nodes)
+    pool = the_plan.prefill
     typer.echo(
         f"{the_plan.strategy} plan of {the_plan.model.name}: {len(nodes)} node"
         f"{'s' if len(nodes) > 1 else ''}, {used} GPUs"
+        + (
+            f" (a prefill pool of {pool.replicas} x tp{pool.tp} {pool.gpu}: the last "
+            f"{pool.gpus} ranks)"
+            if pool is not None
+            else ""
+        )
     )
     for r, n in enumerate(nodes):
         typer.echo(f"  node {r}: {n.gpus} x {n.gpu}, ranks {n.ranks[0]}-{n.ranks[-1]}")
