@@ -42,7 +42,7 @@ def _pd_plan(model_dir: Path, strategy: str, *, tp: int = 1, pool: int = 2) -> P
 def _state_bytes_per_request(model_dir: Path, prompt_tokens: int) -> int:
     """A prompt's state, from config.json alone: keys and values of every full-attention layer
     (a sliding layer keeps at most its window), a linear-attention layer's conv window and
-    float32 recurrent state."""
+    float32 recurrent state, an MLA layer's latent (compressed KV and rope key) per token."""
     c = json.loads((model_dir / "config.json").read_text())
     dtype = {"float32": 4, "bfloat16": 2, "float16": 2}[c["dtype"]]
     head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
@@ -57,6 +57,8 @@ def _state_bytes_per_request(model_dir: Path, prompt_tokens: int) -> int:
                 c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"]
             ) * 4
             total += conv + recurrent
+        elif "kv_lora_rank" in c:
+            total += (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * prompt_tokens * dtype
         else:
             tokens = prompt_tokens
             if kind == "sliding_attention":
@@ -71,6 +73,7 @@ CASES = {
     "llama-cad-tp2-gloo-p2p": ("llama", "cad", 2, "torch-p2p"),
     "llama-afd-tp2": ("llama", "afd", 2, "per-request"),
     "gemma3-cad-static": ("gemma3_text", "cad", 1, "static"),
+    "deepseek_v3-afd-static": ("deepseek_v3", "afd", 1, "static"),
     "qwen3_next-cad-tp2-static": ("qwen3_next", "cad", 2, "static"),
 }
 
