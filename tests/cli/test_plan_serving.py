@@ -42,7 +42,7 @@ def test_json_contract_with_concurrency_and_an_inventory() -> None:
     assert fleet["leftover_deployment"] is not None or fleet["idle_reason"]
 
 
-def test_rate_with_ttft_slo_writes_a_plan_the_runtime_refuses_only_for_prefill(
+def test_rate_with_ttft_slo_writes_a_plan_deploy_launches_with_both_pools(
     tmp_path: Path,
 ) -> None:
     out = tmp_path / "pd.json"
@@ -58,9 +58,14 @@ def test_rate_with_ttft_slo_writes_a_plan_the_runtime_refuses_only_for_prefill(
         pre, dec = best["pools"]["prefill"], best["pools"]["decode"]
         assert plan["prefill"]["replicas"] == pre["replicas"]
         assert sum(o["replicas"] * o["tp"] * o["dp"] for o in plan["owners"]) == dec["gpus_used"]
-        proc = run_cli("deploy", str(out), "-o", str(tmp_path / "k8s"), *IMAGE, check=False)
-        assert proc.returncode == 2
-        assert "prefill pool" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+        deployed = cli_json("deploy", str(out), "-o", str(tmp_path / "k8s"), *IMAGE)
+        ranks = sorted(r for n in deployed["nodes"] for r in n["ranks"])
+        assert ranks == list(range(dec["gpus_used"] + pre["gpus_used"]))  # both pools launched
+        scripts = [
+            (tmp_path / "k8s" / "launch" / f"node-{r}.sh").read_text()
+            for r in range(len(deployed["nodes"]))
+        ]
+        assert any("Prefill pool ranks here" in s for s in scripts)
         sim = cli_json("simulate", str(out))
         assert sim["prefill"]["replicas"] == pre["replicas"]
         assert sim["prefill"]["gpus"] == pre["gpus_used"]

@@ -391,3 +391,47 @@ def test_bad_expert_parallelism_is_one_line_errors(tmp_path, capsys, tiny_model)
         assert err.startswith("error: ") and err.count("\n") == 1, err
         assert message in err, err
         assert out == ""
+
+
+def test_run_with_a_prefill_pool_reports_ttft_tpot_and_the_bytes_moved(
+    tmp_path, capsys, tiny_model, hf_greedy, prompts
+):
+    """--prefill-replicas: the prompts run on the prefill pool, the tokens stay transformers',
+    and --json has each request's TTFT, TPOT and state bytes (2 layers x 2 KV heads x 16 dims
+    x 2 (K, V) x 4 bytes per prompt token of the tiny llama) and the pool's total."""
+    model_dir = tiny_model("llama")
+    c = json.loads((model_dir / "config.json").read_text())
+    per_token = c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 2 * 4
+    code, out, err = _opweave(
+        capsys, "run", "--strategy", "cad", "--tp", "2", "--prefill-replicas", "1",
+        "--model-path", str(model_dir), "--prompts-file", str(_prompts_file(tmp_path, prompts)),
+        "--max-tokens", str(MAX_TOKENS), "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    doc = json.loads(out)
+    assert [o["token_ids"] for o in doc["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
+    assert doc["plan"]["prefill"]["replicas"] == 1 and doc["plan"]["prefill"]["tp"] == 2
+    for o in doc["outputs"]:
+        assert o["ttft_s"] > 0 and o["tpot_s"] > 0
+        assert o["transfer_bytes"] == per_token * len(o["prompt_token_ids"])
+    assert doc["transfer"]["bytes"] == per_token * sum(len(p) for p in prompts)
+    assert doc["transfer"]["messages"] == 2 * len(prompts)  # one per request and TP rank
+    assert [r["pool"] for r in doc["ranks"]] == ["decode"] * 4 + ["prefill"] * 2
+    assert doc["ttft_s"] > 0
+
+
+def test_prefill_replicas_with_a_plan_file_is_one_error_line(tmp_path, capsys, tiny_model):
+    model_dir = tiny_model("llama")
+    plan_path = tmp_path / "plan.json"
+    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=2)
+    plan_path.write_text(plan.model_dump_json())
+    capsys.readouterr()  # the tiny model's writing, if this test wrote it
+    code, _, err = _opweave(
+        capsys, "run", str(plan_path), "--prefill-replicas", "2", "--model-path", str(model_dir),
+        "--prompt", "t5 t6", "--max-tokens", "2",
+    )  # fmt: skip
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "error: Invalid value: --prefill-replicas applies to --strategy; a plan file names its "
+        "own prefill pool"
+    ]

@@ -28,6 +28,13 @@ third token on, and so are the loop's shares (from each rank's third iteration o
 figures; asserts nothing but equal tokens.
 
 Run: ``uv run python tools/bench/runtime.py [--hidden 64] [--layers 2] [--tokens 32] [--small]``.
+
+``--pd`` instead compares prefill/decode disaggregation: per strategy, the plan with a prefill
+pool of ``--prefill-replicas`` colocated replicas (which compute every prompt and send its KV
+cache to the decode ranks) beside the same plan without it (each replica prefills its own
+requests), in one run, interleaved: mean TTFT (from the start: every request arrives then),
+steady TPOT as above, the state bytes the pool sent, and whether the tokens are equal. Prompts
+are ``--isl`` tokens long. ``uv run python tools/bench/runtime.py --pd [--isl 96]``.
 On a machine shared with other jobs, TPOT is noisy; the overhead share is the stable figure.
 
 Before and after a change: ``--baseline REF`` (e.g. ``--small --baseline main``) measures git
@@ -72,7 +79,12 @@ MODES = {
 
 
 def bench(
-    model_dir: str, strategy: str, requests: list[Request], mb: int, options: dict[str, Any]
+    model_dir: str,
+    strategy: str,
+    requests: list[Request],
+    mb: int,
+    options: dict[str, Any],
+    prefill_replicas: int = 0,
 ) -> dict[str, Any]:
     spec = load_model(model_dir)
     plan = canonical_plan(
@@ -84,6 +96,11 @@ def bench(
         # as a plan made for these requests: state slabs sized once, for the longest
         context_tokens=max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests),
     )
+    if prefill_replicas:
+        from opweave.costmodel import PrefillPool
+
+        pool = PrefillPool(gpu="cpu", tp=1, replicas=prefill_replicas)
+        plan = plan.model_copy(update={"prefill": pool})
     if RunOptions is not None:
         result = run_plan(plan, model_dir, requests, RunOptions(**options))
     else:
@@ -422,6 +439,45 @@ def run_baseline(ref: str, models: list[tuple[str, str]], args: argparse.Namespa
         )
 
 
+def run_pd(model_dir: str, label: str, args: argparse.Namespace) -> None:
+    """``--pd``: each strategy's plan with a prefill pool beside the same plan without it."""
+    requests = [Request(tuple(range(5, 5 + args.isl)), args.tokens) for _ in range(args.requests)]
+    options = {"decode_step": args.decode_step}
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for _ in range(args.repeats):
+        for strategy in ("colocated", "afd", "cad"):
+            for pool in (0, args.prefill_replicas):
+                result = bench(model_dir, strategy, requests, args.microbatches, options, pool)
+                runs.setdefault((strategy, pool), []).append(result)
+    print(
+        f"\n== {label}; {args.requests} requests of {args.isl} prompt tokens arriving at once, "
+        f"{args.tokens} new tokens each; --decode-step {args.decode_step}; P/D: a prefill pool "
+        f"of {args.prefill_replicas} colocated replica(s); median of {args.repeats} runs"
+    )
+    rows = []
+    for strategy in ("colocated", "afd", "cad"):
+        alone, pd = runs[(strategy, 0)], runs[(strategy, args.prefill_replicas)]
+        sent = pd[0]["transfer"]
+        same = [o["token_ids"] for o in alone[0]["outputs"]] == [
+            o["token_ids"] for o in pd[0]["outputs"]
+        ]
+        rows.append(
+            [
+                strategy,
+                f"{statistics.median(r['ttft_s'] for r in alone) * 1e3:.1f}",
+                f"{statistics.median(r['ttft_s'] for r in pd) * 1e3:.1f}",
+                f"{statistics.median(steady_tpot(r) for r in alone) * 1e3:.2f}",
+                f"{statistics.median(steady_tpot(r) for r in pd) * 1e3:.2f}",
+                f"{sent['bytes'] / 1e6:.2f} MB / {sent['messages']}",
+                "yes" if same else "NO",
+            ]
+        )
+    heads = ["plan", "TTFT ms", "TTFT ms P/D", "TPOT ms", "TPOT ms P/D", "state sent", "same"]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
+    for line in [heads, *rows]:
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths, strict=True)))
+
+
 def serve_worker(args: argparse.Namespace) -> None:
     """``--worker``: per task, one round of every model (each warmed up before its first)."""
     warm: set[str] = set()
@@ -451,6 +507,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--microbatches", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3, help="rounds (each case once a round)")
+    parser.add_argument("--pd", action="store_true", help="P/D against no prefill pool (above)")
+    parser.add_argument("--prefill-replicas", type=int, default=1, help="with --pd")
+    parser.add_argument("--isl", type=int, default=96, help="with --pd: prompt tokens")
+    parser.add_argument("--decode-step", default="per-request", help="with --pd")
     _baseline.add_arguments(parser)
     args = parser.parse_args()
 
@@ -466,6 +526,10 @@ def main() -> None:
             (f"llama hidden {hidden}, {layers} layers", tiny_llama(hidden, layers, tmp))
             for hidden, layers in shapes
         ]
+        if args.pd:
+            for label, model_dir in models:
+                run_pd(model_dir, label, args)
+            return
         if args.baseline:
             run_baseline(args.baseline, models, args)
         else:

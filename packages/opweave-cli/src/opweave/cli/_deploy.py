@@ -78,6 +78,16 @@ def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
         master_doc = "address of node 0, the rendezvous (default 127.0.0.1)"
         master = 'MASTER_ADDR="${MASTER_ADDR:-127.0.0.1}"\n'
     key_doc = key = ""
+    pool = ""
+    if plan.prefill is not None:  # its ranks come after the decode owners'
+        decode = sum(o.replicas * o.tp * o.dp for o in plan.owners)
+        mine = [r for r in node.ranks if r >= decode]
+        pool = (
+            f"\n# Prefill pool ranks here: {mine[0]}-{mine[-1]} (they prefill every prompt and"
+            "\n# send its KV cache to the decode ranks)."
+            if mine
+            else "\n# Decode ranks only: the plan's prefill pool runs on other nodes."
+        )
     if rank == 0:  # node 0 serves: clients must send the deployment's API key
         key_doc = (
             "\n#   OPWEAVE_API_KEY     the key API clients must send (default: the deployment's"
@@ -87,7 +97,7 @@ def launch_script(plan: Any, nodes: Sequence[Any], rank: int) -> str:
     return f"""#!/usr/bin/env bash
 # OpWeave: node {rank} of {len(nodes)} for the {plan.strategy} plan of {plan.model.name}:
 # {node.gpus} x {node.gpu}, global {ranks}. Written by `opweave deploy`; run it on that node
-# (every node's script at about the same time; node 0 hosts the rendezvous and serves):
+# (every node's script at about the same time; node 0 hosts the rendezvous and serves).{pool}
 #
 #   MODEL_PATH=/path/to/model MASTER_ADDR=<address of node 0> ./node-{rank}.sh [options]
 #

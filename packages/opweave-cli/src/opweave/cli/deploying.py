@@ -127,9 +127,16 @@ def deploy(
         )
         return
     used = sum(n.gpus for n in nodes)
+    pool = the_plan.prefill
     typer.echo(
         f"{the_plan.strategy} plan of {the_plan.model.name}: {len(nodes)} node"
         f"{'s' if len(nodes) > 1 else ''}, {used} GPUs"
+        + (
+            f" (a prefill pool of {pool.replicas} x tp{pool.tp} {pool.gpu}: the last "
+            f"{pool.gpus} ranks)"
+            if pool is not None
+            else ""
+        )
     )
     for r, n in enumerate(nodes):
         typer.echo(f"  node {r}: {n.gpus} x {n.gpu}, ranks {n.ranks[0]}-{n.ranks[-1]}")
@@ -152,9 +159,8 @@ def _hardware(plan: Any, hardware: Path | None, profiles: list[Any]) -> dict[str
 
     cat = planned_catalog(plan, None if hardware is None else catalog(hardware))
     by_profile = {profile_device_id(p, cat): p.device for p in profiles}
-    return {
-        o.gpu: by_profile[o.gpu] if o.gpu in by_profile else cat.get(o.gpu) for o in plan.owners
-    }
+    gpus = [o.gpu for o in plan.owners] + ([plan.prefill.gpu] if plan.prefill else [])
+    return {gpu: by_profile[gpu] if gpu in by_profile else cat.get(gpu) for gpu in gpus}
 
 
 def _gpu_resource(hw: Any) -> str | None:

@@ -96,18 +96,10 @@ def load_plan_file(path: Path):  # -> Plan
 
 
 def load_servable_plan(path: Path, command: str):  # -> Plan
-    """A plan file ``command`` (run, deploy) can serve: not one with a prefill pool."""
-    from opweave.costmodel import ConfigError
-
-    the_plan = load_plan_file(path)
-    pool = the_plan.prefill
-    if pool is not None:
-        raise ConfigError(
-            f"plan {path} is a P/D deployment with a prefill pool of {pool.gpus} x {pool.gpu}; "
-            f"opweave {command} serves plans whose replicas prefill their own requests only: "
-            "plan with --context, or take the aggregated deployment of opweave plan --isl"
-        )
-    return the_plan
+    """A plan file ``command`` (run, deploy) serves: its decode owners and, for a P/D
+    deployment, its prefill pool."""
+    del command
+    return load_plan_file(path)
 
 
 class _Progress:

@@ -78,6 +78,12 @@ _SERVE_BATCH = 8  # --strategy's resident batch per replica when serving
 _SOCKET_PATH_MAX = 107  # bytes of a Unix socket's path (sockaddr_un.sun_path, less its NUL)
 
 
+PREFILL_HELP = (
+    "With --strategy: a prefill pool of P colocated replicas at --tp that prefill every prompt "
+    "and send its KV cache to the decode ranks (P/D); 0: each replica prefills its own."
+)
+
+
 def register(app: typer.Typer) -> None:
     settings = {"allow_extra_args": True, "ignore_unknown_options": True}
     usage = "[PLAN] [OPTIONS] [VLLM SERVER ARGS]"
@@ -120,6 +126,9 @@ def run(
             "data-parallel attention rank with its share of the batch (at --tp 1).",
         ),
     ] = 1,
+    prefill_replicas: Annotated[
+        int, typer.Option("--prefill-replicas", min=0, max=MAX_COUNT, help=PREFILL_HELP)
+    ] = 0,
     batch: Annotated[
         int | None,
         typer.Option(
@@ -261,6 +270,9 @@ def serve(
     ep: Annotated[
         int, typer.Option("--ep", min=1, max=MAX_COUNT, help="With --strategy: EP = DP.")
     ] = 1,
+    prefill_replicas: Annotated[
+        int, typer.Option("--prefill-replicas", min=0, max=MAX_COUNT, help=PREFILL_HELP)
+    ] = 0,
     batch: Annotated[
         int | None, typer.Option("--batch", min=1, max=MAX_BATCH, help="With --strategy.")
     ] = None,
@@ -324,6 +336,10 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
     ):
         raise typer.BadParameter(
             "--tp, --ep, --replicas, --batch and --microbatches apply to --strategy"
+        )
+    if plan_file is not None and o["prefill_replicas"]:
+        raise typer.BadParameter(
+            "--prefill-replicas applies to --strategy; a plan file names its own prefill pool"
         )
     if o["tp"] not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
@@ -397,7 +413,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
         return load_servable_plan(plan_file, "run")
     from pydantic import ValidationError
 
-    from opweave.costmodel import canonical_plan
+    from opweave.costmodel import PrefillPool, canonical_plan
 
     ep = o["ep"]
     if ep > 1:
@@ -415,7 +431,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
     if o["batch"] is None:
         b = -(-b // ep) * ep  # a share for each data-parallel rank
     try:
-        return canonical_plan(
+        plan = canonical_plan(
             model,
             o["strategy"],
             gpu="cpu",
@@ -426,6 +442,10 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
             dp=ep,
             replicas=o["replicas"],
         )
+        if o["prefill_replicas"]:
+            pool = PrefillPool(gpu="cpu", tp=o["tp"], replicas=o["prefill_replicas"])
+            plan = plan.model_copy(update={"prefill": pool})
+        return plan
     except ValidationError as exc:  # a bound of the Plan schema (replicas x tp, batches)
         raise typer.BadParameter(f"no such plan: {exc.errors()[0]['msg']}") from None
 
@@ -494,6 +514,7 @@ def _offline(o: dict[str, Any], model: Any, plan: Any, nodes: Any) -> None:
             "template_cuts": list(plan.template.cuts),
             "owners": [ow.model_dump() for ow in plan.owners],
             "microbatches": plan.microbatches,
+            "prefill": None if plan.prefill is None else plan.prefill.model_dump(),
         },
         **result.model_copy(update={"outputs": tuple(outputs)}).model_dump(mode="json"),
     }
@@ -874,11 +895,17 @@ def _print_human(doc: dict[str, Any]) -> None:
     for out in doc["outputs"]:
         text = out["text"] if out["text"] is not None else " ".join(map(str, out["token_ids"]))
         typer.echo(f"[{out['request_id']}] {text}")
-    tpot = doc["tpot_s"]
+    tpot, ttft, sent = doc["tpot_s"], doc["ttft_s"], doc["transfer"]
     typer.echo(
         f"\n{doc['strategy']} on {len(doc['ranks'])} rank(s), {doc['iterations']} iterations; "
         + ("TPOT n/a (one token per request)" if tpot is None else f"TPOT {tpot * 1e3:.3f} ms")
+        + ("" if ttft is None else f"; TTFT {ttft * 1e3:.3f} ms")
     )
+    if sent is not None:
+        typer.echo(
+            f"prefill pool: {sent['prefills']} prompt(s), {human_bytes(sent['bytes'])} of state "
+            f"in {sent['messages']} message(s) to the decode ranks"
+        )
     rows = []
     for r in doc["ranks"]:
         loop = r.get("loop_s") or 1.0

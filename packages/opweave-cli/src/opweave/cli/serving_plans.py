@@ -163,7 +163,4 @@ def _written_words(result: Any) -> str:
     best = result.best
     if best.pool("decode") is None:
         return "the aggregated engines as a colocated plan; opweave run serves it"
-    return (
-        "the decode pool and its prefill pool; opweave run and deploy serve plans without a "
-        "prefill pool only (each replica prefilling its own requests)"
-    )
+    return "the decode pool and its prefill pool; opweave run and deploy serve both"

@@ -44,6 +44,7 @@ from ._private.results import (
     RUN_RESULT_SCHEMA_VERSION,
     DriverStats,
     Output,
+    PoolTransfer,
     RankStats,
     RunResult,
 )
@@ -128,6 +129,7 @@ __all__ = [
     "RankStats",
     "DriverStats",
     "Output",
+    "PoolTransfer",
     "RUN_RESULT_SCHEMA_VERSION",
     # test models
     "TINY_CONFIGS",

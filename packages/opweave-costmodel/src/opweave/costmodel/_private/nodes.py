@@ -51,8 +51,12 @@ class Node(Frozen):
 
 def plan_groups(plan: Plan) -> list[tuple[str, int]]:
     """``(gpu, tp)`` of every tensor-parallel group of ``plan`` (``dp`` per replica), in rank
-    order."""
-    return [(o.gpu, o.tp) for o in plan.owners for _ in range(o.replicas * o.dp)]
+    order: the decode owners', then the prefill pool's (its ranks come last)."""
+    groups = [(o.gpu, o.tp) for o in plan.owners for _ in range(o.replicas * o.dp)]
+    pool = plan.prefill
+    if pool is not None:
+        groups += [(pool.gpu, pool.tp)] * (pool.replicas * pool.dp)
+    return groups
 
 
 def node_layout(

@@ -8,6 +8,8 @@ Keys are stored after RoPE, so slot order within the ring does not matter to the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -361,6 +363,25 @@ class CoreAttention(StatefulOperator):
     def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
         state = self._states[request_id]
         return [state.k, state.v]
+
+    def state_layout(self, length: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        used = length if self.window is None else min(length, self.window)
+        shape = (self.num_kv_heads, used, self.arch.head_dim)
+        return [(shape, self.cache.dtype), (shape, self.cache.dtype)]
+
+    def export_state(self, request_id: str) -> list[torch.Tensor]:
+        state = self._states[request_id]
+        used = min(state.length, state.k.shape[1])  # a sliding layer's ring as it lies
+        return [state.k[:, :used], state.v[:, :used]]
+
+    def _load_state(self, request_id: str, length: int, tensors: Sequence[torch.Tensor]) -> None:
+        state = self._states[request_id]
+        k, v = tensors
+        used = k.shape[1]
+        state._reserve(used)
+        state.k[:, :used] = k
+        state.v[:, :used] = v
+        state.length = length
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         if batch.step is not None:

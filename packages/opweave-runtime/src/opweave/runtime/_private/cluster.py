@@ -46,6 +46,8 @@ from .messages import (
     PROTOCOL_VERSION,
     Error,
     Hello,
+    Prefill,
+    Prefilled,
     Ready,
     Result,
     Shutdown,
@@ -65,6 +67,7 @@ from .weights import check_weights
 from .wire import node_address
 from .work import Work
 
+PREFILL_KEY = -1  # a prefill's results are expected under (its number, PREFILL_KEY)
 _GRACE_S = 2.0  # after a first failure, how long the other ranks get to report
 _POLL_S = 0.05
 
@@ -112,7 +115,7 @@ class Cluster(ControlHub):
         self.join_timeout_s = options.join_timeout_s
         self.on_failure: list[Callable[[], None]] = []
         self.failed: RunFailedError | None = None
-        self._results: queue.Queue[Result | None] = queue.Queue()
+        self._results: queue.Queue[Result | Prefilled | None] = queue.Queue()
         self._conns: dict[int, Conn] = {}  # touched by the IO thread only, once registered
         self._claimed: set[int] = set()
         self._new_conns: queue.SimpleQueue[Conn] = queue.SimpleQueue()
@@ -256,7 +259,24 @@ class Cluster(ControlHub):
                 frame = frames[needs] = encode(work.for_rank(tokens=tokens, params=params))
             self._send_frame(rank, frame)
 
-    def result(self, timeout_s: float | None = None) -> Result:
+    def prefill(self, replica: int, message: Prefill) -> None:
+        """Send a prompt to prefill replica ``replica``'s ranks; each then reports its part
+        (:class:`~.messages.Prefilled`) among the results."""
+        self.check()
+        ranks = [r.rank for r in self.placement.prefill_ranks(replica)]
+        with self._lock:
+            self._expected[(message.seq, PREFILL_KEY)] = set(ranks)
+        frame = encode(message)
+        for rank in ranks:
+            self._send_frame(rank, frame)
+
+    @property
+    def prefill_parts(self) -> int:
+        """Messages one prefill yields: one per rank of a prefill replica."""
+        pool = self.plan.prefill
+        return pool.tp if pool is not None else 0
+
+    def result(self, timeout_s: float | None = None) -> Result | Prefilled:
         """The next result message; raises :class:`RunFailedError` once the run failed, or if
         nothing arrives within the timeout."""
         wait = self.timeout_s + 5.0 if timeout_s is None else timeout_s
@@ -376,9 +396,12 @@ class Cluster(ControlHub):
             time.sleep(_POLL_S)
 
     def _handle(self, conn: Conn, msg: Any) -> None:
-        if isinstance(msg, Result):
+        if isinstance(msg, Result | Prefilled):
             with self._lock:
-                key = (msg.iteration, msg.microbatch)
+                if isinstance(msg, Prefilled):
+                    key = (msg.seq, PREFILL_KEY)
+                else:
+                    key = (msg.iteration, msg.microbatch)
                 waiting = self._expected.get(key)
                 if waiting is not None:
                     waiting.discard(conn.rank)
@@ -436,7 +459,12 @@ class Cluster(ControlHub):
     def _signal_hang(self, waited_s: float) -> None:
         """Called by a driver whose step produced nothing within the timeout."""
         with self._lock:
-            owing = sorted({r for ranks in self._expected.values() for r in ranks})
+            # a prefill owed comes first: the driver holds the decode ranks' next works for it
+            first = {
+                r for key, ranks in self._expected.items() if key[1] == PREFILL_KEY for r in ranks
+            }
+            rest = {r for ranks in self._expected.values() for r in ranks} - first
+            owing = sorted(first) + sorted(rest)
         self._hang = (owing, waited_s)
         self._signal("a step yielded no result")
 

@@ -35,7 +35,7 @@ from .cluster import Cluster
 from .engine import Generation
 from .nodes import Topology, run_node, run_torchrun_rank, torchrun_env
 from .options import RunOptions
-from .results import DriverStats, DriverTimeline, Output, RunResult
+from .results import DriverStats, DriverTimeline, Output, PoolTransfer, RunResult
 from .stepping import Ranks, Step, StepDriver, StepItem
 
 
@@ -204,18 +204,40 @@ class OfflineDriver:
         ]
         return sum(per_request) / len(per_request) if per_request else None
 
+    def ttft_s(self) -> float | None:
+        """Mean over requests of their first token's time since the start."""
+        start = self.started or 0.0
+        firsts = [times[0] - start for times in self.token_times.values() if times]
+        return sum(firsts) / len(firsts) if firsts else None
+
+    def transfer(self) -> PoolTransfer | None:
+        """What the plan's prefill pool sent the decode ranks (None: the plan has none)."""
+        if not self.driver.prefill_pool:
+            return None
+        sent = self.driver.transfer
+        return PoolTransfer(
+            prefills=len(self.driver.transfer_bytes), bytes=sent["bytes"], messages=sent["messages"]
+        )
+
     def outputs(self) -> tuple[Output, ...]:
         start = self.started or 0.0
-        return tuple(
-            Output(
-                request_id=g.request_id,
-                prompt_token_ids=tuple(g.prompt_token_ids),
-                token_ids=tuple(g.token_ids),
-                finish_reason=g.finish_reason,
-                token_times_s=tuple(t - start for t in self.token_times[g.request_id]),
+        pool = bool(self.driver.prefill_pool)
+        out = []
+        for g in self.generations:
+            times = self.token_times[g.request_id]
+            out.append(
+                Output(
+                    request_id=g.request_id,
+                    prompt_token_ids=tuple(g.prompt_token_ids),
+                    token_ids=tuple(g.token_ids),
+                    finish_reason=g.finish_reason,
+                    token_times_s=tuple(t - start for t in times),
+                    ttft_s=times[0] - start if times else None,
+                    tpot_s=(times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None,
+                    transfer_bytes=self.driver.transfer_bytes.get(g.request_id) if pool else None,
+                )
             )
-            for g in self.generations
-        )
+        return tuple(out)
 
 
 def run_plan(
@@ -276,6 +298,8 @@ def run_plan(
     return RunResult(
         outputs=driver.outputs(),
         tpot_s=driver.tpot_s(),
+        ttft_s=driver.ttft_s(),
+        transfer=driver.transfer(),
         iterations=driver.iterations,
         wall_s=wall_s,
         max_active=driver.max_active,

@@ -22,7 +22,7 @@ from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import TokenBatch, byte_view, pack
 from .graph import operator_sequence
 from .kernels import KernelSet
-from .messages import Result
+from .messages import Prefill, Result
 from .options import DecodeStep, Kernels
 from .placement import RankInfo
 from .rankcore import Clock, RankCore, RankRequest, Rows
@@ -98,6 +98,7 @@ class _Placement:
     def __init__(self, slots: int) -> None:
         self.global_batch = slots
         self.microbatches = 1
+        self.prefill_replicas = 0  # no prefill pool: the rank prefills
 
     def microbatch_slots(self, k: int) -> range:
         return range(self.global_batch)
@@ -266,6 +267,11 @@ class InProcessCluster:
 
     def result_parts(self, microbatch: int) -> int:
         return 1
+
+    prefill_parts = 0  # no prefill pool
+
+    def prefill(self, replica: int, message: Prefill) -> None:
+        raise OpWeaveRuntimeError("an in-process run has no prefill pool")
 
     def submit(self, work: Work) -> None:
         rank, i = self.rank, work.iteration

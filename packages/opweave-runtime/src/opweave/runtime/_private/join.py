@@ -32,6 +32,7 @@ from opweave.costmodel import Plan
 from .control import ChannelClosed, ControlClient, store_namespace
 from .messages import PROTOCOL_VERSION, Error, Hello, Loading, Ready, Stats
 from .placement import Placement, plan_model
+from .prefill import PrefillWorker
 from .proc import die_with_parent, name_process, refuse_new_connections, watch_parent
 from .rank import StageWorker
 from .spec import RankSpec, read_spec
@@ -128,16 +129,18 @@ def run_rank(spec: RankSpec) -> int:
     with contextlib.suppress(Exception):  # a crash in native code leaves its stack in the log
         faulthandler.enable(file=sys.__stderr__ or sys.stderr)
     control: ControlClient | None = None
-    worker: StageWorker | None = None
+    worker: StageWorker | PrefillWorker | None = None
     try:
         control, store = connect(spec)
         load_start = time.perf_counter()
         with heartbeat(control):
-            worker = StageWorker(
+            placement = init_group(spec, store)
+            kind = PrefillWorker if placement.ranks[spec.rank].prefills else StageWorker
+            worker = kind(
                 spec.rank,
                 spec.options,
                 control,
-                init_group(spec, store),
+                placement,
                 model_dir=spec.model_dir,
                 local_rank=spec.local_rank,
                 local_world_size=spec.local_world_size,
@@ -162,7 +165,8 @@ def run_rank(spec: RankSpec) -> int:
         worker.serve()
         control.send(Stats(worker.stats(load_s)))
         worker.transport.close()
-        worker.runq.close()
+        if isinstance(worker, StageWorker):
+            worker.runq.close()
         control.close()
         return 0
     except ChannelClosed:

@@ -37,6 +37,7 @@ from opweave.costmodel import Plan
 
 from ..errors import OpWeaveRuntimeError
 from .options import RunOptions
+from .placement import total_ranks
 from .spec import RankSpec
 
 STOP_S = 10.0  # after shutdown, how long ranks get to send their statistics and exit
@@ -58,7 +59,7 @@ def rank_specs(
 ) -> list[RankSpec]:
     """The specs of ``ranks`` (global ranks started by one node, in local order): local rank
     ``i`` is ``ranks[i]`` unless ``local_ranks`` says otherwise (torchrun's)."""
-    world = sum(o.replicas * o.gpus_per_replica for o in plan.owners)
+    world = total_ranks(plan)
     doc = plan.model_dump(mode="json")
     local = list(local_ranks) if local_ranks is not None else list(range(len(ranks)))
     return [

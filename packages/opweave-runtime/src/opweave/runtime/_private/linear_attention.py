@@ -12,6 +12,8 @@ the same form at the same step keeps tokens identical.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -265,6 +267,19 @@ class LinearCoreAttention(StatefulOperator):
 
     def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
         return [self._conv[request_id], self._recurrent[request_id]]
+
+    def state_layout(self, length: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        del length  # a recurrent state has no length
+        return [(self.conv_shape, self.dtype), (self.recurrent_shape, torch.float32)]
+
+    def export_state(self, request_id: str) -> list[torch.Tensor]:
+        return self._state_tensors(request_id)
+
+    def _load_state(self, request_id: str, length: int, tensors: Sequence[torch.Tensor]) -> None:
+        del length
+        conv, recurrent = tensors
+        self._conv[request_id].copy_(conv)
+        self._recurrent[request_id].copy_(recurrent)
 
     # -- the static decode step (see .decode) --------------------------------------------------
     def reserve(self, rows: int, tokens: int) -> None:

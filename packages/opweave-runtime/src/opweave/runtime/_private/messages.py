@@ -7,10 +7,11 @@ wrong type or a missing one is refused as malformed before anything acts on it. 
 version (:data:`PROTOCOL_VERSION`) is part of the connection's handshake (:mod:`.control`):
 ranks and drivers of different versions do not talk.
 
-Driver to rank: :class:`~.work.Work` (one microbatch of one iteration), :class:`Warm` (build
-the decode steps; the warm-up's requests to free), :class:`Shutdown`. Rank to driver:
-:class:`Hello`, :class:`Loading` (a heartbeat while weights load), :class:`Ready`,
-:class:`Result` (sampled tokens), :class:`Warmed`, :class:`Stats`, :class:`Error`.
+Driver to rank: :class:`~.work.Work` (one microbatch of one iteration), :class:`Prefill` (a
+prompt, to a prefill pool's ranks), :class:`Warm` (build the decode steps; the warm-up's
+requests to free), :class:`Shutdown`. Rank to driver: :class:`Hello`, :class:`Loading` (a
+heartbeat while weights load), :class:`Ready`, :class:`Result` (sampled tokens),
+:class:`Prefilled`, :class:`Warmed`, :class:`Stats`, :class:`Error`.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import Any
 import msgspec
 
 from ..errors import OpWeaveRuntimeError
-from .work import Work
+from .work import SamplingParams, Work
 
-PROTOCOL_VERSION = 2  # 1: JSON frames with one-letter keys
+PROTOCOL_VERSION = 3  # 1: JSON frames with one-letter keys; 2: no prefill pools
 MAX_FRAME_BYTES = 256 << 20  # the largest control message (a long prompt's ids, a rank's stats)
 _LEN = struct.Struct("<Q")
 _RECV_BYTES = 64 << 10  # what one read takes from the socket (a longer frame takes several)
@@ -73,6 +74,28 @@ class Result(_Message, frozen=True, tag="result"):
     token_ids: tuple[int, ...]
 
 
+class Prefill(_Message, frozen=True, tag="prefill"):
+    """Prefill ``token_ids`` of ``request_id`` (prefill number ``seq``), whose decode slot is
+    ``slot``: sample its first token, hand its state to the decode ranks holding that slot."""
+
+    seq: int
+    request_id: str
+    slot: int
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+class Prefilled(_Message, frozen=True, tag="prefilled"):
+    """A prefill rank's part of prefill ``seq``: the first token (its TP leader's; -1 from the
+    others), and the state bytes it sent to the decode ranks in ``messages`` messages."""
+
+    seq: int
+    request_id: str
+    token_id: int
+    state_bytes: int
+    messages: int
+
+
 class Warmed(_Message, frozen=True, tag="warmed"):
     rank: int
 
@@ -89,8 +112,8 @@ class Error(_Message, frozen=True, tag="error"):
     peer: int | None = None
 
 
-ToRank = Work | Warm | Shutdown
-ToDriver = Hello | Loading | Ready | Result | Warmed | Stats | Error
+ToRank = Work | Prefill | Warm | Shutdown
+ToDriver = Hello | Loading | Ready | Result | Prefilled | Warmed | Stats | Error
 Message = ToRank | ToDriver
 
 _encoder = msgspec.msgpack.Encoder()

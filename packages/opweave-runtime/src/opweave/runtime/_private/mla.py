@@ -20,6 +20,8 @@ whole on every rank and every rank holds the whole cache, as vLLM's MLA does (on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -210,6 +212,18 @@ class MlaCoreAttention(StatefulOperator):
 
     def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
         return [self._states[request_id].c]
+
+    def state_layout(self, length: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        return [((length, self.width), self.dtype)]
+
+    def export_state(self, request_id: str) -> list[torch.Tensor]:
+        state = self._states[request_id]
+        return [state.c[: state.length]]
+
+    def _load_state(self, request_id: str, length: int, tensors: Sequence[torch.Tensor]) -> None:
+        state = self._states[request_id]
+        state.append(tensors[0])
+        state.length = length
 
     def _attend(
         self, q: torch.Tensor, cache: torch.Tensor, mask: torch.Tensor | None, causal: bool

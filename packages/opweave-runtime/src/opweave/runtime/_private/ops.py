@@ -384,6 +384,34 @@ class StatefulOperator(Operator):
     def _state_tensors(self, request_id: str) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    # -- handing a request's state over (a prefill pool to the decode ranks) ------------------
+    def state_layout(self, length: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Shape and dtype of each tensor of one request's state after ``length`` tokens, as
+        :meth:`export_state` gives it and :meth:`import_state` takes it."""
+        raise NotImplementedError
+
+    def export_state(self, request_id: str) -> list[torch.Tensor]:
+        """The request's state as :meth:`state_layout` lays it out (views, not copies)."""
+        raise NotImplementedError
+
+    def import_state(self, request_id: str, length: int, tensors: Sequence[torch.Tensor]) -> None:
+        """An admitted request's state after ``length`` tokens, computed elsewhere (by a
+        prefill rank): it continues from there as if this layer had run them."""
+        if self._context_lens.get(request_id) != 0:
+            raise RequestStateError(f"request {request_id!r} is not newly admitted")
+        layout = self.state_layout(length)
+        got = [(tuple(t.shape), t.dtype) for t in tensors]
+        if got != layout:
+            raise RequestStateError(
+                f"layer {self.layer}: request {request_id!r}'s state came as {got}, "
+                f"expected {layout}"
+            )
+        self._load_state(request_id, length, tensors)
+        self._context_lens[request_id] = length
+
+    def _load_state(self, request_id: str, length: int, tensors: Sequence[torch.Tensor]) -> None:
+        raise NotImplementedError
+
 
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_tanh")
 

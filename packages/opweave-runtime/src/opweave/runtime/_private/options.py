@@ -11,6 +11,10 @@ environment variable changes what a rank runs.
 from __future__ import annotations
 
 import math
+import os
+import signal
+import time
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Annotated
 
@@ -57,14 +61,35 @@ class Wait(StrEnum):
 
 class FaultInjection(BaseModel):
     """A test seam: rank ``rank`` exits, is killed or hangs at the start of iteration
-    ``iteration``. Set only by tests (``RunOptions(fault=...)``); a rank installs it as a hook
-    of its loop, which runs nothing otherwise."""
+    ``iteration`` (a prefill pool's rank: of its prefill number ``iteration``). Set only by
+    tests (``RunOptions(fault=...)``); a rank installs it as a hook of its loop, which runs
+    nothing otherwise."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     rank: int = Field(ge=0)
     iteration: int = Field(ge=0)
     mode: Annotated[str, Field(pattern="^(exit|kill|hang)$")]
+
+
+Hook = Callable[[int], None]  # called with the iteration (or prefill) about to start
+
+
+def fault_hook(fault: FaultInjection) -> Hook:
+    """The test seam of :attr:`RunOptions.fault`: at iteration ``fault.iteration`` this rank
+    exits, is killed, or hangs."""
+
+    def hook(iteration: int) -> None:
+        if iteration != fault.iteration:
+            return
+        if fault.mode == "exit":
+            os._exit(1)
+        if fault.mode == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        while True:  # hang
+            time.sleep(3600)
+
+    return hook
 
 
 def resolve_device_name(device: str) -> str:

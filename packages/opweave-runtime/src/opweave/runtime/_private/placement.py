@@ -6,6 +6,8 @@ ever has to ask another:
 
 - ranks enumerate owners ``o``, then replicas ``j``, then TP ranks ``t``; the first TP rank of a
   replica is its **leader** (it receives and sends the replica's messages);
+- a plan with a prefill pool (``plan.prefill``) has its ranks after the decode owners': its
+  replicas, then their TP ranks, each running the whole model (``owner`` :data:`PREFILL`);
 - the global batch is ``B = replicas_o * resident_batch_o`` slots (equal for every owner); replica
   ``j`` of owner ``o`` serves slots ``[j * b_o, (j + 1) * b_o)`` and keeps the per-request state of
   exactly those slots; microbatch ``k`` is slots ``[k * B // m, (k + 1) * B // m)``.
@@ -28,6 +30,7 @@ from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments, 
 from ..errors import PlanMismatchError, ShardingError
 
 UNQUANTISED_LABELS = ("bf16", "fp16", "fp32")  # a plan's quant for unquantised weights
+PREFILL = -1  # the owner of a prefill pool's ranks
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,11 @@ class RankInfo:
     @property
     def is_leader(self) -> bool:
         return self.tp_rank == 0
+
+    @property
+    def prefills(self) -> bool:
+        """A rank of the prefill pool: it computes prompts and hands their state on."""
+        return self.owner == PREFILL
 
 
 def op_label(op: OperatorSpec) -> str:
@@ -80,6 +88,15 @@ class Placement:
                     )
                     for t in range(owner.tp)
                 ]
+        self.decode_world = len(ranks)
+        pool = plan.prefill
+        for j in range(pool.replicas if pool is not None else 0):
+            assert pool is not None
+            base = len(ranks)
+            group = tuple(range(base, base + pool.tp))
+            ranks += [
+                RankInfo(base + t, PREFILL, j, t, pool.tp, base, group) for t in range(pool.tp)
+            ]
         self.ranks = tuple(ranks)
 
     @property
@@ -89,6 +106,27 @@ class Placement:
     @property
     def num_segments(self) -> int:
         return len(self.segments)
+
+    def prefill_ranks(self, replica: int) -> list[RankInfo]:
+        """The ranks of prefill replica ``replica``, in TP order."""
+        return [r for r in self.ranks if r.prefills and r.replica == replica]
+
+    @property
+    def prefill_replicas(self) -> int:
+        return self.plan.prefill.replicas if self.plan.prefill is not None else 0
+
+    def state_ranks(self, slot: int) -> list[RankInfo]:
+        """The decode ranks holding per-request state (KV cache, recurrent state) for ``slot``:
+        each owner replica serving it whose stages have a ``core_attn``; what a prefill hands
+        a request's state to."""
+        out = []
+        for r in self.ranks[: self.decode_world]:
+            if slot in self.replica_slots(r.owner, r.replica) and self.holds_state(r.owner):
+                out.append(r)
+        return out
+
+    def holds_state(self, owner: int) -> bool:
+        return any(op.name == "core_attn" for s in self.segments_of(owner) for op in s.ops)
 
     def leader(self, owner: int, replica: int) -> int:
         return next(
@@ -134,6 +172,11 @@ class Placement:
     def describe(self, rank: int) -> str:
         """``owner 1, replica 0: stages L0.ffn_norm..L0.down_proj, ...`` (for errors)."""
         info = self.ranks[rank]
+        if info.prefills:
+            where = f"prefill replica {info.replica}"
+            if info.tp_size > 1:
+                where += f", tp rank {info.tp_rank} of {info.tp_size}"
+            return f"{where}: the whole model's prefill"
         dp = self.plan.owners[info.owner].dp
         where = f"owner {info.owner}, replica {info.replica // dp}"
         if dp > 1:
@@ -144,6 +187,9 @@ class Placement:
         return f"{where}: stages {stages}"
 
     def stage_labels(self, rank: int) -> list[str]:
+        if self.ranks[rank].prefills:
+            first, last = self.segments[0].ops[0], self.segments[-1].ops[-1]
+            return [f"prefill: {op_label(first)}..{op_label(last)}"]
         return [segment_label(s) for s in self.segments_of(self.ranks[rank].owner)]
 
 
@@ -163,8 +209,12 @@ def plan_model(plan: Plan, model_dir: str | Path) -> ModelSpec:
 
 
 def total_ranks(plan: Plan) -> int:
-    """Processes (GPUs) a plan needs: replicas x TP x DP degree, summed over its owners."""
-    return sum(o.replicas * o.gpus_per_replica for o in plan.owners)
+    """Processes (GPUs) a plan needs: replicas x TP x DP degree, summed over its owners, and
+    its prefill pool's replicas x TP."""
+    pool = plan.prefill
+    return sum(o.replicas * o.gpus_per_replica for o in plan.owners) + (
+        pool.replicas * pool.tp if pool is not None else 0
+    )
 
 
 def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> None:
@@ -217,10 +267,13 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
                 f"plan owner {o} ({owner.gpu} x tp {owner.tp}) cannot shard {problem}; "
                 "choose a tensor-parallel degree that divides it"
             )
+    if plan.prefill is not None:
+        check_prefill_pool(plan, model)
     needed = total_ranks(plan)
     if world_size is not None and world_size != needed:
+        pool = " and its prefill pool" if plan.prefill is not None else ""
         raise PlanMismatchError(
-            f"the plan needs {needed} ranks (replicas x tp x dp, summed over its owners), "
+            f"the plan needs {needed} ranks (replicas x tp x dp, summed over its owners{pool}), "
             f"got {world_size}; launch with --ranks {needed}"
         )
 
@@ -272,3 +325,39 @@ def check_expert_parallel(plan: Plan, model: ModelSpec, o: int) -> None:
                     f"data-parallel ranks of replica {j}, and the expert exchange needs as many "
                     "on each; use 1 microbatch or a batch that splits evenly"
                 )
+
+
+def check_prefill_pool(plan: Plan, model: ModelSpec) -> None:
+    """A prefill pool the runtime runs: colocated replicas, tensor parallel only, at the TP of
+    the decode owners that hold the per-request state (each prefill TP rank hands its shard
+    of a request's state to the decode rank of the same TP position)."""
+    pool = plan.prefill
+    assert pool is not None
+    if pool.ep > 1 or pool.dp > 1:
+        raise PlanMismatchError(
+            f"the plan's prefill pool (tp {pool.tp} ep {pool.ep} dp {pool.dp}) uses expert "
+            "parallelism / data-parallel attention, which the runtime's prefill ranks do not "
+            "run; re-plan it with tensor parallelism only"
+        )
+    all_segments = segments(model, plan.template, len(plan.owners))
+    for o, owner in enumerate(plan.owners):
+        stateful = any(op.name == "core_attn" for s in all_segments if s.owner == o for op in s.ops)
+        if stateful and owner.dp > 1:
+            raise PlanMismatchError(
+                f"decode owner {o} holds the KV cache over {owner.dp} data-parallel ranks, and "
+                "the runtime's prefill pool hands each request's state to one tensor-parallel "
+                "group; serve this plan without the prefill pool, or with ep = dp = 1"
+            )
+        if stateful and owner.tp != pool.tp:
+            raise PlanMismatchError(
+                f"the prefill pool runs at tp {pool.tp}, but decode owner {o}, which holds the "
+                f"KV cache, runs at tp {owner.tp}; give the prefill pool the attention owners' "
+                "tensor-parallel degree"
+            )
+    if pool.tp > 1:
+        problem = tp_problem(model, pool.tp, [op for s in all_segments for op in s.ops])
+        if problem:
+            raise ShardingError(
+                f"the prefill pool (tp {pool.tp}) cannot shard {problem}; "
+                "choose a tensor-parallel degree that divides it"
+            )

@@ -19,16 +19,12 @@ core), which lands in whichever of the three it happened in.
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
 import time
-from collections.abc import Callable, Sequence
-from datetime import timedelta
+from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .control import ControlClient
@@ -36,19 +32,18 @@ from .decode import compiled_graphs, trust_warm_graphs
 from .expert_parallel import EPComm
 from .kernels import KernelSet
 from .messages import Shutdown, Warm, Warmed
-from .options import FaultInjection, RunOptions
+from .options import Hook, RunOptions, fault_hook
 from .placement import Placement
+from .prefill import StateInbox
 from .proc import RunQueueClock, pin_to_core, resolve_device
 from .program import RankProgram
 from .rankcore import Clock, RankCore, RankRequest, Rows
 from .runners import IterationRunner, PerRequestRunner, ProgramRunner, RowsRunner
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
-from .tensor_parallel import Shard, TPComm
+from .tensor_parallel import Shard, TPComm, new_groups
 from .transport import Transport
-from .work import GREEDY, Work
-
-Hook = Callable[[int], None]  # called with the iteration about to start
+from .work import GREEDY, Work, skip_draw
 
 
 class _Shutdown(Exception):
@@ -79,17 +74,10 @@ class StageWorker(RankCore):
         self.device = resolve_device(options.device, local_rank)
         self.actions: list[Compute] = compile_schedule(placement, rank)
         self.mine = placement.replica_slots(self.info.owner, self.info.replica)
-        self.group = None
-        timeout = timedelta(seconds=options.timeout_s)
-        for ranks in placement.tp_groups:  # every rank creates every group, in the same order
-            g = dist.new_group(list(ranks), timeout=timeout)
-            if rank in ranks:
-                self.group = g
-        self.ep: EPComm | None = None
-        for ranks in placement.ep_groups:
-            g = dist.new_group(list(ranks), timeout=timeout)
-            if rank in ranks:
-                self.ep = EPComm(ranks.index(rank), len(ranks), g)
+        self.group = new_groups(placement.tp_groups, rank, options.timeout_s)
+        ep_group = new_groups(placement.ep_groups, rank, options.timeout_s)
+        mine = next((ranks for ranks in placement.ep_groups if rank in ranks), None)
+        self.ep = None if mine is None else EPComm(mine.index(rank), len(mine), ep_group)
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         world = placement.world_size
         self.transport = Transport(
@@ -125,6 +113,7 @@ class StageWorker(RankCore):
                 compile=step.compiler,
             )
         self.held: dict[str, RankRequest] = {}
+        self.inbox = StateInbox(rank, placement, self.transport)  # states a prefill pool sent
         self._works: dict[tuple[int, int], Work] = {}
         self._synced: set[tuple[int, int]] = set()
         self.clock = Clock()
@@ -218,26 +207,47 @@ class StageWorker(RankCore):
         return work
 
     def _sync(self, work: Work) -> None:
-        """Free finished requests, admit new ones (a request at context 0 that is held restarts)."""
+        """Free finished requests, admit new ones (a request at context 0 that is held
+        restarts; one a prefill pool prefilled arrives with its state)."""
         for rid in work.free:
             if rid in self.held:
                 self.module.free(rid)
                 del self.held[rid]
+        stateful = self.placement.holds_state(self.info.owner)
+        for slot, replica, seq in work.discard:
+            if stateful and slot in self.mine:
+                self.inbox.take(replica, seq)
+        for rid, (replica, seq) in work.imports.items():
+            i = work.request_ids.index(rid)
+            if work.slots[i] not in self.mine:
+                continue
+            if rid in self.held:
+                self.module.free(rid)
+            self.module.admit(rid, rows=[work.slots[i] - self.mine.start])
+            self.held[rid] = held = self._request(work, rid)
+            if held.generator is not None:  # the prefill rank drew the first token from it
+                skip_draw(held.params, held.generator, self.placement.model.vocab_size)
+            if stateful:
+                self.module.import_state(rid, work.context_lens[i], self.inbox.take(replica, seq))
         for i in work.requests_in(self.mine):
             rid, ctx = work.request_ids[i], work.context_lens[i]
             if ctx == 0:
                 if rid in self.held:
                     self.module.free(rid)
                 self.module.admit(rid, rows=[work.slots[i] - self.mine.start])
-                params = work.params.get(rid, GREEDY)
-                gen = None
-                if params.seed is not None:
-                    gen = torch.Generator().manual_seed(int(params.seed))
-                self.held[rid] = RankRequest(params, gen)
+                self.held[rid] = self._request(work, rid)
             elif rid not in self.held:
                 raise RequestStateError(
                     f"rank {self.rank} holds no state for request {rid!r} at context {ctx}"
                 )
+
+    @staticmethod
+    def _request(work: Work, rid: str) -> RankRequest:
+        params = work.params.get(rid, GREEDY)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator().manual_seed(int(params.seed))
+        return RankRequest(params, gen)
 
     # -- the warm-up ----------------------------------------------------------------------------
     def warm(self, request_ids: Sequence[str]) -> None:
@@ -377,20 +387,3 @@ class StageWorker(RankCore):
             "bytes_sent": self.transport.bytes_sent,
             "messages_sent": self.transport.messages_sent,
         }
-
-
-def fault_hook(fault: FaultInjection) -> Hook:
-    """The test seam of :attr:`~.options.RunOptions.fault`: at iteration ``fault.iteration``
-    this rank exits, is killed, or hangs."""
-
-    def hook(iteration: int) -> None:
-        if iteration != fault.iteration:
-            return
-        if fault.mode == "exit":
-            os._exit(1)
-        if fault.mode == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        while True:  # hang
-            time.sleep(3600)
-
-    return hook

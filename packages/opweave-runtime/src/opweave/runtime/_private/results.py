@@ -28,6 +28,19 @@ class Output(_Frozen):
         description="When each token reached the driver, since the first iteration began."
     )
     text: str | None = Field(default=None, description="token_ids decoded (the CLI fills it).")
+    ttft_s: float | None = Field(
+        default=None,
+        description="Time to first token: from the run's start (every offline request arrives "
+        "then) to its first token.",
+    )
+    tpot_s: float | None = Field(
+        default=None, description="(last - first token time) / (tokens - 1); None for one token."
+    )
+    transfer_bytes: int | None = Field(
+        default=None,
+        description="With a prefill pool: the bytes of its state (KV cache, recurrent state) the "
+        "prefill ranks sent to the decode ranks.",
+    )
 
 
 class RankTimeline(_Frozen):
@@ -105,6 +118,11 @@ class RankStats(_Frozen):
     state_bytes_at_end: int
     bytes_sent: int
     messages_sent: int
+    pool: str = Field(
+        default="decode",
+        description='"decode", or "prefill" for a rank of the plan\'s prefill pool (owner -1), '
+        "which prefills prompts and sends their state to the decode ranks.",
+    )
 
 
 class DriverTimeline(_Frozen):
@@ -129,6 +147,17 @@ class DriverStats(_Frozen):
     )
 
 
+class PoolTransfer(_Frozen):
+    """What a plan's prefill pool handed to its decode pool."""
+
+    prefills: int = Field(description="Prompts the prefill pool computed.")
+    bytes: int = Field(
+        description="State bytes sent prefill -> decode: per request and state-holding decode "
+        "rank, its layers' KV cache (keys and values of the prompt) or recurrent state."
+    )
+    messages: int = Field(description="One per request and receiving decode rank.")
+
+
 class RunResult(_Frozen):
     """An offline run: the outputs, the measured TPOT, and per rank its statistics."""
 
@@ -136,6 +165,10 @@ class RunResult(_Frozen):
     outputs: tuple[Output, ...]
     tpot_s: float | None = Field(
         description="Mean over requests of (last - first token time) / (tokens - 1)."
+    )
+    ttft_s: float | None = Field(default=None, description="Mean of the requests' ttft_s.")
+    transfer: PoolTransfer | None = Field(
+        default=None, description="With a prefill pool: what it sent to the decode ranks."
     )
     iterations: int
     wall_s: float

@@ -75,6 +75,8 @@ def rank_ops(placement: Placement, rank: int) -> list[OpRef]:
 def compile_schedule(placement: Placement, rank: int) -> list[Compute]:
     """The actions ``rank`` runs every iteration, in execution order."""
     p, info = placement, placement.ranks[rank]
+    if info.prefills:  # a prefill pool's rank runs no decode iteration
+        return []
     num_seg, m = p.num_segments, p.microbatches
     keyed: list[tuple[tuple[int, int], Compute]] = []
     mine = p.replica_slots(info.owner, info.replica)

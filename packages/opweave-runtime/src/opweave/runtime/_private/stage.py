@@ -120,6 +120,19 @@ class StageModule:
             for op in self._stateful:
                 op.free(rid)
 
+    def import_state(self, request_id: str, length: int, tensors: Sequence[torch.Tensor]) -> None:
+        """An admitted request's state after ``length`` tokens, computed by a prefill rank: its
+        stateful layers' tensors in order (:meth:`.ops.StatefulOperator.state_layout` each)."""
+        at = 0
+        for op in self._stateful:
+            n = len(op.state_layout(length))
+            op.import_state(request_id, length, tensors[at : at + n])
+            at += n
+        if at != len(tensors):
+            raise OpWeaveRuntimeError(
+                f"request {request_id!r}: {len(tensors)} state tensors came for {at}"
+            )
+
     def use_static_decode(
         self, *, rows: int = 0, tokens: int = 0, compile: str | None = None
     ) -> None:

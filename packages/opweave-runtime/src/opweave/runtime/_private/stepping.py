@@ -19,6 +19,13 @@ work forwards its sampled tokens to the first segment's leaders, and a microbatc
 all run exactly their in-flight token, sampled in the microbatch's previous work, gets a carried
 work (see :class:`~.work.Work`). Any other step that needs unknown tokens first waits for the
 steps in flight (:meth:`StepDriver.collect`), as a synchronous scheduler would.
+
+A plan with a prefill pool (:mod:`.prefill`): the decode ranks never prefill. A step's item that
+completes a request's prompt sends the whole prompt to a prefill replica instead (a chunk short of
+the end waits for the rest), whose leader's first token is the step's token for it; the
+request's next work admits it at the prompt's length (:attr:`~.work.Work.imports`), its state
+coming from that replica. The driver counts the state bytes the prefill ranks sent
+(:attr:`StepDriver.transfer`).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any, Protocol
 
 from ..errors import RequestStateError
 from .batch import one_new_token_each
-from .messages import Result
+from .messages import Prefill, Prefilled, Result
 from .work import GREEDY, SamplingParams, Work
 
 
@@ -50,9 +57,14 @@ class Ranks(Protocol):
 
     def submit(self, work: Work) -> None: ...
 
-    def result(self, timeout_s: float | None = None) -> Result: ...
+    def result(self, timeout_s: float | None = None) -> Result | Prefilled: ...
 
     def result_parts(self, microbatch: int) -> int: ...
+
+    def prefill(self, replica: int, message: Prefill) -> None: ...
+
+    @property
+    def prefill_parts(self) -> int: ...
 
 
 @dataclass
@@ -64,6 +76,8 @@ class _Request:
     admitted: bool = False  # the ranks have seen it (its first work carries its parameters)
     sampled_at: int = -1  # the last iteration (of its microbatch) whose work samples its token
     epoch: int = 0  # renewed by a restart: tokens of steps submitted before it are stale
+    prefill: tuple[int, int] | None = None  # (replica, number) of its prefill, until imported
+    token_due: int | None = None  # the prefill whose first token is still in flight
 
 
 @dataclass
@@ -75,6 +89,7 @@ class Step:
     sampling: dict[str, int]
     parts: int
     final: bool = False
+    prefills: set[int] = field(default_factory=set)  # prefill numbers (a prefill pool's)
     got: list[tuple[Sequence[str], Sequence[int]]] = field(default_factory=list)
     tokens: dict[str, int] | None = None
 
@@ -110,6 +125,13 @@ class StepDriver:
         self.carry = False
         self.carried_works = 0
         self._epochs = itertools.count(1)
+        # a prefill pool: its replicas, prefill numbers, states to drop per microbatch, and the
+        # state bytes and messages its ranks sent, in total and per request
+        self.prefill_pool: int = self.cluster.placement.prefill_replicas
+        self._prefills = itertools.count()
+        self._discard: dict[int, list[tuple[int, int, int]]] = {k: [] for k in range(m)}
+        self.transfer = {"bytes": 0, "messages": 0}
+        self.transfer_bytes: dict[str, int] = {}
 
     @property
     def capacity(self) -> int:
@@ -169,6 +191,7 @@ class StepDriver:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
+        self._forget_prefill(req)
         self._owner_of[req.slot] = None
         if req.admitted:
             self._free[self._microbatch(req.slot)].append(request_id)
@@ -179,17 +202,25 @@ class StepDriver:
         a token still in flight for it is dropped when it comes; without, that token is still
         appended (as vLLM appends it)."""
         req = self.requests[request_id]
+        self._forget_prefill(req)
         req.computed = 0
         req.sampled_at = -1
         if token_ids is not None:
             req.token_ids = list(token_ids)
             req.epoch = next(self._epochs)
 
+    def _forget_prefill(self, req: _Request) -> None:
+        """A request leaves (or restarts) before its prefilled state was imported: the decode
+        ranks receive that state with the microbatch's next work, and drop it."""
+        if req.prefill is not None:
+            self._discard[self._microbatch(req.slot)].append((req.slot, *req.prefill))
+        req.prefill = req.token_due = None
+
     def flush(self) -> None:
         """Free the state of requests dropped since the last step now (an iteration of empty
         microbatches carries the frees, and takes tokens a last work forwarded), rather than
         with the next step. Waits for every step in flight."""
-        if any(self._free.values()) or self._forwarding:
+        if any(self._free.values()) or self._forwarding or any(self._discard.values()):
             self.step([])
 
     def _slots(self, k: int) -> range:
@@ -223,6 +254,9 @@ class StepDriver:
         )
         if ended := sorted(self._final.intersection(chosen)):
             raise RequestStateError(f"microbatch {ended[0]} went final; it runs no more")
+        prompts: list[StepItem] = []
+        if self.prefill_pool:
+            items, prompts = self._prompts(items)
         per_k: dict[int, list[tuple[int, StepItem]]] = {k: [] for k in chosen}
         ahead: set[int] = set()  # microbatches with an item that runs an in-flight token
         for item in items:
@@ -258,6 +292,7 @@ class StepDriver:
             if item.start < req.computed:  # behind what the ranks hold: recompute
                 req.computed = 0
         sampling: dict[str, int] = {}
+        prefills = {self._prefill(item, sampling) for item in prompts}
         works = [self._work(k, per_k[k], k in carry, final, sampling) for k in chosen]
         for work in works:  # every work built (checked) before any is submitted
             self.cluster.submit(work)
@@ -267,9 +302,42 @@ class StepDriver:
         if final:
             self._final.update(chosen)
         parts = sum(self.cluster.result_parts(k) for k in chosen)
-        step = Step(iterations, sampling, parts, final)
+        parts += len(prefills) * (self.cluster.prefill_parts if prefills else 0)
+        step = Step(iterations, sampling, parts, final, prefills)
         self._in_flight.append(step)
         return step
+
+    def _prompts(self, items: Sequence[StepItem]) -> tuple[list[StepItem], list[StepItem]]:
+        """A prefill pool's split of ``items``: those the decode ranks run, and those that
+        complete a prompt the ranks hold nothing of (the prefill pool runs them). A chunk short
+        of its prompt's end runs nowhere yet; a request whose first token is still in flight
+        waits for it."""
+        decode, prompts = [], []
+        for item in items:
+            req = self.requests.get(item.request_id)
+            if req is None:
+                raise RequestStateError(f"request {item.request_id!r} was never added")
+            if req.computed > 0 and item.start >= req.computed:
+                decode.append(item)
+            elif item.start + item.count >= len(req.token_ids):
+                prompts.append(item)
+        if any(self.requests[i.request_id].token_due is not None for i in decode):
+            self._wait_in_flight()
+        return decode, prompts
+
+    def _prefill(self, item: StepItem, sampling: dict[str, int]) -> int:
+        """Send ``item``'s tokens (its request's whole prompt) to a prefill replica (round
+        robin); the prefill's number."""
+        req = self.requests[item.request_id]
+        seq = next(self._prefills)
+        replica = seq % self.prefill_pool
+        end = item.start + item.count
+        message = Prefill(seq, item.request_id, req.slot, tuple(req.token_ids[:end]), req.params)
+        self.cluster.prefill(replica, message)
+        req.computed, req.admitted, req.sampled_at = end, True, -1
+        req.prefill, req.token_due = (replica, seq), seq
+        sampling[item.request_id] = req.epoch
+        return seq
 
     def _work(
         self,
@@ -283,6 +351,7 @@ class StepDriver:
         i = self._next[k]
         rids, slots, ctx, qlen, sample, tokens = [], [], [], [], [], []
         params: dict[str, SamplingParams] = {}
+        imports: dict[str, tuple[int, int]] = {}
         for slot, item in sorted(chosen, key=lambda pair: pair[0]):
             req = self.requests[item.request_id]
             end = item.start + item.count
@@ -298,6 +367,9 @@ class StepDriver:
                 sampling[item.request_id] = req.epoch
                 req.sampled_at = i
             if lo == 0:
+                params[item.request_id] = req.params
+            if req.prefill is not None:  # admitted here with the prefill pool's state
+                imports[item.request_id], req.prefill = req.prefill, None
                 params[item.request_id] = req.params
             req.computed = end
             req.admitted = True
@@ -316,8 +388,11 @@ class StepDriver:
             final=final,
             forward=forward,
             carried=carried,
+            imports=imports,
+            discard=tuple(self._discard[k]),
         )
         self._free[k] = []
+        self._discard[k] = []
         self._forwarding.discard(k)
         if forward:
             self._forwarding.add(k)
@@ -365,13 +440,23 @@ class StepDriver:
         """One result from the ranks, onto its step; a step whose results are all in gets its
         tokens (appended to their requests) and leaves the steps in flight."""
         msg = self.cluster.result()
-        k, i = msg.microbatch, msg.iteration
-        done = next((s for s in self._in_flight if s.iterations.get(k) == i), None)
-        if done is None:
-            raise RequestStateError(
-                f"a result came for microbatch {k} iteration {i}, which is not in flight"
-            )
-        done.got.append((msg.request_ids, msg.token_ids))
+        if isinstance(msg, Prefilled):
+            done = next((s for s in self._in_flight if msg.seq in s.prefills), None)
+            if done is None:
+                raise RequestStateError(f"a result came for prefill {msg.seq}, not in flight")
+            self.transfer["bytes"] += msg.state_bytes
+            self.transfer["messages"] += msg.messages
+            rid = msg.request_id
+            self.transfer_bytes[rid] = self.transfer_bytes.get(rid, 0) + msg.state_bytes
+            done.got.append(((rid,), (msg.token_id,)) if msg.token_id >= 0 else ((), ()))
+        else:
+            k, i = msg.microbatch, msg.iteration
+            done = next((s for s in self._in_flight if s.iterations.get(k) == i), None)
+            if done is None:
+                raise RequestStateError(
+                    f"a result came for microbatch {k} iteration {i}, which is not in flight"
+                )
+            done.got.append((msg.request_ids, msg.token_ids))
         if len(done.got) < done.parts:
             return
         done.tokens = {}
@@ -383,6 +468,8 @@ class StepDriver:
                 req = self.requests.get(rid)
                 if req is not None and req.epoch == done.sampling[rid]:
                     req.token_ids.append(int(token))
+                    if req.token_due in done.prefills:
+                        req.token_due = None
         self._in_flight.remove(done)
         self._done.append(done)
 

@@ -127,3 +127,16 @@ class TPComm:
         out = layout.assemble(bufs, self.shard)
         self.comm_s += time.perf_counter() - start
         return out
+
+
+def new_groups(groups: Sequence[tuple[int, ...]], rank: int, timeout_s: float) -> object | None:
+    """Create every replica's TP group (every rank creates every group, in the same order);
+    ``rank``'s own, or None."""
+    from datetime import timedelta
+
+    mine = None
+    for ranks in groups:
+        g = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
+        if rank in ranks:
+            mine = g
+    return mine

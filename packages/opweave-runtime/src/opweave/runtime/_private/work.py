@@ -53,6 +53,10 @@ class Work(msgspec.Struct, frozen=True, omit_defaults=True, tag="work", tag_fiel
     ``forward``: the sampled tokens also go to the first segment's leaders (a decode step's
     only). ``carried``: every request's input is the token the ranks sampled for it in the
     microbatch's previous iteration, which was a forward work; ``token_ids`` is then ``None``.
+    ``imports``: requests a prefill pool prefilled (request -> (prefill replica, prefill
+    number)), admitted here at their prompt's length, their state received from that replica;
+    ``discard``: (slot, prefill replica, prefill number) of prefills whose request left before
+    it was imported, whose state the decode ranks receive and drop.
 
     It is also the control message that carries it (:mod:`.messages`): validated again when a
     rank decodes it.
@@ -71,6 +75,8 @@ class Work(msgspec.Struct, frozen=True, omit_defaults=True, tag="work", tag_fiel
     final: bool = False
     forward: bool = False
     carried: bool = False
+    imports: dict[str, tuple[int, int]] = msgspec.field(default_factory=dict)
+    discard: tuple[tuple[int, int, int], ...] = ()
 
     def __post_init__(self) -> None:
         n = len(self.request_ids)
@@ -92,6 +98,9 @@ class Work(msgspec.Struct, frozen=True, omit_defaults=True, tag="work", tag_fiel
             token_ids=self.token_ids if tokens else None,
             params=self.params if params else {},
         )
+
+    def slot_of(self, request_id: str) -> int:
+        return self.slots[self.request_ids.index(request_id)]
 
     @property
     def decode(self) -> bool:
@@ -138,6 +147,13 @@ def sample_rows(
         if not p.greedy:
             out[row] = _sample_one(logits[row], p, gen)
     return [int(t) for t in out]
+
+
+def skip_draw(params: SamplingParams, generator: torch.Generator, vocab_size: int) -> None:
+    """Advance ``generator`` past one token's draw (what :func:`sample_rows` takes of it does
+    not depend on the logits, only on their width): a request whose first token was sampled
+    elsewhere (a prefill pool) then draws its next ones as if it had been sampled here."""
+    sample_rows(torch.zeros(1, vocab_size), [params], [generator])
 
 
 def _sample_one(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:

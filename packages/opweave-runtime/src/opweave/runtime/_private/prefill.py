@@ -1,0 +1,246 @@
+"""A prefill pool: ranks that compute prompts and hand each request's state to the decode ranks.
+
+A plan with a prefill pool (``plan.prefill``: replicas of the whole model, colocated, at the TP
+of the decode owners that hold the KV cache) has its ranks after the decode ranks
+(:mod:`.placement`). The driver sends a new request's whole prompt to one prefill replica
+(:class:`~.messages.Prefill`); its ranks run the prompt through every operator (the TP leader
+samples the first token), and each prefill rank sends one message per decode rank that holds the
+request's per-request state (its slot's replicas of the owners with a ``core_attn``, at the same
+TP position): the state of that rank's layers -- keys and values of the prompt, a linear
+attention layer's conv and recurrent state, an MLA layer's latent cache -- as
+:meth:`~.ops.StatefulOperator.export_state` lays it out, over the runtime's transport. Every
+prefill rank then tells the driver what it sent (:class:`~.messages.Prefilled`, with the token
+from the leader) and frees the request.
+
+The decode ranks never prefill: the request's first work (a decode step at the prompt's length,
+:attr:`~.work.Work.imports`) admits it, and each of its state ranks receives the message
+(:class:`StateInbox`) into its layers (:meth:`~.ops.StatefulOperator.import_state`). Messages from
+one prefill rank arrive in the order it prefilled, which need not be the order the decode rank
+imports in (microbatches advance apart), so a message names its prefill and waits in the inbox
+until its work comes.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..errors import OpWeaveRuntimeError, RequestStateError
+from .batch import BatchMeta, TokenBatch
+from .control import ControlClient
+from .graph import OpRef
+from .kernels import KernelSet
+from .messages import Prefill, Prefilled, Shutdown, Warm, Warmed
+from .options import RunOptions, fault_hook
+from .placement import Placement
+from .proc import pin_to_core, resolve_device
+from .rankcore import Clock
+from .schedule import Message, rank_ops
+from .stage import StageModule
+from .tensor_parallel import Shard, TPComm, new_groups
+from .transport import Transport, as_batch
+from .work import sample_rows
+
+STATE_TAG = 1 << 30  # the tag of a prefill's state message (no activation's tag comes near)
+
+
+def state_layers(placement: Placement, rank: int) -> list[int]:
+    """The layers whose per-request state decode rank ``rank`` holds, in its stage order."""
+    return [ref.layer for ref in rank_ops(placement, rank) if ref.name == "core_attn"]  # type: ignore[misc]
+
+
+def state_message(seq: int, length: int, tensors: list[torch.Tensor]) -> TokenBatch:
+    """One prefill's state for one decode rank: its tensors in layer order, named by index;
+    the header names the prefill (``seq``) and the tokens it covers (``length``)."""
+    meta = BatchMeta((str(seq),), (length,), (0,))
+    return TokenBatch(meta, {f"{i:06d}": t for i, t in enumerate(tensors)})
+
+
+class StateInbox:
+    """A decode rank's received prefill states, by prefill number, until their import."""
+
+    def __init__(self, rank: int, placement: Placement, transport: Transport) -> None:
+        self.rank = rank
+        self.placement = placement
+        self.transport = transport
+        self.tp_rank = placement.ranks[rank].tp_rank
+        self._held: dict[int, TokenBatch] = {}
+
+    def take(self, replica: int, seq: int) -> list[torch.Tensor]:
+        """Prefill ``seq``'s state from prefill replica ``replica`` (receiving until it came)."""
+        peer = self.placement.prefill_ranks(replica)[self.tp_rank].rank
+        link = Message(peer, range(0), STATE_TAG)
+        while seq not in self._held:
+            what = f"receiving a request's state from prefill rank {peer}"
+            batch = as_batch(self.transport.recv(link, what))
+            self._held[int(batch.meta.request_ids[0])] = batch
+        batch = self._held.pop(seq)
+        return [batch.tensors[name] for name in sorted(batch.tensors)]
+
+
+class PrefillWorker:
+    """One prefill rank's loop: prefill what the driver sends, hand the state on, report."""
+
+    def __init__(
+        self,
+        rank: int,
+        options: RunOptions,
+        control: ControlClient,
+        placement: Placement,
+        *,
+        model_dir: str,
+        local_rank: int,
+        local_world_size: int,
+        host: str,
+        key: bytes,
+    ) -> None:
+        self.rank = rank
+        self.options = options
+        self.control = control
+        self.placement = placement
+        self.info = placement.ranks[rank]
+        self.device = resolve_device(options.device, local_rank)
+        self.group = new_groups(placement.tp_groups, rank, options.timeout_s)
+        own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
+        self.transport = Transport(
+            rank,
+            self.device,
+            options.timeout_s,
+            host=host,
+            key=key,
+            spin_s=options.spin_s(own_core),
+            torch_p2p=options.test_torch_p2p,
+        )
+        shard = Shard(self.info.tp_rank, self.info.tp_size)
+        self.comm = TPComm(shard, self.group) if self.info.tp_size > 1 else None
+        refs = [OpRef(op.layer, op.name) for seg in placement.segments for op in seg.ops]
+        self.module = StageModule(
+            model_dir,
+            refs,
+            device=self.device,
+            dtype=None if options.dtype is None else getattr(torch, options.dtype),
+            shard=shard,
+            comm=self.comm,
+            model=placement.model,
+            kernels=KernelSet(options.kernels),
+        )
+        self._layers = {
+            op.layer: op for op in self.module._stateful if op.layer is not None
+        }  # layer -> its stateful operator
+        # per decode rank of this TP position: the layers whose state it takes
+        self._takes = {
+            r.rank: state_layers(placement, r.rank)
+            for r in placement.ranks[: placement.decode_world]
+            if r.tp_rank == self.info.tp_rank and placement.holds_state(r.owner)
+        }
+        self.clock = Clock()
+        self.prefills = 0
+        self.state_bytes = 0
+        self.hooks: list[Callable[[int], None]] = []  # called with the prefill about to start
+        if options.fault is not None and options.fault.rank == rank:
+            self.hooks.append(fault_hook(options.fault))
+
+    def serve(self) -> None:
+        """Prefill until the driver says stop."""
+        while True:
+            while not self.control.poll():
+                self.transport.wait_control(self.control.fileno())
+            msg = self.control.recv()
+            if isinstance(msg, Shutdown):
+                break
+            if isinstance(msg, Warm):
+                self.control.send(Warmed(self.rank))
+                continue
+            if not isinstance(msg, Prefill):
+                raise OpWeaveRuntimeError(f"unexpected control message {msg!r} for a prefill rank")
+            if self.clock.started is None:
+                self.clock.started = time.perf_counter()
+            for hook in self.hooks:
+                hook(self.prefills)
+            self._prefill(msg)
+        self.transport.flush()
+
+    @torch.inference_mode()
+    def _prefill(self, msg: Prefill) -> None:
+        rid, n, leader = msg.request_id, len(msg.token_ids), self.info.is_leader
+        if rid in self.module.request_ids:  # a restart while its earlier prefill ran: afresh
+            self.module.free(rid)
+        self.module.admit(rid)
+        meta = BatchMeta((rid,), (n,), (0,), slots=(msg.slot,))
+        batch = TokenBatch(meta, {"token_ids": torch.tensor(msg.token_ids, device=self.device)})
+        sample_here = leader and msg.params.greedy
+        stop = len(self.module.operators) - (0 if sample_here else 1)
+        start = time.perf_counter()
+        out = self.module.run(batch, slice(0, stop))
+        token = -1
+        if leader:
+            if msg.params.greedy:
+                token = int(out["token_ids"][0])
+            else:
+                gen = None
+                if msg.params.seed is not None:
+                    gen = torch.Generator().manual_seed(int(msg.params.seed))
+                token = sample_rows(out["logits"], [msg.params], [gen])[0]
+        self.clock.compute_s += time.perf_counter() - start
+        sent = messages = 0
+        for peer in self._receivers(msg.slot):
+            tensors = [
+                t for layer in self._takes[peer] for t in self._layers[layer].export_state(rid)
+            ]
+            sent += sum(t.numel() * t.element_size() for t in tensors)
+            self.transport.send(
+                Message(peer, range(0), STATE_TAG), state_message(msg.seq, n, tensors), msg.seq
+            )
+            messages += 1
+        self.transport.reap(before_epoch=msg.seq)
+        self.module.free(rid)
+        self.prefills += 1
+        self.state_bytes += sent
+        self.control.send(Prefilled(msg.seq, rid, token, sent, messages))
+
+    def _receivers(self, slot: int) -> list[int]:
+        ranks = [r.rank for r in self.placement.state_ranks(slot) if r.rank in self._takes]
+        if not ranks:
+            raise RequestStateError(f"no decode rank holds the state of slot {slot}")
+        return ranks
+
+    def stats(self, load_s: float) -> dict[str, Any]:
+        """The figures :class:`~.results.RankStats` holds, for a prefill rank."""
+        info, clock = self.info, self.clock
+        loop = time.perf_counter() - clock.started if clock.started is not None else 0.0
+        comm = self.transport.comm_s
+        return {
+            "rank": self.rank,
+            "owner": info.owner,
+            "replica": info.replica,
+            "tp_rank": info.tp_rank,
+            "tp_size": info.tp_size,
+            "device": str(self.device),
+            "host": socket.gethostname(),
+            "stages": self.placement.stage_labels(self.rank),
+            "weight_bytes_read": self.module.checkpoint.bytes_read,
+            "weight_bytes": self.module.weight_bytes,
+            "load_s": load_s,
+            "kernels": self.module.kernels,
+            "busy_s": clock.compute_s,
+            "comm_s": comm,
+            "loop_s": loop,
+            "overhead_s": max(loop - clock.compute_s - comm, 0.0),
+            "wait": "spin" if self.transport.spin_s > 0 else "block",
+            "iterations": self.prefills,
+            "computes_per_iteration": 1,
+            "decode_step": "prefill",
+            "submissions": self.module.submissions,
+            "submissions_per_token": 0.0,
+            "host_s_per_token": 0.0,
+            "timeline": clock.timeline,
+            "requests_held_at_end": len(self.module.request_ids),
+            "state_bytes_at_end": self.module.state_bytes(),
+            "bytes_sent": self.transport.bytes_sent,
+            "messages_sent": self.transport.messages_sent,
+            "pool": "prefill",
+        }

@@ -1,0 +1,197 @@
+"""Plans with a prefill pool: prefill ranks compute the prompts, the decode ranks never prefill.
+
+Each run forks the decode ranks and the prefill pool's ranks (gloo on 127.0.0.1) under the
+offline driver; the tokens must be transformers' greedy tokens, and the state bytes the pool
+reports must be what the model's config says a prompt's state weighs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from opweave.costmodel import Plan, PrefillPool, canonical_plan, load_model
+from opweave.runtime import (
+    FaultInjection,
+    PlanMismatchError,
+    Request,
+    RunFailedError,
+    RunOptions,
+    run_plan,
+)
+
+MAX_NEW_TOKENS = 16  # as the other runtime tests, so hf_greedy's cache is shared
+TIMEOUT_S = 20.0
+
+
+def _pd_plan(model_dir: Path, strategy: str, *, tp: int = 1, pool: int = 2) -> Plan:
+    plan = canonical_plan(
+        load_model(model_dir),
+        strategy,
+        gpu="cpu",
+        batch=4 if strategy == "colocated" else 2,
+        microbatches=1 if strategy == "colocated" else 2,
+        tp=tp,
+        replicas=1 if strategy == "colocated" else 2,
+    )
+    return plan.model_copy(update={"prefill": PrefillPool(gpu="cpu", tp=tp, replicas=pool)})
+
+
+def _state_bytes_per_request(model_dir: Path, prompt_tokens: int) -> int:
+    """A prompt's state, from config.json alone: keys and values of every full-attention layer
+    (a sliding layer keeps at most its window), a linear-attention layer's conv window and
+    float32 recurrent state, an MLA layer's latent (compressed KV and rope key) per token."""
+    c = json.loads((model_dir / "config.json").read_text())
+    dtype = {"float32": 4, "bfloat16": 2, "float16": 2}[c["dtype"]]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kinds = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+    total = 0
+    for kind in kinds:
+        if kind == "linear_attention":
+            key_dim = c["linear_num_key_heads"] * c["linear_key_head_dim"]
+            value_dim = c["linear_num_value_heads"] * c["linear_value_head_dim"]
+            conv = (2 * key_dim + value_dim) * (c["linear_conv_kernel_dim"] - 1) * dtype
+            recurrent = (
+                c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"]
+            ) * 4
+            total += conv + recurrent
+        elif "kv_lora_rank" in c:
+            total += (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * prompt_tokens * dtype
+        else:
+            tokens = prompt_tokens
+            if kind == "sliding_attention":
+                tokens = min(prompt_tokens, c["sliding_window"])
+            total += 2 * c["num_key_value_heads"] * head_dim * tokens * dtype
+    return total
+
+
+CASES = {
+    "llama-colocated": ("llama", "colocated", 1, "per-request"),
+    # the states through torch.distributed point-to-point (gloo), the path CUDA takes (NCCL)
+    "llama-cad-tp2-gloo-p2p": ("llama", "cad", 2, "torch-p2p"),
+    "llama-afd-tp2": ("llama", "afd", 2, "per-request"),
+    "gemma3-cad-static": ("gemma3_text", "cad", 1, "static"),
+    "deepseek_v3-afd-static": ("deepseek_v3", "afd", 1, "static"),
+    "qwen3_next-cad-tp2-static": ("qwen3_next", "cad", 2, "static"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_prefill_pool_prefills_and_the_decode_ranks_continue_token_exact(
+    case, tiny_model, hf_greedy, prompts
+):
+    family, strategy, tp, step = CASES[case]
+    model_dir = tiny_model(family)
+    plan = _pd_plan(model_dir, strategy, tp=tp)
+    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
+    p2p = step == "torch-p2p"
+    options = RunOptions(
+        timeout_s=TIMEOUT_S, decode_step="per-request" if p2p else step, test_torch_p2p=p2p
+    )
+    result = run_plan(plan, model_dir, requests, options)
+    assert result is not None
+    assert [list(o.token_ids) for o in result.outputs] == hf_greedy(
+        model_dir, prompts, MAX_NEW_TOKENS
+    )
+    # every request's state went over once, weighing what its config says
+    for out in result.outputs:
+        assert out.transfer_bytes == _state_bytes_per_request(model_dir, len(out.prompt_token_ids))
+        assert out.ttft_s is not None and out.ttft_s > 0
+        assert out.tpot_s is not None and out.tpot_s > 0
+    assert result.transfer is not None
+    assert result.transfer.prefills == len(prompts)
+    assert result.transfer.bytes == sum(o.transfer_bytes or 0 for o in result.outputs)
+    # one message per request and state-holding decode rank (every TP rank of the replica
+    # that holds its slot, of the one owner with a core_attn)
+    assert result.transfer.messages == len(prompts) * tp
+    decode = [r for r in result.ranks if r.pool == "decode"]
+    prefill = [r for r in result.ranks if r.pool == "prefill"]
+    assert len(prefill) == 2 * tp and all(r.owner == -1 for r in prefill)
+    assert sum(r.iterations for r in prefill) == len(prompts) * tp  # each prompt once per TP rank
+    assert len(decode) == sum(o.replicas * o.tp for o in plan.owners)
+    # the decode ranks never ran a prompt: every launch of theirs was in a decode iteration
+    for r in decode:
+        assert r.submissions > 0
+        assert r.submissions == round(r.submissions_per_token * r.decode_iterations)
+    assert all(r.requests_held_at_end == 0 for r in result.ranks)
+
+
+def test_a_prefill_pool_at_another_tp_than_the_attention_owner_is_refused(tiny_model):
+    model_dir = tiny_model("llama")
+    plan = _pd_plan(model_dir, "afd", tp=2)
+    plan = plan.model_copy(update={"prefill": PrefillPool(gpu="cpu", tp=1, replicas=1)})
+    with pytest.raises(PlanMismatchError, match="prefill pool runs at tp 1.*tp 2"):
+        run_plan(plan, model_dir, [Request((5, 6, 7), 2)], RunOptions(timeout_s=TIMEOUT_S))
+
+
+@pytest.mark.parametrize(
+    ("mode", "expect"),
+    [("kill", "killed by signal 9"), ("hang", "stopped responding"), ("exit", "exited")],
+)
+def test_a_prefill_rank_that_dies_or_hangs_fails_the_run_naming_it(mode, expect, tiny_model):
+    """Rank 2 is the prefill pool's (after the AFD plan's two decode ranks); it fails at its
+    second prefill, while the decode ranks wait for that request's state."""
+    model_dir = tiny_model("llama")
+    plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=2, microbatches=2)
+    plan = plan.model_copy(update={"prefill": PrefillPool(gpu="cpu", tp=1, replicas=1)})
+    fault = FaultInjection(rank=2, iteration=1, mode=mode)
+    with pytest.raises(RunFailedError) as info:
+        run_plan(
+            plan,
+            model_dir,
+            [Request((5, 6, 7), 8), Request((8, 9), 8)],
+            RunOptions(timeout_s=3, fault=fault),
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("rank 2 (prefill replica 0: the whole model's prefill)")
+    assert expect in message
+
+
+def test_a_decode_rank_that_dies_fails_a_pd_run_naming_it(tiny_model):
+    model_dir = tiny_model("llama")
+    plan = _pd_plan(model_dir, "afd", pool=1)
+    fault = FaultInjection(rank=2, iteration=3, mode="kill")  # owner 1's first replica
+    with pytest.raises(RunFailedError) as info:
+        run_plan(plan, model_dir, [Request((5, 6, 7), 12)], RunOptions(timeout_s=3, fault=fault))
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("rank 2 (owner 1, replica 0: stages L0.ffn_norm..L0.down_proj")
+    assert "killed by signal 9" in message
+
+
+def test_a_seeded_sampled_request_draws_the_same_tokens_with_and_without_the_pool(tiny_model):
+    """The prefill rank draws the first token from the request's seed; the decode rank's
+    generator continues after that draw, so every token is the one the plan without a pool
+    samples."""
+    from opweave.runtime import Cluster, SamplingParams, StepDriver, StepItem
+
+    model_dir = tiny_model("llama")
+    model = load_model(model_dir)
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, seed=1234)
+    prompt = tuple(range(5, 17))
+
+    def sample(plan: Plan) -> list[int]:
+        cluster = Cluster(plan, model, model_dir, RunOptions(timeout_s=TIMEOUT_S))
+        try:
+            driver = StepDriver(cluster)
+            driver.add("a", prompt, params)
+            driver.step([StepItem("a", 0, len(prompt))])
+            for _ in range(7):
+                known = len(driver.requests["a"].token_ids)
+                driver.step([StepItem("a", known - 1, 1)])
+            tokens = driver.requests["a"].token_ids[len(prompt) :]
+            driver.drop("a")
+            driver.flush()
+            cluster.shutdown()
+        finally:
+            cluster.close()
+        return tokens
+
+    plan = canonical_plan(model, "afd", gpu="cpu", batch=2, microbatches=2)
+    alone = sample(plan)
+    pool = PrefillPool(gpu="cpu", tp=1, replicas=1)
+    assert sample(plan.model_copy(update={"prefill": pool})) == alone
+    assert len(alone) == 8
