@@ -195,3 +195,25 @@ def test_a_seeded_sampled_request_draws_the_same_tokens_with_and_without_the_poo
     pool = PrefillPool(gpu="cpu", tp=1, replicas=1)
     assert sample(plan.model_copy(update={"prefill": pool})) == alone
     assert len(alone) == 8
+
+
+def test_a_prefill_pool_beside_an_expert_parallel_ffn_owner(tiny_model, hf_greedy, prompts):
+    """The attention owner whole (it holds the KV cache), the FFN owner's experts over two
+    data-parallel ranks, and a prefill pool: the pool's state goes to the attention owner, the
+    expert exchange stays among the FFN owner's ranks, and the tokens are transformers'."""
+    model_dir = tiny_model("qwen3_moe")
+    plan = canonical_plan(load_model(model_dir), "afd", gpu="cpu", batch=4, microbatches=1)
+    ffn = plan.owners[1].model_copy(update={"ep": 2, "dp": 2})
+    plan = plan.model_copy(
+        update={
+            "owners": [plan.owners[0], ffn],
+            "prefill": PrefillPool(gpu="cpu", tp=1, replicas=1),
+        }
+    )
+    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
+    result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=TIMEOUT_S))
+    assert result is not None
+    assert [list(o.token_ids) for o in result.outputs] == hf_greedy(
+        model_dir, prompts, MAX_NEW_TOKENS
+    )
+    assert [r.pool for r in result.ranks] == ["decode"] * 3 + ["prefill"]

@@ -104,7 +104,9 @@ class PrefillWorker:
         self.placement = placement
         self.info = placement.ranks[rank]
         self.device = resolve_device(options.device, local_rank)
+        # every rank creates every group, in the same order as the decode ranks do
         self.group = new_groups(placement.tp_groups, rank, options.timeout_s)
+        new_groups(placement.ep_groups, rank, options.timeout_s)
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         self.transport = Transport(
             rank,
