@@ -24,6 +24,7 @@ rank or on none), and a rank with no requests in a step still joins with zero ro
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +32,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ..errors import ShardingError
+from .tensor_parallel import new_groups
 
 
 @dataclass
@@ -92,3 +94,18 @@ class EPComm:
         lo = sum(counts[: self.rank])
         summed = funcol.all_reduce(partial, "sum", self.group)  # type: ignore[arg-type]
         return summed[lo : lo + counts[self.rank]]
+
+
+def join_groups(
+    tp_groups: Sequence[tuple[int, ...]],
+    ep_groups: Sequence[tuple[int, ...]],
+    rank: int,
+    timeout_s: float,
+) -> tuple[object | None, EPComm | None]:
+    """Create every process group of the run, TP groups then EP groups (torch.distributed
+    wants every process to create every group, in one order, so every rank of either pool
+    calls this); ``rank``'s TP group (or None) and its expert exchange (or None)."""
+    tp = new_groups(tp_groups, rank, timeout_s)
+    ep = new_groups(ep_groups, rank, timeout_s)
+    mine = next((ranks for ranks in ep_groups if rank in ranks), None)
+    return tp, None if mine is None else EPComm(mine.index(rank), len(mine), ep)

@@ -32,6 +32,7 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, TokenBatch
 from .control import ControlClient
+from .expert_parallel import join_groups
 from .graph import OpRef
 from .kernels import KernelSet
 from .messages import Prefill, Prefilled, Shutdown, Warm, Warmed
@@ -41,7 +42,7 @@ from .proc import pin_to_core, resolve_device
 from .rankcore import Clock
 from .schedule import Message, rank_ops
 from .stage import StageModule
-from .tensor_parallel import Shard, TPComm, new_groups
+from .tensor_parallel import Shard, TPComm
 from .transport import Transport, as_batch
 from .work import sample_rows
 
@@ -104,9 +105,9 @@ class PrefillWorker:
         self.placement = placement
         self.info = placement.ranks[rank]
         self.device = resolve_device(options.device, local_rank)
-        # every rank creates every group, in the same order as the decode ranks do
-        self.group = new_groups(placement.tp_groups, rank, options.timeout_s)
-        new_groups(placement.ep_groups, rank, options.timeout_s)
+        self.group, _ = join_groups(
+            placement.tp_groups, placement.ep_groups, rank, options.timeout_s
+        )
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         self.transport = Transport(
             rank,

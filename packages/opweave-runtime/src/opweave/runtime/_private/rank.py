@@ -29,7 +29,7 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .control import ControlClient
 from .decode import compiled_graphs, trust_warm_graphs
-from .expert_parallel import EPComm
+from .expert_parallel import join_groups
 from .kernels import KernelSet
 from .messages import Shutdown, Warm, Warmed
 from .options import Hook, RunOptions, fault_hook
@@ -41,7 +41,7 @@ from .rankcore import Clock, RankCore, RankRequest, Rows
 from .runners import IterationRunner, PerRequestRunner, ProgramRunner, RowsRunner
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
-from .tensor_parallel import Shard, TPComm, new_groups
+from .tensor_parallel import Shard, TPComm
 from .transport import Transport
 from .work import GREEDY, Work, skip_draw
 
@@ -74,10 +74,9 @@ class StageWorker(RankCore):
         self.device = resolve_device(options.device, local_rank)
         self.actions: list[Compute] = compile_schedule(placement, rank)
         self.mine = placement.replica_slots(self.info.owner, self.info.replica)
-        self.group = new_groups(placement.tp_groups, rank, options.timeout_s)
-        ep_group = new_groups(placement.ep_groups, rank, options.timeout_s)
-        mine = next((ranks for ranks in placement.ep_groups if rank in ranks), None)
-        self.ep = None if mine is None else EPComm(mine.index(rank), len(mine), ep_group)
+        self.group, self.ep = join_groups(
+            placement.tp_groups, placement.ep_groups, rank, options.timeout_s
+        )
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         world = placement.world_size
         self.transport = Transport(
