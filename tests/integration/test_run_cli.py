@@ -352,21 +352,28 @@ def test_a_prompts_files_own_budgets_need_no_max_tokens(tmp_path, capsys, tiny_m
     assert code == 2 and "--prompt needs --max-tokens" in err
 
 
-def test_run_with_expert_parallelism(tmp_path, capsys, tiny_model, hf_greedy, prompts):
+@pytest.mark.parametrize(("ep", "tp"), [(2, 1), (4, 2)])
+def test_run_with_expert_parallelism(ep, tp, tmp_path, capsys, tiny_model, hf_greedy, prompts):
     """``--ep 2``: the MoE owner over two ranks, each an attention replica with half the batch
-    and half the experts."""
+    and half the experts; ``--ep 4 --tp 2``: two attention replicas of two TP ranks each, a
+    quarter of the experts on each rank."""
     model_dir = tiny_model("qwen3_moe")
     capsys.readouterr()
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps({"prompt_token_ids": list(p)}) + "\n" for p in prompts))
     args = ("--model-path", str(model_dir), "--prompts-file", str(path))
     code, out, err = _opweave(
-        capsys, "run", "--ep", "2", *args, "--max-tokens", str(MAX_TOKENS), "--json"
-    )
+        capsys, "run", "--ep", str(ep), "--tp", str(tp), *args, "--max-tokens", str(MAX_TOKENS),
+        "--json",
+    )  # fmt: skip
     assert code == 0, err
     doc = json.loads(out)
     assert [o["token_ids"] for o in doc["outputs"]] == hf_greedy(model_dir, prompts, MAX_TOKENS)
-    assert [(r["owner"], r["replica"]) for r in doc["ranks"]] == [(0, 0), (0, 1)]
+    owner = doc["plan"]["owners"][0]
+    assert (owner["tp"], owner["ep"], owner["dp"]) == (tp, ep, ep // tp)
+    assert [(r["owner"], r["replica"]) for r in doc["ranks"]] == [
+        (0, d) for d in range(ep // tp) for _ in range(tp)
+    ]
 
 
 def test_bad_expert_parallelism_is_one_line_errors(tmp_path, capsys, tiny_model):
@@ -378,8 +385,8 @@ def test_bad_expert_parallelism_is_one_line_errors(tmp_path, capsys, tiny_model)
     prompt = ("--prompt", "t5", "--max-tokens", "2")
     cases = [
         (("--ep", "2", "--model-path", dense), "has no routed experts (a dense model); drop --ep"),
-        (("--ep", "3", "--model-path", moe), "--ep 3 does not divide the 8 routed experts"),
-        (("--ep", "2", "--tp", "2", "--model-path", moe), "--ep runs at --tp 1"),
+        (("--ep", "16", "--model-path", moe), "--ep 16 is more than the 8 routed experts"),
+        (("--ep", "2", "--tp", "4", "--model-path", moe), "--ep 2 is not a multiple of --tp 4"),
         ((str(plan_path), "--ep", "2", "--model-path", moe), "--ep, --replicas, --batch and"),
         (
             ("--ep", "2", "--microbatches", "2", "--batch", "4", "--model-path", moe),

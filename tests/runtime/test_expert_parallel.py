@@ -17,10 +17,12 @@ from opweave.runtime import (
     Request,
     RunFailedError,
     RunOptions,
+    ShardingError,
     StageModule,
     run_plan,
 )
 from opweave.runtime._private.schedule import rank_ops
+from opweave.runtime._private.tensor_parallel import Shard
 
 MAX_NEW_TOKENS = 16  # the same as the other runtime tests, so hf_greedy's cache is shared
 TIMEOUT_S = 20.0
@@ -145,23 +147,72 @@ def test_an_afd_plan_whose_ffn_owner_has_ep2(tiny_model, hf_greedy, prompts):
         assert r["weight_bytes_read"] == whole - others
 
 
+# (tp, ep, dp): experts with TP over a whole data-parallel replica; expert sets of two GPUs
+# each; EP inside one TP group (no exchange: the TP all-reduce sums the sets); the wide-EP layout
+# with tensor-parallel attention replicas; 8 experts dealt to 3 sets (2, 3 and 3), by all-to-all
+LAYOUTS = [(1, 1, 2), (1, 2, 4), (2, 2, 1), (2, 4, 2), (1, 3, 3)]
+
+
+@pytest.mark.parametrize(("tp", "ep", "dp"), LAYOUTS, ids=lambda v: str(v))
+def test_every_layout_the_planner_offers_generates_transformers_tokens(
+    tp, ep, dp, tiny_model, hf_greedy, prompts
+):
+    """Each rank holds experts [s * E / ep, (s + 1) * E / ep) of set s = g / (tp dp / ep), and
+    of those the g-th slice of the channels (g: its place in the replica): read from the
+    checkpoint and nothing else of the experts."""
+    model_dir = tiny_model("qwen3_moe")
+    plan = canonical_plan(
+        load_model(model_dir), "colocated", gpu="cpu", batch=4 * dp, tp=tp, ep=ep, dp=dp
+    )
+    more = [*prompts, (7, 8, 9)]  # attention replicas with unequal numbers of requests
+    result = _run(model_dir, plan, more, decode_step="per-request" if tp == 1 else "static")
+    assert [o["token_ids"] for o in result["outputs"]] == hf_greedy(model_dir, more, MAX_NEW_TOKENS)
+    _, experts = _checkpoint_bytes(model_dir)
+    n, g = len(experts), tp * dp
+    placement = Placement(plan, load_model(model_dir))
+    for r in result["ranks"]:
+        s = r["rank"] // (g // ep)
+        held = sum(b for e, b in experts.items() if s * n // ep <= e < (s + 1) * n // ep)
+        info = placement.ranks[r["rank"]]
+        others = StageModule(
+            model_dir,
+            [ref for ref in rank_ops(placement, r["rank"]) if ref[1] != "experts"],
+            shard=Shard(info.tp_rank, info.tp_size),
+        ).checkpoint.bytes_read
+        assert r["weight_bytes_read"] == others + held // (g // ep)
+
+
+@pytest.mark.parametrize(
+    ("family", "decode_step"), [("deepseek_v3", "per-request"), ("minimax_m2", "traced")]
+)
+def test_wide_ep_under_tensor_parallel_attention(
+    family, decode_step, tiny_model, hf_greedy, prompts
+):
+    """MLA (its latent cache per attention replica) and MiniMax's layer-wide q/k norms (summed
+    over each attention replica's TP group) at tp 2 x dp 2, one expert set per GPU."""
+    model_dir = tiny_model(family)
+    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=8, tp=2, ep=4, dp=2)
+    more = [*prompts, (7, 8, 9)]
+    result = _run(model_dir, plan, more, decode_step=decode_step)
+    assert [o["token_ids"] for o in result["outputs"]] == hf_greedy(model_dir, more, MAX_NEW_TOKENS)
+
+
 @pytest.mark.parametrize(
     ("plan_kw", "message"),
     [
-        ({"tp": 2, "ep": 2, "dp": 1}, r"runs data-parallel attention at tp 1, and expert"),
-        ({"ep": 2, "dp": 4}, r"and expert parallelism with ep = dp only"),
         ({"ep": 2, "dp": 2, "batch": 3}, r"a resident batch of 3 does not split over dp 2"),
         (
             {"ep": 2, "dp": 2, "batch": 4, "microbatches": 2},
             r"microbatch 0 has 2, 0 slots",
         ),
+        ({"ep": 1, "dp": 64, "batch": 64}, r"intermediate size of 32 does not split over tp 64"),
     ],
 )
 def test_ep_plans_the_runtime_does_not_run_are_refused(plan_kw, message, tiny_model):
     model_dir = tiny_model("qwen3_moe")
     kw = {"batch": 4, "microbatches": 1} | plan_kw
     plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", **kw)
-    with pytest.raises(PlanMismatchError, match=message):
+    with pytest.raises((PlanMismatchError, ShardingError), match=message):
         run_plan(plan, model_dir, [Request((5, 6), 2)])
 
 
@@ -172,7 +223,7 @@ def test_ep_over_a_dense_model_or_uneven_experts_is_refused(tiny_model):
         run_plan(plan, llama, [Request((5, 6), 2)])
     mixtral = tiny_model("mixtral")  # 4 experts
     plan = canonical_plan(load_model(mixtral), "colocated", gpu="cpu", batch=8, tp=1, ep=8, dp=8)
-    with pytest.raises(PlanMismatchError, match="4 routed experts do not split over ep 8"):
+    with pytest.raises(PlanMismatchError, match="4 routed experts are fewer than ep 8"):
         run_plan(plan, mixtral, [Request((5, 6), 2)])
 
 

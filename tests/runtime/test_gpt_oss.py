@@ -95,3 +95,22 @@ def test_the_swiglu_clamp_is_reached(model_dir, prompts):
     stage.admit(meta.request_ids)
     stage(TokenBatch(meta, {"token_ids": torch.tensor(prompts[2])}))
     assert max(seen) > load_model(model_dir).arch.moe.swiglu_limit
+
+
+@pytest.mark.parametrize(("tp", "ep", "dp"), [(1, 2, 2), (2, 2, 2)], ids=str)
+def test_expert_parallel_plans_generate_transformers_greedy_tokens(
+    tp, ep, dp, model_dir, hf_greedy, prompts
+):
+    """Experts (with their biases) sharded over expert sets, each expert's channels over its
+    set's GPUs; the down bias counted once per set."""
+    plan = canonical_plan(
+        load_model(model_dir), "colocated", gpu="cpu", batch=4 * dp, tp=tp, ep=ep, dp=dp
+    )
+    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
+
+    result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=20.0, decode_step="static"))
+
+    assert result is not None
+    assert [list(o.token_ids) for o in result.outputs] == hf_greedy(
+        model_dir, prompts, MAX_NEW_TOKENS
+    )

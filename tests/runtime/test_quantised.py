@@ -45,14 +45,18 @@ def mxfp4_model(tmp_path_factory) -> tuple[Path, Path]:
     return quantised_pair(src, root, "mxfp4")
 
 
-def _run(model_dir: Path, strategy: str, tp: int, prompts) -> list[list[int]]:
+def _run(
+    model_dir: Path, strategy: str, tp: int, prompts, ep: int = 1, dp: int = 1
+) -> list[list[int]]:
     plan = canonical_plan(
         load_model(model_dir),
         strategy,
         gpu="cpu",
-        batch=4,
-        microbatches=1 if strategy == "colocated" else 2,
+        batch=4 * dp,
+        microbatches=1 if strategy == "colocated" or dp > 1 else 2,
         tp=tp,
+        ep=ep,
+        dp=dp,
     )
     requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
     result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=20.0))
@@ -90,6 +94,22 @@ def test_nvfp4_checkpoint_over_tp2(strategy, tmp_path, hf_greedy, prompts):
     quant_dir, oracle_dir = quantised_pair(src, tmp_path, "nvfp4")
     assert load_model(quant_dir).precision.quant == "nvfp4"
     assert _run(quant_dir, strategy, 2, prompts) == hf_greedy(oracle_dir, prompts, MAX_NEW_TOKENS)
+
+
+# (tp, ep, dp): one expert set per GPU of two attention replicas; two sets of two GPUs, each
+# expert's channels (and their scale blocks) split over its set
+@pytest.mark.parametrize(("tp", "ep", "dp"), [(1, 2, 2), (2, 2, 2)], ids=str)
+@pytest.mark.parametrize("fmt", ["fp8-block", "mxfp4", "gpt-oss-mxfp4"])
+def test_quantised_experts_under_expert_parallelism(
+    fmt, tp, ep, dp, block_fp8_model, mxfp4_model, tmp_path, hf_greedy, prompts
+):
+    if fmt == "gpt-oss-mxfp4":
+        src = write_tiny_model("gpt_oss", tmp_path / "src", intermediate_size=64)
+        quant_dir, oracle_dir = gpt_oss_mxfp4_pair(src, tmp_path)
+    else:
+        quant_dir, oracle_dir = block_fp8_model if fmt == "fp8-block" else mxfp4_model
+    expected = hf_greedy(oracle_dir, prompts, MAX_NEW_TOKENS)
+    assert _run(quant_dir, "colocated", tp, prompts, ep=ep, dp=dp) == expected
 
 
 def test_fp8_checkpoints_in_one_process(tmp_path, hf_greedy, prompts):

@@ -122,8 +122,9 @@ def run(
             "--ep",
             min=1,
             max=MAX_COUNT,
-            help="With --strategy: expert parallelism of the MoE owner over EP GPUs, each a "
-            "data-parallel attention rank with its share of the batch (at --tp 1).",
+            help="With --strategy: expert parallelism of the MoE owner over EP GPUs per "
+            "replica, which are EP / TP data-parallel attention replicas of --tp GPUs each, "
+            "each with its share of the batch.",
         ),
     ] = 1,
     prefill_replicas: Annotated[
@@ -268,7 +269,8 @@ def serve(
         int, typer.Option("--replicas", min=1, max=MAX_COUNT, help="With --strategy.")
     ] = 1,
     ep: Annotated[
-        int, typer.Option("--ep", min=1, max=MAX_COUNT, help="With --strategy: EP = DP.")
+        int,
+        typer.Option("--ep", min=1, max=MAX_COUNT, help="With --strategy: EP GPUs per replica."),
     ] = 1,
     prefill_replicas: Annotated[
         int, typer.Option("--prefill-replicas", min=0, max=MAX_COUNT, help=PREFILL_HELP)
@@ -343,9 +345,10 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         )
     if o["tp"] not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
-    if o["ep"] > 1 and o["tp"] > 1:
+    if o["ep"] % o["tp"]:
         raise typer.BadParameter(
-            "--ep runs at --tp 1 (each of its GPUs holds the whole attention); give one of them"
+            f"--ep {o['ep']} is not a multiple of --tp {o['tp']}: the --ep GPUs of a replica "
+            "are data-parallel attention replicas of --tp GPUs each"
         )
     if o["kernels"] not in KERNELS:
         raise typer.BadParameter(f"--kernels must be one of {', '.join(KERNELS)}")
@@ -416,6 +419,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
     from opweave.costmodel import PrefillPool, canonical_plan
 
     ep = o["ep"]
+    dp = ep // o["tp"] if ep > 1 else 1  # attention replicas of --tp GPUs over the --ep GPUs
     if ep > 1:
         _check_ep(model, ep)
     owners = 1 if o["strategy"] == "colocated" else 2
@@ -429,7 +433,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
     per_replica = o["batch"] or (_offline_batch(o) if offline else _SERVE_BATCH)
     b = max(per_replica, m)
     if o["batch"] is None:
-        b = -(-b // ep) * ep  # a share for each data-parallel rank
+        b = -(-b // dp) * dp  # a share for each data-parallel rank
     try:
         plan = canonical_plan(
             model,
@@ -439,7 +443,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
             microbatches=m,
             tp=o["tp"],
             ep=ep,
-            dp=ep,
+            dp=dp,
             replicas=o["replicas"],
         )
         if o["prefill_replicas"]:
@@ -451,7 +455,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
 
 
 def _check_ep(model: Any, ep: int) -> None:
-    """``--ep`` on a model without routed experts, or not dividing them, is an error."""
+    """``--ep`` on a model without routed experts, or above their count, is an error."""
     from opweave.costmodel import ConfigError
 
     moe = model.arch.moe
@@ -459,10 +463,10 @@ def _check_ep(model: Any, ep: int) -> None:
         raise ConfigError(
             f"--ep {ep}: {model.name} has no routed experts (a dense model); drop --ep"
         )
-    if moe.num_experts % ep:
+    if moe.num_experts < ep:
         raise ConfigError(
-            f"--ep {ep} does not divide the {moe.num_experts} routed experts of {model.name}; "
-            "choose an --ep that divides them"
+            f"--ep {ep} is more than the {moe.num_experts} routed experts of {model.name}; "
+            "choose an --ep of at most that"
         )
 
 

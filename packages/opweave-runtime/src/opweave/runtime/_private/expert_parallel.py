@@ -1,23 +1,34 @@
-"""Expert parallelism with data-parallel attention: the wide-EP layout of an MoE owner.
+"""Expert parallelism and data-parallel attention: how an MoE owner's replica shares its experts.
 
-A plan replica of an owner with ``ep = dp`` (at ``tp = 1``) is ``ep`` ranks, each an attention
-replica with its own slice of the replica's slots (see :mod:`.placement`) and each holding
-``num_experts / ep`` consecutive routed experts of every MoE layer (it reads only theirs from the
+A plan replica of an owner spans ``tp x dp`` GPUs (the cost model's ``Parallelism``): ``dp``
+attention replicas, each a tensor-parallel group of ``tp`` ranks with its own slice of the
+replica's slots (see :mod:`.placement`). Each MoE layer's routed experts are sharded over the
+whole replica: ``ep`` sets of ``tp x dp / ep`` GPUs, set ``s`` holding the consecutive experts
+``[s E / ep, (s + 1) E / ep)`` (rounded down; where ``ep`` does not divide the ``E`` experts
+some sets hold one fewer), each expert's intermediate channels split over the GPUs
+of its set (:class:`ExpertShard`; each rank reads only its experts' channels from the
 checkpoint). Everything else of the owner (embedding, attention, router, shared expert, dense
-layers, head) is replicated and runs on the rank's own rows.
+layers, head) runs in the attention replica, tensor-parallel over its ``tp`` ranks.
 
-At a layer's ``experts`` the group exchanges rows, in one of two forms:
+With ``dp = 1`` every rank of the replica already holds every row: each adds its experts' share
+and the tensor-parallel all-reduce that ends the layer sums them (vLLM's expert parallelism without
+data parallelism). With ``dp > 1`` the replica's ranks exchange rows at a layer's ``experts``, in
+one of two forms (:class:`EPComm`):
 
-- **all-to-all** (eager steps): each (row, choice) pair goes to the rank holding its expert
-  (**dispatch**: :meth:`EPComm.all_to_all` after every rank learns every other's pair counts),
-  that rank applies the expert and its routing weight, and the results go back the same way
-  (**combine**) to be added to their rows in ascending expert order, as transformers adds them;
-- **gathered** (inside a compiled or traced static decode step, whose shapes cannot depend on the
-  routing): every rank's rows with their routing go to every rank (:meth:`EPComm.dispatch`), each
-  adds its own experts' share, and the shares are summed back (:meth:`EPComm.combine`); the
-  step's rows are equal on every rank of the group (:func:`.placement.check_expert_parallel`).
+- **all-to-all** (``tp = 1``, ``ep = dp``: one whole expert set per GPU, eager steps): each
+  (row, choice) pair goes to the rank holding its expert (**dispatch**, after every rank learns
+  every other's pair counts), that rank applies the expert and its routing weight, and the
+  results go back the same way (**combine**) to be added to their rows in ascending expert order,
+  as transformers adds them;
+- **gathered** (every other layout, and inside a compiled or traced static decode step, whose
+  shapes cannot depend on the routing): every attention replica's rows with their routing go to
+  every rank of the replica (one copy from each replica's first TP rank), each rank adds its own
+  experts' share, and the shares are summed back over the replica, each attention replica keeping
+  its own rows (vLLM's all-gather / reduce-scatter exchange, its default all2all backend); in a
+  static step the rows are equal on every attention replica
+  (:func:`.placement.check_expert_parallel`).
 
-Every rank of a group runs the same form at the same step (a step is a decode step on every
+Every rank of a replica runs the same form at the same step (a step is a decode step on every
 rank or on none), and a rank with no requests in a step still joins with zero rows.
 """
 
@@ -35,22 +46,80 @@ from ..errors import ShardingError
 from .tensor_parallel import new_groups
 
 
+@dataclass(frozen=True)
+class ExpertShard:
+    """The routed experts, and their intermediate channels, that GPU ``index`` of a replica's
+    ``size`` holds, its experts sharded over ``ep`` sets of ``size / ep`` GPUs.
+
+    >>> s = ExpertShard(index=5, size=8, ep=4)  # 4 sets of 2 GPUs
+    >>> s.experts(16, "L0.experts"), s.channels(64, "L0.experts")
+    ((8, 12), (32, 64))
+    """
+
+    index: int = 0
+    size: int = 1
+    ep: int = 1
+
+    @property
+    def expert_tp(self) -> int:
+        """GPUs that split each expert's channels: those of one expert set."""
+        return self.size // self.ep
+
+    def experts(self, num_experts: int, what: str) -> tuple[int, int]:
+        """``[lo, hi)``: the routed experts this GPU holds (all of them at ``ep = 1``); where
+        ``ep`` does not divide them, sets hold ``floor`` or ``ceil(num_experts / ep)``."""
+        if num_experts < self.ep:
+            raise ShardingError(f"{what}: {num_experts} experts are fewer than ep {self.ep}")
+        s = self.index // self.expert_tp
+        return s * num_experts // self.ep, (s + 1) * num_experts // self.ep
+
+    def channels(self, intermediate: int, what: str) -> tuple[int, int] | None:
+        """``[lo, hi)`` of each held expert's intermediate channels (None: all of them)."""
+        n = self.expert_tp
+        if n == 1:
+            return None
+        if intermediate % n:
+            raise ShardingError(
+                f"{what}: expert intermediate size {intermediate} does not split over the "
+                f"{n} GPUs of each expert set (tp x dp / ep)"
+            )
+        c = self.index % n
+        return c * intermediate // n, (c + 1) * intermediate // n
+
+
+def expert_sets(num_experts: int, ep: int) -> torch.Tensor:
+    """The set holding each routed expert, as :meth:`ExpertShard.experts` deals them out.
+
+    >>> expert_sets(8, 3).tolist()
+    [0, 0, 1, 1, 1, 2, 2, 2]
+    """
+    e = torch.arange(num_experts)
+    return ((e + 1) * ep + num_experts - 1) // num_experts - 1
+
+
 @dataclass
 class EPComm:
-    """This rank's place in its expert-parallel group and the group's row exchanges; time
-    spent in them adds to ``comm_s``."""
+    """This rank's place in its replica of ``size`` ranks (``tp`` per attention replica, the
+    first of each sending that replica's rows) and the replica's row exchanges; time spent in
+    them adds to ``comm_s``."""
 
     rank: int
     size: int
     group: object
+    tp: int = 1
+    shard: ExpertShard = field(default_factory=ExpertShard)
     comm_s: float = field(default=0.0)
 
-    def experts(self, num_experts: int, what: str) -> tuple[int, int]:
-        """``[lo, hi)``: the routed experts this rank holds."""
-        if num_experts % self.size:
-            raise ShardingError(f"{what}: {num_experts} experts do not split over ep {self.size}")
-        per = num_experts // self.size
-        return self.rank * per, (self.rank + 1) * per
+    @property
+    def dp_rank(self) -> int:
+        """This rank's attention replica within the plan replica."""
+        return self.rank // self.tp
+
+    @property
+    def all_to_all_form(self) -> bool:
+        """Whether eager steps dispatch pairs by all-to-all: one whole expert set per rank and
+        no rows shared by tensor-parallel ranks."""
+        return self.tp == 1 and self.shard.ep == self.size
 
     def counts(self, send: torch.Tensor) -> list[list[int]]:
         """Every rank's ``send`` (int64 rows for each rank of the group, on the rank's device),
@@ -75,25 +144,54 @@ class EPComm:
         self.comm_s += time.perf_counter() - start
         return out
 
+    def gather(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Eager steps: every attention replica's rows of ``local`` (any number each),
+        concatenated in replica order, and each replica's count."""
+        n = local.shape[0]
+        sizes = [row[0] for row in self.counts(torch.tensor([n], device=local.device))]
+        counts = sizes[:: self.tp]
+        top = max(counts)
+        if top == 0:
+            return local, counts  # no rows anywhere in the replica
+        start = time.perf_counter()
+        padded = torch.cat([local, local.new_zeros((top - n, *local.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(parts, padded, group=self.group)  # type: ignore[arg-type]
+        full = torch.cat([p[:c] for p, c in zip(parts[:: self.tp], counts, strict=True)])
+        self.comm_s += time.perf_counter() - start
+        return full, counts
+
     def dispatch(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Inside a compiled step: every rank's rows of ``local`` (as many on every rank),
-        concatenated in rank order, and each rank's count (the gathered form)."""
+        """Inside a compiled step: every attention replica's rows of ``local`` (as many on
+        every rank), concatenated in replica order, and each replica's count."""
         n, group = local.shape[0], self.group
         if local.device.type != "cpu":
-            return funcol.all_gather_tensor(local, 0, group), [n] * self.size  # type: ignore[arg-type]
-        blocks = [torch.zeros_like(local) for _ in range(self.size - 1)]
-        blocks.insert(self.rank, local)
-        # an all-reduce of blocks that are zero but for each rank's own (exact): inductor's CPU
-        # wrapper cannot call all_gather_into_tensor on every torch a rank may run
-        full = funcol.all_reduce(torch.cat(blocks), "sum", group)  # type: ignore[arg-type]
-        return full, [n] * self.size
+            full = funcol.all_gather_tensor(local, 0, group)  # type: ignore[arg-type]
+        else:
+            blocks = [torch.zeros_like(local) for _ in range(self.size - 1)]
+            blocks.insert(self.rank, local)
+            # an all-reduce of blocks that are zero but for each rank's own (exact): inductor's
+            # CPU wrapper cannot call all_gather_into_tensor on every torch a rank may run
+            full = funcol.all_reduce(torch.cat(blocks), "sum", group)  # type: ignore[arg-type]
+        if self.tp > 1:  # one copy of each attention replica's rows
+            full = full.view(self.size // self.tp, self.tp, n, *local.shape[1:])[:, 0]
+            full = full.reshape(-1, *local.shape[1:])
+        return full, [n] * (self.size // self.tp)
 
     def combine(self, partial: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Inside a compiled step: the sum over the group of every rank's ``partial`` (rows as
-        :meth:`dispatch` gave them), this rank's rows of it."""
-        lo = sum(counts[: self.rank])
-        summed = funcol.all_reduce(partial, "sum", self.group)  # type: ignore[arg-type]
-        return summed[lo : lo + counts[self.rank]]
+        """The sum over the replica of every rank's ``partial`` (rows as :meth:`gather` or
+        :meth:`dispatch` gave them), this attention replica's rows of it."""
+        lo = sum(counts[: self.dp_rank])
+        if torch.compiler.is_compiling():
+            summed = funcol.all_reduce(partial, "sum", self.group)  # type: ignore[arg-type]
+        elif partial.shape[0]:
+            start = time.perf_counter()
+            summed = partial.contiguous()
+            dist.all_reduce(summed, group=self.group)  # type: ignore[arg-type]
+            self.comm_s += time.perf_counter() - start
+        else:
+            summed = partial
+        return summed[lo : lo + counts[self.dp_rank]]
 
 
 def join_groups(
@@ -101,11 +199,8 @@ def join_groups(
     ep_groups: Sequence[tuple[int, ...]],
     rank: int,
     timeout_s: float,
-) -> tuple[object | None, EPComm | None]:
-    """Create every process group of the run, TP groups then EP groups (torch.distributed
-    wants every process to create every group, in one order, so every rank of either pool
-    calls this); ``rank``'s TP group (or None) and its expert exchange (or None)."""
-    tp = new_groups(tp_groups, rank, timeout_s)
-    ep = new_groups(ep_groups, rank, timeout_s)
-    mine = next((ranks for ranks in ep_groups if rank in ranks), None)
-    return tp, None if mine is None else EPComm(mine.index(rank), len(mine), ep)
+) -> tuple[object | None, object | None]:
+    """Create every process group of the run, TP groups then the data-parallel replicas'
+    groups (torch.distributed wants every process to create every group, in one order, so every
+    rank of either pool calls this); ``rank``'s TP group and replica group (or None)."""
+    return new_groups(tp_groups, rank, timeout_s), new_groups(ep_groups, rank, timeout_s)

@@ -4,17 +4,19 @@ with biases and a clamped SwiGLU, stored as transformers stores them (``gate_up_
 ``[E, I, hidden]``), from BF16/FP32 checkpoints or the released MXFP4 ones, whose packed
 experts are stored the other way round (``[E, out, in / 32, 16]``, as transformers reads them).
 
-Under TP a rank holds the intermediate channels ``[lo, hi)`` of every expert (the interleaved
-gate/up columns ``[2 lo, 2 hi)``); the down projection's partial sums are all-reduced and the
-down bias is added by the group's first rank only, so it is counted once.
+A rank holds its experts' intermediate channels ``[lo, hi)`` (the interleaved gate/up columns
+``[2 lo, 2 hi)``): every expert's under TP, its expert set's under expert parallelism; the down
+projection's partial sums are summed over the group and the down bias is added by the first
+rank of each expert set only, so it is counted once.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..errors import ShardingError
 from .batch import TokenBatch
+from .expert_parallel import ExpertShard, expert_sets
+from .mlp import Experts
 from .ops import OpContext, Operator, linear
 
 
@@ -41,38 +43,59 @@ class GptOssRouter(Operator):
         return batch.replace(topk_weights=weights, topk_ids=ids)
 
 
-class GptOssExperts(Operator):
-    """The routed experts, summed in ascending expert order as transformers does."""
-
-    name, op_class = "experts", "gemm"
+class GptOssExperts(Experts):
+    """The routed experts, summed in ascending expert order as transformers does; sharded and
+    exchanged as :class:`~.mlp.Experts` are (a rank holds its experts' channels ``[lo, hi)``)."""
 
     def __init__(self, ctx: OpContext, layer: int | None) -> None:
-        super().__init__(ctx, layer)
+        Operator.__init__(self, ctx, layer)
         moe = self.arch.moe
         assert layer is not None and moe is not None
-        if ctx.ep is not None:
-            raise ShardingError(f"L{layer}.experts: gpt-oss's experts do not run expert-parallel")
-        inter = moe.intermediate_size
-        lo, hi = (0, inter)
-        if self.sharded:
-            lo, hi = self.shard.part(inter, f"L{layer}.experts: intermediate size")
+        what = f"L{layer}.experts"
+        shard = ctx.experts or ExpertShard(self.shard.rank, self.shard.size)
+        self.ep = ctx.ep
+        self.held = shard.experts(moe.num_experts, what)
+        channels = shard.channels(moe.intermediate_size, f"{what}: intermediate size")
+        self.experts = None if self.held == (0, moe.num_experts) else self.held
+        pairs = own = None
+        if channels is not None:
+            lo, hi = channels
+            pairs, own = [(2 * lo, 2 * hi)], [(lo, hi)]
         base = f"{ctx.ckpt.moe_module(layer)}experts."
-        pairs = [(2 * lo, 2 * hi)] if self.sharded else None
-        own = [(lo, hi)] if self.sharded else None
         if ctx.ckpt.has(ctx.ckpt.layer_name(layer, base + "gate_up_proj_blocks")):  # MXFP4
-            gate_up = self._layer_tensor(base + "gate_up_proj", dim=1, ranges=pairs)
-            down = self._layer_tensor(base + "down_proj", dim=2, ranges=own)
+            gate_up = self._cut(base + "gate_up_proj", 1, pairs)
+            down = self._cut(base + "down_proj", 2, own)
             self.gate_up = gate_up.transpose(1, 2).contiguous()
             self.down = down.transpose(1, 2).contiguous()
         else:
-            self.gate_up = self._layer_tensor(base + "gate_up_proj", dim=2, ranges=pairs)
-            self.down = self._layer_tensor(base + "down_proj", dim=1, ranges=own)
-        self.gate_up_bias = self._layer_tensor(base + "gate_up_proj_bias", dim=1, ranges=pairs)
-        down_bias = self._layer_tensor(base + "down_proj_bias")
-        # added before the reduce on one rank of the group: sum_r (partial_r) + b, weighted
-        self.down_bias = down_bias if self.shard.rank == 0 else torch.zeros_like(down_bias)
+            self.gate_up = self._cut(base + "gate_up_proj", 2, pairs)
+            self.down = self._cut(base + "down_proj", 1, own)
+        self.gate_up_bias = self._cut(base + "gate_up_proj_bias", 1, pairs)
+        down_bias = self._cut(base + "down_proj_bias", 1, None)
+        # added before the sum on one rank of each expert set: sum_r (partial_r) + b, weighted
+        first = shard.index % shard.expert_tp == 0
+        self.down_bias = down_bias if first else torch.zeros_like(down_bias)
         self.limit = moe.swiglu_limit
         self.alpha = moe.swiglu_alpha
+        self.ends_layer = True
+        self.sets = expert_sets(moe.num_experts, shard.ep).to(self.device)
+
+    def _cut(self, suffix: str, dim: int, ranges: list[tuple[int, int]] | None) -> torch.Tensor:
+        """A ``[E, ...]`` tensor's held experts, and of those the ``ranges`` along ``dim``
+        (all when ``None``)."""
+        assert self.layer is not None
+        name = self._ckpt.layer_name(self.layer, suffix)
+        if self.experts is None or ranges is None:
+            if self.experts is None:
+                return self._tensor(name, dim=dim, ranges=ranges)
+            return self._tensor(name, ranges=[self.experts])
+        (lo, hi), parts = ranges[0], []
+        for e in range(*self.experts):  # one held expert at a time, read whole, then cut
+            whole = self._ckpt.get(name, dtype=self.dtype, device=self.device, ranges=[(e, e + 1)])
+            parts.append(whole.narrow(dim, lo, hi - lo))
+        tensor = torch.cat(parts)
+        self.weight_sizes[name] = tensor.numel() * tensor.element_size()
+        return tensor
 
     def _gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up[..., ::2], gate_up[..., 1::2]
@@ -81,21 +104,18 @@ class GptOssExperts(Operator):
             up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def forward(self, batch: TokenBatch) -> TokenBatch:
-        x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
-        if batch.step is not None:
-            out = self._gathered(x, ids, weights)
-        else:
-            out = torch.zeros_like(x)
-            for expert in torch.unique(ids).tolist():
-                slot, rows = torch.where((ids == expert).T)
-                gated = self._gate(x[rows] @ self.gate_up[expert] + self.gate_up_bias[expert])
-                y = (gated @ self.down[expert] + self.down_bias[expert]) * weights[rows, slot, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-        out = self._reduce(out)
-        return batch.replace(
-            drop=("topk_ids", "topk_weights", "residual"), hidden=batch["residual"] + out
-        )
+    def _routed(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
+    ) -> torch.Tensor:
+        if static:
+            return self._gathered(x, ids, weights)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(ids).tolist():
+            slot, rows = torch.where((ids == expert).T)
+            gated = self._gate(x[rows] @ self.gate_up[expert] + self.gate_up_bias[expert])
+            y = (gated @ self.down[expert] + self.down_bias[expert]) * weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The static decode step's form: each row's own k experts gathered (shapes independent

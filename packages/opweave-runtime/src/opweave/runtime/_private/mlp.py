@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from opweave.costmodel import ExpertsSpec
 
 from .batch import TokenBatch
+from .expert_parallel import ExpertShard, expert_sets
 from .ops import OpContext, Operator, RMSNorm, activation, linear
 from .tensor_parallel import Layout
 
@@ -171,9 +172,11 @@ def router_class(moe: ExpertsSpec) -> type[Operator]:
 class Experts(Operator):
     """The routed experts: rows gathered per expert, summed in expert order as transformers does.
 
-    Under TP every rank holds every expert's slice of the intermediate channels; the partial sums
-    are all-reduced. Under EP a rank holds only its group position's experts, and computes what
-    they add to every row of the group (:mod:`.expert_parallel`).
+    Each rank holds its :class:`~.expert_parallel.ExpertShard` of them: every expert's slice of
+    the intermediate channels under plain TP, a set of whole experts (or their channel slices)
+    under expert parallelism. It adds what its experts contribute to every row it sees; the
+    partial sums are all-reduced over the TP group, or, under data-parallel attention, exchanged
+    over the plan replica (:mod:`.expert_parallel`).
     """
 
     name, op_class = "experts", "gemm"
@@ -182,23 +185,18 @@ class Experts(Operator):
         super().__init__(ctx, layer)
         moe = self.arch.moe
         assert layer is not None and moe is not None
-        channels = None
-        if self.sharded:
-            channels = self.shard.part(
-                moe.intermediate_size, f"L{layer}.experts: intermediate size"
-            )
+        what = f"L{layer}.experts"
+        shard = ctx.experts or ExpertShard(self.shard.rank, self.shard.size)
         self.ep = ctx.ep
-        self.held = (0, moe.num_experts)  # [lo, hi): the experts this rank holds
-        if self.ep is not None:
-            self.held = self.ep.experts(moe.num_experts, f"L{layer}.experts")
+        self.held = shard.experts(moe.num_experts, what)  # [lo, hi): the experts here
         self.gate_up, self.down = ctx.ckpt.load_experts(
             layer,
             moe.num_experts,
             moe.intermediate_size,
             dtype=self.dtype,
             device=self.device,
-            channels=channels,
-            experts=self.held if self.ep is not None else None,
+            channels=shard.channels(moe.intermediate_size, f"{what}: intermediate size"),
+            experts=None if self.held == (0, moe.num_experts) else self.held,
         )
         for part, tensor in (("gate_up", self.gate_up), ("down", self.down)):
             self.weight_sizes[f"layers.{layer}.experts.{part}"] = (
@@ -206,16 +204,17 @@ class Experts(Operator):
             )
         self.act = activation(self.arch.hidden_act)
         self.ends_layer = moe.shared_intermediate_size == 0
+        self.sets = expert_sets(moe.num_experts, shard.ep).to(self.device)  # each expert's set
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
-        if self.ep is None:
-            out = self._routed(x, ids, weights, static=batch.step is not None)
-        elif torch.compiler.is_compiling():
-            out = self._gathered_exchange(x, ids, weights)
-        else:
-            out = self._all_to_all(x, ids, weights)
-        return self._finish(batch, out)
+        if self.ep is None:  # every row here: this rank's share, summed over TP by _finish
+            static = batch.step is not None
+            out = self._routed(x, *self._local(ids, weights), static=static)
+            return self._finish(batch, out, reduce=True)
+        if self.ep.all_to_all_form and not torch.compiler.is_compiling():
+            return self._finish(batch, self._all_to_all(x, ids, weights), reduce=False)
+        return self._finish(batch, self._gathered_exchange(x, ids, weights), reduce=False)
 
     def _all_to_all(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -224,12 +223,12 @@ class Experts(Operator):
         holding the expert; the weighted results back, added to their rows in that order (as
         the per-expert form adds them). Routing travels in float32 beside the row (exact)."""
         assert self.ep is not None
-        ep, (lo, hi), k = self.ep, self.held, ids.shape[1]
+        ep, (lo, _), k = self.ep, self.held, ids.shape[1]
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)
         experts, rows = flat[order], torch.div(order, k, rounding_mode="floor")
         routing = weights.reshape(-1)[order]
-        send = torch.bincount(torch.div(experts, hi - lo, rounding_mode="floor"), minlength=ep.size)
+        send = torch.bincount(self.sets[experts], minlength=ep.size)
         matrix = ep.counts(send)
         pairs = torch.cat(
             [x[rows].float(), experts[:, None].float(), routing[:, None].float()], dim=1
@@ -248,27 +247,31 @@ class Experts(Operator):
     def _gathered_exchange(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
-        """EP inside a compiled static step (shapes independent of the routing): every rank's
-        rows to every rank, each adding its own experts' share, the shares summed back."""
+        """Every attention replica's rows to every rank of the plan replica, each adding its
+        own experts' share, the shares summed back (routing travels in float32: exact)."""
         assert self.ep is not None
         hidden, k = x.shape[1], ids.shape[1]
-        rows, counts = self.ep.dispatch(torch.cat([x.float(), ids.float(), weights.float()], dim=1))
-        held_ids, held_weights = self._held_only(
+        packed = torch.cat([x.float(), ids.float(), weights.float()], dim=1)
+        static = torch.compiler.is_compiling()
+        rows, counts = self.ep.dispatch(packed) if static else self.ep.gather(packed)
+        local_ids, local_weights = self._local(
             rows[:, hidden : hidden + k].to(ids.dtype), rows[:, hidden + k :].to(weights.dtype)
         )
-        out = self._routed(rows[:, :hidden].to(x.dtype), held_ids, held_weights, static=True)
+        out = self._routed(rows[:, :hidden].to(x.dtype), local_ids, local_weights, static=static)
         return self.ep.combine(out, counts)
 
     def idle(self) -> None:
-        """Join the group's exchanges with no rows: this rank has no requests in the step the
-        others run (its data-parallel replica holds none of the microbatch's)."""
+        """Join the replica's exchanges with no rows: this rank has no requests in the step the
+        others run (its attention replica holds none of the microbatch's)."""
         assert self.ep is not None and self.arch.moe is not None
         hidden, k = self.arch.hidden_size, self.arch.moe.top_k
-        self._all_to_all(
-            torch.zeros((0, hidden), dtype=self.dtype, device=self.device),
-            torch.zeros((0, k), dtype=torch.int64, device=self.device),
-            torch.zeros((0, k), dtype=torch.float32, device=self.device),
-        )
+        x = torch.zeros((0, hidden), dtype=self.dtype, device=self.device)
+        ids = torch.zeros((0, k), dtype=torch.int64, device=self.device)
+        weights = torch.zeros((0, k), dtype=torch.float32, device=self.device)
+        if self.ep.all_to_all_form:
+            self._all_to_all(x, ids, weights)
+        else:
+            self._gathered_exchange(x, ids, weights)
 
     def _routed(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
@@ -297,25 +300,27 @@ class Experts(Operator):
             out = out + y[:, j].to(out.dtype)
         return out
 
-    def _held_only(
-        self, ids: torch.Tensor, weights: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _local(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Routing as indices into the experts held here; a row's choice of an expert held
         elsewhere becomes held expert 0 at weight zero (it adds exactly nothing)."""
+        assert self.arch.moe is not None
         lo, hi = self.held
+        if (lo, hi) == (0, self.arch.moe.num_experts):
+            return ids, weights
         here = (ids >= lo) & (ids < hi)
         weights = torch.where(here, weights, torch.zeros_like(weights))
         return torch.where(here, ids - lo, torch.zeros_like(ids)), weights
 
-    def _finish(self, batch: TokenBatch, out: torch.Tensor) -> TokenBatch:
-        """The layer's residual add (after the TP reduce), or the routed sum handed to the
-        shared expert."""
-        if self.ends_layer:
+    def _finish(self, batch: TokenBatch, out: torch.Tensor, *, reduce: bool) -> TokenBatch:
+        """The layer's residual add (after the TP reduce, where the shares are not summed
+        yet), or the routed sum handed to the shared expert."""
+        if reduce:
             out = self._reduce(out)
+        if self.ends_layer:
             return batch.replace(
                 drop=("topk_ids", "topk_weights", "residual"), hidden=batch["residual"] + out
             )
-        return batch.replace(drop=("topk_ids", "topk_weights"), moe_out=self._reduce(out))
+        return batch.replace(drop=("topk_ids", "topk_weights"), moe_out=out)
 
 
 class SharedExpert(Operator):

@@ -20,7 +20,7 @@ from opweave.costmodel import Architecture
 
 from ..errors import RequestStateError, UnsupportedModelError
 from .batch import TokenBatch
-from .expert_parallel import EPComm
+from .expert_parallel import EPComm, ExpertShard
 from .tensor_parallel import Layout, Shard, TPComm
 from .weights import TensorSource
 
@@ -75,7 +75,8 @@ class OpContext:
     comm: TPComm | None = None
     kernels: KernelChoice | None = None  # the stage's kernels (None: the runtime's own)
     kv_cache_dtype: torch.dtype | None = None  # softmax attention's KV cache (None: ``dtype``)
-    ep: EPComm | None = None  # the expert-parallel group (None: every expert here)
+    ep: EPComm | None = None  # the replica's expert exchange (None: every row here)
+    experts: ExpertShard | None = None  # the routed experts held here (None: TP's share)
 
 
 class Operator:

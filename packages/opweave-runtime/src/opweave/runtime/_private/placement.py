@@ -12,11 +12,11 @@ ever has to ask another:
   ``j`` of owner ``o`` serves slots ``[j * b_o, (j + 1) * b_o)`` and keeps the per-request state of
   exactly those slots; microbatch ``k`` is slots ``[k * B // m, (k + 1) * B // m)``.
 
-An owner with data-parallel attention (``dp > 1``, run at ``tp = 1``) splits each plan replica
-into ``dp`` attention replicas of ``b_o / dp`` slots, laid out as above (``replica`` below counts
-them); with ``ep = dp > 1`` (the wide-EP layout) the ``dp`` ranks of one plan replica form its
-expert-parallel group, over which each MoE layer's routed experts are sharded
-(:mod:`.expert_parallel`).
+An owner with data-parallel attention (``dp > 1``) splits each plan replica into ``dp``
+attention replicas of ``b_o / dp`` slots and ``tp`` ranks each, laid out as above (``replica``
+below counts them); the ``tp x dp`` ranks of one plan replica form its expert group, over which
+each MoE layer's routed experts are sharded in ``ep`` sets and whose ranks exchange rows at the
+experts (:mod:`.expert_parallel`). Without data parallelism the TP group is the expert group.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments, tp_problem
 
 from ..errors import PlanMismatchError, ShardingError
+from .expert_parallel import ExpertShard
 
 UNQUANTISED_LABELS = ("bf16", "fp16", "fp32")  # a plan's quant for unquantised weights
 PREFILL = -1  # the owner of a prefill pool's ranks
@@ -44,11 +45,19 @@ class RankInfo:
     tp_size: int
     leader: int
     group: tuple[int, ...]
-    ep_group: tuple[int, ...] = ()  # the plan replica's expert-parallel ranks (ep > 1)
+    ep_group: tuple[int, ...] = ()  # the plan replica's ranks, under data parallelism (dp > 1)
+    ep: int = 1  # the owner's expert sets
 
     @property
     def is_leader(self) -> bool:
         return self.tp_rank == 0
+
+    @property
+    def expert_shard(self) -> ExpertShard:
+        """The routed experts (and channels of them) this rank holds."""
+        if self.ep_group:
+            return ExpertShard(self.ep_group.index(self.rank), len(self.ep_group), self.ep)
+        return ExpertShard(self.tp_rank, self.tp_size, self.ep)
 
     @property
     def prefills(self) -> bool:
@@ -84,7 +93,15 @@ class Placement:
                 ep_group = tuple(range(first, first + owner.gpus_per_replica))
                 ranks += [
                     RankInfo(
-                        base + t, o, j, t, owner.tp, base, group, ep_group if owner.ep > 1 else ()
+                        base + t,
+                        o,
+                        j,
+                        t,
+                        owner.tp,
+                        base,
+                        group,
+                        ep_group if owner.dp > 1 else (),
+                        owner.ep,
                     )
                     for t in range(owner.tp)
                 ]
@@ -166,7 +183,7 @@ class Placement:
 
     @cached_property
     def ep_groups(self) -> list[tuple[int, ...]]:
-        """Every plan replica's expert-parallel rank group (owners with ``ep > 1``)."""
+        """Every plan replica's rank group under data parallelism (owners with ``dp > 1``)."""
         return sorted({r.ep_group for r in self.ranks if r.ep_group})
 
     def describe(self, rank: int) -> str:
@@ -218,9 +235,8 @@ def total_ranks(plan: Plan) -> int:
 
 
 def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> None:
-    """Refuse a plan made for another model, one with expert or data parallelism (not run yet),
-    one whose tensor-parallel owners cannot shard their operators, or a launch with the wrong
-    number of ranks."""
+    """Refuse a plan made for another model, one whose owners cannot shard their operators as
+    their (TP, EP, DP) asks, or a launch with the wrong number of ranks."""
     pm = plan.model
     if pm.kv_cache_dtype != model.precision.kv_cache_dtype:
         raise PlanMismatchError(
@@ -260,6 +276,8 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
             for seg in segments(model, plan.template, len(plan.owners))
             if seg.owner == o
             for op in seg.ops
+            # routed experts split over the expert sets (check_expert_parallel), not over tp
+            if not (op.name == "experts" and (owner.ep > 1 or owner.dp > 1))
         ]
         problem = tp_problem(model, owner.tp, ops)
         if problem:
@@ -279,40 +297,45 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
 
 
 def check_expert_parallel(plan: Plan, model: ModelSpec, o: int) -> None:
-    """Refuse an owner's (TP, EP, DP) the runtime does not run. It runs data-parallel ranks at
-    ``tp = 1``; where the owner holds routed experts and ``ep > 1``, with ``ep = dp`` (each GPU
-    an attention replica and an expert set), the experts splitting evenly, and every microbatch
-    giving each of a replica's DP ranks as many slots (its expert exchanges are collectives
-    every DP rank joins, with the same shapes inside a compiled step)."""
+    """Refuse an owner's (TP, EP, DP) the runtime cannot run: expert sets on a dense model, more
+    sets than routed experts, or experts whose channels do not split over each set's
+    ``tp x dp / ep`` GPUs; and under data parallelism, a microbatch that gives a replica's
+    attention replicas unequal slots (its expert exchanges are collectives every rank joins,
+    with the same shapes inside a compiled step)."""
     owner = plan.owners[o]
     what = f"plan owner {o} ({owner.gpu} tp {owner.tp} ep {owner.ep} dp {owner.dp})"
     moe = model.arch.moe
     if owner.ep > 1 and moe is None:
         raise PlanMismatchError(f"{what}: {model.name} has no routed experts; use ep 1")
-    experts = any(
-        op.name == "experts"
-        for seg in segments(model, plan.template, len(plan.owners))
-        if seg.owner == o
-        for op in seg.ops
-    )
-    if owner.tp != 1 or (experts and owner.ep not in (1, owner.dp)):
-        raise PlanMismatchError(
-            f"{what}: the runtime runs data-parallel attention at tp 1, and expert parallelism "
-            "with ep = dp only; re-plan (or use --ep with --tp 1)"
-        )
     if owner.resident_batch % owner.dp:
         raise PlanMismatchError(
             f"{what}: a resident batch of {owner.resident_batch} does not split over dp "
             f"{owner.dp}; choose a batch that divides by it"
         )
-    if not experts or owner.ep == 1:
+    experts = [
+        op
+        for seg in segments(model, plan.template, len(plan.owners))
+        if seg.owner == o
+        for op in seg.ops
+        if op.name == "experts"
+    ]
+    if not experts:
         return
     assert moe is not None
-    if moe.num_experts % owner.ep:
+    if moe.num_experts < owner.ep:
         raise PlanMismatchError(
-            f"{what}: {moe.num_experts} routed experts do not split over ep {owner.ep}; "
-            "choose an ep that divides them"
+            f"{what}: {moe.num_experts} routed experts are fewer than ep {owner.ep}; "
+            "choose an ep of at most the expert count"
         )
+    expert_tp = owner.gpus_per_replica // owner.ep
+    problem = tp_problem(model, expert_tp, experts)
+    if problem:
+        raise ShardingError(
+            f"{what} cannot shard {problem} (the {expert_tp} GPUs of each expert set, "
+            "tp x dp / ep); choose a larger ep"
+        )
+    if owner.dp == 1:
+        return
     b, m, gb = owner.resident_batch // owner.dp, plan.microbatches, plan.global_batch
     for k in range(m):
         mb = range(k * gb // m, (k + 1) * gb // m)

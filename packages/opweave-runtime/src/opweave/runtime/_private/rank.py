@@ -29,7 +29,7 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .control import ControlClient
 from .decode import compiled_graphs, trust_warm_graphs
-from .expert_parallel import join_groups
+from .expert_parallel import EPComm, join_groups
 from .kernels import KernelSet
 from .messages import Shutdown, Warm, Warmed
 from .options import Hook, RunOptions, fault_hook
@@ -74,9 +74,13 @@ class StageWorker(RankCore):
         self.device = resolve_device(options.device, local_rank)
         self.actions: list[Compute] = compile_schedule(placement, rank)
         self.mine = placement.replica_slots(self.info.owner, self.info.replica)
-        self.group, self.ep = join_groups(
+        self.group, replica_group = join_groups(
             placement.tp_groups, placement.ep_groups, rank, options.timeout_s
         )
+        experts = self.info.expert_shard
+        self.ep = None
+        if replica_group is not None:  # data-parallel attention: the replica's row exchanges
+            self.ep = EPComm(experts.index, experts.size, replica_group, self.info.tp_size, experts)
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         world = placement.world_size
         self.transport = Transport(
@@ -104,6 +108,7 @@ class StageWorker(RankCore):
             # a static decode step takes vLLM's GEMMs only (the rest of its kernels do not trace)
             kernels=KernelSet(options.kernels, gemms_only=step.static),
             ep=self.ep,
+            experts=experts,
         )
         if step.static:  # slabs for every slot, of the plan's context
             self.module.use_static_decode(

@@ -12,7 +12,7 @@ from opweave.costmodel import ModelSpec
 from ..errors import OpWeaveRuntimeError
 from .batch import TokenBatch
 from .decode import StaticStep, is_decode, why_not_static
-from .expert_parallel import EPComm
+from .expert_parallel import EPComm, ExpertShard
 from .graph import OpRef, compute_dtype, model_spec, operator_from, operator_sequence
 from .kernels import KernelSet
 from .mlp import Experts
@@ -48,6 +48,7 @@ class StageModule:
         model: ModelSpec | None = None,
         kernels: KernelSet | None = None,
         ep: EPComm | None = None,
+        experts: ExpertShard | None = None,
     ) -> None:
         self.model: ModelSpec = model or model_spec(model_dir)
         compute = compute_dtype(self.model, dtype)
@@ -64,6 +65,7 @@ class StageModule:
             kernels,
             torch.float8_e4m3fn if self.model.precision.kv_fp8 else None,
             ep,
+            experts,
         )
         self.comm = comm
         self.ep = ep

@@ -405,34 +405,33 @@ class Checkpoint(TensorSource):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``; with
         ``channels`` only those ``[lo, hi)`` intermediate channels of every expert (TP); with
-        ``experts`` only those ``[lo, hi)`` experts (EP; not both).
+        ``experts`` only those ``[lo, hi)`` experts (EP); with both, those channels of those
+        experts.
 
         transformers 5 computes with this fused layout, so matching it keeps the matmul shapes (and
         hence the float rounding) the same as the reference; per-expert files are stacked to it.
+        A fused file cut both ways is read one held expert at a time, whole, then cut.
         """
         module = self.moe_module(layer)
         fused = self.layer_name(layer, f"{module}experts.gate_up_proj")
-        if experts is not None and channels is not None:
-            raise ValueError("experts are split either by channels (TP) or by expert (EP)")
         if self.has(fused):
             down = self.layer_name(layer, f"{module}experts.down_proj")
-            if experts is not None:
-                return self.get(fused, dtype=dtype, device=device, ranges=[experts]), self.get(
-                    down, dtype=dtype, device=device, ranges=[experts]
-                )
             if channels is None:
-                return self.get(fused, dtype=dtype, device=device), self.get(
-                    down, dtype=dtype, device=device
+                return self.get(fused, dtype=dtype, device=device, ranges=experts and [experts]), (
+                    self.get(down, dtype=dtype, device=device, ranges=experts and [experts])
                 )
             lo, hi = channels
-            gate_up = self.get(
-                fused,
-                dtype=dtype,
-                device=device,
-                dim=1,
-                ranges=[(lo, hi), (intermediate + lo, intermediate + hi)],
-            )
-            return gate_up, self.get(down, dtype=dtype, device=device, dim=2, ranges=[channels])
+            pairs = [(lo, hi), (intermediate + lo, intermediate + hi)]
+            if experts is None:
+                gate_up = self.get(fused, dtype=dtype, device=device, dim=1, ranges=pairs)
+                return gate_up, self.get(down, dtype=dtype, device=device, dim=2, ranges=[channels])
+            gate_ups, downs = [], []
+            for e in range(*experts):
+                one = [(e, e + 1)]
+                whole = self.get(fused, dtype=dtype, device=device, ranges=one)[0]
+                gate_ups.append(torch.cat([whole[a:b] for a, b in pairs]))
+                downs.append(self.get(down, dtype=dtype, device=device, ranges=one)[0, :, lo:hi])
+            return torch.stack(gate_ups), torch.stack(downs)
         gate_n, up_n, down_n = (
             ("w1", "w3", "w2")
             if module == "block_sparse_moe."
