@@ -15,7 +15,6 @@ import pytest
 from opweave.costmodel import Plan, PrefillPool, canonical_plan, load_model
 from opweave.runtime import (
     FaultInjection,
-    PlanMismatchError,
     Request,
     RunFailedError,
     RunOptions,
@@ -118,12 +117,36 @@ def test_a_prefill_pool_prefills_and_the_decode_ranks_continue_token_exact(
     assert all(r.requests_held_at_end == 0 for r in result.ranks)
 
 
-def test_a_prefill_pool_at_another_tp_than_the_attention_owner_is_refused(tiny_model):
-    model_dir = tiny_model("llama")
-    plan = _pd_plan(model_dir, "afd", tp=2)
-    plan = plan.model_copy(update={"prefill": PrefillPool(gpu="cpu", tp=1, replicas=1)})
-    with pytest.raises(PlanMismatchError, match="prefill pool runs at tp 1.*tp 2"):
-        run_plan(plan, model_dir, [Request((5, 6, 7), 2)], RunOptions(timeout_s=TIMEOUT_S))
+# (family, strategy, decode tp, prefill tp): key/value heads (a sliding layer's ring too),
+# gated DeltaNet's conv channels and recurrent heads, and MLA's latent (whole on every rank)
+# re-cut from the pool's TP to the decode owners'
+RESHARD = [
+    ("llama", "afd", 2, 1),
+    ("gemma3_text", "colocated", 1, 2),
+    ("qwen3_next", "cad", 2, 1),
+    ("deepseek_v3", "colocated", 2, 1),
+]
+
+
+@pytest.mark.parametrize(("family", "strategy", "tp", "pool_tp"), RESHARD)
+def test_a_prefill_pool_at_another_tp_than_the_decode_owners(
+    family, strategy, tp, pool_tp, tiny_model, hf_greedy, prompts
+):
+    model_dir = tiny_model(family)
+    plan = _pd_plan(model_dir, strategy, tp=tp)
+    plan = plan.model_copy(update={"prefill": PrefillPool(gpu="cpu", tp=pool_tp, replicas=1)})
+    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
+    result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=TIMEOUT_S))
+    assert result is not None
+    assert [list(o.token_ids) for o in result.outputs] == hf_greedy(
+        model_dir, prompts, MAX_NEW_TOKENS
+    )
+    # each request's state went to the tp ranks of one decode replica, each taking its cut:
+    # together the whole state, or, for MLA's latent, the whole of it on each
+    assert result.transfer is not None
+    assert result.transfer.messages == len(prompts) * tp
+    whole = sum(_state_bytes_per_request(model_dir, len(p)) for p in prompts)
+    assert result.transfer.bytes == whole * (tp if family == "deepseek_v3" else 1)
 
 
 @pytest.mark.parametrize(
@@ -217,3 +240,23 @@ def test_a_prefill_pool_beside_an_expert_parallel_ffn_owner(tiny_model, hf_greed
         model_dir, prompts, MAX_NEW_TOKENS
     )
     assert [r.pool for r in result.ranks] == ["decode"] * 3 + ["prefill"]
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_expert_parallel_prefill_and_decode(family, tiny_model, hf_greedy, prompts):
+    """A DeepSeek-style P/D deployment: decode on tp 2 x dp 2 with one expert set per GPU, the
+    KV cache over its two attention replicas, and a prefill replica laid out the same way (its
+    attention replicas take prefills in turn, the other joining the expert exchanges without
+    rows); each request's state goes to the attention replica holding its slot."""
+    model_dir = tiny_model(family)
+    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=4, tp=2, ep=4, dp=2)
+    pool = PrefillPool(gpu="cpu", tp=2, ep=4, dp=2, replicas=1)
+    plan = plan.model_copy(update={"prefill": pool})
+    more = [*prompts, (7, 8, 9)]
+    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in more]
+    result = run_plan(plan, model_dir, requests, RunOptions(timeout_s=TIMEOUT_S))
+    assert result is not None
+    assert [list(o.token_ids) for o in result.outputs] == hf_greedy(model_dir, more, MAX_NEW_TOKENS)
+    assert [r.pool for r in result.ranks] == ["decode"] * 4 + ["prefill"] * 4
+    # every prompt's state moved once, to the two TP ranks of one attention replica
+    assert result.transfer is not None and result.transfer.messages == 2 * len(more)

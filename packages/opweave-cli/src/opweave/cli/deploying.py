@@ -132,7 +132,7 @@ def deploy(
         f"{the_plan.strategy} plan of {the_plan.model.name}: {len(nodes)} node"
         f"{'s' if len(nodes) > 1 else ''}, {used} GPUs"
         + (
-            f" (a prefill pool of {pool.replicas} x tp{pool.tp} {pool.gpu}: the last "
+            f" (a prefill pool of {pool.replicas} x {pool.tp * pool.dp} {pool.gpu}: the last "
             f"{pool.gpus} ranks)"
             if pool is not None
             else ""

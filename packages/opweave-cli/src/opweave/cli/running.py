@@ -345,7 +345,7 @@ def _run(ctx: typer.Context, o: dict[str, Any]) -> None:
         )
     if o["tp"] not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
-    if o["ep"] % o["tp"]:
+    if o["ep"] > 1 and o["ep"] % o["tp"]:
         raise typer.BadParameter(
             f"--ep {o['ep']} is not a multiple of --tp {o['tp']}: the --ep GPUs of a replica "
             "are data-parallel attention replicas of --tp GPUs each"

@@ -369,6 +369,10 @@ class CoreAttention(StatefulOperator):
         shape = (self.num_kv_heads, used, self.arch.head_dim)
         return [(shape, self.cache.dtype), (shape, self.cache.dtype)]
 
+    def state_shards(self) -> list[Layout | None]:
+        heads = Layout(0, (self.arch.num_kv_heads,))  # key/value heads, as Shard.heads cuts them
+        return [heads, heads]
+
     def export_state(self, request_id: str) -> list[torch.Tensor]:
         state = self._states[request_id]
         used = min(state.length, state.k.shape[1])  # a sliding layer's ring as it lies

@@ -274,7 +274,7 @@ class Cluster(ControlHub):
     def prefill_parts(self) -> int:
         """Messages one prefill yields: one per rank of a prefill replica."""
         pool = self.plan.prefill
-        return pool.tp if pool is not None else 0
+        return pool.tp * pool.dp if pool is not None else 0
 
     def result(self, timeout_s: float | None = None) -> Result | Prefilled:
         """The next result message; raises :class:`RunFailedError` once the run failed, or if

@@ -272,6 +272,12 @@ class LinearCoreAttention(StatefulOperator):
         del length  # a recurrent state has no length
         return [(self.conv_shape, self.dtype), (self.recurrent_shape, torch.float32)]
 
+    def state_shards(self) -> list[Layout | None]:
+        full = self.arch.linear_attn
+        assert full is not None
+        conv = Layout(0, (full.key_dim, full.key_dim, full.value_dim))  # q, k, v channels
+        return [conv, Layout(0, (full.num_v_heads,))]
+
     def export_state(self, request_id: str) -> list[torch.Tensor]:
         return self._state_tensors(request_id)
 

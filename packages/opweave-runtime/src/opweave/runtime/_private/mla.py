@@ -216,6 +216,9 @@ class MlaCoreAttention(StatefulOperator):
     def state_layout(self, length: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         return [((length, self.width), self.dtype)]
 
+    def state_shards(self) -> list[Layout | None]:
+        return [None]  # the latent is every head's: each rank holds it whole
+
     def export_state(self, request_id: str) -> list[torch.Tensor]:
         state = self._states[request_id]
         return [state.c[: state.length]]

@@ -395,6 +395,12 @@ class StatefulOperator(Operator):
         """The request's state as :meth:`state_layout` lays it out (views, not copies)."""
         raise NotImplementedError
 
+    def state_shards(self) -> list[Layout | None]:
+        """How each tensor of :meth:`export_state` is cut over tensor-parallel ranks (``None``:
+        every rank holds it whole), in the full model's units: what turns one TP degree's
+        state into another's."""
+        raise NotImplementedError
+
     def import_state(self, request_id: str, length: int, tensors: Sequence[torch.Tensor]) -> None:
         """An admitted request's state after ``length`` tokens, computed elsewhere (by a
         prefill rank): it continues from there as if this layer had run them."""

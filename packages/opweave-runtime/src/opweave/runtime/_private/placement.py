@@ -53,6 +53,11 @@ class RankInfo:
         return self.tp_rank == 0
 
     @property
+    def dp_rank(self) -> int:
+        """This rank's attention replica within its plan replica (0 without data parallelism)."""
+        return self.ep_group.index(self.rank) // self.tp_size if self.ep_group else 0
+
+    @property
     def expert_shard(self) -> ExpertShard:
         """The routed experts (and channels of them) this rank holds."""
         if self.ep_group:
@@ -109,11 +114,25 @@ class Placement:
         pool = plan.prefill
         for j in range(pool.replicas if pool is not None else 0):
             assert pool is not None
-            base = len(ranks)
-            group = tuple(range(base, base + pool.tp))
-            ranks += [
-                RankInfo(base + t, PREFILL, j, t, pool.tp, base, group) for t in range(pool.tp)
-            ]
+            first = len(ranks)  # of the prefill replica's tp x dp ranks
+            replica_group = tuple(range(first, first + pool.tp * pool.dp))
+            for d in range(pool.dp):
+                base = first + d * pool.tp
+                group = tuple(range(base, base + pool.tp))
+                ranks += [
+                    RankInfo(
+                        base + t,
+                        PREFILL,
+                        j,
+                        t,
+                        pool.tp,
+                        base,
+                        group,
+                        replica_group if pool.dp > 1 else (),
+                        pool.ep,
+                    )
+                    for t in range(pool.tp)
+                ]
         self.ranks = tuple(ranks)
 
     @property
@@ -125,8 +144,22 @@ class Placement:
         return len(self.segments)
 
     def prefill_ranks(self, replica: int) -> list[RankInfo]:
-        """The ranks of prefill replica ``replica``, in TP order."""
+        """The ranks of prefill replica ``replica``: its attention replicas' TP ranks."""
         return [r for r in self.ranks if r.prefills and r.replica == replica]
+
+    def prefill_dp_rank(self, seq: int) -> int:
+        """The attention replica of a prefill replica that computes prefill ``seq`` (the
+        others join its expert exchanges without rows)."""
+        pool = self.plan.prefill
+        return 0 if pool is None else seq % pool.dp
+
+    def prefill_sender(self, replica: int, seq: int, tp_rank: int) -> int:
+        """The prefill rank that sends prefill ``seq``'s state to decode ranks of TP position
+        ``tp_rank``: the one of that position modulo the pool's TP."""
+        pool = self.plan.prefill
+        assert pool is not None
+        index = self.prefill_dp_rank(seq) * pool.tp + tp_rank % pool.tp
+        return self.prefill_ranks(replica)[index].rank
 
     @property
     def prefill_replicas(self) -> int:
@@ -191,6 +224,8 @@ class Placement:
         info = self.ranks[rank]
         if info.prefills:
             where = f"prefill replica {info.replica}"
+            if info.ep_group:
+                where += f", dp rank {info.dp_rank} of {len(info.ep_group) // info.tp_size}"
             if info.tp_size > 1:
                 where += f", tp rank {info.tp_rank} of {info.tp_size}"
             return f"{where}: the whole model's prefill"
@@ -230,7 +265,7 @@ def total_ranks(plan: Plan) -> int:
     its prefill pool's replicas x TP."""
     pool = plan.prefill
     return sum(o.replicas * o.gpus_per_replica for o in plan.owners) + (
-        pool.replicas * pool.tp if pool is not None else 0
+        pool.gpus if pool is not None else 0
     )
 
 
@@ -321,19 +356,7 @@ def check_expert_parallel(plan: Plan, model: ModelSpec, o: int) -> None:
     ]
     if not experts:
         return
-    assert moe is not None
-    if moe.num_experts < owner.ep:
-        raise PlanMismatchError(
-            f"{what}: {moe.num_experts} routed experts are fewer than ep {owner.ep}; "
-            "choose an ep of at most the expert count"
-        )
-    expert_tp = owner.gpus_per_replica // owner.ep
-    problem = tp_problem(model, expert_tp, experts)
-    if problem:
-        raise ShardingError(
-            f"{what} cannot shard {problem} (the {expert_tp} GPUs of each expert set, "
-            "tp x dp / ep); choose a larger ep"
-        )
+    _check_expert_split(model, experts, owner.ep, owner.gpus_per_replica, what)
     if owner.dp == 1:
         return
     b, m, gb = owner.resident_batch // owner.dp, plan.microbatches, plan.global_batch
@@ -350,35 +373,45 @@ def check_expert_parallel(plan: Plan, model: ModelSpec, o: int) -> None:
                 )
 
 
+def _check_expert_split(
+    model: ModelSpec, experts: list[OperatorSpec], ep: int, gpus: int, what: str
+) -> None:
+    """Routed experts dealt to ``ep`` sets over ``gpus`` GPUs: at most one set per expert, and
+    each expert's channels split over its set's ``gpus / ep`` GPUs."""
+    moe = model.arch.moe
+    assert moe is not None
+    if moe.num_experts < ep:
+        raise PlanMismatchError(
+            f"{what}: {moe.num_experts} routed experts are fewer than ep {ep}; "
+            "choose an ep of at most the expert count"
+        )
+    problem = tp_problem(model, gpus // ep, experts)
+    if problem:
+        raise ShardingError(
+            f"{what} cannot shard {problem} (the {gpus // ep} GPUs of each expert set, "
+            "tp x dp / ep); choose a larger ep"
+        )
+
+
 def check_prefill_pool(plan: Plan, model: ModelSpec) -> None:
-    """A prefill pool the runtime runs: colocated replicas, tensor parallel only, at the TP of
-    the decode owners that hold the per-request state (each prefill TP rank hands its shard
-    of a request's state to the decode rank of the same TP position)."""
+    """A prefill pool the runtime runs: colocated replicas of ``tp x dp`` GPUs (experts in
+    ``ep`` sets, as a decode owner's) whose operators split as their parallelism asks (the
+    per-request state goes to decode ranks at any TP degree, re-cut where it differs)."""
     pool = plan.prefill
     assert pool is not None
-    if pool.ep > 1 or pool.dp > 1:
-        raise PlanMismatchError(
-            f"the plan's prefill pool (tp {pool.tp} ep {pool.ep} dp {pool.dp}) uses expert "
-            "parallelism / data-parallel attention, which the runtime's prefill ranks do not "
-            "run; re-plan it with tensor parallelism only"
-        )
+    what = f"the plan's prefill pool (tp {pool.tp} ep {pool.ep} dp {pool.dp})"
     all_segments = segments(model, plan.template, len(plan.owners))
-    for o, owner in enumerate(plan.owners):
-        stateful = any(op.name == "core_attn" for s in all_segments if s.owner == o for op in s.ops)
-        if stateful and owner.dp > 1:
-            raise PlanMismatchError(
-                f"decode owner {o} holds the KV cache over {owner.dp} data-parallel ranks, and "
-                "the runtime's prefill pool hands each request's state to one tensor-parallel "
-                "group; serve this plan without the prefill pool, or with ep = dp = 1"
-            )
-        if stateful and owner.tp != pool.tp:
-            raise PlanMismatchError(
-                f"the prefill pool runs at tp {pool.tp}, but decode owner {o}, which holds the "
-                f"KV cache, runs at tp {owner.tp}; give the prefill pool the attention owners' "
-                "tensor-parallel degree"
-            )
+    all_ops = [op for s in all_segments for op in s.ops]
+    if pool.ep > 1 and model.arch.moe is None:
+        raise PlanMismatchError(f"{what}: {model.name} has no routed experts; use ep 1")
+    split = model.arch.moe is not None and (pool.ep > 1 or pool.dp > 1)
+    if split:  # experts dealt to the sets over the replica's GPUs, not over tp
+        experts = [op for op in all_ops if op.name == "experts"]
+        _check_expert_split(model, experts, pool.ep, pool.tp * pool.dp, what)
     if pool.tp > 1:
-        problem = tp_problem(model, pool.tp, [op for s in all_segments for op in s.ops])
+        problem = tp_problem(
+            model, pool.tp, [op for op in all_ops if not (split and op.name == "experts")]
+        )
         if problem:
             raise ShardingError(
                 f"the prefill pool (tp {pool.tp}) cannot shard {problem}; "

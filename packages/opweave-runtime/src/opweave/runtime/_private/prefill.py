@@ -1,16 +1,17 @@
 """A prefill pool: ranks that compute prompts and hand each request's state to the decode ranks.
 
-A plan with a prefill pool (``plan.prefill``: replicas of the whole model, colocated, at the TP
-of the decode owners that hold the KV cache) has its ranks after the decode ranks
-(:mod:`.placement`). The driver sends a new request's whole prompt to one prefill replica
-(:class:`~.messages.Prefill`); its ranks run the prompt through every operator (the TP leader
-samples the first token), and each prefill rank sends one message per decode rank that holds the
-request's per-request state (its slot's replicas of the owners with a ``core_attn``, at the same
-TP position): the state of that rank's layers -- keys and values of the prompt, a linear
-attention layer's conv and recurrent state, an MLA layer's latent cache -- as
-:meth:`~.ops.StatefulOperator.export_state` lays it out, over the runtime's transport. Every
-prefill rank then tells the driver what it sent (:class:`~.messages.Prefilled`, with the token
-from the leader) and frees the request.
+A plan with a prefill pool (``plan.prefill``: replicas of the whole model, colocated, at the TP of
+the decode owners that hold the KV cache) has its ranks after the decode ranks (:mod:`.placement`).
+The driver sends a new request's whole prompt to one prefill replica (:class:`~.messages.Prefill`);
+its ranks run the prompt through every operator (the TP leader samples the first token). A replica
+with data-parallel attention replicas (the pool's ``dp``) gives prefill ``seq`` to replica ``seq %
+dp``; the others only join its expert exchanges with no rows (:mod:`.expert_parallel`). Each
+computing prefill rank sends one message per decode rank that holds the request's per-request state
+(its slot's replicas of the owners with a ``core_attn``, at the same TP position): the state of
+that rank's layers -- keys and values of the prompt, a linear attention layer's conv and recurrent
+state, an MLA layer's latent cache -- as :meth:`~.ops.StatefulOperator.export_state` lays it out,
+over the runtime's transport. Every prefill rank then tells the driver what it sent
+(:class:`~.messages.Prefilled`, with the token from the leader) and frees the request.
 
 The decode ranks never prefill: the request's first work (a decode step at the prompt's length,
 :attr:`~.work.Work.imports`) admits it, and each of its state ranks receives the message
@@ -32,7 +33,7 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, TokenBatch
 from .control import ControlClient
-from .expert_parallel import join_groups
+from .expert_parallel import EPComm, join_groups
 from .graph import OpRef
 from .kernels import KernelSet
 from .messages import Prefill, Prefilled, Shutdown, Warm, Warmed
@@ -42,7 +43,7 @@ from .proc import pin_to_core, resolve_device
 from .rankcore import Clock
 from .schedule import Message, rank_ops
 from .stage import StageModule
-from .tensor_parallel import Shard, TPComm
+from .tensor_parallel import Layout, Shard, TPComm
 from .transport import Transport, as_batch
 from .work import sample_rows
 
@@ -73,7 +74,7 @@ class StateInbox:
 
     def take(self, replica: int, seq: int) -> list[torch.Tensor]:
         """Prefill ``seq``'s state from prefill replica ``replica`` (receiving until it came)."""
-        peer = self.placement.prefill_ranks(replica)[self.tp_rank].rank
+        peer = self.placement.prefill_sender(replica, seq, self.tp_rank)
         link = Message(peer, range(0), STATE_TAG)
         while seq not in self._held:
             what = f"receiving a request's state from prefill rank {peer}"
@@ -81,6 +82,14 @@ class StateInbox:
             self._held[int(batch.meta.request_ids[0])] = batch
         batch = self._held.pop(seq)
         return [batch.tensors[name] for name in sorted(batch.tensors)]
+
+
+def _gather(comm: TPComm, local: torch.Tensor, cut: Layout) -> torch.Tensor:
+    """``local`` gathered whole over ``comm``'s group (one-byte floats travel as bytes:
+    gloo has no float8 type)."""
+    if local.element_size() == 1 and local.is_floating_point():
+        return comm.gather(local.view(torch.uint8), cut).view(local.dtype)
+    return comm.gather(local, cut)
 
 
 class PrefillWorker:
@@ -105,9 +114,13 @@ class PrefillWorker:
         self.placement = placement
         self.info = placement.ranks[rank]
         self.device = resolve_device(options.device, local_rank)
-        self.group, _ = join_groups(
+        self.group, replica_group = join_groups(
             placement.tp_groups, placement.ep_groups, rank, options.timeout_s
         )
+        experts = self.info.expert_shard
+        self.ep = None
+        if replica_group is not None:  # data-parallel attention: the replica's row exchanges
+            self.ep = EPComm(experts.index, experts.size, replica_group, self.info.tp_size, experts)
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         self.transport = Transport(
             rank,
@@ -130,16 +143,24 @@ class PrefillWorker:
             comm=self.comm,
             model=placement.model,
             kernels=KernelSet(options.kernels),
+            ep=self.ep,
+            experts=experts,
         )
         self._layers = {
             op.layer: op for op in self.module._stateful if op.layer is not None
         }  # layer -> its stateful operator
-        # per decode rank of this TP position: the layers whose state it takes
+        # per decode rank this rank hands state to (those whose TP position is this one's,
+        # modulo the pool's TP): the layers whose state it takes
+        holders = [
+            r for r in placement.ranks[: placement.decode_world] if placement.holds_state(r.owner)
+        ]
         self._takes = {
             r.rank: state_layers(placement, r.rank)
-            for r in placement.ranks[: placement.decode_world]
-            if r.tp_rank == self.info.tp_rank and placement.holds_state(r.owner)
+            for r in holders
+            if r.tp_rank % self.info.tp_size == self.info.tp_rank
         }
+        # decode ranks at another TP degree take the state re-cut: the pool gathers it whole
+        self._reshard = any(r.tp_size != self.info.tp_size for r in holders)
         self.clock = Clock()
         self.prefills = 0
         self.state_bytes = 0
@@ -169,6 +190,14 @@ class PrefillWorker:
 
     @torch.inference_mode()
     def _prefill(self, msg: Prefill) -> None:
+        if self.info.dp_rank != self.placement.prefill_dp_rank(msg.seq):
+            # another attention replica of this prefill replica computes it: join its expert
+            # exchanges without rows
+            start = time.perf_counter()
+            self.module.idle(slice(0, len(self.module.operators)))
+            self.clock.compute_s += time.perf_counter() - start
+            self.control.send(Prefilled(msg.seq, msg.request_id, -1, 0, 0))
+            return
         rid, n, leader = msg.request_id, len(msg.token_ids), self.info.is_leader
         if rid in self.module.request_ids:  # a restart while its earlier prefill ran: afresh
             self.module.free(rid)
@@ -190,10 +219,9 @@ class PrefillWorker:
                 token = sample_rows(out["logits"], [msg.params], [gen])[0]
         self.clock.compute_s += time.perf_counter() - start
         sent = messages = 0
+        whole = self._whole_state(rid) if self._reshard else None
         for peer in self._receivers(msg.slot):
-            tensors = [
-                t for layer in self._takes[peer] for t in self._layers[layer].export_state(rid)
-            ]
+            tensors = self._state_for(peer, rid, whole)
             sent += sum(t.numel() * t.element_size() for t in tensors)
             self.transport.send(
                 Message(peer, range(0), STATE_TAG), state_message(msg.seq, n, tensors), msg.seq
@@ -205,11 +233,44 @@ class PrefillWorker:
         self.state_bytes += sent
         self.control.send(Prefilled(msg.seq, rid, token, sent, messages))
 
+    def _whole_state(self, rid: str) -> dict[int, list[torch.Tensor]]:
+        """Every layer's state of request ``rid`` as one rank holding all heads would hold it,
+        gathered over this rank's TP group (every TP rank of it calls this, in layer order)."""
+        whole = {}
+        for layer, op in sorted(self._layers.items()):
+            tensors = op.export_state(rid)
+            if self.comm is not None:
+                tensors = [
+                    t if cut is None else _gather(self.comm, t, cut)
+                    for t, cut in zip(tensors, op.state_shards(), strict=True)
+                ]
+            whole[layer] = tensors
+        return whole
+
+    def _state_for(
+        self, peer: int, rid: str, whole: dict[int, list[torch.Tensor]] | None
+    ) -> list[torch.Tensor]:
+        """What decode rank ``peer`` takes of request ``rid``'s state: this rank's own when
+        both run at one TP degree, else ``peer``'s cut of the ``whole`` state."""
+        info = self.placement.ranks[peer]
+        if info.tp_size == self.info.tp_size:
+            return [t for layer in self._takes[peer] for t in self._layers[layer].export_state(rid)]
+        assert whole is not None
+        shard = Shard(info.tp_rank, info.tp_size)
+        out = []
+        for layer in self._takes[peer]:
+            cuts = self._layers[layer].state_shards()
+            for t, cut in zip(whole[layer], cuts, strict=True):
+                out.append(t if cut is None else cut.local(t, shard))
+        return out
+
     def _receivers(self, slot: int) -> list[int]:
-        ranks = [r.rank for r in self.placement.state_ranks(slot) if r.rank in self._takes]
-        if not ranks:
+        """The decode ranks this rank sends ``slot``'s state to (none where the decode owners
+        run at a lower TP degree than the pool and another rank of it sends)."""
+        holders = self.placement.state_ranks(slot)
+        if not holders:
             raise RequestStateError(f"no decode rank holds the state of slot {slot}")
-        return ranks
+        return [r.rank for r in holders if r.rank in self._takes]
 
     def stats(self, load_s: float) -> dict[str, Any]:
         """The figures :class:`~.results.RankStats` holds, for a prefill rank."""
