@@ -21,6 +21,10 @@ def test_models_and_gpus_json() -> None:
         "kimi-k2",
         "qwen3.5-397b-a17b",
         "minimax-m2.5",
+        "minimax-m2",
+        "qwen3-8b",
+        "qwen3-235b-a22b",
+        "qwen3-coder-480b-a35b",
     }
     assert models["gemma-3-27b"]["block_layers"] == 6
     assert models["kimi-k2"]["family"] == "deepseek_v3"
