@@ -442,4 +442,6 @@ def test_minimax_m2_is_m2_5s_architecture_in_block_fp8() -> None:
     m2, m25 = load_model("minimax-m2"), load_model("minimax-m2.5")
     assert m2.precision.quant == "fp8-block"
     assert m2.weight_bytes == m25.weight_bytes
-    assert params(bf16(builtin_config("minimax-m2"))) == params(bf16(builtin_config("minimax-m2.5")))
+    assert params(bf16(builtin_config("minimax-m2"))) == params(
+        bf16(builtin_config("minimax-m2.5"))
+    )

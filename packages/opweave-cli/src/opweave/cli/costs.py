@@ -454,7 +454,7 @@ def _check_parallelism(
         raise ConfigError("--dense-dp applies to data-parallel attention; give --dp above 1")
     if ep != 1 or dp != 1:
         par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
-        problem = parallelism_problem(spec, par, hw)
+        problem = parallelism_problem(spec, par, hw, engine_splits=True)
         if problem is not None:
             flags = f"--tp {tp} --ep {ep} --dp {dp}" + (" --dense-dp" if dense_dp else "")
             raise ConfigError(f"{flags}: {problem}")
@@ -469,7 +469,7 @@ def _check_tp(spec: Any, hw: Any, tp: int) -> None:
     rack-scale domain such as GB200 NVL72's)."""
     from opweave.costmodel import ConfigError, tp_problem
 
-    problem = tp_problem(spec, tp)
+    problem = tp_problem(spec, tp, engine_splits=True)
     if problem is not None:
         raise ConfigError(f"--tp {tp}: {problem}; choose a degree the model splits over")
     if tp > hw.scale_up_gpus:

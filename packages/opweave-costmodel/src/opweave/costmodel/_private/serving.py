@@ -108,7 +108,7 @@ class DecodePoolEstimate(Frozen):
 
 def _check(model: ModelSpec, hardware: HardwareSpec, par: Parallelism, workload: Workload) -> None:
     check_runs(model.precision, hardware)
-    problem = parallelism_problem(model, par, hardware)
+    problem = parallelism_problem(model, par, hardware, engine_splits=True)
     if problem is not None:
         raise ConfigError(problem)
     if workload.max_context_tokens > model.max_context_tokens:
