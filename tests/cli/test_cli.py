@@ -320,3 +320,16 @@ def test_estimate_serving_refuses_bad_input(args: list[str], message: str) -> No
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+
+
+def test_estimate_costs_an_engine_split_the_runtime_does_not_serve_and_says_so() -> None:
+    """gpt-oss-120b at TP 8: vLLM and SGLang load its MXFP4 experts in uneven whole blocks;
+    the estimate costs that, and says the runtime (and so plan) leaves the split out."""
+    from pathlib import Path
+
+    config = Path(__file__).parents[1] / "costmodel" / "checkpoints" / "gpt-oss-120b.json"
+    args = ["estimate", str(config), "--gpu", "b200", "--batch", "4", "--context", "1000"]
+    out = run_cli(*args, "--tp", "8").stdout
+    assert "sharding: L0.experts: mlp.experts.down_proj shards of 360 are not whole" in out
+    assert "OpWeave's runtime does not serve this split" in out
+    assert "sharding:" not in run_cli(*args, "--tp", "2").stdout

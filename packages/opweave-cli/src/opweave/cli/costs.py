@@ -253,6 +253,7 @@ def estimate(
         f"({human_bytes(est.weight_bytes_per_gpu)} of weights); fits: {fits}"
     )
     typer.echo(f"precision: {spec.precision.describe()}; GEMMs: {est.gemm_path}")
+    _echo_engine_split(spec, tp, ep, dp, dense_dp)
     if est.expert_imbalance is not None:
         typer.echo(
             f"busiest expert GPU: {est.expert_imbalance:.2f}x the mean load "
@@ -377,6 +378,7 @@ def _estimate_serving(
     typer.echo(f"statistic: {est.statistic}")
     for line in est.assumptions:
         typer.echo(f"assumed: {line}")
+    _echo_engine_split(spec, tp, ep, dp, dense_dp)
 
 
 def analyze(
@@ -461,6 +463,19 @@ def _check_parallelism(
     if imbalance is not None and ep == 1:
         raise ConfigError(
             "--expert-imbalance applies to expert parallelism; give --ep above 1 with it"
+        )
+
+
+def _echo_engine_split(spec: Any, tp: int, ep: int, dp: int, dense_dp: bool) -> None:
+    """Say so where the estimate costs a split engines run and OpWeave's runtime does not
+    (MXFP4 experts in uneven whole scale blocks: ``tp_problem(..., engine_splits=True)``)."""
+    from opweave.costmodel import Parallelism, parallelism_problem
+
+    problem = parallelism_problem(spec, Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp))
+    if problem is not None:
+        typer.echo(
+            f"sharding: {problem}; costed as vLLM and SGLang load it (whole blocks, the busiest "
+            "rank's share); OpWeave's runtime does not serve this split, so plans leave it out"
         )
 
 
