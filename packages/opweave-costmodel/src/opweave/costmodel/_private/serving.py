@@ -129,7 +129,7 @@ def _engine(
     hw = hardware if host is None else host.apply(hardware)
     cost = EngineStepCost.build(model, hw, par)
     tokens, seqs = workload.batch_limits(hardware)
-    capacity = cost.kv_capacity_bytes(tokens)
+    capacity = cost.kv_capacity_bytes(tokens, seqs)
     longest = float(cost.kv_bytes(float(workload.max_context_tokens)))
     if capacity < longest:
         raise InfeasibleError(
