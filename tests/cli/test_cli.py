@@ -21,6 +21,10 @@ def test_models_and_gpus_json() -> None:
         "kimi-k2",
         "qwen3.5-397b-a17b",
         "minimax-m2.5",
+        "minimax-m2",
+        "qwen3-8b",
+        "qwen3-235b-a22b",
+        "qwen3-coder-480b-a35b",
     }
     assert models["gemma-3-27b"]["block_layers"] == 6
     assert models["kimi-k2"]["family"] == "deepseek_v3"
@@ -316,3 +320,16 @@ def test_estimate_serving_refuses_bad_input(args: list[str], message: str) -> No
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0]
+
+
+def test_estimate_costs_an_engine_split_the_runtime_does_not_serve_and_says_so() -> None:
+    """gpt-oss-120b at TP 8: vLLM and SGLang load its MXFP4 experts in uneven whole blocks;
+    the estimate costs that, and says the runtime (and so plan) leaves the split out."""
+    from pathlib import Path
+
+    config = Path(__file__).parents[1] / "costmodel" / "checkpoints" / "gpt-oss-120b.json"
+    args = ["estimate", str(config), "--gpu", "b200", "--batch", "4", "--context", "1000"]
+    out = run_cli(*args, "--tp", "8").stdout
+    assert "sharding: L0.experts: mlp.experts.down_proj shards of 360 are not whole" in out
+    assert "OpWeave's runtime does not serve this split" in out
+    assert "sharding:" not in run_cli(*args, "--tp", "2").stdout

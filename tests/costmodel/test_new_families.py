@@ -404,3 +404,44 @@ def test_bad_qwen3_5_text_config_field_names_the_field() -> None:
     config["text_config"]["attn_output_gate"] = 1
     with pytest.raises(ConfigError, match="^attn_output_gate: expected true or false, got 1"):
         model_spec_from_config(config)
+
+
+def _qwen3_count(c: dict[str, Any]) -> tuple[int, int]:
+    """(total, active) parameters of a Qwen3 dense or Qwen3-MoE config, from its shapes: q/k
+    norms per head, no biases, untied head; a routed layer's router and ``num_experts`` experts
+    of three ``moe_intermediate_size`` projections, of which ``num_experts_per_tok`` are read."""
+    h, d, layers = c["hidden_size"], c["head_dim"], c["num_hidden_layers"]
+    nq, nkv = c["num_attention_heads"], c["num_key_value_heads"]
+    attn = h * (nq + 2 * nkv) * d + nq * d * h + 2 * d
+    vocab = 2 * c["vocab_size"] * h + h
+    if "num_experts" not in c:
+        total = layers * (attn + 3 * h * c["intermediate_size"] + 2 * h) + vocab
+        return total, total
+    e, k, im = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    total = layers * (attn + e * 3 * h * im + e * h + 2 * h) + vocab
+    return total, total - layers * (e - k) * 3 * h * im
+
+
+@pytest.mark.parametrize(
+    ("name", "billions_total", "billions_active"),
+    # Qwen's model cards: Qwen3-8B 8.2B; Qwen3-235B-A22B 235B total, 22B activated;
+    # Qwen3-Coder-480B-A35B-Instruct 480B total, 35B activated
+    [("qwen3-8b", 8.2, 8.2), ("qwen3-235b-a22b", 235, 22), ("qwen3-coder-480b-a35b", 480, 35)],
+)
+def test_qwen3_builtins_count_their_parameters(name, billions_total, billions_active) -> None:
+    config = builtin_config(name)
+    spec = load_model(name)
+    assert not spec.precision.quantized  # BF16 releases: weight bytes are 2 per parameter
+    total, active = _qwen3_count(config)
+    assert params(spec) == (total, active)
+    assert total == pytest.approx(billions_total * 1e9, rel=0.01)
+    assert active == pytest.approx(billions_active * 1e9, rel=0.03)
+
+
+def test_minimax_m2_is_m2_5s_architecture_in_block_fp8() -> None:
+    m2, m25 = load_model("minimax-m2"), load_model("minimax-m2.5")
+    assert m2.precision.quant == "fp8-block"
+    assert m2.weight_bytes == m25.weight_bytes
+    assert params(bf16(builtin_config("minimax-m2"))) == params(
+        bf16(builtin_config("minimax-m2.5"))
+    )

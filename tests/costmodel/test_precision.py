@@ -539,6 +539,42 @@ def test_block_fp8_experts_split_by_their_own_gpus_under_expert_parallelism() ->
     assert "shards of 192" in (parallelism_problem(spec, Parallelism(tp=1, ep=1, dp=8)) or "")
 
 
+def test_mxfp4_experts_split_in_whole_scale_blocks_as_engines_load_them() -> None:
+    """vLLM and SGLang shard gpt-oss-120b's MXFP4 experts (2880 channels, 90 blocks of 32) in
+    whole blocks, ceil(90 / tp) on the busiest rank: 12 blocks = 384 channels at TP 8, 23 = 736
+    at TP 4. Estimates cost that busiest rank; the runtime's (and so the planner's) rule still
+    refuses shards that are not whole blocks, so no plan asks the runtime for one."""
+    from opweave.costmodel import Parallelism, estimate_step, parallelism_problem, tp_problem
+    from opweave.costmodel._private.roofline import shard_fraction
+
+    spec = model_spec_from_config(config("gpt-oss-120b.json"))
+    experts = next(op for op in spec.operators if op.name == "experts")
+    assert shard_fraction(experts, 8) == 384 / 2880
+    assert shard_fraction(experts, 4) == 736 / 2880
+    assert shard_fraction(experts, 2) == 1 / 2  # whole blocks: the even split, as before
+    for tp, shard in ((8, 360), (4, 720)):
+        strict = f"L0.experts: mlp.experts.down_proj shards of {shard} are not whole 1x32 MXFP4"
+        assert (tp_problem(spec, tp) or "").startswith(strict)
+        assert (parallelism_problem(spec, Parallelism(tp=tp)) or "").startswith(strict)
+        assert tp_problem(spec, tp, engine_splits=True) is None
+        assert parallelism_problem(spec, Parallelism(tp=tp), engine_splits=True) is None
+    # one rank's experts at TP 8: 128 experts of gate_up (2 x 384 x 2880) and down (2880 x 384)
+    # in MXFP4 (half a byte a value, a one-byte scale per 32), and BF16 biases
+    values = 128 * 3 * 384 * 2880 * (0.5 + 1 / 32)
+    bias_bound = 128 * (5760 + 2880) * 2
+    rank = experts.weight_bytes * shard_fraction(experts, 8)
+    assert abs(rank - values) <= bias_bound
+    assert rank > experts.weight_bytes / 8 + bias_bound  # more than the even split's 360
+    # the decode step's weights per GPU: norms and router whole, the experts' busiest 384 of
+    # 2880 channels, the rest (vocabulary, 64 query and 8 KV heads) an even eighth
+    at8 = estimate_step(spec, default_catalog().get("b200"), tp=8, batch=1, context=1024)
+    expected = sum(
+        op.weight_bytes * (384 / 2880 if op.moe else 1 / 8 if op.tp_sharded else 1)
+        for op in spec.operators
+    )
+    assert at8.weight_bytes_per_gpu == pytest.approx(expected, rel=1e-9)
+
+
 def test_hf_quant_config_is_found_beside_the_config(tmp_path: Path) -> None:
     """In the model folder, beside a config.json, or as NAME.hf_quant_config.json beside a
     config file NAME.json (how the reference configs are stored); config.json's own

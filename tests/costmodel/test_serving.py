@@ -355,3 +355,34 @@ def test_fewer_clients_than_dp_ranks_leave_ranks_idle(h100) -> None:
     # one client per busy rank: the output is at most 8 clients' worth of decode steps
     assert wide.tokens_per_s <= 8 / wide.tpot_s * 1.001
     assert wide.decode_batch <= 8
+
+
+def test_the_kv_cache_is_sized_after_logits_for_one_position_per_request() -> None:
+    """vLLM's start-up profile runs a full step of max_num_batched_tokens through the model
+    and the LM head only on the last position of each of its max_num_seqs dummy requests, so
+    the memory it reserves holds 256 rows of logits, not 8192."""
+    from opweave.costmodel._private.roofline import activation_bytes_per_rank
+
+    model, hw = load_model("qwen3-32b"), default_catalog().get("h100")
+    cost = EngineStepCost.build(model, hw, Parallelism(tp=1))
+    tokens, seqs = 8192, 256
+    body = activation_bytes_per_rank([o for o in model.operators if o.name != "lm_head"], tokens)
+    logits = seqs * Q32["vocab"] * 2  # BF16 logits, one row per request
+    free = hw.usable_memory_bytes - model.weight_bytes - body - logits
+    assert cost.kv_capacity_bytes(tokens, seqs) == pytest.approx(free, rel=1e-12)
+    # gpt-oss-120b on one H100 with a 16384-token budget (engines serve it there): logits of
+    # every token of the step (16384 x 201088 x 2 bytes = 6.6 GB) would leave none of the
+    # 6.8 GB its 65.2 GB of weights leave for the KV cache
+    from pathlib import Path
+
+    gpt_oss = load_model(Path(__file__).with_name("checkpoints") / "gpt-oss-120b.json")
+    w = Workload(
+        isl=Lengths.fixed(400),
+        osl=Lengths.fixed(200),
+        concurrency=4,
+        num_requests=8,
+        max_num_batched_tokens=16384,
+    )
+    gpt_cost = EngineStepCost.build(gpt_oss, hw, Parallelism(tp=1))
+    assert gpt_cost.kv_capacity_bytes(16384, 1024) > 1e9
+    assert estimate_serving(gpt_oss, hw, tp=1, workload=w).tpot_s > 0

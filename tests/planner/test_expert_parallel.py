@@ -82,3 +82,19 @@ def test_dense_models_and_profiled_devices_keep_tensor_parallelism(tiny_moe) -> 
     for result in (dense, measured):
         for p in [result.best, *result.baselines.values()]:
             assert p is None or all(o.ep == o.dp == 1 for o in p.owners)
+
+
+def test_the_planner_offers_only_splits_the_runtime_serves() -> None:
+    """gpt-oss-120b's MXFP4 experts (90 scale blocks of 32) split evenly over TP 1 and 2 only;
+    engines also run TP 4 and 8 with uneven whole-block shards, and estimates cost those, but
+    the runtime does not, so the planner's degrees leave them out."""
+    from pathlib import Path
+
+    from opweave.costmodel import load_model, tp_problem
+    from opweave.planner import resolve_devices
+
+    config = Path(__file__).parents[1] / "costmodel" / "checkpoints" / "gpt-oss-120b.json"
+    model = load_model(config)
+    (b200,) = resolve_devices(["b200"], model)
+    assert b200.tps == (1, 2)
+    assert all(tp_problem(model, tp, engine_splits=True) is None for tp in (4, 8))

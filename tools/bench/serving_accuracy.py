@@ -18,7 +18,10 @@ replayed as its benchmark ran it:
   (:func:`~opweave.costmodel.prefill_pool`, Poisson arrivals at the closed loop's request rate
   split over the prefill workers) plus the KV transfer between the pools
   (:func:`~opweave.costmodel.kv_transfer_s`: NVLink inside a GB200/GB300 NVL72 rack, the network
-  otherwise).
+  otherwise). A decode pool with attention DP holds the dense FFN layers whole on every GPU
+  (``dense_dp``, :mod:`opweave.costmodel`'s parallelism) where the engine runs them so:
+  TensorRT-LLM whenever attention DP is on, and Dynamo's SGLang recipes on GB200/GB300
+  (``--moe-dense-tp-size 1``); ``production_decode_data.toml``'s header cites both.
 
 The signed error is ``(estimate - measured) / measured``; the medians of the absolute errors are
 printed per engine, GPU and deployment. Goal: median <= 8% for TPOT and <= 15% for TTFT.
@@ -138,6 +141,18 @@ def _aggregated(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
     return est.ttft_s * 1e3, est.tpot_s * 1e3
 
 
+def dense_dp(row: dict[str, Any], pool: dict[str, Any]) -> bool:
+    """Whether ``pool`` (with attention DP) runs the dense FFN layers data-parallel, as the
+    production rows' ``dense_dp`` says for the same engines: TensorRT-LLM's
+    ``DeepseekV3DecoderLayer._compute_mlp_tp_size`` ("If using attention DP, the MLP also uses
+    DP instead of TP"), and the Dynamo SGLang recipes InferenceX runs on GB200/GB300
+    (``--moe-dense-tp-size 1``)."""
+    if not pool.get("dp_attention"):
+        return False
+    engine = row["engine"]
+    return "tensorrt-llm" in engine or (engine == "dynamo+sglang" and row["gpu"] in RACK_SCALE)
+
+
 def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
     hw = default_catalog().get(row["gpu"])
     pre, dec = row["prefill_pool"], row["decode_pool"]
@@ -159,6 +174,7 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
         batch=per_worker,
         context=isl + osl // 2,
         host=host_profile("overlapped"),
+        dense_dp=dense_dp(row, dec),
     ).step_latency_s
     rate = conc / (osl * step)  # closed loop: every client's request lasts about osl steps
     ptp, pep, pdp = layout(pre)

@@ -253,6 +253,7 @@ def estimate(
         f"({human_bytes(est.weight_bytes_per_gpu)} of weights); fits: {fits}"
     )
     typer.echo(f"precision: {spec.precision.describe()}; GEMMs: {est.gemm_path}")
+    _echo_engine_split(spec, tp, ep, dp, dense_dp)
     if est.expert_imbalance is not None:
         typer.echo(
             f"busiest expert GPU: {est.expert_imbalance:.2f}x the mean load "
@@ -377,6 +378,7 @@ def _estimate_serving(
     typer.echo(f"statistic: {est.statistic}")
     for line in est.assumptions:
         typer.echo(f"assumed: {line}")
+    _echo_engine_split(spec, tp, ep, dp, dense_dp)
 
 
 def analyze(
@@ -454,7 +456,7 @@ def _check_parallelism(
         raise ConfigError("--dense-dp applies to data-parallel attention; give --dp above 1")
     if ep != 1 or dp != 1:
         par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
-        problem = parallelism_problem(spec, par, hw)
+        problem = parallelism_problem(spec, par, hw, engine_splits=True)
         if problem is not None:
             flags = f"--tp {tp} --ep {ep} --dp {dp}" + (" --dense-dp" if dense_dp else "")
             raise ConfigError(f"{flags}: {problem}")
@@ -464,12 +466,25 @@ def _check_parallelism(
         )
 
 
+def _echo_engine_split(spec: Any, tp: int, ep: int, dp: int, dense_dp: bool) -> None:
+    """Say so where the estimate costs a split engines run and OpWeave's runtime does not
+    (MXFP4 experts in uneven whole scale blocks: ``tp_problem(..., engine_splits=True)``)."""
+    from opweave.costmodel import Parallelism, parallelism_problem
+
+    problem = parallelism_problem(spec, Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp))
+    if problem is not None:
+        typer.echo(
+            f"sharding: {problem}; costed as vLLM and SGLang load it (whole blocks, the busiest "
+            "rank's share); OpWeave's runtime does not serve this split, so plans leave it out"
+        )
+
+
 def _check_tp(spec: Any, hw: Any, tp: int) -> None:
     """That ``spec`` splits over ``tp`` GPUs of ``hw`` within one NVLink domain (a node, or a
     rack-scale domain such as GB200 NVL72's)."""
     from opweave.costmodel import ConfigError, tp_problem
 
-    problem = tp_problem(spec, tp)
+    problem = tp_problem(spec, tp, engine_splits=True)
     if problem is not None:
         raise ConfigError(f"--tp {tp}: {problem}; choose a degree the model splits over")
     if tp > hw.scale_up_gpus:

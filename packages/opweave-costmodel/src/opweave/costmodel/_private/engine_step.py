@@ -42,8 +42,8 @@ from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .parallelism import Parallelism, parallel_op_terms_s, weight_bytes_per_gpu
 from .roofline import (
-    activation_bytes_per_rank,
     op_bytes_and_flops,
+    profile_activation_bytes,
     shard_fraction,
     state_shard_fraction,
 )
@@ -302,14 +302,15 @@ class EngineStepCost:
             )
         return total
 
-    def kv_capacity_bytes(self, batched_tokens: int) -> float:
+    def kv_capacity_bytes(self, batched_tokens: int, max_num_seqs: int) -> float:
         """Memory per GPU left for state: usable memory less the weights and the activations of
         a full step, which vLLM's start-up profile run reserves (``determine_available_memory``
-        runs ``max_num_batched_tokens`` dummy tokens)."""
+        runs ``max_num_batched_tokens`` dummy tokens, and logits for ``max_num_seqs`` of them:
+        :func:`~.roofline.profile_activation_bytes`)."""
         ops = self.model.operators
         free = (
             self.hardware.usable_memory_bytes
             - weight_bytes_per_gpu(ops, self.par)
-            - activation_bytes_per_rank(ops, batched_tokens)
+            - profile_activation_bytes(ops, batched_tokens, max_num_seqs)
         )
         return max(0.0, free)

@@ -128,7 +128,7 @@ def estimate_step(
     gemm_path = check_runs(model.precision, hardware)
     par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
     if not par.plain:
-        problem = parallelism_problem(model, par, hardware)
+        problem = parallelism_problem(model, par, hardware, engine_splits=True)
         if problem is not None:
             raise ConfigError(problem)
     if expert_skew is not None and not (expert_skew >= 1.0 and math.isfinite(expert_skew)):

@@ -23,12 +23,33 @@ BUILTIN_MODELS: dict[str, tuple[str, str]] = {
     "kimi-k2": ("kimi-k2.json", "moonshotai/Kimi-K2-Instruct"),
     "qwen3.5-397b-a17b": ("qwen3.5-397b-a17b.json", "Qwen/Qwen3.5-397B-A17B"),
     "minimax-m2.5": ("minimax-m2.5.json", "MiniMaxAI/MiniMax-M2.5"),
+    "minimax-m2": ("minimax-m2.json", "MiniMaxAI/MiniMax-M2"),
+    "qwen3-8b": ("qwen3-8b.json", "Qwen/Qwen3-8B"),
+    "qwen3-235b-a22b": ("qwen3-235b-a22b.json", "Qwen/Qwen3-235B-A22B"),
+    "qwen3-coder-480b-a35b": (
+        "qwen3-coder-480b-a35b.json",
+        "Qwen/Qwen3-Coder-480B-A35B-Instruct",
+    ),
 }
 # Where each built-in's config.json was copied from (the repo above is where it is published):
 # deepseek-v3, qwen3.5-397b-a17b and minimax-m2.5 are byte copies of the configs in
 # ai-dynamo/aiconfigurator aic-core/src/aiconfigurator_core/model_configs/ (commit 095f58a5);
 # kimi-k2 is moonshotai/Kimi-K2-Instruct's config.json as quoted in full by a public model
 # report (fields agree with the CSDN write-up https://blog.csdn.net/hbkybkzw/article/details/149370789).
+# qwen3-coder-480b-a35b is a byte copy of aiconfigurator's
+# model_configs/Qwen--Qwen3-Coder-480B-A35B-Instruct_config.json (fork xiaowanCN/aiconfigurator,
+# commit 5f2e6bb0); qwen3-235b-a22b is the published Qwen/Qwen3-235B-A22B-FP8 config.json
+# (tools/bench/configs/, aiconfigurator commit 095f58a5) without its quantization_config: its
+# keys are those of the BF16 release's config.json (Qwen/Qwen3-235B-A22B, as quoted in full by
+# public code, e.g. a LiteLLM registration of that repo id), whose weights are BF16. qwen3-8b is
+# Qwen/Qwen3-8B's config.json as Qwen published it (transformers 4.51.0 layout); its values agree
+# key for key with the copy in sanjithudupa/compute-aware-arch-search Qwen3-8B/config.json (a
+# re-save by transformers 4.57.1, which adds layer_types and writes dtype). minimax-m2 holds the
+# same keys and values as minimax-m2.5: MiniMaxAI/MiniMax-M2's config.json has the same
+# architecture (62 layers, hidden 3072, 48/8 heads of 128, rotary_dim 64, 256 experts of 1536,
+# top 8, vocab 200064, 196608 positions, block FP8 with gate, e_score_correction_bias and lm_head
+# unconverted), as public readings of that file quote it, and NVIDIA's Megatron-Bridge documents
+# M2.5 as "Same MiniMaxM2ForCausalLM architecture"; M2.1 has that architecture too.
 
 
 def builtin_config(name: str) -> dict[str, Any]:

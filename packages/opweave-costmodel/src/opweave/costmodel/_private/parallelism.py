@@ -197,7 +197,9 @@ _LOW_PRECISION_INPUTS = {
 
 
 # -- legality -----------------------------------------------------------------------------------
-def _group_op_problem(model: ModelSpec, op: OperatorSpec, par: Parallelism) -> str | None:
+def _group_op_problem(
+    model: ModelSpec, op: OperatorSpec, par: Parallelism, engine_splits: bool
+) -> str | None:
     moe = model.arch.moe
     if op.moe is not None:
         assert moe is not None
@@ -207,8 +209,8 @@ def _group_op_problem(model: ModelSpec, op: OperatorSpec, par: Parallelism) -> s
                 f"over the {par.expert_tp} GPUs of each expert (tp x dp / ep)"
             )
         if op.name == "experts":  # each expert's channels split over its expert_tp GPUs
-            return block_tp_problem(op, model.precision, par.expert_tp)
-    return op_tp_problem(model, op, par.gpus)
+            return block_tp_problem(op, model.precision, par.expert_tp, engine_splits=engine_splits)
+    return op_tp_problem(model, op, par.gpus, engine_splits=engine_splits)
 
 
 def parallelism_problem(
@@ -216,9 +218,12 @@ def parallelism_problem(
     par: Parallelism,
     hardware: HardwareSpec | None = None,
     ops: Iterable[OperatorSpec] | None = None,
+    *,
+    engine_splits: bool = False,
 ) -> str | None:
     """Why ``model`` (or just its operators ``ops``) cannot run at ``par`` on ``hardware``;
-    ``None`` when it can.
+    ``None`` when it can. ``engine_splits`` also accepts the uneven splits serving engines run
+    and the runtime does not (:func:`.sharding.tp_problem`); the planner never passes it.
 
     >>> from opweave.costmodel import load_model
     >>> moe = load_model("qwen3-30b-a3b")
@@ -254,9 +259,9 @@ def parallelism_problem(
         if is_dense_dp_op(op, par):
             continue  # whole on every GPU: nothing to split
         problem = (
-            _group_op_problem(model, op, par)
+            _group_op_problem(model, op, par, engine_splits)
             if spans_group(op, par)
-            else op_tp_problem(model, op, par.tp)
+            else op_tp_problem(model, op, par.tp, engine_splits=engine_splits)
         )
         if problem:
             return problem

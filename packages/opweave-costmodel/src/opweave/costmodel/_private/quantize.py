@@ -93,7 +93,37 @@ def _quantized_weights(
         out["moe"] = MoESpec(**(op.moe.model_dump() | {"expert_weight_bytes": per_expert}))
     assert weight_bytes > 0, f"{op.key}: its linears hold more parameters than the operator"
     out["weight_bytes"] = round(weight_bytes)
+    units = mxfp4_expert_blocks(op, schemes)
+    if units is not None:
+        out["shard_units"] = units
     return out
+
+
+def mxfp4_expert_blocks(
+    op: OperatorSpec, schemes: list[tuple[LinearShape, WeightScheme, bool]]
+) -> int | None:
+    """The whole MXFP4 scale blocks along routed experts' intermediate dimension (``None``:
+    not MXFP4 experts, or a dimension that is not whole blocks).
+
+    Engines shard MXFP4 experts in whole scale blocks, the busiest rank holding
+    ``ceil(blocks / tp)`` of them: vLLM's ``GptOssModel._load_weights_mxfp4``
+    (``vllm/model_executor/models/gpt_oss.py``) slices each rank
+    ``cdiv(intermediate_size // 32, tp_size) * 32`` channels, the last rank the rest, into
+    buffers ``Mxfp4MoEMethod.create_weights`` (``vllm/model_executor/layers/quantization/
+    mxfp4.py``) pads "to hold non-uniform sharded tensor"; SGLang's ``mxfp4.py`` does the same.
+    gpt-oss-120b's 2880 channels are 90 blocks: 12 (384 channels) on the busiest of 8 ranks, not
+    360. As :attr:`~.model.OperatorSpec.shard_units` this is the busiest rank's share
+    (:func:`~.roofline.shard_fraction`), equal to ``1 / tp`` wherever ``tp`` divides the blocks.
+    Padding beyond that (to 64 or 256 channels, by kernel backend) is not modelled.
+    """
+    if op.moe is None:
+        return None
+    for linear, scheme, expert in schemes:
+        name = linear.module.rsplit(".", 1)[-1]
+        if expert and scheme.format == "mxfp4" and name in ROW_PARALLEL and scheme.scale_cols:
+            blocks, rest = divmod(linear.in_features, scheme.scale_cols)
+            return blocks if rest == 0 else None
+    return None
 
 
 # Row-parallel linears (their input dimension is sharded under TP); the rest are column-parallel
@@ -107,7 +137,9 @@ REPLICATED = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
 _BLOCK_FORMATS = {"fp8-block": "FP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 
 
-def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | None:
+def block_tp_problem(
+    op: OperatorSpec, precision: Precision, tp: int, *, engine_splits: bool = False
+) -> str | None:
     """Why ``tp`` ranks cannot shard ``op``'s block-scaled weights (``None``: they can).
 
     A rank holds whole scale blocks, so each shard of a block-FP8 weight must be a multiple of
@@ -116,9 +148,16 @@ def block_tp_problem(op: OperatorSpec, precision: Precision, tp: int) -> str | N
     quantization block"). Qwen3-235B-A22B-FP8's experts (1536 channels) do not split over 8.
     MXFP4 and NVFP4 scale groups (32 and 16 input columns) bind row-parallel shards alike, as
     the runtime reads them (whole groups per rank).
+
+    ``engine_splits`` also accepts the uneven splits serving engines run and OpWeave's runtime
+    does not: MXFP4 routed experts in whole scale blocks, ``ceil(blocks / tp)`` on the busiest
+    rank (:func:`mxfp4_expert_blocks`). Estimates of engine deployments pass it; the runtime and
+    the planner do not, so no plan asks the runtime for such a split.
     """
     if tp == 1 or op.weight_format not in _BLOCK_FORMATS:
         return None
+    if engine_splits and op.moe is not None and op.shard_units and op.weight_format == "mxfp4":
+        return None  # the experts' only linears; their split is op.shard_units (see above)
     for linear in op.linears:
         expert = _is_expert(op, linear)
         router = linear.module.rsplit(".", 1)[-1] in ROUTER_NAMES

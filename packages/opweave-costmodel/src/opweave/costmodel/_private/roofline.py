@@ -220,6 +220,24 @@ def activation_bytes_per_rank(
     return float(batch * sum(sizes[:2]))
 
 
+def profile_activation_bytes(
+    ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tokens: float, seqs: float
+) -> float:
+    """Activations an engine's start-up profile reserves before it sizes the KV cache: the
+    forward over a full step of ``tokens`` (its two largest live tensors) and the logits of one
+    position per request, ``min(seqs, tokens)`` rows. vLLM's ``GPUModelRunner.profile_run``
+    (``vllm/v1/worker/gpu_model_runner.py``) runs ``_dummy_run(self.max_num_tokens)``, whose
+    forward returns hidden states, then ``_dummy_sampler_run(last_hidden_states)``: the LM head
+    computes logits for those rows only, one per dummy request (``max_num_seqs`` of them), not
+    for every token of the step."""
+    head = [op for op in ops if op.name == "lm_head"]
+    body = [op for op in ops if op.name != "lm_head"]
+    rows = min(seqs, tokens)
+    return activation_bytes_per_rank(body, tokens) + rows * sum(
+        op.boundary_bytes_per_token for op in head
+    )
+
+
 def memory_bytes_per_rank(
     ops: tuple[OperatorSpec, ...] | list[OperatorSpec], tp: int, batch: float, context: float
 ) -> float:

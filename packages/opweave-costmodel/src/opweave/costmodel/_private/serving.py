@@ -108,7 +108,7 @@ class DecodePoolEstimate(Frozen):
 
 def _check(model: ModelSpec, hardware: HardwareSpec, par: Parallelism, workload: Workload) -> None:
     check_runs(model.precision, hardware)
-    problem = parallelism_problem(model, par, hardware)
+    problem = parallelism_problem(model, par, hardware, engine_splits=True)
     if problem is not None:
         raise ConfigError(problem)
     if workload.max_context_tokens > model.max_context_tokens:
@@ -129,7 +129,7 @@ def _engine(
     hw = hardware if host is None else host.apply(hardware)
     cost = EngineStepCost.build(model, hw, par)
     tokens, seqs = workload.batch_limits(hardware)
-    capacity = cost.kv_capacity_bytes(tokens)
+    capacity = cost.kv_capacity_bytes(tokens, seqs)
     longest = float(cost.kv_bytes(float(workload.max_context_tokens)))
     if capacity < longest:
         raise InfeasibleError(

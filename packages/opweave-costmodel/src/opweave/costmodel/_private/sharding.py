@@ -11,6 +11,10 @@ so a plan never asks for a split the runtime would refuse:
 - dense and expert feed-forward layers split their intermediate channels;
 - norms, rope, the router and sampling are replicated;
 - a block-scaled FP8 weight's shards hold whole scale blocks (``quantize.block_tp_problem``).
+
+``engine_splits=True`` also accepts the uneven splits serving engines run and the runtime does
+not (MXFP4 routed experts in whole scale blocks, ``quantize.mxfp4_expert_blocks``): estimates of
+engine deployments use it, the runtime and the planner never do.
 """
 
 from __future__ import annotations
@@ -26,7 +30,9 @@ def _split(n: int, tp: int, what: str) -> str | None:
     return None if n % tp == 0 else f"{what} of {n} does not split over tp {tp}"
 
 
-def op_tp_problem(model: ModelSpec, op: OperatorSpec, tp: int) -> str | None:
+def op_tp_problem(
+    model: ModelSpec, op: OperatorSpec, tp: int, *, engine_splits: bool = False
+) -> str | None:
     """Why operator ``op`` cannot be sharded over ``tp`` ranks (``None``: it can)."""
     a, name = model.arch, op.name
     where = op.key
@@ -50,16 +56,22 @@ def op_tp_problem(model: ModelSpec, op: OperatorSpec, tp: int) -> str | None:
     if name == "experts":
         assert a.moe is not None
         problem = _split(a.moe.intermediate_size, tp, f"{where}: intermediate size")
-        return problem or block_tp_problem(op, model.precision, tp)
+        return problem or block_tp_problem(op, model.precision, tp, engine_splits=engine_splits)
     if name == "shared_expert":
         assert a.moe is not None
         return _split(a.moe.shared_intermediate_size, tp, f"{where}: intermediate size")
     return block_tp_problem(op, model.precision, tp)
 
 
-def tp_problem(model: ModelSpec, tp: int, ops: Iterable[OperatorSpec] | None = None) -> str | None:
+def tp_problem(
+    model: ModelSpec,
+    tp: int,
+    ops: Iterable[OperatorSpec] | None = None,
+    *,
+    engine_splits: bool = False,
+) -> str | None:
     """Why ``model`` (or just its operators ``ops``) cannot run at tensor-parallel degree
-    ``tp``; ``None`` when it can.
+    ``tp``; ``None`` when it can (``engine_splits``: see the module docstring).
 
     >>> from opweave.costmodel import load_model
     >>> tp_problem(load_model("qwen3-32b"), 8) is None
@@ -70,7 +82,7 @@ def tp_problem(model: ModelSpec, tp: int, ops: Iterable[OperatorSpec] | None = N
     if tp < 1:
         return f"tp must be at least 1, got {tp}"
     for op in model.operators if ops is None else ops:
-        problem = op_tp_problem(model, op, tp)
+        problem = op_tp_problem(model, op, tp, engine_splits=engine_splits)
         if problem:
             return problem
     return None
