@@ -29,7 +29,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,7 @@ from .messages import (
     Error,
     Hello,
     Prefill,
+    PrefillBatch,
     Prefilled,
     Ready,
     Result,
@@ -259,14 +260,16 @@ class Cluster(ControlHub):
                 frame = frames[needs] = encode(work.for_rank(tokens=tokens, params=params))
             self._send_frame(rank, frame)
 
-    def prefill(self, replica: int, message: Prefill) -> None:
-        """Send a prompt to prefill replica ``replica``'s ranks; each then reports its part
-        (:class:`~.messages.Prefilled`) among the results."""
+    def prefill(self, replica: int, prompts: Sequence[Prefill]) -> None:
+        """Send ``prompts`` to prefill replica ``replica``'s ranks, which run them as one batch;
+        each rank then reports its part of each (:class:`~.messages.Prefilled`) among the
+        results."""
         self.check()
         ranks = [r.rank for r in self.placement.prefill_ranks(replica)]
         with self._lock:
-            self._expected[(message.seq, PREFILL_KEY)] = set(ranks)
-        frame = encode(message)
+            for message in prompts:
+                self._expected[(message.seq, PREFILL_KEY)] = set(ranks)
+        frame = encode(PrefillBatch(tuple(prompts)))
         for rank in ranks:
             self._send_frame(rank, frame)
 

@@ -270,7 +270,7 @@ class InProcessCluster:
 
     prefill_parts = 0  # no prefill pool
 
-    def prefill(self, replica: int, message: Prefill) -> None:
+    def prefill(self, replica: int, prompts: Sequence[Prefill]) -> None:
         raise OpWeaveRuntimeError("an in-process run has no prefill pool")
 
     def submit(self, work: Work) -> None:

@@ -24,7 +24,8 @@ import msgspec
 from ..errors import OpWeaveRuntimeError
 from .work import SamplingParams, Work
 
-PROTOCOL_VERSION = 3  # 1: JSON frames with one-letter keys; 2: no prefill pools
+# 1: JSON frames with one-letter keys; 2: no prefill pools; 3: one prompt per Prefill frame
+PROTOCOL_VERSION = 4
 MAX_FRAME_BYTES = 256 << 20  # the largest control message (a long prompt's ids, a rank's stats)
 _LEN = struct.Struct("<Q")
 _RECV_BYTES = 64 << 10  # what one read takes from the socket (a longer frame takes several)
@@ -85,6 +86,12 @@ class Prefill(_Message, frozen=True, tag="prefill"):
     params: SamplingParams
 
 
+class PrefillBatch(_Message, frozen=True, tag="prefill_batch"):
+    """The prompts one prefill replica runs together, as one batch (those of one step)."""
+
+    prompts: tuple[Prefill, ...]
+
+
 class Prefilled(_Message, frozen=True, tag="prefilled"):
     """A prefill rank's part of prefill ``seq``: the first token (its TP leader's; -1 from the
     others), and the state bytes it sent to the decode ranks in ``messages`` messages."""
@@ -112,7 +119,7 @@ class Error(_Message, frozen=True, tag="error"):
     peer: int | None = None
 
 
-ToRank = Work | Prefill | Warm | Shutdown
+ToRank = Work | PrefillBatch | Warm | Shutdown
 ToDriver = Hello | Loading | Ready | Result | Prefilled | Warmed | Stats | Error
 Message = ToRank | ToDriver
 

@@ -2,15 +2,17 @@
 
 A plan with a prefill pool (``plan.prefill``: replicas of the whole model, colocated, at the TP of
 the decode owners that hold the KV cache) has its ranks after the decode ranks (:mod:`.placement`).
-The driver sends a new request's whole prompt to one prefill replica (:class:`~.messages.Prefill`);
-its ranks run the prompt through every operator (the TP leader samples the first token). A replica
-with data-parallel attention replicas (the pool's ``dp``) gives prefill ``seq`` to replica ``seq %
-dp``; the others only join its expert exchanges with no rows (:mod:`.expert_parallel`). Each
-computing prefill rank sends one message per decode rank that holds the request's per-request state
-(its slot's replicas of the owners with a ``core_attn``, at the same TP position): the state of
-that rank's layers -- keys and values of the prompt, a linear attention layer's conv and recurrent
-state, an MLA layer's latent cache -- as :meth:`~.ops.StatefulOperator.export_state` lays it out,
-over the runtime's transport. Every prefill rank then tells the driver what it sent
+The driver sends each new request's whole prompt to one prefill replica
+(:class:`~.messages.Prefill`; round robin, a replica's prompts of one step together as a
+:class:`~.messages.PrefillBatch`); its ranks run them through every operator as one batch (the TP
+leader samples the first tokens). A replica with data-parallel attention replicas (the pool's
+``dp``) gives prefill ``seq`` to replica ``seq % dp``; the others only join its expert exchanges
+with no rows (:mod:`.expert_parallel`). Each computing prefill rank sends one message per decode
+rank that holds the request's per-request state (its slot's replicas of the owners with a
+``core_attn``, at its TP position modulo the pool's; re-cut where the TP degrees differ): the state
+of that rank's layers -- keys and values of the prompt, a linear attention layer's conv and
+recurrent state, an MLA layer's latent cache -- as :meth:`~.ops.StatefulOperator.export_state` lays
+it out, over the runtime's transport. Every prefill rank then tells the driver what it sent
 (:class:`~.messages.Prefilled`, with the token from the leader) and frees the request.
 
 The decode ranks never prefill: the request's first work (a decode step at the prompt's length,
@@ -36,7 +38,7 @@ from .control import ControlClient
 from .expert_parallel import EPComm, join_groups
 from .graph import OpRef
 from .kernels import KernelSet
-from .messages import Prefill, Prefilled, Shutdown, Warm, Warmed
+from .messages import Prefill, PrefillBatch, Prefilled, Shutdown, Warm, Warmed
 from .options import RunOptions, fault_hook
 from .placement import Placement
 from .proc import pin_to_core, resolve_device
@@ -179,45 +181,61 @@ class PrefillWorker:
             if isinstance(msg, Warm):
                 self.control.send(Warmed(self.rank))
                 continue
-            if not isinstance(msg, Prefill):
+            if not isinstance(msg, PrefillBatch):
                 raise OpWeaveRuntimeError(f"unexpected control message {msg!r} for a prefill rank")
             if self.clock.started is None:
                 self.clock.started = time.perf_counter()
-            for hook in self.hooks:
-                hook(self.prefills)
-            self._prefill(msg)
+            self._prefill(msg.prompts)
         self.transport.flush()
 
     @torch.inference_mode()
-    def _prefill(self, msg: Prefill) -> None:
-        if self.info.dp_rank != self.placement.prefill_dp_rank(msg.seq):
-            # another attention replica of this prefill replica computes it: join its expert
-            # exchanges without rows
-            start = time.perf_counter()
+    def _prefill(self, prompts: tuple[Prefill, ...]) -> None:
+        """Run this attention replica's share of ``prompts`` as one batch (another joins the
+        expert exchanges without rows when it has none), sample each first token on the TP
+        leader, hand each request's state on, and report every prompt."""
+        mine = [p for p in prompts if self.placement.prefill_dp_rank(p.seq) == self.info.dp_rank]
+        for i in range(len(mine)):
+            for hook in self.hooks:
+                hook(self.prefills + i)
+        start = time.perf_counter()
+        if not mine:
             self.module.idle(slice(0, len(self.module.operators)))
             self.clock.compute_s += time.perf_counter() - start
-            self.control.send(Prefilled(msg.seq, msg.request_id, -1, 0, 0))
-            return
-        rid, n, leader = msg.request_id, len(msg.token_ids), self.info.is_leader
-        if rid in self.module.request_ids:  # a restart while its earlier prefill ran: afresh
-            self.module.free(rid)
-        self.module.admit(rid)
-        meta = BatchMeta((rid,), (n,), (0,), slots=(msg.slot,))
-        batch = TokenBatch(meta, {"token_ids": torch.tensor(msg.token_ids, device=self.device)})
-        sample_here = leader and msg.params.greedy
-        stop = len(self.module.operators) - (0 if sample_here else 1)
-        start = time.perf_counter()
-        out = self.module.run(batch, slice(0, stop))
-        token = -1
-        if leader:
-            if msg.params.greedy:
-                token = int(out["token_ids"][0])
-            else:
-                gen = None
-                if msg.params.seed is not None:
-                    gen = torch.Generator().manual_seed(int(msg.params.seed))
-                token = sample_rows(out["logits"], [msg.params], [gen])[0]
-        self.clock.compute_s += time.perf_counter() - start
+        else:
+            tokens = self._run(mine)
+            self.clock.compute_s += time.perf_counter() - start
+            for p, token in zip(mine, tokens, strict=True):
+                self._hand_on(p, token)
+            self.transport.reap(before_epoch=mine[0].seq)
+            self.prefills += len(mine)
+        for p in prompts:
+            if p not in mine:
+                self.control.send(Prefilled(p.seq, p.request_id, -1, 0, 0))
+
+    def _run(self, prompts: list[Prefill]) -> list[int]:
+        """The prompts through every operator but the sampler, in one batch; each one's first
+        token on the TP leader (-1 elsewhere)."""
+        rids = [p.request_id for p in prompts]
+        for rid in rids:
+            if rid in self.module.request_ids:  # a restart while its earlier prefill ran
+                self.module.free(rid)
+        self.module.admit(rids)
+        lens = tuple(len(p.token_ids) for p in prompts)
+        meta = BatchMeta(tuple(rids), lens, (0,) * len(rids), slots=tuple(p.slot for p in prompts))
+        ids = torch.tensor([t for p in prompts for t in p.token_ids], device=self.device)
+        out = self.module.run(TokenBatch(meta, {"token_ids": ids}), slice(0, -1))
+        if not self.info.is_leader:
+            return [-1] * len(prompts)
+        gens = [
+            None if p.params.seed is None else torch.Generator().manual_seed(int(p.params.seed))
+            for p in prompts
+        ]
+        return sample_rows(out["logits"], [p.params for p in prompts], gens)
+
+    def _hand_on(self, msg: Prefill, token: int) -> None:
+        """Send request ``msg``'s state to the decode ranks holding its slot, free it here, and
+        tell the driver."""
+        rid, n = msg.request_id, len(msg.token_ids)
         sent = messages = 0
         whole = self._whole_state(rid) if self._reshard else None
         for peer in self._receivers(msg.slot):
@@ -227,9 +245,7 @@ class PrefillWorker:
                 Message(peer, range(0), STATE_TAG), state_message(msg.seq, n, tensors), msg.seq
             )
             messages += 1
-        self.transport.reap(before_epoch=msg.seq)
         self.module.free(rid)
-        self.prefills += 1
         self.state_bytes += sent
         self.control.send(Prefilled(msg.seq, rid, token, sent, messages))
 

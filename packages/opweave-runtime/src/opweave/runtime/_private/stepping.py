@@ -61,7 +61,7 @@ class Ranks(Protocol):
 
     def result_parts(self, microbatch: int) -> int: ...
 
-    def prefill(self, replica: int, message: Prefill) -> None: ...
+    def prefill(self, replica: int, prompts: Sequence[Prefill]) -> None: ...
 
     @property
     def prefill_parts(self) -> int: ...
@@ -292,7 +292,7 @@ class StepDriver:
             if item.start < req.computed:  # behind what the ranks hold: recompute
                 req.computed = 0
         sampling: dict[str, int] = {}
-        prefills = {self._prefill(item, sampling) for item in prompts}
+        prefills = self._prefill(prompts, sampling)
         works = [self._work(k, per_k[k], k in carry, final, sampling) for k in chosen]
         for work in works:  # every work built (checked) before any is submitted
             self.cluster.submit(work)
@@ -325,19 +325,24 @@ class StepDriver:
             self._wait_in_flight()
         return decode, prompts
 
-    def _prefill(self, item: StepItem, sampling: dict[str, int]) -> int:
-        """Send ``item``'s tokens (its request's whole prompt) to a prefill replica (round
-        robin); the prefill's number."""
-        req = self.requests[item.request_id]
-        seq = next(self._prefills)
-        replica = seq % self.prefill_pool
-        end = item.start + item.count
-        message = Prefill(seq, item.request_id, req.slot, tuple(req.token_ids[:end]), req.params)
-        self.cluster.prefill(replica, message)
-        req.computed, req.admitted, req.sampled_at = end, True, -1
-        req.prefill, req.token_due = (replica, seq), seq
-        sampling[item.request_id] = req.epoch
-        return seq
+    def _prefill(self, items: Sequence[StepItem], sampling: dict[str, int]) -> set[int]:
+        """Send ``items``' tokens (each its request's whole prompt) to the prefill replicas
+        (round robin by prompt, each replica's share as one batch); their prefill numbers."""
+        batches: dict[int, list[Prefill]] = {}
+        for item in items:
+            req = self.requests[item.request_id]
+            seq = next(self._prefills)
+            replica = seq % self.prefill_pool
+            end = item.start + item.count
+            batches.setdefault(replica, []).append(
+                Prefill(seq, item.request_id, req.slot, tuple(req.token_ids[:end]), req.params)
+            )
+            req.computed, req.admitted, req.sampled_at = end, True, -1
+            req.prefill, req.token_due = (replica, seq), seq
+            sampling[item.request_id] = req.epoch
+        for replica, prompts in batches.items():
+            self.cluster.prefill(replica, prompts)
+        return {p.seq for prompts in batches.values() for p in prompts}
 
     def _work(
         self,
