@@ -178,3 +178,33 @@ def test_dense_dp_estimates_an_sglang_dp_attention_layout() -> None:
     proc = run_cli("estimate", "deepseek-v3", "--gpu", "h200", "--tp", "8", "--dense-dp",
                    check=False)  # fmt: skip
     assert proc.returncode == 2 and "--dense-dp applies to data-parallel attention" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("model", "gpus", "slo_ms"),
+    [
+        ("qwen3-30b-a3b", "h200", "30"),
+        ("deepseek-v3", "h200", "60"),
+        ("qwen3-32b", "h100,a100", "30"),
+    ],
+)
+def test_every_plan_opweave_plan_writes_is_one_the_runtime_serves(
+    model: str, gpus: str, slo_ms: str, tmp_path: Path
+) -> None:
+    """The best deployment and each baseline, written as plan files, pass the runtime's own
+    check (its decode owners' (TP, EP, DP), the prefill pool's, and their TP degrees):
+    whatever the planner chose for either pool, `opweave run` starts it."""
+    from opweave.costmodel import Plan, load_model
+    from opweave.runtime import check_plan
+
+    spec = load_model(model)
+    out = tmp_path / "plan.json"
+    doc = cli_json(
+        "plan", model, "--gpus", gpus, *WORKLOAD, "--rate", "4", "--tpot-slo-ms", slo_ms,
+        "-o", str(out),
+    )  # fmt: skip
+    written = sorted(tmp_path.glob("*.json"))
+    assert written, doc
+    for path in written:
+        plan = Plan.model_validate_json(path.read_text())
+        check_plan(plan, spec)  # raises with the reason otherwise
