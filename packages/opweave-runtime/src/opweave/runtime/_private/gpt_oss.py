@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .batch import TokenBatch
-from .expert_parallel import ExpertShard, expert_sets
+from .expert_parallel import expert_sets
 from .mlp import Experts
 from .ops import OpContext, Operator, linear
 
@@ -51,11 +51,7 @@ class GptOssExperts(Experts):
         Operator.__init__(self, ctx, layer)
         moe = self.arch.moe
         assert layer is not None and moe is not None
-        what = f"L{layer}.experts"
-        shard = ctx.experts or ExpertShard(self.shard.rank, self.shard.size)
-        self.ep = ctx.ep
-        self.held = shard.experts(moe.num_experts, what)
-        channels = shard.channels(moe.intermediate_size, f"{what}: intermediate size")
+        shard, channels = self._place(ctx)
         self.experts = None if self.held == (0, moe.num_experts) else self.held
         pairs = own = None
         if channels is not None:
@@ -104,18 +100,9 @@ class GptOssExperts(Experts):
             up = up.clamp(min=-self.limit, max=self.limit)
         return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
 
-    def _routed(
-        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
-    ) -> torch.Tensor:
-        if static:
-            return self._gathered(x, ids, weights)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(ids).tolist():
-            slot, rows = torch.where((ids == expert).T)
-            gated = self._gate(x[rows] @ self.gate_up[expert] + self.gate_up_bias[expert])
-            y = (gated @ self.down[expert] + self.down_bias[expert]) * weights[rows, slot, None]
-            out.index_add_(0, rows, y.to(out.dtype))
-        return out
+    def _apply(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        gated = self._gate(x @ self.gate_up[expert] + self.gate_up_bias[expert])
+        return gated @ self.down[expert] + self.down_bias[expert]
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The static decode step's form: each row's own k experts gathered (shapes independent

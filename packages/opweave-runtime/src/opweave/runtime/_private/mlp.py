@@ -185,17 +185,14 @@ class Experts(Operator):
         super().__init__(ctx, layer)
         moe = self.arch.moe
         assert layer is not None and moe is not None
-        what = f"L{layer}.experts"
-        shard = ctx.experts or ExpertShard(self.shard.rank, self.shard.size)
-        self.ep = ctx.ep
-        self.held = shard.experts(moe.num_experts, what)  # [lo, hi): the experts here
+        shard, channels = self._place(ctx)
         self.gate_up, self.down = ctx.ckpt.load_experts(
             layer,
             moe.num_experts,
             moe.intermediate_size,
             dtype=self.dtype,
             device=self.device,
-            channels=shard.channels(moe.intermediate_size, f"{what}: intermediate size"),
+            channels=channels,
             experts=None if self.held == (0, moe.num_experts) else self.held,
         )
         for part, tensor in (("gate_up", self.gate_up), ("down", self.down)):
@@ -205,6 +202,17 @@ class Experts(Operator):
         self.act = activation(self.arch.hidden_act)
         self.ends_layer = moe.shared_intermediate_size == 0
         self.sets = expert_sets(moe.num_experts, shard.ep).to(self.device)  # each expert's set
+
+    def _place(self, ctx: OpContext) -> tuple[ExpertShard, tuple[int, int] | None]:
+        """This rank's share of the layer's experts: sets :attr:`held` (``[lo, hi)``) and
+        :attr:`ep`; the shard and the channels of each held expert (None: all)."""
+        moe = self.arch.moe
+        assert moe is not None
+        what = f"L{self.layer}.experts"
+        shard = ctx.experts or ExpertShard(self.shard.rank, self.shard.size)
+        self.ep = ctx.ep
+        self.held = shard.experts(moe.num_experts, what)
+        return shard, shard.channels(moe.intermediate_size, f"{what}: intermediate size")
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
         x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
@@ -282,10 +290,14 @@ class Experts(Operator):
         out = torch.zeros_like(x)
         for expert in torch.unique(ids).tolist():
             slot, rows = torch.where((ids == expert).T)
-            gate, up = F.linear(x[rows], self.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down[expert]) * weights[rows, slot, None]
+            y = self._apply(expert, x[rows]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
         return out
+
+    def _apply(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Held expert ``expert`` on rows ``x`` (its share, where its channels are split)."""
+        gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
+        return F.linear(self.act(gate) * up, self.down[expert])
 
     def _gathered(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The static decode step's form: each row multiplies the weights of its own top-k
