@@ -25,7 +25,16 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
-from opweave.costmodel import ModelSpec, OperatorSpec, Plan, Segment, segments, tp_problem
+from opweave.costmodel import (
+    ModelSpec,
+    OperatorSpec,
+    Owner,
+    Plan,
+    PrefillPool,
+    Segment,
+    segments,
+    tp_problem,
+)
 
 from ..errors import PlanMismatchError, ShardingError
 from .expert_parallel import ExpertShard
@@ -80,6 +89,23 @@ def segment_label(seg: Segment) -> str:
     return first if len(seg.ops) == 1 else f"{first}..{last}"
 
 
+def _plan_replica(
+    first: int, owner: int, replicas: list[int], par: Owner | PrefillPool
+) -> list[RankInfo]:
+    """The ranks of one plan replica of ``owner`` from rank ``first``: an attention replica of
+    ``par.tp`` ranks for each entry of ``replicas`` (the replica number it is known by)."""
+    tp = par.tp
+    whole = tuple(range(first, first + tp * len(replicas))) if len(replicas) > 1 else ()
+    ranks = []
+    for d, j in enumerate(replicas):
+        base = first + d * tp
+        group = tuple(range(base, base + tp))
+        ranks += [
+            RankInfo(base + t, owner, j, t, tp, base, group, whole, par.ep) for t in range(tp)
+        ]
+    return ranks
+
+
 class Placement:
     """A plan installed on ``world_size`` ranks: rank layout, slot ranges and segments."""
 
@@ -91,48 +117,14 @@ class Placement:
         self.microbatches = plan.microbatches
         ranks: list[RankInfo] = []
         for o, owner in enumerate(plan.owners):
-            for j in range(owner.replicas * owner.dp):
-                base = len(ranks)
-                group = tuple(range(base, base + owner.tp))
-                first = base - (j % owner.dp) * owner.tp  # of the plan replica's ranks
-                ep_group = tuple(range(first, first + owner.gpus_per_replica))
-                ranks += [
-                    RankInfo(
-                        base + t,
-                        o,
-                        j,
-                        t,
-                        owner.tp,
-                        base,
-                        group,
-                        ep_group if owner.dp > 1 else (),
-                        owner.ep,
-                    )
-                    for t in range(owner.tp)
-                ]
+            dp = owner.dp
+            for j in range(owner.replicas):  # its attention replicas count as replicas
+                ranks += _plan_replica(len(ranks), o, [j * dp + d for d in range(dp)], owner)
         self.decode_world = len(ranks)
         pool = plan.prefill
         for j in range(pool.replicas if pool is not None else 0):
             assert pool is not None
-            first = len(ranks)  # of the prefill replica's tp x dp ranks
-            replica_group = tuple(range(first, first + pool.tp * pool.dp))
-            for d in range(pool.dp):
-                base = first + d * pool.tp
-                group = tuple(range(base, base + pool.tp))
-                ranks += [
-                    RankInfo(
-                        base + t,
-                        PREFILL,
-                        j,
-                        t,
-                        pool.tp,
-                        base,
-                        group,
-                        replica_group if pool.dp > 1 else (),
-                        pool.ep,
-                    )
-                    for t in range(pool.tp)
-                ]
+            ranks += _plan_replica(len(ranks), PREFILL, [j] * pool.dp, pool)
         self.ranks = tuple(ranks)
 
     @property
