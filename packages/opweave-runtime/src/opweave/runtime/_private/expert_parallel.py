@@ -15,11 +15,13 @@ and the tensor-parallel all-reduce that ends the layer sums them (vLLM's expert 
 data parallelism). With ``dp > 1`` the replica's ranks exchange rows at a layer's ``experts``, in
 one of two forms (:class:`EPComm`):
 
-- **all-to-all** (``tp = 1``, ``ep = dp``: one whole expert set per GPU, eager steps): each
-  (row, choice) pair goes to the rank holding its expert (**dispatch**, after every rank learns
+- **all-to-all** (``ep = tp x dp``: one whole expert set per GPU, eager steps): an attention
+  replica's rows are shared out over its TP ranks, each (row, choice) pair goes to the rank
+  holding its expert (**dispatch**, after every rank learns
   every other's pair counts), that rank applies the expert and its routing weight, and the
   results go back the same way (**combine**) to be added to their rows in ascending expert order,
-  as transformers adds them;
+  as transformers adds them, and the TP ranks gather their rows back (each row leaves the
+  attention replica once);
 - **gathered** (every other layout, and inside a compiled or traced static decode step, whose
   shapes cannot depend on the routing): every attention replica's rows with their routing go to
   every rank of the replica (one copy from each replica's first TP rank), each rank adds its own
@@ -108,6 +110,7 @@ class EPComm:
     group: object
     tp: int = 1
     shard: ExpertShard = field(default_factory=ExpertShard)
+    tp_group: object | None = None  # this rank's attention replica's TP group (tp > 1)
     comm_s: float = field(default=0.0)
 
     @property
@@ -117,9 +120,28 @@ class EPComm:
 
     @property
     def all_to_all_form(self) -> bool:
-        """Whether eager steps dispatch pairs by all-to-all: one whole expert set per rank and
-        no rows shared by tensor-parallel ranks."""
-        return self.tp == 1 and self.shard.ep == self.size
+        """Whether eager steps dispatch pairs by all-to-all: one whole expert set per rank."""
+        return self.shard.ep == self.size
+
+    def tp_rows(self, n: int) -> tuple[int, int]:
+        """``[lo, hi)`` of an attention replica's ``n`` rows this rank dispatches: its TP
+        ranks share them out (each row leaves the replica once)."""
+        t = self.rank % self.tp
+        return t * n // self.tp, (t + 1) * n // self.tp
+
+    def tp_assemble(self, part: torch.Tensor, n: int) -> torch.Tensor:
+        """The attention replica's ``n`` rows from each TP rank's :meth:`tp_rows` ``part``."""
+        if self.tp == 1 or n == 0:
+            return part
+        start = time.perf_counter()
+        top = -(-n // self.tp)
+        padded = torch.cat([part, part.new_zeros((top - part.shape[0], *part.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in range(self.tp)]
+        dist.all_gather(parts, padded, group=self.tp_group)  # type: ignore[arg-type]
+        sizes = [(t + 1) * n // self.tp - t * n // self.tp for t in range(self.tp)]
+        full = torch.cat([p[:c] for p, c in zip(parts, sizes, strict=True)])
+        self.comm_s += time.perf_counter() - start
+        return full
 
     def counts(self, send: torch.Tensor) -> list[list[int]]:
         """Every rank's ``send`` (int64 rows for each rank of the group, on the rank's device),

@@ -221,7 +221,9 @@ class Experts(Operator):
             out = self._routed(x, *self._local(ids, weights), static=static)
             return self._finish(batch, out, reduce=True)
         if self.ep.all_to_all_form and not torch.compiler.is_compiling():
-            return self._finish(batch, self._all_to_all(x, ids, weights), reduce=False)
+            lo, hi = self.ep.tp_rows(x.shape[0])
+            part = self._all_to_all(x[lo:hi], ids[lo:hi], weights[lo:hi])
+            return self._finish(batch, self.ep.tp_assemble(part, x.shape[0]), reduce=False)
         return self._finish(batch, self._gathered_exchange(x, ids, weights), reduce=False)
 
     def _all_to_all(

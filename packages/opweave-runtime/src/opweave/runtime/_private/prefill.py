@@ -122,7 +122,14 @@ class PrefillWorker:
         experts = self.info.expert_shard
         self.ep = None
         if replica_group is not None:  # data-parallel attention: the replica's row exchanges
-            self.ep = EPComm(experts.index, experts.size, replica_group, self.info.tp_size, experts)
+            self.ep = EPComm(
+                experts.index,
+                experts.size,
+                replica_group,
+                self.info.tp_size,
+                experts,
+                tp_group=self.group,
+            )
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         self.transport = Transport(
             rank,
