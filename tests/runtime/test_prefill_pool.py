@@ -15,6 +15,7 @@ import pytest
 from opweave.costmodel import Plan, PrefillPool, canonical_plan, load_model
 from opweave.runtime import (
     FaultInjection,
+    Placement,
     Request,
     RunFailedError,
     RunOptions,
@@ -258,5 +259,34 @@ def test_expert_parallel_prefill_and_decode(family, tiny_model, hf_greedy, promp
     assert result is not None
     assert [list(o.token_ids) for o in result.outputs] == hf_greedy(model_dir, more, MAX_NEW_TOKENS)
     assert [r.pool for r in result.ranks] == ["decode"] * 4 + ["prefill"] * 4
+    assert all(r.iterations > 0 for r in result.ranks if r.pool == "prefill")  # both took turns
     # every prompt's state moved once, to the two TP ranks of one attention replica
     assert result.transfer is not None and result.transfer.messages == 2 * len(more)
+
+
+def test_each_prefill_replica_gives_its_prompts_to_its_attention_replicas_in_turn(tiny_model):
+    """Round robin over 2 replicas, then over each one's 2 attention replicas: all four
+    (replica, attention replica) pairs prefill, none idles for good."""
+    model_dir = tiny_model("qwen3_moe")
+    plan = canonical_plan(load_model(model_dir), "colocated", gpu="cpu", batch=4)
+    pool = PrefillPool(gpu="cpu", tp=1, ep=2, dp=2, replicas=2)
+    placement = Placement(plan.model_copy(update={"prefill": pool}), load_model(model_dir))
+    pairs = [(seq % 2, placement.prefill_dp_rank(seq)) for seq in range(8)]
+    assert sorted(set(pairs)) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert pairs[:4] == [(0, 0), (1, 0), (0, 1), (1, 1)]
+
+
+def test_a_prefill_batch_holds_at_most_the_token_budget():
+    """A batch takes prompts in order while their tokens fit vLLM's default budget (8192); a
+    longer prompt runs alone."""
+    from opweave.runtime._private.messages import Prefill
+    from opweave.runtime._private.prefill import BATCH_TOKENS, _token_batches
+    from opweave.runtime._private.work import SamplingParams
+
+    def prompt(seq: int, n: int) -> Prefill:
+        return Prefill(seq, f"r{seq}", seq, (1,) * n, SamplingParams())
+
+    prompts = [prompt(0, 5000), prompt(1, 3000), prompt(2, 300), prompt(3, 9000), prompt(4, 1)]
+    batches = [[p.seq for p in b] for b in _token_batches(prompts)]
+    assert BATCH_TOKENS == 8192
+    assert batches == [[0, 1], [2], [3], [4]]

@@ -24,9 +24,9 @@ one of two forms (:class:`EPComm`):
   attention replica once);
 - **gathered** (every other layout, and inside a compiled or traced static decode step, whose
   shapes cannot depend on the routing): every attention replica's rows with their routing go to
-  every rank of the replica (one copy from each replica's first TP rank), each rank adds its own
-  experts' share, and the shares are summed back over the replica, each attention replica keeping
-  its own rows (vLLM's all-gather / reduce-scatter exchange, its default all2all backend); in a
+  every rank of the replica (its TP ranks each sending their share), each rank adds its own
+  experts' share, and an all-reduce over the replica sums the shares, each attention replica
+  keeping its own rows (as vLLM's default all-gather / reduce-scatter exchange); in a
   static step the rows are equal on every attention replica
   (:func:`.placement.check_expert_parallel`).
 
@@ -71,7 +71,9 @@ class ExpertShard:
         """``[lo, hi)``: the routed experts this GPU holds (all of them at ``ep = 1``); where
         ``ep`` does not divide them, sets hold ``floor`` or ``ceil(num_experts / ep)``."""
         if num_experts < self.ep:
-            raise ShardingError(f"{what}: {num_experts} experts are fewer than ep {self.ep}")
+            raise ShardingError(
+                f"{what}: {num_experts} experts are fewer than ep {self.ep}; choose a smaller ep"
+            )
         s = self.index // self.expert_tp
         return s * num_experts // self.ep, (s + 1) * num_experts // self.ep
 
@@ -83,7 +85,7 @@ class ExpertShard:
         if intermediate % n:
             raise ShardingError(
                 f"{what}: expert intermediate size {intermediate} does not split over the "
-                f"{n} GPUs of each expert set (tp x dp / ep)"
+                f"{n} GPUs of each expert set (tp x dp / ep); choose a larger ep"
             )
         c = self.index % n
         return c * intermediate // n, (c + 1) * intermediate // n
@@ -167,37 +169,46 @@ class EPComm:
         return out
 
     def gather(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-        """Eager steps: every attention replica's rows of ``local`` (any number each),
-        concatenated in replica order, and each replica's count."""
-        n = local.shape[0]
-        sizes = [row[0] for row in self.counts(torch.tensor([n], device=local.device))]
-        counts = sizes[:: self.tp]
-        top = max(counts)
+        """Eager steps: every attention replica's rows of ``local`` (any number each; each TP
+        rank sends its :meth:`tp_rows`), concatenated in replica order, and each replica's
+        count."""
+        lo, hi = self.tp_rows(local.shape[0])
+        part = local[lo:hi]
+        sizes = [row[0] for row in self.counts(torch.tensor([hi - lo], device=local.device))]
+        counts = [sum(sizes[d : d + self.tp]) for d in range(0, self.size, self.tp)]
+        top = max(sizes)
         if top == 0:
-            return local, counts  # no rows anywhere in the replica
+            return part, counts  # no rows anywhere in the replica
         start = time.perf_counter()
-        padded = torch.cat([local, local.new_zeros((top - n, *local.shape[1:]))])
+        padded = torch.cat([part, part.new_zeros((top - part.shape[0], *part.shape[1:]))])
         parts = [torch.empty_like(padded) for _ in range(self.size)]
         dist.all_gather(parts, padded, group=self.group)  # type: ignore[arg-type]
-        full = torch.cat([p[:c] for p, c in zip(parts[:: self.tp], counts, strict=True)])
+        full = torch.cat([p[:c] for p, c in zip(parts, sizes, strict=True)])
         self.comm_s += time.perf_counter() - start
         return full, counts
 
     def dispatch(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Inside a compiled step: every attention replica's rows of ``local`` (as many on
-        every rank), concatenated in replica order, and each replica's count."""
+        every rank; each TP rank sends its :meth:`tp_rows`, padded to one size), concatenated
+        in replica order, and each replica's count."""
         n, group = local.shape[0], self.group
-        if local.device.type != "cpu":
-            full = funcol.all_gather_tensor(local, 0, group)  # type: ignore[arg-type]
+        lo, hi = self.tp_rows(n)
+        top = -(-n // self.tp)
+        part = local[lo:hi]
+        if hi - lo < top:
+            part = torch.cat([part, part.new_zeros((top - (hi - lo), *part.shape[1:]))])
+        if part.device.type != "cpu":
+            full = funcol.all_gather_tensor(part, 0, group)  # type: ignore[arg-type]
         else:
-            blocks = [torch.zeros_like(local) for _ in range(self.size - 1)]
-            blocks.insert(self.rank, local)
+            blocks = [torch.zeros_like(part) for _ in range(self.size - 1)]
+            blocks.insert(self.rank, part)
             # an all-reduce of blocks that are zero but for each rank's own (exact): inductor's
             # CPU wrapper cannot call all_gather_into_tensor on every torch a rank may run
             full = funcol.all_reduce(torch.cat(blocks), "sum", group)  # type: ignore[arg-type]
-        if self.tp > 1:  # one copy of each attention replica's rows
-            full = full.view(self.size // self.tp, self.tp, n, *local.shape[1:])[:, 0]
-            full = full.reshape(-1, *local.shape[1:])
+        if self.tp > 1:  # each TP rank's share of its replica's rows, without the padding
+            blocks = full.view(self.size, top, *local.shape[1:])
+            sizes = [(t + 1) * n // self.tp - t * n // self.tp for t in range(self.tp)]
+            full = torch.cat([blocks[r, : sizes[r % self.tp]] for r in range(self.size)])
         return full, [n] * (self.size // self.tp)
 
     def combine(self, partial: torch.Tensor, counts: list[int]) -> torch.Tensor:

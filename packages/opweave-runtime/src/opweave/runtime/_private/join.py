@@ -180,8 +180,8 @@ def run_rank(spec: RankSpec) -> int:
             # a tensor- or expert-parallel collective waited in vain: a peer of the group
             # stopped, not this rank (the driver names it: the one peer, or the group's silent one)
             p = worker.placement
-            group = next((g for g in (*p.tp_groups, *p.ep_groups) if spec.rank in g), ())
-            peers = [r for r in group if r != spec.rank]
+            groups = [g for g in (*p.tp_groups, *p.ep_groups) if spec.rank in g]
+            peers = sorted({r for g in groups for r in g if r != spec.rank})
             report = Error("peer", text, peers[0] if len(peers) == 1 else None)
         else:
             report = Error("error", f"{type(exc).__name__}: {text}")

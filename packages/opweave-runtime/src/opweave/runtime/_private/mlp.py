@@ -218,7 +218,7 @@ class Experts(Operator):
         x, ids, weights = batch["hidden"], batch["topk_ids"], batch["topk_weights"]
         if self.ep is None:  # every row here: this rank's share, summed over TP by _finish
             static = batch.step is not None
-            out = self._routed(x, *self._local(ids, weights), static=static)
+            out = self._routed(x, *self._local(ids, weights, static=static), static=static)
             return self._finish(batch, out, reduce=True)
         if self.ep.all_to_all_form and not torch.compiler.is_compiling():
             lo, hi = self.ep.tp_rows(x.shape[0])
@@ -265,7 +265,9 @@ class Experts(Operator):
         static = torch.compiler.is_compiling()
         rows, counts = self.ep.dispatch(packed) if static else self.ep.gather(packed)
         local_ids, local_weights = self._local(
-            rows[:, hidden : hidden + k].to(ids.dtype), rows[:, hidden + k :].to(weights.dtype)
+            rows[:, hidden : hidden + k].to(ids.dtype),
+            rows[:, hidden + k :].to(weights.dtype),
+            static=static,
         )
         out = self._routed(rows[:, :hidden].to(x.dtype), local_ids, local_weights, static=static)
         return self.ep.combine(out, counts)
@@ -286,11 +288,12 @@ class Experts(Operator):
     def _routed(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
     ) -> torch.Tensor:
-        """What experts ``ids`` (indices into those held here) add to each row."""
+        """What experts ``ids`` (indices into those held here; -1: held elsewhere, skipped)
+        add to each row."""
         if static:
             return self._gathered(x, ids, weights)
         out = torch.zeros_like(x)
-        for expert in torch.unique(ids).tolist():
+        for expert in torch.unique(ids[ids >= 0]).tolist():
             slot, rows = torch.where((ids == expert).T)
             y = self._apply(expert, x[rows]) * weights[rows, slot, None]
             out.index_add_(0, rows, y.to(out.dtype))
@@ -314,16 +317,20 @@ class Experts(Operator):
             out = out + y[:, j].to(out.dtype)
         return out
 
-    def _local(self, ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing as indices into the experts held here; a row's choice of an expert held
-        elsewhere becomes held expert 0 at weight zero (it adds exactly nothing)."""
+    def _local(
+        self, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing as indices into the experts held here. A row's choice of an expert held
+        elsewhere becomes -1 (skipped), or, in a static step (whose shapes cannot depend on
+        the routing), held expert 0 at weight zero (it adds exactly nothing)."""
         assert self.arch.moe is not None
         lo, hi = self.held
         if (lo, hi) == (0, self.arch.moe.num_experts):
             return ids, weights
         here = (ids >= lo) & (ids < hi)
         weights = torch.where(here, weights, torch.zeros_like(weights))
-        return torch.where(here, ids - lo, torch.zeros_like(ids)), weights
+        elsewhere = torch.full_like(ids, 0 if static else -1)
+        return torch.where(here, ids - lo, elsewhere), weights
 
     def _finish(self, batch: TokenBatch, out: torch.Tensor, *, reduce: bool) -> TokenBatch:
         """The layer's residual add (after the TP reduce, where the shares are not summed

@@ -37,7 +37,7 @@ from opweave.costmodel import (
 )
 
 from ..errors import PlanMismatchError, ShardingError
-from .expert_parallel import ExpertShard
+from .expert_parallel import EPComm, ExpertShard
 
 UNQUANTISED_LABELS = ("bf16", "fp16", "fp32")  # a plan's quant for unquantised weights
 PREFILL = -1  # the owner of a prefill pool's ranks
@@ -65,6 +65,14 @@ class RankInfo:
     def dp_rank(self) -> int:
         """This rank's attention replica within its plan replica (0 without data parallelism)."""
         return self.ep_group.index(self.rank) // self.tp_size if self.ep_group else 0
+
+    def expert_exchange(self, replica: object | None, tp: object | None) -> EPComm | None:
+        """This rank's expert exchange over its plan replica's process group ``replica``
+        (None without data parallelism), ``tp`` its TP group."""
+        if replica is None:
+            return None
+        shard = self.expert_shard
+        return EPComm(shard.index, shard.size, replica, self.tp_size, shard, tp_group=tp)
 
     @property
     def expert_shard(self) -> ExpertShard:
@@ -141,9 +149,10 @@ class Placement:
 
     def prefill_dp_rank(self, seq: int) -> int:
         """The attention replica of a prefill replica that computes prefill ``seq`` (the
-        others join its expert exchanges without rows)."""
+        others join its expert exchanges without rows): the replica's prompts in turn."""
         pool = self.plan.prefill
-        return 0 if pool is None else seq % pool.dp
+        # the replica is seq % replicas (round robin): its own prompts take turns
+        return 0 if pool is None else (seq // pool.replicas) % pool.dp
 
     def prefill_sender(self, replica: int, seq: int, tp_rank: int) -> int:
         """The prefill rank that sends prefill ``seq``'s state to decode ranks of TP position
@@ -254,7 +263,7 @@ def plan_model(plan: Plan, model_dir: str | Path) -> ModelSpec:
 
 def total_ranks(plan: Plan) -> int:
     """Processes (GPUs) a plan needs: replicas x TP x DP degree, summed over its owners, and
-    its prefill pool's replicas x TP."""
+    its prefill pool's replicas x TP x DP."""
     pool = plan.prefill
     return sum(o.replicas * o.gpus_per_replica for o in plan.owners) + (
         pool.gpus if pool is not None else 0

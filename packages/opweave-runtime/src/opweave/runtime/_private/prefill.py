@@ -1,19 +1,21 @@
 """A prefill pool: ranks that compute prompts and hand each request's state to the decode ranks.
 
-A plan with a prefill pool (``plan.prefill``: replicas of the whole model, colocated, at the TP of
-the decode owners that hold the KV cache) has its ranks after the decode ranks (:mod:`.placement`).
+A plan with a prefill pool (``plan.prefill``: replicas of the whole model, colocated, of ``tp x
+dp`` ranks laid out as a decode owner's) has its ranks after the decode ranks (:mod:`.placement`).
 The driver sends each new request's whole prompt to one prefill replica
 (:class:`~.messages.Prefill`; round robin, a replica's prompts of one step together as a
-:class:`~.messages.PrefillBatch`); its ranks run them through every operator as one batch (the TP
-leader samples the first tokens). A replica with data-parallel attention replicas (the pool's
-``dp``) gives prefill ``seq`` to replica ``seq % dp``; the others only join its expert exchanges
-with no rows (:mod:`.expert_parallel`). Each computing prefill rank sends one message per decode
-rank that holds the request's per-request state (its slot's replicas of the owners with a
-``core_attn``, at its TP position modulo the pool's; re-cut where the TP degrees differ): the state
-of that rank's layers -- keys and values of the prompt, a linear attention layer's conv and
-recurrent state, an MLA layer's latent cache -- as :meth:`~.ops.StatefulOperator.export_state` lays
-it out, over the runtime's transport. Every prefill rank then tells the driver what it sent
-(:class:`~.messages.Prefilled`, with the token from the leader) and frees the request.
+:class:`~.messages.PrefillBatch`). Its attention replicas take those prompts in turn and run their
+share in batches of at most :data:`BATCH_TOKENS` prompt tokens through every operator (the TP
+leader samples the first tokens), in lock step: one with no batch left joins the others' expert
+exchanges without rows (:mod:`.expert_parallel`). Each computing prefill rank then sends one
+message per decode rank that holds the request's per-request state (its slot's replicas of the
+owners with a ``core_attn``, at its TP position modulo the pool's; where the TP degrees differ, the
+state is gathered whole over the pool's TP group and each decode rank gets its cut,
+:meth:`~.ops.StatefulOperator.state_shards`): the state of that rank's layers -- keys and values of
+the prompt, a linear attention layer's conv and recurrent state, an MLA layer's latent cache -- as
+:meth:`~.ops.StatefulOperator.export_state` lays it out, over the runtime's transport. Every
+prefill rank then tells the driver what it sent (:class:`~.messages.Prefilled`, with the token from
+the leader) and frees the request.
 
 The decode ranks never prefill: the request's first work (a decode step at the prompt's length,
 :attr:`~.work.Work.imports`) admits it, and each of its state ranks receives the message
@@ -35,7 +37,7 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .batch import BatchMeta, TokenBatch
 from .control import ControlClient
-from .expert_parallel import EPComm, join_groups
+from .expert_parallel import join_groups
 from .graph import OpRef
 from .kernels import KernelSet
 from .messages import Prefill, PrefillBatch, Prefilled, Shutdown, Warm, Warmed
@@ -86,6 +88,24 @@ class StateInbox:
         return [batch.tensors[name] for name in sorted(batch.tensors)]
 
 
+# prompt tokens one prefill batch holds at most (a longer prompt runs alone): vLLM's default
+# max_num_batched_tokens on GPUs of 70 GiB or more (see opweave.costmodel's workload module)
+BATCH_TOKENS = 8192
+
+
+def _token_batches(prompts: list[Prefill]) -> list[list[Prefill]]:
+    """``prompts`` in order, cut into batches of at most :data:`BATCH_TOKENS` tokens."""
+    batches: list[list[Prefill]] = []
+    tokens = 0
+    for p in prompts:
+        if not batches or tokens + len(p.token_ids) > BATCH_TOKENS:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(p)
+        tokens += len(p.token_ids)
+    return batches
+
+
 def _gather(comm: TPComm, local: torch.Tensor, cut: Layout) -> torch.Tensor:
     """``local`` gathered whole over ``comm``'s group (one-byte floats travel as bytes:
     gloo has no float8 type)."""
@@ -120,16 +140,7 @@ class PrefillWorker:
             placement.tp_groups, placement.ep_groups, rank, options.timeout_s
         )
         experts = self.info.expert_shard
-        self.ep = None
-        if replica_group is not None:  # data-parallel attention: the replica's row exchanges
-            self.ep = EPComm(
-                experts.index,
-                experts.size,
-                replica_group,
-                self.info.tp_size,
-                experts,
-                tp_group=self.group,
-            )
+        self.ep = self.info.expert_exchange(replica_group, self.group)
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         self.transport = Transport(
             rank,
@@ -197,26 +208,35 @@ class PrefillWorker:
 
     @torch.inference_mode()
     def _prefill(self, prompts: tuple[Prefill, ...]) -> None:
-        """Run this attention replica's share of ``prompts`` as one batch (another joins the
-        expert exchanges without rows when it has none), sample each first token on the TP
-        leader, hand each request's state on, and report every prompt."""
-        mine = [p for p in prompts if self.placement.prefill_dp_rank(p.seq) == self.info.dp_rank]
-        for i in range(len(mine)):
+        """Run this attention replica's share of ``prompts`` in batches of at most
+        :data:`BATCH_TOKENS` prompt tokens (as many rounds as the replica's busiest attention
+        replica needs: one with no batch left joins the expert exchanges without rows), sample
+        each first token on the TP leader, hand each request's state on, and report every
+        prompt."""
+        dp = len(self.info.ep_group) // self.info.tp_size if self.info.ep_group else 1
+        shares = [
+            _token_batches([p for p in prompts if self.placement.prefill_dp_rank(p.seq) == d])
+            for d in range(dp)
+        ]
+        mine = shares[self.info.dp_rank]
+        computed = {p.seq for batch in mine for p in batch}
+        for i in range(len(computed)):
             for hook in self.hooks:
                 hook(self.prefills + i)
-        start = time.perf_counter()
-        if not mine:
-            self.module.idle(slice(0, len(self.module.operators)))
+        for r in range(max(len(share) for share in shares)):
+            start = time.perf_counter()
+            if r >= len(mine):
+                self.module.idle(slice(0, len(self.module.operators)))
+                self.clock.compute_s += time.perf_counter() - start
+                continue
+            tokens = self._run(mine[r])
             self.clock.compute_s += time.perf_counter() - start
-        else:
-            tokens = self._run(mine)
-            self.clock.compute_s += time.perf_counter() - start
-            for p, token in zip(mine, tokens, strict=True):
+            for p, token in zip(mine[r], tokens, strict=True):
                 self._hand_on(p, token)
-            self.transport.reap(before_epoch=mine[0].seq)
-            self.prefills += len(mine)
+            self.transport.reap(before_epoch=mine[r][0].seq)
+            self.prefills += len(mine[r])
         for p in prompts:
-            if p not in mine:
+            if p.seq not in computed:
                 self.control.send(Prefilled(p.seq, p.request_id, -1, 0, 0))
 
     def _run(self, prompts: list[Prefill]) -> list[int]:

@@ -29,7 +29,7 @@ import torch
 from ..errors import OpWeaveRuntimeError, RequestStateError
 from .control import ControlClient
 from .decode import compiled_graphs, trust_warm_graphs
-from .expert_parallel import EPComm, join_groups
+from .expert_parallel import join_groups
 from .kernels import KernelSet
 from .messages import Shutdown, Warm, Warmed
 from .options import Hook, RunOptions, fault_hook
@@ -78,16 +78,7 @@ class StageWorker(RankCore):
             placement.tp_groups, placement.ep_groups, rank, options.timeout_s
         )
         experts = self.info.expert_shard
-        self.ep = None
-        if replica_group is not None:  # data-parallel attention: the replica's row exchanges
-            self.ep = EPComm(
-                experts.index,
-                experts.size,
-                replica_group,
-                self.info.tp_size,
-                experts,
-                tp_group=self.group,
-            )
+        self.ep = self.info.expert_exchange(replica_group, self.group)
         own_core = self.device.type == "cpu" and pin_to_core(local_rank, local_world_size)
         world = placement.world_size
         self.transport = Transport(

@@ -177,7 +177,7 @@ class StageModule:
         # under EP a packed batch runs eagerly, as the data-parallel peers' prefills run: the
         # group's exchanges must be the same collectives on every rank (a decode step whose
         # rows every rank runs goes through run_rows)
-        if self._static is not None and is_decode(batch.meta) and self.ep is None:
+        if self._static is not None and is_decode(batch.meta) and not self.expert_parallel:
             size = len(batch.meta.request_ids) if size is None else size
             step = self.decode_step(ops, size)
             self.submissions += 1 if step.native else len(chosen)

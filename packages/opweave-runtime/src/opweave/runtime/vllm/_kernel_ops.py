@@ -311,6 +311,7 @@ class FusedMoeExperts(KernelOperator, Experts):
         if x.stride() != (x.shape[1], 1):
             x = x.clone(memory_format=torch.contiguous_format)
         out = torch.empty_like(x)
+        ids = ids.clamp(min=0)  # an expert held elsewhere: held expert 0, at weight zero
         if x.shape[0]:
             vllm_ops().cpu_fused_moe(
                 out,
