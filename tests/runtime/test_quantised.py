@@ -96,10 +96,13 @@ def test_nvfp4_checkpoint_over_tp2(strategy, tmp_path, hf_greedy, prompts):
     assert _run(quant_dir, strategy, 2, prompts) == hf_greedy(oracle_dir, prompts, MAX_NEW_TOKENS)
 
 
-# (tp, ep, dp): one expert set per GPU of two attention replicas; two sets of two GPUs, each
-# expert's channels (and their scale blocks) split over its set
-@pytest.mark.parametrize(("tp", "ep", "dp"), [(1, 2, 2), (2, 2, 2)], ids=str)
-@pytest.mark.parametrize("fmt", ["fp8-block", "mxfp4", "gpt-oss-mxfp4"])
+# (tp, ep, dp): one expert set per GPU of two attention replicas (by all-to-all); two sets of
+# two GPUs, each expert's channels (and their scale blocks) split over its set
+@pytest.mark.parametrize(
+    ("fmt", "tp", "ep", "dp"),
+    [("fp8-block", 2, 2, 2), ("mxfp4", 1, 2, 2), ("gpt-oss-mxfp4", 2, 2, 2)],
+    ids=str,
+)
 def test_quantised_experts_under_expert_parallelism(
     fmt, tp, ep, dp, block_fp8_model, mxfp4_model, tmp_path, hf_greedy, prompts
 ):
