@@ -135,12 +135,17 @@ class EPComm:
         """The attention replica's ``n`` rows from each TP rank's :meth:`tp_rows` ``part``."""
         if self.tp == 1 or n == 0:
             return part
-        start = time.perf_counter()
-        top = -(-n // self.tp)
-        padded = torch.cat([part, part.new_zeros((top - part.shape[0], *part.shape[1:]))])
-        parts = [torch.empty_like(padded) for _ in range(self.tp)]
-        dist.all_gather(parts, padded, group=self.tp_group)  # type: ignore[arg-type]
         sizes = [(t + 1) * n // self.tp - t * n // self.tp for t in range(self.tp)]
+        return self._all_gather_rows(part, sizes, self.tp_group)
+
+    def _all_gather_rows(self, part: torch.Tensor, sizes: list[int], group: object) -> torch.Tensor:
+        """Every member's ``part`` of ``group`` (``sizes[r]`` rows from member ``r``),
+        concatenated in member order: one all-gather of parts padded to the largest."""
+        start = time.perf_counter()
+        top = max(sizes)
+        padded = torch.cat([part, part.new_zeros((top - part.shape[0], *part.shape[1:]))])
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded, group=group)  # type: ignore[arg-type]
         full = torch.cat([p[:c] for p, c in zip(parts, sizes, strict=True)])
         self.comm_s += time.perf_counter() - start
         return full
@@ -176,16 +181,9 @@ class EPComm:
         part = local[lo:hi]
         sizes = [row[0] for row in self.counts(torch.tensor([hi - lo], device=local.device))]
         counts = [sum(sizes[d : d + self.tp]) for d in range(0, self.size, self.tp)]
-        top = max(sizes)
-        if top == 0:
+        if max(sizes) == 0:
             return part, counts  # no rows anywhere in the replica
-        start = time.perf_counter()
-        padded = torch.cat([part, part.new_zeros((top - part.shape[0], *part.shape[1:]))])
-        parts = [torch.empty_like(padded) for _ in range(self.size)]
-        dist.all_gather(parts, padded, group=self.group)  # type: ignore[arg-type]
-        full = torch.cat([p[:c] for p, c in zip(parts, sizes, strict=True)])
-        self.comm_s += time.perf_counter() - start
-        return full, counts
+        return self._all_gather_rows(part, sizes, self.group), counts
 
     def dispatch(self, local: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """Inside a compiled step: every attention replica's rows of ``local`` (as many on

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 
 from .batch import TokenBatch
-from .expert_parallel import expert_sets
 from .mlp import Experts
 from .ops import OpContext, Operator, linear
 
@@ -74,7 +73,6 @@ class GptOssExperts(Experts):
         self.limit = moe.swiglu_limit
         self.alpha = moe.swiglu_alpha
         self.ends_layer = True
-        self.sets = expert_sets(moe.num_experts, shard.ep).to(self.device)
 
     def _cut(self, suffix: str, dim: int, ranges: list[tuple[int, int]] | None) -> torch.Tensor:
         """A ``[E, ...]`` tensor's held experts, and of those the ``ranges`` along ``dim``

@@ -185,7 +185,7 @@ class Experts(Operator):
         super().__init__(ctx, layer)
         moe = self.arch.moe
         assert layer is not None and moe is not None
-        shard, channels = self._place(ctx)
+        _, channels = self._place(ctx)
         self.gate_up, self.down = ctx.ckpt.load_experts(
             layer,
             moe.num_experts,
@@ -201,17 +201,18 @@ class Experts(Operator):
             )
         self.act = activation(self.arch.hidden_act)
         self.ends_layer = moe.shared_intermediate_size == 0
-        self.sets = expert_sets(moe.num_experts, shard.ep).to(self.device)  # each expert's set
 
     def _place(self, ctx: OpContext) -> tuple[ExpertShard, tuple[int, int] | None]:
-        """This rank's share of the layer's experts: sets :attr:`held` (``[lo, hi)``) and
-        :attr:`ep`; the shard and the channels of each held expert (None: all)."""
+        """This rank's share of the layer's experts: sets :attr:`held` (``[lo, hi)``),
+        :attr:`sets` (each expert's set) and :attr:`ep`; the shard and the channels of each
+        held expert (None: all)."""
         moe = self.arch.moe
         assert moe is not None
         what = f"L{self.layer}.experts"
         shard = ctx.experts or ExpertShard(self.shard.rank, self.shard.size)
         self.ep = ctx.ep
         self.held = shard.experts(moe.num_experts, what)
+        self.sets = expert_sets(moe.num_experts, shard.ep).to(self.device)
         return shard, shard.channels(moe.intermediate_size, f"{what}: intermediate size")
 
     def forward(self, batch: TokenBatch) -> TokenBatch:
@@ -220,11 +221,17 @@ class Experts(Operator):
             static = batch.step is not None
             out = self._routed(x, *self._local(ids, weights, static=static), static=static)
             return self._finish(batch, out, reduce=True)
+        return self._finish(batch, self._exchange(x, ids, weights), reduce=False)
+
+    def _exchange(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """What the experts of the whole plan replica add to these rows, by the replica's
+        exchange: all-to-all where each rank holds one set (eager steps), else gathered."""
+        assert self.ep is not None
         if self.ep.all_to_all_form and not torch.compiler.is_compiling():
             lo, hi = self.ep.tp_rows(x.shape[0])
             part = self._all_to_all(x[lo:hi], ids[lo:hi], weights[lo:hi])
-            return self._finish(batch, self.ep.tp_assemble(part, x.shape[0]), reduce=False)
-        return self._finish(batch, self._gathered_exchange(x, ids, weights), reduce=False)
+            return self.ep.tp_assemble(part, x.shape[0])
+        return self._gathered_exchange(x, ids, weights)
 
     def _all_to_all(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -280,10 +287,7 @@ class Experts(Operator):
         x = torch.zeros((0, hidden), dtype=self.dtype, device=self.device)
         ids = torch.zeros((0, k), dtype=torch.int64, device=self.device)
         weights = torch.zeros((0, k), dtype=torch.float32, device=self.device)
-        if self.ep.all_to_all_form:
-            self._all_to_all(x, ids, weights)
-        else:
-            self._gathered_exchange(x, ids, weights)
+        self._exchange(x, ids, weights)
 
     def _routed(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *, static: bool
