@@ -44,7 +44,8 @@ def test_gpus_json_lists_the_rack_scale_and_new_gpus_with_their_fields() -> None
     assert (gb200["gpus_per_node"], gb200["nvlink_domain_gpus"]) == (4, 72)
     assert gb200["fp4_compute_efficiency"] == 0.76
     assert gpus["gb300"]["fp4_flops_per_s"] == 1.5e16 and gpus["gb300"]["usd_per_hour"] is None
-    assert gpus["b300"]["memory_bytes"] == 288e9 and gpus["b300"]["nvlink_domain_gpus"] is None
+    assert gpus["b300"]["memory_bytes"] == 275040 * 2**20  # as nvidia-smi reports it
+    assert gpus["b300"]["nvlink_domain_gpus"] is None
     assert gpus["h20"]["fp4_flops_per_s"] is None and gpus["h20"]["fp8_flops_per_s"] == 296e12
     assert gpus["rtx-pro-6000"]["intra_node_link"] == "PCIe Gen5 x16"
     assert gpus["a100-sxm-80gb"]["fp8_flops_per_s"] is None

@@ -28,13 +28,11 @@ DATASHEET = [
     ("b200", "dense_flops_per_s", 36 * P, 8, 2),  # HGX/DGX B200, 8 GPUs, with sparsity
     ("b200", "fp8_flops_per_s", 72 * P, 8, 2),
     ("b200", "fp4_flops_per_s", 144 * P, 8, 2),
-    ("b200", "memory_bytes", 1440 * G, 8, 1),
     ("b200", "mem_bandwidth_bytes_per_s", 64 * T, 8, 1),
     # B300: HGX B300 (8 GPUs); dense FP4 is listed beside the sparse one
     ("b300", "dense_flops_per_s", 36 * P, 8, 2),
     ("b300", "fp8_flops_per_s", 72 * P, 8, 2),
     ("b300", "fp4_flops_per_s", 105 * P, 8, 1),
-    ("b300", "memory_bytes", 288 * G, 1, 1),  # Blackwell Ultra: 288 GB HBM3e per GPU
     ("b300", "mem_bandwidth_bytes_per_s", 8 * T, 1, 1),
     ("b300", "intra_node_bandwidth_bytes_per_s", 1.8 * T, 1, 2),  # NVLink 5, both directions
     ("b300", "network_bandwidth_bytes_per_s", 800 * GBIT, 1, 1),  # ConnectX-8 per GPU
@@ -43,7 +41,6 @@ DATASHEET = [
     ("gb200", "fp8_flops_per_s", 720 * P, 72, 2),
     ("gb200", "fp4_flops_per_s", 1440 * P, 72, 2),
     ("gb200", "mem_bandwidth_bytes_per_s", 576 * T, 72, 1),
-    ("gb200", "memory_bytes", 186 * G, 1, 1),  # MIG user guide; MLPerf system description
     ("gb200", "intra_node_bandwidth_bytes_per_s", 1.8 * T, 1, 2),  # NVLink 5 per GPU
     ("gb200", "network_bandwidth_bytes_per_s", 400 * GBIT, 1, 1),  # ConnectX-7 per GPU
     # GB300 NVL72 (72 GPUs); dense FP4 listed beside the sparse one
@@ -51,17 +48,14 @@ DATASHEET = [
     ("gb300", "fp8_flops_per_s", 720 * P, 72, 2),
     ("gb300", "fp4_flops_per_s", 1080 * P, 72, 1),
     ("gb300", "mem_bandwidth_bytes_per_s", 576 * T, 72, 1),
-    ("gb300", "memory_bytes", 288 * G, 1, 1),
     ("gb300", "intra_node_bandwidth_bytes_per_s", 1.8 * T, 1, 2),
     ("gb300", "network_bandwidth_bytes_per_s", 800 * GBIT, 1, 1),
     # H20 (HGX H20)
-    ("h20", "memory_bytes", 96 * G, 1, 1),
     ("h20", "mem_bandwidth_bytes_per_s", 4.0 * T, 1, 1),
     ("h20", "dense_flops_per_s", 148 * T, 1, 1),
     ("h20", "fp8_flops_per_s", 296 * T, 1, 1),
     ("h20", "intra_node_bandwidth_bytes_per_s", 900 * G, 1, 2),
     # RTX PRO 6000 Blackwell Server Edition
-    ("rtx-pro-6000", "memory_bytes", 96 * G, 1, 1),
     ("rtx-pro-6000", "mem_bandwidth_bytes_per_s", 1597 * G, 1, 1),
     ("rtx-pro-6000", "dense_flops_per_s", 1 * P, 1, 2),
     ("rtx-pro-6000", "fp8_flops_per_s", 2 * P, 1, 2),
@@ -76,6 +70,36 @@ def test_catalog_matches_the_datasheet(
     gpu: str, field: str, figure: float, gpus: int, halve: int
 ) -> None:
     assert getattr(default_catalog().get(gpu), field) == pytest.approx(figure / gpus / halve)
+
+
+MIB = 1 << 20
+# (GPU, the memory the device reports -- nvidia-smi's total in MiB, rocm-smi's in bytes for the
+# MI300X, as public logs print them (gpu_catalog.py [SMI]) -- and its datasheet's "GB")
+DEVICE_MEMORY = [
+    ("h100-sxm", 81559 * MIB, 80),
+    ("h100-pcie", 81559 * MIB, 80),
+    ("h200-sxm", 143771 * MIB, 141),
+    ("h20", 97871 * MIB, 96),
+    ("a100-sxm-80gb", 81920 * MIB, 80),
+    ("a100-sxm-40gb", 40960 * MIB, 40),
+    ("l40s", 46068 * MIB, 48),
+    ("l4", 23034 * MIB, 24),
+    ("rtx-pro-6000", 97887 * MIB, 96),
+    ("b200", 183359 * MIB, 1440 / 8),  # HGX B200: 1,440 GB over 8 GPUs
+    ("b300", 275040 * MIB, 288),
+    ("gb200", 189471 * MIB, 186),
+    ("gb300", 284208 * MIB, 288),
+    ("mi300x", 206141652992, 192),
+]
+
+
+@pytest.mark.parametrize(("gpu", "reported", "datasheet_gb"), DEVICE_MEMORY)
+def test_memory_is_what_the_device_reports(gpu: str, reported: int, datasheet_gb: float) -> None:
+    """vLLM sizes its KV cache from the device's own total, not the datasheet's rounded "GB"
+    (7% apart on the H100); the two still name the same memory."""
+    memory = default_catalog().get(gpu).memory_bytes
+    assert memory == reported
+    assert memory == pytest.approx(datasheet_gb * G, rel=0.075)
 
 
 @pytest.mark.parametrize(

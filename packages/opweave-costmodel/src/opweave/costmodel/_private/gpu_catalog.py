@@ -75,6 +75,18 @@ Sources, cited once here and by key below:
   carry none, and plans that use them ask for ``usd_per_hour`` in a hardware file. Community
   Cloud is the low end of the market (hyperscalers list the same GPUs at 2-4x); plans depend on
   the price ratios. Override any price with ``--hardware``.
+  [SMI] Device memory is the total the device reports, as nvidia-smi prints it (MiB; rocm-smi
+  for the MI300X, in bytes), not the datasheet's "GB": vLLM sizes its KV cache from the total
+  CUDA reports times --gpu-memory-utilization (vllm/v1/worker/gpu_worker.py, init_device:
+  total_memory from torch.cuda.mem_get_info), and the two differ by up to 7% (H100 "80GB":
+  81,559 MiB = 85.5e9 bytes; B300 "288GB": 275,040 MiB). Printed totals: modal-labs/
+  modal-client#2797 (H100 81559, A100 80GB 81920, A100 40GB 40960, L40S 46068, L4 23034 MiB);
+  NVIDIA/nccl#1264 and vllm-project/vllm#55169 (H100 81559 MiB); NVIDIA/TensorRT-LLM#10278
+  (B200 183359 MiB); nvidia-smi outputs in public logs for the H100 PCIe (81559), H200 (143771),
+  H20 (97871), RTX PRO 6000 Blackwell Server Edition (97887), B300 SXM6 (275040), GB200
+  (189471) and GB300 (284208 MiB), and rocm-smi's "VRAM Total Memory (B): 206141652992" for the
+  MI300X. CUDA's own total is about 0.5% below nvidia-smi's on the H100, H200 and B200 (memory
+  the driver reserves; pytorch/ao#4002 prints 178.35 GiB for a B200), which is left out.
 Where no measurement was found a factor is the closest GPU's, marked ASSUMED; override any
 field with ``--hardware FILE``.
 """
@@ -84,6 +96,8 @@ from __future__ import annotations
 from typing import Any
 
 from .hardware import GB, TB, TFLOPS, US, HardwareSpec
+
+MIB = float(1 << 20)
 
 
 def _gpu(**fields: Any) -> HardwareSpec:
@@ -102,7 +116,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         id="h100-sxm",
         name="NVIDIA H100 SXM5 80GB",
         aliases=("h100",),
-        memory_bytes=80 * GB,
+        memory_bytes=81559 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=3.35 * TB,  # [DS-H100]
         dense_flops_per_s=989 * TFLOPS,  # [DS-H100]
         fp8_flops_per_s=1979 * TFLOPS,  # [DS-H100] 3,958 sparse
@@ -121,7 +135,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         id="h200-sxm",
         name="NVIDIA H200 SXM 141GB",
         aliases=("h200",),
-        memory_bytes=141 * GB,
+        memory_bytes=143771 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=4.8 * TB,  # [DS-H200]
         dense_flops_per_s=989 * TFLOPS,
         fp8_flops_per_s=1979 * TFLOPS,  # [DS-H200]
@@ -139,7 +153,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="h20",
         name="NVIDIA H20 96GB (HGX H20)",
-        memory_bytes=96 * GB,  # [DS-H20]
+        memory_bytes=97871 * MIB,  # [SMI]; [DS-H20]: 96 GB
         mem_bandwidth_bytes_per_s=4.0 * TB,  # [DS-H20]
         dense_flops_per_s=148 * TFLOPS,  # [DS-H20]
         fp8_flops_per_s=296 * TFLOPS,  # [DS-H20]
@@ -157,7 +171,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         id="a100-sxm-80gb",
         name="NVIDIA A100 SXM4 80GB",
         aliases=("a100", "a100-80gb"),
-        memory_bytes=80 * GB,
+        memory_bytes=81920 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=2.039 * TB,  # [DS-A100]
         dense_flops_per_s=312 * TFLOPS,  # [DS-A100]; no FP8 tensor cores
         intra_node_link="NVLink 3",
@@ -174,7 +188,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         id="a100-sxm-40gb",
         name="NVIDIA A100 SXM4 40GB",
         aliases=("a100-40gb",),
-        memory_bytes=40 * GB,
+        memory_bytes=40960 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=1.555 * TB,  # [DS-A100]
         dense_flops_per_s=312 * TFLOPS,
         intra_node_link="NVLink 3",
@@ -190,7 +204,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="h100-pcie",
         name="NVIDIA H100 PCIe 80GB",
-        memory_bytes=80 * GB,
+        memory_bytes=81559 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=2.0 * TB,  # [DS-H100] PCIe
         dense_flops_per_s=756 * TFLOPS,
         fp8_flops_per_s=1513 * TFLOPS,  # [DS-H100] PCIe, 3,026 sparse
@@ -205,7 +219,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="l40s",
         name="NVIDIA L40S 48GB",
-        memory_bytes=48 * GB,
+        memory_bytes=46068 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=0.864 * TB,  # [DS-L40S]
         dense_flops_per_s=362.05 * TFLOPS,
         fp8_flops_per_s=733 * TFLOPS,  # [DS-L40S] 1,466 sparse
@@ -226,7 +240,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="l4",
         name="NVIDIA L4 24GB",
-        memory_bytes=24 * GB,
+        memory_bytes=23034 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=0.3 * TB,  # [DS-L4]
         dense_flops_per_s=121 * TFLOPS,
         fp8_flops_per_s=242.5 * TFLOPS,  # [DS-L4] 485 sparse
@@ -246,7 +260,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="rtx-pro-6000",
         name="NVIDIA RTX PRO 6000 Blackwell Server Edition 96GB",
-        memory_bytes=96 * GB,  # [DS-RTXP6K]
+        memory_bytes=97887 * MIB,  # [SMI]; [DS-RTXP6K]: 96 GB
         mem_bandwidth_bytes_per_s=1.597 * TB,  # [DS-RTXP6K]
         dense_flops_per_s=500 * TFLOPS,  # [DS-RTXP6K] 1 PFLOPS sparse
         fp8_flops_per_s=1000 * TFLOPS,  # [DS-RTXP6K] 2 PFLOPS sparse
@@ -268,7 +282,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="b200",
         name="NVIDIA B200 (HGX, 1000 W)",
-        memory_bytes=180 * GB,  # [DS-B200]
+        memory_bytes=183359 * MIB,  # [SMI]; [DS-B200]: 180 GB
         mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-B200]
         dense_flops_per_s=2250 * TFLOPS,  # [DS-B200] 36 PFLOPS sparse / 8 / 2
         fp8_flops_per_s=4500 * TFLOPS,  # [DS-B200] 72 / 8 / 2
@@ -287,7 +301,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="b300",
         name="NVIDIA B300 (HGX B300)",
-        memory_bytes=288 * GB,  # [DS-B300] 2.3 TB / 8
+        memory_bytes=275040 * MIB,  # [SMI]; [DS-B300]: 288 GB (2.3 TB / 8)
         mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-B300]
         dense_flops_per_s=2250 * TFLOPS,  # [DS-B300] 36 PFLOPS sparse / 8 / 2
         fp8_flops_per_s=4500 * TFLOPS,  # [DS-B300] 72 / 8 / 2
@@ -306,7 +320,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="gb200",
         name="NVIDIA GB200 NVL72 (per GPU)",
-        memory_bytes=186 * GB,  # [DS-GB200] [MLPERF-GB200]
+        memory_bytes=189471 * MIB,  # [SMI]; [DS-GB200] [MLPERF-GB200]: 186 GB
         mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-GB200] 576 TB/s / 72
         dense_flops_per_s=2500 * TFLOPS,  # [DS-GB200] 360 PFLOPS sparse / 72 / 2
         fp8_flops_per_s=5000 * TFLOPS,  # [DS-GB200] 720 / 72 / 2
@@ -330,7 +344,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="gb300",
         name="NVIDIA GB300 NVL72 (per GPU)",
-        memory_bytes=288 * GB,  # [DS-GB300]
+        memory_bytes=284208 * MIB,  # [SMI]; [DS-GB300]: 288 GB
         mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-GB300] 576 TB/s / 72
         dense_flops_per_s=2500 * TFLOPS,  # [DS-GB300] 360 PFLOPS sparse / 72 / 2
         fp8_flops_per_s=5000 * TFLOPS,  # [DS-GB300] 720 / 72 / 2
@@ -350,7 +364,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
     _gpu(
         id="mi300x",
         name="AMD Instinct MI300X 192GB",
-        memory_bytes=192 * GB,
+        memory_bytes=206141652992,  # [SMI] (rocm-smi, in bytes)
         mem_bandwidth_bytes_per_s=5.3 * TB,  # [DS-MI300X]
         dense_flops_per_s=1307.4 * TFLOPS,
         fp8_flops_per_s=2614.9 * TFLOPS,  # [DS-MI300X] 5,229.8 sparse
