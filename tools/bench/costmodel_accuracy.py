@@ -61,7 +61,8 @@ negative. Same goal per group: median <= 6%, max <= 20%.
 reference rows three ways: the roofline as above, a profile imported from NVIDIA's silicon
 database for the row's GPU, engine (vllm, sglang or trtllm by the row's engine name), model,
 precision, TP, batch and context (its ``sample`` operator carries the row's host profile, as
-the roofline's does), and their difference. Rows on GPUs the database has no system for are
+the roofline's does), and their difference. Rows on GPUs the database has no system for, or
+of engines it has no tables of (gpt-fast; NIM, whose backend its page does not name), are
 left out and counted.
 
     python tools/bench/costmodel_accuracy.py --profiles aiconfigurator
@@ -627,11 +628,20 @@ def run_profile(path: Path, model_name: str | None, gpu: str | None) -> None:
         )
 
 
-def _engine(name: str) -> str:
+# the engines the silicon database measured, by the names the reference rows give them
+DATABASE_ENGINES = (
+    ("vllm", "vllm"),
+    ("sglang", "sglang"),
+    ("tensorrt", "trtllm"),
+    ("trt", "trtllm"),
+)
+
+
+def _engine(name: str) -> str | None:
+    """The database's engine for a row's engine name; None for an engine it has no tables of
+    (gpt-fast; NIM, whose page does not say which backend ran)."""
     low = name.lower()
-    return (
-        "sglang" if "sglang" in low else "trtllm" if "tensorrt" in low or "trt" in low else "vllm"
-    )
+    return next((engine for prefix, engine in DATABASE_ENGINES if low.startswith(prefix)), None)
 
 
 def run_imported() -> None:
@@ -644,7 +654,9 @@ def run_imported() -> None:
     catalog = default_catalog()
     db = open_database()
     inside = [r for r in rows if r.in_scope]
-    covered = [r for r in inside if catalog.resolve(r.gpu) in SYSTEMS]
+    on_gpus = [r for r in inside if catalog.resolve(r.gpu) in SYSTEMS]
+    covered = [r for r in on_gpus if _engine(r.engine) is not None]
+    apart = sorted({r.engine for r in on_gpus if _engine(r.engine) is None})
     roof = {id(r.row): r for r in evaluate(covered, configs, catalog.get)}
     results: list[tuple[Result, Result]] = []
     for row in covered:
@@ -654,7 +666,7 @@ def run_imported() -> None:
         run = import_profile(
             model,
             hw.id,
-            engine=_engine(row.engine),
+            engine=_engine(row.engine) or "",
             tp=[row.tp],
             batches=(row.batch,),
             contexts=(row.context,),
@@ -676,8 +688,15 @@ def run_imported() -> None:
         )
     print(
         f"Published decode steps: roofline vs a profile imported from the silicon database "
-        f"({db.origin}); {len(covered)} of {len(inside)} in-scope rows are on GPUs it covers"
+        f"({db.origin}); {len(covered)} of {len(inside)} in-scope rows are on GPUs and engines "
+        "it covers"
     )
+    if apart:
+        left = len(on_gpus) - len(covered)
+        print(
+            f"Not compared: {left} rows of engines the database has no tables of "
+            f"({', '.join(apart)})"
+        )
     head = (
         f"{'model':<15}{'gpu':<15}{'tp':>3}{'batch':>6}{'context':>8}{'meas ms':>9}"
         f"{'roof ms':>9}{'err':>8}{'imp ms':>9}{'err':>8}{'imp-roof':>9}  engine"
