@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .batch import TokenBatch
+from .expert_parallel import ExpertShard
 from .mlp import Experts
 from .ops import OpContext, Operator, linear
 
@@ -46,11 +47,9 @@ class GptOssExperts(Experts):
     """The routed experts, summed in ascending expert order as transformers does; sharded and
     exchanged as :class:`~.mlp.Experts` are (a rank holds its experts' channels ``[lo, hi)``)."""
 
-    def __init__(self, ctx: OpContext, layer: int | None) -> None:
-        Operator.__init__(self, ctx, layer)
-        moe = self.arch.moe
-        assert layer is not None and moe is not None
-        shard, channels = self._place(ctx)
+    def _load(self, ctx: OpContext, shard: ExpertShard, channels: tuple[int, int] | None) -> None:
+        moe, layer = self.arch.moe, self.layer
+        assert moe is not None and layer is not None
         self.experts = None if self.held == (0, moe.num_experts) else self.held
         pairs = own = None
         if channels is not None:
@@ -72,7 +71,6 @@ class GptOssExperts(Experts):
         self.down_bias = down_bias if first else torch.zeros_like(down_bias)
         self.limit = moe.swiglu_limit
         self.alpha = moe.swiglu_alpha
-        self.ends_layer = True
 
     def _cut(self, suffix: str, dim: int, ranges: list[tuple[int, int]] | None) -> torch.Tensor:
         """A ``[E, ...]`` tensor's held experts, and of those the ``ranges`` along ``dim``

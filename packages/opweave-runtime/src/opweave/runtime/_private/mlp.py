@@ -185,7 +185,15 @@ class Experts(Operator):
         super().__init__(ctx, layer)
         moe = self.arch.moe
         assert layer is not None and moe is not None
-        _, channels = self._place(ctx)
+        self._load(ctx, *self._place(ctx))
+        self.ends_layer = moe.shared_intermediate_size == 0
+
+    def _load(self, ctx: OpContext, shard: ExpertShard, channels: tuple[int, int] | None) -> None:
+        """Read this rank's weights: its :attr:`held` experts, ``channels`` of each (None:
+        all). A family whose experts are stored otherwise overrides this."""
+        del shard
+        moe, layer = self.arch.moe, self.layer
+        assert moe is not None and layer is not None
         self.gate_up, self.down = ctx.ckpt.load_experts(
             layer,
             moe.num_experts,
@@ -200,7 +208,6 @@ class Experts(Operator):
                 tensor.numel() * tensor.element_size()
             )
         self.act = activation(self.arch.hidden_act)
-        self.ends_layer = moe.shared_intermediate_size == 0
 
     def _place(self, ctx: OpContext) -> tuple[ExpertShard, tuple[int, int] | None]:
         """This rank's share of the layer's experts: sets :attr:`held` (``[lo, hi)``),
