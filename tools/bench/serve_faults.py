@@ -2,7 +2,8 @@
 
 For each server -- ``opweave run --strategy afd`` (two ranks under vLLM's engine) and plain vLLM
 (``python -m vllm.entrypoints.openai.api_server``) on the same tiny random Llama -- with
-``--clients`` streaming clients (``max_tokens`` 500, ``ignore_eos``), one case after another:
+``--clients`` streaming clients (``max_tokens`` :data:`STREAM_TOKENS`, ``ignore_eos``: long
+enough that both servers are still streaming at the drain deadline), one case after another:
 
 - **drain**: SIGTERM while every client streams, ``--shutdown-timeout`` D: seconds from the
   signal to the process's exit, its status, how the clients' streams ended (an error event, a
@@ -40,6 +41,11 @@ import urllib.request
 from pathlib import Path
 
 CASES = ("drain", "kill", "engine", "rank")
+# tokens each client asks for; the tiny model's context holds them. Plain vLLM streams a tiny
+# model's tokens fast: 500 (the earlier figure) ended its streams before a 4 s deadline, so its
+# drain row measured an idle stop, not a drain
+STREAM_TOKENS = 4000
+MODEL_LEN = 4096
 
 
 def _free_port() -> int:
@@ -98,7 +104,7 @@ class Server:
         self.temp = Path(tempfile.mkdtemp(dir=root, prefix=f"{kind}-"))
         port = _free_port()
         self.base = f"http://127.0.0.1:{port}"
-        common = ["--max-model-len", "512", "--dtype", "float32", "--port", str(port)]
+        common = ["--max-model-len", str(MODEL_LEN), "--dtype", "float32", "--port", str(port)]
         common += ["--shutdown-timeout", f"{drain_s:g}"]
         if kind == "opweave":
             cmd = [sys.executable, "-m", "opweave.cli", "run", "--strategy", "afd"]
@@ -146,7 +152,7 @@ def with_kill(pid: int) -> None:
 
 
 def _client(base: str, model: Path, out: dict, started: threading.Event) -> None:
-    body = {"model": str(model), "prompt": "a b c", "max_tokens": 500, "ignore_eos": True}
+    body = {"model": str(model), "prompt": "a b c", "max_tokens": STREAM_TOKENS, "ignore_eos": True}
     body |= {"stream": True, "temperature": 0}
     req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode())
     req.add_header("Content-Type", "application/json")
@@ -238,7 +244,12 @@ def main() -> None:
 
     root = Path(tempfile.mkdtemp(prefix="serve-faults-"))
     model = write_tiny_model(
-        "llama", root / "llama", hidden_size=128, num_attention_heads=4, num_key_value_heads=2
+        "llama",
+        root / "llama",
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MODEL_LEN,
     )
     print(f"{args.clients} streaming clients, drain deadline {args.drain_s:g} s; shared machine")
     for name in args.only.split(","):
