@@ -29,7 +29,8 @@ def _sync(session: nox.Session, *groups: str) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite in the locked uv environment (vLLM-marked tests skip here: see `vllm`)."""
     _sync(session, "dev")
-    session.run("pytest", *session.posargs)
+    # the slowest tests, printed at the end: what to look at when the run nears its time budget
+    session.run("pytest", "--durations=15", *session.posargs)
 
 
 @nox.session(python="3.11")
