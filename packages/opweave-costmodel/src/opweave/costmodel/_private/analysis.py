@@ -479,7 +479,7 @@ def analyze(
     >>> h100.feasible.tolist(), bool(h100.gain_homogeneous[1] > 1.0)
     ([True, True, False], True)
     >>> round(h100.bound, 3), round(h100.b_star)
-    (1.961, 269)
+    (1.846, 269)
     >>> res.heterogeneous.attention_gpu, res.heterogeneous.gemm_gpu
     ('a100-sxm-80gb', 'h100-sxm')
     """
