@@ -70,7 +70,7 @@ def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
             [
                 [
                     g.id,
-                    human_bytes(g.memory_bytes),
+                    f"{g.memory_bytes / 2**30:.1f} GiB",  # as nvidia-smi's MiB total reads
                     f"{g.mem_bandwidth_bytes_per_s / 1e12:.2f}",
                     f"{g.dense_flops_per_s / 1e12:.0f}",
                     _tflops(g.fp8_flops_per_s),
