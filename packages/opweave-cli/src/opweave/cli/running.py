@@ -423,7 +423,7 @@ def _plan(o: dict[str, Any], model: Any, plan_file: Path | None, offline: bool) 
     if ep > 1:
         _check_ep(model, ep)
     owners = 1 if o["strategy"] == "colocated" else 2
-    # every microbatch must reach each data-parallel rank alike: one, under expert parallelism
+    # every microbatch must reach each data-parallel rank alike: one, under data-parallel attention
     m = o["microbatches"] or (1 if dp > 1 else owners)
     if o["batch"] is not None and o["batch"] < m:
         raise typer.BadParameter(

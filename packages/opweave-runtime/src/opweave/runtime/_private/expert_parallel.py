@@ -131,12 +131,15 @@ class EPComm:
         t = self.rank % self.tp
         return t * n // self.tp, (t + 1) * n // self.tp
 
+    def tp_sizes(self, n: int) -> list[int]:
+        """How many of ``n`` rows each TP rank of an attention replica has (:meth:`tp_rows`)."""
+        return [(t + 1) * n // self.tp - t * n // self.tp for t in range(self.tp)]
+
     def tp_assemble(self, part: torch.Tensor, n: int) -> torch.Tensor:
         """The attention replica's ``n`` rows from each TP rank's :meth:`tp_rows` ``part``."""
         if self.tp == 1 or n == 0:
             return part
-        sizes = [(t + 1) * n // self.tp - t * n // self.tp for t in range(self.tp)]
-        return self._all_gather_rows(part, sizes, self.tp_group)
+        return self._all_gather_rows(part, self.tp_sizes(n), self.tp_group)
 
     def _all_gather_rows(self, part: torch.Tensor, sizes: list[int], group: object) -> torch.Tensor:
         """Every member's ``part`` of ``group`` (``sizes[r]`` rows from member ``r``),
@@ -205,7 +208,7 @@ class EPComm:
             full = funcol.all_reduce(torch.cat(blocks), "sum", group)  # type: ignore[arg-type]
         if self.tp > 1:  # each TP rank's share of its replica's rows, without the padding
             blocks = full.view(self.size, top, *local.shape[1:])
-            sizes = [(t + 1) * n // self.tp - t * n // self.tp for t in range(self.tp)]
+            sizes = self.tp_sizes(n)
             full = torch.cat([blocks[r, : sizes[r % self.tp]] for r in range(self.size)])
         return full, [n] * (self.size // self.tp)
 

@@ -213,10 +213,11 @@ class PrefillWorker:
         replica needs: one with no batch left joins the expert exchanges without rows), sample
         each first token on the TP leader, hand each request's state on, and report every
         prompt."""
-        dp = len(self.info.ep_group) // self.info.tp_size if self.info.ep_group else 1
+        pool = self.placement.plan.prefill
+        assert pool is not None  # a prefill rank's plan has its pool
         shares = [
             _token_batches([p for p in prompts if self.placement.prefill_dp_rank(p.seq) == d])
-            for d in range(dp)
+            for d in range(pool.dp)
         ]
         mine = shares[self.info.dp_rank]
         computed = {p.seq for batch in mine for p in batch}
