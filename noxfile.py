@@ -68,7 +68,8 @@ def vllm(session: nox.Session) -> None:
     through its own configuration (these machines: a local folder of wheels) or, elsewhere, with
     `PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu uvx nox -s vllm`. pip also pulls
     torchvision/torchaudio/torchcodec builds that do not match the CPU torch and break
-    `from vllm import LLM`; text models need none of them, so they are removed.
+    `from vllm import LLM`; text models need none of them, so they are removed. The profiler's
+    `aiconfigurator` extra comes along, so its tests also run against NVIDIA's real database.
     """
     session.install(
         "-e",
@@ -80,7 +81,7 @@ def vllm(session: nox.Session) -> None:
         "-e",
         "packages/opweave-cli",
         "-e",
-        "packages/opweave-profiler",
+        "packages/opweave-profiler[aiconfigurator]",
         "pytest",
         "pytest-timeout",
         "hypothesis",
@@ -95,3 +96,5 @@ def vllm(session: nox.Session) -> None:
         *session.posargs,
         env={"HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     )
+    # the profiler's aiconfigurator extra is installed here: its tests against the real database
+    session.run("pytest", "tests/profiler/test_aiconfigurator.py")

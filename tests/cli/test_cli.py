@@ -87,10 +87,10 @@ def test_estimate_json_fields() -> None:
     assert doc["context_tokens"] == 8192 and doc["fits"] is True
     assert doc["step_latency_s"] == pytest.approx(sum(doc["breakdown_s"].values()))
     # The fixed costs are their own terms: 80 layers x 10 kernels + 4 at 3.7 us each, 160
-    # collectives (+ embed, lm_head) at a 9 us floor, one 160 us step, no MoE.
+    # collectives (+ embed, lm_head) at the H100's 3.0 us floor, one 160 us step, no MoE.
     br = doc["breakdown_s"]
     assert br["kernel_launch"] == pytest.approx(804 * 3.7e-6)
-    assert br["allreduce_latency"] == pytest.approx(162 * 9e-6)
+    assert br["allreduce_latency"] == pytest.approx(162 * 3.0e-6)
     assert br["step_overhead"] == pytest.approx(160e-6)
     assert br["moe_experts"] == 0.0
     # 70B in bf16 does not fit one 80 GB GPU.

@@ -168,8 +168,9 @@ def test_wide_ep_against_tensor_parallel_experts_on_h200(moe, h200) -> None:
     assert ep.breakdown_s["alltoall_latency"] == pytest.approx(layers * 2 * 42 * US)
     assert ep.breakdown_s["allreduce_latency"] == 0.0
     assert tp.breakdown_s["alltoall_latency"] == 0.0
-    # per layer, TP 8 all-reduces after o_proj and after the experts, plus embed and lm_head
-    assert tp.breakdown_s["allreduce_latency"] == pytest.approx((2 * layers + 2) * 9 * US)
+    # per layer, TP 8 all-reduces after o_proj and after the experts, plus embed and lm_head,
+    # each at the H200's CUDA-graph floor (3.0 us)
+    assert tp.breakdown_s["allreduce_latency"] == pytest.approx((2 * layers + 2) * 3.0 * US)
     assert tp.breakdown_s["attention"] == pytest.approx(2 * ep.breakdown_s["attention"], rel=0.05)
     # the all-to-all payload: per layer the busiest GPU receives 7/8 of its share of 256 x 8
     # BF16 copies of 2048 values, twice (dispatch, combine), over NVLink at 450 x 0.84 GB/s
@@ -179,7 +180,7 @@ def test_wide_ep_against_tensor_parallel_experts_on_h200(moe, h200) -> None:
     assert ep.breakdown_s["alltoall"] == pytest.approx(layers * per_layer)
     assert ep.expert_imbalance_basis is not None and "assumed" in ep.expert_imbalance_basis
     # at 256 requests DP attention wins; at 8 the all-to-all floors cost more than it saves
-    assert ep.step_latency_s < 0.8 * tp.step_latency_s
+    assert ep.step_latency_s < 0.9 * tp.step_latency_s
     assert ep.usd_per_million_tokens < tp.usd_per_million_tokens
     small_tp = estimate_step(moe, h200, tp=8, batch=8, context=4096)
     small_ep = estimate_step(moe, h200, tp=1, ep=8, dp=8, batch=8, context=4096)

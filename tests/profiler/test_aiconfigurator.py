@@ -238,11 +238,79 @@ def test_an_all_reduce_table_without_backends_is_read(tmp_path: Path, tiny) -> N
     assert reduce(2048) == pytest.approx(ar_ms(1024) / 2 * 1e-3, rel=1e-12)  # 1024 BF16 values
 
 
+def test_a_newer_version_without_the_table_leaves_the_older_one_in_use(
+    tmp_path: Path, tiny
+) -> None:
+    """A version folder may hold another table of the op only (B200's SGLang 0.5.16 ``moe``
+    holds a DeepSeek-V4 module table alone): the newest version that has the table is read."""
+    model, _ = tiny
+    db = write_database(tmp_path)
+    _write(db / "h100_sxm" / "gemm" / "vllm" / "0.99.0", "other_perf", {"latency": [1.0]})
+    run = import_profile(model, "h100", database=db, batches=BATCHES, tp=[1])
+    assert run.versions["gemm_perf"] == "0.24.0"
+    down = _table(run.profile, "down_proj@full")
+    assert [row[0] for row in down.latency_s] == [gemm_ms(b, 256, 512) * 1e-3 for b in BATCHES]
+
+
+def test_allreduce_fit_is_the_fastest_graph_time_per_cell(tmp_path: Path) -> None:
+    """Two engines' tables on 2, 4 and 8 GPUs: the fit takes the faster per cell, graph rows
+    only, and recovers the latency and bandwidth the faster one was written with."""
+    db = write_database(tmp_path)
+    cells = [(g, 2**i) for g in (2, 4, 8) for i in range(9, 20)]  # 1 KiB .. 1 MiB of BF16
+
+    def ms(latency_us: float, gb_s: float, gpus: int, elements: int) -> float:
+        return (latency_us * 1e-6 + 2 * (gpus - 1) / gpus * elements * 2 / (gb_s * 1e9)) * 1e3
+
+    for engine, version, lat, bw in (
+        ("vllm", "0.24.0", 5.0, 150.0),
+        ("sglang", "0.5.14", 3.0, 200.0),
+    ):
+        rows = [(g, e, backend) for g, e in cells for backend in ("graph", "eager")]
+        _write(
+            db / "h100_sxm" / "comm" / engine / version,
+            "custom_allreduce_perf",
+            {
+                "allreduce_dtype": ["bfloat16"] * len(rows),
+                "num_gpus": [g for g, _, _ in rows],
+                "message_size": [e for _, e, _ in rows],
+                "backend": [f"{engine}_{b}" for _, _, b in rows],
+                # eager calls are slower by far: the fit must not see them
+                "latency": [ms(lat, bw, g, e) * (1 if b == "graph" else 0.1) for g, e, b in rows],
+            },
+        )
+    from opweave.profiler import open_database
+    from opweave.profiler._private.aic_allreduce import allreduce_fit
+
+    fit = allreduce_fit(open_database(db), "h100_sxm")
+    # eager rows written 10x faster would win if read: the fit is the faster graph table's
+    assert fit.latency_s == pytest.approx(3.0e-6, rel=1e-6)
+    assert fit.bandwidth_bytes_per_s == pytest.approx(200e9, rel=1e-6)
+    assert fit.points == len(cells) and fit.max_residual_s < 1e-12
+    assert fit.sources == ("vllm 0.24.0", "sglang 0.5.14")
+
+
 def test_a_newer_layout_is_a_clear_error(tmp_path: Path, tiny) -> None:
     model, _ = tiny
-    db = write_database(tmp_path, schema_version=2)
-    with pytest.raises(ProfilerError, match="schema_version 2, not 1"):
+    db = write_database(tmp_path, schema_version=3)
+    with pytest.raises(ProfilerError, match="schema_version 3, not 1 or 2"):
         import_profile(model, "h100", database=db, batches=BATCHES, tp=[1])
+
+
+def test_both_metadata_schemas_of_the_tested_release_read_alike(tmp_path: Path, tiny) -> None:
+    # aiconfigurator-core 0.12 ships schema 2 beside 1 (B200 SGLang GEMMs): provenance only
+    model, _ = tiny
+    runs = [
+        import_profile(
+            model,
+            "h100",
+            database=write_database(tmp_path / str(v), schema_version=v),
+            batches=BATCHES,
+            tp=[1],
+        )
+        for v in (1, 2)
+    ]
+    one, two = (r.profile.model_dump(exclude={"provenance"}) for r in runs)
+    assert one == two
 
 
 def test_cli_import_then_plan_says_where_latencies_came_from(tmp_path: Path, tiny) -> None:
@@ -346,6 +414,45 @@ def test_real_database_row() -> None:
     hit = rows[(rows.gemm_dtype == "bfloat16") & (rows.m == 8) & (rows.n == 5120)]
     expected = hit[hit.k == 8192].latency.min() * 1e-3
     assert _table(run.profile, "o_proj@full").latency_s[0][0] == expected
+
+
+@pytest.mark.skipif(find_spec("aiconfigurator_core") is None, reason="needs aiconfigurator-core")
+def test_catalog_all_reduce_is_the_databases_fit() -> None:
+    """The GPU catalog's TP all-reduce (hardware.py [AIC-AR]) is the fit of the tested
+    release's CUDA-graph tables, to the figures' rounding (0.1 us, 1 GB/s)."""
+    from opweave.profiler import open_database
+    from opweave.profiler._private.aic_allreduce import allreduce_fit
+    from opweave.profiler._private.aic_db import SYSTEMS
+
+    db = open_database()
+    catalog = default_catalog()
+    for gpu in ("a100-sxm-80gb", "h100-sxm", "h200-sxm", "b200", "b300", "gb200", "gb300"):
+        fit, hw = allreduce_fit(db, SYSTEMS[gpu]), catalog.get(gpu)
+        assert hw.allreduce_latency_s == pytest.approx(fit.latency_s, abs=0.051e-6), gpu
+        assert hw.allreduce_bandwidth_bytes_per_s == pytest.approx(
+            fit.bandwidth_bytes_per_s, abs=0.51e9
+        ), gpu
+
+
+@pytest.mark.skipif(find_spec("aiconfigurator_core") is None, reason="needs aiconfigurator-core")
+def test_real_database_deepseek_on_b200_imports_every_kernel_it_has() -> None:
+    """The tested release's B200 SGLang tables: GEMMs under the version-2 metadata schema, the
+    fused MoE of 0.5.14 beside a 0.5.16 folder without one."""
+    from opweave.profiler import open_database
+
+    run = import_profile(
+        load_model("deepseek-v3"),
+        "b200",
+        engine="sglang",
+        tp=[8],
+        batches=(8,),
+        contexts=(1024,),
+        database=open_database(),
+    )
+    assert run.versions["gemm_perf"] == run.versions["moe_perf"] == "0.5.14"
+    sources = {t.op.split("@")[0]: t.source or "" for t in run.profile.ops}
+    assert sources["experts"].startswith("aiconfigurator moe fp8_block")
+    assert sources["o_proj"].startswith("aiconfigurator gemm")
 
 
 # a two-layer DeepSeek-V3 at DeepSeek-V3's latent (512 + 64), the one the database's MLA

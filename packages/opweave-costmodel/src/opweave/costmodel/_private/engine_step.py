@@ -148,7 +148,7 @@ class EngineStepCost:
     >>> decode = cost.step_s(np.full(64, 4608.0), [])
     >>> mixed = cost.step_s(np.full(63, 4608.0), [(0, 4096)])
     >>> round(decode * 1e3, 1), mixed > 4 * decode
-    (18.7, True)
+    (16.3, True)
     """
 
     model: ModelSpec

@@ -145,7 +145,7 @@ def gather_scatter_s(
     >>> h100 = default_catalog().get("h100")
     >>> floor, payload = gather_scatter_s(h100, 8, 64, 8192 * 2)  # = an 8-GPU all-reduce of 1 MiB
     >>> round(floor * 1e6), round(payload * 1e6, 1)
-    (18, 34.6)
+    (6, 10.3)
     """
     if gpus <= 1 or tokens <= 0:
         return (0.0, 0.0)

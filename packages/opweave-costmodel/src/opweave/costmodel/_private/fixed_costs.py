@@ -62,7 +62,7 @@ def without_fixed_costs(hw: HardwareSpec) -> HardwareSpec:
     return hw.model_copy(update=NO_FIXED_COSTS)
 
 
-# Largest collective the all-reduce measurements cover ([SGL-AR] in hardware.py): beyond it,
+# Largest collective the all-reduce fits cover ([AIC-AR] in hardware.py): beyond it,
 # marginal bytes move at the link's bandwidth, as a bandwidth-bound ring (NCCL) moves them.
 SMALL_COLLECTIVE_MAX_BYTES = float(1 << 20)
 
@@ -150,9 +150,9 @@ def collective_transfer_s(op: OperatorSpec, tp: int, batch: float, hw: HardwareS
     >>> from opweave.costmodel import default_catalog, load_model
     >>> o_proj = next(o for o in load_model("llama-3.3-70b").layers[0].ops if o.name == "o_proj")
     >>> h100 = default_catalog().get("h100")
-    >>> # 64 tokens x 8192 x 2 bytes = 1 MiB at TP 8: 1.75 MiB of ring traffic at 53 GB/s
+    >>> # 64 tokens x 8192 x 2 bytes = 1 MiB at TP 8: 1.75 MiB of ring traffic at 179 GB/s
     >>> round(collective_transfer_s(o_proj, 8, 64, h100) * 1e6, 1)
-    34.6
+    10.3
     """
     factor = collective_factor(op.tp_collective, tp)
     payload = batch * op.tp_collective_bytes_per_token

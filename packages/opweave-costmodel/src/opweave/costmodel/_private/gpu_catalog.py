@@ -105,10 +105,11 @@ def _gpu(**fields: Any) -> HardwareSpec:
 
 
 # ASSUMED latencies: one-way small-message NVLink/RDMA ~2-3 us plus NCCL launch. TP collectives
-# over NVLink use [SGL-AR] (hardware.py; measured on H100, taken for every NVLink GPU, NVL72
-# included, whose collectives cross the same kind of NVLink switch); PCIe GPUs keep an ASSUMED
-# 20 us floor at link bandwidth (custom all-reduce needs NVLink beyond two GPUs).
-NVLINK_ALLREDUCE_BANDWIDTH = 53 * GB  # [SGL-AR]
+# over NVLink use [AIC-AR] (hardware.py): per system, the engines' CUDA-graph custom all-reduce
+# fitted to latency + 2(t-1)/t x bytes / bandwidth (tools/aic_allreduce.py prints the fit); the
+# H20, which the database has no system for, takes the H100's (the same NVLink 4 switch). PCIe
+# GPUs keep an ASSUMED 20 us floor at link bandwidth (custom all-reduce needs NVLink beyond two
+# GPUs).
 # NVLink 5: 18 links x 100 GB/s = 1.8 TB/s per GPU, 900 GB/s per direction [DS-B200] [DS-GB200].
 NVLINK5_BANDWIDTH = 900 * GB
 BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
@@ -127,7 +128,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         compute_efficiency=0.80,  # [BABEL] [MAMF]
         fp8_compute_efficiency=0.71,  # [MAMF] 1,402.6 / 1,979
         link_efficiency=0.84,  # [NCCL-P2P]
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=3.0 * US,  # [AIC-AR] h100_sxm
+        allreduce_bandwidth_bytes_per_s=179 * GB,
         usd_per_hour=2.69,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
@@ -146,7 +148,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         compute_efficiency=0.80,  # [BABEL] [MAMF: =H100]
         fp8_compute_efficiency=0.73,  # [MAMF] 1,453.4 / 1,979
         link_efficiency=0.84,
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=3.0 * US,  # [AIC-AR] h200_sxm
+        allreduce_bandwidth_bytes_per_s=188 * GB,
         usd_per_hour=3.59,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
@@ -163,7 +166,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.89,  # ASSUMED: H100's [BABEL] (HBM3)
         compute_efficiency=0.80,  # ASSUMED: H100's [MAMF]
         link_efficiency=0.84,  # ASSUMED: H100's [NCCL-P2P]
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=3.0 * US,  # ASSUMED: the H100's [AIC-AR]
+        allreduce_bandwidth_bytes_per_s=179 * GB,
         price_source="no dated public on-demand price found; give usd_per_hour in a "
         "--hardware file",
     ),
@@ -180,7 +184,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.83,
         compute_efficiency=0.87,  # [BABEL] [MAMF]
         link_efficiency=0.84,
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=5.3 * US,  # [AIC-AR] a100_sxm
+        allreduce_bandwidth_bytes_per_s=109 * GB,
         usd_per_hour=1.39,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
@@ -197,7 +202,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.83,
         compute_efficiency=0.87,
         link_efficiency=0.84,
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=5.3 * US,  # [AIC-AR] a100_sxm
+        allreduce_bandwidth_bytes_per_s=109 * GB,
         usd_per_hour=1.00,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-08-19",
     ),
@@ -294,7 +300,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         compute_efficiency=0.78,  # ASSUMED mem; [MAMF]
         fp8_compute_efficiency=0.76,  # [MAMF] 3,432.5 / 4,500
         link_efficiency=0.84,
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=4.5 * US,  # [AIC-AR] b200_sxm
+        allreduce_bandwidth_bytes_per_s=225 * GB,
         usd_per_hour=5.98,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-09-25",
     ),
@@ -313,7 +320,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         compute_efficiency=0.79,  # [MAMF] 1,769.0 / 2,250
         fp8_compute_efficiency=0.75,  # [MAMF] 3,353.3 / 4,500
         link_efficiency=0.84,  # ASSUMED: B200's
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=4.5 * US,  # [AIC-AR] b300_sxm
+        allreduce_bandwidth_bytes_per_s=225 * GB,
         usd_per_hour=6.94,
         price_source="[PRICE] RunPod Community Cloud on-demand, 2026-08-19",
     ),
@@ -336,7 +344,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         fp8_compute_efficiency=0.72,  # [MAMF] 3,615.6 / 5,000
         fp4_compute_efficiency=0.76,  # [AZ-GB200] 7,627.6 / 10,000
         link_efficiency=0.84,  # ASSUMED: B200's
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=4.1 * US,  # [AIC-AR] gb200
+        allreduce_bandwidth_bytes_per_s=330 * GB,
         usd_per_hour=4.54,
         price_source="other basis: Spheron on-demand GB200 superchip $9.08 / 2 GPUs, "
         "2026-03-17 (not on RunPod's list)",
@@ -357,7 +366,8 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_efficiency=0.80,  # ASSUMED: B200's
         compute_efficiency=0.73,  # ASSUMED: GB200's [MAMF] (same 2.5 PFLOPS BF16 peak)
         link_efficiency=0.84,  # ASSUMED: B200's
-        allreduce_bandwidth_bytes_per_s=NVLINK_ALLREDUCE_BANDWIDTH,
+        allreduce_latency_s=4.0 * US,  # [AIC-AR] gb300
+        allreduce_bandwidth_bytes_per_s=377 * GB,
         price_source="no public on-demand list price (CoreWeave, Nebius: contact sales); "
         "give usd_per_hour in a --hardware file",
     ),

@@ -15,8 +15,18 @@ Sources of the schema's defaults, cited once here and by key below:
   [SGL-HOST] sgl-project/sglang-omni#760, H100, CUDA graphs, no overlap: the host's share of a
   decode step is 1.36-1.38 / 1.65-1.66 / 1.82-1.86 ms at batch 16 / 24 / 32, i.e. 0.90 ms plus
   29 us per request.
-  [SGL-AR] sgl-project/sglang#2904, H100, vLLM's custom all-reduce: 8.7 / 9.2 / 11.8 us at
-  32 KiB and 26.6 / 40.2 / 45.0 us at 1 MiB for TP 2 / 4 / 8.
+  [AIC-AR] NVIDIA's silicon database (aiconfigurator-core 0.12.0, Apache-2.0,
+  ``systems/data/<system>/comm/{vllm,sglang,trtllm}/<version>/custom_allreduce_perf.parquet``):
+  the engines' custom all-reduce captured in a CUDA graph, as decode steps run it. Per system
+  the fastest engine per GPU count and size, fitted to latency + 2(t-1)/t x bytes / bandwidth
+  over 1 KiB-1 MiB at 2, 4 and 8 GPUs (``opweave.profiler``'s ``aic_allreduce``; printed by
+  ``tools/aic_allreduce.py``): H100 3.0 us and 179 GB/s (within 3.8 us of its 33 points), H200
+  3.0 / 188, A100 5.3 / 109, B200 and B300 4.5 / 225, GB200 4.1 / 330, GB300 4.0 / 377.
+  Cross-check: vLLM's one-stage custom all-reduce on B300 takes 8 us at 32 KiB and 17 us at
+  1 MiB (vllm-project/vllm#37756).
+  [SGL-AR] sgl-project/sglang#2904, H100, vLLM's custom all-reduce *without CUDA graphs*: 8.7 /
+  9.2 / 11.8 us at 32 KiB and 26.6 / 40.2 / 45.0 us at 1 MiB for TP 2 / 4 / 8 (the eager call
+  copies its input into the registered buffer and pays its launch: 2-3x the graph's time).
   [MOE-K] fused-MoE kernel times at decode batch sizes, timed under CUDA graphs by the engines'
   tuning scripts: sgl-project/sglang#11730 (H200, Qwen3-235B-A22B FP8, TP 8: 31.7 us at batch 1,
   36.6, 49.7, 66.9, 92.4, 117.4, 125.0 us at 2-32); vllm-project/vllm#44830 (H100,
@@ -109,8 +119,8 @@ class HardwareSpec(FileSchema):
     kernel_overhead_s: _Seconds = Field(
         default=3.7 * US, description="Per kernel launch (launch, pipeline fill, drain)."
     )
-    # [SGL-AR] fitted to latency + 2(t-1)/t x bytes / bandwidth: 9 us and 53 GB/s (ring-equivalent)
-    # reproduce the 18 measurements within 2.2 us, except 256-512 KiB at TP 4-8 (up to 6.4 us low).
+    # Catalog GPUs carry [AIC-AR]. A hardware file that names none gets [SGL-AR]'s eager-mode
+    # floor, 9 us (fitted with 53 GB/s to its 18 points): an upper bound for a graph-captured step.
     allreduce_latency_s: _Seconds = Field(
         default=9 * US, description="Latency floor of one TP all-reduce / all-gather."
     )

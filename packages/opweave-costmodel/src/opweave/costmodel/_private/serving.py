@@ -198,7 +198,7 @@ def estimate_serving(
     >>> est = estimate_serving(load_model("qwen3-32b"), default_catalog().get("h100"), tp=4,
     ...                        workload=w)
     >>> round(est.tpot_s * 1e3), est.tpot_s > est.decode_step_s
-    (25, True)
+    (23, True)
     """
     par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
     cost, setup = _engine(model, hardware, par, workload, host)

@@ -27,7 +27,9 @@ INSTALL = f"pip install 'opweave-profiler[{EXTRA}]' (in a checkout: uv sync --ex
 # another version may lay its tables out differently, and a wrong profile is worse than none.
 TESTED_VERSIONS = ((0, 12),)
 TESTED_RANGE = ">=0.12,<0.13"
-META_SCHEMA_VERSION = 1
+# ``collection_meta.yaml`` schemas of the tested releases: 0.12 ships both, version 2 adding
+# only a per-table ``collections`` provenance list (its tables' columns are version 1's)
+META_SCHEMA_VERSIONS = (1, 2)
 ENGINES = ("vllm", "sglang", "trtllm")
 
 # catalog GPU id -> the database's system folder (the systems of aiconfigurator-core 0.12)
@@ -129,9 +131,10 @@ def _check_meta(folder: Path, origin: str) -> None:
         return
     # one key is read; no YAML parser needed for ``schema_version: N`` at the top level
     found = re.search(r"^schema_version:\s*(\d+)\s*$", meta.read_text(), re.MULTILINE)
-    if found is not None and int(found.group(1)) != META_SCHEMA_VERSION:
+    if found is not None and int(found.group(1)) not in META_SCHEMA_VERSIONS:
+        read = " or ".join(str(v) for v in META_SCHEMA_VERSIONS)
         raise ProfilerError(
-            f"{meta} has schema_version {found.group(1)}, not {META_SCHEMA_VERSION}: the "
+            f"{meta} has schema_version {found.group(1)}, not {read}: the "
             f"{origin} lays its tables out in a way this OpWeave does not read "
             f"(tested: aiconfigurator-core {TESTED_RANGE})"
         )

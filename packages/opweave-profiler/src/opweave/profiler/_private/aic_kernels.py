@@ -127,8 +127,17 @@ class KernelTables:
     versions: dict[str, str] = field(default_factory=dict)
 
 
-def _version(db: Database, system: str, op: str, engine: str, wanted: str | None) -> str | None:
-    found = db.versions(system, op, engine)
+def _version(
+    db: Database, system: str, op: str, engine: str, table: str, wanted: str | None
+) -> str | None:
+    """``wanted`` where it holds ``table``, else the newest version that does (a version
+    folder may hold other tables of the op only: B200's SGLang 0.5.16 ``moe`` has just a
+    DeepSeek-V4 module table, its fused-MoE table is 0.5.14's)."""
+    found = [
+        v
+        for v in db.versions(system, op, engine)
+        if (db.root / system / op / engine / v / f"{table}.parquet").is_file()
+    ]
     if not found:
         return None
     return wanted if wanted in found else found[-1]
@@ -162,8 +171,8 @@ def load_kernels(
 
     def read(spec: tuple[str, str, tuple[str, ...]]) -> dict[str, np.ndarray] | None:
         op, table, columns = spec
-        chosen = _version(db, system, op, engine, version)
-        if chosen is None or not (root / op / engine / chosen / f"{table}.parquet").is_file():
+        chosen = _version(db, system, op, engine, table, version)
+        if chosen is None:
             return None
         out.versions[table] = chosen
         return db.read(root / op / engine / chosen, table, columns, DEFAULTS.get(table))
