@@ -63,9 +63,12 @@ database for the row's GPU, engine (vllm, sglang or trtllm by the row's engine n
 precision, TP, batch and context (its ``sample`` operator carries the row's host profile, as
 the roofline's does), and their difference. Rows on GPUs the database has no system for, or
 of engines it has no tables of (gpt-fast; NIM, whose backend its page does not name), are
-left out and counted.
+left out and counted. With ``--set production`` (or ``all``) it does the same for the production
+decode rows a tensor-parallel profile describes (rows with expert or attention-data parallelism,
+on GPUs the database has no system for, or of engines it has no tables of are counted apart,
+with the reason).
 
-    python tools/bench/costmodel_accuracy.py --profiles aiconfigurator
+    python tools/bench/costmodel_accuracy.py --profiles aiconfigurator [--set production]
 """
 
 from __future__ import annotations
@@ -85,6 +88,7 @@ from opweave.costmodel import (
     BUILTIN_MODELS,
     HOST_PROFILES,
     HardwareSpec,
+    LatencyModel,
     ModelSpec,
     RooflineLatency,
     default_catalog,
@@ -400,15 +404,27 @@ def production_model(row: ProductionRow, data: dict[str, Any]) -> ModelSpec:
     return load_model(row.model, quant=row.quant, kv_cache_dtype=kv)
 
 
-def production_step_ms(row: ProductionRow, model: ModelSpec, hw: HardwareSpec) -> float:
+def production_batches(row: ProductionRow) -> tuple[int, int]:
+    """The whole batches per DP rank on either side of the row's (fractional) batch."""
+    low = max(1, int(row.batch))
+    return low, low + 1
+
+
+def production_step_ms(
+    row: ProductionRow,
+    model: ModelSpec,
+    hw: HardwareSpec,
+    latency: LatencyModel | None = None,
+) -> float:
     """Decode step of the row's deployment: an owner of ``tp / dp`` GPUs per DP rank, ``dp``
     ranks, experts over ``ep``; ``batch`` requests per DP rank (per instance at ``dp = 1``).
     A fractional batch (a concurrency that does not divide evenly) interpolates between the
-    whole batches on either side."""
+    whole batches on either side. ``latency``: operator latencies from a profile (its
+    ``sample`` carries the host time) instead of the roofline with the overlapped host."""
     if row.tp % row.dp:
         raise ConfigError(f"dp {row.dp} does not divide tp {row.tp}")
     tp = row.tp // row.dp
-    profile = host_profile("overlapped")
+    profile = host_profile("overlapped") if latency is None else None
 
     def step(batch: int) -> float:
         est = estimate_step(
@@ -420,11 +436,12 @@ def production_step_ms(row: ProductionRow, model: ModelSpec, hw: HardwareSpec) -
             dense_dp=row.dense_dp,
             batch=batch * row.dp,
             context=row.context,
+            latency=latency,
             host=profile,
         )
         return est.step_latency_s * 1e3
 
-    low = max(1, int(row.batch))
+    low, _ = production_batches(row)
     frac = row.batch - low
     ms = step(low) if frac <= 0 else (1 - frac) * step(low) + frac * step(low + 1)
     pre = prefill_s(model, hw, tp, row.prefill_tokens) / row.decode_tokens
@@ -732,6 +749,94 @@ def run_imported() -> None:
         print(f"{'':<22}imported {summary(imp)}")
 
 
+def run_imported_production() -> None:
+    """The production decode rows a TP-only profile can describe: roofline vs imported."""
+    from opweave.costmodel import ProfiledLatency
+    from opweave.profiler import import_profile, open_database
+    from opweave.profiler._private.aic_db import SYSTEMS
+
+    data, rows = load_production()
+    catalog, db = default_catalog(), open_database()
+    skipped: dict[str, int] = {}
+    pairs: list[tuple[ProductionResult, ProductionResult]] = []
+    overlapped = host_profile("overlapped")
+    for row in (r for r in rows if r.in_scope):
+        engine = _engine(row.engine.split("+")[-1])
+        why = (
+            "expert or attention-data parallelism (a profile holds TP tables only)"
+            if row.ep > 1 or row.dp > 1
+            else f"no database system for {row.gpu}"
+            if catalog.resolve(row.gpu) not in SYSTEMS
+            else f"no database tables of {row.engine}"
+            if engine is None
+            else ""
+        )
+        if not why:
+            model = production_model(row, data)
+            hw = overlapped.apply(catalog.get(row.gpu))
+            try:
+                run = import_profile(
+                    model,
+                    hw.id,
+                    engine=engine or "",
+                    tp=[row.tp],
+                    batches=production_batches(row),
+                    contexts=(row.context,),
+                    database=db,
+                    hardware=hw,
+                )
+            except OpWeaveError as exc:
+                why = str(exc)
+            else:
+                imported = production_step_ms(row, model, hw, ProfiledLatency(run.profile))
+                roof = production_step_ms(row, model, catalog.get(row.gpu))
+                pairs.append((ProductionResult(row, roof), ProductionResult(row, imported)))
+        if why:
+            skipped[why] = skipped.get(why, 0) + 1
+    print(
+        f"\nProduction decode ({PRODUCTION.name}): roofline vs a profile imported from the "
+        f"silicon database ({db.origin}); {len(pairs)} rows compared"
+    )
+    head = (
+        f"{'model':<15}{'quant':<10}{'gpu':<9}{'tp':>3}{'batch':>7}{'context':>8}{'meas ms':>9}"
+        f"{'roof ms':>9}{'err':>8}{'imp ms':>9}{'err':>8}  {'deploy':<11}engine"
+    )
+    print(head)
+    print("-" * len(head))
+    for base, imp in pairs:
+        row = base.row
+        assert base.estimate_ms is not None and imp.estimate_ms is not None
+        print(
+            f"{row.model:<15}{row.quant:<10}{row.gpu:<9}{row.tp:>3}{row.batch:>7g}"
+            f"{row.context:>8}{row.measured_ms:>9.2f}{base.estimate_ms:>9.2f}"
+            f"{100 * base.error:>+7.1f}%{imp.estimate_ms:>9.2f}{100 * imp.error:>+7.1f}%  "
+            f"{row.deployment:<11}{row.engine}"
+        )
+    groups: list[tuple[str, Callable[[ProductionResult], bool]]] = [
+        ("all compared", lambda r: True),
+        ("pd", lambda r: r.row.deployment == "pd"),
+        ("aggregated", lambda r: r.row.deployment == "aggregated"),
+    ]
+    groups += [(g, lambda r, g=g: g in r.row.groups) for g in GROUPS if g != "ep"]
+    for gpu in sorted({b.row.gpu for b, _ in pairs}):
+        groups.append((f"GPU {gpu}", lambda r, g=gpu: r.row.gpu == g))
+    for engine in sorted({b.row.engine for b, _ in pairs}):
+        groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
+    print(
+        "\nErrors, signed = (estimate - measured) / measured (aggregated rows: decode steps "
+        "against TPOT, which holds the prefill mixed in)"
+    )
+    for name, keep in groups:
+        base = [b for b, _ in pairs if keep(b)]
+        if base:
+            print(f"{name:<28}roofline {summary(base)}")
+            print(f"{'':<28}imported {summary([i for _, i in pairs if keep(i)])}")
+    if skipped:
+        print("\nNot compared:")
+        for why, n in sorted(skipped.items()):
+            print(f"  {n} x {why}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--fixed-costs", choices=("on", "off"), default="on")
@@ -751,7 +856,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--profiles",
         choices=("aiconfigurator",),
-        help="also compare the reference rows with profiles imported from this source",
+        help="compare the reference and production decode rows (--set) with profiles "
+        "imported from this source beside the roofline",
     )
     parser.add_argument("--model", help="model the profile was measured on (default: its name)")
     parser.add_argument("--gpu", help="catalog GPU to model the profile with (default: its device)")
@@ -760,7 +866,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.profile is not None:
             run_profile(args.profile, args.model, args.gpu)
         elif args.profiles == "aiconfigurator":
-            run_imported()
+            if args.set in ("reference", "all"):
+                run_imported()
+            if args.set in ("production", "all"):
+                run_imported_production()
         else:
             if args.set in ("reference", "all"):
                 run_reference(args.fixed_costs == "on", args.host)
