@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
+import numpy as np
+
 from opweave.costmodel import (
     TP_DEGREES,
     CollectiveTable,
@@ -56,7 +58,7 @@ from opweave.costmodel import (
 
 from ..errors import ProfilerError
 from .aic_db import TESTED_RANGE, Database, open_database, system_for
-from .aic_kernels import KernelTables, load_kernels
+from .aic_kernels import Curve, KernelTables, load_kernels
 from .aic_tables import How, Lookup, interp, worst
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -147,6 +149,7 @@ def _gemms(op: OperatorSpec, tp: int) -> list[tuple[str, float, float]]:
 class _Mapper:
     model: ModelSpec
     kernels: KernelTables
+    hardware: HardwareSpec
 
     def lookup(
         self, op: OperatorSpec, layer: LayerSpec | None, tp: int, batch: int, context: int
@@ -248,10 +251,34 @@ class _Mapper:
         assert moe is not None and op.moe is not None
         dtype = MOE_DTYPES.get(_format(op, self.model) or "")
         key = (str(dtype), self.model.hidden_size, moe.intermediate_size, moe.num_experts)
-        curve = self.kernels.moe.get((*key, moe.top_k, tp, 1))
-        if curve is None:
-            return None, f"no fused MoE for {key[1:]} top-{moe.top_k} {dtype} at tp={tp}"
-        return interp(*curve, batch), f"moe {dtype} {self.kernels.moe_distribution}"
+        passed = []
+        for distribution, curves in self.kernels.moe.items():
+            curve = curves.get((*key, moe.top_k, tp, 1))
+            if curve is None:
+                continue
+            if distribution == "balanced" and self._faster_than_memory(op, tp, curve):
+                passed.append(distribution)
+                continue
+            label = f"moe {dtype} {distribution}"
+            if passed:
+                label += f" ({', '.join(passed)} rows faster than the experts' weights read)"
+            return interp(*curve, batch), label
+        why = f"no fused MoE for {key[1:]} top-{moe.top_k} {dtype} at tp={tp}"
+        if passed:
+            why += f" but {', '.join(passed)} rows faster than the experts' weights read"
+        return None, why
+
+    def _faster_than_memory(self, op: OperatorSpec, tp: int, curve: Curve) -> bool:
+        """Whether a balanced-routing curve has a point below the time its experts' weights
+        take at the GPU's datasheet bandwidth. Balanced routing (the collector's pattern: token
+        ``i`` to experts ``i + j * ceil(E / k)``) touches ``min(E, tokens * k)`` experts, at
+        least the expectation of random routing that ``weight_bytes_read`` counts; each GPU
+        reads ``1 / tp`` of them. Such a point did not read them (newer collections' balanced
+        rows imply up to 1.2x the H100's, H200's and B200's peak), so it is not a measurement of
+        the operator the cost model describes."""
+        tokens, seconds = curve
+        floor = np.array([float(op.weight_bytes_read(t)) for t in tokens]) / tp
+        return bool(np.any(seconds < floor / self.hardware.mem_bandwidth_bytes_per_s))
 
 
 @functools.lru_cache(maxsize=8)
@@ -387,7 +414,7 @@ def import_profile(
         frozenset(MOE_DTYPES[f] for f in formats if f in MOE_DTYPES),
         kv_dtype,
     )
-    mapper, roof, cells = _Mapper(model, kernels), RooflineLatency(hw), Counter[str]()
+    mapper, roof, cells = _Mapper(model, kernels, hw), RooflineLatency(hw), Counter[str]()
     tables = [
         _table(mapper, roof, op, layer, t, batches, grid_s, cells)
         for t in degrees
@@ -426,8 +453,8 @@ def import_profile(
             f"{t.op}@tp{t.tp}" for t in tables if (t.source or "").startswith("roofline")
         ),
     }
-    if kernels.moe_distribution is not None:
-        settings["moe_distribution"] = kernels.moe_distribution
+    if kernels.moe:
+        settings["moe_distributions"] = list(kernels.moe)
     versions = {"aiconfigurator-core": db.package_version or "folder"}
     for dist in ("opweave-profiler", "opweave-costmodel"):
         try:

@@ -102,6 +102,7 @@ DEFAULTS: dict[str, dict[str, object]] = {
     "custom_allreduce_perf": {"backend": ""},
 }
 # MoE routing the database measured, most even first: OpWeave's experts assume balanced load
+# (a table whose rows are faster than its experts' weights can be read is passed over: aic_import)
 DISTRIBUTIONS = ("balanced", "power_law_1.01", "power_law_1.2")
 
 Curve = tuple[np.ndarray, np.ndarray]
@@ -115,8 +116,8 @@ class KernelTables:
     engine: str
     gemm: dict[str, GemmTable] = field(default_factory=dict)
     attention: dict[tuple, BatchContextTable] = field(default_factory=dict)
-    moe: dict[tuple, Curve] = field(default_factory=dict)
-    moe_distribution: str | None = None
+    # fused MoE per routing distribution the table measured, in DISTRIBUTIONS' order
+    moe: dict[str, dict[tuple, Curve]] = field(default_factory=dict)
     gdn: dict[tuple, Curve] = field(default_factory=dict)
     mla_bmm: dict[tuple, Curve] = field(default_factory=dict)
     mla: dict[tuple, BatchContextTable] = field(default_factory=dict)
@@ -200,15 +201,16 @@ def load_kernels(
             a["latency"][keep],
         )
     if (m := read(MOE)) is not None:
-        distribution = next((d for d in DISTRIBUTIONS if (m["distribution"] == d).any()), None)
-        keep = np.isin(m["moe_dtype"], sorted(moe_dtypes)) & (m["distribution"] == distribution)
         cols = ("hidden_size", "inter_size", "num_experts", "topk", "moe_tp_size", "moe_ep_size")
-        keys = [
-            (str(dt), *(int(m[c][i]) for c in cols))
-            for i, dt in zip(np.flatnonzero(keep), m["moe_dtype"][keep], strict=True)
-        ]
-        out.moe = curves_by_key(keys, m["num_tokens"][keep], m["latency"][keep])
-        out.moe_distribution = distribution
+        for distribution in DISTRIBUTIONS:
+            keep = np.isin(m["moe_dtype"], sorted(moe_dtypes)) & (m["distribution"] == distribution)
+            if not keep.any():
+                continue
+            keys = [
+                (str(dt), *(int(m[c][i]) for c in cols))
+                for i, dt in zip(np.flatnonzero(keep), m["moe_dtype"][keep], strict=True)
+            ]
+            out.moe[distribution] = curves_by_key(keys, m["num_tokens"][keep], m["latency"][keep])
     if (d := read(GDN)) is not None:
         keep = d["phase"] == "generation"
         cols = ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim")
