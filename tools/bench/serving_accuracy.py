@@ -13,12 +13,16 @@ replayed as its benchmark ran it:
   ``--max-num-seqs``), else vLLM's defaults for the GPU (said in the output). SGLang rows
   schedule prompt chunks in steps of their own (its default, unless the serve command has
   ``--enable-mixed-chunk``); the other engines mix them into the decode steps.
-- **P/D** rows: the decode pool's step at its per-worker batch and mean context is the TPOT
-  (:func:`~opweave.costmodel.decode_pool`); the TTFT is the prefill pool's
-  (:func:`~opweave.costmodel.prefill_pool`, Poisson arrivals at the closed loop's request rate
-  split over the prefill workers) plus the KV transfer between the pools
+- **P/D** rows: the decode workers hold the clients up to their batch cap (the row's
+  ``decode_max_batch``, the recipe's); the decode pool's step at that per-worker batch and the
+  mean context is the TPOT (:func:`~opweave.costmodel.decode_pool`). The TTFT is the prefill
+  pool's (:func:`~opweave.costmodel.prefill_pool`, Poisson arrivals at the closed loop's request
+  rate split over the prefill workers) plus the KV transfer between the pools
   (:func:`~opweave.costmodel.kv_transfer_s`: NVLink inside a GB200/GB300 NVL72 rack, the network
-  otherwise). A decode pool with attention DP holds the dense FFN layers whole on every GPU
+  otherwise), or, where more clients run than the caps admit, their wait for a decode slot by
+  Little's law (the clients beyond the slots over the decode pool's request rate), whichever is
+  longer: the first token reaches the client from the decode worker ([DYNAMO-FIRST] in the data
+  file). A decode pool with attention DP holds the dense FFN layers whole on every GPU
   (``dense_dp``, :mod:`opweave.costmodel`'s parallelism) where the engine runs them so:
   TensorRT-LLM whenever attention DP is on, and Dynamo's SGLang recipes on GB200/GB300
   (``--moe-dense-tp-size 1``); ``production_decode_data.toml``'s header cites both.
@@ -164,7 +168,13 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
         return (1, ep, tp) if pool.get("dp_attention") else (tp, ep, 1)
 
     dtp, dep, ddp = layout(dec)
-    per_worker = max(1, round(conc / int(dec["workers"])))
+    workers = int(dec["workers"])
+    # the decode workers admit at most their batch cap (per DP rank with DP attention): the
+    # recipe's, where the row names it ([DYNAMO-FIRST] in the data file: the client's first
+    # token comes from the decode worker, so clients beyond the slots wait inside their TTFT)
+    slots = workers * ddp * int(row.get("decode_max_batch", conc))
+    decoding = min(conc, slots)
+    per_worker = max(1, round(decoding / workers))
     step = estimate_step(
         model,
         hw,
@@ -176,7 +186,7 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
         host=host_profile("overlapped"),
         dense_dp=dense_dp(row, dec),
     ).step_latency_s
-    rate = conc / (osl * step)  # closed loop: every client's request lasts about osl steps
+    rate = decoding / (osl * step)  # closed loop: a decoding request lasts about osl steps
     ptp, pep, pdp = layout(pre)
     w = Workload(isl=Lengths.fixed(isl), osl=Lengths.fixed(osl), rate_per_s=rate)
     pool = prefill_pool(
@@ -184,7 +194,9 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
     )
     link = "nvlink" if row["gpu"] in RACK_SCALE else "network"
     move = kv_transfer_s(model, isl, tp=ptp, link=link, prefill=hw)
-    return (pool.ttft_s + move) * 1e3, step * 1e3
+    # Little's law over the clients not decoding: they leave the queue at the decode rate
+    waiting = (conc - decoding) / rate
+    return max(pool.ttft_s + move, waiting) * 1e3, step * 1e3
 
 
 def evaluate(
