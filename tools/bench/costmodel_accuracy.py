@@ -341,6 +341,13 @@ class ProductionRow:
     decode_tokens: int
     in_scope: bool
     scope_note: str
+    decode_max_batch: float | None = None  # P/D: the decode workers' cap per rank (recipe)
+
+    @property
+    def decoding(self) -> float:
+        """Requests per rank in the decode batch: the concurrency's share, at most the cap."""
+        cap = self.decode_max_batch
+        return self.batch if cap is None else min(self.batch, cap)
 
 
 @dataclass(frozen=True)
@@ -377,6 +384,7 @@ def load_production(path: Path = PRODUCTION) -> tuple[dict[str, Any], list[Produ
             decode_tokens=int(r.get("decode_tokens", 1)),
             in_scope=bool(r.get("in_scope", True)),
             scope_note=r.get("scope_note", ""),
+            decode_max_batch=r.get("decode_max_batch"),
         )
         for r in data["rows"]
     ]
@@ -405,8 +413,8 @@ def production_model(row: ProductionRow, data: dict[str, Any]) -> ModelSpec:
 
 
 def production_batches(row: ProductionRow) -> tuple[int, int]:
-    """The whole batches per DP rank on either side of the row's (fractional) batch."""
-    low = max(1, int(row.batch))
+    """The whole batches per DP rank on either side of the row's (fractional) decode batch."""
+    low = max(1, int(row.decoding))
     return low, low + 1
 
 
@@ -442,7 +450,7 @@ def production_step_ms(
         return est.step_latency_s * 1e3
 
     low, _ = production_batches(row)
-    frac = row.batch - low
+    frac = row.decoding - low
     ms = step(low) if frac <= 0 else (1 - frac) * step(low) + frac * step(low + 1)
     pre = prefill_s(model, hw, tp, row.prefill_tokens) / row.decode_tokens
     return ms + pre * 1e3
@@ -485,7 +493,7 @@ def print_production_rows(results: Sequence[ProductionResult]) -> None:
         err = "-" if r.estimate_ms is None else f"{100 * r.error:+.1f}%"
         print(
             f"{row.model:<15}{row.quant:<10}{row.gpu:<9}{row.tp:>3}{row.ep:>4}{row.dp:>4}"
-            f"{row.batch:>7g}{row.context:>8}{row.measured_ms:>9.2f}{est:>9}{err:>8}  "
+            f"{row.decoding:>7g}{row.context:>8}{row.measured_ms:>9.2f}{est:>9}{err:>8}  "
             f"{row.deployment:<11}{','.join(row.groups):<13}{row.engine}"
         )
 
