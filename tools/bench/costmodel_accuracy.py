@@ -815,7 +815,7 @@ def run_imported_production() -> None:
         row = base.row
         assert base.estimate_ms is not None and imp.estimate_ms is not None
         print(
-            f"{row.model:<15}{row.quant:<10}{row.gpu:<9}{row.tp:>3}{row.batch:>7g}"
+            f"{row.model:<15}{row.quant:<10}{row.gpu:<9}{row.tp:>3}{row.decoding:>7g}"
             f"{row.context:>8}{row.measured_ms:>9.2f}{base.estimate_ms:>9.2f}"
             f"{100 * base.error:>+7.1f}%{imp.estimate_ms:>9.2f}{100 * imp.error:>+7.1f}%  "
             f"{row.deployment:<11}{row.engine}"
