@@ -455,6 +455,25 @@ def test_real_database_deepseek_on_b200_imports_every_kernel_it_has() -> None:
     assert sources["o_proj"].startswith("aiconfigurator gemm")
 
 
+@pytest.mark.skipif(find_spec("aiconfigurator_core") is None, reason="needs aiconfigurator-core")
+def test_real_database_gpt_oss_at_an_engine_only_split() -> None:
+    """gpt-oss-120b's MXFP4 experts (intermediate 2880) split over 8 GPUs as the engines split
+    them (whole 32-value blocks, the busiest rank's share): asked for, TP 8 is imported, as
+    `opweave estimate` costs it; the default degrees, which plans use, leave it out."""
+    from opweave.profiler import open_database
+
+    config = Path(__file__).resolve().parents[2] / "tools/bench/configs/gpt-oss-120b.json"
+    model, db = load_model(str(config)), open_database()
+    run = import_profile(
+        model, "b200", engine="sglang", tp=[8], batches=(1,), contexts=(1024,), database=db
+    )
+    assert {t.tp for t in run.profile.ops} == {8}
+    default = import_profile(
+        model, "b200", engine="sglang", batches=(1,), contexts=(1024,), database=db
+    )
+    assert 8 not in {t.tp for t in default.profile.ops}
+
+
 # a two-layer DeepSeek-V3 at DeepSeek-V3's latent (512 + 64), the one the database's MLA
 # attention was measured at; 4 heads, so 4 per rank at TP 1 and 2 at TP 2
 MLA_CONFIG = {
