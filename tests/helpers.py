@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -9,6 +10,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 TINY_LLAMA: dict[str, Any] = {
@@ -25,6 +27,17 @@ TINY_LLAMA: dict[str, Any] = {
 
 # `opweave deploy --image`, which has no default (no public image exists)
 IMAGE = ("--image", "registry.example.com/opweave:1.0")
+
+
+def load_script(path: Path) -> ModuleType:
+    """A script of tools/ (not a package) as a module, registered under its file name so its
+    dataclasses resolve their module."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -4,28 +4,22 @@ meets that goal on it (a change to the model that loses accuracy fails here)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import statistics
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from opweave.costmodel import HOST_PROFILES, default_catalog, without_fixed_costs
+from tests.helpers import load_script
 
 BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench" / "costmodel_accuracy.py"
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("costmodel_accuracy", BENCH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH)
 
 
 def converted_ms(conversion: str) -> float | None:

@@ -4,8 +4,6 @@ their TTFT by Little's law."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tomllib
 from pathlib import Path
 from types import ModuleType
@@ -13,18 +11,14 @@ from types import ModuleType
 import pytest
 
 from opweave.costmodel import default_catalog, estimate_step, host_profile, load_model
+from tests.helpers import load_script
 
 BENCH = Path(__file__).resolve().parents[2] / "tools" / "bench"
 
 
 @pytest.fixture(scope="module")
 def serving() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("serving_accuracy", BENCH / "serving_accuracy.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BENCH / "serving_accuracy.py")
 
 
 def test_every_pd_row_names_its_decode_batch_cap() -> None:

@@ -750,11 +750,21 @@ def run_imported() -> None:
     for engine in sorted({b.row.engine for b, _ in results}):
         groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
     print("\nErrors, signed = (estimate - measured) / measured")
+    print_side_by_side(results, groups, width=22)
+
+
+def print_side_by_side(
+    pairs: Sequence[tuple[Any, Any]],
+    groups: Sequence[tuple[str, Callable[[Any], bool]]],
+    width: int,
+) -> None:
+    """Per group with rows, the roofline's errors (each pair's first) over the imported
+    profile's (its second)."""
     for name, keep in groups:
-        base = [b for b, _ in results if keep(b)]
-        imp = [i for _, i in results if keep(i)]
-        print(f"{name:<22}roofline {summary(base)}")
-        print(f"{'':<22}imported {summary(imp)}")
+        base = [b for b, _ in pairs if keep(b)]
+        if base:
+            print(f"{name:<{width}}roofline {summary(base)}")
+            print(f"{'':<{width}}imported {summary([i for _, i in pairs if keep(i)])}")
 
 
 def run_imported_production() -> None:
@@ -834,11 +844,7 @@ def run_imported_production() -> None:
         "\nErrors, signed = (estimate - measured) / measured (aggregated rows: decode steps "
         "against TPOT, which holds the prefill mixed in)"
     )
-    for name, keep in groups:
-        base = [b for b, _ in pairs if keep(b)]
-        if base:
-            print(f"{name:<28}roofline {summary(base)}")
-            print(f"{'':<28}imported {summary([i for _, i in pairs if keep(i)])}")
+    print_side_by_side(pairs, groups, width=28)
     if skipped:
         print("\nNot compared:")
         for why, n in sorted(skipped.items()):

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ProfilerError
-from .aic_db import ENGINES, Database, version_key
-from .aic_kernels import ALLREDUCE, DEFAULTS
+from .aic_db import ENGINES, Database
+from .aic_kernels import ALLREDUCE, DEFAULTS, graph_allreduce_rows, table_version
 
 SMALLEST_BYTES = 1 << 10
 LARGEST_BYTES = 1 << 20
@@ -45,18 +45,11 @@ def _fastest_graph_rows(db: Database, system: str) -> tuple[dict[tuple[int, int]
     sources = []
     op, table, columns = ALLREDUCE
     for engine in ENGINES:
-        versions = [
-            v
-            for v in db.versions(system, op, engine)
-            if (db.root / system / op / engine / v / f"{table}.parquet").is_file()
-        ]
-        if not versions:
+        version = table_version(db, system, op, engine, table)
+        if version is None:
             continue
-        version = max(versions, key=version_key)
         rows = db.read(db.root / system / op / engine / version, table, columns, DEFAULTS[table])
-        keep = rows["allreduce_dtype"] == "bfloat16"
-        graph = keep & (np.char.find(rows["backend"].astype(str), "graph") >= 0)
-        keep = graph if graph.any() else keep
+        keep = graph_allreduce_rows(rows)
         sources.append(f"{engine} {version}")
         for gpus, elements, seconds in zip(
             rows["num_gpus"][keep], rows["message_size"][keep], rows["latency"][keep], strict=True

@@ -128,8 +128,8 @@ class KernelTables:
     versions: dict[str, str] = field(default_factory=dict)
 
 
-def _version(
-    db: Database, system: str, op: str, engine: str, table: str, wanted: str | None
+def table_version(
+    db: Database, system: str, op: str, engine: str, table: str, wanted: str | None = None
 ) -> str | None:
     """``wanted`` where it holds ``table``, else the newest version that does (a version
     folder may hold other tables of the op only: B200's SGLang 0.5.16 ``moe`` has just a
@@ -172,7 +172,7 @@ def load_kernels(
 
     def read(spec: tuple[str, str, tuple[str, ...]]) -> dict[str, np.ndarray] | None:
         op, table, columns = spec
-        chosen = _version(db, system, op, engine, table, version)
+        chosen = table_version(db, system, op, engine, table, version)
         if chosen is None:
             return None
         out.versions[table] = chosen
@@ -251,12 +251,21 @@ def _by_gpus(table: dict[str, np.ndarray], keep: np.ndarray) -> dict[int, Curve]
 
 def _nccl(db: Database, system: str, out: KernelTables) -> tuple[dict[str, np.ndarray], str] | None:
     """NCCL's table of the newest NCCL measured on ``system`` (the engines ship recent NCCL)."""
-    found = db.versions(system, "comm", "nccl")
-    folder = db.root / system / "comm" / "nccl" / found[-1] if found else None
-    if folder is None or not (folder / "nccl_perf.parquet").is_file():
+    op, table, columns = NCCL
+    version = table_version(db, system, op, "nccl", table)
+    if version is None:
         return None
-    out.versions["nccl_perf"] = found[-1]
-    return db.read(folder, "nccl_perf", NCCL[2]), found[-1]
+    out.versions[table] = version
+    return db.read(db.root / system / op / "nccl" / version, table, columns), version
+
+
+def graph_allreduce_rows(table: dict[str, np.ndarray]) -> np.ndarray:
+    """The BF16 rows of a custom all-reduce table timed in a CUDA graph, as decode replays it
+    (vLLM's and SGLang's tables name a graph backend); all BF16 rows of a table that names no
+    backend (TensorRT-LLM's)."""
+    keep = table["allreduce_dtype"] == "bfloat16"
+    graph = keep & (np.char.find(table["backend"].astype(str), "graph") >= 0)
+    return graph if graph.any() else keep
 
 
 def _load_allreduce(db: Database, system: str, out: KernelTables, read: Reader) -> None:
@@ -273,9 +282,7 @@ def _load_allreduce(db: Database, system: str, out: KernelTables, read: Reader) 
             out.allgather_source = f"NCCL all-gather ({version})"
     ar = read(ALLREDUCE)
     if ar is not None:
-        keep = ar["allreduce_dtype"] == "bfloat16"
-        graph = keep & np.char.find(ar["backend"].astype(str), "graph") >= 0
-        keep = graph if graph.any() else keep
+        keep = graph_allreduce_rows(ar)
         label = f"{out.engine} custom all-reduce ({out.versions['custom_allreduce_perf']})"
     elif nccl is not None:
         ar, version = nccl
