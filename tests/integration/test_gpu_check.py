@@ -27,9 +27,17 @@ def test_the_device_check_rehearses_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     figures = json.loads((out / "figures.json").read_text())
     assert figures["environment"]["device"] == "cpu"
-    rows = figures["tokens"]["rows"]
+    rows = figures["tokens"]["rows"] + figures["tokens_compiled"]["rows"]
     # two families, one stage and three, per-request and traced steps
     assert len(rows) == 8 and all(r["equal_to_transformers"] for r in rows)
+    # a rank process serves transformers' tokens after a flood of its ports took nothing
+    ranks = figures["ranks"]
+    assert ranks["ok"] and ranks["equal_to_transformers"] and ranks["descriptors_added"] == 0
+    assert all(f["made"] == 0 for f in ranks["flood"])
+    # the guarded pair of ranks (gloo here) refuses the flood and keeps answering
+    guarded = figures["nccl_sockets"]["scenarios"]["guarded"]
+    assert figures["nccl_sockets"]["ok"] and guarded["ok"]["flood_refused"]
+    assert all(guarded["ok"].values()) and guarded["hung_in"] is None
     sub = figures["submission"]
     assert sub["ok"] and sub["traced_tokens_equal"] and sub["per-request_ms_per_token"] > 0
     (row,) = figures["profiles"]["rows"]

@@ -3,15 +3,22 @@
 1. **Tokens.** Every family's tiny random model on the device: greedy tokens of the runtime
    (whole model in one stage, and cut into three stages around layer 0's ``core_attn``, as CAD
    cuts it) with each decode step (per-request, static, compiled) against transformers' greedy
-   tokens on the same device.
-2. **Native submission.** The compiled decode step's time per token against the per-request
+   tokens on the same device. Compiled steps run last, as far as ``--deadline-s`` allows; the
+   rows it leaves out are listed.
+2. **Ranks.** ``opweave run``'s path: a colocated plan served by a rank process on the device
+   (NCCL's process group); every port the rank listens on is flooded with connect-and-close
+   attempts, then its tokens must be transformers', with no descriptor left behind.
+3. **Native submission.** The compiled decode step's time per token against the per-request
    one's, and whether inductor captured it as a CUDA graph (its ``cudagraph_skips`` counter).
-3. **Profiles.** ``opweave profile`` of gemma-3-27b and qwen3-next-80b-a3b layers at random
+4. **NCCL's sockets.** ``nccl_sockets.py``: two ranks on the one GPU, their listening ports
+   flooded and held, with and without the guard ``opweave run`` puts on them.
+5. **Profiles.** ``opweave profile`` of gemma-3-27b and qwen3-next-80b-a3b layers at random
    weights on a small grid, written as profiles with their provenance.
 
 Everything lands in ``--out``: ``figures.json`` (each section's figures, pass/fail and wall
-time, the device and library versions) and ``profiles/*.json``. A section that fails is
-recorded with its error and the next one still runs; the exit status is 1 if any failed.
+time, the device and library versions), ``nccl_sockets.json`` and ``profiles/*.json``. A
+section that fails is recorded with its error and the next one still runs; the exit status is 1
+if any failed.
 
 Run: ``python tools/gpu/check.py --out gpu-check`` (``--device cpu --quick`` rehearses the
 same code on a CPU machine in about a minute).
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -58,15 +66,23 @@ def _hf_greedy(model_dir: Path, device: str) -> list[list[int]]:
     return out
 
 
-def tokens(device: str, families: list[str], steps: list[str], root: Path) -> dict[str, Any]:
+def tokens(
+    device: str, families: list[str], steps: list[str], root: Path, deadline: float
+) -> dict[str, Any]:
     from opweave.runtime import LocalModel, write_tiny_model
 
-    rows, ok = [], True
-    for family in families:
-        model_dir = write_tiny_model(family, root / family)
-        expected = _hf_greedy(model_dir, device)
-        for cuts in ([], _cuts(model_dir)):
-            for step in steps:
+    rows, ok, skipped = [], True, []
+    expected: dict[str, list[list[int]]] = {}
+    for step in steps:
+        for family in families:
+            model_dir = root / family
+            if family not in expected:
+                write_tiny_model(family, model_dir)
+                expected[family] = _hf_greedy(model_dir, device)
+            for cuts in ([], _cuts(model_dir)):
+                if time.monotonic() > deadline:
+                    skipped.append(f"{family} stages {len(cuts) + 1} {step}")
+                    continue
                 start = time.perf_counter()
                 model = LocalModel(
                     model_dir,
@@ -76,7 +92,7 @@ def tokens(device: str, families: list[str], steps: list[str], root: Path) -> di
                     max_running=len(PROMPTS),
                 )
                 got = model.generate(PROMPTS, MAX_NEW_TOKENS)
-                equal = got == expected
+                equal = got == expected[family]
                 ok &= equal
                 rows.append(
                     {
@@ -88,7 +104,66 @@ def tokens(device: str, families: list[str], steps: list[str], root: Path) -> di
                     }
                 )
                 print(f"  {family:<12} stages {len(cuts) + 1} {step:<12} equal={equal}")
-    return {"ok": ok, "rows": rows}
+    return {"ok": ok, "rows": rows, "skipped_for_time": skipped}
+
+
+def _descriptors(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def ranks(device: str, root: Path) -> dict[str, Any]:
+    """A colocated plan served by a rank process: a flood of its ports, then its tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from nccl_sockets import flood
+
+    from opweave.costmodel import canonical_plan, load_model
+    from opweave.runtime import Cluster, OfflineDriver, Request, RunOptions, write_tiny_model
+
+    model_dir = write_tiny_model("llama", root / "ranks")
+    expected = _hf_greedy(model_dir, device)
+    model = load_model(model_dir)
+    plan = canonical_plan(model, "colocated", gpu="cpu", batch=len(PROMPTS))
+    figures: dict[str, Any] = {}
+    start = time.perf_counter()
+    cluster = Cluster(plan, model, model_dir, RunOptions(device=device, timeout_s=30))
+    try:
+        figures["start_s"] = round(time.perf_counter() - start, 1)
+        pids = cluster.pids
+        ports = [port for pid in pids for port in _listening(pid)]
+        figures["listening_ports"] = len(ports)
+        before = {pid: _descriptors(pid) for pid in pids}
+        figures["flood"] = flood(ports, 1.0)
+        figures["descriptors_added"] = sum(_descriptors(pid) - before[pid] for pid in pids)
+        requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in PROMPTS]
+        driver = OfflineDriver(cluster, requests, model.arch.eos_token_ids)
+        driver.run()
+        got = [list(out.token_ids) for out in driver.outputs()]
+        figures["equal_to_transformers"] = got == expected
+        cluster.shutdown()
+    finally:
+        cluster.close()
+    ok = figures["equal_to_transformers"] and figures["descriptors_added"] == 0
+    print(f"  {figures}")
+    return {"ok": ok, **figures}
+
+
+def _listening(pid: int) -> list[int]:
+    """TCP ports ``pid`` listens on."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").glob("*"):
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:
+                ports.append(int(fields[1].split(":")[1], 16))
+    return ports
 
 
 def submission(device: str, compiled: str, root: Path) -> dict[str, Any]:
@@ -125,6 +200,19 @@ def submission(device: str, compiled: str, root: Path) -> dict[str, Any]:
     return {"ok": ok, **figures}
 
 
+def nccl_sockets(device: str, out: Path) -> dict[str, Any]:
+    """tools/gpu/nccl_sockets.py in a process of its own (gloo on a CPU rehearsal)."""
+    script = Path(__file__).resolve().parent / "nccl_sockets.py"
+    path = out / "nccl_sockets.json"
+    rank_device = "cuda:0" if device == "cuda" else device
+    cmd = [sys.executable, str(script), "--out", str(path), "--device", rank_device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    scenarios = json.loads(path.read_text()) if path.exists() else []
+    summary = {s["scenario"]: {"ok": s.get("ok"), "hung_in": s.get("hung_in")} for s in scenarios}
+    print(f"  {summary}")
+    return {"ok": proc.returncode == 0, "scenarios": summary, "file": str(path)}
+
+
 def profiles(device: str, models: list[str], grid: dict[str, str], out: Path) -> dict[str, Any]:
     folder = out / "profiles"
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,7 +224,7 @@ def profiles(device: str, models: list[str], grid: dict[str, str], out: Path) ->
         for flag, value in grid.items():
             cmd += [flag, value]
         start = time.perf_counter()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         wall = round(time.perf_counter() - start, 1)
         done = proc.returncode == 0 and path.exists()
         ok &= done
@@ -178,7 +266,14 @@ def main() -> int:
     parser.add_argument(
         "--quick", action="store_true", help="Two families, traced steps, a tiny profile grid."
     )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=420.0,
+        help="Compiled token rows start only this long after the check began.",
+    )
     args = parser.parse_args()
+    deadline = time.monotonic() + args.deadline_s
 
     from opweave.runtime import TINY_CONFIGS
 
@@ -195,10 +290,14 @@ def main() -> int:
             compiled = "compiled"
             models = list(PROFILED)
             grid = {"--batches": "1,8,32", "--contexts": "1K,8K", "--repeats": "10"}
+        eager, compiling = steps[:-1], steps[-1:]
         sections: list[tuple[str, Callable[[], dict[str, Any]]]] = [
-            ("tokens", lambda: tokens(args.device, families, steps, root)),
+            ("tokens", lambda: tokens(args.device, families, eager, root, deadline)),
+            ("ranks", lambda: ranks(args.device, root)),
             ("submission", lambda: submission(args.device, compiled, root)),
+            ("nccl_sockets", lambda: nccl_sockets(args.device, args.out)),
             ("profiles", lambda: profiles(args.device, models, grid, args.out)),
+            ("tokens_compiled", lambda: tokens(args.device, families, compiling, root, deadline)),
         ]
         figures: dict[str, Any] = {"environment": environment(args.device)}
         failed = []
