@@ -1,11 +1,12 @@
 """What a local process without the run's secret can do to a running plan: nothing.
 
 Once every rank has joined, no port of the run takes a new connection: the driver closes its
-control port, and each CPU rank makes its listening ports (gloo's) drop connecting packets, so a
-connection flood leaves no descriptor behind and the run keeps generating transformers' greedy
-tokens. (Before, gloo kept every connection it accepted; about 20,000 connect-and-close attempts
-exhausted a rank's descriptors and gloo aborted it.) Also: a killed driver takes its ranks with
-it and its reaper removes the run's folder.
+control port, and each rank makes its listening ports (gloo's on CPU, NCCL's on CUDA, once every
+connection it uses is made: test_connect.py) drop connecting packets, so a connection flood
+leaves no descriptor behind and the run keeps generating transformers' greedy tokens. (Before,
+gloo kept every connection it accepted; about 20,000 connect-and-close attempts exhausted a
+rank's descriptors and gloo aborted it.) Also: a killed driver takes its ranks with it and its
+reaper removes the run's folder.
 """
 
 from __future__ import annotations

@@ -69,6 +69,9 @@ class GptOssExperts(Experts):
         # added before the sum on one rank of each expert set: sum_r (partial_r) + b, weighted
         first = shard.index % shard.expert_tp == 0
         self.down_bias = down_bias if first else torch.zeros_like(down_bias)
+        # the config's clamp, as OpenAI's reference (gpt_oss/torch/model.py) and transformers
+        # 5.19 read it; vLLM 0.32 and transformers before 5.19 fix it at 7.0, which every
+        # released checkpoint has (the tiny model's 1.5 tells them apart)
         self.limit = moe.swiglu_limit
         self.alpha = moe.swiglu_alpha
 

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from opweave.costmodel import Plan
 
+from .connect import connect_all, message_peers, ports_may_close
 from .control import ChannelClosed, ControlClient, store_namespace
 from .messages import PROTOCOL_VERSION, Error, Hello, Loading, Ready, Stats
 from .placement import Placement, plan_model
@@ -122,6 +123,22 @@ def init_group(spec: RankSpec, store: Any) -> Placement:
     return Placement(plan, plan_model(plan, spec.model_dir))
 
 
+def connect_peers(worker: StageWorker | PrefillWorker, placement: Placement, rank: int) -> None:
+    """Make every connection NCCL would make lazily (:mod:`.connect`); CPU ranks on the native
+    wire are connected already (gloo connects a group when it is made)."""
+    if worker.transport.native is not None or placement.world_size == 1:
+        return
+    info = placement.ranks[rank]
+    groups: list[tuple[tuple[int, ...], object]] = []
+    if info.tp_size > 1:
+        groups.append((info.group, worker.group))
+    if worker.ep is not None:
+        groups.append((info.ep_group, worker.ep.group))
+    peers = message_peers(placement, rank)
+    connect_all(placement, rank, worker.device, groups, peers)
+    worker.transport.connected = frozenset(peers)
+
+
 def run_rank(spec: RankSpec) -> int:
     """The whole life of one rank; 0 after a clean shutdown, 1 after reporting an error."""
     name_process(f"opweave-rank{spec.rank}")
@@ -147,10 +164,11 @@ def run_rank(spec: RankSpec) -> int:
                 host=spec.host,
                 key=bytes.fromhex(spec.key),
             )
+            connect_peers(worker, placement, spec.rank)
         load_s = time.perf_counter() - load_start
-        if spec.options.device == "cpu":
-            # every process group and peer is connected now: no other process may connect to
-            # this rank's ports (gloo's keep what they accept; on CUDA, NCCL connects lazily)
+        # every process group and peer is connected now: no other process may connect to this
+        # rank's ports (gloo's keep what they accept; NCCL's stall behind silent connections)
+        if ports_may_close(worker.device):
             refuse_new_connections()
         module = worker.module
         control.send(

@@ -120,8 +120,13 @@ def rank_env(host: str, threads: int) -> dict[str, str]:
     """Extra environment of every rank: one OpenMP team per rank, and gloo's and NCCL's
     sockets on the interface of ``host`` (the rank's address: loopback for a run that stays on
     this machine), not on whatever interface the host name resolves to (gloo) or every one but
-    loopback (NCCL's bootstrap)."""
+    loopback (NCCL's bootstrap). NCCL connects every algorithm of a communicator when it is made
+    (a rank makes every connection before its ports close: :mod:`.connect`), and its RAS service
+    (a port any local process may query) is off; a variable already set is left as it is."""
     env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
+    for key, value in (("NCCL_RUNTIME_CONNECT", "0"), ("NCCL_RAS_ENABLE", "0")):
+        if key not in os.environ:
+            env[key] = value
     name = "lo" if host == "127.0.0.1" else interface_of(host)
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if name is not None and key not in os.environ:

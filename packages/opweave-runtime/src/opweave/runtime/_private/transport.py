@@ -91,6 +91,17 @@ class Transport:
             )
         self.spin_s = spin_s if self.native is not None else 0.0
         self._row_buffers: dict[tuple[int, int], torch.Tensor] = {}  # (peer, tag) -> receive
+        # the peers connected before the run started (:mod:`.connect`); None: not checked
+        self.connected: frozenset[int] | None = None
+
+    def _check_peer(self, peer: int) -> None:
+        """A message to or from a rank not connected beforehand would make NCCL connect
+        through ports that drop new connections by then: an error now, not a hang later."""
+        if self.connected is not None and peer != self.rank and peer not in self.connected:
+            raise OpWeaveRuntimeError(
+                f"rank {self.rank} exchanges a message with rank {peer}, which it did not "
+                "connect to before the run started (an OpWeave bug: please report it)"
+            )
 
     # -- point to point ----------------------------------------------------------------------
     def send(self, message: Message, batch: TokenBatch, epoch: int) -> None:
@@ -109,6 +120,7 @@ class Transport:
 
     def _isend(self, message: Message, transfers: Sequence[torch.Tensor], epoch: int) -> None:
         """``transfers`` to ``message.peer`` through torch.distributed, reaped by epoch."""
+        self._check_peer(message.peer)
         try:
             for tensor in transfers:
                 work = dist.isend(tensor, dst=message.peer, tag=message.tag)
@@ -128,6 +140,7 @@ class Transport:
             buf = self.native.recv_any(message.peer, message.tag, MAX_MESSAGE_BYTES, what)
             self.comm_s += time.perf_counter() - start
             return buf
+        self._check_peer(message.peer)
         chunk = torch.empty(EAGER_BYTES, dtype=torch.uint8, device=self.device)
         self._wait(dist.irecv(chunk, src=message.peer, tag=message.tag), message.peer, what)
         size = int(chunk[:8].cpu().view(torch.int64).item())
@@ -172,6 +185,7 @@ class Transport:
         if self.native is not None:
             buf = self.native.recv(peer, message.tag, size, what)
         else:  # one receive buffer per link: its rows' size is fixed by the plan
+            self._check_peer(peer)
             key = (peer, message.tag)
             buf = self._row_buffers.get(key)
             if buf is None:
