@@ -12,13 +12,15 @@
    one's, and whether inductor captured it as a CUDA graph (its ``cudagraph_skips`` counter).
 4. **NCCL's sockets.** ``nccl_sockets.py``: two ranks on the one GPU, their listening ports
    flooded and held, with and without the guard ``opweave run`` puts on them.
-5. **Profiles.** ``opweave profile`` of gemma-3-27b and qwen3-next-80b-a3b layers at random
+5. **Two nodes** (not in ``--quick``). ``two_nodes.py``: an AFD plan's two ranks on the one GPU
+   as two nodes joined by NCCL, their ports flooded and held while the plan generates.
+6. **Profiles.** ``opweave profile`` of gemma-3-27b and qwen3-next-80b-a3b layers at random
    weights on a small grid, written as profiles with their provenance.
 
 Everything lands in ``--out``: ``figures.json`` (each section's figures, pass/fail and wall
-time, the device and library versions), ``nccl_sockets.json`` and ``profiles/*.json``. A
-section that fails is recorded with its error and the next one still runs; the exit status is 1
-if any failed.
+time, the device and library versions), ``nccl_sockets.json``, ``two_nodes.json`` and
+``profiles/*.json``. A section that fails is recorded with its error and the next one still
+runs; the exit status is 1 if any failed.
 
 Run: ``python tools/gpu/check.py --out gpu-check`` (``--device cpu --quick`` rehearses the
 same code on a CPU machine in about a minute).
@@ -213,6 +215,19 @@ def nccl_sockets(device: str, out: Path) -> dict[str, Any]:
     return {"ok": proc.returncode == 0, "scenarios": summary, "file": str(path)}
 
 
+def two_nodes(device: str, out: Path) -> dict[str, Any]:
+    """tools/gpu/two_nodes.py in a process of its own."""
+    script = Path(__file__).resolve().parent / "two_nodes.py"
+    path = out / "two_nodes.json"
+    cmd = [sys.executable, str(script), "--out", str(path), "--device", device]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+    found = json.loads(path.read_text()) if path.exists() else {}
+    if not found:
+        found["error"] = (proc.stderr or proc.stdout).strip().splitlines()[-1:]
+    print(f"  {found}")
+    return {**found, "ok": proc.returncode == 0}
+
+
 def profiles(device: str, models: list[str], grid: dict[str, str], out: Path) -> dict[str, Any]:
     folder = out / "profiles"
     folder.mkdir(parents=True, exist_ok=True)
@@ -296,6 +311,7 @@ def main() -> int:
             ("ranks", lambda: ranks(args.device, root)),
             ("submission", lambda: submission(args.device, compiled, root)),
             ("nccl_sockets", lambda: nccl_sockets(args.device, args.out)),
+            *([] if args.quick else [("two_nodes", lambda: two_nodes(args.device, args.out))]),
             ("profiles", lambda: profiles(args.device, models, grid, args.out)),
             ("tokens_compiled", lambda: tokens(args.device, families, compiling, root, deadline)),
         ]
