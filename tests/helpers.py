@@ -204,28 +204,10 @@ def alive(pid: int) -> bool:
 
 def listening(pids: list[int]) -> list[tuple[str, int, int]]:
     """``(local address, port, pid)`` of every TCP socket in LISTEN state that one of ``pids``
-    holds (their fds' socket inodes, matched in /proc/net/tcp and tcp6)."""
-    inodes: dict[str, int] = {}
-    for pid in pids:
-        for fd in Path(f"/proc/{pid}/fd").glob("*"):
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes[target[8:-1]] = pid
-    out = []
-    for table, width in (("tcp", 8), ("tcp6", 32)):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            local, state, inode = fields[1], fields[3], fields[9]
-            if state != "0A" or inode not in inodes:  # 0A: TCP_LISTEN
-                continue
-            addr_hex, port_hex = local.split(":")
-            assert len(addr_hex) == width
-            if width == 8:
-                addr = ".".join(str(int(addr_hex[i : i + 2], 16)) for i in (6, 4, 2, 0))
-            else:
-                addr = addr_hex  # shown raw; any IPv6 listener fails the check below
-            out.append((addr, int(port_hex, 16), inodes[inode]))
-    return out
+    holds (tools/gpu/sockets.py)."""
+    return sockets().listening(pids)
+
+
+def sockets() -> ModuleType:
+    """tools/gpu/sockets.py: what processes listen on, and a flood against it."""
+    return load_script(Path(__file__).resolve().parents[1] / "tools" / "gpu" / "sockets.py")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -22,29 +21,10 @@ from pathlib import Path
 
 from opweave.costmodel import canonical_plan, load_model
 from opweave.runtime import Cluster, OfflineDriver, Request, RunOptions
-from tests.helpers import alive, listening
+from tests.helpers import alive, listening, sockets
 
 MAX_NEW_TOKENS = 16  # shares hf_greedy's cache with the other runtime tests
 FLOOD_S = 3.0  # per port
-
-
-def _flood(port: int, seconds: float) -> tuple[int, int]:
-    """Connect to ``port`` over and over for ``seconds`` (each try waits 20 ms at most);
-    ``(attempts, connections made)``."""
-    attempts = made = 0
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        attempts += 1
-        sock = socket.socket()
-        sock.settimeout(0.02)
-        try:
-            sock.connect(("127.0.0.1", port))
-            made += 1
-        except OSError:
-            pass
-        finally:
-            sock.close()
-    return attempts, made
 
 
 def _descriptors(pid: int) -> int:
@@ -64,8 +44,8 @@ def test_a_connection_flood_against_every_port_leaves_the_run_serving(
         assert {pid for _, _, pid in ports} == set(cluster.pids), ports
         before = {pid: _descriptors(pid) for pid in cluster.pids}
         for _, port, _ in ports:
-            attempts, made = _flood(port, FLOOD_S / len(ports) * 4)
-            assert attempts > 10 and made == 0, (port, attempts, made)
+            (tried,) = sockets().flood([port], FLOOD_S / len(ports) * 4)
+            assert tried["attempts"] > 10 and tried["made"] == 0, tried
         after = {pid: _descriptors(pid) for pid in cluster.pids}
         assert after == before
         requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]

@@ -116,7 +116,7 @@ def _descriptors(pid: int) -> int:
 def ranks(device: str, root: Path) -> dict[str, Any]:
     """A colocated plan served by a rank process: a flood of its ports, then its tokens."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from nccl_sockets import flood
+    from sockets import flood, listening
 
     from opweave.costmodel import canonical_plan, load_model
     from opweave.runtime import Cluster, OfflineDriver, Request, RunOptions, write_tiny_model
@@ -131,7 +131,7 @@ def ranks(device: str, root: Path) -> dict[str, Any]:
     try:
         figures["start_s"] = round(time.perf_counter() - start, 1)
         pids = cluster.pids
-        ports = [port for pid in pids for port in _listening(pid)]
+        ports = [port for _, port, _ in listening(pids)]
         figures["listening_ports"] = len(ports)
         before = {pid: _descriptors(pid) for pid in pids}
         figures["flood"] = flood(ports, 1.0)
@@ -147,25 +147,6 @@ def ranks(device: str, root: Path) -> dict[str, Any]:
     ok = figures["equal_to_transformers"] and figures["descriptors_added"] == 0
     print(f"  {figures}")
     return {"ok": ok, **figures}
-
-
-def _listening(pid: int) -> list[int]:
-    """TCP ports ``pid`` listens on."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").glob("*"):
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = []
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:
-                ports.append(int(fields[1].split(":")[1], 16))
-    return ports
 
 
 def submission(device: str, compiled: str, root: Path) -> dict[str, Any]:

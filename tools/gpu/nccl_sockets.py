@@ -31,13 +31,15 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import socket
 import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sockets import CLOSE_WAIT, ESTABLISHED, LISTEN, flood, hold, socket_inodes, tcp_sockets
 
 FLOOD_S = 1.0  # per port
 HOLD = 32  # silent connections held open per port
@@ -46,41 +48,21 @@ SIZES = (4 << 10, 1 << 20, 64 << 20)
 
 
 def _own_sockets() -> dict[str, Any]:
-    """This process's listening TCP ports, descriptors, CLOSE-WAIT sockets and unix sockets."""
-    inodes = set()
-    fds = 0
-    for name in os.listdir("/proc/self/fd"):
-        fds += 1
-        with contextlib.suppress(OSError):
-            target = os.readlink(f"/proc/self/fd/{name}")
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    listen, close_wait, established = [], 0, 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with contextlib.suppress(OSError), open(table) as f:
-            for line in list(f)[1:]:
-                fields = line.split()
-                if fields[9] not in inodes:
-                    continue
-                if fields[3] == "0A":
-                    addr, port = fields[1].split(":")
-                    listen.append([addr, int(port, 16)])
-                elif fields[3] == "08":
-                    close_wait += 1
-                elif fields[3] == "01":
-                    established += 1
+    """This process's listening TCP ports, descriptors, sockets by state and unix sockets."""
+    tcp = tcp_sockets([os.getpid()])
+    inodes = socket_inodes(os.getpid())
     unix = []
     with contextlib.suppress(OSError), open("/proc/net/unix") as f:
         for line in list(f)[1:]:
             fields = line.split()
-            if len(fields) >= 7 and fields[6] in inodes:
-                unix.append(fields[7] if len(fields) > 7 else "")
+            if len(fields) > 7 and fields[6] in inodes:
+                unix.append(fields[7])
     return {
-        "listen": sorted(listen, key=lambda a: a[1]),
-        "fds": fds,
-        "close_wait": close_wait,
-        "established": established,
-        "unix": sorted(u for u in unix if u),
+        "listen": sorted([addr, port] for state, addr, port, _ in tcp if state == LISTEN),
+        "fds": len(os.listdir("/proc/self/fd")),
+        "close_wait": sum(state == CLOSE_WAIT for state, *_ in tcp),
+        "established": sum(state == ESTABLISHED for state, *_ in tcp),
+        "unix": sorted(unix),
     }
 
 
@@ -209,40 +191,6 @@ class Pair:
 
 def _ok(answers: list[Any]) -> bool:
     return all(isinstance(a, dict) and a.get("result") for a in answers)
-
-
-def flood(ports: list[int], seconds: float) -> list[dict[str, int]]:
-    """Connect and close to each port for ``seconds``; attempts and connections made."""
-    out = []
-    for port in ports:
-        attempts = made = 0
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            attempts += 1
-            sock = socket.socket()
-            sock.settimeout(0.02)
-            try:
-                sock.connect(("127.0.0.1", port))
-                made += 1
-            except OSError:
-                pass
-            finally:
-                sock.close()
-        out.append({"port": port, "attempts": attempts, "made": made})
-    return out
-
-
-def hold(ports: list[int], count: int) -> list[socket.socket]:
-    """``count`` silent connections to each port, left open (non-blocking connects)."""
-    held = []
-    for port in ports:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.setblocking(False)
-            with contextlib.suppress(OSError):
-                sock.connect_ex(("127.0.0.1", port))
-            held.append(sock)
-    return held
 
 
 def scenario(

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check import MAX_NEW_TOKENS, PROMPTS, _descriptors, _hf_greedy, _listening
-from nccl_sockets import flood, hold
+from check import MAX_NEW_TOKENS, PROMPTS, _descriptors, _hf_greedy
+from sockets import flood, hold, listening
 
 NODE1 = textwrap.dedent(
     """
@@ -114,7 +114,7 @@ def main() -> int:
             found["ready_s"] = round(time.perf_counter() - start, 1)
             # node 0's ranks and node 1's (under its process: a launcher, then the rank)
             pids = [*cluster.pids, *_descendants(node1.pid)]
-            ports = sorted({p for pid in pids for p in _listening(pid)})
+            ports = sorted({port for _, port, _ in listening(pids)})
             found["rank_pids"], found["listening_ports"] = len(pids), len(ports)
             before = {pid: _descriptors(pid) for pid in pids}
             found["flood"] = flood(ports, 1.0)
