@@ -12,10 +12,12 @@ from __future__ import annotations
 import pytest
 
 from opweave.costmodel import Plan, PrefillPool, canonical_plan, load_model
-from opweave.runtime import Request, RunOptions, run_plan
+from opweave.runtime import Cluster, OfflineDriver, Request, RunOptions, run_plan
+from opweave.runtime._private import join
 from opweave.runtime._private.connect import message_peers
 from opweave.runtime._private.placement import Placement, plan_model
 from opweave.runtime._private.schedule import compile_schedule
+from opweave.runtime.errors import RunFailedError
 
 MAX_NEW_TOKENS = 16  # as the other runtime tests, so hf_greedy's cache is shared
 
@@ -70,14 +72,18 @@ def test_every_rank_connects_to_the_peers_that_connect_to_it(name, tiny_model):
             if placement.ranks[rank].is_leader:
                 links = (*action.sources, *action.dests, *action.feeds, *action.fed_by)
                 assert {m.peer for m in links} - {rank} <= peers[rank]
-    if plan.prefill is not None:  # every decode rank holding state hears from the pool
-        holders = [
-            r for r in placement.ranks[: placement.decode_world] if placement.holds_state(r.owner)
-        ]
-        assert holders and all(
-            peers[r.rank] & set(range(placement.decode_world, placement.world_size))
-            for r in holders
-        )
+    if plan.prefill is not None:  # the pool's senders, by the placement's own routing
+        pool = set(range(placement.decode_world, placement.world_size))
+        seqs = range(4 * plan.prefill.replicas * plan.prefill.dp)
+        for r in placement.ranks[: placement.decode_world]:
+            senders = set()
+            if placement.holds_state(r.owner):
+                senders = {
+                    placement.prefill_sender(replica, seq, r.tp_rank)
+                    for replica in range(plan.prefill.replicas)
+                    for seq in seqs
+                }
+            assert peers[r.rank] & pool == senders, (name, r.rank)
 
 
 def test_a_deepseek_style_pd_run_connects_every_pair_before_it_starts(
@@ -95,3 +101,26 @@ def test_a_deepseek_style_pd_run_connects_every_pair_before_it_starts(
         model_dir, prompts, MAX_NEW_TOKENS
     )
     assert result.transfer is not None and result.transfer.messages == 2 * len(prompts)
+
+
+def test_a_peer_left_out_of_the_warm_up_is_an_error_naming_both_ranks(
+    monkeypatch, tiny_model, prompts
+):
+    """The transport checks every message against the peers connected beforehand: a warm-up
+    that missed the prefill pool fails the run with that error (forked ranks share the patch)."""
+    plan, model_dir = _plans(tiny_model)["afd-tp2-prefill-tp1"]
+    decode = Placement(plan, plan_model(plan, model_dir)).decode_world
+
+    def without_the_pool(placement, rank):
+        return [p for p in message_peers(placement, rank) if p < decode and rank < decode]
+
+    monkeypatch.setattr(join, "message_peers", without_the_pool)
+    options = RunOptions(timeout_s=20.0, test_torch_p2p=True)
+    model = load_model(model_dir)
+    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
+    cluster = Cluster(plan, model, model_dir, options, start_method="fork")
+    try:
+        with pytest.raises(RunFailedError, match="which it did not connect to before the run"):
+            OfflineDriver(cluster, requests, model.arch.eos_token_ids).run()
+    finally:
+        cluster.close()

@@ -43,8 +43,8 @@ def test_a_connection_flood_against_every_port_leaves_the_run_serving(
         # gloo listens in every rank (a port per process group); the driver no longer does
         assert {pid for _, _, pid in ports} == set(cluster.pids), ports
         before = {pid: _descriptors(pid) for pid in cluster.pids}
-        for _, port, _ in ports:
-            (tried,) = sockets().flood([port], FLOOD_S / len(ports) * 4)
+        for addr, port, _ in ports:
+            (tried,) = sockets().flood([(addr, port)], FLOOD_S / len(ports) * 4)
             assert tried["attempts"] > 10 and tried["made"] == 0, tried
         after = {pid: _descriptors(pid) for pid in cluster.pids}
         assert after == before

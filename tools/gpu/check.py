@@ -131,7 +131,7 @@ def ranks(device: str, root: Path) -> dict[str, Any]:
     try:
         figures["start_s"] = round(time.perf_counter() - start, 1)
         pids = cluster.pids
-        ports = [port for _, port, _ in listening(pids)]
+        ports = [(addr, port) for addr, port, _ in listening(pids)]
         figures["listening_ports"] = len(ports)
         before = {pid: _descriptors(pid) for pid in pids}
         figures["flood"] = flood(ports, 1.0)

@@ -226,7 +226,7 @@ def scenario(
         warm = step("after_warm_up", "report")
         if guarded:
             step("guard_ports", "guard", str(repo))
-        ports = sorted({p for r in warm for _, p in r["result"]["listen"]})
+        ports = sorted({(a, p) for r in warm for a, p in r["result"]["listen"]})
         phase = "flood"
         found["flood"] = flood(ports, FLOOD_S)
         if guarded:

@@ -51,11 +51,26 @@ def listening(pids: list[int]) -> list[tuple[str, int, int]]:
     return [(addr, port, pid) for state, addr, port, pid in tcp_sockets(pids) if state == LISTEN]
 
 
-def flood(ports: list[int], seconds: float) -> list[dict[str, int]]:
-    """Connect to each port and close, over and over for ``seconds`` (a try waits 20 ms at
-    most); per port the attempts and the connections made."""
-    out = []
-    for port in ports:
+Target = tuple[str, int]  # (IPv4 address, port), as listening() gives them
+
+
+def _address(target: Target) -> Target:
+    """``target`` as a connect() address; a listener this module cannot reach is an error (a
+    flood that connected nowhere would read as a port that refuses)."""
+    addr, port = target
+    try:
+        socket.inet_aton(addr)
+    except OSError:
+        raise ValueError(f"not an IPv4 address: {addr!r} (port {port})") from None
+    return addr, port
+
+
+def flood(targets: list[Target], seconds: float) -> list[dict[str, object]]:
+    """Connect to each ``(address, port)`` and close, over and over for ``seconds`` (a try waits
+    20 ms at most); per target the attempts and the connections made."""
+    out: list[dict[str, object]] = []
+    for target in targets:
+        address = _address(target)
         attempts = made = 0
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
@@ -63,24 +78,25 @@ def flood(ports: list[int], seconds: float) -> list[dict[str, int]]:
             sock = socket.socket()
             sock.settimeout(0.02)
             try:
-                sock.connect(("127.0.0.1", port))
+                sock.connect(address)
                 made += 1
             except OSError:
                 pass
             finally:
                 sock.close()
-        out.append({"port": port, "attempts": attempts, "made": made})
+        out.append({"address": address[0], "port": address[1], "attempts": attempts, "made": made})
     return out
 
 
-def hold(ports: list[int], count: int) -> list[socket.socket]:
-    """``count`` silent connections to each port, left open (non-blocking connects)."""
+def hold(targets: list[Target], count: int) -> list[socket.socket]:
+    """``count`` silent connections to each ``(address, port)``, left open (non-blocking)."""
     held = []
-    for port in ports:
+    for target in targets:
+        address = _address(target)
         for _ in range(count):
             sock = socket.socket()
             sock.setblocking(False)
             with contextlib.suppress(OSError):
-                sock.connect_ex(("127.0.0.1", port))
+                sock.connect_ex(address)
             held.append(sock)
     return held

@@ -114,7 +114,7 @@ def main() -> int:
             found["ready_s"] = round(time.perf_counter() - start, 1)
             # node 0's ranks and node 1's (under its process: a launcher, then the rank)
             pids = [*cluster.pids, *_descendants(node1.pid)]
-            ports = sorted({port for _, port, _ in listening(pids)})
+            ports = sorted({(addr, port) for addr, port, _ in listening(pids)})
             found["rank_pids"], found["listening_ports"] = len(pids), len(ports)
             before = {pid: _descriptors(pid) for pid in pids}
             found["flood"] = flood(ports, 1.0)

@@ -9,8 +9,10 @@ ports open. So a rank makes every connection before it reports ready: each proce
 in runs a collective, and an all-to-all where experts are exchanged (``NCCL_RUNTIME_CONNECT=0``,
 set by :func:`~.launch.rank_env`, makes NCCL connect every algorithm of a communicator then),
 and each pair of ranks that exchange messages trades one; only then do its listening ports drop
-new connections (:func:`~.proc.refuse_new_connections`). On the same H100, after that guard,
-all-reduces and sends of 4 KiB to 64 MiB still ran and a flood made no connection.
+new connections (:func:`~.proc.refuse_new_connections`). On the same H100, behind that guard,
+all-reduces and sends of 4 KiB to 64 MiB still ran and a flood made no connection; NCCL's
+NVLink and NVLS transports have not run behind it yet (``tools/gpu/two_nodes.py`` runs a whole
+plan so on a lent GPU). ``NCCL_RUNTIME_CONNECT=1`` in the environment keeps the ports open.
 
 Order: groups first, then pairs, each in one global order (TP groups, then expert groups, in
 the placement's order; pairs by their lower rank, then the higher). A rank takes its own in that
@@ -25,6 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .launch import NCCL_DEFAULTS
 from .placement import Placement
 from .schedule import compile_schedule
 
@@ -90,7 +93,8 @@ def connect_all(
 def ports_may_close(device: torch.device) -> bool:
     """Whether nothing connects after the warm-up: always on CPU (gloo connects a group when
     it is made), and on CUDA unless ``NCCL_RUNTIME_CONNECT`` was set to connect lazily."""
-    return device.type != "cuda" or os.environ.get("NCCL_RUNTIME_CONNECT", "0") == "0"
+    key = "NCCL_RUNTIME_CONNECT"
+    return device.type != "cuda" or os.environ.get(key, NCCL_DEFAULTS[key]) == "0"
 
 
 def _sync(device: torch.device) -> None:

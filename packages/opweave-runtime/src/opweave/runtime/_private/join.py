@@ -31,6 +31,7 @@ from opweave.costmodel import Plan
 
 from .connect import connect_all, message_peers, ports_may_close
 from .control import ChannelClosed, ControlClient, store_namespace
+from .launch import apply_nccl_defaults
 from .messages import PROTOCOL_VERSION, Error, Hello, Loading, Ready, Stats
 from .placement import Placement, plan_model
 from .prefill import PrefillWorker
@@ -70,7 +71,9 @@ def in_namespace(store: Any, key: bytes) -> Any:
 
 def _store(spec: RankSpec, timeout: timedelta) -> Any:
     if "file" in spec.store:
-        return dist.FileStore(spec.store["file"], spec.world_size)  # pyright: ignore[reportPrivateImportUsage]
+        store = dist.FileStore(spec.store["file"], spec.world_size)  # pyright: ignore[reportPrivateImportUsage]
+        store.set_timeout(timeout)  # its own default is 5 minutes: ranks may load for longer
+        return store
     if "host" in spec.store:
         return in_namespace(
             dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
@@ -142,6 +145,7 @@ def connect_peers(worker: StageWorker | PrefillWorker, placement: Placement, ran
 def run_rank(spec: RankSpec) -> int:
     """The whole life of one rank; 0 after a clean shutdown, 1 after reporting an error."""
     name_process(f"opweave-rank{spec.rank}")
+    apply_nccl_defaults()  # torchrun's ranks get no launcher environment
     torch.set_num_threads(spec.options.threads)
     with contextlib.suppress(Exception):  # a crash in native code leaves its stack in the log
         faulthandler.enable(file=sys.__stderr__ or sys.stderr)

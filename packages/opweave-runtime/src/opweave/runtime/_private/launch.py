@@ -116,6 +116,20 @@ def _check_node_sizes(layout: Sequence[Sequence[int]]) -> None:
             )
 
 
+# NCCL's settings every rank starts with, unless its environment sets them: every algorithm of
+# a communicator connected when it is made (NCCL 2.22 and later connect lazily by default;
+# connect.py says why a rank must not), and NCCL's RAS service, a port any local process may
+# query, off
+NCCL_DEFAULTS = {"NCCL_RUNTIME_CONNECT": "0", "NCCL_RAS_ENABLE": "0"}
+
+
+def apply_nccl_defaults() -> None:
+    """Set :data:`NCCL_DEFAULTS` in this process where unset (before NCCL first reads them):
+    every rank does, however it was started (the launcher, torchrun)."""
+    for key, value in NCCL_DEFAULTS.items():
+        os.environ.setdefault(key, value)
+
+
 def rank_env(host: str, threads: int) -> dict[str, str]:
     """Extra environment of every rank: one OpenMP team per rank, and gloo's and NCCL's
     sockets on the interface of ``host`` (the rank's address: loopback for a run that stays on
@@ -124,9 +138,7 @@ def rank_env(host: str, threads: int) -> dict[str, str]:
     (a rank makes every connection before its ports close: :mod:`.connect`), and its RAS service
     (a port any local process may query) is off; a variable already set is left as it is."""
     env = {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}
-    for key, value in (("NCCL_RUNTIME_CONNECT", "0"), ("NCCL_RAS_ENABLE", "0")):
-        if key not in os.environ:
-            env[key] = value
+    env.update({k: v for k, v in NCCL_DEFAULTS.items() if k not in os.environ})
     name = "lo" if host == "127.0.0.1" else interface_of(host)
     for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if name is not None and key not in os.environ:
