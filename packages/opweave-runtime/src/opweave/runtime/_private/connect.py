@@ -27,7 +27,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .launch import NCCL_DEFAULTS
+from .nccl_env import NCCL_DEFAULTS
 from .placement import Placement
 from .schedule import compile_schedule
 

@@ -31,8 +31,8 @@ from opweave.costmodel import Plan
 
 from .connect import connect_all, message_peers, ports_may_close
 from .control import ChannelClosed, ControlClient, store_namespace
-from .launch import apply_nccl_defaults
 from .messages import PROTOCOL_VERSION, Error, Hello, Loading, Ready, Stats
+from .nccl_env import apply_nccl_defaults
 from .placement import Placement, plan_model
 from .prefill import PrefillWorker
 from .proc import die_with_parent, name_process, refuse_new_connections, watch_parent

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 from opweave.costmodel import Plan
 
 from ..errors import OpWeaveRuntimeError
+from .nccl_env import NCCL_DEFAULTS
 from .options import RunOptions
 from .placement import total_ranks
 from .spec import RankSpec
@@ -114,20 +115,6 @@ def _check_node_sizes(layout: Sequence[Sequence[int]]) -> None:
                 f"node {n} would start {len(ranks)} ranks (at most {MAX_RANKS_PER_NODE}); "
                 "spread the plan over more nodes (--nnodes)"
             )
-
-
-# NCCL's settings every rank starts with, unless its environment sets them: every algorithm of
-# a communicator connected when it is made (NCCL 2.22 and later connect lazily by default;
-# connect.py says why a rank must not), and NCCL's RAS service, a port any local process may
-# query, off
-NCCL_DEFAULTS = {"NCCL_RUNTIME_CONNECT": "0", "NCCL_RAS_ENABLE": "0"}
-
-
-def apply_nccl_defaults() -> None:
-    """Set :data:`NCCL_DEFAULTS` in this process where unset (before NCCL first reads them):
-    every rank does, however it was started (the launcher, torchrun)."""
-    for key, value in NCCL_DEFAULTS.items():
-        os.environ.setdefault(key, value)
 
 
 def rank_env(host: str, threads: int) -> dict[str, str]:
