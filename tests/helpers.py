@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -208,6 +209,7 @@ def listening(pids: list[int]) -> list[tuple[str, int, int]]:
     return sockets().listening(pids)
 
 
+@functools.cache
 def sockets() -> ModuleType:
-    """tools/gpu/sockets.py: what processes listen on, and a flood against it."""
+    """tools/gpu/sockets.py (loaded once): what processes hold and listen on, and a flood."""
     return load_script(Path(__file__).resolve().parents[1] / "tools" / "gpu" / "sockets.py")

@@ -27,10 +27,6 @@ MAX_NEW_TOKENS = 16  # shares hf_greedy's cache with the other runtime tests
 FLOOD_S = 3.0  # per port
 
 
-def _descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def test_a_connection_flood_against_every_port_leaves_the_run_serving(
     tiny_model, hf_greedy, prompts
 ):
@@ -42,11 +38,11 @@ def test_a_connection_flood_against_every_port_leaves_the_run_serving(
         ports = listening([*cluster.pids, os.getpid()])
         # gloo listens in every rank (a port per process group); the driver no longer does
         assert {pid for _, _, pid in ports} == set(cluster.pids), ports
-        before = {pid: _descriptors(pid) for pid in cluster.pids}
+        before = {pid: sockets().descriptors(pid) for pid in cluster.pids}
         for addr, port, _ in ports:
             (tried,) = sockets().flood([(addr, port)], FLOOD_S / len(ports) * 4)
             assert tried["attempts"] > 10 and tried["made"] == 0, tried
-        after = {pid: _descriptors(pid) for pid in cluster.pids}
+        after = {pid: sockets().descriptors(pid) for pid in cluster.pids}
         assert after == before
         requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
         driver = OfflineDriver(cluster, requests, model.arch.eos_token_ids)

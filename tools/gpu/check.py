@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -109,14 +108,10 @@ def tokens(
     return {"ok": ok, "rows": rows, "skipped_for_time": skipped}
 
 
-def _descriptors(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 def ranks(device: str, root: Path) -> dict[str, Any]:
     """A colocated plan served by a rank process: a flood of its ports, then its tokens."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from sockets import flood, listening
+    from sockets import descriptors, flood, listening
 
     from opweave.costmodel import canonical_plan, load_model
     from opweave.runtime import Cluster, OfflineDriver, Request, RunOptions, write_tiny_model
@@ -133,9 +128,9 @@ def ranks(device: str, root: Path) -> dict[str, Any]:
         pids = cluster.pids
         ports = [(addr, port) for addr, port, _ in listening(pids)]
         figures["listening_ports"] = len(ports)
-        before = {pid: _descriptors(pid) for pid in pids}
+        before = {pid: descriptors(pid) for pid in pids}
         figures["flood"] = flood(ports, 1.0)
-        figures["descriptors_added"] = sum(_descriptors(pid) - before[pid] for pid in pids)
+        figures["descriptors_added"] = sum(descriptors(pid) - before[pid] for pid in pids)
         requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in PROMPTS]
         driver = OfflineDriver(cluster, requests, model.arch.eos_token_ids)
         driver.run()

@@ -39,7 +39,16 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sockets import CLOSE_WAIT, ESTABLISHED, LISTEN, flood, hold, socket_inodes, tcp_sockets
+from sockets import (
+    CLOSE_WAIT,
+    ESTABLISHED,
+    LISTEN,
+    descriptors,
+    flood,
+    hold,
+    socket_inodes,
+    tcp_sockets,
+)
 
 FLOOD_S = 1.0  # per port
 HOLD = 32  # silent connections held open per port
@@ -59,7 +68,7 @@ def _own_sockets() -> dict[str, Any]:
                 unix.append(fields[7])
     return {
         "listen": sorted([addr, port] for state, addr, port, _ in tcp if state == LISTEN),
-        "fds": len(os.listdir("/proc/self/fd")),
+        "fds": descriptors(os.getpid()),
         "close_wait": sum(state == CLOSE_WAIT for state, *_ in tcp),
         "established": sum(state == ESTABLISHED for state, *_ in tcp),
         "unix": sorted(unix),

@@ -15,6 +15,11 @@ from pathlib import Path
 LISTEN, ESTABLISHED, CLOSE_WAIT = "0A", "01", "08"  # the state column of /proc/net/tcp
 
 
+def descriptors(pid: int) -> int:
+    """File descriptors process ``pid`` has open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def socket_inodes(pid: int) -> set[str]:
     """Inodes of the sockets process ``pid`` has open (none if it is gone)."""
     inodes = set()

@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check import MAX_NEW_TOKENS, PROMPTS, _descriptors, _hf_greedy
-from sockets import flood, hold, listening
+from check import MAX_NEW_TOKENS, PROMPTS, _hf_greedy
+from sockets import descriptors, flood, hold, listening
 
 NODE1 = textwrap.dedent(
     """
@@ -116,7 +116,7 @@ def main() -> int:
             pids = [*cluster.pids, *_descendants(node1.pid)]
             ports = sorted({(addr, port) for addr, port, _ in listening(pids)})
             found["rank_pids"], found["listening_ports"] = len(pids), len(ports)
-            before = {pid: _descriptors(pid) for pid in pids}
+            before = {pid: descriptors(pid) for pid in pids}
             found["flood"] = flood(ports, 1.0)
             held = hold(ports, 32)
             requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in PROMPTS]
@@ -124,7 +124,7 @@ def main() -> int:
             driver.run()
             got = [list(out.token_ids) for out in driver.outputs()]
             found["equal_to_transformers"] = got == expected
-            found["descriptors_added"] = sum(_descriptors(pid) - before[pid] for pid in pids)
+            found["descriptors_added"] = sum(descriptors(pid) - before[pid] for pid in pids)
             cluster.shutdown()
         finally:
             for sock in held:
