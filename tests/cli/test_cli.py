@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -146,6 +147,19 @@ def test_estimate_refuses_expert_parallelism_on_a_dense_model() -> None:
         "error: --tp 1 --ep 2 --dp 2: ep 2: qwen3-32b has no routed experts (a dense model); "
         "use ep 1"
     )
+
+
+def test_expert_parallelism_frees_fp8_experts_from_the_tp_block_check() -> None:
+    """Qwen3-235B-A22B-FP8's experts (1536 channels) do not split into whole 128-wide FP8 blocks
+    over TP 8, so TP 8 alone is refused, as vLLM refuses it; with --ep 8 every GPU holds whole
+    experts and the deployment (vLLM's --enable-expert-parallel) estimates."""
+    config = Path(__file__).parents[1] / "costmodel/checkpoints/qwen3-235b-a22b-fp8.json"
+    args = ("estimate", str(config), "--gpu", "h100")
+    proc = run_cli(*args, "--tp", "8", check=False)
+    assert proc.returncode == 2
+    assert "shards of 192 are not whole 128x128 FP8 scale blocks at tp 8" in proc.stderr
+    doc = cli_json(*args, "--tp", "8", "--ep", "8", "--batch", "16")
+    assert (doc["tp"], doc["ep"], doc["quant"]) == (8, 8, "fp8-block") and doc["fits"]
 
 
 def test_estimate_host_profile() -> None:

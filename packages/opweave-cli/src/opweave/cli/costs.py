@@ -206,7 +206,7 @@ def estimate(
     check_context(spec, tokens, "--context")
     hw = catalog(hardware).get(gpu)
     profile = None if host is None else host_profile(host)
-    _check_tp(spec, hw, tp)
+    _check_tp(spec, hw, tp, ep)
     _check_parallelism(spec, hw, tp, ep, dp, expert_imbalance, dense_dp)
     latency = None
     if profile_path is not None:
@@ -332,7 +332,7 @@ def _estimate_serving(
         scheduling=flags["--scheduling"],
     )
     hw = catalog(hardware).get(gpu)
-    _check_tp(spec, hw, tp)
+    _check_tp(spec, hw, tp, ep)
     _check_parallelism(spec, hw, tp, ep, dp, None, dense_dp)
     profile = None if host is None else host_profile(host)
     est = estimate_serving(
@@ -479,12 +479,15 @@ def _echo_engine_split(spec: Any, tp: int, ep: int, dp: int, dense_dp: bool) -> 
         )
 
 
-def _check_tp(spec: Any, hw: Any, tp: int) -> None:
+def _check_tp(spec: Any, hw: Any, tp: int, ep: int = 1) -> None:
     """That ``spec`` splits over ``tp`` GPUs of ``hw`` within one NVLink domain (a node, or a
-    rack-scale domain such as GB200 NVL72's)."""
+    rack-scale domain such as GB200 NVL72's). Under expert parallelism (``ep`` above 1) the
+    routed experts are not split by ``tp`` but over the GPUs of each expert, which
+    ``_check_parallelism`` checks."""
     from opweave.costmodel import ConfigError, tp_problem
 
-    problem = tp_problem(spec, tp, engine_splits=True)
+    ops = None if ep == 1 else [op for op in spec.operators if op.moe is None]
+    problem = tp_problem(spec, tp, ops, engine_splits=True)
     if problem is not None:
         raise ConfigError(f"--tp {tp}: {problem}; choose a degree the model splits over")
     if tp > hw.scale_up_gpus:
