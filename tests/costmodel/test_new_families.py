@@ -1,6 +1,6 @@
-"""DeepSeek-V3 (MLA), Qwen3.5-MoE and MiniMax-M2: sizes against independent counts and the
-published figures, MLA's cache and its tensor-parallel replication, family resolution, configs
-that are not built in."""
+"""DeepSeek-V3 (MLA), Qwen3.5 (MoE and dense), MiniMax-M2 and GLM-4.5: sizes against independent
+counts and the published figures, MLA's cache and its tensor-parallel replication, family
+resolution, configs that are not built in."""
 
 from __future__ import annotations
 
@@ -234,6 +234,136 @@ def test_qwen3_5_is_397b_with_17b_active() -> None:
     assert (spec.block.prefix_layers, spec.block.period_layers) == (0, 4)
 
 
+# Qwen/Qwen3.5-27B's text_config (the dense sibling: no experts, a SwiGLU MLP in every layer)
+QWEN3_5_27B: dict[str, Any] = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "text_config": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "attn_output_gate": True,
+        "max_position_embeddings": 262144,
+        "vocab_size": 248320,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "dtype": "bfloat16",
+    },
+    "vision_config": {"depth": 27, "hidden_size": 1152},
+}
+
+
+def test_qwen3_5_dense_27b_against_its_shapes() -> None:
+    spec = model_spec_from_config(QWEN3_5_27B)
+    t = QWEN3_5_27B["text_config"]
+    assert spec.family == "qwen3_5" and spec.arch.moe is None
+    h, layers, d, im = t["hidden_size"], t["num_hidden_layers"], t["head_dim"], 17408
+    nq, nkv, nk, nv, dk, dv = 24, 4, 16, 48, 128, 128
+    full = h * (2 * nq * d + 2 * nkv * d) + 2 * d + nq * d * h  # q carries the output gate
+    conv = 2 * nk * dk + nv * dv
+    deltanet = h * (conv + nv * dv + 2 * nv) + conv * 4 + 2 * nv + nv * dv * h + dv
+    total = 16 * full + 48 * deltanet + layers * (3 * h * im + 2 * h) + 2 * 248320 * h + h
+    assert spec.weight_bytes == 2 * total
+    assert total == pytest.approx(26.9e9, rel=0.01)  # "27B": the text model's weights
+    # the KV cache grows in the 16 full-attention layers only; the 48 DeltaNet layers hold a
+    # fixed recurrent state (a (dk x dv) matrix per value head, and the convolution's window)
+    per_token = 16 * 2 * nkv * d * 2
+    state = 48 * (nv * dk * dv + conv * (4 - 1)) * 2
+    one = float(state_bytes_per_rank(spec.operators, 1, 1.0, 1000.0))
+    two = float(state_bytes_per_rank(spec.operators, 1, 1.0, 2000.0))
+    assert two - one == pytest.approx(1000 * per_token)
+    assert one - 1000 * per_token == pytest.approx(state, rel=0.01)
+
+
+# zai-org/GLM-4.5's config.json (GLM-4.6 and -4.7 share its shapes)
+GLM_4_5: dict[str, Any] = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "head_dim": 128,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1536,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": False,
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+}
+
+
+def test_glm_4_5_is_355b_with_32b_active() -> None:
+    c = GLM_4_5
+    spec = bf16(c)
+    assert spec.family == "glm4_moe"
+    h, d, nq, nkv = c["hidden_size"], c["head_dim"], c["num_attention_heads"], 8
+    layers, dense_layers = c["num_hidden_layers"], c["first_k_dense_replace"]
+    e, k, im = c["n_routed_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
+    # q/k/v with biases, o without; a q and a k norm of one head each
+    attn = h * (nq + 2 * nkv) * d + (nq + 2 * nkv) * d + nq * d * h + 2 * d
+    moe = e * 3 * h * im + e * h + e + 3 * h * im  # experts, router + selection bias, shared
+    total = (
+        layers * (attn + 2 * h)
+        + dense_layers * 3 * h * c["intermediate_size"]
+        + (layers - dense_layers) * moe
+        + 2 * c["vocab_size"] * h
+        + h
+    )
+    got_total, got_active = params(spec)
+    assert got_total == total
+    assert got_active == total - (layers - dense_layers) * (e - k) * 3 * h * im
+    # Z.ai's "355B total, 32B active": the total with the multi-token-prediction layer the
+    # decode leaves out (about 4B, one more MoE layer), the active without the embeddings
+    embeddings = 2 * c["vocab_size"] * h
+    assert got_total == pytest.approx(355e9, rel=0.01)
+    assert got_active - embeddings == pytest.approx(32e9, rel=0.01)
+    # GQA: the cache holds the 8 key/value heads of every layer
+    per_token = float(state_bytes_per_rank(spec.operators, 1, 1.0, 2.0)) - float(
+        state_bytes_per_rank(spec.operators, 1, 1.0, 1.0)
+    )
+    assert per_token == layers * 2 * nkv * d * 2
+
+
+def test_glm_4_5_air_is_the_schema_default() -> None:
+    # zai-org/GLM-4.5-Air: transformers' Glm4MoeConfig defaults, with its attention biases
+    spec = bf16({"model_type": "glm4_moe", "head_dim": 128, "attention_bias": True})
+    total, active = params(spec)
+    embeddings = 2 * 151552 * 4096
+    assert total == pytest.approx(106e9, rel=0.01)
+    assert active - embeddings == pytest.approx(12e9, rel=0.02)
+    assert not spec.arch.qk_norm and spec.arch.moe is not None
+
+
 def test_minimax_m2_5_size_and_layer() -> None:
     config = builtin_config("minimax-m2.5")
     spec = bf16(config)
@@ -308,6 +438,43 @@ SMALL = {
             "shared_expert_intermediate_size": 16,
             "vocab_size": 100,
         },
+        "torch_dtype": "float32",
+    },
+    "qwen3_5": {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 16,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 16,
+            "linear_value_head_dim": 16,
+            "vocab_size": 100,
+        },
+        "torch_dtype": "float32",
+    },
+    "glm4_moe": {
+        "architectures": ["Glm4MoeForCausalLM"],
+        "model_type": "glm4_moe",
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_group": 2,
+        "topk_group": 1,
+        "vocab_size": 100,
         "torch_dtype": "float32",
     },
     "minimax_m2": {
@@ -387,6 +554,9 @@ def test_released_smaller_siblings() -> None:
         ("minimax_m2", "rotary_dim", 1.5, r"rotary_dim: expected an integer, got 1\.5"),
         ("minimax_m2", "use_routing_bias", "yes", "use_routing_bias: expected true or false"),
         ("minimax_m2", "num_local_experts", 1, "num_experts_per_tok: 2 is more than the 1"),
+        ("glm4_moe", "use_qk_norm", "yes", "use_qk_norm: expected true or false"),
+        ("glm4_moe", "n_group", 3, "n_group: 8 experts do not split into 3 groups"),
+        ("glm4_moe", "partial_rotary_factor", 2, r"rope_scaling\.partial_rotary_factor"),
     ],
 )
 def test_bad_new_family_fields_name_the_field(

@@ -1,8 +1,8 @@
-"""Qwen3.5-MoE (gated DeltaNet with four input projections, a multimodal wrapper checkpoint)
-and MiniMax-M2 (one q and one k norm over all heads, partial RoPE, sigmoid routing with a
-selection bias) in the runtime.
+"""Qwen3.5-MoE and dense Qwen3.5 (gated DeltaNet with four input projections, a multimodal
+wrapper checkpoint) and MiniMax-M2 (one q and one k norm over all heads, partial RoPE, sigmoid
+routing with a selection bias) in the runtime.
 
-Both tiny models also run through every family-wide test (exactness, every plan kind, the
+The tiny models also run through every family-wide test (exactness, every plan kind, the
 traced decode step, the operator contract); here: what makes each family distinct is in its
 tiny checkpoint, tensor parallelism (the layer-wide norms over ranks, key/value heads shared
 by ranks included), and the layer-wide norm against a computation of its own.
@@ -65,6 +65,29 @@ def test_the_tiny_qwen3_5_is_a_wrapper_with_four_gdn_projections(qwen35):
     arch = load_model(qwen35).arch
     assert arch.layer_types.count("linear_attention") == 3 and arch.attn_output_gate
     assert arch.moe is not None and arch.moe_layers == (0, 1, 2, 3)
+
+
+def test_the_dense_qwen3_5_is_a_wrapper_with_a_dense_mlp_in_every_layer(tiny_model):
+    model_dir = tiny_model("qwen3_5")
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["model_type"] == "qwen3_5" and config["text_config"]["model_type"] == (
+        "qwen3_5_text"
+    )
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    names = _names(model_dir)
+    assert "model.language_model.layers.0.linear_attn.in_proj_z.weight" in names
+    assert "model.language_model.layers.3.mlp.gate_proj.weight" in names
+    assert not any(".experts." in n for n in names)
+    arch = load_model(model_dir).arch
+    assert arch.moe is None and arch.attn_output_gate
+    assert arch.layer_types.count("full_attention") == 1
+
+
+def test_dense_qwen3_5_at_tp2_generates_transformers_greedy_tokens(tiny_model, hf_greedy, prompts):
+    """Key heads (q, k, v, z, b, a rows) and the dense MLP's channels split over two ranks."""
+    model_dir = tiny_model("qwen3_5")
+    expected = hf_greedy(model_dir, prompts, MAX_NEW_TOKENS)
+    assert _tp_tokens(model_dir, "colocated", 2, prompts) == expected
 
 
 def test_the_tiny_minimax_has_layer_wide_norms_and_a_routing_bias(minimax):

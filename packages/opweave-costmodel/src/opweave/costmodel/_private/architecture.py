@@ -248,6 +248,8 @@ def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None)
         yarn = max((r.yarn_attention_mscale for r in rope.values()), default=1.0)
         attn_scale = float(head_dim) ** -0.5 * (yarn * yarn if mla is not None else 1.0)
     qkv_only = flags.qkv_bias == "qkv_only"
+    # biases on q, k and v as the config says, never on o (GLM-4.5)
+    qkv_as_config = flags.qkv_bias == "qkv_if_attention_bias"
     return Architecture(
         family=family.name,
         hidden_size=hidden,
@@ -270,9 +272,10 @@ def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None)
         attn_scale=attn_scale,
         tie_word_embeddings=cfg.tie_word_embeddings,
         qkv_bias=qkv_only or cfg.attention_bias,
-        o_bias=not qkv_only and cfg.attention_bias,
+        o_bias=not (qkv_only or qkv_as_config) and cfg.attention_bias,
         mlp_bias=cfg.mlp_bias,
-        qk_norm=flags.qk_norm != "none",
+        qk_norm=flags.qk_norm in ("per_head", "per_layer")
+        or (flags.qk_norm == "use_qk_norm" and cfg.use_qk_norm),
         qk_norm_per_layer=flags.qk_norm == "per_layer",
         gemma_norms=flags.gemma_norms,
         sandwich_norms=flags.sandwich_norms,
@@ -449,7 +452,7 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
             f"num_experts_per_tok: {top_k} is more than the {topk_groups * (experts // groups)} "
             "experts of the topk_group groups a token may use"
         )
-    scoring = cfg.scoring_func if flags.router_scoring == "config" else "softmax"
+    scoring = cfg.scoring_func if flags.router_scoring == "config" else flags.router_scoring
     if scoring not in ("softmax", "sigmoid"):
         raise ConfigError(f"scoring_func: {scoring!r} is not supported; use softmax or sigmoid")
     shared = 0
@@ -468,7 +471,8 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
         num_groups=groups,
         topk_groups=topk_groups,
         score_correction_bias=(
-            (flags.router_score_bias == "noaux_tc" and cfg.topk_method == "noaux_tc")
+            flags.router_score_bias == "always"
+            or (flags.router_score_bias == "noaux_tc" and cfg.topk_method == "noaux_tc")
             or (flags.router_score_bias == "use_routing_bias" and cfg.use_routing_bias)
         ),
         routed_scaling_factor=cfg.routed_scaling_factor if flags.routed_scaling else 1.0,

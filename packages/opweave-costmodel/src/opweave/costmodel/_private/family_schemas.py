@@ -224,6 +224,23 @@ class Qwen3_5MoeTextConfig(_GatedDeltaNet, _RoutedExperts):
     attn_output_gate: Flag = True
 
 
+class Qwen3_5TextConfig(_GatedDeltaNet):
+    """Qwen3.5's dense text model (transformers ``Qwen3_5TextConfig``: Qwen3.5-27B and the
+    0.8B-9B models): the MoE models' layers with a dense SwiGLU MLP in every layer."""
+
+    vocab_size: Vocab = 248320
+    hidden_size: Width = 4096
+    intermediate_size: Width = 12288
+    num_hidden_layers: Layers = 32
+    num_attention_heads: Heads = 16
+    num_key_value_heads: OptHeads = 4
+    head_dim: OptWidth = 256
+    max_position_embeddings: Tokens = 32768
+    partial_rotary_factor: Any = 0.25
+    # vLLM's qwen3_5.py: getattr(config, "attn_output_gate", True)
+    attn_output_gate: Flag = True
+
+
 class GptOssConfig(_RoutedExperts):
     vocab_size: Vocab = 201088
     hidden_size: Width = 2880
@@ -280,6 +297,36 @@ class DeepseekV3Config(_RoutedExperts):
     topk_method: Str = "noaux_tc"
 
 
+class Glm4MoeConfig(_RoutedExperts):
+    """transformers ``Glm4MoeConfig`` (its defaults are GLM-4.5-Air's): GQA attention with
+    partial RoPE, q/k/v biases (``attention_bias``) and per-head q/k norms (``use_qk_norm``),
+    over DeepSeek-V3's MoE layout (sigmoid routing with a selection bias, groups, shared experts,
+    the first ``first_k_dense_replace`` layers dense)."""
+
+    vocab_size: Vocab = 151552
+    hidden_size: Width = 4096
+    intermediate_size: Width = 10944
+    num_hidden_layers: Layers = 46
+    num_attention_heads: Heads = 96
+    num_key_value_heads: OptHeads = 8
+    max_position_embeddings: Tokens = 131072
+    rms_norm_eps: Positive = 1e-5
+    partial_rotary_factor: Any = 0.5
+    use_qk_norm: Flag = False
+    moe_intermediate_size: Width = 1408
+    num_experts: Experts0 = Field(
+        128, validation_alias=_experts_key("n_routed_experts", "num_local_experts")
+    )
+    n_shared_experts: Experts0 = 1
+    num_experts_per_tok: Experts = 8
+    n_group: Experts = 1
+    topk_group: Experts = 1
+    routed_scaling_factor: Positive = 1.0
+    norm_topk_prob: Flag = True
+    first_k_dense_replace: Layers0 = 1
+    moe_layer_freq: Layers = 1
+
+
 class MiniMaxM2Config(_RoutedExperts):
     """transformers ``MiniMaxM2Config``; ``rotary_dim``, ``scoring_func`` and
     ``use_routing_bias`` as vLLM's ``minimax_m2.py`` reads them from the remote-code config the
@@ -307,6 +354,7 @@ __all__ = [
     "DecoderConfig",
     "DeepseekV3Config",
     "Gemma3TextConfig",
+    "Glm4MoeConfig",
     "GptOssConfig",
     "LlamaConfig",
     "MiniMaxM2Config",
@@ -317,4 +365,5 @@ __all__ = [
     "Qwen3MoeConfig",
     "Qwen3NextConfig",
     "Qwen3_5MoeTextConfig",
+    "Qwen3_5TextConfig",
 ]

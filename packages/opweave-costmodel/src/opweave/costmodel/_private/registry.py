@@ -28,6 +28,7 @@ from .config_fields import ConfigSchema, field_names, show
 from .family_schemas import (
     DeepseekV3Config,
     Gemma3TextConfig,
+    Glm4MoeConfig,
     GptOssConfig,
     LlamaConfig,
     MiniMaxM2Config,
@@ -35,6 +36,7 @@ from .family_schemas import (
     MixtralConfig,
     Qwen2Config,
     Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
@@ -45,12 +47,12 @@ class FamilyFlags(Frozen):
     """What a family's decoder layer does, as data (defaults: a Llama layer)."""
 
     attention: Literal["gqa", "mla"] = "gqa"
-    qk_norm: Literal["none", "per_head", "per_layer"] = "none"
+    qk_norm: Literal["none", "per_head", "per_layer", "use_qk_norm"] = "none"
     gemma_norms: bool = False
     sandwich_norms: bool = False
     embed_scale: bool = False
     attn_output_gate: Literal["never", "always", "config"] = "never"
-    qkv_bias: Literal["attention_bias", "qkv_only"] = "attention_bias"
+    qkv_bias: Literal["attention_bias", "qkv_only", "qkv_if_attention_bias"] = "attention_bias"
     attn_sinks: bool = False
     scale_from_query_pre_attn_scalar: bool = False
     logit_softcapping: bool = False
@@ -65,9 +67,9 @@ class FamilyFlags(Frozen):
     moe: Literal["none", "every_layer", "sparse_step", "first_k_dense"] = "none"
     expert_size_key: Literal["moe_intermediate_size", "intermediate_size"] = "moe_intermediate_size"
     shared_experts: Literal["none", "gated", "n_shared"] = "none"
-    router_scoring: Literal["softmax", "config"] = "softmax"
+    router_scoring: Literal["softmax", "sigmoid", "config"] = "softmax"
     router_groups: bool = False
-    router_score_bias: Literal["none", "noaux_tc", "use_routing_bias"] = "none"
+    router_score_bias: Literal["none", "noaux_tc", "use_routing_bias", "always"] = "none"
     routed_scaling: bool = False
     norm_topk: Literal["config", "always"] = "config"
     routing_weights_fp32: bool = False
@@ -220,6 +222,25 @@ FAMILIES: dict[str, Family] = {
             checkpoint=CheckpointNames(shared_expert="shared_experts"),
         ),
         Family(
+            "glm4_moe",
+            Glm4MoeConfig,
+            FamilyFlags(
+                qk_norm="use_qk_norm",
+                qkv_bias="qkv_if_attention_bias",
+                moe="first_k_dense",
+                shared_experts="n_shared",
+                router_scoring="sigmoid",
+                router_groups=True,
+                router_score_bias="always",
+                routed_scaling=True,
+            ),
+            # GLM-4.5, -4.5-Air, -4.6, -4.7: GQA attention (partial RoPE, q/k/v biases, optional
+            # per-head q/k norms) over DeepSeek-V3's MoE layout
+            ("glm4_moe",),
+            ("Glm4MoeForCausalLM",),
+            checkpoint=CheckpointNames(shared_expert="shared_experts"),
+        ),
+        Family(
             "qwen3_5_moe",
             Qwen3_5MoeTextConfig,
             _flags(
@@ -232,6 +253,16 @@ FAMILIES: dict[str, Family] = {
             checkpoint=CheckpointNames(
                 gdn_split_projections=True, shared_expert_gate="shared_expert_gate"
             ),
+        ),
+        Family(
+            "qwen3_5",
+            Qwen3_5TextConfig,
+            _flags(_HYBRID_DELTANET, attn_output_gate="config", shared_experts="none"),
+            ("qwen3_5_text",),
+            ("Qwen3_5ForCausalLM",),
+            wrapper_model_types=("qwen3_5",),
+            wrapper_architectures=("Qwen3_5ForConditionalGeneration",),
+            checkpoint=CheckpointNames(gdn_split_projections=True),
         ),
         Family(
             "minimax_m2",

@@ -55,9 +55,11 @@ RUNTIME_FAMILIES = (
     "gemma3_text",
     "qwen3_next",
     "qwen3_5_moe",
+    "qwen3_5",
     "deepseek_v3",
     "gpt_oss",
     "minimax_m2",
+    "glm4_moe",
 )
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -119,6 +119,39 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             "partial_rotary_factor": 0.25,
         },
     },
+    # Qwen3.5's dense models (27B, 0.8B-9B): the same layers with a dense MLP, also a wrapper
+    "qwen3_5": {
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10_000.0,
+            "partial_rotary_factor": 0.25,
+        },
+    },
+    # GLM-4.5: q/k/v biases, per-head q/k norms, half of each head rotated, then DeepSeek-V3's
+    # MoE (a dense first layer, group-limited sigmoid routing with a selection bias, a shared
+    # expert, routed scaling)
+    "glm4_moe": {
+        "num_hidden_layers": 3,
+        "head_dim": 16,
+        "attention_bias": True,
+        "use_qk_norm": True,
+        "partial_rotary_factor": 0.5,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_shared_experts": 1,
+        "first_k_dense_replace": 1,
+        "n_group": 2,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True,
+    },
     # MiniMax-M2: one q and one k norm over all heads, half of each head rotated (rotary_dim,
     # as the released config says it), sigmoid routing with a selection bias, experts as
     # block_sparse_moe.experts.N.w1/w2/w3.
@@ -187,15 +220,14 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
 
 # Multimodal wrappers: the smallest vision tower their config accepts (the runtime serves text
 # and reads none of it, but the checkpoint has its layout).
-_TINY_VISION: dict[str, dict[str, Any]] = {
-    "qwen3_5_moe": {
-        "depth": 1,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": 64,
-    },
+_VISION_STUB: dict[str, Any] = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
 }
+_TINY_VISION: dict[str, dict[str, Any]] = {"qwen3_5_moe": _VISION_STUB, "qwen3_5": _VISION_STUB}
 _WRAPPER_KEYS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
