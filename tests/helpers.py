@@ -213,3 +213,69 @@ def listening(pids: list[int]) -> list[tuple[str, int, int]]:
 def sockets() -> ModuleType:
     """tools/gpu/sockets.py (loaded once): what processes hold and listen on, and a flood."""
     return load_script(Path(__file__).resolve().parents[1] / "tools" / "gpu" / "sockets.py")
+
+
+# Qwen/Qwen3.5-27B's text_config (the dense sibling: no experts, a SwiGLU MLP in every layer)
+QWEN3_5_27B: dict[str, Any] = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "text_config": {
+        "model_type": "qwen3_5_text",
+        "hidden_size": 5120,
+        "intermediate_size": 17408,
+        "num_hidden_layers": 64,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 48,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4,
+        "attn_output_gate": True,
+        "max_position_embeddings": 262144,
+        "vocab_size": 248320,
+        "tie_word_embeddings": False,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10],
+            "mrope_interleaved": True,
+        },
+        "dtype": "bfloat16",
+    },
+    "vision_config": {"depth": 27, "hidden_size": 1152},
+}
+
+
+# zai-org/GLM-4.5's config.json (GLM-4.6 and -4.7 share its shapes)
+GLM_4_5: dict[str, Any] = {
+    "architectures": ["Glm4MoeForCausalLM"],
+    "model_type": "glm4_moe",
+    "attention_bias": True,
+    "head_dim": 128,
+    "hidden_size": 5120,
+    "intermediate_size": 12288,
+    "max_position_embeddings": 131072,
+    "moe_intermediate_size": 1536,
+    "norm_topk_prob": True,
+    "num_attention_heads": 96,
+    "n_group": 1,
+    "topk_group": 1,
+    "n_routed_experts": 160,
+    "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "num_hidden_layers": 92,
+    "num_key_value_heads": 8,
+    "num_nextn_predict_layers": 1,
+    "partial_rotary_factor": 0.5,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000,
+    "tie_word_embeddings": False,
+    "use_qk_norm": True,
+    "vocab_size": 151552,
+}

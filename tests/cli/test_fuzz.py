@@ -45,7 +45,7 @@ from tests.fuzzing import (
     mutated,
     numbers,
 )
-from tests.helpers import IMAGE, TINY_LLAMA
+from tests.helpers import GLM_4_5, IMAGE, QWEN3_5_27B, TINY_LLAMA
 
 FUZZ = settings(
     max_examples=60,
@@ -308,7 +308,23 @@ def test_model_configs(config: Any, root: Path) -> None:
     check("model config", ["estimate", str(folder), "--gpu", "h100", "--json"])
 
 
-NEW_FAMILIES = ("deepseek-v3", "kimi-k2", "qwen3.5-397b-a17b", "minimax-m2.5")
+NEW_FAMILIES = (
+    "deepseek-v3",
+    "kimi-k2",
+    "qwen3.5-397b-a17b",
+    "minimax-m2.5",
+    "qwen3.5-27b",
+    "glm-4.5",
+)
+# released configs of families without a built-in model (tests.helpers holds them)
+_RELEASED = {"qwen3.5-27b": QWEN3_5_27B, "glm-4.5": GLM_4_5}
+
+
+def _config(name: str) -> dict[str, Any]:
+    """A fresh copy of a built-in's config, or of a released config the tests hold."""
+    if name in _RELEASED:
+        return json.loads(json.dumps(_RELEASED[name]))
+    return builtin_config(name)
 
 
 def _text(config: dict[str, Any]) -> dict[str, Any]:
@@ -316,11 +332,11 @@ def _text(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _numeric_keys(name: str) -> list[str]:
-    """The numeric keys of a built-in's text config that its family reads."""
+    """The numeric keys of a config's text model (see ``_config``) that its family reads."""
     from opweave.costmodel._private.config_fields import field_names
     from opweave.costmodel._private.registry import resolve_family
 
-    config = builtin_config(name)
+    config = _config(name)
     schema = resolve_family(config)[0].schema
     read = {
         n for f, info in schema.model_fields.items() for n in field_names(f, info.validation_alias)
@@ -335,10 +351,10 @@ def _numeric_keys(name: str) -> list[str]:
 @FUZZ
 @given(data=st.data())
 def test_new_family_config_fields(data: st.DataObject, root: Path) -> None:
-    """DeepSeek-V3 (Kimi-K2), Qwen3.5 and MiniMax-M2 configs with one of their numeric keys
+    """DeepSeek-V3 (Kimi-K2), Qwen3.5, MiniMax-M2 and GLM-4.5 configs with one of their numeric keys
     replaced: an estimate, or exit 2 with one error line."""
     name = data.draw(st.sampled_from(NEW_FAMILIES))
-    config = builtin_config(name)
+    config = _config(name)
     key = data.draw(st.sampled_from(_numeric_keys(name)))
     _text(config)[key] = data.draw(st.one_of(json_values, st.sampled_from([0, -1, 10**9, 1.5])))
     folder = _fresh(root, "family")
@@ -349,7 +365,7 @@ def test_new_family_config_fields(data: st.DataObject, root: Path) -> None:
 @pytest.mark.parametrize("name", NEW_FAMILIES)
 def test_new_family_fields_of_the_wrong_type_name_the_field(name: str, root: Path) -> None:
     for key in _numeric_keys(name):
-        config = builtin_config(name)
+        config = _config(name)
         _text(config)[key] = "x"
         folder = _fresh(root, "typed")
         path = _write(folder / "config.json", config)

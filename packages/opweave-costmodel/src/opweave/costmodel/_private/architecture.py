@@ -367,6 +367,15 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
         if not isinstance(value, Mapping):
             raise ConfigError(f"rope_parameters.{kind}: expected an object, got {show(value)}")
     partial = cfg.partial_rotary_factor
+    if partial is not None and not (
+        isinstance(partial, int | float)
+        and not isinstance(partial, bool)
+        and math.isfinite(partial)
+        and 0 < partial <= 1
+    ):
+        raise ConfigError(
+            f"partial_rotary_factor: expected a number in (0, 1], got {show(partial)}"
+        )
     rotary_dim = getattr(cfg, "rotary_dim", None)
     if partial is None and rotary_dim is not None:
         # MiniMax-M2 rotates the first rotary_dim channels of each head (vLLM minimax_m2.py)
