@@ -21,6 +21,7 @@ from opweave.costmodel import (
     ConfigError,
     RooflineLatency,
     UnsupportedPrecisionError,
+    check_runs,
     default_catalog,
     estimate_step,
     gemm_rate,
@@ -213,6 +214,97 @@ def test_modelopt_exclusions_follow_the_checkpoint() -> None:
     assert fmt("model.layers.5.mlp.experts.0.down_proj") == "nvfp4"
     assert fmt("model.layers.61.mlp.experts.0.down_proj") is None  # model.layers.61*
     assert fmt("lm_head") is None
+
+
+def _qwen3_32b_config(quantization_config: dict[str, Any]) -> dict[str, Any]:
+    config = builtin_config("qwen3-32b")
+    return config | {"quantization_config": quantization_config}
+
+
+def test_modelopt_export_without_quant_method_is_read_by_its_producer() -> None:
+    """ModelOpt's FP8 static per-tensor export (Qwen3-32B-FP8-Static-PerTensor, as NVIDIA's
+    aiconfigurator ships its config) names no quant_method: its producer and quant_algo say
+    what it is, and its KV scheme is the algorithm's name."""
+    qc = {
+        "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}},
+        "ignore": ["lm_head"],
+        "quant_algo": "FP8",
+        "kv_cache_scheme": "FP8",
+        "producer": {"name": "modelopt", "version": "0.31.0"},
+    }
+    spec = model_spec_from_config(_qwen3_32b_config(qc))
+    assert (spec.precision.quant, spec.precision.method) == ("fp8", "modelopt-fp8")
+    assert spec.precision.kv_cache_dtype == "fp8"
+    # FP8 values, an FP32 weight scale and an FP32 input scale per tensor (static activations)
+    assert spec.weight_bytes == pytest.approx(_qwen3_32b(lambda i, o: i * o + 8), abs=64)
+    with pytest.raises(ConfigError, match="^quantization_config.quant_method: missing"):
+        model_spec_from_config(_qwen3_32b_config({k: v for k, v in qc.items() if k != "producer"}))
+
+
+def _mixed(layers: int = 64) -> dict[str, Any]:
+    """A ModelOpt MIXED_PRECISION config as NVIDIA's Qwen3.6 NVFP4 checkpoints write it:
+    attention in FP8 (W8A8), the MLP and lm_head in W4A16 NVFP4 (weight-only)."""
+    quantized: dict[str, Any] = {"lm_head": {"quant_algo": "W4A16_NVFP4", "group_size": 16}}
+    for i in range(layers):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            quantized[f"model.layers.{i}.self_attn.{name}"] = {"quant_algo": "FP8"}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            quantized[f"model.layers.{i}.mlp.{name}"] = {
+                "quant_algo": "W4A16_NVFP4",
+                "group_size": 16,
+            }
+    return {
+        "quant_method": "modelopt",
+        "quant_algo": "MIXED_PRECISION",
+        "quantized_layers": quantized,
+        "ignore": ["mtp*"],
+        "kv_cache_scheme": {"dynamic": False, "num_bits": 8, "type": "float"},
+        "producer": {"name": "modelopt", "version": "0.45.0"},
+    }
+
+
+def test_modelopt_mixed_precision_reads_each_layers_format() -> None:
+    spec = model_spec_from_config(_qwen3_32b_config(_mixed()))
+    h, layers, nq, nkv, d, inter, vocab = QWEN3_32B.values()
+    fp8 = lambda i, o: i * o + 8  # noqa: E731 - FP8 values, FP32 weight and input scales
+    layer = (
+        fp8(h, nq * d)
+        + 2 * fp8(h, nkv * d)
+        + fp8(nq * d, h)
+        + 2 * nvfp4(h, inter)
+        + nvfp4(inter, h)
+        + bf16(h, h, d, d)
+    )
+    expected = layers * layer + nvfp4(h, vocab) + bf16(vocab * h, h)  # lm_head NVFP4
+    assert spec.weight_bytes == pytest.approx(expected, abs=4 * layers)
+    assert (spec.precision.quant, spec.precision.method) == ("fp8+nvfp4", "modelopt-mixed")
+    assert spec.precision.kv_cache_dtype == "fp8"
+    # the W4A16 MLP runs at the BF16 rate (weight-only), the FP8 attention at the FP8 rate
+    gate_up = next(op for op in spec.layers[0].ops if op.name == "gate_up_proj")
+    qkv = next(op for op in spec.layers[0].ops if op.name == "qkv_proj")
+    assert gate_up.weight_format == "nvfp4" and gate_up.quantized_flops_per_token == 0
+    assert qkv.weight_format == "fp8" and qkv.quantized_flops_per_token > 0
+    runs = check_runs(spec.precision, B200_FP4)
+    assert "fp8 tensor cores (W8A8)" in runs
+    assert "weight-only: nvfp4 weights dequantised to bf16 math" in runs
+    with pytest.raises(UnsupportedPrecisionError, match="ModelOpt FP8 kernels"):
+        estimate_step(spec, A100, tp=1, batch=1, context=1024)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"quantized_layers": {}}, "quantized_layers: missing"),
+        (
+            {"quantized_layers": {"lm_head": {"quant_algo": "MXFP8"}}},
+            r"quantized_layers.lm_head.quant_algo 'MXFP8' is not modelled",
+        ),
+        ({"quantized_layers": {"lm_head": "FP8"}}, "quantized_layers.lm_head: expected an object"),
+    ],
+)
+def test_malformed_mixed_precision(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        model_spec_from_config(_qwen3_32b_config(_mixed(2) | change))
 
 
 # -- --quant and --kv-cache-dtype ------------------------------------------------------------

@@ -86,6 +86,11 @@ class WeightScheme(Frozen):
     zero_bytes: float = Field(default=0.0, ge=0, description="Per scale (asymmetric schemes).")
     tensor_bytes: int = Field(default=0, ge=0, description="Per tensor: global/input scales.")
     index_bytes_per_input: int = Field(default=0, ge=0, description="GPTQ-style g_idx.")
+    weight_only: bool = Field(
+        default=False,
+        description="Activations stay in the compute dtype (e.g. ModelOpt W4A16_NVFP4): the "
+        "weights are dequantised into compute-dtype math, whatever tensor cores the GPU has.",
+    )
 
     def scales(self, in_features: int, out_features: int) -> int:
         rows = 1 if self.scale_rows is None else math.ceil(out_features / self.scale_rows)
@@ -337,6 +342,10 @@ UNSUPPORTED: dict[tuple[str, str], str] = {
     ("modelopt-fp8", "ampere"): "vLLM's ModelOpt FP8 kernels need compute capability 8.9 "
     "(Ada, Hopper, Blackwell)",
     ("modelopt-fp8", "cdna3"): "vLLM's ROCm build does not load ModelOpt FP8 checkpoints",
+    ("modelopt-mixed", "ampere"): "vLLM's ModelOpt FP8 kernels (of its FP8 layers) need compute "
+    "capability 8.9 (Ada, Hopper, Blackwell)",
+    ("modelopt-mixed", "cdna3"): "vLLM's ROCm build does not load ModelOpt mixed-precision "
+    "checkpoints",
 }
 
 
@@ -396,9 +405,16 @@ def check_runs(precision: Precision, hw: HardwareSpec) -> str:
     >>> check_runs(Precision(), default_catalog().get("h100"))
     'bf16 tensor cores'
     """
-    formats = sorted({r.scheme.format for r in precision.rules}) or [precision.quant]
+    formats = sorted({r.scheme.format for r in precision.rules if not r.scheme.weight_only})
+    weight_only = sorted({r.scheme.format for r in precision.rules if r.scheme.weight_only})
+    if not formats and not weight_only:
+        formats = [precision.quant]
     try:
-        return "; ".join(gemm_rate(f, hw, precision.method).path for f in formats)
+        paths = [gemm_rate(f, hw, precision.method).path for f in formats]
+        if weight_only:
+            gemm_rate(weight_only[0], hw, precision.method)  # the method runs here at all
+        paths += [f"weight-only: {f} weights dequantised to bf16 math" for f in weight_only]
+        return "; ".join(paths)
     except UnsupportedPrecisionError as exc:
         why = str(exc).split(": ", 1)[-1]
         raise UnsupportedPrecisionError(

@@ -31,7 +31,9 @@ from .precision import (
     nvfp4_scheme,
 )
 
-_MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4")
+_MODELOPT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "MIXED_PRECISION")
+# what each layer of a ModelOpt MIXED_PRECISION checkpoint may be stored in
+_MODELOPT_LAYER_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "FP8_PB_WO", "NVFP4", "W4A16_NVFP4")
 _METHODS = ("fp8", "mxfp4", "awq", "gptq", "compressed-tensors", "modelopt")
 # What `--quant X` on an unquantised checkpoint does (an engine's online quantisation, or a
 # checkpoint made with the format's usual tool), named as the engine's method.
@@ -161,6 +163,11 @@ def checkpoint_precision(
     if qc is not None:
         r = _Reader(qc, "quantization_config")
         method = r.get("quant_method", str)
+        producer = qc.get("producer") if isinstance(qc, Mapping) else None
+        if method is None and isinstance(producer, Mapping) and producer.get("name") == "modelopt":
+            # ModelOpt exports without quant_method (e.g. FP8 static per-tensor): vLLM takes
+            # ModelOpt's own fields (quant_algo) as hf_quant_config.json states them
+            method = "modelopt"
         if method is None:
             raise ConfigError("quantization_config.quant_method: missing; the checkpoint must say")
         method = method.lower()
@@ -293,26 +300,29 @@ def _modelopt(r: _Reader, base: Precision, *, compressed_style: bool) -> Precisi
             f"{r.where}.quant_algo {algo!r} is not modelled; OpWeave reads ModelOpt "
             f"{', '.join(_MODELOPT_ALGOS)}"
         )
-    if algo == "NVFP4":
-        scheme: WeightScheme = nvfp4_scheme(r.positive("group_size", 16) or 16)
-    elif algo == "FP8_PB_WO":
-        scheme = fp8_block_scheme()  # vLLM runs it as block FP8 W8A8 (ModelOptFp8PbWoLinearMethod)
+    if algo == "MIXED_PRECISION":
+        rules, lm_head = _modelopt_layers(r)
     else:
-        scheme = fp8_tensor_scheme(
-            static_input=algo == "FP8", per_channel=algo == "FP8_PER_CHANNEL_PER_TOKEN"
-        )
+        rules, lm_head = (QuantRule(scheme=_modelopt_scheme(r, algo)),), True
     if compressed_style:
-        kv = r.sub("kv_cache_scheme")
-        kv_algo = None if kv is None else _kv_scheme(kv)
+        kv_value = r.data.get("kv_cache_scheme")
+        if isinstance(kv_value, str):  # ModelOpt's own export names the algorithm
+            kv_algo: str | None = kv_value
+        else:
+            kv = r.sub("kv_cache_scheme")
+            kv_algo = None if kv is None else _kv_scheme(kv)
         ignore = r.names("ignore")
     else:
         kv_algo = r.get("kv_cache_quant_algo", str)
         ignore = r.names("exclude_modules")
+    method = {"NVFP4": "modelopt-nvfp4", "MIXED_PRECISION": "modelopt-mixed"}.get(
+        algo, "modelopt-fp8"
+    )
     update: dict[str, Any] = {
-        "rules": (QuantRule(scheme=scheme),),
+        "rules": rules,
         "ignore": ignore,
-        "lm_head": True,
-        "method": "modelopt-nvfp4" if algo == "NVFP4" else "modelopt-fp8",
+        "lm_head": lm_head,
+        "method": method,
         "source": f"{where}: ModelOpt {algo}",
     }
     if kv_algo is not None:
@@ -323,6 +333,42 @@ def _modelopt(r: _Reader, base: Precision, *, compressed_style: bool) -> Precisi
             )
         update |= {"kv_fp8": True, "kv_source": f"{where}: kv_cache_quant_algo FP8"}
     return base.model_copy(update=update)
+
+
+def _modelopt_scheme(r: _Reader, algo: str) -> WeightScheme:
+    """One ModelOpt algorithm's weight scheme (``group_size`` read from ``r`` for NVFP4)."""
+    if algo in ("NVFP4", "W4A16_NVFP4"):
+        group = r.positive("group_size", 16) or 16
+        # W4A16: NVFP4 weights, activations kept in the compute dtype (weight-only GEMMs)
+        return nvfp4_scheme(group).model_copy(update={"weight_only": algo == "W4A16_NVFP4"})
+    if algo == "FP8_PB_WO":
+        return fp8_block_scheme()  # vLLM runs it as block FP8 W8A8 (ModelOptFp8PbWoLinearMethod)
+    return fp8_tensor_scheme(
+        static_input=algo == "FP8", per_channel=algo == "FP8_PER_CHANNEL_PER_TOKEN"
+    )
+
+
+def _modelopt_layers(r: _Reader) -> tuple[tuple[QuantRule, ...], bool]:
+    """A ModelOpt MIXED_PRECISION checkpoint's ``quantized_layers``: each linear's own
+    algorithm (vLLM ``ModelOptMixedPrecisionConfig``); a linear not listed stays unquantised.
+    Returns one rule per scheme, and whether lm_head is among the layers."""
+    layers = r.sub("quantized_layers")
+    if layers is None or not layers.data:
+        raise ConfigError(f"{r.where}.quantized_layers: missing; a MIXED_PRECISION checkpoint "
+                          "lists each quantised layer")
+    by_scheme: dict[WeightScheme, list[str]] = {}
+    for name, spec in layers.data.items():
+        layer = _Reader(spec, f"{layers.where}.{name}")
+        algo = (layer.get("quant_algo", str) or "").upper()
+        if algo not in _MODELOPT_LAYER_ALGOS:
+            raise ConfigError(
+                f"{layer.where}.quant_algo {algo or None!r} is not modelled; OpWeave reads "
+                f"ModelOpt {', '.join(_MODELOPT_LAYER_ALGOS)} layers"
+            )
+        by_scheme.setdefault(_modelopt_scheme(layer, algo), []).append(str(name))
+    rules = tuple(QuantRule(targets=tuple(names), scheme=s) for s, names in by_scheme.items())
+    lm_head = any(n.rsplit(".", 1)[-1] == "lm_head" for n in layers.data)
+    return rules, lm_head
 
 
 def _kv_scheme(kv: _Reader) -> str:

@@ -81,7 +81,8 @@ def _quantized_weights(
             active = op.moe.top_k
         else:
             other_delta += delta * linear.count
-        flops += 2.0 * linear.in_features * linear.out_features * active
+        if not scheme.weight_only:  # weight-only GEMMs run at the compute dtype's rate
+            flops += 2.0 * linear.in_features * linear.out_features * active
     out: dict[str, object] = {
         "weight_format": formats.pop(),
         "quantized_flops_per_token": min(flops, op.flops_per_token),
