@@ -687,3 +687,41 @@ def test_hf_quant_config_is_found_beside_the_config(tmp_path: Path) -> None:
     (both / "config.json").write_text(json.dumps(fp8))
     (both / "hf_quant_config.json").write_text(json.dumps(quant))
     assert load_model(both).precision.quant == "fp8"
+
+
+def test_kimi_k2_5_wrapper_reads_its_text_models_int4_experts() -> None:
+    """moonshotai/Kimi-K2.5: a kimi_k25 wrapper whose text_config (kimi_k2, DeepSeek-V3's
+    architecture) carries the quantization_config: INT4 routed experts in groups of 32 with a
+    BF16 scale each (and compressed-tensors' weight_shape per tensor); attention, the shared
+    expert, the dense layer and lm_head stay in BF16 (its ignore list)."""
+    _needs("deepseek_v3")
+    spec = load_model(CHECKPOINTS / "kimi-k2.5.json")
+    t = config("kimi-k2.5.json")["text_config"]
+    assert spec.family == "deepseek_v3" and spec.precision.quant == "int4-wo"
+    h, layers, dense, vocab = t["hidden_size"], t["num_hidden_layers"], 1, t["vocab_size"]
+    heads, q_rank, kv_rank = t["num_attention_heads"], t["q_lora_rank"], t["kv_lora_rank"]
+    nope, rope, v = t["qk_nope_head_dim"], t["qk_rope_head_dim"], t["v_head_dim"]
+    experts, inter, moe_inter = t["n_routed_experts"], t["intermediate_size"], 2048
+
+    def int4(n_in: int, n_out: int) -> float:
+        return n_in * n_out / 2 + 2 * n_out * math.ceil(n_in / 32) + 16
+
+    attention = bf16(
+        h * q_rank,
+        q_rank * heads * (nope + rope),
+        h * (kv_rank + rope),
+        kv_rank * heads * (nope + v),
+        heads * v * h,
+        q_rank,
+        kv_rank,
+    )
+    routed = 2 * int4(h, moe_inter) + int4(moe_inter, h)
+    moe = bf16(h * experts, 3 * h * moe_inter) + 4 * experts + experts * routed
+    expected = (
+        layers * (attention + bf16(h, h))
+        + dense * bf16(3 * h * inter)
+        + (layers - dense) * moe
+        + bf16(vocab * h, vocab * h, h)
+    )
+    assert (t["first_k_dense_replace"], t["moe_intermediate_size"]) == (dense, moe_inter)
+    assert spec.weight_bytes == pytest.approx(expected, rel=1e-5)

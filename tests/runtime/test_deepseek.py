@@ -176,3 +176,41 @@ def test_bad_routing_configs_are_one_line_errors(overrides, message, model_dir, 
         LocalModel(folder)
     text = str(info.value)
     assert text.endswith(message) and "\n" not in text, text
+
+
+def test_a_kimi_k2_5_wrapper_checkpoint_serves_its_text_model(
+    model_dir, tmp_path, hf_greedy, prompts
+):
+    """Kimi-K2.5's layout (moonshotai/Kimi-K2.5: model_type kimi_k25 around a kimi_k2 text
+    config, weights under language_model.model. and language_model.lm_head): the tiny
+    DeepSeek-V3's weights renamed into it give the tiny model's own transformers tokens."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    wrapped = tmp_path / "kimi-k2.5"
+    wrapped.mkdir()
+    text = json.loads((model_dir / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": {"model_type": "kimi_k25_vision"},
+        "tie_word_embeddings": text.get("tie_word_embeddings", False),
+    }
+    (wrapped / "config.json").write_text(json.dumps(config))
+    tensors = load_file(model_dir / "model.safetensors")
+    save_file({f"language_model.{k}": v for k, v in tensors.items()}, wrapped / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (model_dir / name).exists():
+            (wrapped / name).write_bytes((model_dir / name).read_bytes())
+    spec = load_model(wrapped)
+    assert spec.family == "deepseek_v3" and spec.weight_bytes == load_model(model_dir).weight_bytes
+    plan = canonical_plan(spec, "colocated", gpu="cpu", batch=4, microbatches=1, tp=2)
+    requests = [Request(tuple(p), MAX_NEW_TOKENS) for p in prompts]
+    result = run_plan(plan, wrapped, requests, RunOptions(timeout_s=20.0))
+    assert result is not None
+    assert [list(o.token_ids) for o in result.outputs] == hf_greedy(
+        model_dir, prompts, MAX_NEW_TOKENS
+    )

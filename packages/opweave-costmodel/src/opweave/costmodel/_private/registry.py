@@ -216,9 +216,12 @@ FAMILIES: dict[str, Family] = {
                 router_score_bias="noaux_tc",
                 routed_scaling=True,
             ),
-            # DeepSeek-V3, -R1, -V3.1; Kimi-K2 ships model_type kimi_k2 with this architecture
+            # DeepSeek-V3, -R1, -V3.1; Kimi-K2 ships model_type kimi_k2 with this architecture,
+            # and Kimi-K2.5 its multimodal wrapper around that text model
             ("deepseek_v3", "kimi_k2"),
             ("DeepseekV3ForCausalLM",),
+            wrapper_model_types=("kimi_k25",),
+            wrapper_architectures=("KimiK25ForConditionalGeneration",),
             checkpoint=CheckpointNames(shared_expert="shared_experts"),
         ),
         Family(
