@@ -58,7 +58,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 def hf_greedy() -> Callable[[Path, Sequence[Sequence[int]], int], list[list[int]]]:
     """transformers' own greedy ``generate``, one prompt at a time (no padding), memoised."""
     import torch
-    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import hf_causal_lm
 
     cache: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
 
@@ -67,9 +68,7 @@ def hf_greedy() -> Callable[[Path, Sequence[Sequence[int]], int], list[list[int]
     ) -> list[list[int]]:
         missing = [p for p in prompts if (model_dir, tuple(p), max_new_tokens) not in cache]
         if missing:
-            model = AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype="auto"
-            )  # the config's dtype
+            model = hf_causal_lm(model_dir, dtype="auto")  # the config's dtype
             for p in missing:
                 out = model.generate(
                     torch.tensor([list(p)]), max_new_tokens=max_new_tokens, do_sample=False

@@ -279,3 +279,16 @@ GLM_4_5: dict[str, Any] = {
     "use_qk_norm": True,
     "vocab_size": 151552,
 }
+
+
+def hf_causal_lm(model_dir: Path, **kwargs: Any) -> Any:
+    """transformers' model of a checkpoint for text generation: its causal LM, or (a multimodal
+    wrapper transformers registers only as image-text-to-text, e.g. Qwen3-VL) that model, whose
+    ``generate`` and forward take text-only ``input_ids`` alike."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if type(config) in AutoModelForCausalLM._model_mapping:
+        return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
+    return AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)
+

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -550,3 +551,22 @@ def test_minimax_m2_is_m2_5s_architecture_in_block_fp8() -> None:
     assert params(bf16(builtin_config("minimax-m2"))) == params(
         bf16(builtin_config("minimax-m2.5"))
     )
+
+
+def test_qwen3_vl_wrappers_cost_their_qwen3_text_models() -> None:
+    """Qwen/Qwen3-VL-8B-Instruct and -30B-A3B-Instruct (released configs, byte copies in
+    checkpoints/): the text model under text_config is Qwen3 / Qwen3-MoE; the vision tower is
+    not part of the decode."""
+    checkpoints = Path(__file__).with_name("checkpoints")
+    dense = load_model(checkpoints / "qwen3-vl-8b.json")
+    t = json.loads((checkpoints / "qwen3-vl-8b.json").read_text())["text_config"]
+    assert dense.family == "qwen3_vl"
+    total, _ = params(dense)
+    assert total == _qwen3_count(t)[0]  # q/k norms per head, untied head
+    assert total == pytest.approx(8.2e9, rel=0.01)
+    moe = load_model(checkpoints / "qwen3-vl-30b-a3b.json")
+    t = json.loads((checkpoints / "qwen3-vl-30b-a3b.json").read_text())["text_config"]
+    assert moe.family == "qwen3_vl_moe"
+    assert params(moe) == _qwen3_count(t)
+    assert params(moe)[0] == pytest.approx(30.5e9, rel=0.01)
+    assert params(moe)[1] == pytest.approx(3.3e9, rel=0.03)

@@ -260,6 +260,19 @@ def test_unsupported_inputs_raise_user_errors(tmp_path):
         StageModule(folder, [(0, "rope")])
 
 
+def test_a_family_the_runtime_does_not_run_is_refused_by_name() -> None:
+    """Qwen3-VL-MoE is planned and estimated; its checkpoints store the experts fused and
+    transposed, which the runtime does not read: serving it is a one-line refusal."""
+    from pathlib import Path
+
+    from opweave.costmodel import load_model
+    from opweave.runtime._private.graph import check_runtime_support
+
+    config = Path(__file__).parents[1] / "costmodel/checkpoints/qwen3-vl-30b-a3b.json"
+    with pytest.raises(UnsupportedModelError, match="^the runtime does not implement qwen3_vl_moe"):
+        check_runtime_support(load_model(config))
+
+
 def test_shipped_configs_that_omit_default_keys_parse() -> None:
     """Released gemma-3 configs omit vocab_size & co. (equal to transformers' defaults)."""
     from opweave.costmodel import BUILTIN_MODELS, load_model

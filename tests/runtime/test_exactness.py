@@ -14,6 +14,7 @@ from opweave.runtime import (
     operator_sequence,
     write_tiny_model,
 )
+from tests.helpers import hf_causal_lm
 
 FAMILIES = tuple(TINY_CONFIGS)
 MAX_NEW_TOKENS = 16
@@ -34,10 +35,8 @@ def test_batched_greedy_tokens_match_transformers(family, tiny_model, hf_greedy,
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prefill_logits_close_to_transformers(family, tiny_model, prompts):
     """Catches numerical slips that happen not to flip a greedy token (e.g. a misplaced cast)."""
-    from transformers import AutoModelForCausalLM
-
     model_dir = tiny_model(family)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    hf = hf_causal_lm(model_dir, dtype=torch.float32)
     seq = operator_sequence(model_dir)
     stage = StageModule(model_dir, seq[:-1])  # stop before `sample`
     meta = BatchMeta(

@@ -109,6 +109,13 @@ class Qwen3Config(Qwen2Config):
     attention_bias: Flag = False
 
 
+class Qwen3VLTextConfig(Qwen3Config):
+    """Qwen3-VL's text model (transformers ``Qwen3VLTextConfig``): Qwen3's layers (the
+    multimodal RoPE reduces to Qwen3's for text, whose three position rows are equal)."""
+
+    max_position_embeddings: Tokens = 128000
+
+
 class _RoutedExperts(DecoderConfig):
     """Keys of the routed-expert families."""
 
@@ -128,6 +135,23 @@ class Qwen3MoeConfig(Qwen3Config, _RoutedExperts):
     moe_intermediate_size: Width = 768
     norm_topk_prob: Flag = False
     mlp_only_layers: LayerList = Field(default_factory=list)
+
+
+class Qwen3VLMoeTextConfig(Qwen3MoeConfig):
+    """Qwen3-VL-MoE's text model (transformers ``Qwen3VLMoeTextConfig``): Qwen3-MoE's layers."""
+
+    hidden_size: Width = 2048
+    intermediate_size: Width0 = 5632
+    num_hidden_layers: Layers = 24
+    num_attention_heads: Heads = 16
+    num_key_value_heads: OptHeads = 16
+    max_position_embeddings: Tokens = 128000
+    tie_word_embeddings: Flag = True
+    moe_intermediate_size: Width = 1408
+    num_experts: Experts0 = Field(
+        60, validation_alias=_experts_key("num_experts", "num_local_experts")
+    )
+    num_experts_per_tok: Experts = 4
 
 
 class MixtralConfig(_RoutedExperts):
@@ -364,6 +388,8 @@ __all__ = [
     "Qwen3Config",
     "Qwen3MoeConfig",
     "Qwen3NextConfig",
+    "Qwen3VLMoeTextConfig",
+    "Qwen3VLTextConfig",
     "Qwen3_5MoeTextConfig",
     "Qwen3_5TextConfig",
 ]

@@ -40,6 +40,8 @@ from .family_schemas import (
     Qwen3Config,
     Qwen3MoeConfig,
     Qwen3NextConfig,
+    Qwen3VLMoeTextConfig,
+    Qwen3VLTextConfig,
 )
 
 
@@ -149,6 +151,25 @@ FAMILIES: dict[str, Family] = {
             _flags(_QWEN_WINDOW, qk_norm="per_head", moe="sparse_step"),
             ("qwen3_moe",),
             ("Qwen3MoeForCausalLM",),
+        ),
+        # Qwen3-VL: multimodal wrappers around Qwen3 and Qwen3-MoE text models
+        Family(
+            "qwen3_vl",
+            Qwen3VLTextConfig,
+            _flags(_QWEN_WINDOW, qk_norm="per_head"),
+            ("qwen3_vl_text",),
+            (),
+            wrapper_model_types=("qwen3_vl",),
+            wrapper_architectures=("Qwen3VLForConditionalGeneration",),
+        ),
+        Family(
+            "qwen3_vl_moe",
+            Qwen3VLMoeTextConfig,
+            _flags(_QWEN_WINDOW, qk_norm="per_head", moe="sparse_step"),
+            ("qwen3_vl_moe_text",),
+            (),
+            wrapper_model_types=("qwen3_vl_moe",),
+            wrapper_architectures=("Qwen3VLMoeForConditionalGeneration",),
         ),
         Family(
             "mixtral",

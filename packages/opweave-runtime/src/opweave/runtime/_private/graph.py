@@ -56,6 +56,7 @@ RUNTIME_FAMILIES = (
     "qwen3_next",
     "qwen3_5_moe",
     "qwen3_5",
+    "qwen3_vl",
     "deepseek_v3",
     "gpt_oss",
     "minimax_m2",

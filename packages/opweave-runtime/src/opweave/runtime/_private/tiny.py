@@ -152,6 +152,17 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "routed_scaling_factor": 2.5,
         "norm_topk_prob": True,
     },
+    # Qwen3-VL: Qwen3's layers in a multimodal wrapper, interleaved multimodal RoPE (equal to
+    # Qwen3's for text), weights under model.language_model.
+    "qwen3_vl": {
+        "head_dim": 32,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [6, 5, 5],
+            "mrope_interleaved": True,
+        },
+    },
     # MiniMax-M2: one q and one k norm over all heads, half of each head rotated (rotary_dim,
     # as the released config says it), sigmoid routing with a selection bias, experts as
     # block_sparse_moe.experts.N.w1/w2/w3.
@@ -227,7 +238,11 @@ _VISION_STUB: dict[str, Any] = {
     "num_heads": 2,
     "out_hidden_size": 64,
 }
-_TINY_VISION: dict[str, dict[str, Any]] = {"qwen3_5_moe": _VISION_STUB, "qwen3_5": _VISION_STUB}
+_TINY_VISION: dict[str, dict[str, Any]] = {
+    "qwen3_5_moe": _VISION_STUB,
+    "qwen3_5": _VISION_STUB,
+    "qwen3_vl": _VISION_STUB | {"deepstack_visual_indexes": []},
+}
 _WRAPPER_KEYS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
