@@ -260,16 +260,20 @@ def test_unsupported_inputs_raise_user_errors(tmp_path):
         StageModule(folder, [(0, "rope")])
 
 
-def test_a_family_the_runtime_does_not_run_is_refused_by_name() -> None:
-    """Qwen3-VL-MoE is planned and estimated; its checkpoints store the experts fused and
-    transposed, which the runtime does not read: serving it is a one-line refusal."""
+@pytest.mark.parametrize(
+    ("checkpoint", "family"),
+    [("qwen3-vl-30b-a3b.json", "qwen3_vl_moe"), ("deepseek-v3.2.json", "deepseek_v32")],
+)
+def test_a_family_the_runtime_does_not_run_is_refused_by_name(checkpoint, family) -> None:
+    """Planned and estimated, not served: Qwen3-VL-MoE's checkpoints store the experts fused and
+    transposed, and the runtime has no DSA indexer; serving them is a one-line refusal."""
     from pathlib import Path
 
     from opweave.costmodel import load_model
     from opweave.runtime._private.graph import check_runtime_support
 
-    config = Path(__file__).parents[1] / "costmodel/checkpoints/qwen3-vl-30b-a3b.json"
-    with pytest.raises(UnsupportedModelError, match="^the runtime does not implement qwen3_vl_moe"):
+    config = Path(__file__).parents[1] / "costmodel/checkpoints" / checkpoint
+    with pytest.raises(UnsupportedModelError, match=f"^the runtime does not implement {family}"):
         check_runtime_support(load_model(config))
 
 

@@ -153,6 +153,21 @@ class ExpertsSpec(Frozen):
     )
 
 
+class SparseIndexSpec(Frozen):
+    """DeepSeek Sparse Attention (DSA: DeepSeek-V3.2, GLM-5): a lightning indexer scores every
+    cached token with ``index_n_heads`` small heads of ``index_head_dim`` over its own key cache,
+    and MLA attends only the ``index_topk`` best (DeepSeek-V3.2-Exp report, arXiv:2512.02556;
+    ``DeepseekV32Indexer`` in transformers)."""
+
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    indexer_layers: tuple[int, ...] = Field(
+        description="Layers that run an indexer of their own (the others reuse another "
+        "layer's selection: GLM-5.2's 'shared' indexer_types)."
+    )
+
+
 class Architecture(Frozen):
     """Everything a decode step computes, resolved from a config once.
 
@@ -200,6 +215,7 @@ class Architecture(Frozen):
     )
     attn_sinks: bool = Field(default=False, description="A learned sink logit per head.")
     mla: MLASpec | None = None
+    sparse_index: SparseIndexSpec | None = None
     moe: ExpertsSpec | None = None
     moe_layers: tuple[int, ...] = ()
     linear_attn: LinearAttentionSpec | None = None
@@ -286,6 +302,7 @@ def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None)
         ),
         attn_sinks=flags.attn_sinks,
         mla=mla,
+        sparse_index=_sparse_index(cfg, num_layers, moe_layers) if flags.sparse_index else None,
         moe=moe,
         moe_layers=moe_layers,
         linear_attn=(
@@ -502,6 +519,34 @@ def _mla(cfg: Any) -> MLASpec:
         qk_rope_head_dim=cfg.qk_rope_head_dim,
         v_head_dim=cfg.v_head_dim,
         rope_interleave=cfg.rope_interleave,
+    )
+
+
+def _sparse_index(cfg: Any, n: int, moe_layers: tuple[int, ...]) -> SparseIndexSpec:
+    """The DSA indexer of a config; its per-layer lists must agree with the layer count and
+    the MoE layout the other keys give."""
+    types = cfg.indexer_types
+    if types is None:
+        indexer_layers = tuple(range(n))
+    else:
+        if len(types) != n or any(t not in ("full", "shared") for t in types):
+            raise ConfigError(
+                f"indexer_types: expected {n} entries of 'full' or 'shared', got {show(types)}"
+            )
+        indexer_layers = tuple(i for i, t in enumerate(types) if t == "full")
+    mlp_types = cfg.mlp_layer_types
+    if mlp_types is not None:
+        sparse = tuple(i for i, t in enumerate(mlp_types) if t == "sparse")
+        if len(mlp_types) != n or sparse != moe_layers:
+            raise ConfigError(
+                "mlp_layer_types: disagrees with first_k_dense_replace and moe_layer_freq "
+                f"(MoE layers {moe_layers[:4]}...); give consistent values"
+            )
+    return SparseIndexSpec(
+        index_n_heads=cfg.index_n_heads,
+        index_head_dim=cfg.index_head_dim,
+        index_topk=cfg.index_topk,
+        indexer_layers=indexer_layers,
     )
 
 

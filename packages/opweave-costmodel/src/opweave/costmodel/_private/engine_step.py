@@ -90,6 +90,7 @@ class AttentionKind:
     kv_bytes_per_token: float  # resident state per attended position
     kv_bytes_fixed: float  # resident state per request
     weight_bytes: float = 0.0  # read once per step (a linear-attention layer's conv weights)
+    fp8_math: bool = False  # its FLOPs run on FP8 tensor cores (a DSA indexer's scoring)
 
     def attended(self, context: NDArray[np.float64]) -> NDArray[np.float64]:
         return np.minimum(context, self.window)
@@ -105,9 +106,10 @@ def _attention_kind(model: ModelSpec, op: OperatorSpec, tp: int, count: int) -> 
         pair = heads * 2.0 * (mla.qk_head_dim + mla.v_head_dim)
         prefix = heads * 2.0 * mla.kv_lora_rank * (mla.qk_nope_head_dim + mla.v_head_dim)
     act = op.activation_bytes_per_token * share
+    window = math.inf if op.state_window_tokens is None else float(op.state_window_tokens)
     return AttentionKind(
         count=count,
-        window=math.inf if op.state_window_tokens is None else float(op.state_window_tokens),
+        window=window,
         fixed_s=0.0,
         bytes_per_request=act + 2.0 * op.state_bytes_fixed * state,
         bytes_per_attended=op.state_bytes_per_context_token * state,
@@ -120,6 +122,38 @@ def _attention_kind(model: ModelSpec, op: OperatorSpec, tp: int, count: int) -> 
         kv_bytes_fixed=op.state_bytes_fixed * state,
         weight_bytes=op.weight_bytes * share,
     )
+
+
+def _attention_kinds(
+    model: ModelSpec, op: OperatorSpec, tp: int, count: int
+) -> list[AttentionKind]:
+    """``op``'s attention kinds. A DSA layer's is two: MLA over the top-k tokens (a window of
+    ``index_topk`` for what it reads and computes, holding nothing itself), and the indexer
+    over the whole context, which holds the layer's cache (the latent and the index keys) and
+    scores every position, whole on every rank."""
+    kind = _attention_kind(model, op, tp, count)
+    if op.sparse_attended_tokens is None:
+        return [kind]
+    state = state_shard_fraction(op, tp)
+    top_k = float(op.sparse_attended_tokens)
+    sparse = replace(kind, window=top_k, kv_bytes_per_token=0.0)
+    index = AttentionKind(
+        count=count,
+        window=math.inf,
+        fixed_s=0.0,
+        bytes_per_request=0.0,
+        bytes_per_attended=op.index_bytes_per_context_token * state,
+        act_bytes_per_token=0.0,
+        flops_per_token=0.0,
+        flops_per_attended=op.index_flops_per_context_token,
+        prefill_flops_per_pair=op.index_flops_per_context_token,
+        prefill_flops_per_prefix_token=0.0,
+        kv_bytes_per_token=(op.state_bytes_per_context_token + op.index_bytes_per_context_token)
+        * state,
+        kv_bytes_fixed=0.0,
+        fp8_math=True,
+    )
+    return [sparse, index]
 
 
 def _unique_ops(model: ModelSpec) -> list[tuple[OperatorSpec, int]]:
@@ -164,9 +198,9 @@ class EngineStepCost:
         body, head, kinds = [], [], []
         for op, count in _unique_ops(model):
             if op.holds_state:
-                kind = _attention_kind(model, op, par.tp, count)
+                first, *rest = _attention_kinds(model, op, par.tp, count)
                 fixed = launch_s(op, hardware) * count
-                kinds.append(replace(kind, fixed_s=fixed))
+                kinds.extend([replace(first, fixed_s=fixed), *rest])
             elif op.name in PER_REQUEST_OPS:
                 head.append((op, count))
             else:
@@ -237,9 +271,10 @@ class EngineStepCost:
             num_bytes = requests * kind.bytes_per_request + summed * kind.bytes_per_attended
             num_bytes = num_bytes + (kind.weight_bytes if requests or chunks else 0.0)
             flops = requests * kind.flops_per_token + summed * kind.flops_per_attended
+            rate = (hw.effective_fp8_flops or hw.effective_flops) if kind.fp8_math else None
             seconds = np.maximum(
                 (num_bytes + pre_bytes) / hw.effective_bandwidth,
-                (flops + pre_flops) / hw.effective_flops,
+                (flops + pre_flops) / (rate or hw.effective_flops),
             )
             total = total + kind.count * seconds + kind.fixed_s
         return total

@@ -351,6 +351,36 @@ class Glm4MoeConfig(_RoutedExperts):
     moe_layer_freq: Layers = 1
 
 
+class DeepseekV32Config(DeepseekV3Config):
+    """transformers ``DeepseekV32Config``: DeepSeek-V3's keys and the DSA indexer's."""
+
+    max_position_embeddings: Tokens = 163840
+    index_topk: Tokens = 2048
+    index_head_dim: Width = 128
+    index_n_heads: Heads = 64
+    indexer_types: OptStrList = None
+    mlp_layer_types: OptStrList = None
+
+
+class GlmMoeDsaConfig(DeepseekV32Config):
+    """transformers ``GlmMoeDsaConfig`` (GLM-5): DeepSeek-V3.2's layout at its own sizes."""
+
+    vocab_size: Vocab = 154880
+    hidden_size: Width = 6144
+    intermediate_size: Width = 12288
+    num_hidden_layers: Layers = 78
+    num_attention_heads: Heads = 64
+    num_key_value_heads: OptHeads = 64
+    max_position_embeddings: Tokens = 202752
+    q_lora_rank: OptWidth = 2048
+    qk_nope_head_dim: Width = 192
+    v_head_dim: Width = 256
+    rms_norm_eps: Positive = 1e-5
+    n_group: Experts = 1
+    topk_group: Experts = 1
+    index_n_heads: Heads = 32
+
+
 class MiniMaxM2Config(_RoutedExperts):
     """transformers ``MiniMaxM2Config``; ``rotary_dim``, ``scoring_func`` and
     ``use_routing_bias`` as vLLM's ``minimax_m2.py`` reads them from the remote-code config the
@@ -376,9 +406,11 @@ class MiniMaxM2Config(_RoutedExperts):
 
 __all__ = [
     "DecoderConfig",
+    "DeepseekV32Config",
     "DeepseekV3Config",
     "Gemma3TextConfig",
     "Glm4MoeConfig",
+    "GlmMoeDsaConfig",
     "GptOssConfig",
     "LlamaConfig",
     "MiniMaxM2Config",

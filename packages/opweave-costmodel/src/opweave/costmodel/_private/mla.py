@@ -17,6 +17,18 @@ latent. The operators:
   cache is read once for all heads;
 - ``o_proj``: the output times ``W_UV`` per head, then ``o_proj``.
 
+DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5; ``Architecture.sparse_index``) adds a lightning
+indexer to a layer: ``wq_b`` (``q_lora_rank`` to ``index_n_heads x index_head_dim``), ``wk``
+(hidden to one ``index_head_dim`` key) with a LayerNorm, and ``weights_proj`` (hidden to one
+weight per index head, kept in BF16 by the checkpoints) in ``qkv_proj``; in ``core_attn`` it
+scores every cached token, ``2 x index_n_heads x index_head_dim`` FLOPs a position, over its own
+key cache of ``index_head_dim`` FP8 values and an FP32 scale per 128 (132 bytes a token and layer
+for DeepSeek-V3.2, as vLLM's indexer cache holds it, whatever the KV-cache dtype), and MLA then
+reads and attends only the ``index_topk`` tokens it selects (DeepSeek-V3.2-Exp report,
+arXiv:2512.02556, §2; transformers ``DeepseekV32Indexer``). The indexer runs whole on every
+tensor-parallel rank (vLLM builds its linears replicated). A layer of GLM-5.2 whose
+``indexer_types`` entry is ``shared`` reuses another layer's selection: no indexer of its own.
+
 Tensor parallelism splits the heads but not the latent: vLLM builds the MLA cache with one KV
 head (``MLAAttentionSpec``), so every rank holds and reads the whole cache
 (``OperatorSpec.state_tp_replicated``) -- why DeepSeek serving uses data-parallel attention.
@@ -27,6 +39,7 @@ bias there.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Protocol
 
 from .architecture import Architecture
@@ -70,7 +83,20 @@ def mla_attention(b: OpBuilder, i: int, names: CheckpointNames) -> tuple[Operato
     q_up = (lq or h) * nq * (nope + rope)  # q_b_proj (or q_proj)
     kv_down = h * latent + lkv  # kv_a_proj_with_mqa + kv_a_layernorm
     w_uk = lkv * nq * nope
-    qkv_params = q_down + q_up + kv_down + w_uk
+    dsa = a.sparse_index
+    indexed = dsa is not None and i in dsa.indexer_layers
+    index_params = 0
+    index_linears: tuple[LinearShape, ...] = ()
+    if dsa is not None and indexed:
+        ni, di = dsa.index_n_heads, dsa.index_head_dim
+        index_params = (lq or h) * ni * di + h * di + 2 * di + h * ni  # wq_b, wk, k_norm, weights
+        index_linears = (
+            LinearShape(
+                module=f"{names.attention}.indexer.wq_b", in_features=lq or h, out_features=ni * di
+            ),
+            LinearShape(module=f"{names.attention}.indexer.wk", in_features=h, out_features=di),
+        )
+    qkv_params = q_down + q_up + kv_down + w_uk + index_params
     q_absorbed = nq * (lkv + rope)  # the query in the latent space, with its rope part
     attn = names.attention
     q_linears = (
@@ -91,10 +117,12 @@ def mla_attention(b: OpBuilder, i: int, names: CheckpointNames) -> tuple[Operato
             act=h + 2 * ((lq or 0) + latent) + nq * (nope + rope) + nq * nope + nq * lkv,
             boundary=q_absorbed + latent + h,
             shard_units=nq,
-            tp_replicated_fraction=(q_down + kv_down) / qkv_params,
-            # q_a and kv_a as one GEMM (vLLM's fused_qkv_a_proj), two norms, q_b, the W_UK bmm
-            kernels=5 if lq else 4,
+            tp_replicated_fraction=(q_down + kv_down + index_params) / qkv_params,
+            # q_a and kv_a as one GEMM (vLLM's fused_qkv_a_proj), two norms, q_b, the W_UK bmm;
+            # an indexer's wq_b, wk, its LayerNorm and weights_proj
+            kernels=(5 if lq else 4) + (4 if indexed else 0),
             linears=(
+                *index_linears,
                 *q_linears,
                 LinearShape(
                     module=f"{attn}.kv_a_proj_with_mqa", in_features=h, out_features=latent
@@ -124,8 +152,9 @@ def mla_attention(b: OpBuilder, i: int, names: CheckpointNames) -> tuple[Operato
             boundary=nq * lkv + h,
             shard_units=nq,
             # the token's latent written into the paged cache (concat_and_cache_mla), then the
-            # MLA decode kernel over it
-            kernels=2,
+            # MLA decode kernel over it; with DSA the index key written, the scores, the top-k
+            kernels=2 + (3 if indexed else 0),
+            **_sparse_fields(a, indexed),
         ),
         b._op(
             "o_proj",
@@ -143,3 +172,17 @@ def mla_attention(b: OpBuilder, i: int, names: CheckpointNames) -> tuple[Operato
             ),
         ),
     )
+
+
+def _sparse_fields(a: Architecture, indexed: bool) -> dict[str, Any]:
+    """``core_attn``'s DSA fields: the top-k it attends, and (in a layer with an indexer of its
+    own) the indexer's key cache and scoring FLOPs per context token."""
+    dsa = a.sparse_index
+    if dsa is None:
+        return {}
+    out: dict[str, Any] = {"sparse_attended_tokens": dsa.index_topk}
+    if indexed:
+        d = dsa.index_head_dim
+        out["index_bytes_per_context_token"] = d + 4.0 * math.ceil(d / 128)  # FP8 + FP32 scales
+        out["index_flops_per_context_token"] = 2.0 * dsa.index_n_heads * d + dsa.index_n_heads
+    return out

@@ -113,6 +113,21 @@ class OperatorSpec(Frozen):
     state_bytes_fixed: float = Field(
         default=0.0, description="Context-independent state per request."
     )
+    sparse_attended_tokens: int | None = Field(
+        default=None,
+        description="DSA: attention reads and computes over at most this many of the held "
+        "context tokens (the indexer's top-k); None = all it holds.",
+    )
+    index_bytes_per_context_token: float = Field(
+        default=0.0,
+        description="DSA: the indexer's key cache per context token, held and read over the "
+        "whole context (always FP8 with its scales, whatever the KV-cache dtype).",
+    )
+    index_flops_per_context_token: float = Field(
+        default=0.0,
+        description="DSA: the indexer's scoring FLOPs per token per context position, run "
+        "whole on every tensor-parallel rank.",
+    )
     activation_bytes_per_token: float = Field(
         default=0.0, description="Activation bytes read and written per token (HBM traffic)."
     )
@@ -178,10 +193,18 @@ class OperatorSpec(Frozen):
             return s
         return np.minimum(s, float(self.state_window_tokens))
 
+    def read_tokens(self, context: ArrayLike) -> NDArray[np.float64]:
+        """Context positions attention reads: those it holds, at most the DSA top-k."""
+        held = self.attended_tokens(context)
+        if self.sparse_attended_tokens is None:
+            return held
+        return np.minimum(held, float(self.sparse_attended_tokens))
+
     def state_bytes(self, context: ArrayLike) -> NDArray[np.float64]:
         """Per-request resident state at context length ``s``."""
         return (
             self.state_bytes_per_context_token * self.attended_tokens(context)
+            + self.index_bytes_per_context_token * np.asarray(context, dtype=np.float64)
             + self.state_bytes_fixed
         )
 
@@ -202,8 +225,9 @@ class OperatorSpec(Frozen):
 
     def state_bytes_read(self, context: ArrayLike) -> NDArray[np.float64]:
         """State traffic per request per step: KV is read; recurrent state is read and written."""
-        kv = self.state_bytes_per_context_token * self.attended_tokens(context)
-        return kv + 2.0 * self.state_bytes_fixed
+        kv = self.state_bytes_per_context_token * self.read_tokens(context)
+        index = self.index_bytes_per_context_token * np.asarray(context, dtype=np.float64)
+        return kv + index + 2.0 * self.state_bytes_fixed
 
     def bytes_moved(self, batch: ArrayLike, context: ArrayLike) -> NDArray[np.float64]:
         b = np.asarray(batch, dtype=np.float64)
@@ -216,7 +240,16 @@ class OperatorSpec(Frozen):
     def flops(self, batch: ArrayLike, context: ArrayLike) -> NDArray[np.float64]:
         b = np.asarray(batch, dtype=np.float64)
         return b * (
-            self.flops_per_token + self.attn_flops_per_context_token * self.attended_tokens(context)
+            self.flops_per_token
+            + self.attn_flops_per_context_token * self.read_tokens(context)
+        ) + self.index_flops(b, context)
+
+    def index_flops(self, batch: ArrayLike, context: ArrayLike) -> NDArray[np.float64]:
+        """The DSA indexer's share of :meth:`flops` (replicated over tensor-parallel ranks)."""
+        return (
+            np.asarray(batch, dtype=np.float64)
+            * self.index_flops_per_context_token
+            * np.asarray(context, dtype=np.float64)
         )
 
 
@@ -239,6 +272,7 @@ class LayerSpec(Frozen):
                     o.weight_bytes,
                     o.flops_per_token,
                     o.state_bytes_per_context_token,
+                    o.index_bytes_per_context_token,
                     o.weight_format,
                 )
                 for o in self.ops

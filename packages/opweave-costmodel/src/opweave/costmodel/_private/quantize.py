@@ -131,7 +131,7 @@ def mxfp4_expert_blocks(
 # but for MLA's down-projections, which every rank holds whole (ReplicatedLinear in vLLM's
 # deepseek_v2.py; mla.py), so no shard of them has to hold whole scale blocks.
 ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "w2"})
-REPLICATED = frozenset({"q_a_proj", "kv_a_proj_with_mqa"})
+REPLICATED = frozenset({"q_a_proj", "kv_a_proj_with_mqa", "wq_b", "wk"})  # + the DSA indexer's
 
 
 # formats whose scales cover blocks or groups of a weight, and how errors name them

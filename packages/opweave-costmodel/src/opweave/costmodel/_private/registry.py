@@ -27,8 +27,10 @@ from .base import Frozen
 from .config_fields import ConfigSchema, field_names, show
 from .family_schemas import (
     DeepseekV3Config,
+    DeepseekV32Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
+    GlmMoeDsaConfig,
     GptOssConfig,
     LlamaConfig,
     MiniMaxM2Config,
@@ -49,6 +51,7 @@ class FamilyFlags(Frozen):
     """What a family's decoder layer does, as data (defaults: a Llama layer)."""
 
     attention: Literal["gqa", "mla"] = "gqa"
+    sparse_index: bool = False  # a DSA indexer selects the tokens MLA attends
     qk_norm: Literal["none", "per_head", "per_layer", "use_qk_norm"] = "none"
     gemma_norms: bool = False
     sandwich_norms: bool = False
@@ -124,6 +127,17 @@ _HYBRID_DELTANET = FamilyFlags(
     layer_pattern="full_every_interval",
     reads_sliding_window=False,
     shared_experts="gated",
+)
+
+_DSA = FamilyFlags(
+    attention="mla",
+    sparse_index=True,
+    moe="first_k_dense",
+    shared_experts="n_shared",
+    router_scoring="config",
+    router_groups=True,
+    router_score_bias="noaux_tc",
+    routed_scaling=True,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -243,6 +257,23 @@ FAMILIES: dict[str, Family] = {
             ("DeepseekV3ForCausalLM",),
             wrapper_model_types=("kimi_k25",),
             wrapper_architectures=("KimiK25ForConditionalGeneration",),
+            checkpoint=CheckpointNames(shared_expert="shared_experts"),
+        ),
+        # DeepSeek Sparse Attention over DeepSeek-V3's layers: DeepSeek-V3.2, GLM-5
+        Family(
+            "deepseek_v32",
+            DeepseekV32Config,
+            _DSA,
+            ("deepseek_v32",),
+            ("DeepseekV32ForCausalLM",),
+            checkpoint=CheckpointNames(shared_expert="shared_experts"),
+        ),
+        Family(
+            "glm_moe_dsa",
+            GlmMoeDsaConfig,
+            _DSA,
+            ("glm_moe_dsa",),
+            ("GlmMoeDsaForCausalLM",),
             checkpoint=CheckpointNames(shared_expert="shared_experts"),
         ),
         Family(

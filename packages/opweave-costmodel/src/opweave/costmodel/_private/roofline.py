@@ -65,8 +65,16 @@ def op_bytes_and_flops(
     op: OperatorSpec, tp: int, batch: float, context: float
 ) -> tuple[float, float]:
     """Bytes moved and FLOPs of one rank for one execution."""
-    flops = float(op.flops(batch, context)) * shard_fraction(op, tp)
+    index = float(op.index_flops(batch, context))  # every rank scores every token whole
+    flops = (float(op.flops(batch, context)) - index) * shard_fraction(op, tp) + index
     return bytes_moved_per_rank(op, tp, batch, context), flops
+
+
+def index_s(flops: float, hw: HardwareSpec) -> float:
+    """Seconds of a DSA indexer's scoring FLOPs: its q.k logits run in FP8 (DeepGEMM's
+    ``fp8_mqa_logits``, as vLLM and SGLang run DeepSeek-V3.2's indexer) where the GPU has FP8
+    tensor cores, else at the dense rate."""
+    return flops / (hw.effective_fp8_flops or hw.effective_flops) if flops else 0.0
 
 
 @dataclass(frozen=True)
@@ -95,7 +103,9 @@ class RooflineLatency:
             return {"roofline": 0.0, "kernel_launch": 0.0, "moe_experts": 0.0, "step": 0.0}
         hw = self.hardware
         num_bytes, flops = op_bytes_and_flops(op, tp, batch, context)
-        math_s = compute_s(op, hw, flops, batch, shard_fraction(op, tp))
+        index = float(op.index_flops(batch, context))  # DSA's FP8 scoring (index_s)
+        math_s = compute_s(op, hw, flops - index, batch, shard_fraction(op, tp))
+        math_s += index_s(index, hw)
         return {
             "roofline": max(num_bytes / hw.effective_bandwidth, math_s),
             "kernel_launch": launch_s(op, hw),

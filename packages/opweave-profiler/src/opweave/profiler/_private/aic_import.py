@@ -159,6 +159,8 @@ class _Mapper:
         if op.name in GEMM_OPS:
             return self._gemm_op(op, tp, batch)
         if op.name == "core_attn" and layer is not None:
+            if op.sparse_attended_tokens is not None:
+                return None, "DeepSeek Sparse Attention (its indexer) is not in the database"
             if layer.attention.value == "linear":
                 return self._gdn(tp, batch)
             window = layer.window_tokens
