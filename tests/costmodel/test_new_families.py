@@ -376,24 +376,6 @@ SMALL = {
         },
         "torch_dtype": "float32",
     },
-    "qwen3_5": {
-        "architectures": ["Qwen3_5ForConditionalGeneration"],
-        "model_type": "qwen3_5",
-        "text_config": {
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 16,
-            "linear_num_key_heads": 2,
-            "linear_num_value_heads": 4,
-            "linear_key_head_dim": 16,
-            "linear_value_head_dim": 16,
-            "vocab_size": 100,
-        },
-        "torch_dtype": "float32",
-    },
     "glm4_moe": {
         "architectures": ["Glm4MoeForCausalLM"],
         "model_type": "glm4_moe",
@@ -428,6 +410,20 @@ SMALL = {
         "vocab_size": 100,
         "torch_dtype": "float32",
     },
+}
+
+
+# Qwen3.5's dense sibling: the same small text model with a dense MLP instead of experts
+SMALL["qwen3_5"] = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "text_config": {
+        k: v
+        for k, v in SMALL["qwen3_5_moe"]["text_config"].items()
+        if "expert" not in k and not k.startswith("num_experts")
+    }
+    | {"intermediate_size": 96},
+    "torch_dtype": "float32",
 }
 
 

@@ -265,17 +265,9 @@ def _mixed(layers: int = 64) -> dict[str, Any]:
 
 def test_modelopt_mixed_precision_reads_each_layers_format() -> None:
     spec = model_spec_from_config(_qwen3_32b_config(_mixed()))
-    h, layers, nq, nkv, d, inter, vocab = QWEN3_32B.values()
-    fp8 = lambda i, o: i * o + 8  # noqa: E731 - FP8 values, FP32 weight and input scales
-    layer = (
-        fp8(h, nq * d)
-        + 2 * fp8(h, nkv * d)
-        + fp8(nq * d, h)
-        + 2 * nvfp4(h, inter)
-        + nvfp4(inter, h)
-        + bf16(h, h, d, d)
-    )
-    expected = layers * layer + nvfp4(h, vocab) + bf16(vocab * h, h)  # lm_head NVFP4
+    h, layers, vocab = QWEN3_32B["h"], QWEN3_32B["layers"], QWEN3_32B["vocab"]
+    # attention in FP8 (values, FP32 weight and input scales), the MLP and lm_head in NVFP4
+    expected = _qwen3_32b(lambda i, o: i * o + 8, mlp=nvfp4, head=nvfp4(h, vocab))
     assert spec.weight_bytes == pytest.approx(expected, abs=4 * layers)
     assert (spec.precision.quant, spec.precision.method) == ("fp8+nvfp4", "modelopt-mixed")
     assert spec.precision.kv_cache_dtype == "fp8"
@@ -311,17 +303,21 @@ def test_malformed_mixed_precision(change: dict[str, Any], message: str) -> None
 QWEN3_32B = dict(h=5120, layers=64, nq=64, nkv=8, d=128, inter=25600, vocab=151936)
 
 
-def _qwen3_32b(weight: Any) -> float:
+def _qwen3_32b(weight: Any, *, mlp: Any = None, head: float | None = None) -> float:
+    """Qwen3-32B's bytes: attention linears in ``weight``, the MLP's in ``mlp`` (default the
+    same), lm_head ``head`` bytes (default BF16); norms and embeddings in BF16."""
     h, layers, nq, nkv, d, inter, vocab = QWEN3_32B.values()
+    mlp = mlp or weight
     layer = (
         weight(h, nq * d)
         + 2 * weight(h, nkv * d)
         + weight(nq * d, h)
-        + 2 * weight(h, inter)
-        + weight(inter, h)
+        + 2 * mlp(h, inter)
+        + mlp(inter, h)
         + bf16(h, h, d, d)
     )
-    return layers * layer + bf16(vocab * h, vocab * h, h)
+    head = bf16(vocab * h) if head is None else head
+    return layers * layer + head + bf16(vocab * h, h)
 
 
 @pytest.mark.parametrize(

@@ -119,6 +119,20 @@ def _flags(base: FamilyFlags, **changes: Any) -> FamilyFlags:
     return FamilyFlags.model_validate({**base.model_dump(), **changes})
 
 
+def _wrapper(name: str, schema: type[ConfigSchema], flags: FamilyFlags, cls: str) -> Family:
+    """A family known only as a multimodal wrapper: ``model_type`` ``name`` around a
+    ``{name}_text`` text model, architecture ``{cls}ForConditionalGeneration``."""
+    return Family(
+        name,
+        schema,
+        flags,
+        (f"{name}_text",),
+        (),
+        wrapper_model_types=(name,),
+        wrapper_architectures=(f"{cls}ForConditionalGeneration",),
+    )
+
+
 _QWEN_WINDOW = FamilyFlags(layer_pattern="max_window_layers", window_needs_use_sliding_window=True)
 _HYBRID_DELTANET = FamilyFlags(
     qk_norm="per_head",
@@ -129,9 +143,9 @@ _HYBRID_DELTANET = FamilyFlags(
     shared_experts="gated",
 )
 
-_DSA = FamilyFlags(
+# DeepSeek-V3: MLA, the first layers dense, shared + group-limited routed experts
+_DEEPSEEK = FamilyFlags(
     attention="mla",
-    sparse_index=True,
     moe="first_k_dense",
     shared_experts="n_shared",
     router_scoring="config",
@@ -139,6 +153,7 @@ _DSA = FamilyFlags(
     router_score_bias="noaux_tc",
     routed_scaling=True,
 )
+_DSA = _flags(_DEEPSEEK, sparse_index=True)
 
 FAMILIES: dict[str, Family] = {
     f.name: f
@@ -167,23 +182,14 @@ FAMILIES: dict[str, Family] = {
             ("Qwen3MoeForCausalLM",),
         ),
         # Qwen3-VL: multimodal wrappers around Qwen3 and Qwen3-MoE text models
-        Family(
-            "qwen3_vl",
-            Qwen3VLTextConfig,
-            _flags(_QWEN_WINDOW, qk_norm="per_head"),
-            ("qwen3_vl_text",),
-            (),
-            wrapper_model_types=("qwen3_vl",),
-            wrapper_architectures=("Qwen3VLForConditionalGeneration",),
+        _wrapper(
+            "qwen3_vl", Qwen3VLTextConfig, _flags(_QWEN_WINDOW, qk_norm="per_head"), "Qwen3VL"
         ),
-        Family(
+        _wrapper(
             "qwen3_vl_moe",
             Qwen3VLMoeTextConfig,
             _flags(_QWEN_WINDOW, qk_norm="per_head", moe="sparse_step"),
-            ("qwen3_vl_moe_text",),
-            (),
-            wrapper_model_types=("qwen3_vl_moe",),
-            wrapper_architectures=("Qwen3VLMoeForConditionalGeneration",),
+            "Qwen3VLMoe",
         ),
         Family(
             "mixtral",
@@ -242,15 +248,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "deepseek_v3",
             DeepseekV3Config,
-            FamilyFlags(
-                attention="mla",
-                moe="first_k_dense",
-                shared_experts="n_shared",
-                router_scoring="config",
-                router_groups=True,
-                router_score_bias="noaux_tc",
-                routed_scaling=True,
-            ),
+            _DEEPSEEK,
             # DeepSeek-V3, -R1, -V3.1; Kimi-K2 ships model_type kimi_k2 with this architecture,
             # and Kimi-K2.5 its multimodal wrapper around that text model
             ("deepseek_v3", "kimi_k2"),

@@ -37,6 +37,21 @@ _COMMON: dict[str, Any] = {
     "tie_word_embeddings": False,
 }
 
+# Qwen3.5's layers (MoE and dense models alike)
+_QWEN3_5_LAYERS: dict[str, Any] = {
+    "num_hidden_layers": 4,
+    "head_dim": 32,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 10_000.0,
+        "partial_rotary_factor": 0.25,
+    },
+}
+
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Llama 3.1-style frequency scaling, with a short original context so every band is exercised.
     "llama": {
@@ -102,37 +117,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Qwen3.5: Qwen3-Next's layers with four gated-DeltaNet input projections, every layer
     # sparse, the attention output gate; written as the released checkpoints are, a multimodal
     # wrapper (text model under text_config, weights under model.language_model.).
-    "qwen3_5_moe": {
-        "num_hidden_layers": 4,
-        "head_dim": 32,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
+    "qwen3_5_moe": _QWEN3_5_LAYERS
+    | {
         "num_experts": 4,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
         "shared_expert_intermediate_size": 48,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000.0,
-            "partial_rotary_factor": 0.25,
-        },
     },
     # Qwen3.5's dense models (27B, 0.8B-9B): the same layers with a dense MLP, also a wrapper
-    "qwen3_5": {
-        "num_hidden_layers": 4,
-        "head_dim": 32,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 64,
-        "linear_value_head_dim": 64,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 10_000.0,
-            "partial_rotary_factor": 0.25,
-        },
-    },
+    "qwen3_5": _QWEN3_5_LAYERS,
     # GLM-4.5: q/k/v biases, per-head q/k norms, half of each head rotated, then DeepSeek-V3's
     # MoE (a dense first layer, group-limited sigmoid routing with a selection bias, a shared
     # expert, routed scaling)
