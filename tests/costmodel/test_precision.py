@@ -283,6 +283,30 @@ def test_modelopt_mixed_precision_reads_each_layers_format() -> None:
         estimate_step(spec, A100, tp=1, batch=1, context=1024)
 
 
+def test_weight_only_experts_dispatch_their_bf16_activations() -> None:
+    """Under expert parallelism a W4A16 NVFP4 expert takes BF16 inputs (2 bytes an element),
+    an NVFP4 (W4A4) one its FP4 values and scales on Blackwell."""
+    from opweave.costmodel._private.parallelism import dispatch_element_bytes
+
+    moe = load_model("qwen3-30b-a3b")
+    w4a16 = _mixed(0) | {
+        "quantized_layers": {
+            f"model.layers.{i}.mlp.experts.{e}.{name}": {"quant_algo": "W4A16_NVFP4"}
+            for i in range(48)
+            for e in range(128)
+            for name in ("gate_proj", "up_proj", "down_proj")
+        }
+    }
+    spec = model_spec_from_config(builtin_config("qwen3-30b-a3b") | {"quantization_config": w4a16})
+    experts = next(op for op in spec.operators if op.moe is not None)
+    assert experts.weight_format == "nvfp4" and experts.quantized_flops_per_token == 0
+    assert dispatch_element_bytes(spec, experts, B200_FP4) == 2.0
+    fp4 = load_model("qwen3-30b-a3b", quant="nvfp4")
+    fp4_experts = next(op for op in fp4.operators if op.moe is not None)
+    assert dispatch_element_bytes(fp4, fp4_experts, B200_FP4) < 2.0
+    assert moe.arch.moe is not None
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -292,6 +316,11 @@ def test_modelopt_mixed_precision_reads_each_layers_format() -> None:
             r"quantized_layers.lm_head.quant_algo 'MXFP8' is not modelled",
         ),
         ({"quantized_layers": {"lm_head": "FP8"}}, "quantized_layers.lm_head: expected an object"),
+        (
+            {"quantized_layers": {"visual.blocks.0.attn.qkv": {"quant_algo": "FP8"}}},
+            "none of its quantized_layers is a linear of this qwen3 model",
+        ),
+        ({"kv_cache_scheme": "INT8"}, r"quantization_config.kv_cache_scheme 'INT8'"),
     ],
 )
 def test_malformed_mixed_precision(change: dict[str, Any], message: str) -> None:

@@ -113,8 +113,28 @@ def test_the_serving_engine_costs_a_dsa_layer_as_the_decode_step_does() -> None:
         ({"indexer_types": ["full"] * 3}, "indexer_types: expected 61 entries"),
         ({"mlp_layer_types": ["sparse"] * 61}, "mlp_layer_types: disagrees"),
         ({"index_topk": 0}, r"index_topk: 0 is out of range"),
+        ({"indexer_types": ["shared"] + ["full"] * 60}, "indexer_types: the first layer"),
     ],
 )
 def test_malformed_sparse_attention_keys(change: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         model_spec_from_config(config("deepseek-v3.2.json") | change)
+
+
+def test_transformers_layer_type_names_of_dsa_layers_are_full_attention() -> None:
+    """NVIDIA's GLM-5.2 NVFP4 config lists its layers as transformers 5 names them."""
+    c = config("glm-5.2-fp8.json") | {"layer_types": ["deepseek_sparse_attention"] * 78}
+    assert model_spec_from_config(c).arch.layer_types == ("full_attention",) * 78
+
+
+def test_dsa_prefill_attends_the_latent_over_the_top_k() -> None:
+    """A prefill chunk's sparse MLA: each query over at most index_topk positions, in the
+    absorbed form (no up-projection of the prompt so far); the indexer over all positions."""
+    spec = load_model(CHECKPOINTS / "deepseek-v3.2.json")
+    cost = EngineStepCost.build(spec, H200, Parallelism(tp=1, ep=8, dp=8))
+    sparse, index = cost.kinds[:2]
+    attn = next(op for op in spec.layers[5].ops if op.name == "core_attn")
+    assert sparse.prefill_flops_per_prefix_token == 0
+    assert sparse.prefill_flops_per_pair == attn.attn_flops_per_context_token
+    assert index.prefill_flops_per_pair == attn.index_flops_per_context_token
+    assert (sparse.window, index.window) == (2048, math.inf)

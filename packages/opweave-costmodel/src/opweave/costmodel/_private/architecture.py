@@ -346,6 +346,9 @@ def _layers(family: Family, cfg: Any, n: int) -> tuple[tuple[LayerType, ...], in
     if flags.window_needs_use_sliding_window and not cfg.use_sliding_window:
         window = None
     given = cfg.layer_types
+    if given is not None and flags.sparse_index:
+        # transformers 5 names GLM-5's layers by their attention: DSA over full attention
+        given = [FULL if t == "deepseek_sparse_attention" else t for t in given]
     if given is not None:
         if len(given) != n:
             raise ConfigError(f"layer_types: {len(given)} entries for {n} layers")
@@ -534,6 +537,11 @@ def _sparse_index(cfg: Any, n: int, moe_layers: tuple[int, ...]) -> SparseIndexS
                 f"indexer_types: expected {n} entries of 'full' or 'shared', got {show(types)}"
             )
         indexer_layers = tuple(i for i, t in enumerate(types) if t == "full")
+        if types and types[0] != "full":
+            raise ConfigError(
+                "indexer_types: the first layer must run its own indexer ('full'); a 'shared' "
+                "layer reuses the selection of a layer before it"
+            )
     mlp_types = cfg.mlp_layer_types
     if mlp_types is not None:
         sparse = tuple(i for i, t in enumerate(mlp_types) if t == "sparse")

@@ -136,7 +136,15 @@ def _attention_kinds(
         return [kind]
     state = state_shard_fraction(op, tp)
     top_k = float(op.sparse_attended_tokens)
-    sparse = replace(kind, window=top_k, kv_bytes_per_token=0.0)
+    # sparse MLA (FlashMLA's sparse kernels) attends the latent itself in prefill as in
+    # decode, the absorbed form: no up-projection of the prompt so far
+    sparse = replace(
+        kind,
+        window=top_k,
+        kv_bytes_per_token=0.0,
+        prefill_flops_per_pair=kind.flops_per_attended,
+        prefill_flops_per_prefix_token=0.0,
+    )
     index = AttentionKind(
         count=count,
         window=math.inf,

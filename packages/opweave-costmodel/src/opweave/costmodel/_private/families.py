@@ -11,6 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ConfigError
 from . import linears
 from .architecture import FULL, SLIDING, Architecture, resolve_architecture
 from .blocks import partition_block
@@ -62,6 +63,14 @@ def model_spec_from_config(
     )
     builder = _Builder(arch, _DTYPE_BYTES[arch.dtype])
     layers = tuple(quantize_layer(builder.layer(i), precision) for i in range(arch.num_layers))
+    post_ops = quantize_ops(builder.post_ops(), precision)
+    if precision.method == "modelopt-mixed" and not any(
+        op.weight_format for layer in layers for op in layer.ops
+    ) and not any(op.weight_format for op in post_ops):
+        raise ConfigError(
+            f"{precision.source}: none of its quantized_layers is a linear of this "
+            f"{arch.family} model; check that the checkpoint's config belongs to these weights"
+        )
     identity: dict[str, Any] = {"config": text, "dtype": arch.dtype}
     if precision.quantized or precision.kv_fp8:  # unquantised models keep their digest
         identity["precision"] = precision.model_dump(exclude={"source", "kv_source"})
@@ -77,7 +86,7 @@ def model_spec_from_config(
         max_context_tokens=arch.max_position_embeddings,
         pre_ops=quantize_ops(builder.pre_ops(), precision),
         layers=layers,
-        post_ops=quantize_ops(builder.post_ops(), precision),
+        post_ops=post_ops,
         block=partition_block(layers),
         config_sha256=digest,
         arch=arch,

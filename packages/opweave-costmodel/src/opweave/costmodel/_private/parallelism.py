@@ -64,7 +64,7 @@ from .formulas import max_resident_batch
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .profile import LatencyModel
-from .quantize import block_tp_problem
+from .quantize import block_tp_problem, weight_only
 from .roofline import (
     ProfiledLatency,
     RooflineLatency,
@@ -182,8 +182,8 @@ def dispatch_element_bytes(model: ModelSpec, op: OperatorSpec, hw: HardwareSpec)
     if model.dtype == "float8_e4m3fn":
         return FP8_DISPATCH_BYTES_PER_ELEMENT
     fmt = op.weight_format
-    if fmt is None or fmt not in _LOW_PRECISION_INPUTS:
-        return BF16_BYTES
+    if fmt is None or fmt not in _LOW_PRECISION_INPUTS or weight_only(op):
+        return BF16_BYTES  # weight-only GEMMs (W4A16) take their inputs in the compute dtype
     return FP8_DISPATCH_BYTES_PER_ELEMENT if getattr(hw, _LOW_PRECISION_INPUTS[fmt]) else BF16_BYTES
 
 

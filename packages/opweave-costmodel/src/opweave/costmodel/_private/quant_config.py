@@ -327,8 +327,9 @@ def _modelopt(r: _Reader, base: Precision, *, compressed_style: bool) -> Precisi
     }
     if kv_algo is not None:
         if kv_algo.upper() != "FP8":
+            key = "kv_cache_scheme" if compressed_style else "kv_cache_quant_algo"
             raise ConfigError(
-                f"{r.where}.kv_cache_quant_algo {kv_algo!r}: OpWeave models an FP8 KV cache; "
+                f"{r.where}.{key} {kv_algo!r}: OpWeave models an FP8 KV cache; "
                 "pass --kv-cache-dtype fp8"
             )
         update |= {"kv_fp8": True, "kv_source": f"{where}: kv_cache_quant_algo FP8"}

@@ -33,6 +33,12 @@ def linear_paths(module: str, layer: int | None, expert: bool) -> tuple[str, ...
     return (path,)
 
 
+def weight_only(op: OperatorSpec) -> bool:
+    """Whether ``op``'s quantised weights are weight-only (``WeightScheme.weight_only``): stored
+    in their format, multiplied in the compute dtype, so none of its FLOPs is quantised."""
+    return op.weight_format is not None and op.quantized_flops_per_token == 0
+
+
 def _is_expert(op: OperatorSpec, linear: LinearShape) -> bool:
     return op.moe is not None and linear.count == op.moe.num_experts and linear.count > 1
 

@@ -84,7 +84,8 @@ FUSED = (
     frozenset({"q_a_proj", "kv_a_proj_with_mqa"}),
 )
 ROW_PARALLEL = {"o_proj", "down_proj", "out_proj"}
-REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "gate", "shared_expert_gate"}
+# every rank runs these whole: MLA's down-projections, routers, a DSA indexer's projections
+REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "gate", "shared_expert_gate", "wq_b", "wk"}
 GEMM_DTYPES = {
     "bf16": "bfloat16",
     "fp16": "bfloat16",
@@ -121,6 +122,10 @@ class ImportRun:
 
 
 def _format(op: OperatorSpec, model: ModelSpec) -> str | None:
+    """The database dtype of ``op``'s GEMMs; None for weight-only quantised weights (W4A16
+    NVFP4: the database times W4A4 kernels only), which stay on the roofline."""
+    if op.weight_format is not None and op.quantized_flops_per_token == 0:
+        return None
     return op.weight_format or COMPUTE.get(model.precision.compute_dtype)
 
 
@@ -179,7 +184,8 @@ class _Mapper:
         dtype = GEMM_DTYPES.get(fmt or "")
         table = self.kernels.gemm.get(dtype or "")
         if table is None:
-            return None, f"no {fmt} GEMMs in the database"
+            what = fmt or f"weight-only {op.weight_format}"
+            return None, f"no {what} GEMMs in the database"
         arch, total, how = self.model.arch, 0.0, "measured"
         for kind, n, k in _gemms(op, tp):
             if kind == "gemm":
