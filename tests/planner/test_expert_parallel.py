@@ -87,14 +87,41 @@ def test_dense_models_and_profiled_devices_keep_tensor_parallelism(tiny_moe) -> 
 def test_the_planner_offers_only_splits_the_runtime_serves() -> None:
     """gpt-oss-120b's MXFP4 experts (90 scale blocks of 32) split evenly over TP 1 and 2 only;
     engines also run TP 4 and 8 with uneven whole-block shards, and estimates cost those, but
-    the runtime does not, so the planner's degrees leave them out."""
+    the runtime does not, so plain TP owners stop at 2. Attention splits over 4 and 8, and under
+    expert parallelism each GPU holds whole experts: those owners are offered."""
     from pathlib import Path
 
-    from opweave.costmodel import load_model, tp_problem
+    from opweave.costmodel import Parallelism, load_model, parallelism_problem, tp_problem
     from opweave.planner import resolve_devices
 
     config = Path(__file__).parents[1] / "costmodel" / "checkpoints" / "gpt-oss-120b.json"
     model = load_model(config)
     (b200,) = resolve_devices(["b200"], model)
-    assert b200.tps == (1, 2)
+    assert (b200.tps, b200.plain_tps) == ((1, 2, 4, 8), (1, 2))
     assert all(tp_problem(model, tp, engine_splits=True) is None for tp in (4, 8))
+    assert parallelism_problem(model, Parallelism(tp=8), b200.hardware) is not None
+    assert parallelism_problem(model, Parallelism(tp=8, ep=8), b200.hardware) is None
+    result = plan(model, ["b200"], context=4096, tpot_slo_s=0.05)
+    for p in [result.best, *result.baselines.values()]:
+        for o in [] if p is None else p.owners:
+            assert o.tp in (1, 2) or o.ep > 1, o
+
+
+def test_block_fp8_experts_that_do_not_split_over_tp8_are_offered_tp8_with_ep8() -> None:
+    """Qwen3-235B-A22B-FP8's experts (1536 channels) are not whole 128-wide blocks over TP 8;
+    with EP 8 every GPU holds whole experts (vLLM's --enable-expert-parallel at TP 8)."""
+    from pathlib import Path
+
+    from opweave.costmodel import load_model
+    from opweave.planner import resolve_devices
+    from opweave.planner._private.space import candidate_parallelisms
+
+    config = Path(__file__).parents[1] / "costmodel" / "checkpoints" / "qwen3-235b-a22b-fp8.json"
+    model = load_model(config)
+    (h100,) = resolve_devices(["h100"], model)
+    assert (h100.tps, h100.plain_tps) == ((1, 2, 4, 8), (1, 2, 4))
+    offered = candidate_parallelisms(h100, model.operators)
+    assert any((p.tp, p.ep, p.dp) == (8, 8, 1) for p in offered)
+    result = plan(model, ["h100"], context=4096, tpot_slo_s=0.08)
+    owners = [o for p in [result.best, *result.baselines.values()] if p for o in p.owners]
+    assert owners and not any(o.tp == 8 and o.ep == 1 for o in owners)

@@ -60,6 +60,9 @@ class Device:
     network: Link
     # what the profile measured of the device's host (nothing for a GPU): see .host
     host: HostModel = NO_HOST
+    # the degrees of ``tps`` over which the routed experts split too (plain TP owners); the
+    # others serve MoE layers only with the experts over the GPUs of each expert (EP)
+    plain_tps: tuple[int, ...] | None = None
 
     def link(self, kind: str) -> Link:
         return self.intra if kind == "intra_node" else self.network
@@ -158,8 +161,12 @@ def resolve_devices(
             tps = tuple(tp for tp in TP_DEGREES if tp <= hw.gpus_per_node)
             src = f"{hw.id}:roofline"
         check_runs(model.precision, hw)  # a weight format the GPU cannot run is an error
-        # only degrees the runtime can shard the model's operators over (costmodel's rule)
-        tps = tuple(tp for tp in tps if tp_problem(model, tp) is None)
+        # only degrees the runtime can shard the model's operators over (costmodel's rule);
+        # the routed experts need not split over them: under EP they split over the GPUs of
+        # each expert instead (the owners check each parallelism: owners.py)
+        dense = [op for op in model.operators if op.moe is None]
+        plain_tps = tuple(tp for tp in tps if tp_problem(model, tp) is None)
+        tps = tuple(tp for tp in tps if tp_problem(model, tp, dense) is None)
         if not tps:
             raise ConfigError(
                 f"{model.name} cannot be sharded over any tensor-parallel degree {hw.id} "
@@ -176,6 +183,7 @@ def resolve_devices(
                 intra=_link(latency, "intra_node"),
                 network=_link(latency, "network"),
                 host=HostModel.of(prof),
+                plain_tps=plain_tps,
             )
         )
     return out

@@ -150,7 +150,9 @@ class OwnerSpace:
                         return False
                 return True
 
-            self.cache[key] = tuple(p for p in pars if p.plain or legal(p))
+            # plain TP at a degree the whole model splits over needs no check (devices.py)
+            plain = dev.tps if dev.plain_tps is None else dev.plain_tps
+            self.cache[key] = tuple(p for p in pars if (p.plain and p.tp in plain) or legal(p))
         return self.cache[key]  # type: ignore[return-value]
 
     def prunable(self, job: Job) -> bool:
