@@ -68,3 +68,106 @@ def test_clients_beyond_the_decode_slots_wait_in_their_ttft(serving: ModuleType)
     ttft_free, tpot_free = serving._pd(_row(96, 1000), model)
     assert tpot_free > tpot_ms
     assert ttft_free < 0.1 * ttft_ms
+
+
+class _Recorder:
+    """Stands in for ``aic_estimator.AicEstimator``: records what each row asks of it."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def decode_step_ms(self, d, batch: int, context: int) -> float:
+        self.calls.append(("decode", d, batch, context))
+        return 1.0
+
+    def serving_ms(self, d, batch: int, isl: int, osl: int, budget: int) -> tuple[float, float]:
+        self.calls.append(("serving", d, batch, isl, osl, budget))
+        return 2.0, 3.0
+
+
+@pytest.fixture(scope="module")
+def aic() -> ModuleType:
+    # serving_accuracy imports its sibling by name, as costmodel_accuracy.py puts it on the path
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        return load_script(BENCH / "aic_estimator.py")
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_another_estimator_is_given_the_rows_deployment(
+    serving: ModuleType, aic: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(__import__("sys").modules, "aic_estimator", aic)
+    rec = _Recorder()
+    # a DP-attention decode pool: 2 workers of 8 GPUs, attention DP 8, experts over 8; cap 16
+    # per rank: 2 x 8 x 16 = 256 slots for 200 clients, 100 per worker, 12.5 per rank
+    row = _row(200, 16) | {
+        "model": "deepseek-v3",
+        "quant": "fp8-block",
+        "gpu": "gb200",
+        "kv_cache_dtype": "fp8",
+        "decode_pool": {"gpus": 16, "workers": 2, "tp": 8, "ep": 8, "dp_attention": True},
+    }
+    assert serving.other_estimate(row, rec) == (None, 1.0)
+    kind, d, batch, context = rec.calls[-1]
+    assert kind == "decode"
+    assert (d.tp, d.ep, d.dp, d.kv_cache_dtype) == (8, 8, 8, "fp8")
+    assert batch == round(100 / 8)
+    assert context == 900 + 450 // 2
+    # an aggregated InferenceX row: lengths uniform in [0.8 L, L], vLLM's budget on a B200
+    agg = {
+        "model": "deepseek-v3",
+        "quant": "fp8-block",
+        "gpu": "b200",
+        "engine": "sglang",
+        "deployment": "aggregated",
+        "source": "InferenceX run",
+        "tp": 8,
+        "ep": 1,
+        "dp": 1,
+        "isl": 1024,
+        "osl": 1024,
+        "concurrency": 64,
+    }
+    assert serving.other_estimate(agg, rec) == (2.0, 3.0)
+    kind, d, batch, isl, osl, budget = rec.calls[-1]
+    assert (kind, d.tp, d.ep, d.dp, d.kv_cache_dtype) == ("serving", 8, 1, 1, "auto")
+    assert (batch, isl, osl, budget) == (64, 922, 922, 8192)
+    # the serve command's own budget and sequence cap win
+    capped = agg | {"serve_command": "--chunked-prefill-size 16384 --max-running-requests 32"}
+    serving.other_estimate(capped, rec)
+    assert rec.calls[-1][2] == 32 and rec.calls[-1][5] == 16384
+
+
+def test_the_other_estimator_names_what_it_cannot_estimate(aic: ModuleType) -> None:
+    d = aic.Deployment("llama-3.3-70b", "fp8", "h100-sxm", "nim", 2, 1, 1, "auto")
+    with pytest.raises(aic.NotCovered, match="no config of it in the package"):
+        aic.AicEstimator.__new__(aic.AicEstimator)._inputs(d)
+    with pytest.raises(aic.NotCovered, match="mi300x: no system"):
+        aic.AicEstimator.__new__(aic.AicEstimator)._inputs(d.__class__(
+            "deepseek-v3", "fp8-block", "mi300x", "sglang", 8, 8, 8, "auto"
+        ))  # fmt: skip
+    with pytest.raises(aic.NotCovered, match="engine nim"):
+        aic.engine_backend("nim")
+
+
+def test_without_the_package_the_comparison_is_a_one_line_error(
+    aic: ModuleType, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from importlib import metadata
+
+    def absent(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(aic.metadata, "version", absent)
+    monkeypatch.setitem(__import__("sys").modules, "aic_estimator", aic)
+    accuracy = load_script(BENCH / "costmodel_accuracy.py")
+    with pytest.raises(SystemExit) as exit_:
+        accuracy.main(["--other", "aiconfigurator"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "pip install 'opweave-profiler[aiconfigurator]'" in err

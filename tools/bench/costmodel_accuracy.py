@@ -69,6 +69,13 @@ on GPUs the database has no system for, or of engines it has no tables of are co
 with the reason).
 
     python tools/bench/costmodel_accuracy.py --profiles aiconfigurator [--set production]
+
+``--other aiconfigurator`` (same extra) prints another published estimator beside OpWeave on
+the production P/D decode rows and the serving rows: NVIDIA AIConfigurator's own estimates
+(``aic_estimator.py`` beside this file says how each row is described to it), per row and
+the median errors of both per group, over the rows both describe.
+
+    python tools/bench/costmodel_accuracy.py --other aiconfigurator [--set production|serving]
 """
 
 from __future__ import annotations
@@ -757,14 +764,15 @@ def print_side_by_side(
     pairs: Sequence[tuple[Any, Any]],
     groups: Sequence[tuple[str, Callable[[Any], bool]]],
     width: int,
+    labels: tuple[str, str] = ("roofline", "imported"),
 ) -> None:
-    """Per group with rows, the roofline's errors (each pair's first) over the imported
-    profile's (its second)."""
+    """Per group with rows, the errors of each pair's first estimate (the roofline's) over its
+    second's (the imported profile's, or another estimator's)."""
     for name, keep in groups:
         base = [b for b, _ in pairs if keep(b)]
         if base:
-            print(f"{name:<{width}}roofline {summary(base)}")
-            print(f"{'':<{width}}imported {summary([i for _, i in pairs if keep(i)])}")
+            print(f"{name:<{width}}{labels[0]} {summary(base)}")
+            print(f"{'':<{width}}{labels[1]} {summary([i for _, i in pairs if keep(i)])}")
 
 
 def run_imported_production() -> None:
@@ -851,6 +859,79 @@ def run_imported_production() -> None:
             print(f"  {n} x {why}")
 
 
+# -- another published estimator on the same rows (--other aiconfigurator) -----------------------
+def _aic_estimator() -> ModuleType:
+    """``aic_estimator.py`` beside this file (a sibling script, importable by name)."""
+    here = str(Path(__file__).parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import aic_estimator
+
+    return aic_estimator
+
+
+def run_other_production(estimator: Any) -> None:
+    """The production P/D decode rows: OpWeave's decode step beside aiconfigurator's (its
+    ``decode_step_latency`` at the same deployment, requests per attention rank and context;
+    a fractional batch interpolated between the whole batches on either side, as OpWeave's)."""
+    aic = _aic_estimator()
+    data, rows = load_production()
+    ours = evaluate_production([r for r in rows if r.in_scope and r.deployment == "pd"], data)
+    pairs: list[tuple[ProductionResult, ProductionResult]] = []
+    skipped: dict[str, int] = {}
+    for r in ours:
+        row = r.row
+        if r.estimate_ms is None:
+            continue
+        d = aic.Deployment(
+            row.model, row.quant, row.gpu, row.engine, row.tp, row.ep, row.dp, row.kv_cache_dtype
+        )
+        low, high = production_batches(row)
+        frac = row.decoding - low
+        try:
+            ms = estimator.decode_step_ms(d, low, row.context)
+            if frac > 0:
+                ms = (1 - frac) * ms + frac * estimator.decode_step_ms(d, high, row.context)
+        except aic.NotCovered as exc:
+            why = f"{row.model} on {row.gpu} tp {row.tp} ep {row.ep} dp {row.dp}: {exc}"
+            skipped[why] = skipped.get(why, 0) + 1
+            continue
+        pairs.append((r, ProductionResult(row, ms)))
+    print(
+        f"\nProduction P/D decode rows ({PRODUCTION.name}): OpWeave's decode step beside "
+        f"aiconfigurator-core {aic.version()}'s own ({', '.join(sorted(estimator.versions))}); "
+        f"{len(pairs)} rows both describe"
+    )
+    head = (
+        f"{'model':<15}{'quant':<10}{'gpu':<9}{'tp':>3}{'ep':>4}{'dp':>4}{'batch':>7}"
+        f"{'context':>8}{'meas ms':>9}{'opweave':>9}{'err':>8}{'aic':>9}{'err':>8}  engine"
+    )
+    print(head)
+    print("-" * len(head))
+    for mine, theirs in pairs:
+        row = mine.row
+        assert mine.estimate_ms is not None and theirs.estimate_ms is not None
+        print(
+            f"{row.model:<15}{row.quant:<10}{row.gpu:<9}{row.tp:>3}{row.ep:>4}{row.dp:>4}"
+            f"{row.decoding:>7g}{row.context:>8}{row.measured_ms:>9.2f}{mine.estimate_ms:>9.2f}"
+            f"{100 * mine.error:>+7.1f}%{theirs.estimate_ms:>9.2f}{100 * theirs.error:>+7.1f}%  "
+            f"{row.engine}"
+        )
+    groups: list[tuple[str, Callable[[Any], bool]]] = [("all", lambda r: True)]
+    for group in GROUPS:
+        groups.append((group, lambda r, g=group: g in r.row.groups))
+    for gpu in sorted({m.row.gpu for m, _ in pairs}):
+        groups.append((f"GPU {gpu}", lambda r, g=gpu: r.row.gpu == g))
+    for engine in sorted({m.row.engine for m, _ in pairs}):
+        groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
+    print("\nErrors, signed = (estimate - measured) / measured")
+    print_side_by_side(pairs, groups, width=28, labels=("opweave ", "aic     "))
+    if skipped:
+        print("\nNot estimated by aiconfigurator:")
+        for why, n in sorted(skipped.items()):
+            print(f"  {n} x {why}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--fixed-costs", choices=("on", "off"), default="on")
@@ -873,12 +954,28 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="compare the reference and production decode rows (--set) with profiles "
         "imported from this source beside the roofline",
     )
+    parser.add_argument(
+        "--other",
+        choices=("aiconfigurator",),
+        help="print another published estimator's figures beside OpWeave's on the production "
+        "P/D decode rows and the serving rows (--set)",
+    )
     parser.add_argument("--model", help="model the profile was measured on (default: its name)")
     parser.add_argument("--gpu", help="catalog GPU to model the profile with (default: its device)")
     args = parser.parse_args(argv)
     try:
         if args.profile is not None:
             run_profile(args.profile, args.model, args.gpu)
+        elif args.other == "aiconfigurator":
+            aic = _aic_estimator()
+            why = aic.missing()
+            if why is not None:
+                parser.exit(2, f"error: {why}\n")
+            estimator = aic.AicEstimator()
+            if args.set in ("production", "all"):
+                run_other_production(estimator)
+            if args.set in ("serving", "all"):
+                _serving_set().run_other(serving_model, estimator)
         elif args.profiles == "aiconfigurator":
             if args.set in ("reference", "all"):
                 run_imported()

@@ -157,24 +157,47 @@ def dense_dp(row: dict[str, Any], pool: dict[str, Any]) -> bool:
     return "tensorrt-llm" in engine or (engine == "dynamo+sglang" and row["gpu"] in RACK_SCALE)
 
 
-def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
-    hw = default_catalog().get(row["gpu"])
-    pre, dec = row["prefill_pool"], row["decode_pool"]
+def _layout(pool: dict[str, Any]) -> tuple[int, int, int]:
+    """(TP inside attention, EP, attention DP ranks) of a P/D pool."""
+    tp, ep = int(pool["tp"]), int(pool.get("ep", 1))
+    return (1, ep, tp) if pool.get("dp_attention") else (tp, ep, 1)
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """Where a P/D row's decode workers run: requests decoding in all and per worker, and the
+    mean context (InferenceX's mean lengths: 0.9 of the nominal ones)."""
+
+    isl: int
+    osl: int
+    decoding: int
+    per_worker: int
+
+    @property
+    def context(self) -> int:
+        return self.isl + self.osl // 2
+
+
+def decode_point(row: dict[str, Any]) -> DecodePoint:
+    dec = row["decode_pool"]
     conc = int(row["concurrency"])
     isl, osl = round(float(row["isl"]) * 0.9), round(float(row["osl"]) * 0.9)  # InferenceX means
-
-    def layout(pool: dict[str, Any]) -> tuple[int, int, int]:
-        tp, ep = int(pool["tp"]), int(pool.get("ep", 1))
-        return (1, ep, tp) if pool.get("dp_attention") else (tp, ep, 1)
-
-    dtp, dep, ddp = layout(dec)
     workers = int(dec["workers"])
     # the decode workers admit at most their batch cap (per DP rank with DP attention): the
     # recipe's, where the row names it ([DYNAMO-FIRST] in the data file: the client's first
     # token comes from the decode worker, so clients beyond the slots wait inside their TTFT)
-    slots = workers * ddp * int(row.get("decode_max_batch", conc))
+    slots = workers * _layout(dec)[2] * int(row.get("decode_max_batch", conc))
     decoding = min(conc, slots)
-    per_worker = max(1, round(decoding / workers))
+    return DecodePoint(isl, osl, decoding, max(1, round(decoding / workers)))
+
+
+def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
+    hw = default_catalog().get(row["gpu"])
+    pre, dec = row["prefill_pool"], row["decode_pool"]
+    conc = int(row["concurrency"])
+    point = decode_point(row)
+    isl, osl, decoding, per_worker = point.isl, point.osl, point.decoding, point.per_worker
+    dtp, dep, ddp = _layout(dec)
     step = estimate_step(
         model,
         hw,
@@ -182,12 +205,12 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
         ep=dep,
         dp=ddp,
         batch=per_worker,
-        context=isl + osl // 2,
+        context=point.context,
         host=host_profile("overlapped"),
         dense_dp=dense_dp(row, dec),
     ).step_latency_s
     rate = decoding / (osl * step)  # closed loop: a decoding request lasts about osl steps
-    ptp, pep, pdp = layout(pre)
+    ptp, pep, pdp = _layout(pre)
     w = Workload(isl=Lengths.fixed(isl), osl=Lengths.fixed(osl), rate_per_s=rate)
     pool = prefill_pool(
         model, hw, tp=ptp, ep=pep, dp=pdp, workload=w, rate_per_s=rate / int(pre["workers"])
@@ -287,6 +310,110 @@ def run_serving(model_of: Callable[[dict[str, Any]], ModelSpec]) -> None:
             why = f"{row['model']} on {row['gpu']} ({row['deployment']}): {r.why}"
             reasons[why] = reasons.get(why, 0) + 1
         for why, n in sorted(reasons.items()):
+            print(f"  {n} x {why}")
+
+
+def other_estimate(row: dict[str, Any], estimator: Any) -> tuple[float | None, float]:
+    """(TTFT, TPOT) in ms of another estimator (``aic_estimator.AicEstimator``) for a row,
+    given the deployment and the point OpWeave's estimate uses: an aggregated row's
+    requests in flight per instance (at most the engine's ``max_num_seqs``), mean lengths and
+    prefill token budget; a P/D row's decode step at the requests per attention rank and the
+    mean context (its TTFT is not compared: None)."""
+    from aic_estimator import Deployment
+
+    if row["deployment"] == "pd":
+        dec = row["decode_pool"]
+        tp, ep, dp = _layout(dec)
+        d = Deployment(
+            row["model"], row["quant"], row["gpu"], row["engine"], tp * dp, ep, dp,
+            row.get("kv_cache_dtype", "auto"),
+        )  # fmt: skip
+        point = decode_point(row)
+        batch = max(1, round(point.per_worker / dp))
+        return None, estimator.decode_step_ms(d, batch, point.context)
+    tp, ep, dp = int(row["tp"]), int(row["ep"]), int(row["dp"])
+    d = Deployment(
+        row["model"], row["quant"], row["gpu"], row["engine"], tp, ep, dp,
+        row.get("kv_cache_dtype", "auto"),
+    )  # fmt: skip
+    w = workload_for(row, int(row.get("replicas", 1)))
+    budget, seqs = w.batch_limits(default_catalog().get(row["gpu"]))
+    batch = min(int(w.concurrency or 1), seqs)
+    isl, osl = max(1, round(w.isl.mean)), max(2, round(w.osl.mean))
+    return estimator.serving_ms(d, batch, isl, osl, budget)
+
+
+def run_other(model_of: Callable[[dict[str, Any]], ModelSpec], estimator: Any) -> None:
+    """OpWeave's errors beside another estimator's on the rows both describe."""
+    from aic_estimator import NotCovered, version
+
+    rows = tomllib.loads(SERVING.read_text())["rows"]
+    ours = [r for r in evaluate([r for r in rows if r.get("in_scope", True)], model_of)]
+    pairs: list[tuple[ServingResult, float | None, float]] = []
+    skipped: dict[str, int] = {}
+    for r in ours:
+        if r.ttft_ms is None:
+            continue
+        try:
+            ttft, tpot = other_estimate(r.row, estimator)
+        except NotCovered as exc:
+            why = f"{r.row['model']} on {r.row['gpu']} ({r.row['engine']}): {exc}"
+            skipped[why] = skipped.get(why, 0) + 1
+            continue
+        pairs.append((r, ttft, tpot))
+    print(
+        f"\nServing rows ({SERVING.name}): OpWeave beside aiconfigurator-core {version()}'s own "
+        f"estimate ({', '.join(sorted(estimator.versions))}); {len(pairs)} rows both describe. "
+        "Aggregated rows: its aggregated-serving TTFT and TPOT at the same requests in flight; "
+        "P/D rows: its decode step (TPOT only)."
+    )
+    head = (
+        f"{'model':<15}{'gpu':<9}{'tp':>3}{'ep':>4}{'dp':>4}{'conc':>6}{'TTFT ms':>10}"
+        f"{'opweave':>9}{'aic':>9}{'TPOT ms':>9}{'opweave':>9}{'aic':>9}  {'deploy':<11}engine"
+    )
+    print(head)
+    print("-" * len(head))
+    for r, ttft, tpot in pairs:
+        row = r.row
+        aic_ttft = "-" if ttft is None else f"{ttft:.1f}"
+        print(
+            f"{row['model']:<15}{row['gpu']:<9}{row['tp']:>3}{row['ep']:>4}{row['dp']:>4}"
+            f"{row['concurrency']:>6}{row['ttft_ms']:>10.1f}{r.ttft_ms:>9.1f}{aic_ttft:>9}"
+            f"{row['tpot_ms']:>9.2f}{r.tpot_ms:>9.2f}{tpot:>9.2f}  {row['deployment']:<11}"
+            f"{row['engine']}"
+        )
+
+    def medians(part: list[tuple[ServingResult, float | None, float]]) -> str:
+        def med(values: list[float]) -> str:
+            return f"{100 * statistics.median(values):5.1f}%" if values else "     -"
+
+        out = []
+        for name, pick in (("opweave", 0), ("aiconfigurator", 1)):
+            tpot = [
+                abs((r.tpot_ms if pick == 0 else t) - r.row["tpot_ms"]) / r.row["tpot_ms"]
+                for r, _, t in part
+                if r.tpot_ms is not None
+            ]
+            ttft = [
+                abs((r.ttft_ms if pick == 0 else f) - r.row["ttft_ms"]) / r.row["ttft_ms"]
+                for r, f, _ in part
+                if f is not None and r.ttft_ms is not None
+            ]
+            out.append(f"{name} TPOT {med(tpot)} TTFT {med(ttft)}")
+        return f"n={len(part):<4}" + "   ".join(out)
+
+    print("\nMedian |error| per group, OpWeave and aiconfigurator on the same rows")
+    groups: list[tuple[str, Callable[[ServingResult], bool]]] = [("all", lambda r: True)]
+    for key in ("deployment", "engine", "gpu"):
+        for value in sorted({str(r.row[key]) for r, _, _ in pairs}):
+            groups.append((f"{key} {value}", lambda r, k=key, v=value: str(r.row[k]) == v))
+    for name, keep in groups:
+        part = [p for p in pairs if keep(p[0])]
+        if part:
+            print(f"{name:<32}{medians(part)}")
+    if skipped:
+        print("\nNot estimated by aiconfigurator:")
+        for why, n in sorted(skipped.items()):
             print(f"  {n} x {why}")
 
 
