@@ -124,6 +124,38 @@ def test_moe_experts_pay_startup_and_per_expert_cost_not_launches() -> None:
     assert float(experts.weight_bytes_read(10_000)) == pytest.approx(experts.weight_bytes)
 
 
+def test_shared_experts_launch_beside_the_routed_ones() -> None:
+    """[SHARED-STREAM]: a shared expert's kernels run on a second stream beside the routed
+    experts, so a decode step pays no launches for them (DeepSeek-V3: 58 MoE layers), while
+    its bytes still count; timed alone (a profile's fit), its launches are in its time."""
+    from opweave.costmodel import load_model
+    from opweave.costmodel._private.fixed_costs import launches
+
+    spec = load_model("deepseek-v3")
+    shared = [op for op in spec.operators if op.name == "shared_expert"]
+    assert len(shared) == 58 and all(op.side_stream and op.kernels == 3 for op in shared)
+    op = shared[0]
+    full = RooflineLatency(GPU).op_terms_s(op, 1, 4, 10)
+    assert full["kernel_launch"] == 0.0
+    assert full["roofline"] == RooflineLatency(ZERO).op_terms_s(op, 1, 4, 10)["roofline"] > 0
+    assert launches(op, overlapped=False) == 3
+    # ROCm engines run them inline (vLLM #30085; SGLang's second stream is CUDA-only)
+    mi300x = default_catalog().get("mi300x")
+    inline_launch = RooflineLatency(mi300x).op_terms_s(op, 1, 4, 10)["kernel_launch"]
+    assert inline_launch == pytest.approx(3 * mi300x.kernel_overhead_s) and inline_launch > 0
+    # the step: 58 x 3 launches fewer than the same model with the shared experts inline
+    dumped = spec.model_dump()
+    for layer in dumped["layers"]:
+        for o in layer["ops"]:
+            o["side_stream"] = False
+    inline = type(spec).model_validate(dumped)
+    h100 = default_catalog().get("h100")
+    fast = estimate_step(spec, h100, tp=8, batch=16, context=2048)
+    slow = estimate_step(inline, h100, tp=8, batch=16, context=2048)
+    saved = slow.step_latency_s - fast.step_latency_s
+    assert saved == pytest.approx(58 * 3 * h100.kernel_overhead_s)
+
+
 def test_step_overhead_is_paid_once_per_step_on_sample() -> None:
     spec = model_spec_from_config(TINY_LLAMA)
     sample = spec.post_ops[-1]
@@ -222,6 +254,31 @@ def test_a_measured_profile_keeps_the_step_and_the_collectives_of_the_model() ->
     looped = ProfiledLatency(_measured(spec, orchestration=OrchestrationProfile(drive_s=1e-4)))
     est = estimate_step(spec, GPU, tp=1, batch=4, context=64, latency=looped)
     assert est.breakdown_s["step_overhead"] == 0.0
+
+
+def test_an_imported_engine_profile_overlaps_the_shared_experts() -> None:
+    """[SHARED-STREAM] with profiles: NVIDIA's database times a shared expert alone, launches and
+    all, where the engines run it beside the routed experts, so an imported profile charges it
+    its bytes only; the runtime's own measured profile runs it inline and keeps its time."""
+    from tests.planner.conftest import TINY_DEEPSEEK
+
+    spec = model_spec_from_config(TINY_DEEPSEEK)
+    dumped = spec.model_dump()
+    for layer in dumped["layers"]:
+        for o in layer["ops"]:
+            o["side_stream"] = False
+    inline = type(spec).model_validate(dumped)
+    timed = synthesize_profile(inline, GPU, batches=(4,), contexts=(64,))  # launches included
+    layer = next(la for la in spec.layers if any(o.side_stream for o in la.ops))
+    shared = next(o for o in layer.ops if o.side_stream)
+    alone = ProfiledLatency(timed).op_latency_s(spec, shared, layer, 1, 4, 64)
+    roof = RooflineLatency(GPU).op_terms_s(shared, 1, 4, 64)
+    assert alone == pytest.approx(roof["roofline"] + 3 * GPU.kernel_overhead_s)
+    for source, expected in (("aiconfigurator", roof["roofline"]), ("measured", alone)):
+        provenance = timed.provenance.model_copy(update={"source": source})
+        profile = timed.model_copy(update={"provenance": provenance})
+        got = ProfiledLatency(profile).op_latency_s(spec, shared, layer, 1, 4, 64)
+        assert got == pytest.approx(expected), source
 
 
 def test_fitting_a_measured_profile_leaves_the_step_out_of_sample() -> None:

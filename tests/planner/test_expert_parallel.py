@@ -125,3 +125,36 @@ def test_block_fp8_experts_that_do_not_split_over_tp8_are_offered_tp8_with_ep8()
     result = plan(model, ["h100"], context=4096, tpot_slo_s=0.08)
     owners = [o for p in [result.best, *result.baselines.values()] if p for o in p.owners]
     assert owners and not any(o.tp == 8 and o.ep == 1 for o in owners)
+
+
+def test_shared_experts_split_from_the_routed_ones_pay_their_launches(tiny_deepseek) -> None:
+    """[SHARED-STREAM] holds where a segment runs a layer's routed and shared experts together;
+    a cut between them puts the shared experts on an owner of their own, launches charged."""
+    from opweave.costmodel import Parallelism, StageTemplate
+    from opweave.planner import resolve_devices
+    from opweave.planner._private.structure import OpTables, build_structure
+
+    model = tiny_deepseek
+    names = model.block.op_names
+    tables = OpTables(model, 512)
+    h100 = resolve_devices(["h100"], model)[0]
+    lat = tables.latency(h100, Parallelism(tp=1), [8.0])[:, 0]
+    kernel = h100.hardware.kernel_overhead_s
+
+    def shared_cost(cuts: tuple[int, ...]) -> list[float]:
+        st = build_structure(model, tables, StageTemplate(cuts=cuts), len(cuts))
+        out = []
+        for j, ops in enumerate(st.owner_ops):
+            if any(op.name == "shared_expert" for op in ops):
+                # the owner's seconds for its shared experts: classes it counts beyond the rest
+                counts = st.counts[j].sum(axis=0)
+                keys = {tables.index[op.key] for op in ops if op.name == "shared_expert"}
+                keys |= {tables.split_index[op.key] for op in ops if op.name == "shared_expert"}
+                out.append(float(sum(counts[k] * lat[k] for k in keys)))
+        return out
+
+    together = shared_cost((0, names.index("router")))  # attention | router, experts, shared
+    apart = shared_cost((0, names.index("shared_expert")))  # ... experts | shared, attention
+    layers = sum(1 for op in model.operators if op.name == "shared_expert")
+    assert len(together) == len(apart) == 1
+    assert apart[0] - together[0] == pytest.approx(layers * 3 * kernel)

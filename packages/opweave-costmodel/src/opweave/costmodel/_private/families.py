@@ -64,9 +64,11 @@ def model_spec_from_config(
     builder = _Builder(arch, _DTYPE_BYTES[arch.dtype])
     layers = tuple(quantize_layer(builder.layer(i), precision) for i in range(arch.num_layers))
     post_ops = quantize_ops(builder.post_ops(), precision)
-    if precision.method == "modelopt-mixed" and not any(
-        op.weight_format for layer in layers for op in layer.ops
-    ) and not any(op.weight_format for op in post_ops):
+    if (
+        precision.method == "modelopt-mixed"
+        and not any(op.weight_format for layer in layers for op in layer.ops)
+        and not any(op.weight_format for op in post_ops)
+    ):
         raise ConfigError(
             f"{precision.source}: none of its quantized_layers is a linear of this "
             f"{arch.family} model; check that the checkpoint's config belongs to these weights"
@@ -438,6 +440,7 @@ class _Builder:
                     collective_elems=h,
                     # gate_up, activation, down (and Qwen's sigmoid gate)
                     kernels=4 if moe.shared_expert_gate else 3,
+                    side_stream=True,  # [SHARED-STREAM] in fixed_costs.py
                     linears=shared_linears,
                 )
             )

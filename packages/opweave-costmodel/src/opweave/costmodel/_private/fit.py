@@ -93,7 +93,9 @@ def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
             for s, t in zip(table.contexts, row, strict=True):
                 num_bytes, flops = op_bytes_and_flops(op, table.tp, b, s)
                 fixed = expert_fixed_s(op, b, hw) + (step_overhead_s(op, b, hw) if with_step else 0)
-                rows.append((num_bytes, flops, float(launches(op)), fixed, t, index))
+                # each operator is timed alone: a shared expert's launches are in its time
+                kernels = float(launches(op, overlapped=False))
+                rows.append((num_bytes, flops, kernels, fixed, t, index))
     if not rows:
         raise ConfigError("profile has no operator latencies to fit")
     return tuple(np.asarray(col, dtype=np.float64) for col in zip(*rows, strict=True))

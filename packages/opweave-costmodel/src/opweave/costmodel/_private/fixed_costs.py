@@ -7,7 +7,9 @@ small pure function of (operator, hardware) whose per-GPU values live in the har
 (``hardware.py`` cites the measurements):
 
 - **per kernel launch** (``kernel_overhead_s``): launching a kernel, filling its memory pipeline
-  and draining its last wave, during which no weights stream;
+  and draining its last wave, during which no weights stream; not charged to an operator that
+  runs on a second stream beside the routed experts (``OperatorSpec.side_stream``: the shared
+  experts), whose launches overlap the routed experts' longer path [SHARED-STREAM];
 - **per TP collective** (``allreduce_latency_s``, ``allreduce_bandwidth_bytes_per_s``): a latency
   floor per all-reduce / all-gather, and the bandwidth decode-size collectives actually reach
   (far below the link's: they are synchronisation-bound);
@@ -24,6 +26,17 @@ small pure function of (operator, hardware) whose per-GPU values live in the har
   per step (per microbatch) to the ``sample`` operator, which every step runs once. The default
   is an engine that overlaps its host work with the GPU; one that does not pays more, and per
   request, by an amount of its own: ``host.py``'s host profiles carry measured values.
+
+[SHARED-STREAM] The engines run a MoE layer's shared experts on a second CUDA stream beside
+the router and routed experts in decode: vLLM since v0.11.1 (vllm-project/vllm#26440, "Dual
+stream execution of shared_experts and selected_experts inside FusedMoE": DeepSeek-R1 FP8 on
+8 x B200 at batch 32, TPOT 23.35 -> 22.09 ms; #28406 limits it to 256 tokens a step; #30085 to
+CUDA), SGLang (``DeepseekV2MoE.forward_normal_dual_stream`` under CUDA-graph capture; GLM-4.x
+since sgl-project/sglang#13786: GLM-4.6-FP8 60.40 -> 66.31 tokens/s) and TensorRT-LLM
+(``maybe_execute_in_parallel`` in its DeepSeek-V3 model). The shared experts' bytes still pass
+through the same memory, so only their fixed costs leave the critical path. On ROCm both vLLM
+(#30085, a regression on MI300) and SGLang (its second stream exists only under CUDA) run them
+inline: ``HardwareSpec.side_streams`` is False there.
 
 A measured profile replaces the first and third: it times each operator's kernels, launches
 and fused-MoE start-up included. It holds no collectives, so those stay these terms; and it
@@ -67,13 +80,23 @@ def without_fixed_costs(hw: HardwareSpec) -> HardwareSpec:
 SMALL_COLLECTIVE_MAX_BYTES = float(1 << 20)
 
 
-def launches(op: OperatorSpec) -> int:
-    """Kernel launches charged ``kernel_overhead_s`` each.
+def launches(op: OperatorSpec, *, overlapped: bool = True) -> int:
+    """Kernel launches charged ``kernel_overhead_s`` each (``overlapped=False``: of the operator
+    run alone, as a profiler times it).
 
     Routed experts are charged ``expert_fixed_latency_s`` instead: that measurement times the
-    whole fused-MoE sequence, its launches included.
+    whole fused-MoE sequence, its launches included. An operator on a second stream beside them
+    (``side_stream``: shared experts) is charged none: its launches overlap theirs
+    [SHARED-STREAM].
+
+    >>> from opweave.costmodel import load_model
+    >>> moe = [o for o in load_model("deepseek-v3").layers[3].ops if o.name.endswith("expert")]
+    >>> [(o.name, o.kernels, launches(o)) for o in moe]
+    [('shared_expert', 3, 0)]
     """
-    return 0 if op.moe is not None else op.kernels
+    if op.moe is not None or (op.side_stream and overlapped):
+        return 0
+    return op.kernels
 
 
 def launch_s(op: OperatorSpec, hw: HardwareSpec) -> float:
@@ -84,7 +107,7 @@ def launch_s(op: OperatorSpec, hw: HardwareSpec) -> float:
     >>> round(launch_s(op, default_catalog().get("h100")) * 1e6, 1)  # GEMM + SiLU-and-mul
     7.4
     """
-    return launches(op) * hw.kernel_overhead_s
+    return launches(op, overlapped=hw.side_streams) * hw.kernel_overhead_s
 
 
 def experts_touched(op: OperatorSpec, batch: float) -> float:

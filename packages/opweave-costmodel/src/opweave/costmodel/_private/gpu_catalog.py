@@ -387,5 +387,6 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         link_efficiency=0.80,
         usd_per_hour=2.59,
         price_source="other basis: DigitalOcean on-demand, 2026-10-07 (not on RunPod's list)",
+        side_streams=False,  # ROCm: shared experts run inline ([SHARED-STREAM] in fixed_costs)
     ),
 )

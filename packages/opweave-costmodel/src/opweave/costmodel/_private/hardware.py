@@ -162,6 +162,12 @@ class HardwareSpec(FileSchema):
         default=0.33 * US,
         description="Extra time per expert a step touches (one small GEMM's ramp and tail).",
     )
+    side_streams: bool = Field(
+        default=True,
+        description="The engines run a MoE layer's shared experts on a second stream beside "
+        "the routed experts here (CUDA); False where they run them inline (ROCm: vLLM turns it "
+        "off, vllm-project/vllm#30085; SGLang makes its second stream only under CUDA).",
+    )
     usable_memory_fraction: _Fraction = 0.9
     aliases: tuple[str, ...] = ()
 

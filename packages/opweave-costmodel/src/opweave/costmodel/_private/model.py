@@ -148,6 +148,12 @@ class OperatorSpec(Frozen):
     kernels: int = Field(
         default=1, description="Kernel launches per execution (for launch overhead)."
     )
+    side_stream: bool = Field(
+        default=False,
+        description="Runs on a second stream beside the routed experts in a decode step (the "
+        "shared experts, in vLLM, SGLang and TensorRT-LLM): its kernels' fixed costs hide under "
+        "the routed experts' longer path; its bytes still share the memory.",
+    )
     tp_replicated_fraction: float = Field(
         default=0.0,
         ge=0.0,
@@ -240,8 +246,7 @@ class OperatorSpec(Frozen):
     def flops(self, batch: ArrayLike, context: ArrayLike) -> NDArray[np.float64]:
         b = np.asarray(batch, dtype=np.float64)
         return b * (
-            self.flops_per_token
-            + self.attn_flops_per_context_token * self.read_tokens(context)
+            self.flops_per_token + self.attn_flops_per_context_token * self.read_tokens(context)
         ) + self.index_flops(b, context)
 
     def index_flops(self, batch: ArrayLike, context: ArrayLike) -> NDArray[np.float64]:

@@ -169,8 +169,22 @@ class ProfiledLatency:
         del model
         if batch <= 0:
             return 0.0
+        if self.beside_experts(op):
+            return RooflineLatency(self.hardware).op_terms_s(op, tp, batch, context)["roofline"]
         median = self.profile.table(profile_key(op, layer), tp)(batch, context)
         return median * (1.0 + self.profile.stall_overhead) + self.step_s(op, batch)
+
+    def beside_experts(self, op: OperatorSpec) -> bool:
+        """Whether ``op`` runs beside the routed experts in the engines this profile times
+        (``fixed_costs`` [SHARED-STREAM]): an imported engine profile times a shared expert
+        alone, launches and all, where the engines overlap it with the routed experts, so it
+        costs its bytes (the roofline's term) and not its measured time. The runtime's own
+        profiles run it inline, as they measured it."""
+        return (
+            op.side_stream
+            and self.profile.provenance.source == "aiconfigurator"
+            and self.hardware.side_streams
+        )
 
     def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float:
         return sum(self.collective_terms_s(op, tp, batch))

@@ -56,12 +56,23 @@ class OpTables:
                 self.reps.append((op, layer))
             self.index[op.key] = keys[key]
 
+        # an operator that runs on a second stream beside its layer's routed experts (shared
+        # experts) keeps that overlap only in a segment that holds them too; split from them
+        # it is costed as its own twin, its launches charged (fixed_costs [SHARED-STREAM])
+        self.split_index: dict[str, int] = {}
         for op in model.pre_ops:
             add(("pre", op.name), op, None)
         for layer in model.layers:
             sig = layer.signature
             for j, op in enumerate(layer.ops):
                 add((sig, j), op, layer)
+                if op.side_stream:
+                    alone = op.model_copy(update={"side_stream": False})
+                    twin = (sig, j, "split")
+                    if twin not in keys:
+                        keys[twin] = len(self.reps)
+                        self.reps.append((alone, layer))
+                    self.split_index[op.key] = keys[twin]
         for op in model.post_ops:
             add(("post", op.name), op, None)
         # operators that span a replica's whole group (routed experts, dense FFN)
@@ -233,8 +244,10 @@ def build_structure(
     for j in range(n):
         mat = np.zeros((len(owner_segs[j]), tables.num_classes))
         for row, i in enumerate(owner_segs[j]):
+            routed = {op.layer for op in segs[i].ops if op.moe is not None}
             for op in segs[i].ops:
-                mat[row, tables.index[op.key]] += 1.0
+                split = op.side_stream and op.layer not in routed
+                mat[row, (tables.split_index if split else tables.index)[op.key]] += 1.0
         counts.append(mat)
     owner_ops = tuple(tuple(op for i in owner_segs[j] for op in segs[i].ops) for j in range(n))
     tally: dict[tuple[int, int, float], int] = {}
