@@ -291,4 +291,3 @@ def hf_causal_lm(model_dir: Path, **kwargs: Any) -> Any:
     if type(config) in AutoModelForCausalLM._model_mapping:
         return AutoModelForCausalLM.from_pretrained(model_dir, **kwargs)
     return AutoModelForImageTextToText.from_pretrained(model_dir, **kwargs)
-

@@ -46,9 +46,7 @@ def test_the_tiny_glm_has_biases_norms_partial_rope_and_a_selection_bias(glm):
 
 
 @pytest.mark.parametrize(("tp", "ep"), [(2, 1), (1, 2)])
-def test_tp2_and_ep2_owners_generate_transformers_greedy_tokens(
-    tp, ep, glm, hf_greedy, prompts
-):
+def test_tp2_and_ep2_owners_generate_transformers_greedy_tokens(tp, ep, glm, hf_greedy, prompts):
     """Heads (their biases and norms with them) and expert channels over two tensor-parallel
     ranks; or the experts over two expert-parallel ranks, each an attention replica."""
     plan = canonical_plan(

@@ -152,7 +152,7 @@ from ._private.profile import (
     profile_key,
 )
 from ._private.quant_config import resolve_precision
-from ._private.quantize import gemm_flops_per_s
+from ._private.quantize import gemm_flops_per_s, tp_split, weight_only
 from ._private.registry import SUPPORTED_FAMILIES, family_defaults, text_config
 from ._private.roofline import (
     ProfiledLatency,
@@ -236,6 +236,8 @@ __all__ = [
     "WeightScheme",
     "check_runs",
     "gemm_flops_per_s",
+    "tp_split",
+    "weight_only",
     "gemm_rate",
     "module_matches",
     "resolve_precision",

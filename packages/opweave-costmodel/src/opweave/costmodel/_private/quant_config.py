@@ -355,8 +355,10 @@ def _modelopt_layers(r: _Reader) -> tuple[tuple[QuantRule, ...], bool]:
     Returns one rule per scheme, and whether lm_head is among the layers."""
     layers = r.sub("quantized_layers")
     if layers is None or not layers.data:
-        raise ConfigError(f"{r.where}.quantized_layers: missing; a MIXED_PRECISION checkpoint "
-                          "lists each quantised layer")
+        raise ConfigError(
+            f"{r.where}.quantized_layers: missing; a MIXED_PRECISION checkpoint "
+            "lists each quantised layer"
+        )
     by_scheme: dict[WeightScheme, list[str]] = {}
     for name, spec in layers.data.items():
         layer = _Reader(spec, f"{layers.where}.{name}")

@@ -140,6 +140,19 @@ ROW_PARALLEL = frozenset({"o_proj", "down_proj", "out_proj", "w2"})
 REPLICATED = frozenset({"q_a_proj", "kv_a_proj_with_mqa", "wq_b", "wk"})  # + the DSA indexer's
 
 
+def tp_split(module: str) -> tuple[bool, bool]:
+    """How tensor parallelism splits the linear ``module`` (a checkpoint name, its last part
+    read): ``(split, row_parallel)``. Routers, MLA's down-projections and a DSA indexer's
+    projections run whole on every rank (vLLM's ReplicatedLinear); row-parallel linears split
+    their input dimension, the others their output.
+
+    >>> tp_split("mlp.experts.down_proj"), tp_split("self_attn.q_a_proj"), tp_split("mlp.gate")
+    ((True, True), (False, False), (False, False))
+    """
+    leaf = module.rsplit(".", 1)[-1]
+    return leaf not in REPLICATED and leaf not in ROUTER_NAMES, leaf in ROW_PARALLEL
+
+
 # formats whose scales cover blocks or groups of a weight, and how errors name them
 _BLOCK_FORMATS = {"fp8-block": "FP8", "mxfp4": "MXFP4", "nvfp4": "NVFP4"}
 

@@ -54,6 +54,8 @@ from opweave.costmodel import (
     default_catalog,
     profile_key,
     tp_problem,
+    tp_split,
+    weight_only,
 )
 
 from ..errors import ProfilerError
@@ -83,9 +85,6 @@ FUSED = (
     frozenset({"in_proj_b", "in_proj_a"}),
     frozenset({"q_a_proj", "kv_a_proj_with_mqa"}),
 )
-ROW_PARALLEL = {"o_proj", "down_proj", "out_proj"}
-# every rank runs these whole: MLA's down-projections, routers, a DSA indexer's projections
-REPLICATED = {"q_a_proj", "kv_a_proj_with_mqa", "gate", "shared_expert_gate", "wq_b", "wk"}
 GEMM_DTYPES = {
     "bf16": "bfloat16",
     "fp16": "bfloat16",
@@ -124,7 +123,7 @@ class ImportRun:
 def _format(op: OperatorSpec, model: ModelSpec) -> str | None:
     """The database dtype of ``op``'s GEMMs; None for weight-only quantised weights (W4A16
     NVFP4: the database times W4A4 kernels only), which stay on the roofline."""
-    if op.weight_format is not None and op.quantized_flops_per_token == 0:
+    if weight_only(op):
         return None
     return op.weight_format or COMPUTE.get(model.precision.compute_dtype)
 
@@ -138,8 +137,9 @@ def _gemms(op: OperatorSpec, tp: int) -> list[tuple[str, float, float]]:
         if leaf == "kv_b_proj":
             entries[i] = ["mla_gen_pre" if op.name == "qkv_proj" else "mla_gen_post", 0.0, 0.0]
             continue
-        split = 1 if leaf in REPLICATED or op.name == "router" else tp
-        if leaf in ROW_PARALLEL:
+        sharded, row = tp_split(linear.module)
+        split = tp if sharded else 1
+        if row:
             entries[i] = ["gemm", float(linear.out_features), linear.in_features / split]
             continue
         fused = next((j for j, group in enumerate(FUSED) if leaf in group), None)
