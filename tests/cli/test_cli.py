@@ -320,7 +320,7 @@ def test_estimate_serving_table_says_what_it_assumed() -> None:
             "--context (a decode step) cannot be combined",
         ),
         (["--isl", "1K", "--concurrency", "8"], "serving needs --osl"),
-        (["--isl", "1K", "--osl", "1K"], "one of --concurrency C or --rate R"),
+        (["--isl", "1K", "--osl", "1K"], "serving needs the arrivals: --concurrency C"),
         (
             ["--isl", "1K", "--osl", "1K", "--concurrency", "8", "--rate", "2"],
             "one of --concurrency C or --rate R",

@@ -303,8 +303,13 @@ def workload_from_flags(
     missing = [f for f, v in (("--isl", isl), ("--osl", osl)) if v is None]
     if missing:
         raise typer.BadParameter(f"serving needs {' and '.join(missing)} (tokens per request)")
-    if (concurrency is None) == (rate is None):
-        raise typer.BadParameter("serving needs one of --concurrency C or --rate R, not both")
+    if concurrency is not None and rate is not None:
+        raise typer.BadParameter("give one of --concurrency C or --rate R, not both")
+    if concurrency is None and rate is None:
+        raise typer.BadParameter(
+            "serving needs the arrivals: --concurrency C (clients, each sending its next request "
+            "when one completes) or --rate R (requests per second)"
+        )
     if rate is not None and not 1e-6 <= rate <= 1e6:
         raise typer.BadParameter(f"--rate must be from 1e-6 to 1e6 requests/s, got {rate}")
     assert isl is not None and osl is not None
