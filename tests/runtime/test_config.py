@@ -262,11 +262,11 @@ def test_unsupported_inputs_raise_user_errors(tmp_path):
 
 @pytest.mark.parametrize(
     ("checkpoint", "family"),
-    [("qwen3-vl-30b-a3b.json", "qwen3_vl_moe"), ("deepseek-v3.2.json", "deepseek_v32")],
+    [("deepseek-v3.2.json", "deepseek_v32"), ("glm-5.2-fp8.json", "glm_moe_dsa")],
 )
 def test_a_family_the_runtime_does_not_run_is_refused_by_name(checkpoint, family) -> None:
-    """Planned and estimated, not served: Qwen3-VL-MoE's checkpoints store the experts fused and
-    transposed, and the runtime has no DSA indexer; serving them is a one-line refusal."""
+    """Planned and estimated, not served: the runtime has no DSA indexer; serving DeepSeek-V3.2
+    or GLM-5 is a one-line refusal."""
     from pathlib import Path
 
     from opweave.costmodel import load_model

@@ -144,6 +144,11 @@ class ExpertsSpec(Frozen):
     )
     router_bias: bool = False
     expert_bias: bool = False
+    experts_in_out: bool = Field(
+        default=False,
+        description="Checkpoints may store the fused experts as [E, in, out] (Qwen3-VL-MoE's "
+        "released files; transformers transposes them on load) as well as [E, out, in].",
+    )
     swiglu_limit: float | None = Field(
         default=None,
         description="gpt-oss's clamped SwiGLU: gate clamped above, up on both sides at this.",
@@ -508,6 +513,7 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
         routing_weights_fp32=flags.routing_weights_fp32,
         router_bias=flags.router_bias,
         expert_bias=flags.expert_bias,
+        experts_in_out=flags.experts_in_out,
         swiglu_limit=getattr(cfg, "swiglu_limit", None),
         swiglu_alpha=getattr(cfg, "swiglu_alpha", 1.0),
     )

@@ -80,6 +80,7 @@ class FamilyFlags(Frozen):
     routing_weights_fp32: bool = False
     router_bias: bool = False
     expert_bias: bool = False
+    experts_in_out: bool = False
 
 
 class CheckpointNames(Frozen):
@@ -188,7 +189,14 @@ FAMILIES: dict[str, Family] = {
         _wrapper(
             "qwen3_vl_moe",
             Qwen3VLMoeTextConfig,
-            _flags(_QWEN_WINDOW, qk_norm="per_head", moe="sparse_step"),
+            # transformers' router normalises the top-k weights whatever the config says
+            _flags(
+                _QWEN_WINDOW,
+                qk_norm="per_head",
+                moe="sparse_step",
+                norm_topk="always",
+                experts_in_out=True,
+            ),
             "Qwen3VLMoe",
         ),
         Family(

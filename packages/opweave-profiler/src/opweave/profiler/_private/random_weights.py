@@ -220,8 +220,9 @@ class RandomCheckpoint(TensorSource):
         device: torch.device | str,
         channels: tuple[int, int] | None = None,
         experts: tuple[int, int] | None = None,
+        in_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        del num_experts
+        del num_experts, in_out  # random weights are made in the compute layout
         base = self.layer_name(layer, "mlp.experts.")
         if experts is not None:
             return (

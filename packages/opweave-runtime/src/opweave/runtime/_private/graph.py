@@ -57,6 +57,7 @@ RUNTIME_FAMILIES = (
     "qwen3_5_moe",
     "qwen3_5",
     "qwen3_vl",
+    "qwen3_vl_moe",
     "deepseek_v3",
     "gpt_oss",
     "minimax_m2",

@@ -202,6 +202,7 @@ class Experts(Operator):
             device=self.device,
             channels=channels,
             experts=None if self.held == (0, moe.num_experts) else self.held,
+            in_out=moe.experts_in_out,
         )
         for part, tensor in (("gate_up", self.gate_up), ("down", self.down)):
             self.weight_sizes[f"layers.{layer}.experts.{part}"] = (

@@ -156,6 +156,22 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             "mrope_interleaved": True,
         },
     },
+    # Qwen3-VL-MoE: Qwen3-MoE's layers in the same wrapper; experts fused in one tensor each
+    # (transformers 5 saves them [E, out, in]; the released files store [E, in, out])
+    "qwen3_vl_moe": {
+        "head_dim": 32,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 5_000_000.0,
+            "mrope_section": [6, 5, 5],
+            "mrope_interleaved": True,
+        },
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+    },
     # MiniMax-M2: one q and one k norm over all heads, half of each head rotated (rotary_dim,
     # as the released config says it), sigmoid routing with a selection bias, experts as
     # block_sparse_moe.experts.N.w1/w2/w3.
@@ -235,6 +251,7 @@ _TINY_VISION: dict[str, dict[str, Any]] = {
     "qwen3_5_moe": _VISION_STUB,
     "qwen3_5": _VISION_STUB,
     "qwen3_vl": _VISION_STUB | {"deepstack_visual_indexes": []},
+    "qwen3_vl_moe": _VISION_STUB | {"deepstack_visual_indexes": []},
 }
 _WRAPPER_KEYS = ("tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
 

@@ -105,6 +105,7 @@ class TensorSource:
         device: torch.device | str,
         channels: tuple[int, int] | None = None,
         experts: tuple[int, int] | None = None,
+        in_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every expert of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``."""
         raise NotImplementedError
@@ -195,7 +196,7 @@ class Checkpoint(TensorSource):
                 raise CheckpointError(f"{file}: cannot read tensor {name!r}: {exc}") from None
             if fmt is not None:  # packed values: the shape they dequantise to
                 got = self._dequantised_shape(name, fmt)
-            if got != want:
+            if got != want and not _stored_in_out(arch, name, got, want):
                 raise CheckpointError(
                     f"{self.model_dir}: tensor {name!r} has shape {list(got)}, but config.json "
                     f"implies {list(want)}; the weights and config.json are of different models"
@@ -402,6 +403,7 @@ class Checkpoint(TensorSource):
         device: torch.device | str,
         channels: tuple[int, int] | None = None,
         experts: tuple[int, int] | None = None,
+        in_out: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """All experts of a layer as ``gate_up [E, 2I, H]`` and ``down [E, H, I]``; with
         ``channels`` only those ``[lo, hi)`` intermediate channels of every expert (TP); with
@@ -410,28 +412,23 @@ class Checkpoint(TensorSource):
 
         transformers 5 computes with this fused layout, so matching it keeps the matmul shapes (and
         hence the float rounding) the same as the reference; per-expert files are stacked to it.
-        A fused file cut both ways is read one held expert at a time, whole, then cut.
+        A fused file cut both ways is read one held expert at a time, whole, then cut. With
+        ``in_out`` the fused files may also be stored ``[E, H, 2I]`` and ``[E, I, H]``
+        (Qwen3-VL-MoE's released checkpoints), told apart by ``down_proj``'s shape and read
+        transposed, as transformers does.
         """
         module = self.moe_module(layer)
         fused = self.layer_name(layer, f"{module}experts.gate_up_proj")
         if self.has(fused):
             down = self.layer_name(layer, f"{module}experts.down_proj")
-            if channels is None:
-                return self.get(fused, dtype=dtype, device=device, ranges=experts and [experts]), (
-                    self.get(down, dtype=dtype, device=device, ranges=experts and [experts])
-                )
-            lo, hi = channels
-            pairs = [(lo, hi), (intermediate + lo, intermediate + hi)]
-            if experts is None:
-                gate_up = self.get(fused, dtype=dtype, device=device, dim=1, ranges=pairs)
-                return gate_up, self.get(down, dtype=dtype, device=device, dim=2, ranges=[channels])
-            gate_ups, downs = [], []
-            for e in range(*experts):
-                one = [(e, e + 1)]
-                whole = self.get(fused, dtype=dtype, device=device, ranges=one)[0]
-                gate_ups.append(torch.cat([whole[a:b] for a, b in pairs]))
-                downs.append(self.get(down, dtype=dtype, device=device, ranges=one)[0, :, lo:hi])
-            return torch.stack(gate_ups), torch.stack(downs)
+            stored = self._shape(down)
+            flip = in_out and stored[1] == intermediate != stored[2]
+            gate_up, down_t = self._fused_experts(
+                fused, down, intermediate, flip, dtype, device, channels, experts
+            )
+            if flip:  # to transformers' compute layout
+                return gate_up.transpose(1, 2).contiguous(), down_t.transpose(1, 2).contiguous()
+            return gate_up, down_t
         gate_n, up_n, down_n = (
             ("w1", "w3", "w2")
             if module == "block_sparse_moe."
@@ -448,6 +445,64 @@ class Checkpoint(TensorSource):
             gate_up.append(torch.cat([part(gate_n, 0), part(up_n, 0)], dim=0))
             down.append(part(down_n, 1))
         return torch.stack(gate_up), torch.stack(down)
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's stored shape (its file header; packed values as they dequantise)."""
+        fmt = self._stored_format(name)
+        if fmt is not None:
+            return self._dequantised_shape(name, fmt)
+        return tuple(self._header(name).get_shape())
+
+    def _fused_experts(
+        self,
+        fused: str,
+        down: str,
+        intermediate: int,
+        flip: bool,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        channels: tuple[int, int] | None,
+        experts: tuple[int, int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused files' held experts and channels, in their stored layout: intermediate
+        channels along ``gate_up``'s dim 1 and ``down``'s dim 2, or (``flip``) 2 and 1."""
+        held = experts and [experts]
+        if channels is None:
+            return (
+                self.get(fused, dtype=dtype, device=device, ranges=held),
+                self.get(down, dtype=dtype, device=device, ranges=held),
+            )
+        lo, hi = channels
+        pairs = [(lo, hi), (intermediate + lo, intermediate + hi)]
+        g_dim, d_dim = (2, 1) if flip else (1, 2)
+        if experts is None:
+            return (
+                self.get(fused, dtype=dtype, device=device, dim=g_dim, ranges=pairs),
+                self.get(down, dtype=dtype, device=device, dim=d_dim, ranges=[channels]),
+            )
+        gate_ups, downs = [], []
+        for e in range(*experts):
+            one = [(e, e + 1)]
+            whole = self.get(fused, dtype=dtype, device=device, ranges=one)
+            gate_ups.append(torch.cat([whole.narrow(g_dim, a, b - a) for a, b in pairs], g_dim))
+            part = self.get(down, dtype=dtype, device=device, ranges=one)
+            downs.append(part.narrow(d_dim, lo, hi - lo))
+        return torch.cat(gate_ups), torch.cat(downs)
+
+
+def _stored_in_out(
+    arch: Architecture, name: str, got: tuple[int, ...], want: tuple[int, ...]
+) -> bool:
+    """Whether ``got`` is a fused expert tensor of ``want`` stored ``[E, in, out]``, as a
+    family whose released checkpoints store them so may (``ExpertsSpec.experts_in_out``)."""
+    moe = arch.moe
+    return (
+        moe is not None
+        and moe.experts_in_out
+        and name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        and len(want) == 3
+        and got == (want[0], want[2], want[1])
+    )
 
 
 def _open(file: Path) -> Any:
