@@ -56,6 +56,24 @@ def test_fit_recovers_the_factors_a_profile_was_made_with() -> None:
     assert fit_efficiency(start, model) == report.hardware
 
 
+def test_fit_recovers_them_where_shared_experts_run_beside_the_routed_ones() -> None:
+    """A synthesised profile of Qwen3-Next holds its shared experts without launches at decode
+    batches (beside the routed experts, [SHARED-STREAM]) and with them above 256 tokens a GPU;
+    the fit counts them alike, so it recovers the factors."""
+    model = load_model("qwen3-next-80b-a3b")
+    truth = (
+        default_catalog()
+        .get("h200")
+        .model_copy(update={"memory_efficiency": 0.7, "kernel_overhead_s": 5e-6})
+    )
+    profile = synthesize_profile(model, truth, batches=(1, 16, 512), contexts=(4096,))
+    start = profile.model_copy(update={"device": default_catalog().get("h200")})
+    report = fit_efficiency_report(start, model)
+    assert report.hardware.memory_efficiency == pytest.approx(0.7, rel=1e-3)
+    assert report.hardware.kernel_overhead_s == pytest.approx(5e-6, rel=1e-2)
+    assert report.max_error_factor < 1.01
+
+
 def test_fit_rejects_a_profile_of_another_model() -> None:
     hw = default_catalog().get("h100")
     profile = synthesize_profile(load_model("qwen3-30b-a3b"), hw, batches=(1,), contexts=(1024,))

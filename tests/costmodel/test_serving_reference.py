@@ -140,6 +140,10 @@ def test_another_estimator_is_given_the_rows_deployment(
     capped = agg | {"serve_command": "--chunked-prefill-size 16384 --max-running-requests 32"}
     serving.other_estimate(capped, rec)
     assert rec.calls[-1][2] == 32 and rec.calls[-1][5] == 16384
+    # DP attention: the requests of one attention rank
+    serving.other_estimate(agg | {"ep": 8, "dp": 8}, rec)
+    kind, d, batch, *_ = rec.calls[-1]
+    assert (d.tp, d.ep, d.dp, batch) == (8, 8, 8, 8)
 
 
 def test_the_other_estimator_names_what_it_cannot_estimate(aic: ModuleType) -> None:
@@ -152,6 +156,20 @@ def test_the_other_estimator_names_what_it_cannot_estimate(aic: ModuleType) -> N
         ))  # fmt: skip
     with pytest.raises(aic.NotCovered, match="engine nim"):
         aic.engine_backend("nim")
+    # what it is told: attention TP/DP, expert TP/EP, the KV dtype the engine ran ("auto" on an
+    # FP8 checkpoint is the model dtype; left out, the package would take FP8)
+    est = aic.AicEstimator.__new__(aic.AicEstimator)
+    for kv, mode in (("auto", "bfloat16"), ("fp8", "fp8")):
+        d = aic.Deployment("deepseek-v3", "fp8-block", "h200-sxm", "dynamo+sglang", 8, 8, 8, kv)
+        checkpoint, system, backend, kwargs = est._inputs(d)
+        assert (checkpoint, system, backend) == ("deepseek-ai/DeepSeek-R1", "h200_sxm", "sglang")
+        assert kwargs == {
+            "tp_size": 1,
+            "attention_dp_size": 8,
+            "moe_tp_size": 1,
+            "moe_ep_size": 8,
+            "kvcache_quant_mode": mode,
+        }
 
 
 def test_without_the_package_the_comparison_is_a_one_line_error(

@@ -41,6 +41,7 @@ def test_profile_of_a_tiny_model_round_trips_and_covers_every_operator(
     assert profile.dtype == "float32" and profile.provenance.source == "measured"
     # a CPU rank's per-step host work is its loop's (orchestration), not a GPU engine's gap
     assert profile.device.step_overhead_s == 0.0
+    assert not profile.device.side_streams  # a CPU rank runs shared experts inline
 
     path = save_profile(profile, tmp_path / "p.json")
     again = load_profile(path)

@@ -133,7 +133,9 @@ class AicEstimator:
             attention_dp_size=d.dp,
             moe_tp_size=d.tp // d.ep,
             moe_ep_size=d.ep,
-            kvcache_quant_mode="fp8" if d.kv_cache_dtype == "fp8" else None,
+            # named either way: left out, the package takes FP8 from an FP8 checkpoint, where
+            # the engines' "auto" keeps the cache in the model dtype
+            kvcache_quant_mode="fp8" if d.kv_cache_dtype == "fp8" else "bfloat16",
             **formats,
         )
         return checkpoint, system, engine_backend(d.engine), kwargs

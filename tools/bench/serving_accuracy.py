@@ -338,7 +338,8 @@ def other_estimate(row: dict[str, Any], estimator: Any) -> tuple[float | None, f
     )  # fmt: skip
     w = workload_for(row, int(row.get("replicas", 1)))
     budget, seqs = w.batch_limits(default_catalog().get(row["gpu"]))
-    batch = min(int(w.concurrency or 1), seqs)
+    # its batch is per attention rank, as the P/D branch's
+    batch = max(1, round(min(int(w.concurrency or 1), seqs) / dp))
     isl, osl = max(1, round(w.isl.mean)), max(2, round(w.osl.mean))
     return estimator.serving_ms(d, batch, isl, osl, budget)
 

@@ -20,7 +20,7 @@ from pydantic import Field
 
 from ..errors import ConfigError
 from .base import Frozen
-from .fixed_costs import expert_fixed_s, launches, step_overhead_s
+from .fixed_costs import expert_fixed_s, launches, side_stream_overlaps, step_overhead_s
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .profile import OpLatencyTable, Profile, Provenance, TransferProfile, profile_key
@@ -93,8 +93,11 @@ def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
             for s, t in zip(table.contexts, row, strict=True):
                 num_bytes, flops = op_bytes_and_flops(op, table.tp, b, s)
                 fixed = expert_fixed_s(op, b, hw) + (step_overhead_s(op, b, hw) if with_step else 0)
-                # each operator is timed alone: a shared expert's launches are in its time
-                kernels = float(launches(op, overlapped=False))
+                # a measured or imported profile timed each operator alone, a shared expert's
+                # launches included; a synthesised one holds the roofline's time for the step
+                alone = profile.provenance.source != "roofline"
+                overlapped = not alone and side_stream_overlaps(op, hw, b)
+                kernels = float(launches(op, overlapped=overlapped))
                 rows.append((num_bytes, flops, kernels, fixed, t, index))
     if not rows:
         raise ConfigError("profile has no operator latencies to fit")

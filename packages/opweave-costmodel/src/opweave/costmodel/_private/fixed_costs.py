@@ -36,7 +36,9 @@ since sgl-project/sglang#13786: GLM-4.6-FP8 60.40 -> 66.31 tokens/s) and TensorR
 (``maybe_execute_in_parallel`` in its DeepSeek-V3 model). The shared experts' bytes still pass
 through the same memory, so only their fixed costs leave the critical path. On ROCm both vLLM
 (#30085, a regression on MI300) and SGLang (its second stream exists only under CUDA) run them
-inline: ``HardwareSpec.side_streams`` is False there.
+inline: ``HardwareSpec.side_streams`` is False there. vLLM uses the second stream for steps of
+at most 256 tokens (#28406), SGLang in its CUDA-graph decode steps only: larger steps (prefill
+chunks) run them inline (``SIDE_STREAM_MAX_TOKENS``).
 
 A measured profile replaces the first and third: it times each operator's kernels, launches
 and fused-MoE start-up included. It holds no collectives, so those stay these terms; and it
@@ -80,6 +82,17 @@ def without_fixed_costs(hw: HardwareSpec) -> HardwareSpec:
 SMALL_COLLECTIVE_MAX_BYTES = float(1 << 20)
 
 
+# [SHARED-STREAM]: vLLM runs the second stream only for steps of at most this many tokens
+# (DUAL_STREAM_TOKEN_THRESHOLD, vllm-project/vllm#28406); SGLang only in CUDA-graph (decode) steps
+SIDE_STREAM_MAX_TOKENS = 256
+
+
+def side_stream_overlaps(op: OperatorSpec, hw: HardwareSpec, tokens: float) -> bool:
+    """Whether ``op`` runs on the second stream beside the routed experts in a step of
+    ``tokens`` tokens per GPU on ``hw`` ([SHARED-STREAM])."""
+    return op.side_stream and hw.side_streams and tokens <= SIDE_STREAM_MAX_TOKENS
+
+
 def launches(op: OperatorSpec, *, overlapped: bool = True) -> int:
     """Kernel launches charged ``kernel_overhead_s`` each (``overlapped=False``: of the operator
     run alone, as a profiler times it).
@@ -99,15 +112,15 @@ def launches(op: OperatorSpec, *, overlapped: bool = True) -> int:
     return op.kernels
 
 
-def launch_s(op: OperatorSpec, hw: HardwareSpec) -> float:
-    """Per-kernel fixed cost of one execution of ``op``.
+def launch_s(op: OperatorSpec, hw: HardwareSpec, tokens: float = 1.0) -> float:
+    """Per-kernel fixed cost of one execution of ``op`` in a step of ``tokens`` tokens per GPU.
 
     >>> from opweave.costmodel import default_catalog, load_model
     >>> op = next(o for o in load_model("qwen3-32b").layers[0].ops if o.name == "gate_up_proj")
     >>> round(launch_s(op, default_catalog().get("h100")) * 1e6, 1)  # GEMM + SiLU-and-mul
     7.4
     """
-    return launches(op, overlapped=hw.side_streams) * hw.kernel_overhead_s
+    return launches(op, overlapped=side_stream_overlaps(op, hw, tokens)) * hw.kernel_overhead_s
 
 
 def experts_touched(op: OperatorSpec, batch: float) -> float:

@@ -359,7 +359,7 @@ def parallel_op_terms_s(
     load = batch * imbalance
     num_bytes, flops = op_bytes_and_flops(op, g, load, context)
     out["roofline"] = max(num_bytes / hw.effective_bandwidth, flops / hw.effective_flops)
-    out["kernel_launch"] = launch_s(op, hw)
+    out["kernel_launch"] = launch_s(op, hw, batch)
     out["step"] = step_overhead_s(op, batch, hw)
     if op.moe is not None:
         touched = experts_touched(op, load) / par.ep

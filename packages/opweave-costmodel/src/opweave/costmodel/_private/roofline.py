@@ -20,6 +20,7 @@ from .fixed_costs import (
     collective_transfer_s,
     expert_fixed_s,
     launch_s,
+    side_stream_overlaps,
     step_overhead_s,
 )
 from .formulas import max_resident_batch
@@ -108,7 +109,7 @@ class RooflineLatency:
         math_s += index_s(index, hw)
         return {
             "roofline": max(num_bytes / hw.effective_bandwidth, math_s),
-            "kernel_launch": launch_s(op, hw),
+            "kernel_launch": launch_s(op, hw, batch),
             "moe_experts": expert_fixed_s(op, batch, hw),
             "step": step_overhead_s(op, batch, hw),
         }
@@ -169,21 +170,19 @@ class ProfiledLatency:
         del model
         if batch <= 0:
             return 0.0
-        if self.beside_experts(op):
+        if self.beside_experts(op, batch):
             return RooflineLatency(self.hardware).op_terms_s(op, tp, batch, context)["roofline"]
         median = self.profile.table(profile_key(op, layer), tp)(batch, context)
         return median * (1.0 + self.profile.stall_overhead) + self.step_s(op, batch)
 
-    def beside_experts(self, op: OperatorSpec) -> bool:
+    def beside_experts(self, op: OperatorSpec, batch: float) -> bool:
         """Whether ``op`` runs beside the routed experts in the engines this profile times
         (``fixed_costs`` [SHARED-STREAM]): an imported engine profile times a shared expert
         alone, launches and all, where the engines overlap it with the routed experts, so it
         costs its bytes (the roofline's term) and not its measured time. The runtime's own
         profiles run it inline, as they measured it."""
-        return (
-            op.side_stream
-            and self.profile.provenance.source == "aiconfigurator"
-            and self.hardware.side_streams
+        return self.profile.provenance.source == "aiconfigurator" and side_stream_overlaps(
+            op, self.hardware, batch
         )
 
     def collective_s(self, op: OperatorSpec, tp: int, batch: float) -> float:

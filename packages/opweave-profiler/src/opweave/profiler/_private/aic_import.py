@@ -339,13 +339,16 @@ def _table(
         op.name == "core_attn" and layer is not None and layer.attention.value != "linear"
     )
     cols = tuple(contexts) if context_bound else (contexts[0],)
+    # the table times each operator alone, as the database's kernels are: a shared expert's
+    # roofline cells keep its launches too (ProfiledLatency overlaps it where engines do)
+    alone = op.model_copy(update={"side_stream": False}) if op.side_stream else op
     rows, hows, used, why = [], Counter(), set(), set()
     for b in batches:
         row = []
         for s in cols:
             found, what = mapper.lookup(op, layer, tp, b, s)
             if found is None:
-                row.append(roof.op_latency_s(mapper.model, op, layer, tp, b, s))
+                row.append(roof.op_latency_s(mapper.model, alone, layer, tp, b, s))
                 hows["roofline"] += 1
                 why.add(what)
             else:

@@ -234,6 +234,8 @@ def describe_device(
         usd_per_hour=price,
         price_source=source,
         link_efficiency=1.0,
+        # engines overlap shared experts on a second CUDA stream; not on CPU or ROCm
+        side_streams=device.type == "cuda" and torch.version.hip is None,
     )
     if device.type == "cpu":
         # A CPU rank's host work per step is the runtime loop's, which the profile's

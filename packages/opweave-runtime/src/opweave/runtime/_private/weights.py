@@ -202,6 +202,13 @@ class Checkpoint(TensorSource):
                     f"implies {list(want)}; the weights and config.json are of different models"
                 )
             checked += 1
+        moe = arch.moe
+        if moe is not None and moe.experts_in_out:  # each layer's pair in one layout
+            for layer in arch.moe_layers:
+                fused = self.layer_name(layer, "mlp.experts.gate_up_proj")
+                down = self.layer_name(layer, "mlp.experts.down_proj")
+                if fused in self._file_of and down in self._file_of:
+                    self._stored_in_out(fused, down, moe.intermediate_size)
         return checked
 
     def _fetch(
@@ -421,8 +428,7 @@ class Checkpoint(TensorSource):
         fused = self.layer_name(layer, f"{module}experts.gate_up_proj")
         if self.has(fused):
             down = self.layer_name(layer, f"{module}experts.down_proj")
-            stored = self._shape(down)
-            flip = in_out and stored[1] == intermediate != stored[2]
+            flip = in_out and self._stored_in_out(fused, down, intermediate)
             gate_up, down_t = self._fused_experts(
                 fused, down, intermediate, flip, dtype, device, channels, experts
             )
@@ -445,6 +451,27 @@ class Checkpoint(TensorSource):
             gate_up.append(torch.cat([part(gate_n, 0), part(up_n, 0)], dim=0))
             down.append(part(down_n, 1))
         return torch.stack(gate_up), torch.stack(down)
+
+    def _stored_in_out(self, fused: str, down: str, intermediate: int) -> bool:
+        """Whether a layer's fused experts are stored ``[E, in, out]``: ``down_proj`` is
+        ``[E, I, H]`` (or, where ``I == H``, ``gate_up_proj`` is ``[E, H, 2I]``); both tensors
+        must agree, and the transposed layout is read unquantised only."""
+        gate, d = self._shape(fused), self._shape(down)
+        # down_proj tells the layouts apart unless it is square; gate_up_proj then does
+        square = d[1] == d[2]
+        flip = gate[2] == 2 * intermediate != gate[1] if square else d[1] == intermediate
+        if (gate[2] if flip else gate[1]) != 2 * intermediate:
+            raise CheckpointError(
+                f"{self.model_dir}: {fused} {list(gate)} and {down} {list(d)} are stored in "
+                "different layouts ([experts, in, out] and [experts, out, in]); write both alike"
+            )
+        if flip and (self._stored_format(fused) or self._stored_format(down)):
+            raise CheckpointError(
+                f"{self.model_dir}: {fused} is quantised and stored [experts, in, out]; the "
+                "runtime reads that layout unquantised only (transformers 5 saves [experts, out, "
+                "in])"
+            )
+        return flip
 
     def _shape(self, name: str) -> tuple[int, ...]:
         """A tensor's stored shape (its file header; packed values as they dequantise)."""
