@@ -765,6 +765,43 @@ def run_imported() -> None:
     print_side_by_side(results, groups, width=22)
 
 
+def print_production_pairs(
+    pairs: Sequence[tuple[ProductionResult, ProductionResult]], labels: tuple[str, str]
+) -> None:
+    """Production rows with two estimates each (``labels``: their column names) and errors."""
+    head = (
+        f"{'model':<15}{'quant':<10}{'gpu':<9}{'tp':>3}{'ep':>4}{'dp':>4}{'batch':>7}"
+        f"{'context':>8}{'meas ms':>9}{labels[0]:>9}{'err':>8}{labels[1]:>9}{'err':>8}  "
+        f"{'deploy':<11}engine"
+    )
+    print(head)
+    print("-" * len(head))
+    for first, second in pairs:
+        row = first.row
+        assert first.estimate_ms is not None and second.estimate_ms is not None
+        print(
+            f"{row.model:<15}{row.quant:<10}{row.gpu:<9}{row.tp:>3}{row.ep:>4}{row.dp:>4}"
+            f"{row.decoding:>7g}{row.context:>8}{row.measured_ms:>9.2f}{first.estimate_ms:>9.2f}"
+            f"{100 * first.error:>+7.1f}%{second.estimate_ms:>9.2f}{100 * second.error:>+7.1f}%  "
+            f"{row.deployment:<11}{row.engine}"
+        )
+
+
+def production_groups(
+    pairs: Sequence[tuple[ProductionResult, ProductionResult]], kinds: Sequence[str]
+) -> list[tuple[str, Callable[[Any], bool]]]:
+    """Groups of paired production rows: each of ``kinds`` (fp8, fp4, mla, ep), each GPU and
+    each engine among them."""
+    groups: list[tuple[str, Callable[[Any], bool]]] = [
+        (g, lambda r, g=g: g in r.row.groups) for g in kinds
+    ]
+    for gpu in sorted({m.row.gpu for m, _ in pairs}):
+        groups.append((f"GPU {gpu}", lambda r, g=gpu: r.row.gpu == g))
+    for engine in sorted({m.row.engine for m, _ in pairs}):
+        groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
+    return groups
+
+
 def print_side_by_side(
     pairs: Sequence[tuple[Any, Any]],
     groups: Sequence[tuple[str, Callable[[Any], bool]]],
@@ -828,31 +865,13 @@ def run_imported_production() -> None:
         f"\nProduction decode ({PRODUCTION.name}): roofline vs a profile imported from the "
         f"silicon database ({db.origin}); {len(pairs)} rows compared"
     )
-    head = (
-        f"{'model':<15}{'quant':<10}{'gpu':<9}{'tp':>3}{'batch':>7}{'context':>8}{'meas ms':>9}"
-        f"{'roof ms':>9}{'err':>8}{'imp ms':>9}{'err':>8}  {'deploy':<11}engine"
-    )
-    print(head)
-    print("-" * len(head))
-    for base, imp in pairs:
-        row = base.row
-        assert base.estimate_ms is not None and imp.estimate_ms is not None
-        print(
-            f"{row.model:<15}{row.quant:<10}{row.gpu:<9}{row.tp:>3}{row.decoding:>7g}"
-            f"{row.context:>8}{row.measured_ms:>9.2f}{base.estimate_ms:>9.2f}"
-            f"{100 * base.error:>+7.1f}%{imp.estimate_ms:>9.2f}{100 * imp.error:>+7.1f}%  "
-            f"{row.deployment:<11}{row.engine}"
-        )
+    print_production_pairs(pairs, ("roof ms", "imp ms"))
     groups: list[tuple[str, Callable[[ProductionResult], bool]]] = [
         ("all compared", lambda r: True),
         ("pd", lambda r: r.row.deployment == "pd"),
         ("aggregated", lambda r: r.row.deployment == "aggregated"),
     ]
-    groups += [(g, lambda r, g=g: g in r.row.groups) for g in GROUPS if g != "ep"]
-    for gpu in sorted({b.row.gpu for b, _ in pairs}):
-        groups.append((f"GPU {gpu}", lambda r, g=gpu: r.row.gpu == g))
-    for engine in sorted({b.row.engine for b, _ in pairs}):
-        groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
+    groups += production_groups(pairs, [g for g in GROUPS if g != "ep"])
     print(
         "\nErrors, signed = (estimate - measured) / measured (aggregated rows: decode steps "
         "against TPOT, which holds the prefill mixed in)"
@@ -907,28 +926,9 @@ def run_other_production(estimator: Any) -> None:
         f"aiconfigurator-core {aic.version()}'s own ({', '.join(sorted(estimator.versions))}); "
         f"{len(pairs)} rows both describe"
     )
-    head = (
-        f"{'model':<15}{'quant':<10}{'gpu':<9}{'tp':>3}{'ep':>4}{'dp':>4}{'batch':>7}"
-        f"{'context':>8}{'meas ms':>9}{'opweave':>9}{'err':>8}{'aic':>9}{'err':>8}  engine"
-    )
-    print(head)
-    print("-" * len(head))
-    for mine, theirs in pairs:
-        row = mine.row
-        assert mine.estimate_ms is not None and theirs.estimate_ms is not None
-        print(
-            f"{row.model:<15}{row.quant:<10}{row.gpu:<9}{row.tp:>3}{row.ep:>4}{row.dp:>4}"
-            f"{row.decoding:>7g}{row.context:>8}{row.measured_ms:>9.2f}{mine.estimate_ms:>9.2f}"
-            f"{100 * mine.error:>+7.1f}%{theirs.estimate_ms:>9.2f}{100 * theirs.error:>+7.1f}%  "
-            f"{row.engine}"
-        )
+    print_production_pairs(pairs, ("opweave", "aic"))
     groups: list[tuple[str, Callable[[Any], bool]]] = [("all", lambda r: True)]
-    for group in GROUPS:
-        groups.append((group, lambda r, g=group: g in r.row.groups))
-    for gpu in sorted({m.row.gpu for m, _ in pairs}):
-        groups.append((f"GPU {gpu}", lambda r, g=gpu: r.row.gpu == g))
-    for engine in sorted({m.row.engine for m, _ in pairs}):
-        groups.append((f"engine {engine}", lambda r, e=engine: r.row.engine == e))
+    groups += production_groups(pairs, GROUPS)
     print("\nErrors, signed = (estimate - measured) / measured")
     print_side_by_side(pairs, groups, width=28, labels=("opweave ", "aic     "))
     if skipped:

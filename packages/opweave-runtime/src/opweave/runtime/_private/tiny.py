@@ -52,6 +52,17 @@ _QWEN3_5_LAYERS: dict[str, Any] = {
     },
 }
 
+# Qwen3-VL's text models (dense and MoE)
+_QWEN3_VL_TEXT: dict[str, Any] = {
+    "head_dim": 32,
+    "rope_parameters": {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    },
+}
+
 TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # Llama 3.1-style frequency scaling, with a short original context so every band is exercised.
     "llama": {
@@ -147,25 +158,11 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     },
     # Qwen3-VL: Qwen3's layers in a multimodal wrapper, interleaved multimodal RoPE (equal to
     # Qwen3's for text), weights under model.language_model.
-    "qwen3_vl": {
-        "head_dim": 32,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 5_000_000.0,
-            "mrope_section": [6, 5, 5],
-            "mrope_interleaved": True,
-        },
-    },
+    "qwen3_vl": _QWEN3_VL_TEXT,
     # Qwen3-VL-MoE: Qwen3-MoE's layers in the same wrapper; experts fused in one tensor each
     # (transformers 5 saves them [E, out, in]; the released files store [E, in, out])
-    "qwen3_vl_moe": {
-        "head_dim": 32,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": 5_000_000.0,
-            "mrope_section": [6, 5, 5],
-            "mrope_interleaved": True,
-        },
+    "qwen3_vl_moe": _QWEN3_VL_TEXT
+    | {
         "num_experts": 8,
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
