@@ -639,8 +639,8 @@ def run_profile(path: Path, model_name: str | None, gpu: str | None) -> None:
     alone = profile.provenance.source != "roofline"
     for table in profile.ops:
         op, _ = ops[table.op]
-        if alone and op.side_stream:
-            op = op.model_copy(update={"side_stream": False})
+        if alone:
+            op = op.alone()
         errs = []
         for b in table.batches:
             for s in table.contexts:

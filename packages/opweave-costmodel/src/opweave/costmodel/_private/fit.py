@@ -81,6 +81,9 @@ def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
     hw = profile.device
     # a measured profile times the sampling kernel alone; a synthesised one holds the step cost
     with_step = profile.provenance.source != "measured"
+    # a measured or imported profile timed each operator alone, a shared expert's launches
+    # included; a synthesised one holds the roofline's time for the step
+    alone = profile.provenance.source != "roofline"
     rows: list[tuple[float, float, float, float, float, int]] = []
     for index, table in enumerate(profile.ops):
         op = ops.get(table.op)
@@ -93,9 +96,6 @@ def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
             for s, t in zip(table.contexts, row, strict=True):
                 num_bytes, flops = op_bytes_and_flops(op, table.tp, b, s)
                 fixed = expert_fixed_s(op, b, hw) + (step_overhead_s(op, b, hw) if with_step else 0)
-                # a measured or imported profile timed each operator alone, a shared expert's
-                # launches included; a synthesised one holds the roofline's time for the step
-                alone = profile.provenance.source != "roofline"
                 overlapped = not alone and side_stream_overlaps(op, hw, b)
                 kernels = float(launches(op, overlapped=overlapped))
                 rows.append((num_bytes, flops, kernels, fixed, t, index))

@@ -184,6 +184,11 @@ class OperatorSpec(Frozen):
     )
     tied_to: str | None = Field(default=None, description="Key of a weight shared with another op.")
 
+    def alone(self) -> OperatorSpec:
+        """This operator as it runs by itself on the main stream (as a profiler times it, or
+        split from the routed experts it would run beside): no ``side_stream`` overlap."""
+        return self.model_copy(update={"side_stream": False}) if self.side_stream else self
+
     @property
     def key(self) -> str:
         """Stable identifier: ``"L12.core_attn"`` or ``"embed"``."""

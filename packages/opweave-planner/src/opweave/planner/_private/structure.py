@@ -50,31 +50,29 @@ class OpTables:
         self.reps: list[tuple[OperatorSpec, LayerSpec | None]] = []
         keys: dict[object, int] = {}
 
-        def add(key: object, op: OperatorSpec, layer: LayerSpec | None) -> None:
-            if key not in keys:
-                keys[key] = len(self.reps)
-                self.reps.append((op, layer))
-            self.index[op.key] = keys[key]
-
         # an operator that runs on a second stream beside its layer's routed experts (shared
         # experts) keeps that overlap only in a segment that holds them too; split from them
         # it is costed as its own twin, its launches charged (fixed_costs [SHARED-STREAM])
         self.split_index: dict[str, int] = {}
+
+        def add(
+            key: object, op: OperatorSpec, layer: LayerSpec | None, index: dict[str, int]
+        ) -> None:
+            if key not in keys:
+                keys[key] = len(self.reps)
+                self.reps.append((op, layer))
+            index[op.key] = keys[key]
+
         for op in model.pre_ops:
-            add(("pre", op.name), op, None)
+            add(("pre", op.name), op, None, self.index)
         for layer in model.layers:
             sig = layer.signature
             for j, op in enumerate(layer.ops):
-                add((sig, j), op, layer)
+                add((sig, j), op, layer, self.index)
                 if op.side_stream:
-                    alone = op.model_copy(update={"side_stream": False})
-                    twin = (sig, j, "split")
-                    if twin not in keys:
-                        keys[twin] = len(self.reps)
-                        self.reps.append((alone, layer))
-                    self.split_index[op.key] = keys[twin]
+                    add((sig, j, "split"), op.alone(), layer, self.split_index)
         for op in model.post_ops:
-            add(("post", op.name), op, None)
+            add(("post", op.name), op, None, self.index)
         # operators that span a replica's whole group (routed experts, dense FFN)
         self.group = [k for k, (op, _) in enumerate(self.reps) if is_group_op(op)]
         self.tied = np.array([k for k, (op, _) in enumerate(self.reps) if op.tied_to], dtype=int)

@@ -341,7 +341,7 @@ def _table(
     cols = tuple(contexts) if context_bound else (contexts[0],)
     # the table times each operator alone, as the database's kernels are: a shared expert's
     # roofline cells keep its launches too (ProfiledLatency overlaps it where engines do)
-    alone = op.model_copy(update={"side_stream": False}) if op.side_stream else op
+    alone = op.alone()
     rows, hows, used, why = [], Counter(), set(), set()
     for b in batches:
         row = []

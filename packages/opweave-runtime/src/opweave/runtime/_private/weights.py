@@ -208,7 +208,7 @@ class Checkpoint(TensorSource):
                 fused = self.layer_name(layer, "mlp.experts.gate_up_proj")
                 down = self.layer_name(layer, "mlp.experts.down_proj")
                 if fused in self._file_of and down in self._file_of:
-                    self._stored_in_out(fused, down, moe.intermediate_size)
+                    self._fused_in_out(fused, down, moe.intermediate_size)
         return checked
 
     def _fetch(
@@ -428,7 +428,7 @@ class Checkpoint(TensorSource):
         fused = self.layer_name(layer, f"{module}experts.gate_up_proj")
         if self.has(fused):
             down = self.layer_name(layer, f"{module}experts.down_proj")
-            flip = in_out and self._stored_in_out(fused, down, intermediate)
+            flip = in_out and self._fused_in_out(fused, down, intermediate)
             gate_up, down_t = self._fused_experts(
                 fused, down, intermediate, flip, dtype, device, channels, experts
             )
@@ -452,7 +452,7 @@ class Checkpoint(TensorSource):
             down.append(part(down_n, 1))
         return torch.stack(gate_up), torch.stack(down)
 
-    def _stored_in_out(self, fused: str, down: str, intermediate: int) -> bool:
+    def _fused_in_out(self, fused: str, down: str, intermediate: int) -> bool:
         """Whether a layer's fused experts are stored ``[E, in, out]``: ``down_proj`` is
         ``[E, I, H]`` (or, where ``I == H``, ``gate_up_proj`` is ``[E, H, 2I]``); both tensors
         must agree, and the transposed layout is read unquantised only."""
