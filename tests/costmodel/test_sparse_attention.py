@@ -65,6 +65,26 @@ def test_the_cache_holds_the_latent_and_the_index_keys_and_attention_reads_the_t
     assert sparse.breakdown_s["attention"] < dense.breakdown_s["attention"] / 5
 
 
+def test_an_fp8_cache_stores_dsa_latents_in_the_fp8_ds_mla_record() -> None:
+    """An FP8 KV cache holds a DSA layer's latent as vLLM's fp8_ds_mla record (FP8 values, an FP32
+    scale per 128, the rope key in BF16: 656 bytes for DeepSeek-V3.2), and a dense MLA layer's at
+    one byte a value (576); the indexer's keys are FP8 either way."""
+    c = config("deepseek-v3.2.json")
+    lkv, rope = c["kv_lora_rank"], c["qk_rope_head_dim"]
+    record = lkv + 4 * (lkv // 128) + 2 * rope
+    assert record == 656
+    index = c["index_head_dim"] + 4
+    sparse = load_model(CHECKPOINTS / "deepseek-v3.2.json", kv_cache_dtype="fp8")
+    dense = model_spec_from_config(
+        {**c, "architectures": ["DeepseekV3ForCausalLM"]}, kv_cache_dtype="fp8"
+    )
+    layers = c["num_hidden_layers"]
+    assert float(sparse.state_bytes_per_request(1000)) == layers * (record + index) * 1000
+    assert float(dense.state_bytes_per_request(1000)) == layers * (lkv + rope) * 1000
+    attn = next(op for op in sparse.layers[5].ops if op.name == "core_attn")
+    assert float(attn.state_bytes_read(131072)) == record * c["index_topk"] + index * 131072
+
+
 def test_the_indexer_scores_on_every_tensor_parallel_rank() -> None:
     """Its linears are replicated (as MLA's down-projections): no block-FP8 split, and each of
     8 ranks computes every score while MLA's heads split."""

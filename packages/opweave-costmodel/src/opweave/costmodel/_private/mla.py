@@ -174,13 +174,26 @@ def mla_attention(b: OpBuilder, i: int, names: CheckpointNames) -> tuple[Operato
     )
 
 
+def fp8_ds_mla_bytes(a: Architecture) -> float:
+    """Bytes a token's latent takes in a DSA layer's FP8 cache: the latent in FP8 with an FP32
+    scale per 128 values, the rope key left in BF16 -- vLLM's ``fp8_ds_mla`` record (656 bytes
+    for DeepSeek-V3.2: FlashMLASparseBackend.get_kv_cache_shape) and SGLang's NSA FP8 pool alike,
+    where a dense MLA layer's FP8 cache holds one byte a value (576)."""
+    m = a.mla
+    assert m is not None
+    return m.kv_lora_rank + 4.0 * math.ceil(m.kv_lora_rank / 128) + 2.0 * m.qk_rope_head_dim
+
+
 def _sparse_fields(a: Architecture, indexed: bool) -> dict[str, Any]:
     """``core_attn``'s DSA fields: the top-k it attends, and (in a layer with an indexer of its
     own) the indexer's key cache and scoring FLOPs per context token."""
     dsa = a.sparse_index
     if dsa is None:
         return {}
-    out: dict[str, Any] = {"sparse_attended_tokens": dsa.index_topk}
+    out: dict[str, Any] = {
+        "sparse_attended_tokens": dsa.index_topk,
+        "fp8_state_bytes_per_context_token": fp8_ds_mla_bytes(a),
+    }
     if indexed:
         d = dsa.index_head_dim
         out["index_bytes_per_context_token"] = d + 4.0 * math.ceil(d / 128)  # FP8 + FP32 scales

@@ -107,6 +107,11 @@ class OperatorSpec(Frozen):
     state_bytes_per_context_token: float = Field(
         default=0.0, description="KV bytes a request holds per context token (full or sliding)."
     )
+    fp8_state_bytes_per_context_token: float | None = Field(
+        default=None,
+        description="KV bytes per context token in an FP8 cache whose layout is not one byte a "
+        "value (DSA's fp8_ds_mla record); None = one byte a value.",
+    )
     state_window_tokens: int | None = Field(
         default=None, description="Sliding window; None = unbounded."
     )

@@ -47,7 +47,9 @@ def quantize_op(op: OperatorSpec, precision: Precision) -> OperatorSpec:
     """``op`` in ``precision``: quantised linears' bytes and FLOPs, KV cache in its dtype."""
     update: dict[str, object] = {}
     p = precision.dtype_bytes
-    if op.state_bytes_per_context_token and precision.kv_bytes_per_value != p:
+    if precision.kv_fp8 and op.fp8_state_bytes_per_context_token is not None:
+        update["state_bytes_per_context_token"] = op.fp8_state_bytes_per_context_token
+    elif op.state_bytes_per_context_token and precision.kv_bytes_per_value != p:
         update["state_bytes_per_context_token"] = (
             op.state_bytes_per_context_token * precision.kv_bytes_per_value / p
         )
