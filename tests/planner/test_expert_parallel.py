@@ -22,10 +22,10 @@ from .conftest import random_profile, toy_gpu
 
 @pytest.fixture(scope="module")
 def moe_plans():
-    """Qwen3-30B-A3B on H200 at 4K with a 50 ms TPOT SLO, with and without frontiers."""
+    """Qwen3-30B-A3B on H200 at 4K with a 30 ms TPOT SLO, with and without frontiers."""
     model = load_model("qwen3-30b-a3b")
-    on = plan(model, ["h200"], context=4096, tpot_slo_s=0.05)
-    off = plan(model, ["h200"], context=4096, tpot_slo_s=0.05, frontier_pruning=False)
+    on = plan(model, ["h200"], context=4096, tpot_slo_s=0.03)
+    off = plan(model, ["h200"], context=4096, tpot_slo_s=0.03, frontier_pruning=False)
     return model, on, off
 
 

@@ -423,6 +423,7 @@ class _Builder:
                     num_experts=experts,
                     top_k=top_k,
                     expert_weight_bytes=expert_bytes,
+                    intermediate_size=inter,
                     shared_expert_intermediate_size=shared,
                 ),
             ),

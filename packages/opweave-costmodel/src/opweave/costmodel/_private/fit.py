@@ -24,7 +24,8 @@ from .fixed_costs import expert_fixed_s, launches, side_stream_overlaps, step_ov
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .profile import OpLatencyTable, Profile, Provenance, TransferProfile, profile_key
-from .roofline import RooflineLatency, op_bytes_and_flops
+from .quantize import expert_channels, grouped_gemm_fraction
+from .roofline import RooflineLatency, op_bytes_and_flops, shard_fraction
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_CONTEXTS = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -95,6 +96,10 @@ def _points(profile: Profile, model: ModelSpec) -> tuple[np.ndarray, ...]:
         for b, row in zip(table.batches, table.latency_s, strict=True):
             for s, t in zip(table.contexts, row, strict=True):
                 num_bytes, flops = op_bytes_and_flops(op, table.tp, b, s)
+                # routed experts' FLOPs in dense-GEMM terms (their fused-MoE kernels' fraction)
+                flops /= grouped_gemm_fraction(
+                    op, hw, expert_channels(op, shard_fraction(op, table.tp))
+                )
                 fixed = expert_fixed_s(op, b, hw) + (step_overhead_s(op, b, hw) if with_step else 0)
                 overlapped = not alone and side_stream_overlaps(op, hw, b)
                 kernels = float(launches(op, overlapped=overlapped))

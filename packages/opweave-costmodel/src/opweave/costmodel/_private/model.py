@@ -64,6 +64,9 @@ class MoESpec(Frozen):
     num_experts: int = Field(description="Routed experts per MoE layer.")
     top_k: int = Field(description="Experts each token is routed to.")
     expert_weight_bytes: int = Field(description="Weight bytes of one routed expert.")
+    intermediate_size: int = Field(
+        default=0, ge=0, description="Intermediate channels of one routed expert; 0: not known."
+    )
     shared_expert_intermediate_size: int = Field(default=0, description="0 when there is none.")
 
 

@@ -64,7 +64,7 @@ from .formulas import max_resident_batch
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .profile import LatencyModel
-from .quantize import block_tp_problem, weight_only
+from .quantize import block_tp_problem, compute_s, expert_channels, weight_only
 from .roofline import (
     ProfiledLatency,
     RooflineLatency,
@@ -358,7 +358,10 @@ def parallel_op_terms_s(
         imbalance = expert_load_imbalance(op.moe, batch, par.ep, skew)
     load = batch * imbalance
     num_bytes, flops = op_bytes_and_flops(op, g, load, context)
-    out["roofline"] = max(num_bytes / hw.effective_bandwidth, flops / hw.effective_flops)
+    # each GPU holds 1 / expert_tp of the channels of the experts it holds
+    channels = expert_channels(op, 1.0 / par.expert_tp)
+    math_s = compute_s(op, hw, flops, load, shard_fraction(op, g), channels)
+    out["roofline"] = max(num_bytes / hw.effective_bandwidth, math_s)
     out["kernel_launch"] = launch_s(op, hw, batch)
     out["step"] = step_overhead_s(op, batch, hw)
     if op.moe is not None:

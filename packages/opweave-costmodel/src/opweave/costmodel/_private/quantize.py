@@ -10,6 +10,7 @@ follows the KV-cache dtype; activations stay in the compute dtype.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 from ..errors import ConfigError
@@ -217,29 +218,96 @@ def quantize_layer(layer: LayerSpec, precision: Precision) -> LayerSpec:
     return layer if ops is layer.ops else layer.model_copy(update={"ops": ops})
 
 
+# [AIC-MOE] The engines' fused-MoE kernels (vLLM's and SGLang's Triton fused_moe, DeepGEMM's and
+# FlashInfer's grouped GEMMs, TensorRT-LLM's CUTLASS MoE) run the routed experts' GEMMs well below
+# the rate a dense GEMM of the same format reaches: each expert's GEMM is small, its tokens are
+# gathered and scattered, and block-scaled formats dequantise per tile. NVIDIA's silicon database
+# (aiconfigurator-core 0.12.0, moe_perf tables of vLLM 0.14-0.24, SGLang 0.5.10-0.5.14 and
+# TensorRT-LLM 1.0-1.3 on A100 to GB300) measures these kernels; at 8,192 tokens and more, with
+# each GPU's slice of an expert at least 512 channels wide, the median over GPUs and engines of
+# (FLOPs / latency) / the catalog's dense rate of the format is below (weight-only formats: of
+# the dense BF16 rate they run at). Narrower slices (an expert's channels split over many TP
+# GPUs) fall further: the pooled median at each width, relative to the wide figure of the same
+# GPU, engine and format. tools/bench/moe_gemm_efficiency.py prints both from the database.
+GROUPED_GEMM = {
+    "bf16": 0.51,
+    "fp8": 0.46,
+    "fp8-block": 0.24,
+    "nvfp4": 0.31,
+    "mxfp4": 0.31,
+    "int4-wo": 0.38,
+}
+GROUPED_GEMM_WIDTH = ((32, 0.12), (64, 0.25), (128, 0.42), (192, 0.45), (256, 0.60), (384, 0.70))
+GROUPED_GEMM_WIDE = 512
+
+
+def grouped_gemm_fraction(op: OperatorSpec, hw: HardwareSpec, channels: float) -> float:
+    """The fraction of its format's dense GEMM rate ``op``'s routed-expert GEMMs reach on
+    ``hw`` ([AIC-MOE]), where each GPU holds ``channels`` of an expert's intermediate channels
+    (interpolated in log2 between the measured widths); 1 for any other operator, or on a
+    device whose experts do not run as fused-MoE kernels (``HardwareSpec.grouped_gemm``).
+
+    >>> from opweave.costmodel import default_catalog, load_model
+    >>> experts = next(o for o in load_model("qwen3-235b-a22b").operators if o.moe)
+    >>> h100 = default_catalog().get("h100")
+    >>> grouped_gemm_fraction(experts, h100, 1536), grouped_gemm_fraction(experts, h100, 192)
+    (0.51, 0.2295)
+    """
+    if op.moe is None or not hw.grouped_gemm:
+        return 1.0
+    fmt = op.weight_format or "bf16"
+    if fmt not in ("mxfp4", "int4-wo") and gemm_rate(fmt, hw).path.startswith("weight-only"):
+        fmt = "int4-wo"  # a format run weight-only here (FP8 on A100): the measured W4A16 path
+    base = GROUPED_GEMM.get(fmt, GROUPED_GEMM["bf16"])
+    if channels >= GROUPED_GEMM_WIDE or channels <= 0:
+        return base
+    points = (*GROUPED_GEMM_WIDTH, (GROUPED_GEMM_WIDE, 1.0))
+    if channels <= points[0][0]:
+        return base * points[0][1] * channels / points[0][0]
+    for (w0, f0), (w1, f1) in itertools.pairwise(points):
+        if channels <= w1:
+            t = math.log2(channels / w0) / math.log2(w1 / w0)
+            return base * (f0 + t * (f1 - f0))
+    return base
+
+
+def expert_channels(op: OperatorSpec, share: float) -> float:
+    """Intermediate channels of one routed expert a GPU holding ``share`` of ``op`` computes
+    (0 where ``op`` is no routed-expert operator or does not say)."""
+    return op.moe.intermediate_size * share if op.moe is not None else 0.0
+
+
 def compute_s(
-    op: OperatorSpec, hw: HardwareSpec, flops: float, batch: float, share: float
+    op: OperatorSpec,
+    hw: HardwareSpec,
+    flops: float,
+    batch: float,
+    share: float,
+    channels: float | None = None,
 ) -> float:
     """Seconds of math of ``flops`` (one rank's share ``share`` of ``op`` at ``batch``): the
-    quantised linears' FLOPs at their format's rate, everything else at the dense rate.
+    quantised linears' FLOPs at their format's rate, everything else at the dense rate; routed
+    experts at the fraction of it their fused-MoE kernels reach (:func:`grouped_gemm_fraction`,
+    each GPU holding ``channels`` of an expert, by default ``share`` of them).
 
     Attention reads an FP8 KV cache and dequantises it to the compute dtype in the kernel
     (BF16 math; its FLOPs stay at the dense rate), as vLLM's paged-attention kernels do for
     ``kv_cache_dtype=fp8``.
     """
     dense = hw.effective_flops
+    width = expert_channels(op, share) if channels is None else channels
+    fraction = grouped_gemm_fraction(op, hw, width)
     if op.weight_format is None or not op.quantized_flops_per_token:
-        return flops / dense
+        return flops / dense / fraction
     quantized = min(flops, batch * op.quantized_flops_per_token * share)
-    return (flops - quantized) / dense + quantized / gemm_rate(op.weight_format, hw).flops_per_s
+    rate = gemm_rate(op.weight_format, hw).flops_per_s
+    return ((flops - quantized) / dense + quantized / rate) / fraction
 
 
 def gemm_flops_per_s(model: ModelSpec, hw: HardwareSpec) -> float:
-    """The rate ``model``'s FLOPs outside attention run at on ``hw``: the dense rate for an
-    unquantised model; the FLOP-weighted (harmonic) mean of its GEMMs' rates otherwise, since
-    the time of all of them is ``sum(flops_i / rate_i)``."""
-    if not model.precision.quantized:
-        return hw.effective_flops
+    """The rate ``model``'s FLOPs outside attention run at on ``hw``: the FLOP-weighted
+    (harmonic) mean of its GEMMs' rates (their formats', routed experts' at their fused-MoE
+    kernels' fraction of it), since the time of all of them is ``sum(flops_i / rate_i)``."""
     ops = [o for o in model.operators if o.name != "core_attn" and o.flops_per_token]
     flops = sum(o.flops_per_token for o in ops)
     seconds = sum(compute_s(o, hw, o.flops_per_token, 1.0, 1.0) for o in ops)
