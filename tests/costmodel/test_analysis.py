@@ -16,7 +16,7 @@ from opweave.costmodel import (
     load_model,
 )
 from opweave.costmodel._private.analysis import analyze
-from opweave.costmodel._private.quantize import GROUPED_GEMM
+from opweave.costmodel._private.kernel_rates import GROUPED_GEMM
 
 REL = 1e-9
 

@@ -29,9 +29,9 @@ from opweave.costmodel import (
     load_model,
     model_spec_from_config,
 )
+from opweave.costmodel._private.kernel_rates import grouped_gemm_fraction
 from opweave.costmodel._private.models import builtin_config
 from opweave.costmodel._private.parallelism import parallel_op_terms_s
-from opweave.costmodel._private.quantize import grouped_gemm_fraction
 
 CHECKPOINTS = Path(__file__).with_name("checkpoints")
 CAT = default_catalog()
@@ -499,7 +499,7 @@ def test_routed_experts_run_at_the_fused_moe_kernels_measured_rate() -> None:
     dense = load_model("qwen3-32b")
     ffn = next(o for o in dense.layers[0].ops if o.name == "gate_up_proj")
     assert grouped_gemm_fraction(ffn, H100_FP8, 64) == 1.0
-    cpu = H100_FP8.model_copy(update={"grouped_gemm": False})
+    cpu = H100_FP8.model_copy(update={"engine_kernels": False})
     assert _experts_s(bf, cpu, tokens) == pytest.approx(flops / bf16_rate)
 
 

@@ -39,6 +39,7 @@ from numpy.typing import NDArray
 
 from .fixed_costs import launch_s
 from .hardware import HardwareSpec
+from .kernel_rates import prefill_attention_fraction
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .parallelism import Parallelism, parallel_op_terms_s, weight_bytes_per_gpu
 from .roofline import (
@@ -91,6 +92,7 @@ class AttentionKind:
     kv_bytes_fixed: float  # resident state per request
     weight_bytes: float = 0.0  # read once per step (a linear-attention layer's conv weights)
     fp8_math: bool = False  # its FLOPs run on FP8 tensor cores (a DSA indexer's scoring)
+    head_dim: float = 0.0  # the prefill kernel's head width ([AIC-ATTN]); 0: no such kernel
 
     def attended(self, context: NDArray[np.float64]) -> NDArray[np.float64]:
         return np.minimum(context, self.window)
@@ -121,6 +123,7 @@ def _attention_kind(model: ModelSpec, op: OperatorSpec, tp: int, count: int) -> 
         kv_bytes_per_token=op.state_bytes_per_context_token * state,
         kv_bytes_fixed=op.state_bytes_fixed * state,
         weight_bytes=op.weight_bytes * share,
+        head_dim=float(model.arch.head_dim),  # MLA's prefill: nope + rope
     )
 
 
@@ -144,6 +147,7 @@ def _attention_kinds(
         kv_bytes_per_token=0.0,
         prefill_flops_per_pair=kind.flops_per_attended,
         prefill_flops_per_prefix_token=0.0,
+        head_dim=float(model.arch.mla.latent_dim) if model.arch.mla else kind.head_dim,
     )
     index = AttentionKind(
         count=count,
@@ -247,15 +251,16 @@ class EngineStepCost:
         return self._tokens_s(False, tokens) + self._tokens_s(True, requests)
 
     # -- attention -----------------------------------------------------------------------------
-    def _prefill_work(self, kind: AttentionKind, chunks: Sequence[Chunk]) -> tuple[float, float]:
-        flops = num_bytes = 0.0
+    def _prefill_work(
+        self, kind: AttentionKind, chunks: Sequence[Chunk]
+    ) -> tuple[float, float, float]:
+        """FLOPs outside the prompt's query-key pairs, FLOPs over those pairs (the prefill
+        attention kernel's), and bytes of ``chunks``."""
+        flops = pair_flops = num_bytes = 0.0
         for start, tokens in chunks:
             pairs = causal_pairs(start, tokens, kind.window)
-            flops += (
-                tokens * kind.flops_per_token
-                + pairs * kind.prefill_flops_per_pair
-                + start * kind.prefill_flops_per_prefix_token
-            )
+            pair_flops += pairs * kind.prefill_flops_per_pair
+            flops += tokens * kind.flops_per_token + start * kind.prefill_flops_per_prefix_token
             # the chunk's activations, its recurrent state read and written once, the cache of
             # the prompt so far read once and the chunk's own entries written
             attended = min(start + tokens, kind.window)
@@ -265,7 +270,7 @@ class EngineStepCost:
                 + attended * kind.bytes_per_attended
                 + min(tokens, kind.window) * kind.kv_bytes_per_token
             )
-        return flops, num_bytes
+        return flops, pair_flops, num_bytes
 
     def attention_s(
         self, requests: int, attended: Sequence[NDArray[np.float64]], chunks: Sequence[Chunk]
@@ -275,14 +280,16 @@ class EngineStepCost:
         hw = self.hardware
         total = np.zeros_like(attended[0]) if attended else np.zeros(1)
         for kind, summed in zip(self.kinds, attended, strict=True):
-            pre_flops, pre_bytes = self._prefill_work(kind, chunks)
+            pre_flops, pair_flops, pre_bytes = self._prefill_work(kind, chunks)
             num_bytes = requests * kind.bytes_per_request + summed * kind.bytes_per_attended
             num_bytes = num_bytes + (kind.weight_bytes if requests or chunks else 0.0)
             flops = requests * kind.flops_per_token + summed * kind.flops_per_attended
             rate = (hw.effective_fp8_flops or hw.effective_flops) if kind.fp8_math else None
+            # the prompt's attention at the prefill kernels' measured fraction of the rate
+            prefill = 1.0 if kind.fp8_math else prefill_attention_fraction(kind.head_dim, hw)
             seconds = np.maximum(
                 (num_bytes + pre_bytes) / hw.effective_bandwidth,
-                (flops + pre_flops) / (rate or hw.effective_flops),
+                (flops + pre_flops + pair_flops / prefill) / (rate or hw.effective_flops),
             )
             total = total + kind.count * seconds + kind.fixed_s
         return total
@@ -314,8 +321,8 @@ class EngineStepCost:
                 flops += count * f
                 num_bytes += count * b
         for kind in self.kinds:
-            f, b = self._prefill_work(kind, [(start, tokens)])
-            flops += kind.count * f
+            f, pair_f, b = self._prefill_work(kind, [(start, tokens)])
+            flops += kind.count * (f + pair_f)
             num_bytes += kind.count * (b + kind.weight_bytes)
         return flops, num_bytes
 

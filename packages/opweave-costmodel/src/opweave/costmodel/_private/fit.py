@@ -22,9 +22,10 @@ from ..errors import ConfigError
 from .base import Frozen
 from .fixed_costs import expert_fixed_s, launches, side_stream_overlaps, step_overhead_s
 from .hardware import HardwareSpec
+from .kernel_rates import grouped_gemm_fraction
 from .model import LayerSpec, ModelSpec, OperatorSpec
 from .profile import OpLatencyTable, Profile, Provenance, TransferProfile, profile_key
-from .quantize import expert_channels, grouped_gemm_fraction
+from .quantize import expert_channels
 from .roofline import RooflineLatency, op_bytes_and_flops, shard_fraction
 
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -168,11 +168,12 @@ class HardwareSpec(FileSchema):
         "the routed experts here (CUDA); False where they run them inline (ROCm: vLLM turns it "
         "off, vllm-project/vllm#30085; SGLang makes its second stream only under CUDA).",
     )
-    grouped_gemm: bool = Field(
+    engine_kernels: bool = Field(
         default=True,
-        description="Routed experts run as the engines' fused-MoE grouped GEMMs, at the "
-        "fraction of the dense GEMM rate NVIDIA's silicon database measures for them "
-        "(quantize.py [AIC-MOE]); False: at the dense rate (a CPU rank's matmuls).",
+        description="The device runs the serving engines' GPU kernels: routed experts as "
+        "fused-MoE grouped GEMMs and prefill attention as FlashAttention-style kernels, at the "
+        "fractions of the dense rate NVIDIA's silicon database measures for them "
+        "(kernel_rates.py); False: everything at the dense rate (a CPU rank's matmuls).",
     )
     usable_memory_fraction: _Fraction = 0.9
     aliases: tuple[str, ...] = ()

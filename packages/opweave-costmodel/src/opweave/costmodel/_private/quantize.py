@@ -10,11 +10,11 @@ follows the KV-cache dtype; activations stay in the compute dtype.
 
 from __future__ import annotations
 
-import itertools
 import math
 
 from ..errors import ConfigError
 from .hardware import HardwareSpec
+from .kernel_rates import grouped_gemm_fraction
 from .model import LayerSpec, LinearShape, ModelSpec, MoESpec, OperatorSpec
 from .precision import Precision, WeightScheme, gemm_rate
 
@@ -216,59 +216,6 @@ def quantize_ops(ops: tuple[OperatorSpec, ...], precision: Precision) -> tuple[O
 def quantize_layer(layer: LayerSpec, precision: Precision) -> LayerSpec:
     ops = quantize_ops(layer.ops, precision)
     return layer if ops is layer.ops else layer.model_copy(update={"ops": ops})
-
-
-# [AIC-MOE] The engines' fused-MoE kernels (vLLM's and SGLang's Triton fused_moe, DeepGEMM's and
-# FlashInfer's grouped GEMMs, TensorRT-LLM's CUTLASS MoE) run the routed experts' GEMMs well below
-# the rate a dense GEMM of the same format reaches: each expert's GEMM is small, its tokens are
-# gathered and scattered, and block-scaled formats dequantise per tile. NVIDIA's silicon database
-# (aiconfigurator-core 0.12.0, moe_perf tables of vLLM 0.14-0.24, SGLang 0.5.10-0.5.14 and
-# TensorRT-LLM 1.0-1.3 on A100 to GB300) measures these kernels; at 8,192 tokens and more, with
-# each GPU's slice of an expert at least 512 channels wide, the median over GPUs and engines of
-# (FLOPs / latency) / the catalog's dense rate of the format is below (weight-only formats: of
-# the dense BF16 rate they run at). Narrower slices (an expert's channels split over many TP
-# GPUs) fall further: the pooled median at each width, relative to the wide figure of the same
-# GPU, engine and format. tools/bench/moe_gemm_efficiency.py prints both from the database.
-GROUPED_GEMM = {
-    "bf16": 0.51,
-    "fp8": 0.46,
-    "fp8-block": 0.24,
-    "nvfp4": 0.31,
-    "mxfp4": 0.31,
-    "int4-wo": 0.38,
-}
-GROUPED_GEMM_WIDTH = ((32, 0.12), (64, 0.25), (128, 0.42), (192, 0.45), (256, 0.60), (384, 0.70))
-GROUPED_GEMM_WIDE = 512
-
-
-def grouped_gemm_fraction(op: OperatorSpec, hw: HardwareSpec, channels: float) -> float:
-    """The fraction of its format's dense GEMM rate ``op``'s routed-expert GEMMs reach on
-    ``hw`` ([AIC-MOE]), where each GPU holds ``channels`` of an expert's intermediate channels
-    (interpolated in log2 between the measured widths); 1 for any other operator, or on a
-    device whose experts do not run as fused-MoE kernels (``HardwareSpec.grouped_gemm``).
-
-    >>> from opweave.costmodel import default_catalog, load_model
-    >>> experts = next(o for o in load_model("qwen3-235b-a22b").operators if o.moe)
-    >>> h100 = default_catalog().get("h100")
-    >>> grouped_gemm_fraction(experts, h100, 1536), grouped_gemm_fraction(experts, h100, 192)
-    (0.51, 0.2295)
-    """
-    if op.moe is None or not hw.grouped_gemm:
-        return 1.0
-    fmt = op.weight_format or "bf16"
-    if fmt not in ("mxfp4", "int4-wo") and gemm_rate(fmt, hw).path.startswith("weight-only"):
-        fmt = "int4-wo"  # a format run weight-only here (FP8 on A100): the measured W4A16 path
-    base = GROUPED_GEMM.get(fmt, GROUPED_GEMM["bf16"])
-    if channels >= GROUPED_GEMM_WIDE or channels <= 0:
-        return base
-    points = (*GROUPED_GEMM_WIDTH, (GROUPED_GEMM_WIDE, 1.0))
-    if channels <= points[0][0]:
-        return base * points[0][1] * channels / points[0][0]
-    for (w0, f0), (w1, f1) in itertools.pairwise(points):
-        if channels <= w1:
-            t = math.log2(channels / w0) / math.log2(w1 / w0)
-            return base * (f0 + t * (f1 - f0))
-    return base
 
 
 def expert_channels(op: OperatorSpec, share: float) -> float:

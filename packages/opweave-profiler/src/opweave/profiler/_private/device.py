@@ -236,8 +236,8 @@ def describe_device(
         link_efficiency=1.0,
         # engines overlap shared experts on a second CUDA stream; not on CPU or ROCm
         side_streams=device.type == "cuda" and torch.version.hip is None,
-        # a GPU engine's fused-MoE kernels; a CPU rank runs each expert's matmuls
-        grouped_gemm=device.type == "cuda",
+        # a GPU engine's fused-MoE and attention kernels; a CPU rank runs plain matmuls
+        engine_kernels=device.type == "cuda",
     )
     if device.type == "cpu":
         # A CPU rank's host work per step is the runtime loop's, which the profile's
