@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from opweave.costmodel import default_catalog
-from opweave.costmodel._private.precision import gemm_rate
+from opweave.costmodel._private.precision import GPU_ARCH, gemm_rate
 
 MIN_TOKENS = 8192
 WIDE = 512
@@ -63,6 +63,7 @@ def grouped_gemms(root: Path, origin: str) -> None:
 
     catalog = default_catalog()
     wide: dict[str, list[float]] = defaultdict(list)
+    by_arch: dict[tuple[str, str], list[float]] = defaultdict(list)
     narrow: dict[int, list[float]] = defaultdict(list)
     print(f"Fused-MoE GEMM rate / the catalog's dense GEMM rate of the format ({origin})")
     print(f"{'gpu':<15}{'engine':<20}{'format':<11}{'n':>5}{'median':>8}{'p25':>7}{'p75':>7}")
@@ -86,6 +87,7 @@ def grouped_gemms(root: Path, origin: str) -> None:
             w = sorted(frac[is_wide])
             med = statistics.median(w)
             wide[fmt].append(med)
+            by_arch[(GPU_ARCH[gpu], fmt)].append(med)
             q = statistics.quantiles(w, n=4)
             print(f"{gpu:<15}{engine:<20}{fmt:<11}{len(w):>5}{med:>8.2f}{q[0]:>7.2f}{q[2]:>7.2f}")
             for x, f in zip(width.to_numpy(), frac, strict=True):
@@ -94,6 +96,9 @@ def grouped_gemms(root: Path, origin: str) -> None:
     print("\nPer format, median over GPUs and engines (kernel_rates.GROUPED_GEMM):")
     for fmt, meds in sorted(wide.items()):
         print(f"  {fmt:<10} {statistics.median(meds):.2f}  ({len(meds)} GPU x engine tables)")
+    print("\nPer GPU architecture and format, median over its GPUs and engines:")
+    for (arch, fmt), meds in sorted(by_arch.items()):
+        print(f"  {arch:<10} {fmt:<10} {statistics.median(meds):.2f}  ({len(meds)} tables)")
     print(
         "\nNarrower slices, fraction of the wide median, pooled (kernel_rates.GROUPED_GEMM_WIDTH):"
     )

@@ -17,7 +17,7 @@ import math
 
 from .hardware import HardwareSpec
 from .model import OperatorSpec
-from .precision import gemm_rate
+from .precision import GPU_ARCH, gemm_rate
 
 # [AIC-MOE] The engines' fused-MoE kernels (vLLM's and SGLang's Triton fused_moe, DeepGEMM's and
 # FlashInfer's grouped GEMMs, TensorRT-LLM's CUTLASS MoE) run the routed experts' GEMMs well below
@@ -27,9 +27,10 @@ from .precision import gemm_rate
 # TensorRT-LLM 1.0-1.3 on A100 to GB300) measures these kernels; at 8,192 tokens and more, with
 # each GPU's slice of an expert at least 512 channels wide, the median over GPUs and engines of
 # (FLOPs / latency) / the catalog's dense rate of the format is below (weight-only formats: of
-# the dense BF16 rate they run at). Narrower slices (an expert's channels split over many TP
-# GPUs) fall further: the pooled median at each width, relative to the wide figure of the same
-# GPU, engine and format.
+# the dense BF16 rate they run at), per GPU architecture where the database has it (Hopper's
+# kernels reach more of their rate than Blackwell's block-FP8 ones), over every GPU otherwise.
+# Narrower slices (an expert's channels split over many TP GPUs) fall further: the pooled median
+# at each width, relative to the wide figure of the same GPU, engine and format.
 GROUPED_GEMM = {
     "bf16": 0.51,
     "fp8": 0.46,
@@ -37,6 +38,19 @@ GROUPED_GEMM = {
     "nvfp4": 0.31,
     "mxfp4": 0.31,
     "int4-wo": 0.38,
+}
+GROUPED_GEMM_BY_ARCH = {
+    "ampere": {"bf16": 0.33, "int4-wo": 0.51},
+    "hopper": {"bf16": 0.60, "fp8": 0.44, "fp8-block": 0.36, "mxfp4": 0.43, "int4-wo": 0.30},
+    "ada": {"bf16": 0.55, "fp8": 0.44, "fp8-block": 0.42, "mxfp4": 0.54, "int4-wo": 0.54},
+    "blackwell": {
+        "bf16": 0.49,
+        "fp8": 0.47,
+        "fp8-block": 0.23,
+        "nvfp4": 0.31,
+        "mxfp4": 0.30,
+        "int4-wo": 0.38,
+    },
 }
 GROUPED_GEMM_WIDTH = ((32, 0.12), (64, 0.25), (128, 0.42), (192, 0.45), (256, 0.60), (384, 0.70))
 GROUPED_GEMM_WIDE = 512
@@ -52,14 +66,15 @@ def grouped_gemm_fraction(op: OperatorSpec, hw: HardwareSpec, channels: float) -
     >>> experts = next(o for o in load_model("qwen3-235b-a22b").operators if o.moe)
     >>> h100 = default_catalog().get("h100")
     >>> grouped_gemm_fraction(experts, h100, 1536), grouped_gemm_fraction(experts, h100, 192)
-    (0.51, 0.2295)
+    (0.6, 0.27)
     """
     if op.moe is None or not hw.engine_kernels:
         return 1.0
     fmt = op.weight_format or "bf16"
     if fmt not in ("mxfp4", "int4-wo") and gemm_rate(fmt, hw).path.startswith("weight-only"):
         fmt = "int4-wo"  # a format run weight-only here (FP8 on A100): the measured W4A16 path
-    base = GROUPED_GEMM.get(fmt, GROUPED_GEMM["bf16"])
+    measured = GROUPED_GEMM_BY_ARCH.get(GPU_ARCH.get(hw.id, ""), {})
+    base = measured.get(fmt, GROUPED_GEMM.get(fmt, GROUPED_GEMM["bf16"]))
     if channels >= GROUPED_GEMM_WIDE or channels <= 0:
         return base
     points = (*GROUPED_GEMM_WIDTH, (GROUPED_GEMM_WIDE, 1.0))
