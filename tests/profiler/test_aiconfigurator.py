@@ -435,6 +435,25 @@ def test_catalog_all_reduce_is_the_databases_fit() -> None:
 
 
 @pytest.mark.skipif(find_spec("aiconfigurator_core") is None, reason="needs aiconfigurator-core")
+def test_the_cost_models_kernel_fractions_are_the_databases_medians() -> None:
+    """kernel_rates.py's fused-MoE and prefill-attention fractions ([AIC-MOE], [AIC-ATTN]) are
+    the tested release's medians, to the figures' rounding (0.01)."""
+    from opweave.costmodel._private import kernel_rates as k
+    from opweave.profiler import open_database
+    from opweave.profiler._private.aic_fractions import kernel_fractions
+
+    found = kernel_fractions(open_database())
+
+    def rounded(d: dict) -> dict:
+        return {key: round(v, 2) for key, v in d.items()}
+
+    assert rounded(found.grouped) == k.GROUPED_GEMM
+    assert {a: rounded(f) for a, f in found.grouped_by_arch.items()} == k.GROUPED_GEMM_BY_ARCH
+    assert tuple(rounded(found.widths).items()) == k.GROUPED_GEMM_WIDTH
+    assert rounded(found.prefill) == k.PREFILL_ATTENTION
+
+
+@pytest.mark.skipif(find_spec("aiconfigurator_core") is None, reason="needs aiconfigurator-core")
 def test_real_database_deepseek_on_b200_imports_every_kernel_it_has() -> None:
     """The tested release's B200 SGLang tables: GEMMs under the version-2 metadata schema, the
     fused MoE of 0.5.14 beside a 0.5.16 folder without one."""

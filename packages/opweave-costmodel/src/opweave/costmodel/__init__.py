@@ -128,6 +128,7 @@ from ._private.plan import (
     segments,
 )
 from ._private.precision import (
+    GPU_ARCH,
     KV_CACHE_CHOICES,
     QUANT_CHOICES,
     WEIGHT_FORMATS,
@@ -239,6 +240,7 @@ __all__ = [
     "tp_split",
     "weight_only",
     "gemm_rate",
+    "GPU_ARCH",
     "module_matches",
     "resolve_precision",
     # hardware

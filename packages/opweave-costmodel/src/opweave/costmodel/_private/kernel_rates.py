@@ -3,9 +3,10 @@
 A roofline runs every FLOP at the rate a large dense GEMM reaches (``HardwareSpec``'s measured
 efficiencies). Two kinds of kernels the engines run stay well below it, and NVIDIA's silicon
 database (aiconfigurator-core 0.12.0, Apache-2.0: per GPU from A100 to GB300, per engine and
-version, kernel latencies at many shapes) measures by how much. ``tools/bench/kernel_fractions.py``
-reads the database and prints every figure below; they are medians over its GPUs and engines
-(the newest version of vLLM, SGLang and TensorRT-LLM on each), not fitted to any serving
+version, kernel latencies at many shapes) measures by how much. Every figure below is a median
+over its GPUs and engines (the newest version of vLLM, SGLang and TensorRT-LLM on each), derived
+by the profiler's ``aic_fractions.py`` (printed by ``tools/bench/kernel_fractions.py``, checked
+against the tested release by tests/profiler/test_aiconfigurator.py), not fitted to any serving
 measurement. They apply on a device that runs the engines' GPU kernels
 (``HardwareSpec.engine_kernels``), not on a CPU rank.
 """
