@@ -285,8 +285,9 @@ class EngineStepCost:
             num_bytes = num_bytes + (kind.weight_bytes if requests or chunks else 0.0)
             flops = requests * kind.flops_per_token + summed * kind.flops_per_attended
             rate = (hw.effective_fp8_flops or hw.effective_flops) if kind.fp8_math else None
-            # the prompt's attention at the prefill kernels' measured fraction of the rate
-            prefill = 1.0 if kind.fp8_math else prefill_attention_fraction(kind.head_dim, hw)
+            # the prompt's attention at the prefill kernels' measured fraction of the rate (a
+            # DSA indexer's FP8 scoring has no such kernel: head_dim 0, the whole rate)
+            prefill = prefill_attention_fraction(kind.head_dim, hw)
             seconds = np.maximum(
                 (num_bytes + pre_bytes) / hw.effective_bandwidth,
                 (flops + pre_flops + pair_flops / prefill) / (rate or hw.effective_flops),

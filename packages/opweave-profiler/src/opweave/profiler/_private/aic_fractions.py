@@ -30,7 +30,8 @@ import numpy as np
 
 from opweave.costmodel import GPU_ARCH, default_catalog, gemm_rate
 
-from .aic_db import SYSTEMS, Database, version_key
+from .aic_db import ENGINES, SYSTEMS, Database
+from .aic_kernels import table_version
 
 MIN_TOKENS = 8192
 WIDE = 512
@@ -76,11 +77,10 @@ def _newest(db: Database, op: str, table: str) -> list[tuple[str, str, Path]]:
     """(catalog GPU, "engine version", folder) of the newest ``table`` of ``op`` per engine."""
     found = []
     for gpu, system in SYSTEMS.items():
-        for engine in sorted((db.root / system / op).glob("*")):
-            versions = [v for v in engine.iterdir() if (v / f"{table}.parquet").is_file()]
-            if versions:
-                newest = max(versions, key=lambda v: version_key(v.name))
-                found.append((gpu, f"{engine.name} {newest.name}", newest))
+        for engine in ENGINES:
+            version = table_version(db, system, op, engine, table)
+            if version is not None:
+                found.append((gpu, f"{engine} {version}", db.root / system / op / engine / version))
     return found
 
 
