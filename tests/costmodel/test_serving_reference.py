@@ -189,3 +189,11 @@ def test_without_the_package_the_comparison_is_a_one_line_error(
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0
     assert "pip install 'opweave-profiler[aiconfigurator]'" in err
+
+
+def test_rows_are_grouped_by_their_publisher(serving: ModuleType) -> None:
+    rows = tomllib.loads((BENCH / "serving_accuracy_data.toml").read_text())["rows"]
+    names = {serving.source_name(r) for r in rows}
+    assert {"InferenceX", "gpustack/gpustack", "sgl-project/sgl-cookbook"} <= names
+    assert serving.source_name({"source": "docs.nvidia.com/nim/x (table 3)"}) == "docs.nvidia.com"
+    assert all("/" not in n or n.count("/") == 1 for n in names), names

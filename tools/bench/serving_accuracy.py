@@ -244,6 +244,16 @@ def _median(results: Sequence[ServingResult], which: str) -> str:
     return f"{100 * statistics.median(errs):5.1f}%"
 
 
+def source_name(row: dict[str, Any]) -> str:
+    """The publisher a row comes from: "InferenceX", or the repository or site its source
+    names first ("gpustack/gpustack", "sgl-project/sgl-cookbook", "docs.nvidia.com")."""
+    first = row["source"].split()[0]
+    if first.startswith("InferenceX"):
+        return "InferenceX"
+    parts = first.split("/")
+    return "/".join(parts[:2]) if "." not in parts[0] else parts[0]
+
+
 def summary(results: Sequence[ServingResult]) -> str:
     if not results:
         return "n=0"
@@ -292,6 +302,8 @@ def run_serving(model_of: Callable[[dict[str, Any]], ModelSpec]) -> None:
     for key in ("deployment", "engine", "gpu"):
         for value in sorted({str(r.row[key]) for r in described}):
             groups.append((f"{key} {value}", lambda r, k=key, v=value: str(r.row[k]) == v))
+    for value in sorted({source_name(r.row) for r in described}):
+        groups.append((f"source {value}", lambda r, v=value: source_name(r.row) == v))
     for name, keep in groups:
         print(f"{name:<32}{summary([r for r in described if keep(r)])}")
     if described:
