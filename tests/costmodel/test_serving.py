@@ -154,22 +154,36 @@ class StubCost:
 
 
 def brute_force(
-    prompt: int, output: int, clients: int, n: int, step_budget: int, prefill_first: bool = False
+    prompt: int,
+    output: int,
+    clients: int,
+    n: int,
+    step_budget: int,
+    prefill_first: bool = False,
+    recv_interval: int = 1,
 ):
     """One step at a time: running requests first (a decode token, or the next chunk of the
     prompt), then waiting ones while budget is left; first token when a prompt completes.
     ``prefill_first`` (SGLang): a step of prompt chunks alone while any prompt has chunks to
-    run, a step decoding every running request otherwise."""
+    run, a step decoding every running request otherwise. A client's next request waits in an
+    inbox until a receive point: after ``recv_interval`` decode steps, after a step with
+    prompt chunks, or when the engine has nothing to run (SGLang's recv skipper)."""
     cost = StubCost()
     t = 0.0
     waiting = deque(range(min(clients, n)))
+    inbox: deque[int] = deque()
     sent = len(waiting)
     arrival = dict.fromkeys(waiting, 0.0)
     cached = dict.fromkeys(range(n), 0)
     generated = dict.fromkeys(range(n), 0)
     first, finish = {}, {}
     running: list[int] = []
+    decoded, had_chunks = 0, True
     while len(finish) < n:
+        if had_chunks or decoded >= recv_interval or not (running or waiting):
+            waiting.extend(inbox)
+            inbox.clear()
+            decoded = 0
         budget, decodes, chunks = step_budget, [], []
         for r in running:
             if cached[r] < prompt:
@@ -187,6 +201,10 @@ def brute_force(
             budget -= take
         if prefill_first:
             decodes = [] if chunks else [r for r in running if cached[r] >= prompt]
+        if not decodes and not chunks:
+            continue  # nothing to run: the inbox is taken in at once
+        had_chunks = bool(chunks)
+        decoded = 0 if chunks else decoded + 1
         contexts = np.array([cached[r] + 1 for r in decodes], dtype=float)
         t += cost.step_s(contexts, [(cached[r], c) for r, c in chunks])
         for r in decodes:
@@ -202,7 +220,7 @@ def brute_force(
             finish[r] = t
             if sent < n:
                 arrival[sent] = t
-                waiting.append(sent)
+                inbox.append(sent)
                 sent += 1
     return arrival, first, finish
 
@@ -244,6 +262,60 @@ def test_prefill_first_matches_a_brute_force_scheduler(prompt, output, clients, 
     _arrival, first, finish = brute_force(prompt, output, clients, n, budget, prefill_first=True)
     assert sim.first_token_s == pytest.approx([first[i] for i in range(n)], abs=1e-12)
     assert sim.finish_s == pytest.approx([finish[i] for i in range(n)], abs=1e-12)
+
+
+@pytest.mark.parametrize("prefill_first", [False, True])
+@pytest.mark.parametrize(
+    ("prompt", "output", "clients", "n", "budget", "interval"),
+    [(4, 9, 2, 5, 6, 3), (3, 12, 3, 8, 4, 5), (6, 20, 4, 9, 7, 4), (5, 7, 1, 3, 5, 10)],
+)
+def test_a_receive_interval_matches_a_brute_force_scheduler(
+    prompt, output, clients, n, budget, interval, prefill_first
+) -> None:
+    """[SGL-RECV]: new requests reach the queue every ``interval`` decode steps, after a step
+    with prompt chunks, or at once on an idle engine."""
+    setup = EngineSetup(
+        max_num_batched_tokens=budget,
+        max_num_seqs=64,
+        kv_capacity_bytes=1e9,
+        prefill_first=prefill_first,
+        recv_interval=interval,
+    )
+    sim = simulate(
+        StubCost(),  # type: ignore[arg-type]
+        setup,
+        np.full(n, prompt),
+        np.full(n, output),
+        clients=clients,
+    )
+    arrival, first, finish = brute_force(
+        prompt, output, clients, n, budget, prefill_first=prefill_first, recv_interval=interval
+    )
+    assert sim.arrival_s == pytest.approx([arrival[i] for i in range(n)], abs=1e-12)
+    assert sim.first_token_s == pytest.approx([first[i] for i in range(n)], abs=1e-12)
+    assert sim.finish_s == pytest.approx([finish[i] for i in range(n)], abs=1e-12)
+
+
+def test_a_longer_receive_interval_delays_the_first_token(qwen32, h100) -> None:
+    """Requests arriving while the engine decodes wait for its next receive point: SGLang's
+    --scheduler-recv-interval 30 (InferenceX's B200 setting at 16 clients and more) adds about
+    15 decode steps to a TTFT; 1 is every step, today's behaviour."""
+    w = Workload(
+        isl=Lengths.range_ratio(1024, 0.8),
+        osl=Lengths.range_ratio(1024, 0.8),
+        concurrency=16,
+        scheduling="prefill-first",
+    )
+    every = estimate_serving(qwen32, h100, tp=4, workload=w)
+    same = estimate_serving(
+        qwen32, h100, tp=4, workload=w.model_copy(update={"scheduler_recv_interval": 1})
+    )
+    sparse = estimate_serving(
+        qwen32, h100, tp=4, workload=w.model_copy(update={"scheduler_recv_interval": 30})
+    )
+    assert same.ttft_s == every.ttft_s
+    assert sparse.ttft_s - every.ttft_s == pytest.approx(15 * every.decode_step_s, rel=0.35)
+    assert "every 30 decode steps" in " ".join(sparse.assumptions)
 
 
 def test_prefill_first_trades_tpot_for_ttft(qwen32, h100) -> None:

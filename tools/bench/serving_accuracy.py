@@ -65,6 +65,7 @@ FLAGS = {
         r"--max-num-batched-tokens[ =](\d+)",
     ),
     "max_num_seqs": (r"--max-running-requests[ =](\d+)", r"--max-num-seqs[ =](\d+)"),
+    "scheduler_recv_interval": (r"--scheduler-recv-interval[ =](\d+)",),
 }
 
 

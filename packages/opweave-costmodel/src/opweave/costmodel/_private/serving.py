@@ -137,7 +137,14 @@ def _engine(
             f"{capacity / 1e9:.1f} GB per GPU for the KV cache, less than one request of "
             f"{workload.max_context_tokens} tokens needs; use more GPUs or shorter requests"
         )
-    return cost, EngineSetup(tokens, seqs, capacity, workload.scheduling == "prefill-first")
+    setup = EngineSetup(
+        tokens,
+        seqs,
+        capacity,
+        workload.scheduling == "prefill-first",
+        workload.scheduler_recv_interval,
+    )
+    return cost, setup
 
 
 def _population(workload: Workload, rank: Workload) -> tuple[int, int, int]:
@@ -296,6 +303,11 @@ def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[s
         "prefill: GEMMs over the chunk's tokens at the weight format's tensor-core rate, causal "
         "attention over the prompt so far, weights read once per step",
     ]
+    if workload.scheduler_recv_interval > 1:
+        out.append(
+            f"new requests taken in every {workload.scheduler_recv_interval} decode steps and "
+            "after each step with prompt chunks (SGLang's --scheduler-recv-interval)"
+        )
     if dp > 1:
         out.append(f"data-parallel attention: {dp} engines with equal shares of the arrivals")
     return tuple(out)

@@ -14,6 +14,13 @@ The step that finishes a prompt samples the request's first token (TTFT ends the
 later step gives it one more token. A request's TPOT is ``(finish - first token) / (output - 1)``,
 the definition of vLLM's and SGLang's benchmark clients. Deterministic for a given seed.
 
+[SGL-RECV] SGLang's scheduler can take in new requests less often than every step
+(``--scheduler-recv-interval N``; ``python/sglang/srt/managers/scheduler_recv_skipper.py``,
+``SchedulerRecvSkipper``): each decode step adds 1 to a counter, a step with prompt chunks adds
+1000, and the requests that arrived meanwhile are taken in once it reaches ``N``. A request that
+arrives while the engine decodes waits for that point before its prefill can start; an idle
+engine takes it in at once.
+
 [SGL-SCHED] SGLang's scheduler (``python/sglang/srt/managers/scheduler.py``,
 ``get_next_batch_to_run``) builds a prefill batch from the waiting queue (a chunked prompt
 first, up to ``--chunked-prefill-size`` tokens) and runs it if there is one ("run prefill
@@ -67,12 +74,14 @@ class EngineSetup:
     """The engine's limits: per-step token budget, running requests, cache bytes per GPU;
     and its step policy: ``prefill_first`` runs a step of prompt chunks alone whenever prompts
     wait, decode steps only otherwise ([SGL-SCHED]); else decodes and prompt chunks share a
-    step, decodes first (vLLM V1, this module's doc)."""
+    step, decodes first (vLLM V1, this module's doc). New requests reach the queue every
+    ``recv_interval`` decode steps, and after any step with prompt chunks ([SGL-RECV])."""
 
     max_num_batched_tokens: int
     max_num_seqs: int
     kv_capacity_bytes: float
     prefill_first: bool = False
+    recv_interval: int = 1  # [SGL-RECV]: decode steps between taking in new requests
 
 
 @dataclass(frozen=True)
@@ -115,6 +124,8 @@ class _Engine:
     setup: EngineSetup
     running: list[_Request] = field(default_factory=list)
     waiting: deque[_Request] = field(default_factory=deque)
+    inbox: deque[_Request] = field(default_factory=deque)  # arrived, not yet taken in
+    decodes_since_recv: int = 0
     preemptions: int = 0
     per_token: float = 0.0
     per_request: float = 0.0
@@ -136,6 +147,26 @@ class _Engine:
             return bound
         held = [r.cached + extra.get(r.index, 0) for r in self.running]
         return float(self.cost.kv_bytes(np.array(held, dtype=np.float64)).sum())
+
+    def receive(self, force: bool = False) -> None:
+        """Take in the requests that arrived, at the engine's receive points ([SGL-RECV]): one
+        every ``recv_interval`` decode steps, one after a step with prompt chunks (``force``),
+        and at once on an idle engine. A decode run that passed a receive point before its
+        last step left what arrived at its end for the next one."""
+        interval = self.setup.recv_interval
+        if force or not (self.running or self.waiting):
+            self.decodes_since_recv = 0
+        elif self.decodes_since_recv >= interval:
+            self.decodes_since_recv %= interval
+        else:
+            return
+        if self.decodes_since_recv == 0:
+            self.waiting.extend(self.inbox)
+            self.inbox.clear()
+
+    def decodes_to_receive(self) -> int:
+        """Decode steps before the next receive point (at least 1)."""
+        return max(1, self.setup.recv_interval - self.decodes_since_recv)
 
     def schedule(self) -> tuple[list[_Request], list[tuple[_Request, int]]]:
         """The next step's decodes and prefill chunks (preempting where the cache is full)."""
@@ -246,23 +277,30 @@ def simulate(
         if clients is not None and pending:
             nxt = pending.popleft()
             nxt.arrival_s = at
-            engine.waiting.append(nxt)
+            engine.inbox.append(nxt)
 
+    after_prompts = True  # [SGL-RECV]: a step with prompt chunks takes new requests in next
     while done < n:
         if clients is None:
             while pending and pending[0].arrival_s <= t:
-                engine.waiting.append(pending.popleft())
+                engine.inbox.append(pending.popleft())
+        engine.receive(force=after_prompts)
         decodes, chunks = engine.schedule()
         if not decodes and not chunks:
+            if engine.inbox:
+                after_prompts = True  # an idle engine takes them in at once
+                continue
             if clients is not None or not pending:
                 raise RuntimeError("the engine cannot hold one request: a bug in the caller")
             t = pending[0].arrival_s
             continue
         if not chunks:
-            # nothing to admit until a request finishes (or one arrives): decode-only steps
-            # until a completion, an arrival or a full cache
+            # nothing to admit until a request finishes (or one arrives and is taken in):
+            # decode-only steps until a completion, an arrival, a receive point or a full cache
             contexts = np.array([r.context for r in decodes], dtype=np.float64)
             k = min(r.output - r.generated for r in decodes)
+            if engine.inbox:
+                k = min(k, engine.decodes_to_receive())
             times_s = cost.decode_run_s(contexts, k)
             cum = np.cumsum(times_s)
             if clients is None and pending:
@@ -270,6 +308,8 @@ def simulate(
             k = max(1, min(k, _steps_that_fit(engine, k)))
             dt = float(cum[k - 1])
             steps += k
+            engine.decodes_since_recv += k
+            after_prompts = False
             for r in decodes:
                 r.generated += k
                 r.cached += k
@@ -278,6 +318,7 @@ def simulate(
             dt = cost.step_s(contexts, [(r.cached, c) for r, c in chunks])
             steps += 1
             k = 1
+            after_prompts = True
             for r in decodes:
                 r.generated += 1
                 r.cached += 1

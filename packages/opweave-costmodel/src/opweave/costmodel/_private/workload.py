@@ -33,6 +33,7 @@ SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS = 2048, 256
 # every built-in context) and beyond any benchmark's population.
 MAX_BATCHED_TOKENS = 1 << 20
 MAX_SEQS = 1 << 16
+MAX_RECV_INTERVAL = 1 << 16
 MAX_REQUESTS = 1 << 20
 MIN_RATE_PER_S, MAX_RATE_PER_S = 1e-6, 1e6
 
@@ -163,6 +164,14 @@ class Workload(Frozen):
         "TensorRT-LLM's in-flight batching); prefill-first: a step of prompt chunks alone "
         "whenever prompts wait, decode steps otherwise (SGLang without --enable-mixed-chunk).",
     )
+    scheduler_recv_interval: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_RECV_INTERVAL,
+        description="Decode steps between the times the engine takes in new requests; a step "
+        "with prompt chunks takes them in at once (SGLang's --scheduler-recv-interval). 1: at "
+        "every step (vLLM, TensorRT-LLM, SGLang's default).",
+    )
     seed: int = Field(default=0, ge=0, description="Seed of Poisson arrivals and drawn lengths.")
 
     @model_validator(mode="after")
@@ -253,5 +262,6 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
         where = ".".join(str(p) for p in err["loc"]) or "file"
         raise ConfigError(
             f"workload file {path}: {where}: {err['msg']} (fields: isl, osl, rate_per_s or "
-            "concurrency, max_num_batched_tokens, max_num_seqs, scheduling, seed)"
+            "concurrency, max_num_batched_tokens, max_num_seqs, scheduling, "
+            "scheduler_recv_interval, seed)"
         ) from None
