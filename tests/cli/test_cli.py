@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -280,6 +281,23 @@ def test_estimate_serving_json_contract() -> None:
     )
     assert any("Poisson arrivals at 1.5 requests/s" in a for a in rate["assumptions"])
     assert rate["ttft_p99_s"] >= rate["ttft_s"]
+
+
+def test_estimate_takes_sglangs_receive_interval() -> None:
+    """``--scheduler-recv-interval N`` (SGLang's): prompts arriving while the engine decodes
+    wait for its next receive point, so the TTFT grows, and the estimate says what it assumed;
+    lengths drawn from a range so that the clients do not finish in lockstep."""
+    workload = Path(tempfile.mkdtemp()) / "w.toml"
+    workload.write_text(
+        'isl = {kind = "uniform", low_tokens = 800, high_tokens = 1200}\n'
+        'osl = {kind = "uniform", low_tokens = 800, high_tokens = 1200}\nconcurrency = 16\n'
+    )
+    args = ("estimate", "qwen3-32b", "--gpu", "h100", "--tp", "4", "--workload", str(workload))
+    every = cli_json(*args, "--scheduling", "prefill-first")
+    sparse = cli_json(*args, "--scheduling", "prefill-first", "--scheduler-recv-interval", "30")
+    assert sparse["ttft_s"] > every["ttft_s"] + 5 * every["decode_step_s"]
+    assert any("every 30 decode steps" in a for a in sparse["assumptions"])
+    assert not any("decode steps and after" in a for a in every["assumptions"])
 
 
 def test_estimate_serving_table_says_what_it_assumed() -> None:

@@ -252,6 +252,17 @@ SchedulingOpt = Annotated[
         "SGLang without --enable-mixed-chunk).",
     ),
 ]
+RecvIntervalOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--scheduler-recv-interval",
+        min=1,
+        max=1 << 16,
+        help="Serving: decode steps between the times the engine takes in new requests, as "
+        "SGLang's --scheduler-recv-interval (a prefill step takes them in at once; default 1: "
+        "every step).",
+    ),
+]
 WorkloadFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -273,6 +284,7 @@ def workload_from_flags(
     max_num_seqs: int | None = None,
     workload_file: Path | None = None,
     scheduling: str | None = None,
+    scheduler_recv_interval: int | None = None,
 ):  # -> Workload
     """The workload ``--isl --osl (--concurrency | --rate)`` or ``--workload FILE`` describe,
     checked against the model's context, with the engine's step limits where given."""
@@ -297,6 +309,7 @@ def workload_from_flags(
             max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             scheduling=scheduling,
+            scheduler_recv_interval=scheduler_recv_interval,
         )
         check_context(spec, workload.max_context_tokens, "the workload's longest isl + osl")
         return workload
@@ -323,4 +336,5 @@ def workload_from_flags(
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
         scheduling=scheduling or "mixed",
+        scheduler_recv_interval=scheduler_recv_interval or 1,
     )

@@ -20,6 +20,7 @@ from ._common import (
     OslOpt,
     QuantOpt,
     RateOpt,
+    RecvIntervalOpt,
     SchedulingOpt,
     WorkloadFileOpt,
     catalog,
@@ -129,6 +130,7 @@ def estimate(
     rate: RateOpt = None,
     workload_file: WorkloadFileOpt = None,
     scheduling: SchedulingOpt = None,
+    scheduler_recv_interval: RecvIntervalOpt = None,
     max_num_batched_tokens: Annotated[
         int | None,
         typer.Option(
@@ -160,6 +162,7 @@ def estimate(
         "--rate": rate,
         "--workload": workload_file,
         "--scheduling": scheduling,
+        "--scheduler-recv-interval": scheduler_recv_interval,
         "--max-num-batched-tokens": max_num_batched_tokens,
         "--max-num-seqs": max_num_seqs,
     }
@@ -330,6 +333,7 @@ def _estimate_serving(
         max_num_seqs=flags["--max-num-seqs"],
         workload_file=flags["--workload"],
         scheduling=flags["--scheduling"],
+        scheduler_recv_interval=flags["--scheduler-recv-interval"],
     )
     hw = catalog(hardware).get(gpu)
     _check_tp(spec, hw, tp, ep)

@@ -21,6 +21,7 @@ from ._common import (
     OslOpt,
     QuantOpt,
     RateOpt,
+    RecvIntervalOpt,
     SchedulingOpt,
     WorkloadFileOpt,
     catalog,
@@ -155,6 +156,7 @@ def plan(
     rate: RateOpt = None,
     workload_file: WorkloadFileOpt = None,
     scheduling: SchedulingOpt = None,
+    scheduler_recv_interval: RecvIntervalOpt = None,
     ttft_slo_ms: Annotated[
         float | None,
         typer.Option(
@@ -225,6 +227,7 @@ def plan(
         "--rate": rate,
         "--workload": workload_file,
         "--scheduling": scheduling,
+        "--scheduler-recv-interval": scheduler_recv_interval,
         "--ttft-slo-ms": ttft_slo_ms,
     }
     if any(v is not None for v in serving.values()) or slo_statistic != "p90":
