@@ -225,12 +225,23 @@ def brute_force(
     return arrival, first, finish
 
 
-@pytest.mark.parametrize(
-    ("prompt", "output", "clients", "n", "budget"),
-    [(4, 3, 1, 2, 2), (5, 4, 2, 5, 6), (3, 6, 3, 7, 4), (10, 2, 3, 6, 8)],
-)
-def test_the_simulation_matches_a_brute_force_scheduler(prompt, output, clients, n, budget) -> None:
-    setup = EngineSetup(max_num_batched_tokens=budget, max_num_seqs=64, kv_capacity_bytes=1e9)
+def assert_matches_brute_force(
+    prompt: int,
+    output: int,
+    clients: int,
+    n: int,
+    budget: int,
+    prefill_first: bool = False,
+    recv_interval: int = 1,
+) -> None:
+    """The simulation's arrival, first-token and finish times are the brute force's."""
+    setup = EngineSetup(
+        max_num_batched_tokens=budget,
+        max_num_seqs=64,
+        kv_capacity_bytes=1e9,
+        prefill_first=prefill_first,
+        recv_interval=recv_interval,
+    )
     sim = simulate(
         StubCost(),  # type: ignore[arg-type]
         setup,
@@ -238,7 +249,9 @@ def test_the_simulation_matches_a_brute_force_scheduler(prompt, output, clients,
         np.full(n, output),
         clients=clients,
     )
-    arrival, first, finish = brute_force(prompt, output, clients, n, budget)
+    arrival, first, finish = brute_force(
+        prompt, output, clients, n, budget, prefill_first, recv_interval
+    )
     assert sim.arrival_s == pytest.approx([arrival[i] for i in range(n)], abs=1e-12)
     assert sim.first_token_s == pytest.approx([first[i] for i in range(n)], abs=1e-12)
     assert sim.finish_s == pytest.approx([finish[i] for i in range(n)], abs=1e-12)
@@ -246,22 +259,18 @@ def test_the_simulation_matches_a_brute_force_scheduler(prompt, output, clients,
 
 @pytest.mark.parametrize(
     ("prompt", "output", "clients", "n", "budget"),
+    [(4, 3, 1, 2, 2), (5, 4, 2, 5, 6), (3, 6, 3, 7, 4), (10, 2, 3, 6, 8)],
+)
+def test_the_simulation_matches_a_brute_force_scheduler(prompt, output, clients, n, budget) -> None:
+    assert_matches_brute_force(prompt, output, clients, n, budget)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "output", "clients", "n", "budget"),
     [(4, 3, 1, 2, 2), (5, 4, 2, 5, 6), (3, 6, 3, 7, 4), (10, 2, 3, 6, 8), (6, 5, 4, 9, 7)],
 )
 def test_prefill_first_matches_a_brute_force_scheduler(prompt, output, clients, n, budget) -> None:
-    setup = EngineSetup(
-        max_num_batched_tokens=budget, max_num_seqs=64, kv_capacity_bytes=1e9, prefill_first=True
-    )
-    sim = simulate(
-        StubCost(),  # type: ignore[arg-type]
-        setup,
-        np.full(n, prompt),
-        np.full(n, output),
-        clients=clients,
-    )
-    _arrival, first, finish = brute_force(prompt, output, clients, n, budget, prefill_first=True)
-    assert sim.first_token_s == pytest.approx([first[i] for i in range(n)], abs=1e-12)
-    assert sim.finish_s == pytest.approx([finish[i] for i in range(n)], abs=1e-12)
+    assert_matches_brute_force(prompt, output, clients, n, budget, prefill_first=True)
 
 
 @pytest.mark.parametrize("prefill_first", [False, True])
@@ -274,26 +283,7 @@ def test_a_receive_interval_matches_a_brute_force_scheduler(
 ) -> None:
     """[SGL-RECV]: new requests reach the queue every ``interval`` decode steps, after a step
     with prompt chunks, or at once on an idle engine."""
-    setup = EngineSetup(
-        max_num_batched_tokens=budget,
-        max_num_seqs=64,
-        kv_capacity_bytes=1e9,
-        prefill_first=prefill_first,
-        recv_interval=interval,
-    )
-    sim = simulate(
-        StubCost(),  # type: ignore[arg-type]
-        setup,
-        np.full(n, prompt),
-        np.full(n, output),
-        clients=clients,
-    )
-    arrival, first, finish = brute_force(
-        prompt, output, clients, n, budget, prefill_first=prefill_first, recv_interval=interval
-    )
-    assert sim.arrival_s == pytest.approx([arrival[i] for i in range(n)], abs=1e-12)
-    assert sim.first_token_s == pytest.approx([first[i] for i in range(n)], abs=1e-12)
-    assert sim.finish_s == pytest.approx([finish[i] for i in range(n)], abs=1e-12)
+    assert_matches_brute_force(prompt, output, clients, n, budget, prefill_first, interval)
 
 
 def test_a_longer_receive_interval_delays_the_first_token(qwen32, h100) -> None:
