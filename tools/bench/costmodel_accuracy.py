@@ -565,7 +565,7 @@ def serving_results(
 ) -> list[ProductionResult]:
     """The aggregated rows among ``results`` (in-scope rows, in file order) re-estimated by
     the serving model."""
-    raw = [r for r in tomllib.loads(PRODUCTION.read_text())["rows"] if r.get("in_scope", True)]
+    raw = [r for r in data["rows"] if r.get("in_scope", True)]
     out = []
     for source, r in zip(raw, results, strict=True):
         if r.estimate_ms is None or source["deployment"] != "aggregated":
@@ -830,13 +830,13 @@ def run_imported_production() -> None:
     from opweave.profiler._private.aic_db import SYSTEMS
 
     data, rows = load_production()
-    raw = [r for r in tomllib.loads(PRODUCTION.read_text())["rows"] if r.get("in_scope", True)]
-    serving_row = dict(zip((id(r) for r in rows if r.in_scope), raw, strict=True))
     catalog, db = default_catalog(), open_database()
     skipped: dict[str, int] = {}
     pairs: list[tuple[ProductionResult, ProductionResult]] = []
     overlapped = host_profile("overlapped")
-    for row in (r for r in rows if r.in_scope):
+    for row, source in zip(rows, data["rows"], strict=True):
+        if not row.in_scope:
+            continue
         engine = _engine(row.engine.split("+")[-1])
         why = (
             "expert or attention-data parallelism (a profile holds TP tables only)"
@@ -867,7 +867,7 @@ def run_imported_production() -> None:
                 imported = production_step_ms(row, model, hw, ProfiledLatency(run.profile))
                 roof = production_step_ms(row, model, catalog.get(row.gpu))
                 if row.deployment == "aggregated":
-                    tpot = _serving_set().production_tpot_ms(serving_row[id(row)], model)
+                    tpot = _serving_set().production_tpot_ms(source, model)
                     roof, imported = tpot, tpot + imported - roof
                 pairs.append((ProductionResult(row, roof), ProductionResult(row, imported)))
         if why:
