@@ -286,10 +286,7 @@ def simulate(
                 engine.inbox.append(pending.popleft())
         engine.receive(force=after_prompts)
         decodes, chunks = engine.schedule()
-        if not decodes and not chunks:
-            if engine.inbox:
-                after_prompts = True  # an idle engine takes them in at once
-                continue
+        if not decodes and not chunks:  # idle: receive() took the inbox in
             if clients is not None or not pending:
                 raise RuntimeError("the engine cannot hold one request: a bug in the caller")
             t = pending[0].arrival_s
