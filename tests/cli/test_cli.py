@@ -177,7 +177,8 @@ def test_estimate_host_profile() -> None:
     proc = run_cli(*args, "--host", "vllm-9", check=False)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "error: unknown host profile 'vllm-9'; known: overlapped, sglang-sync, vllm-0.6, vllm-0.4"
+        "error: unknown host profile 'vllm-9'; known: overlapped, sglang, sglang-sync, "
+        "tensorrt-llm, vllm-0.6, vllm-0.4"
     ]
 
 

@@ -13,6 +13,7 @@ from opweave.costmodel import (
     default_catalog,
     estimate_step,
     host_profile,
+    load_model,
     model_spec_from_config,
     synthesize_profile,
 )
@@ -62,7 +63,14 @@ def test_a_profile_replaces_the_hardware_step_cost_and_nothing_else() -> None:
 
 
 def test_the_builtin_profiles_and_their_values() -> None:
-    assert set(HOST_PROFILES) == {"overlapped", "sglang-sync", "vllm-0.6", "vllm-0.4"}
+    assert set(HOST_PROFILES) == {
+        "overlapped",
+        "sglang",
+        "sglang-sync",
+        "tensorrt-llm",
+        "vllm-0.6",
+        "vllm-0.4",
+    }
     a100 = default_catalog().get("a100")
     # The catalog's default is the overlapped engine's 160 us.
     assert HOST_PROFILES["overlapped"].step_overhead_s == a100.step_overhead_s == 160 * US
@@ -75,6 +83,24 @@ def test_the_builtin_profiles_and_their_values() -> None:
     assert v4.step_overhead_per_request_s == pytest.approx(3.2 / 31 * MS)
     for profile in HOST_PROFILES.values():
         assert profile.source and profile.description
+
+
+def test_the_eager_launch_time_is_sglangs_deepseek_forward_over_its_kernels() -> None:
+    """[EAGER-PREFILL]: an eager DeepSeek-V3 forward of one new token took 82.6 ms in SGLang
+    (sgl-project/sglang#12160), host-bound: its launches at the profile's time per launch must
+    give it back. If the model's kernel counts change, re-derive the profile (host.py) rather than
+    loosen this test."""
+    ds = load_model("deepseek-v3")
+    kernels = sum(op.kernels for op in ds.operators)
+    eager = {name: p.eager_launch_s for name, p in HOST_PROFILES.items()}
+    assert kernels * eager["sglang"] == pytest.approx(82.6 * MS)
+    assert eager["sglang"] == eager["sglang-sync"] == eager["tensorrt-llm"]
+    # vLLM V1 graphs (or compiles) its steps with prompt chunks: no eager launches charged
+    assert eager["overlapped"] == eager["vllm-0.6"] == eager["vllm-0.4"] == 0.0
+    assert host_profile("sglang").step_overhead_s == HOST_PROFILES["overlapped"].step_overhead_s
+    applied = host_profile("tensorrt-llm").apply(GPU)
+    assert applied.eager_launch_s == eager["tensorrt-llm"]
+    assert GPU.eager_launch_s == 0.0
 
 
 def test_vllm_06_is_the_qwen_05b_step_less_its_modelled_gpu_work() -> None:

@@ -22,6 +22,7 @@ from opweave.costmodel import (
     default_catalog,
     estimate_serving,
     estimate_step,
+    host_profile,
     kv_transfer_s,
     load_model,
     prefill_pool,
@@ -133,6 +134,32 @@ def test_a_decode_only_step_is_the_decode_estimate(qwen32, h100) -> None:
     run = cost.decode_run_s(np.array([100.0, 200.0]), 3)
     each = [cost.step_s(np.array([100.0 + j, 200.0 + j]), []) for j in range(3)]
     assert run == pytest.approx(each, rel=1e-12)
+
+
+def test_an_eager_step_with_prompt_chunks_takes_its_launches_host_time(qwen32, h100) -> None:
+    """[EAGER-PREFILL]: SGLang and TensorRT-LLM run steps with prompt chunks outside CUDA graphs;
+    such a step takes the longer of its GPU time and its kernels' launch time on the host."""
+    eager_hw = host_profile("sglang").apply(h100)
+    eager = EngineStepCost.build(qwen32, eager_hw, Parallelism(tp=4))
+    graphed = EngineStepCost.build(qwen32, h100, Parallelism(tp=4))
+    # Qwen3-32B launches per forward: 64 layers x (norm, QKV GEMM + q/k norms (3), rope,
+    # attention (2), o_proj, norm, gate_up + SiLU-and-mul (2), down) + embed, final norm,
+    # lm_head and sampling
+    host_s = (64 * 12 + 4) * eager_hw.eager_launch_s
+    assert eager.kernels == 64 * 12 + 4
+    short, long = [(0, 16)], [(0, 8192)]
+    assert graphed.step_s(np.zeros(0), short) < host_s
+    assert eager.step_s(np.zeros(0), short) == pytest.approx(host_s, rel=1e-12)
+    assert eager.step_s(np.full(8, 900.0), short) == pytest.approx(host_s, rel=1e-12)
+    # a long chunk keeps the GPU busier than the host; decode-only steps replay graphs
+    assert graphed.step_s(np.zeros(0), long) > host_s
+    assert eager.step_s(np.zeros(0), long) == graphed.step_s(np.zeros(0), long)
+    decodes = np.full(32, 2048.0)
+    assert eager.step_s(decodes, []) == graphed.step_s(decodes, [])
+    # a short prompt alone: its TTFT is the host-bound step
+    w = Workload(isl=Lengths.fixed(16), osl=Lengths.fixed(8), rate_per_s=0.05)
+    est = estimate_serving(qwen32, h100, tp=4, workload=w, host=host_profile("sglang"))
+    assert est.ttft_s == pytest.approx(host_s, rel=0.01)
 
 
 # -- the scheduler simulation against a brute force written here -----------------------------

@@ -12,7 +12,9 @@ replayed as its benchmark ran it:
   (``--chunked-prefill-size``, ``--max-num-batched-tokens``, ``--max-running-requests``,
   ``--max-num-seqs``), else vLLM's defaults for the GPU (said in the output). SGLang rows
   schedule prompt chunks in steps of their own (its default, unless the serve command has
-  ``--enable-mixed-chunk``); the other engines mix them into the decode steps.
+  ``--enable-mixed-chunk``); the other engines mix them into the decode steps. Each engine's
+  host profile (:func:`engine_host`) says how its steps with prompt chunks run: eagerly in
+  SGLang and TensorRT-LLM (at least their kernel launches' host time), graphed in vLLM V1.
 - **P/D** rows: the decode workers hold the clients up to their batch cap (the row's
   ``decode_max_batch``, the recipe's); the decode pool's step at that per-worker batch and the
   mean context is the TPOT (:func:`~opweave.costmodel.decode_pool`). The TTFT is the prefill
@@ -42,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from opweave.costmodel import (
+    HostProfile,
     Lengths,
     ModelSpec,
     Workload,
@@ -98,6 +101,15 @@ def engine_limits(row: dict[str, Any]) -> tuple[dict[str, int], str]:
     return limits, "serve command" if limits else "vLLM defaults"
 
 
+def engine_host(row: dict[str, Any]) -> HostProfile:
+    """The host profile of the row's engine: SGLang and TensorRT-LLM's PyTorch flow (every
+    row's ``trtllm-serve``, Dynamo's workers included) overlap their scheduling and run steps
+    with prompt chunks eagerly; vLLM V1 and NIM's TensorRT engines graph or compile them
+    ([EAGER-PREFILL] in :mod:`opweave.costmodel`'s host profiles)."""
+    engine = row["engine"].removeprefix("dynamo+")
+    return host_profile(engine if engine in ("sglang", "tensorrt-llm") else "overlapped")
+
+
 def workload_for(row: dict[str, Any], replicas: int) -> Workload:
     limits, _ = engine_limits(row)
     isl, osl = round(float(row["isl"])), max(2, round(float(row["osl"])))
@@ -141,7 +153,7 @@ def _aggregated(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
         ep=int(row["ep"]),
         dp=dp,
         workload=w,
-        host=host_profile("overlapped"),
+        host=engine_host(row),
     )
     return est.ttft_s * 1e3, est.tpot_s * 1e3
 
@@ -207,14 +219,21 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
         dp=ddp,
         batch=per_worker,
         context=point.context,
-        host=host_profile("overlapped"),
+        host=engine_host(row),
         dense_dp=dense_dp(row, dec),
     ).step_latency_s
     rate = decoding / (osl * step)  # closed loop: a decoding request lasts about osl steps
     ptp, pep, pdp = _layout(pre)
     w = Workload(isl=Lengths.fixed(isl), osl=Lengths.fixed(osl), rate_per_s=rate)
     pool = prefill_pool(
-        model, hw, tp=ptp, ep=pep, dp=pdp, workload=w, rate_per_s=rate / int(pre["workers"])
+        model,
+        hw,
+        tp=ptp,
+        ep=pep,
+        dp=pdp,
+        workload=w,
+        rate_per_s=rate / int(pre["workers"]),
+        host=engine_host(row),
     )
     link = "nvlink" if row["gpu"] in RACK_SCALE else "network"
     move = kv_transfer_s(model, isl, tp=ptp, link=link, prefill=hw)

@@ -100,8 +100,10 @@ def estimate(
         str | None,
         typer.Option(
             "--host",
-            help="Serving engine whose per-step host time to charge (overlapped, sglang-sync, "
-            "vllm-0.6, vllm-0.4); default: the GPU's step_overhead_s (an overlapped engine).",
+            help="Serving engine whose host time to charge (overlapped, sglang, sglang-sync, "
+            "tensorrt-llm, vllm-0.6, vllm-0.4): per decode step, and for sglang and "
+            "tensorrt-llm steps with prompt chunks run eagerly (at least their kernel launches' "
+            "host time); default: the GPU's step_overhead_s (an overlapped engine).",
         ),
     ] = None,
     quant: QuantOpt = None,

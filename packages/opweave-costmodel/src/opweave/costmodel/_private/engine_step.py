@@ -23,6 +23,11 @@ the prefill chunks the scheduler added under its token budget. The cost of each 
   ``v_head_dim`` heads, while decode attends over the latent (:mod:`.mla`). A chunk after the
   first also up-projects the prompt's earlier latents (that file's context chunks).
 
+An engine that runs steps with prompt chunks eagerly (``HardwareSpec.eager_launch_s``, set by
+a host profile: SGLang, TensorRT-LLM) enqueues each of their kernels from the host, ahead of the
+GPU: such a step takes the longer of its GPU time and its launches' host time ([EAGER-PREFILL]
+in :mod:`.host`). Decode-only steps replay CUDA graphs.
+
 With data-parallel attention each rank runs its own scheduler (one engine core per DP rank in
 vLLM); this module costs one rank's step with every rank carrying the same load (the experts
 see ``dp`` times its tokens), as ranks step in lockstep to meet in the experts' collectives.
@@ -203,12 +208,14 @@ class EngineStepCost:
     body: list[tuple[OperatorSpec, int]]
     head: list[tuple[OperatorSpec, int]]
     kinds: list[AttentionKind]
+    kernels: int  # launched by one forward (every operator once per layer that runs it)
     _memo: dict[tuple[bool, float], float] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(cls, model: ModelSpec, hardware: HardwareSpec, par: Parallelism) -> EngineStepCost:
         body, head, kinds = [], [], []
-        for op, count in _unique_ops(model):
+        ops = _unique_ops(model)
+        for op, count in ops:
             if op.holds_state:
                 first, *rest = _attention_kinds(model, op, par.tp, count)
                 fixed = launch_s(op, hardware) * count
@@ -217,7 +224,8 @@ class EngineStepCost:
                 head.append((op, count))
             else:
                 body.append((op, count))
-        return cls(model, hardware, par, body, head, kinds)
+        kernels = sum(op.kernels * count for op, count in ops)
+        return cls(model, hardware, par, body, head, kinds, kernels)
 
     # -- per-token operators -------------------------------------------------------------------
     def _exact(self, per_request: bool, rank_tokens: float) -> float:
@@ -334,7 +342,10 @@ class EngineStepCost:
         n = len(contexts)
         tokens = n + sum(c for _, c in chunks)
         attn = self.attention_s(n, self.attended_sums(contexts), chunks)
-        return float(attn[0]) + self.tokens_s(tokens, n + len(chunks))
+        gpu_s = float(attn[0]) + self.tokens_s(tokens, n + len(chunks))
+        if not chunks:
+            return gpu_s
+        return max(gpu_s, self.kernels * self.hardware.eager_launch_s)
 
     def decode_run_s(self, contexts: NDArray[np.float64], steps: int) -> NDArray[np.float64]:
         """Times of ``steps`` consecutive decode-only steps from ``contexts``."""

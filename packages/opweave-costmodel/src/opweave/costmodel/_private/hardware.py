@@ -150,6 +150,14 @@ class HardwareSpec(FileSchema):
         default=0.0,
         description="... and per request of the step (host work the engine does not overlap).",
     )
+    # An engine that runs steps with prompt chunks outside CUDA graphs (SGLang, TensorRT-LLM's
+    # PyTorch flow) enqueues each of their kernels from Python: host.py's [EAGER-PREFILL]
+    eager_launch_s: _Seconds = Field(
+        default=0.0,
+        description="Host time per kernel launch of a step with prompt chunks, which the engine "
+        "runs eagerly (outside CUDA graphs): such a step takes at least the forward's launches "
+        "times this. 0: the engine graphs or compiles those steps (vLLM V1).",
+    )
     # [MOE-K] the H200 series fits 22.6 us + experts touched x (their bytes at the dense
     # bandwidth + 0.33 us) within 6% at every batch size; the same numbers give the H100 and B200
     # points 28.6 us (29.45 measured) and 37.0 us (39.6).

@@ -23,6 +23,24 @@ Sources:
   [VLLM-6913] vllm-project/vllm#6913 (vLLM 0.5, 4 x H100, Llama-3-70B FP8): the engine's output
   processing (``_process_model_outputs``, on the critical path before the asynchronous output
   processor of vLLM 0.6.0) takes 0.2 ms at batch 1 and 3.4 ms at batch 32: 0.103 ms a request.
+  [EAGER-PREFILL] SGLang captures CUDA graphs of decode batches only: a step with prompt
+  chunks runs eagerly, its kernels enqueued one by one from Python (piecewise prefill graphs
+  are opt-in, ``--enable-piecewise-cuda-graph``, sgl-project/sglang#10062 "SGLang's current
+  native prefilling can incur kernel launch overhead"). TensorRT-LLM's PyTorch flow likewise
+  graphs generation-only batches; its docs (``torch_compile_and_piecewise_cuda_graph.md``) call
+  the context phase's iterations host-bound. The host enqueues ahead of the GPU, so such a step
+  takes the longer of the two: wejoncy/sfllm#46 measures Qwen3-4B's eager prefill at 16.6 ms for
+  129 tokens and 16.4 ms for 513, where the same forwards in a graph take 5.7 and 13.7 ms. The
+  host's time per launch is taken from sgl-project/sglang#12160: an eager DeepSeek-V3 prefill
+  forward of one new token (GPU time 23.1 ms in a graph) takes 82.6 ms, 68 us for each of the
+  1,209 kernels OpWeave's DeepSeek-V3 forward launches (``OperatorSpec.kernels``). Check:
+  sgl-project/sglang#13094 (Llama-3.1-8B FP8, TP 8, 1,024-token prompts, one client) measures a
+  mean TTFT of 30.0 ms eager and 19.7 ms with piecewise graphs; 68 us x its 324 launches is
+  22 ms of host time, which leaves 8 ms for the front end and explains the 10.3 ms the graphs
+  save. The value belongs to the host CPU and the engine's Python path as much as to the model.
+  vLLM V1 runs steps of up to 512 tokens in piecewise CUDA graphs and larger ones through
+  torch.compile's generated code; no measurement of the latter's per-launch host time was found,
+  so the vLLM profiles charge none.
 """
 
 from __future__ import annotations
@@ -46,6 +64,12 @@ class HostProfile(Frozen):
     step_overhead_per_request_s: float = Field(
         default=0.0, ge=0, description="... and per request of the step."
     )
+    eager_launch_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Host time per kernel launch of a step with prompt chunks, which the engine "
+        "runs outside CUDA graphs (0: it graphs or compiles them).",
+    )
     description: str = ""
     source: str = Field(default="", description="Where the values were measured.")
 
@@ -61,6 +85,7 @@ class HostProfile(Frozen):
             update={
                 "step_overhead_s": self.step_overhead_s,
                 "step_overhead_per_request_s": self.step_overhead_per_request_s,
+                "eager_launch_s": self.eager_launch_s,
             }
         )
 
@@ -69,25 +94,53 @@ class HostProfile(Frozen):
 # processing that 0.6 overlaps with the GPU [VLLM-6913].
 VLLM_V0_STEP_S = 1.71 * MS
 VLLM_V0_OUTPUT_PER_REQUEST_S = (3.4 - 0.2) / (32 - 1) * MS
+# [EAGER-PREFILL]: 82.6 ms over the 1,209 kernels of DeepSeek-V3's forward
+DEEPSEEK_V3_KERNELS = 1209
+EAGER_LAUNCH_S = 82.6 * MS / DEEPSEEK_V3_KERNELS
+# [VLLM-GAP]: the gap an overlapped scheduler leaves between decode steps
+OVERLAPPED_STEP_S = 160 * US
 
 HOST_PROFILES: dict[str, HostProfile] = {
     profile.name: profile
     for profile in (
         HostProfile(
             name="overlapped",
-            step_overhead_s=160 * US,
+            step_overhead_s=OVERLAPPED_STEP_S,
             description="An engine that overlaps its host work with the GPU's step "
             "(asynchronous scheduling: vLLM V1 with async scheduling, SGLang's and TensorRT-LLM's "
             "overlap schedulers, OpWeave's compiled schedules, a CUDA-graph replay loop without a "
-            "host sync). The catalog's default.",
+            "host sync) and graphs or compiles its steps with prompt chunks (vLLM V1). The "
+            "catalog's default.",
             source="[VLLM-GAP] vllm-project/vllm#11133",
+        ),
+        HostProfile(
+            name="sglang",
+            step_overhead_s=OVERLAPPED_STEP_S,
+            eager_launch_s=EAGER_LAUNCH_S,
+            description="SGLang with its overlap scheduler (the default): decode steps as "
+            "'overlapped', steps with prompt chunks eager (no prefill CUDA graphs), at least "
+            "their kernels' launch time.",
+            source="[VLLM-GAP] for the decode gap; [EAGER-PREFILL] sgl-project/sglang#12160 for "
+            "68 us per launch of an eager step",
         ),
         HostProfile(
             name="sglang-sync",
             step_overhead_s=0.90 * MS,
             step_overhead_per_request_s=29 * US,
-            description="SGLang's scheduler without overlap: schedule, launch, sync, process.",
-            source="[SGL-HOST] sgl-project/sglang-omni#760 (H100): 0.90 ms + 29 us per request",
+            eager_launch_s=EAGER_LAUNCH_S,
+            description="SGLang's scheduler without overlap: schedule, launch, sync, process; "
+            "steps with prompt chunks eager as in 'sglang'.",
+            source="[SGL-HOST] sgl-project/sglang-omni#760 (H100): 0.90 ms + 29 us per request; "
+            "[EAGER-PREFILL] for the eager steps",
+        ),
+        HostProfile(
+            name="tensorrt-llm",
+            step_overhead_s=OVERLAPPED_STEP_S,
+            eager_launch_s=EAGER_LAUNCH_S,
+            description="TensorRT-LLM's PyTorch flow with its overlap scheduler: "
+            "generation-only steps in CUDA graphs, steps with context chunks eager, charged "
+            "SGLang's measured launch time (both enqueue PyTorch kernels from Python).",
+            source="[VLLM-GAP] for the decode gap; [EAGER-PREFILL] for the eager steps",
         ),
         HostProfile(
             name="vllm-0.6",

@@ -269,7 +269,7 @@ def estimate_serving(
         kv_capacity_tokens=setup.kv_capacity_bytes / max(float(cost.kv_bytes(1.0)), 1e-30),
         preemptions=sim.preemptions,
         saturated=bool(saturated),
-        assumptions=_assumptions(workload, tokens, seqs, dp),
+        assumptions=_assumptions(workload, tokens, seqs, dp) + _eager(cost, host),
     )
 
 
@@ -311,6 +311,17 @@ def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[s
     if dp > 1:
         out.append(f"data-parallel attention: {dp} engines with equal shares of the arrivals")
     return tuple(out)
+
+
+def _eager(cost: EngineStepCost, host: HostProfile | None) -> tuple[str, ...]:
+    launch_s = cost.hardware.eager_launch_s
+    if launch_s <= 0:
+        return ()
+    named = f" (host profile {host.name})" if host is not None else ""
+    return (
+        f"steps with prompt chunks run outside CUDA graphs{named}: each takes at least its "
+        f"{cost.kernels} kernel launches x {launch_s * 1e6:.0f} us of host time",
+    )
 
 
 def _policy(workload: Workload) -> str:
