@@ -117,7 +117,8 @@ def test_another_estimator_is_given_the_rows_deployment(
     assert (d.tp, d.ep, d.dp, d.kv_cache_dtype) == (8, 8, 8, "fp8")
     assert batch == round(100 / 8)
     assert context == 900 + 450 // 2
-    # an aggregated InferenceX row: lengths uniform in [0.8 L, L], vLLM's budget on a B200
+    # an aggregated InferenceX row: lengths uniform in [0.8 L, L], SGLang's default budget on a
+    # B200 (16384 tokens from 160 GiB of GPU memory, sglang/srt/server_args.py)
     agg = {
         "model": "deepseek-v3",
         "quant": "fp8-block",
@@ -135,11 +136,11 @@ def test_another_estimator_is_given_the_rows_deployment(
     assert serving.other_estimate(agg, rec) == (2.0, 3.0)
     kind, d, batch, isl, osl, budget = rec.calls[-1]
     assert (kind, d.tp, d.ep, d.dp, d.kv_cache_dtype) == ("serving", 8, 1, 1, "auto")
-    assert (batch, isl, osl, budget) == (64, 922, 922, 8192)
+    assert (batch, isl, osl, budget) == (64, 922, 922, 16384)
     # the serve command's own budget and sequence cap win
-    capped = agg | {"serve_command": "--chunked-prefill-size 16384 --max-running-requests 32"}
+    capped = agg | {"serve_command": "--chunked-prefill-size 4096 --max-running-requests 32"}
     serving.other_estimate(capped, rec)
-    assert rec.calls[-1][2] == 32 and rec.calls[-1][5] == 16384
+    assert rec.calls[-1][2] == 32 and rec.calls[-1][5] == 4096
     # DP attention: the requests of one attention rank
     serving.other_estimate(agg | {"ep": 8, "dp": 8}, rec)
     kind, d, batch, *_ = rec.calls[-1]
@@ -197,3 +198,38 @@ def test_rows_are_grouped_by_their_publisher(serving: ModuleType) -> None:
     assert {"InferenceX", "gpustack/gpustack", "sgl-project/sgl-cookbook"} <= names
     assert serving.source_name({"source": "docs.nvidia.com/nim/x (table 3)"}) == "docs.nvidia.com"
     assert all("/" not in n or n.count("/") == 1 for n in names), names
+
+
+def test_sglang_random_rows_draw_their_lengths_as_the_client_does(serving: ModuleType) -> None:
+    """sglang.bench_serving's random dataset: prompts uniform in [max(int(I r), 1), I], answers
+    in [int(O r), O], r = --random-range-ratio (default 0)."""
+    client = "sglang.bench_serving --dataset-name random --random-input-len 1000"
+    row = {"note": f"{client} --random-output-len 8000 --num-prompts 80 --max-concurrency 16"}
+    isl, osl = serving.sglang_random_lengths(row)
+    assert (isl.low_tokens, isl.high_tokens, osl.low_tokens, osl.high_tokens) == (1, 1000, 1, 8000)
+    half = {"note": f"{client} --random-output-len 100 --random-range-ratio 0.5"}
+    isl, osl = serving.sglang_random_lengths(half)
+    assert (isl.low_tokens, isl.high_tokens, osl.low_tokens, osl.high_tokens) == (
+        500,
+        1000,
+        50,
+        100,
+    )
+    assert serving.sglang_random_lengths({"note": "sglang.bench_serving on ShareGPT"}) is None
+    with pytest.raises(serving.ConfigError, match="without lengths"):
+        serving.sglang_random_lengths({"note": "sglang.bench_serving --dataset-name random"})
+
+
+def test_sglang_rows_take_sglangs_defaults(serving: ModuleType) -> None:
+    """SGLang's chunk size by GPU memory (server_args.py: 8192 below 160 GiB, 16384 above), and
+    its host profile: eager steps with prompt chunks; vLLM rows keep vLLM's."""
+    row = {"engine": "sglang", "gpu": "h200-sxm"}
+    assert serving.engine_limits(row) == ({"max_num_batched_tokens": 8192}, "SGLang defaults")
+    assert serving.engine_limits(row | {"gpu": "b200"})[0]["max_num_batched_tokens"] == 16384
+    assert serving.engine_limits(row | {"gpu": "mi300x"})[0]["max_num_batched_tokens"] == 16384
+    assert serving.engine_limits(row | {"gpu": "h100-sxm"})[0]["max_num_batched_tokens"] == 8192
+    assert serving.engine_limits({"engine": "vllm", "gpu": "b200"}) == ({}, "vLLM defaults")
+    hosts = {e: serving.engine_host({"engine": e}).name for e in ("sglang", "dynamo+tensorrt-llm")}
+    assert hosts == {"sglang": "sglang", "dynamo+tensorrt-llm": "tensorrt-llm"}
+    assert serving.engine_host({"engine": "vllm"}).name == "overlapped"
+    assert serving.engine_host({"engine": "nim"}).name == "overlapped"

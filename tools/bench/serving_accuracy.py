@@ -10,7 +10,9 @@ replayed as its benchmark ran it:
   once (rate "inf": a population of ``concurrency`` requests that all arrive at time 0); a
   steady closed loop otherwise. The engine's limits are those its serve command sets
   (``--chunked-prefill-size``, ``--max-num-batched-tokens``, ``--max-running-requests``,
-  ``--max-num-seqs``), else vLLM's defaults for the GPU (said in the output). SGLang rows
+  ``--max-num-seqs``), else the engine's defaults for the GPU (vLLM's; SGLang's chunk size for
+  SGLang rows; said in the output). Rows measured with ``sglang.bench_serving``'s random
+  dataset draw their lengths as that client does (:func:`sglang_random_lengths`). SGLang rows
   schedule prompt chunks in steps of their own (its default, unless the serve command has
   ``--enable-mixed-chunk``); the other engines mix them into the decode steps. Each engine's
   host profile (:func:`engine_host`) says how its steps with prompt chunks run: eagerly in
@@ -62,6 +64,7 @@ GOAL_TPOT, GOAL_TTFT = 0.08, 0.15
 # InferenceX: lengths uniform in [0.8 L, L], 10 x concurrency prompts (the data file's header)
 INFERENCEX_RATIO, INFERENCEX_PROMPTS_PER_CLIENT = 0.8, 10
 RACK_SCALE = ("gb200", "gb300")
+SGL_RANDOM_FLAGS = ("input-len", "output-len", "range-ratio")
 FLAGS = {
     "max_num_batched_tokens": (
         r"--chunked-prefill-size[ =](\d+)",
@@ -87,8 +90,18 @@ class ServingResult:
         return (est - meas) / meas
 
 
+def sglang_chunked_prefill_size(gpu: str) -> int:
+    """SGLang's default ``--chunked-prefill-size`` on ``gpu``: 2048 tokens below 35 GiB of GPU
+    memory, 8192 below 160 GiB (A100, H100, H200), 16384 above (B200, B300, GB200, MI300X)
+    (python/sglang/srt/server_args.py, the same tiers in every 0.4-0.5 release read)."""
+    gib = default_catalog().get(gpu).memory_bytes / 2**30
+    return 2048 if gib < 35 else 8192 if gib < 160 else 16384
+
+
 def engine_limits(row: dict[str, Any]) -> tuple[dict[str, int], str]:
-    """The batch limits the row's serve command sets, and where they come from."""
+    """The batch limits the row's serve command sets, and where they come from; an SGLang row
+    whose command leaves the chunk size alone takes SGLang's default for its GPU (the running
+    requests' cap stays vLLM's default: SGLang sizes its own from the KV cache)."""
     command = row.get("serve_command", "")
     limits: dict[str, int] = {}
     for field, patterns in FLAGS.items():
@@ -98,7 +111,15 @@ def engine_limits(row: dict[str, Any]) -> tuple[dict[str, int], str]:
                 limits[field] = int(match.group(1))
     if "max_num_batched_tokens" in row:
         limits["max_num_batched_tokens"] = int(row["max_num_batched_tokens"])
-    return limits, "serve command" if limits else "vLLM defaults"
+    if limits:
+        source = "serve command"
+    elif "sglang" in row["engine"]:
+        source = "SGLang defaults"
+    else:
+        source = "vLLM defaults"
+    if "sglang" in row["engine"] and "max_num_batched_tokens" not in limits:
+        limits["max_num_batched_tokens"] = sglang_chunked_prefill_size(row["gpu"])
+    return limits, source
 
 
 def engine_host(row: dict[str, Any]) -> HostProfile:
@@ -108,6 +129,28 @@ def engine_host(row: dict[str, Any]) -> HostProfile:
     ([EAGER-PREFILL] in :mod:`opweave.costmodel`'s host profiles)."""
     engine = row["engine"].removeprefix("dynamo+")
     return host_profile(engine if engine in ("sglang", "tensorrt-llm") else "overlapped")
+
+
+def sglang_random_lengths(row: dict[str, Any]) -> tuple[Lengths, Lengths] | None:
+    """The lengths ``sglang.bench_serving --dataset-name random`` draws, where the row's note
+    names that client: prompts uniform in ``[max(int(I r), 1), I]`` and answers in
+    ``[int(O r), O]`` tokens for ``--random-input-len I --random-output-len O
+    --random-range-ratio r`` (default 0: ``sample_random_requests`` in
+    python/sglang/bench_serving.py; the answer's floor is kept at one token here)."""
+    note = row.get("note", "")
+    if "sglang.bench_serving --dataset-name random" not in note:
+        return None
+    found = [re.search(rf"--random-{name}[ =]([\d.]+)", note) for name in SGL_RANDOM_FLAGS]
+    if found[0] is None or found[1] is None:
+        raise ConfigError(
+            f"note names sglang.bench_serving's random dataset without lengths: {note}"
+        )
+    isl, osl = int(found[0].group(1)), int(found[1].group(1))
+    ratio = float(found[2].group(1)) if found[2] else 0.0
+    return (
+        Lengths.uniform(max(int(isl * ratio), 1), isl),
+        Lengths.uniform(max(int(osl * ratio), 1), osl),
+    )
 
 
 def workload_for(row: dict[str, Any], replicas: int) -> Workload:
@@ -120,7 +163,7 @@ def workload_for(row: dict[str, Any], replicas: int) -> Workload:
         osl_l = Lengths.range_ratio(osl, INFERENCEX_RATIO)
         prompts = INFERENCEX_PROMPTS_PER_CLIENT * conc
     else:
-        isl_l, osl_l = Lengths.fixed(isl), Lengths.fixed(osl)
+        isl_l, osl_l = sglang_random_lengths(row) or (Lengths.fixed(isl), Lengths.fixed(osl))
         match = re.search(r"--num-prompts?\s+(\d+)", row.get("note", ""))
         if match:
             prompts = int(match.group(1))
@@ -224,7 +267,13 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
     ).step_latency_s
     rate = decoding / (osl * step)  # closed loop: a decoding request lasts about osl steps
     ptp, pep, pdp = _layout(pre)
-    w = Workload(isl=Lengths.fixed(isl), osl=Lengths.fixed(osl), rate_per_s=rate)
+    budget = engine_limits(row)[0].get("max_num_batched_tokens")
+    w = Workload(
+        isl=Lengths.fixed(isl),
+        osl=Lengths.fixed(osl),
+        rate_per_s=rate,
+        max_num_batched_tokens=budget,
+    )
     pool = prefill_pool(
         model,
         hw,
