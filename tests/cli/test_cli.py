@@ -284,6 +284,41 @@ def test_estimate_serving_json_contract() -> None:
     assert rate["ttft_p99_s"] >= rate["ttft_s"]
 
 
+def test_estimate_takes_an_engines_defaults() -> None:
+    """``--engine sglang`` is SGLang's defaults in one flag: prefill-first steps, its chunk size
+    and running-request cap on the GPU (8192 and 2048 on an H100) and its host profile (eager
+    steps with prompt chunks); each default can still be given on its own."""
+    args = ("estimate", "qwen3-32b", "--gpu", "h100", "--tp", "4", "--isl", "1K", "--osl", "256")
+    args += ("--concurrency", "16")
+    sglang = cli_json(*args, "--engine", "sglang")
+    spelled = cli_json(
+        *args,
+        "--scheduling",
+        "prefill-first",
+        "--host",
+        "sglang",
+        "--max-num-batched-tokens",
+        "8192",
+        "--max-num-seqs",
+        "2048",
+    )
+    assert (sglang["max_num_batched_tokens"], sglang["max_num_seqs"]) == (8192, 2048)
+    for key in ("ttft_s", "tpot_s", "tokens_per_s"):
+        assert sglang[key] == pytest.approx(spelled[key], rel=1e-12)
+    assert any(a.startswith("engine: SGLang") for a in sglang["assumptions"])
+    assert any("outside CUDA graphs (host profile sglang)" in a for a in sglang["assumptions"])
+    vllm = cli_json(*args)
+    assert any(a.startswith("engine: vLLM V1") for a in vllm["assumptions"])
+    assert not any("outside CUDA graphs" in a for a in vllm["assumptions"])
+    proc = run_cli(*args, "--engine", "lmdeploy", check=False)
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .endswith("--engine takes vllm, sglang, tensorrt-llm, got 'lmdeploy'")
+    )
+
+
 def test_estimate_takes_sglangs_receive_interval() -> None:
     """``--scheduler-recv-interval N`` (SGLang's): prompts arriving while the engine decodes
     wait for its next receive point, so the TTFT grows, and the estimate says what it assumed;

@@ -162,6 +162,36 @@ def test_an_eager_step_with_prompt_chunks_takes_its_launches_host_time(qwen32, h
     assert est.ttft_s == pytest.approx(host_s, rel=0.01)
 
 
+def test_an_engines_defaults(qwen32, h100) -> None:
+    """[SGL-BATCH] SGLang's chunk size by GPU memory and its running-request cap, [TRT-BATCH]
+    trtllm-serve's limits; an engine's step policy and host profile apply where the workload
+    gives none, and what is given wins."""
+    cat = default_catalog()
+    assert default_batch_limits(cat.get("l4"), "sglang") == (2048, 2048)  # 24 GB
+    assert default_batch_limits(cat.get("h100"), "sglang") == (8192, 2048)
+    assert default_batch_limits(cat.get("h200"), "sglang") == (8192, 2048)  # 141 GB
+    assert default_batch_limits(cat.get("b200"), "sglang") == (16384, 2048)  # 180 GB
+    assert default_batch_limits(cat.get("a100"), "tensorrt-llm") == (8192, 2048)
+    lengths = {"isl": Lengths.uniform(800, 1200), "osl": Lengths.uniform(200, 300)}
+    w = Workload(**lengths, concurrency=16, engine="sglang")
+    assert w.step_policy == "prefill-first" and w.engine_name == "SGLang"
+    assert w.model_copy(update={"scheduling": "mixed"}).step_policy == "mixed"
+    assert Workload(**lengths, concurrency=16, engine="tensorrt-llm").step_policy == "mixed"
+    by_engine = estimate_serving(qwen32, h100, tp=4, workload=w)
+    spelled = Workload(
+        **lengths,
+        concurrency=16,
+        scheduling="prefill-first",
+        max_num_batched_tokens=8192,
+        max_num_seqs=2048,
+    )
+    by_hand = estimate_serving(qwen32, h100, tp=4, workload=spelled, host=host_profile("sglang"))
+    assert (by_engine.ttft_s, by_engine.tpot_s) == (by_hand.ttft_s, by_hand.tpot_s)
+    # a host profile given explicitly replaces the engine's: no eager prompt steps
+    graphed = estimate_serving(qwen32, h100, tp=4, workload=w, host=host_profile("overlapped"))
+    assert graphed.ttft_s < by_engine.ttft_s
+
+
 # -- the scheduler simulation against a brute force written here -----------------------------
 class StubCost:
     """Step time = 1 ms + 0.1 ms per token + 1 us per attended decode position; a cache of one

@@ -220,16 +220,27 @@ def test_sglang_random_rows_draw_their_lengths_as_the_client_does(serving: Modul
         serving.sglang_random_lengths({"note": "sglang.bench_serving --dataset-name random"})
 
 
-def test_sglang_rows_take_sglangs_defaults(serving: ModuleType) -> None:
-    """SGLang's chunk size by GPU memory (server_args.py: 8192 below 160 GiB, 16384 above), and
-    its host profile: eager steps with prompt chunks; vLLM rows keep vLLM's."""
-    row = {"engine": "sglang", "gpu": "h200-sxm"}
-    assert serving.engine_limits(row) == ({"max_num_batched_tokens": 8192}, "SGLang defaults")
-    assert serving.engine_limits(row | {"gpu": "b200"})[0]["max_num_batched_tokens"] == 16384
-    assert serving.engine_limits(row | {"gpu": "mi300x"})[0]["max_num_batched_tokens"] == 16384
-    assert serving.engine_limits(row | {"gpu": "h100-sxm"})[0]["max_num_batched_tokens"] == 8192
-    assert serving.engine_limits({"engine": "vllm", "gpu": "b200"}) == ({}, "vLLM defaults")
-    hosts = {e: serving.engine_host({"engine": e}).name for e in ("sglang", "dynamo+tensorrt-llm")}
-    assert hosts == {"sglang": "sglang", "dynamo+tensorrt-llm": "tensorrt-llm"}
-    assert serving.engine_host({"engine": "vllm"}).name == "overlapped"
+def test_rows_take_their_engines_defaults(serving: ModuleType) -> None:
+    """Each row's workload names its engine, whose defaults the cost model applies: SGLang's
+    chunk size by GPU memory and its prefill-first steps, eager prompt steps for SGLang and
+    TensorRT-LLM; NIM's TensorRT engines keep the overlapped host profile."""
+    cat = default_catalog()
+    row = {"engine": "sglang", "gpu": "h200-sxm", "isl": 1000, "osl": 1000, "concurrency": 8}
+    row |= {"source": "x", "deployment": "aggregated"}
+    w = serving.workload_for(row, 1)
+    assert (w.engine, w.step_policy) == ("sglang", "prefill-first")
+    assert w.batch_limits(cat.get("h200")) == (8192, 2048)
+    assert w.batch_limits(cat.get("b200")) == (16384, 2048)
+    assert serving.engine_limits(row) == ({}, "sglang defaults")
+    mixed = serving.workload_for(row | {"serve_command": "x --enable-mixed-chunk"}, 1)
+    assert mixed.step_policy == "mixed"
+    hosts = {e: serving.engine_host({"engine": e}) for e in ("sglang", "dynamo+tensorrt-llm")}
+    assert {e: h.name for e, h in hosts.items()} == {
+        "sglang": "sglang",
+        "dynamo+tensorrt-llm": "tensorrt-llm",
+    }
+    assert serving.engine_host({"engine": "vllm"}) is None  # the hardware's own: overlapped
     assert serving.engine_host({"engine": "nim"}).name == "overlapped"
+    assert serving.row_engine({"engine": "nim"}) == "tensorrt-llm"
+    with pytest.raises(serving.ConfigError, match="none of vllm, sglang, tensorrt-llm"):
+        serving.row_engine({"engine": "lmdeploy"})

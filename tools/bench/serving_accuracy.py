@@ -46,6 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from opweave.costmodel import (
+    ENGINES,
+    Engine,
     HostProfile,
     Lengths,
     ModelSpec,
@@ -57,6 +59,7 @@ from opweave.costmodel import (
     kv_transfer_s,
     prefill_pool,
 )
+from opweave.costmodel import engine_host as costmodel_engine_host
 from opweave.costmodel.errors import ConfigError, OpWeaveError
 
 SERVING = Path(__file__).with_name("serving_accuracy_data.toml")
@@ -90,18 +93,20 @@ class ServingResult:
         return (est - meas) / meas
 
 
-def sglang_chunked_prefill_size(gpu: str) -> int:
-    """SGLang's default ``--chunked-prefill-size`` on ``gpu``: 2048 tokens below 35 GiB of GPU
-    memory, 8192 below 160 GiB (A100, H100, H200), 16384 above (B200, B300, GB200, MI300X)
-    (python/sglang/srt/server_args.py, the same tiers in every 0.4-0.5 release read)."""
-    gib = default_catalog().get(gpu).memory_bytes / 2**30
-    return 2048 if gib < 35 else 8192 if gib < 160 else 16384
+def row_engine(row: dict[str, Any]) -> Engine:
+    """The engine whose defaults the row ran with (Dynamo's workers are the engine they wrap;
+    NIM's LLM profiles are TensorRT-LLM engines)."""
+    engine = row["engine"].removeprefix("dynamo+")
+    if engine == "nim":
+        return "tensorrt-llm"
+    if engine not in ENGINES:
+        raise ConfigError(f"row engine {row['engine']!r} is none of {', '.join(ENGINES)}")
+    return engine  # type: ignore[return-value]
 
 
 def engine_limits(row: dict[str, Any]) -> tuple[dict[str, int], str]:
-    """The batch limits the row's serve command sets, and where they come from; an SGLang row
-    whose command leaves the chunk size alone takes SGLang's default for its GPU (the running
-    requests' cap stays vLLM's default: SGLang sizes its own from the KV cache)."""
+    """The batch limits the row's serve command sets, and where they come from (else the
+    engine's defaults for the GPU, :func:`opweave.costmodel.default_batch_limits`)."""
     command = row.get("serve_command", "")
     limits: dict[str, int] = {}
     for field, patterns in FLAGS.items():
@@ -111,24 +116,17 @@ def engine_limits(row: dict[str, Any]) -> tuple[dict[str, int], str]:
                 limits[field] = int(match.group(1))
     if "max_num_batched_tokens" in row:
         limits["max_num_batched_tokens"] = int(row["max_num_batched_tokens"])
-    if limits:
-        source = "serve command"
-    elif "sglang" in row["engine"]:
-        source = "SGLang defaults"
-    else:
-        source = "vLLM defaults"
-    if "sglang" in row["engine"] and "max_num_batched_tokens" not in limits:
-        limits["max_num_batched_tokens"] = sglang_chunked_prefill_size(row["gpu"])
-    return limits, source
+    return limits, "serve command" if limits else f"{row_engine(row)} defaults"
 
 
-def engine_host(row: dict[str, Any]) -> HostProfile:
-    """The host profile of the row's engine: SGLang and TensorRT-LLM's PyTorch flow (every
-    row's ``trtllm-serve``, Dynamo's workers included) overlap their scheduling and run steps
-    with prompt chunks eagerly; vLLM V1 and NIM's TensorRT engines graph or compile them
-    ([EAGER-PREFILL] in :mod:`opweave.costmodel`'s host profiles)."""
-    engine = row["engine"].removeprefix("dynamo+")
-    return host_profile(engine if engine in ("sglang", "tensorrt-llm") else "overlapped")
+def engine_host(row: dict[str, Any]) -> HostProfile | None:
+    """The host profile of the row's engine (:func:`opweave.costmodel.engine_host`): SGLang
+    and TensorRT-LLM's PyTorch flow (every row's ``trtllm-serve``, Dynamo's workers included)
+    run steps with prompt chunks eagerly, vLLM V1 graphs them; NIM's TensorRT engines run
+    whole compiled engines, so their rows keep the overlapped profile."""
+    if row["engine"] == "nim":
+        return host_profile("overlapped")
+    return costmodel_engine_host(row_engine(row))
 
 
 def sglang_random_lengths(row: dict[str, Any]) -> tuple[Lengths, Lengths] | None:
@@ -169,15 +167,16 @@ def workload_for(row: dict[str, Any], replicas: int) -> Workload:
             prompts = int(match.group(1))
         if str(row.get("rate_rps", "")).startswith("inf"):
             prompts = conc
-    # SGLang runs a waiting prompt's chunks in a step of their own unless --enable-mixed-chunk
-    # ([SGL-SCHED] in opweave.costmodel's serving_sim)
-    mixed = "sglang" not in row["engine"] or "--enable-mixed-chunk" in row.get("serve_command", "")
+    # SGLang runs a waiting prompt's chunks in a step of their own (the engine's step policy)
+    # unless --enable-mixed-chunk ([SGL-SCHED] in opweave.costmodel's serving_sim)
+    mixed = "--enable-mixed-chunk" in row.get("serve_command", "")
     w = Workload(
         isl=isl_l,
         osl=osl_l,
         concurrency=conc,
         num_requests=prompts,
-        scheduling="mixed" if mixed else "prefill-first",
+        engine=row_engine(row),
+        scheduling="mixed" if mixed else None,
         **limits,
     )
     return w.per_replica(replicas)
@@ -272,6 +271,7 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
         isl=Lengths.fixed(isl),
         osl=Lengths.fixed(osl),
         rate_per_s=rate,
+        engine=row_engine(row),
         max_num_batched_tokens=budget,
     )
     pool = prefill_pool(

@@ -243,13 +243,22 @@ RateOpt = Annotated[
 ]
 
 
+EngineOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--engine",
+        help="Serving: the engine whose defaults apply (vllm, sglang, tensorrt-llm; default "
+        "vllm): its per-step token budget and running-request cap for the GPU, its step policy "
+        "and its host profile (SGLang and TensorRT-LLM run steps with prompt chunks eagerly).",
+    ),
+]
 SchedulingOpt = Annotated[
     str | None,
     typer.Option(
         "--scheduling",
         help="Serving: the engine's step policy: mixed (prompt chunks share the decode steps, "
-        "vLLM and TensorRT-LLM; default) or prefill-first (prompt chunks in steps of their own, "
-        "SGLang without --enable-mixed-chunk).",
+        "vLLM and TensorRT-LLM) or prefill-first (prompt chunks in steps of their own, SGLang "
+        "without --enable-mixed-chunk); default: the --engine's.",
     ),
 ]
 RecvIntervalOpt = Annotated[
@@ -285,13 +294,16 @@ def workload_from_flags(
     workload_file: Path | None = None,
     scheduling: str | None = None,
     scheduler_recv_interval: int | None = None,
+    engine: str | None = None,
 ):  # -> Workload
     """The workload ``--isl --osl (--concurrency | --rate)`` or ``--workload FILE`` describe,
-    checked against the model's context, with the engine's step limits where given."""
-    from opweave.costmodel import Lengths, Workload, load_workload_file
+    checked against the model's context, with the engine and its step limits where given."""
+    from opweave.costmodel import ENGINES, Lengths, Workload, load_workload_file
 
     if scheduling is not None and scheduling not in ("mixed", "prefill-first"):
         raise typer.BadParameter(f"--scheduling takes mixed or prefill-first, got {scheduling!r}")
+    if engine is not None and engine not in ENGINES:
+        raise typer.BadParameter(f"--engine takes {', '.join(ENGINES)}, got {engine!r}")
     if workload_file is not None:
         both = [f for f, v in (("--isl", isl), ("--osl", osl)) if v is not None]
         if both:
@@ -310,6 +322,7 @@ def workload_from_flags(
             max_num_seqs=max_num_seqs,
             scheduling=scheduling,
             scheduler_recv_interval=scheduler_recv_interval,
+            engine=engine,
         )
         check_context(spec, workload.max_context_tokens, "the workload's longest isl + osl")
         return workload
@@ -335,6 +348,7 @@ def workload_from_flags(
         rate_per_s=rate,
         max_num_batched_tokens=max_num_batched_tokens,
         max_num_seqs=max_num_seqs,
-        scheduling=scheduling or "mixed",
+        scheduling=scheduling,
         scheduler_recv_interval=scheduler_recv_interval or 1,
+        engine=engine or "vllm",
     )

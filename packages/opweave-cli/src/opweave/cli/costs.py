@@ -12,6 +12,7 @@ from ._common import (
     MAX_GROUP,
     PLOT_SUFFIXES,
     ConcurrencyOpt,
+    EngineOpt,
     HardwareOpt,
     IslOpt,
     JsonOpt,
@@ -103,7 +104,8 @@ def estimate(
             help="Serving engine whose host time to charge (overlapped, sglang, sglang-sync, "
             "tensorrt-llm, vllm-0.6, vllm-0.4): per decode step, and for sglang and "
             "tensorrt-llm steps with prompt chunks run eagerly (at least their kernel launches' "
-            "host time); default: the GPU's step_overhead_s (an overlapped engine).",
+            "host time); default: the --engine's in serving, else the GPU's step_overhead_s "
+            "(an overlapped engine).",
         ),
     ] = None,
     quant: QuantOpt = None,
@@ -131,6 +133,7 @@ def estimate(
     concurrency: ConcurrencyOpt = None,
     rate: RateOpt = None,
     workload_file: WorkloadFileOpt = None,
+    engine: EngineOpt = None,
     scheduling: SchedulingOpt = None,
     scheduler_recv_interval: RecvIntervalOpt = None,
     max_num_batched_tokens: Annotated[
@@ -139,7 +142,7 @@ def estimate(
             "--max-num-batched-tokens",
             min=1,
             max=1 << 20,
-            help="Serving: token budget of one engine step (default: vLLM's for the GPU).",
+            help="Serving: token budget of one engine step (default: the --engine's for the GPU).",
         ),
     ] = None,
     max_num_seqs: Annotated[
@@ -148,7 +151,7 @@ def estimate(
             "--max-num-seqs",
             min=1,
             max=1 << 16,
-            help="Serving: requests one engine runs at once (default: vLLM's for the GPU).",
+            help="Serving: requests one engine runs at once (default: the --engine's for the GPU).",
         ),
     ] = None,
 ) -> None:
@@ -163,6 +166,7 @@ def estimate(
         "--concurrency": concurrency,
         "--rate": rate,
         "--workload": workload_file,
+        "--engine": engine,
         "--scheduling": scheduling,
         "--scheduler-recv-interval": scheduler_recv_interval,
         "--max-num-batched-tokens": max_num_batched_tokens,
@@ -336,6 +340,7 @@ def _estimate_serving(
         workload_file=flags["--workload"],
         scheduling=flags["--scheduling"],
         scheduler_recv_interval=flags["--scheduler-recv-interval"],
+        engine=flags["--engine"],
     )
     hw = catalog(hardware).get(gpu)
     _check_tp(spec, hw, tp, ep)

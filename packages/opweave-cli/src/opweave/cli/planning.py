@@ -13,6 +13,7 @@ from ._common import (
     MAX_BATCH,
     PLOT_SUFFIXES,
     ConcurrencyOpt,
+    EngineOpt,
     HardwareOpt,
     IslOpt,
     JsonOpt,
@@ -155,6 +156,7 @@ def plan(
     concurrency: ConcurrencyOpt = None,
     rate: RateOpt = None,
     workload_file: WorkloadFileOpt = None,
+    engine: EngineOpt = None,
     scheduling: SchedulingOpt = None,
     scheduler_recv_interval: RecvIntervalOpt = None,
     ttft_slo_ms: Annotated[
@@ -226,6 +228,7 @@ def plan(
         "--concurrency": concurrency,
         "--rate": rate,
         "--workload": workload_file,
+        "--engine": engine,
         "--scheduling": scheduling,
         "--scheduler-recv-interval": scheduler_recv_interval,
         "--ttft-slo-ms": ttft_slo_ms,

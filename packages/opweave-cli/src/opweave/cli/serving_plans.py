@@ -59,6 +59,7 @@ def plan_serving(
         serving["--rate"],
         workload_file=serving["--workload"],
         scheduling=serving["--scheduling"],
+        engine=serving["--engine"],
         scheduler_recv_interval=serving["--scheduler-recv-interval"],
     )
     progress = _Progress(not json_out)

@@ -68,7 +68,7 @@ from ._private.hardware import (
     HardwareSpec,
     load_hardware_file,
 )
-from ._private.host import HOST_PROFILES, HostProfile, host_profile
+from ._private.host import HOST_PROFILES, HostProfile, engine_host, host_profile
 from ._private.model import (
     AttentionKind,
     LayerSpec,
@@ -179,7 +179,14 @@ from ._private.serving import (
 )
 from ._private.serving_sim import EngineSetup, SimResult, simulate
 from ._private.sharding import tp_problem
-from ._private.workload import Lengths, Workload, default_batch_limits, load_workload_file
+from ._private.workload import (
+    ENGINES,
+    Engine,
+    Lengths,
+    Workload,
+    default_batch_limits,
+    load_workload_file,
+)
 from .errors import (
     ConfigError,
     InfeasibleError,
@@ -254,6 +261,7 @@ __all__ = [
     # serving engines' host time per step
     "HOST_PROFILES",
     "HostProfile",
+    "engine_host",
     "host_profile",
     # profiles and latency
     "PROFILE_SCHEMA_VERSION",
@@ -360,6 +368,8 @@ __all__ = [
     "load_workload_file",
     "causal_pairs",
     "decode_pool",
+    "ENGINES",
+    "Engine",
     "default_batch_limits",
     "estimate_serving",
     "kv_bytes_per_gpu",

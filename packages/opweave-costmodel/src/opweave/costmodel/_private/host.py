@@ -164,6 +164,17 @@ HOST_PROFILES: dict[str, HostProfile] = {
 }
 
 
+def engine_host(engine: str) -> HostProfile | None:
+    """The host profile a serving engine runs with by default: ``None`` for vLLM V1 (the
+    hardware's own per-step cost, an overlapped engine that graphs its steps), the profile of
+    the engine's name for SGLang and TensorRT-LLM.
+
+    >>> engine_host("vllm") is None, engine_host("sglang").eager_launch_s > 0
+    (True, True)
+    """
+    return None if engine == "vllm" else host_profile(engine)
+
+
 def host_profile(name: str) -> HostProfile:
     """A built-in host profile by name.
 

@@ -22,7 +22,7 @@ from ..errors import ConfigError, InfeasibleError
 from .base import Frozen
 from .engine_step import EngineStepCost
 from .hardware import HardwareSpec
-from .host import HostProfile
+from .host import HostProfile, engine_host
 from .model import ModelSpec
 from .parallelism import Parallelism, parallelism_problem
 from .precision import check_runs
@@ -126,6 +126,7 @@ def _engine(
     host: HostProfile | None,
 ) -> tuple[EngineStepCost, EngineSetup]:
     _check(model, hardware, par, workload)
+    host = host if host is not None else engine_host(workload.engine)
     hw = hardware if host is None else host.apply(hardware)
     cost = EngineStepCost.build(model, hw, par)
     tokens, seqs = workload.batch_limits(hardware)
@@ -141,7 +142,7 @@ def _engine(
         tokens,
         seqs,
         capacity,
-        workload.scheduling == "prefill-first",
+        workload.step_policy == "prefill-first",
         workload.scheduler_recv_interval,
     )
     return cost, setup
@@ -269,7 +270,8 @@ def estimate_serving(
         kv_capacity_tokens=setup.kv_capacity_bytes / max(float(cost.kv_bytes(1.0)), 1e-30),
         preemptions=sim.preemptions,
         saturated=bool(saturated),
-        assumptions=_assumptions(workload, tokens, seqs, dp) + _eager(cost, host),
+        assumptions=_assumptions(workload, tokens, seqs, dp)
+        + _eager(cost, host if host is not None else engine_host(workload.engine)),
     )
 
 
@@ -296,9 +298,9 @@ def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[s
     out = [
         f"arrivals: {workload.arrival}",
         f"lengths: isl {_lengths(workload.isl)}, osl {_lengths(workload.osl)}",
-        f"engine: continuous batching with chunked prefill, {_policy(workload)}"
-        f"prefill chunks up to {tokens} tokens per step "
-        f"({'given' if given else 'vLLM V1 API-server default'}), at most {seqs} running "
+        f"engine: {workload.engine_name}, continuous batching with chunked prefill: "
+        f"{workload.policy_text}; prompt chunks up to {tokens} tokens per step "
+        f"({'given' if given else 'its default on the GPU'}), at most {seqs} running "
         "requests, recompute preemption when the KV cache is full",
         "prefill: GEMMs over the chunk's tokens at the weight format's tensor-core rate, causal "
         "attention over the prompt so far, weights read once per step",
@@ -322,12 +324,6 @@ def _eager(cost: EngineStepCost, host: HostProfile | None) -> tuple[str, ...]:
         f"steps with prompt chunks run outside CUDA graphs{named}: each takes at least its "
         f"{cost.kernels} kernel launches x {launch_s * 1e6:.0f} us of host time",
     )
-
-
-def _policy(workload: Workload) -> str:
-    if workload.scheduling == "prefill-first":
-        return "a step of prompt chunks alone whenever prompts wait (SGLang's default), "
-    return "decodes scheduled first, then "
 
 
 def _lengths(lengths: Lengths) -> str:

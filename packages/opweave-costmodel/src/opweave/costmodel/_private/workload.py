@@ -6,6 +6,13 @@ Sources:
   for the OpenAI API server (16384 for the offline ``LLM`` class) and ``max_num_seqs`` to 1024;
   on other GPUs 2048 (8192 offline) and 256 ("Setting large max_num_batched_tokens for A100
   reduces throughput, see PR #17885").
+  [SGL-BATCH] SGLang (``python/sglang/srt/server_args.py``, the same tiers in its 0.4 and 0.5
+  releases): ``--chunked-prefill-size`` defaults to 2048 tokens on GPUs below 35 GiB, 8192 below
+  160 GiB (A100, H100, H200) and 16384 above (B200, B300, MI300X). Its running-request cap
+  (``model_runner``) is ``min(clamp(KV tokens / context x 512, 2048, 4096), KV tokens / 2)``:
+  2048 unless the KV cache holds eight full contexts, which is the value taken here.
+  [TRT-BATCH] TensorRT-LLM's ``trtllm-serve`` takes ``BuildConfig``'s ``max_batch_size`` 2048 and
+  ``max_num_tokens`` 8192 (``tensorrt_llm/builder.py``) unless given.
   [RANGE] vLLM's and SGLang's ``random`` benchmark datasets (``--random-range-ratio``) draw each
   length uniformly from ``[L (1 - r), L (1 + r)]`` (vLLM) or ``[L r, L]`` (SGLang, InferenceX's
   ``--random-range-ratio 0.8``); ``Lengths.uniform`` takes the bounds either way.
@@ -29,6 +36,18 @@ GIB = float(1 << 30)
 LARGE_GPU_BYTES = 70 * GIB
 LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS = 8192, 1024
 SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS = 2048, 256
+# [SGL-BATCH]: chunk size by GPU memory, and the running-request cap taken
+SGLANG_CHUNK_TIERS = ((35 * GIB, 2048), (160 * GIB, 8192))
+SGLANG_LARGE_CHUNK, SGLANG_MAX_RUNNING = 16384, 2048
+# [TRT-BATCH]
+TRTLLM_MAX_NUM_TOKENS, TRTLLM_MAX_BATCH_SIZE = 8192, 2048
+Engine = Literal["vllm", "sglang", "tensorrt-llm"]
+ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "tensorrt-llm")
+ENGINE_NAMES: dict[str, str] = {
+    "vllm": "vLLM V1",
+    "sglang": "SGLang",
+    "tensorrt-llm": "TensorRT-LLM",
+}
 # Beyond any engine's step (vLLM validates its budget against max_model_len; 1M tokens is past
 # every built-in context) and beyond any benchmark's population.
 MAX_BATCHED_TOKENS = 1 << 20
@@ -38,15 +57,26 @@ MAX_REQUESTS = 1 << 20
 MIN_RATE_PER_S, MAX_RATE_PER_S = 1e-6, 1e6
 
 
-def default_batch_limits(hardware: HardwareSpec) -> tuple[int, int]:
-    """``(max_num_batched_tokens, max_num_seqs)`` vLLM's OpenAI API server uses on ``hardware``
-    by default ([VLLM-BATCH]).
+def default_batch_limits(hardware: HardwareSpec, engine: Engine = "vllm") -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` ``engine``'s server uses on ``hardware`` by
+    default: vLLM's OpenAI API server ([VLLM-BATCH]), SGLang's chunk size and running-request
+    cap ([SGL-BATCH]), ``trtllm-serve``'s ([TRT-BATCH]).
 
     >>> from opweave.costmodel import default_catalog
     >>> cat = default_catalog()
     >>> default_batch_limits(cat.get("h100")), default_batch_limits(cat.get("a100"))
     ((8192, 1024), (2048, 256))
+    >>> [default_batch_limits(cat.get(gpu), "sglang") for gpu in ("b200", "h200")]
+    [(16384, 2048), (8192, 2048)]
     """
+    if engine == "sglang":
+        chunk = next(
+            (size for below, size in SGLANG_CHUNK_TIERS if hardware.memory_bytes < below),
+            SGLANG_LARGE_CHUNK,
+        )
+        return chunk, SGLANG_MAX_RUNNING
+    if engine == "tensorrt-llm":
+        return TRTLLM_MAX_NUM_TOKENS, TRTLLM_MAX_BATCH_SIZE
     large = hardware.memory_bytes >= LARGE_GPU_BYTES and not hardware.id.startswith("a100")
     if large:
         return LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS
@@ -145,24 +175,31 @@ class Workload(Frozen):
         le=MAX_REQUESTS,
         description="Requests the benchmark sends in all; None: the steady state.",
     )
+    engine: Engine = Field(
+        default="vllm",
+        description="The serving engine whose defaults apply where a field below is not given: "
+        "its batch limits, its step policy and its host profile (vllm: V1, prompt chunks "
+        "graphed; sglang and tensorrt-llm: steps with prompt chunks run eagerly).",
+    )
     max_num_batched_tokens: int | None = Field(
         default=None,
         ge=1,
         le=MAX_BATCHED_TOKENS,
-        description="Token budget of one engine step (prefill chunks + decodes); None: vLLM's "
-        "default for the GPU (default_batch_limits).",
+        description="Token budget of one engine step (prefill chunks + decodes); None: the "
+        "engine's default for the GPU (default_batch_limits).",
     )
     max_num_seqs: int | None = Field(
         default=None,
         ge=1,
         le=MAX_SEQS,
-        description="Requests one engine runs at once; None: vLLM's default for the GPU.",
+        description="Requests one engine runs at once; None: the engine's default for the GPU.",
     )
-    scheduling: Literal["mixed", "prefill-first"] = Field(
-        default="mixed",
+    scheduling: Literal["mixed", "prefill-first"] | None = Field(
+        default=None,
         description="mixed: decodes and prompt chunks share each step, decodes first (vLLM V1, "
         "TensorRT-LLM's in-flight batching); prefill-first: a step of prompt chunks alone "
-        "whenever prompts wait, decode steps otherwise (SGLang without --enable-mixed-chunk).",
+        "whenever prompts wait, decode steps otherwise (SGLang without --enable-mixed-chunk); "
+        "None: the engine's.",
     )
     scheduler_recv_interval: int = Field(
         default=1,
@@ -196,9 +233,29 @@ class Workload(Frozen):
             return f"closed loop, {self.concurrency} concurrent requests{tail}"
         return f"open loop, Poisson arrivals at {self.rate_per_s:g} requests/s{tail}"
 
+    @property
+    def step_policy(self) -> Literal["mixed", "prefill-first"]:
+        """The scheduling as given, else the engine's (SGLang's is prefill-first)."""
+        if self.scheduling is not None:
+            return self.scheduling
+        return "prefill-first" if self.engine == "sglang" else "mixed"
+
+    @property
+    def engine_name(self) -> str:
+        """The engine as people write it ("vLLM V1", "SGLang", "TensorRT-LLM")."""
+        return ENGINE_NAMES[self.engine]
+
+    @property
+    def policy_text(self) -> str:
+        """The step policy in words."""
+        if self.step_policy == "prefill-first":
+            return "a step of prompt chunks alone whenever prompts wait, decode steps otherwise"
+        return "decodes scheduled first, then prompt chunks in the same step"
+
     def batch_limits(self, hardware: HardwareSpec) -> tuple[int, int]:
-        """``(max_num_batched_tokens, max_num_seqs)`` on ``hardware``: as given, else vLLM's."""
-        tokens, seqs = default_batch_limits(hardware)
+        """``(max_num_batched_tokens, max_num_seqs)`` on ``hardware``: as given, else the
+        engine's defaults."""
+        tokens, seqs = default_batch_limits(hardware, self.engine)
         return self.max_num_batched_tokens or tokens, self.max_num_seqs or seqs
 
     @property
@@ -262,6 +319,6 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
         where = ".".join(str(p) for p in err["loc"]) or "file"
         raise ConfigError(
             f"workload file {path}: {where}: {err['msg']} (fields: isl, osl, rate_per_s or "
-            "concurrency, max_num_batched_tokens, max_num_seqs, scheduling, "
+            "concurrency, engine, max_num_batched_tokens, max_num_seqs, scheduling, "
             "scheduler_recv_interval, seed)"
         ) from None

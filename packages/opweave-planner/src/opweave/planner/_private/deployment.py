@@ -29,6 +29,7 @@ from opweave.costmodel import (
     ModelSpec,
     Profile,
     Workload,
+    engine_host,
     fits_inventory,
 )
 from opweave.costmodel.errors import ConfigError, OpWeaveError
@@ -338,9 +339,9 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
         f"lengths: isl {_lengths_text(w.isl)}, osl {_lengths_text(w.osl)}",
         f"SLOs bound the {s.statistic} over requests of the simulated engines' TTFT and TPOT; "
         "a decode plan's TPOT is its steady-state step, the same for every request",
-        "aggregated engines and prefill pools: vLLM V1's scheduler simulated (decodes first, "
-        f"then prompt chunks up to a token budget per step: {_limits_text(w, decode)}), "
-        "replicas sharing the arrivals evenly",
+        f"aggregated engines and prefill pools: {w.engine_name}'s scheduler simulated "
+        f"({w.policy_text}; prompt chunks up to a token budget per step: "
+        f"{_limits_text(w, decode)}), replicas sharing the arrivals evenly",
         "decode pools: replica sets of a decode plan at the mean decode context "
         f"({max(1, round(w.mean_decode_context))} tokens), as many as the requests decoding at "
         "once fill (Little's law); each set's TPOT at its full batch",
@@ -348,6 +349,18 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
         "sending its shard (NIXL), over the network unless both pools share a rack-scale "
         "NVLink domain",
     ]
+    if w.scheduler_recv_interval > 1:
+        out.append(
+            f"new requests taken in every {w.scheduler_recv_interval} decode steps and after "
+            "each step with prompt chunks (SGLang's --scheduler-recv-interval)"
+        )
+    host = engine_host(w.engine)
+    if host is not None and host.eager_launch_s > 0:
+        out.append(
+            f"{w.engine_name} runs steps with prompt chunks outside CUDA graphs: each takes at "
+            f"least the forward's kernel launches x {host.eager_launch_s * 1e6:.0f} us of host "
+            f"time (host profile {host.name})"
+        )
     decode_notes = [a for a in decode.assumptions() if not a.startswith(("decode only", "every "))]
     return tuple(out + decode_notes)
 
@@ -359,7 +372,7 @@ def _limits_text(workload: Workload, decode: PlanResult) -> str:
     for d in decode.devices:
         tokens, seqs = workload.batch_limits(d.hardware)
         parts.append(f"{tokens} tokens and {seqs} requests on {d.id}")
-    return ", ".join(parts) + (" (given)" if given else " (vLLM's defaults)")
+    return ", ".join(parts) + (" (given)" if given else f" ({workload.engine_name}'s defaults)")
 
 
 def _lengths_text(lengths: Lengths) -> str:
