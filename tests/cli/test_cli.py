@@ -312,11 +312,11 @@ def test_estimate_takes_an_engines_defaults() -> None:
     assert not any("outside CUDA graphs" in a for a in vllm["assumptions"])
     proc = run_cli(*args, "--engine", "lmdeploy", check=False)
     assert proc.returncode == 2
-    assert (
-        proc.stderr.strip()
-        .splitlines()[-1]
-        .endswith("--engine takes vllm, sglang, tensorrt-llm, got 'lmdeploy'")
-    )
+    assert proc.stderr.strip().splitlines() == [
+        "error: unknown engine 'lmdeploy'; known: vllm, sglang, tensorrt-llm (or trtllm)"
+    ]
+    trtllm = cli_json(*args, "--engine", "TRTLLM")
+    assert any(a.startswith("engine: TensorRT-LLM") for a in trtllm["assumptions"])
 
 
 def test_estimate_takes_sglangs_receive_interval() -> None:

@@ -242,5 +242,5 @@ def test_rows_take_their_engines_defaults(serving: ModuleType) -> None:
     assert serving.engine_host({"engine": "vllm"}) is None  # the hardware's own: overlapped
     assert serving.engine_host({"engine": "nim"}).name == "overlapped"
     assert serving.row_engine({"engine": "nim"}) == "tensorrt-llm"
-    with pytest.raises(serving.ConfigError, match="none of vllm, sglang, tensorrt-llm"):
+    with pytest.raises(serving.ConfigError, match="unknown engine 'lmdeploy'"):
         serving.row_engine({"engine": "lmdeploy"})

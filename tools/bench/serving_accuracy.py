@@ -46,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 from opweave.costmodel import (
-    ENGINES,
     Engine,
     HostProfile,
     Lengths,
@@ -57,6 +56,7 @@ from opweave.costmodel import (
     estimate_step,
     host_profile,
     kv_transfer_s,
+    parse_engine,
     prefill_pool,
 )
 from opweave.costmodel import engine_host as costmodel_engine_host
@@ -97,11 +97,7 @@ def row_engine(row: dict[str, Any]) -> Engine:
     """The engine whose defaults the row ran with (Dynamo's workers are the engine they wrap;
     NIM's LLM profiles are TensorRT-LLM engines)."""
     engine = row["engine"].removeprefix("dynamo+")
-    if engine == "nim":
-        return "tensorrt-llm"
-    if engine not in ENGINES:
-        raise ConfigError(f"row engine {row['engine']!r} is none of {', '.join(ENGINES)}")
-    return engine  # type: ignore[return-value]
+    return parse_engine("tensorrt-llm" if engine == "nim" else engine)
 
 
 def engine_limits(row: dict[str, Any]) -> tuple[dict[str, int], str]:

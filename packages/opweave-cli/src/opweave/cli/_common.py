@@ -298,12 +298,12 @@ def workload_from_flags(
 ):  # -> Workload
     """The workload ``--isl --osl (--concurrency | --rate)`` or ``--workload FILE`` describe,
     checked against the model's context, with the engine and its step limits where given."""
-    from opweave.costmodel import ENGINES, Lengths, Workload, load_workload_file
+    from opweave.costmodel import Lengths, Workload, load_workload_file, parse_engine
 
     if scheduling is not None and scheduling not in ("mixed", "prefill-first"):
         raise typer.BadParameter(f"--scheduling takes mixed or prefill-first, got {scheduling!r}")
-    if engine is not None and engine not in ENGINES:
-        raise typer.BadParameter(f"--engine takes {', '.join(ENGINES)}, got {engine!r}")
+    if engine is not None:
+        engine = parse_engine(engine)
     if workload_file is not None:
         both = [f for f, v in (("--isl", isl), ("--osl", osl)) if v is not None]
         if both:

@@ -186,6 +186,7 @@ from ._private.workload import (
     Workload,
     default_batch_limits,
     load_workload_file,
+    parse_engine,
 )
 from .errors import (
     ConfigError,
@@ -371,6 +372,7 @@ __all__ = [
     "ENGINES",
     "Engine",
     "default_batch_limits",
+    "parse_engine",
     "estimate_serving",
     "kv_bytes_per_gpu",
     "kv_transfer_s",

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ..errors import ConfigError
 from .base import Frozen, read_data_file
@@ -43,6 +43,7 @@ SGLANG_LARGE_CHUNK, SGLANG_MAX_RUNNING = 16384, 2048
 TRTLLM_MAX_NUM_TOKENS, TRTLLM_MAX_BATCH_SIZE = 8192, 2048
 Engine = Literal["vllm", "sglang", "tensorrt-llm"]
 ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "tensorrt-llm")
+ENGINE_ALIASES = {"trtllm": "tensorrt-llm", "trt-llm": "tensorrt-llm"}
 ENGINE_NAMES: dict[str, str] = {
     "vllm": "vLLM V1",
     "sglang": "SGLang",
@@ -55,6 +56,21 @@ MAX_SEQS = 1 << 16
 MAX_RECV_INTERVAL = 1 << 16
 MAX_REQUESTS = 1 << 20
 MIN_RATE_PER_S, MAX_RATE_PER_S = 1e-6, 1e6
+
+
+def parse_engine(name: str) -> Engine:
+    """An engine's name in any case; ``trtllm`` as aiconfigurator and ``opweave profile`` spell
+    TensorRT-LLM.
+
+    >>> parse_engine("SGLang"), parse_engine("trtllm")
+    ('sglang', 'tensorrt-llm')
+    """
+    key = name.strip().lower()
+    key = ENGINE_ALIASES.get(key, key)
+    for engine in ENGINES:
+        if engine == key:
+            return engine
+    raise ConfigError(f"unknown engine {name!r}; known: {', '.join(ENGINES)} (or trtllm)")
 
 
 def default_batch_limits(hardware: HardwareSpec, engine: Engine = "vllm") -> tuple[int, int]:
@@ -210,6 +226,11 @@ class Workload(Frozen):
         "every step (vLLM, TensorRT-LLM, SGLang's default).",
     )
     seed: int = Field(default=0, ge=0, description="Seed of Poisson arrivals and drawn lengths.")
+
+    @field_validator("engine", mode="before")
+    @classmethod
+    def _engine_name(cls, value: object) -> object:
+        return parse_engine(value) if isinstance(value, str) else value
 
     @model_validator(mode="after")
     def _one_arrival(self) -> Workload:
