@@ -177,6 +177,10 @@ def test_an_engines_defaults(qwen32, h100) -> None:
     assert w.step_policy == "prefill-first" and w.engine_name == "SGLang"
     assert w.model_copy(update={"scheduling": "mixed"}).step_policy == "mixed"
     assert Workload(**lengths, concurrency=16, engine="tensorrt-llm").step_policy == "mixed"
+    # [SGL-DP]: SGLang's chunk is shared by its data-parallel attention ranks; vLLM's are not
+    assert w.batch_limits(cat.get("h200"), dp=8) == (1024, 2048)
+    vllm = Workload(**lengths, concurrency=16, max_num_batched_tokens=4096)
+    assert vllm.batch_limits(cat.get("h200"), dp=8) == (4096, 1024)
     by_engine = estimate_serving(qwen32, h100, tp=4, workload=w)
     spelled = Workload(
         **lengths,

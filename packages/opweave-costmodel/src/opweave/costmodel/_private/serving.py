@@ -129,7 +129,7 @@ def _engine(
     host = host if host is not None else engine_host(workload.engine)
     hw = hardware if host is None else host.apply(hardware)
     cost = EngineStepCost.build(model, hw, par)
-    tokens, seqs = workload.batch_limits(hardware)
+    tokens, seqs = workload.batch_limits(hardware, par.dp)
     capacity = cost.kv_capacity_bytes(tokens, seqs)
     longest = float(cost.kv_bytes(float(workload.max_context_tokens)))
     if capacity < longest:

@@ -11,6 +11,10 @@ Sources:
   160 GiB (A100, H100, H200) and 16384 above (B200, B300, MI300X). Its running-request cap
   (``model_runner``) is ``min(clamp(KV tokens / context x 512, 2048, 4096), KV tokens / 2)``:
   2048 unless the KV cache holds eight full contexts, which is the value taken here.
+  [SGL-DP] With data-parallel attention SGLang divides ``--chunked-prefill-size`` (given or
+  default) by ``dp_size``: each attention rank's scheduler gets that share ("DP attention is
+  enabled. The chunked prefill size is adjusted to ...", ``server_args.py``); a vLLM
+  data-parallel rank is an engine core with its own ``max_num_batched_tokens``.
   [TRT-BATCH] TensorRT-LLM's ``trtllm-serve`` takes ``BuildConfig``'s ``max_batch_size`` 2048 and
   ``max_num_tokens`` 8192 (``tensorrt_llm/builder.py``) unless given.
   [RANGE] vLLM's and SGLang's ``random`` benchmark datasets (``--random-range-ratio``) draw each
@@ -273,11 +277,15 @@ class Workload(Frozen):
             return "a step of prompt chunks alone whenever prompts wait, decode steps otherwise"
         return "decodes scheduled first, then prompt chunks in the same step"
 
-    def batch_limits(self, hardware: HardwareSpec) -> tuple[int, int]:
-        """``(max_num_batched_tokens, max_num_seqs)`` on ``hardware``: as given, else the
-        engine's defaults."""
+    def batch_limits(self, hardware: HardwareSpec, dp: int = 1) -> tuple[int, int]:
+        """``(max_num_batched_tokens, max_num_seqs)`` of one engine rank on ``hardware``: as
+        given, else the engine's defaults; SGLang divides its token budget among ``dp``
+        data-parallel attention ranks ([SGL-DP]), vLLM's DP ranks each have their own."""
         tokens, seqs = default_batch_limits(hardware, self.engine)
-        return self.max_num_batched_tokens or tokens, self.max_num_seqs or seqs
+        tokens = self.max_num_batched_tokens or tokens
+        if self.engine == "sglang":
+            tokens = max(1, tokens // dp)
+        return tokens, self.max_num_seqs or seqs
 
     @property
     def max_context_tokens(self) -> int:

@@ -372,7 +372,10 @@ def _limits_text(workload: Workload, decode: PlanResult) -> str:
     for d in decode.devices:
         tokens, seqs = workload.batch_limits(d.hardware)
         parts.append(f"{tokens} tokens and {seqs} requests on {d.id}")
-    return ", ".join(parts) + (" (given)" if given else f" ({workload.engine_name}'s defaults)")
+    text = ", ".join(parts) + (" (given)" if given else f" ({workload.engine_name}'s defaults)")
+    if workload.engine == "sglang":
+        text += ", the tokens divided among data-parallel attention ranks"
+    return text
 
 
 def _lengths_text(lengths: Lengths) -> str:

@@ -135,7 +135,7 @@ def _decode_ceiling(
     step is within the SLO. 0 when not even one request's step is."""
     hw = option.device.hardware
     cost = EngineStepCost.build(model, hw, option.par)
-    tokens, seqs = workload.batch_limits(hw)
+    tokens, seqs = workload.batch_limits(hw, option.par.dp)
     context = workload.mean_decode_context
     per_request = float(cost.kv_bytes(context))
     held = cost.kv_capacity_bytes(tokens, seqs) / per_request if per_request > 0 else math.inf
@@ -343,7 +343,7 @@ class PrefillSearch:
         if option not in self._bounds:
             hw = option.device.hardware
             cost = EngineStepCost.build(self.model, hw, option.par)
-            budget, _ = self.workload.batch_limits(hw)
+            budget, _ = self.workload.batch_limits(hw, option.par.dp)
             step = cost.tokens_s(budget, 1)
             self._bounds[option] = (
                 option.par.dp * budget / self.workload.isl.mean / step if step > 0 else math.inf
