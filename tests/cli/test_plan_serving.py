@@ -149,6 +149,8 @@ def test_workload_file_gives_length_distributions(tmp_path: Path) -> None:
         ('isl = {kind = "uniform", low_tokens = 9, high_tokens = 3}\nosl = 5\nconcurrency = 2\n',
          (), "above high_tokens"),
         ("isl = [\n", (), "is malformed"),
+        ('isl = 100\nosl = 5\nconcurrency = 2\nengine = "foo"\n', (),
+         "engine: unknown engine 'foo'; known: vllm, sglang, tensorrt-llm (or trtllm)"),
     ],
 )  # fmt: skip
 def test_bad_workload_files_are_one_line_errors(

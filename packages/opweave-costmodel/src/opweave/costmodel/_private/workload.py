@@ -234,7 +234,12 @@ class Workload(Frozen):
     @field_validator("engine", mode="before")
     @classmethod
     def _engine_name(cls, value: object) -> object:
-        return parse_engine(value) if isinstance(value, str) else value
+        if not isinstance(value, str):
+            return value
+        try:
+            return parse_engine(value)
+        except ConfigError as exc:  # a validation error, named with its field and file
+            raise ValueError(str(exc)) from None
 
     @model_validator(mode="after")
     def _one_arrival(self) -> Workload:
@@ -347,7 +352,8 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "file"
         raise ConfigError(
-            f"workload file {path}: {where}: {err['msg']} (fields: isl, osl, rate_per_s or "
+            f"workload file {path}: {where}: {str(err['msg']).removeprefix('Value error, ')} "
+            "(fields: isl, osl, rate_per_s or "
             "concurrency, engine, max_num_batched_tokens, max_num_seqs, scheduling, "
             "scheduler_recv_interval, seed)"
         ) from None
