@@ -354,7 +354,9 @@ def _estimate_serving(
         return
     where = "" if ep == 1 and dp == 1 else f" (tp {tp}, ep {ep}, dp {dp})"
     where = where.replace(")", ", dense FFN data-parallel)") if dense_dp else where
-    typer.echo(f"{spec.name} on {est.gpus} x {hw.id}{where}, aggregated serving")
+    typer.echo(
+        f"{spec.name} on {est.gpus} x {hw.id}{where}, aggregated serving ({workload.engine_name})"
+    )
     typer.echo(
         table(
             [
