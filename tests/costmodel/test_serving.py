@@ -168,6 +168,7 @@ def test_an_engines_defaults(qwen32, h100) -> None:
     gives none, and what is given wins."""
     cat = default_catalog()
     assert default_batch_limits(cat.get("l4"), "sglang") == (2048, 2048)  # 24 GB
+    assert default_batch_limits(cat.get("l40s"), "sglang") == (4096, 2048)  # 48 GB
     assert default_batch_limits(cat.get("h100"), "sglang") == (8192, 2048)
     assert default_batch_limits(cat.get("h200"), "sglang") == (8192, 2048)  # 141 GB
     assert default_batch_limits(cat.get("b200"), "sglang") == (16384, 2048)  # 180 GB

@@ -6,9 +6,10 @@ Sources:
   for the OpenAI API server (16384 for the offline ``LLM`` class) and ``max_num_seqs`` to 1024;
   on other GPUs 2048 (8192 offline) and 256 ("Setting large max_num_batched_tokens for A100
   reduces throughput, see PR #17885").
-  [SGL-BATCH] SGLang (``python/sglang/srt/server_args.py``, the same tiers in its 0.4 and 0.5
-  releases): ``--chunked-prefill-size`` defaults to 2048 tokens on GPUs below 35 GiB, 8192 below
-  160 GiB (A100, H100, H200) and 16384 above (B200, B300, MI300X). Its running-request cap
+  [SGL-BATCH] SGLang (``python/sglang/srt/server_args.py``, by the GPU's memory):
+  ``--chunked-prefill-size`` defaults to 2048 tokens below 35 GiB, 4096 below 60 GiB (A100
+  40GB, L40S; 8192 in releases before the 60 GiB tier was added), 8192 below 160 GiB (A100
+  80GB, H100, H200) and 16384 above (B200, B300, MI300X). Its running-request cap
   (``model_runner``) is ``min(clamp(KV tokens / context x 512, 2048, 4096), KV tokens / 2)``:
   2048 unless the KV cache holds eight full contexts, which is the value taken here.
   [SGL-DP] With data-parallel attention SGLang divides ``--chunked-prefill-size`` (given or
@@ -41,7 +42,7 @@ LARGE_GPU_BYTES = 70 * GIB
 LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS = 8192, 1024
 SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS = 2048, 256
 # [SGL-BATCH]: chunk size by GPU memory, and the running-request cap taken
-SGLANG_CHUNK_TIERS = ((35 * GIB, 2048), (160 * GIB, 8192))
+SGLANG_CHUNK_TIERS = ((35 * GIB, 2048), (60 * GIB, 4096), (160 * GIB, 8192))
 SGLANG_LARGE_CHUNK, SGLANG_MAX_RUNNING = 16384, 2048
 # [TRT-BATCH]
 TRTLLM_MAX_NUM_TOKENS, TRTLLM_MAX_BATCH_SIZE = 8192, 2048
