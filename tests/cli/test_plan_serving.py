@@ -210,3 +210,22 @@ def test_every_plan_opweave_plan_writes_is_one_the_runtime_serves(
     for path in written:
         plan = Plan.model_validate_json(path.read_text())
         check_plan(plan, spec)  # raises with the reason otherwise
+
+
+def test_plan_costs_the_pools_as_the_named_engine_runs_them() -> None:
+    """``--engine sglang`` costs the aggregated engines and prefill pools as SGLang runs them
+    (its step policy, limits and eager prompt steps), and the plan says so, and that the
+    runtime serves it with vLLM's engine."""
+    args = ("plan", "qwen3-32b", "--gpus", "h100", *WORKLOAD, "--concurrency", "64")
+    args += ("--tpot-slo-ms", "50")
+    vllm, sglang = cli_json(*args), cli_json(*args, "--engine", "sglang")
+    assert sglang["workload"]["engine"] == "sglang"
+    said = " ".join(sglang["assumptions"])
+    assert "SGLang's scheduler simulated" in said and "8192 tokens and 2048 requests" in said
+    assert "opweave run serves a plan with vLLM's engine" in said
+    assert "vLLM V1's scheduler simulated" in " ".join(vllm["assumptions"])
+    # SGLang's decode steps carry no prompt chunks (those run in steps of their own, while the
+    # decodes wait): its aggregated TPOT is the shorter, its TTFT the longer
+    agg_v, agg_s = vllm["baselines"]["aggregated"], sglang["baselines"]["aggregated"]
+    assert agg_v["pools"] is not None and agg_s["pools"] is not None
+    assert agg_s["tpot_s"] < agg_v["tpot_s"] and agg_s["ttft_s"] > agg_v["ttft_s"]

@@ -354,6 +354,11 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
             f"new requests taken in every {w.scheduler_recv_interval} decode steps and after "
             "each step with prompt chunks (SGLang's --scheduler-recv-interval)"
         )
+    if w.engine != "vllm":
+        out.append(
+            f"the pools are costed as {w.engine_name} runs them; opweave run serves a plan "
+            "with vLLM's engine"
+        )
     host = engine_host(w.engine)
     if host is not None and host.eager_launch_s > 0:
         out.append(
