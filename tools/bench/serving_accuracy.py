@@ -10,8 +10,9 @@ replayed as its benchmark ran it:
   once (rate "inf": a population of ``concurrency`` requests that all arrive at time 0); a
   steady closed loop otherwise. The engine's limits are those its serve command sets
   (``--chunked-prefill-size``, ``--max-num-batched-tokens``, ``--max-running-requests``,
-  ``--max-num-seqs``), else the engine's defaults for the GPU (vLLM's; SGLang's chunk size for
-  SGLang rows; said in the output). Rows measured with ``sglang.bench_serving``'s random
+  ``--max-num-seqs``), else the row's engine's defaults for the GPU
+  (:func:`~opweave.costmodel.default_batch_limits`; said in the output). Rows measured with
+  ``sglang.bench_serving``'s random
   dataset draw their lengths as that client does (:func:`sglang_random_lengths`). SGLang rows
   schedule prompt chunks in steps of their own (its default, unless the serve command has
   ``--enable-mixed-chunk``); the other engines mix them into the decode steps. Each engine's
