@@ -37,10 +37,10 @@ Sources:
   sgl-project/sglang#13094 (Llama-3.1-8B FP8, TP 8, 1,024-token prompts, one client) measures a
   mean TTFT of 30.0 ms eager and 19.7 ms with piecewise graphs; 68 us x its 324 launches is
   22 ms of host time, which leaves 8 ms for the front end, consistent with the 10.3 ms the
-  piecewise graphs save (they leave attention eager). The value belongs to the host CPU and the engine's Python path as much as to the model.
-  vLLM V1 runs steps of up to 512 tokens in piecewise CUDA graphs and larger ones through
-  torch.compile's generated code; no measurement of the latter's per-launch host time was found,
-  so the vLLM profiles charge none.
+  piecewise graphs save (they leave attention eager). The value belongs to the host CPU and
+  the engine's Python path as much as to the model. vLLM V1 runs steps of up to 512 tokens in
+  piecewise CUDA graphs and larger ones through torch.compile's generated code; no measurement
+  of the latter's per-launch host time was found, so the vLLM profiles charge none.
 """
 
 from __future__ import annotations
