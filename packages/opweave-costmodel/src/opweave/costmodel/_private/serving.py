@@ -124,7 +124,9 @@ def _engine(
     par: Parallelism,
     workload: Workload,
     host: HostProfile | None,
-) -> tuple[EngineStepCost, EngineSetup]:
+) -> tuple[EngineStepCost, EngineSetup, HostProfile | None]:
+    """The step costs and limits of one engine rank, and the host profile they charge (``host``,
+    else the workload's engine's)."""
     _check(model, hardware, par, workload)
     host = host if host is not None else engine_host(workload.engine)
     hw = hardware if host is None else host.apply(hardware)
@@ -145,7 +147,7 @@ def _engine(
         workload.step_policy == "prefill-first",
         workload.scheduler_recv_interval,
     )
-    return cost, setup
+    return cost, setup, host
 
 
 def _population(workload: Workload, rank: Workload) -> tuple[int, int, int]:
@@ -209,7 +211,7 @@ def estimate_serving(
     (23, True)
     """
     par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
-    cost, setup = _engine(model, hardware, par, workload, host)
+    cost, setup, host = _engine(model, hardware, par, workload, host)
     rank = workload.per_replica(dp)
     # the replica's output is its ranks' together: dp ranks at a rate share, or (closed loop)
     # as many rank shares as the clients fill (fewer clients than ranks leave ranks idle)
@@ -270,8 +272,7 @@ def estimate_serving(
         kv_capacity_tokens=setup.kv_capacity_bytes / max(float(cost.kv_bytes(1.0)), 1e-30),
         preemptions=sim.preemptions,
         saturated=bool(saturated),
-        assumptions=_assumptions(workload, tokens, seqs, dp)
-        + _eager(cost, host if host is not None else engine_host(workload.engine)),
+        assumptions=_assumptions(workload, tokens, seqs, dp) + _eager(cost, host),
     )
 
 
@@ -305,11 +306,7 @@ def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[s
         "prefill: GEMMs over the chunk's tokens at the weight format's tensor-core rate, causal "
         "attention over the prompt so far, weights read once per step",
     ]
-    if workload.scheduler_recv_interval > 1:
-        out.append(
-            f"new requests taken in every {workload.scheduler_recv_interval} decode steps and "
-            "after each step with prompt chunks (SGLang's --scheduler-recv-interval)"
-        )
+    out.extend(workload.receive_note)
     if dp > 1:
         out.append(f"data-parallel attention: {dp} engines with equal shares of the arrivals")
     return tuple(out)
@@ -354,7 +351,7 @@ class PrefillEngine:
         self.hardware = hardware
         self.par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
         self.workload = workload
-        self.cost, self.setup = _engine(model, hardware, self.par, workload, host)
+        self.cost, self.setup, _ = _engine(model, hardware, self.par, workload, host)
         budget = self.setup.max_num_batched_tokens
         per_step = max(1, math.ceil(budget / max(1.0, workload.isl.mean)))
         alone = workload.model_copy(

@@ -283,6 +283,16 @@ class Workload(Frozen):
             return "a step of prompt chunks alone whenever prompts wait, decode steps otherwise"
         return "decodes scheduled first, then prompt chunks in the same step"
 
+    @property
+    def receive_note(self) -> tuple[str, ...]:
+        """The receive interval in words, where it is not every step."""
+        if self.scheduler_recv_interval == 1:
+            return ()
+        return (
+            f"new requests taken in every {self.scheduler_recv_interval} decode steps and "
+            "after each step with prompt chunks (SGLang's --scheduler-recv-interval)",
+        )
+
     def batch_limits(self, hardware: HardwareSpec, dp: int = 1) -> tuple[int, int]:
         """``(max_num_batched_tokens, max_num_seqs)`` of one engine rank on ``hardware``: as
         given, else the engine's defaults; SGLang divides its token budget among ``dp``

@@ -349,11 +349,7 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
         "sending its shard (NIXL), over the network unless both pools share a rack-scale "
         "NVLink domain",
     ]
-    if w.scheduler_recv_interval > 1:
-        out.append(
-            f"new requests taken in every {w.scheduler_recv_interval} decode steps and after "
-            "each step with prompt chunks (SGLang's --scheduler-recv-interval)"
-        )
+    out.extend(w.receive_note)
     if w.engine != "vllm":
         out.append(
             f"the pools are costed as {w.engine_name} runs them; opweave run serves a plan "
