@@ -408,6 +408,71 @@ def test_a_full_cache_preempts_and_recomputes() -> None:
     assert np.all(np.isfinite(sim.finish_s))
 
 
+class RecordingCost(StubCost):
+    """:class:`StubCost` that keeps every step's prompt chunks."""
+
+    def __init__(self) -> None:
+        self.chunks: list[list[tuple[int, int]]] = []
+
+    def step_s(self, contexts, chunks) -> float:
+        self.chunks.append(list(chunks))
+        return super().step_s(contexts, chunks)
+
+
+def test_a_preempted_prompt_keeps_its_cached_chunks_with_prefix_caching() -> None:
+    """[V1-PREFIX], worked by hand: a 20-token cache, an 8-token budget; A (prompt 8, answer 6)
+    and B (prompt 16, answer 2) arrive together. Step 1 prefills A; step 2 decodes A and runs
+    B's first chunk (7); in step 3 B's next chunk would overfill the cache, so B is preempted
+    and the step decodes A alone (nothing joins in a step that preempted); B's 7 cached tokens
+    plus its next chunk do not fit beside A until A finishes (steps 4-6 decode A); then B
+    resumes from its 7 cached tokens: 8 more, then 1 (its first token), then one decode."""
+    setup = EngineSetup(
+        max_num_batched_tokens=8, max_num_seqs=8, kv_capacity_bytes=20.0, prefix_caching=True
+    )
+    cost = RecordingCost()
+    sim = simulate(cost, setup, np.array([8, 16]), np.array([6, 2]), clients=2)  # type: ignore[arg-type]
+    decode = [1e-3 + 1e-4 + c * 1e-6 for c in (10, 11, 12, 13)]  # A alone, contexts 10-13
+    steps = [1e-3 + 8e-4, 1e-3 + 8e-4 + 9e-6, *decode, 1e-3 + 8e-4, 1e-3 + 1e-4]
+    assert sim.preemptions == 1
+    assert sim.first_token_s[1] == pytest.approx(sum(steps), abs=1e-12)
+    assert sim.finish_s[1] == pytest.approx(sum(steps) + 1e-3 + 1e-4 + 17e-6, abs=1e-12)
+    assert sum(c for step in cost.chunks[1:] for _, c in step) == 16  # B's prompt, once
+    # recompute preemption (prefix caching off) prefills B's first tokens again
+    again = RecordingCost()
+    off = EngineSetup(max_num_batched_tokens=8, max_num_seqs=8, kv_capacity_bytes=20.0)
+    simulate(again, off, np.array([8, 16]), np.array([6, 2]), clients=2)  # type: ignore[arg-type]
+    assert sum(c for step in again.chunks[1:] for _, c in step) > 16
+
+
+def test_guaranteed_no_evict_admits_only_with_room_for_the_whole_answer() -> None:
+    """[TRT-NOEVICT]: two requests of 8 + 8 tokens and a 24-token cache: the second starts only
+    after the first finishes and frees its 16, and nothing is preempted (the same pair
+    preempts under vLLM's policy: test_a_full_cache_preempts_and_recomputes)."""
+    setup = EngineSetup(
+        max_num_batched_tokens=64, max_num_seqs=8, kv_capacity_bytes=24.0, reserve_output=True
+    )
+    sim = simulate(StubCost(), setup, np.array([8, 8]), np.array([8, 8]), clients=2)  # type: ignore[arg-type]
+    assert sim.preemptions == 0
+    assert sim.first_token_s[1] > sim.finish_s[0]
+
+
+def test_tensorrt_llm_sizes_its_cache_from_the_memory_left_free(qwen32, h100) -> None:
+    """[TRT-KV]: free_gpu_memory_fraction 0.9 of what the weights and activations leave, where
+    vLLM subtracts them from 0.9 of the device; the engine's estimate says how it admits."""
+    cost = EngineStepCost.build(qwen32, h100, Parallelism(tp=1))
+    held = h100.usable_memory_bytes - cost.kv_capacity_bytes(8192, 2048)
+    assert cost.kv_capacity_bytes(8192, 2048, 0.9) == pytest.approx(
+        0.9 * (h100.memory_bytes - held), rel=1e-12
+    )
+    w = Workload(isl=Lengths.fixed(2048), osl=Lengths.fixed(256), concurrency=8)
+    on_trt = w.model_copy(update={"engine": "tensorrt-llm"})
+    trt = estimate_serving(qwen32, h100, tp=2, workload=on_trt)
+    vllm = estimate_serving(qwen32, h100, tp=2, workload=w)
+    assert trt.kv_capacity_tokens > vllm.kv_capacity_tokens
+    assert "GUARANTEED_NO_EVICT" in " ".join(trt.assumptions)
+    assert "automatic prefix caching" in " ".join(vllm.assumptions)
+
+
 # -- aggregated serving ------------------------------------------------------------------------
 def test_a_very_long_answer_converges_to_the_decode_step(qwen32, h100) -> None:
     w = Workload(isl=Lengths.fixed(128), osl=Lengths.fixed(32000), concurrency=8)

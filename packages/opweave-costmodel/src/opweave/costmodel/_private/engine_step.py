@@ -364,15 +364,18 @@ class EngineStepCost:
             )
         return total
 
-    def kv_capacity_bytes(self, batched_tokens: int, max_num_seqs: int) -> float:
+    def kv_capacity_bytes(
+        self, batched_tokens: int, max_num_seqs: int, free_fraction: float | None = None
+    ) -> float:
         """Memory per GPU left for state: usable memory less the weights and the activations of
         a full step, which vLLM's start-up profile run reserves (``determine_available_memory``
         runs ``max_num_batched_tokens`` dummy tokens, and logits for ``max_num_seqs`` of them:
-        :func:`~.roofline.profile_activation_bytes`)."""
+        :func:`~.roofline.profile_activation_bytes`); with ``free_fraction``, that fraction of
+        the whole device's memory less those (TensorRT-LLM's ``free_gpu_memory_fraction``)."""
         ops = self.model.operators
-        free = (
-            self.hardware.usable_memory_bytes
-            - weight_bytes_per_gpu(ops, self.par)
-            - profile_activation_bytes(ops, batched_tokens, max_num_seqs)
+        held = weight_bytes_per_gpu(ops, self.par) + profile_activation_bytes(
+            ops, batched_tokens, max_num_seqs
         )
-        return max(0.0, free)
+        if free_fraction is not None:
+            return max(0.0, free_fraction * (self.hardware.memory_bytes - held))
+        return max(0.0, self.hardware.usable_memory_bytes - held)

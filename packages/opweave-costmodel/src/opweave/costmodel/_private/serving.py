@@ -132,7 +132,7 @@ def _engine(
     hw = hardware if host is None else host.apply(hardware)
     cost = EngineStepCost.build(model, hw, par)
     tokens, seqs = workload.batch_limits(hardware, par.dp)
-    capacity = cost.kv_capacity_bytes(tokens, seqs)
+    capacity = cost.kv_capacity_bytes(tokens, seqs, workload.kv_free_fraction)
     longest = float(cost.kv_bytes(float(workload.max_context_tokens)))
     if capacity < longest:
         raise InfeasibleError(
@@ -146,6 +146,8 @@ def _engine(
         capacity,
         workload.step_policy == "prefill-first",
         workload.scheduler_recv_interval,
+        prefix_caching=workload.engine == "vllm",
+        reserve_output=workload.engine == "tensorrt-llm",
     )
     return cost, setup, host
 
@@ -302,7 +304,7 @@ def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[s
         f"engine: {workload.engine_name}, continuous batching with chunked prefill: "
         f"{workload.policy_text}; prompt chunks up to {tokens} tokens per step "
         f"({'given' if given else 'its default on the GPU'}), at most {seqs} running "
-        "requests, recompute preemption when the KV cache is full",
+        f"requests, {workload.preemption_text}",
         "prefill: GEMMs over the chunk's tokens at the weight format's tensor-core rate, causal "
         "attention over the prompt so far, weights read once per step",
     ]

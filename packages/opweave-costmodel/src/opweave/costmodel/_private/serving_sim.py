@@ -8,7 +8,29 @@ scheduler.py``, ``Scheduler.schedule``):
    ``max_num_seqs`` run, and the KV cache holds the tokens scheduled for them;
 3. when the running requests' next tokens do not fit in the KV cache, the last one admitted is
    preempted: it frees its cache and goes back to the front of the queue, to recompute its
-   prompt and the tokens it generated (V1's recompute preemption).
+   prompt and the tokens it generated (V1's recompute preemption); no waiting request joins
+   in a step that preempted (``if not preempted_reqs`` before the waiting loop).
+
+[V1-PREFIX] With automatic prefix caching (vLLM V1's default: ``CacheConfig.
+enable_prefix_caching = True``) a preempted request's blocks are freed but keep their hashes:
+they stay in the free queue, evictable, and when the request is scheduled again
+``KVCacheManager.get_computed_blocks`` finds its prompt and generated tokens there (all but
+the last token), so it recomputes only what was evicted meanwhile. Its blocks were freed tail
+first (``SingleTypeKVCacheManager.free``: reverse order, "so that tail blocks are evicted
+first") and new blocks come from the free queue's head, least recently freed first; here the
+running requests' growth erodes the kept tokens of the earliest-preempted waiting request,
+from its tail. Readmitting it needs the cache to hold its kept tokens and its next chunk
+(``allocate_slots`` counts evictable computed blocks as blocks to allocate). A prompt whose
+next chunk does not fit therefore waits without losing the chunks it computed, and the steps
+meanwhile decode only. Without prefix caching (SGLang's retraction is modelled so too) a
+preempted request recomputes from scratch.
+
+[TRT-NOEVICT] TensorRT-LLM's capacity scheduler defaults to ``GUARANTEED_NO_EVICT``
+(``tensorrt_llm.llmapi.SchedulerConfig.capacity_scheduler_policy``; the performance-tuning
+guide, "Useful Runtime Options": "guarantee that a started request is never paused"): a request
+starts only when the cache can hold its prompt and its whole answer (the request's
+``max_tokens``; the simulated answer length here), so running requests never outgrow the cache
+and none is preempted.
 
 The step that finishes a prompt samples the request's first token (TTFT ends there); every
 later step gives it one more token. A request's TPOT is ``(finish - first token) / (output - 1)``,
@@ -53,6 +75,7 @@ class _Request:
     target: int = 0  # tokens to have in the cache before the next sample
     cached: int = 0  # tokens whose KV is in the cache
     generated: int = 0
+    kept: int = 0  # [V1-PREFIX]: tokens of its freed cache still reusable while it waits
     first_token_s: float = math.nan
     finish_s: float = math.nan
 
@@ -82,6 +105,8 @@ class EngineSetup:
     kv_capacity_bytes: float
     prefill_first: bool = False
     recv_interval: int = 1  # [SGL-RECV]: decode steps between taking in new requests
+    prefix_caching: bool = False  # [V1-PREFIX]: a preempted request's cache stays reusable
+    reserve_output: bool = False  # [TRT-NOEVICT]: admit only with room for the whole answer
 
 
 @dataclass(frozen=True)
@@ -125,6 +150,7 @@ class _Engine:
     running: list[_Request] = field(default_factory=list)
     waiting: deque[_Request] = field(default_factory=deque)
     inbox: deque[_Request] = field(default_factory=deque)  # arrived, not yet taken in
+    evictable: list[_Request] = field(default_factory=list)  # [V1-PREFIX], earliest first
     decodes_since_recv: int = 0
     preemptions: int = 0
     per_token: float = 0.0
@@ -173,6 +199,7 @@ class _Engine:
         if self.setup.prefill_first:
             return self._prefill_first()
         setup = self.setup
+        preempted = False
         while True:
             budget = setup.max_num_batched_tokens
             decodes: list[_Request] = []
@@ -189,11 +216,23 @@ class _Engine:
                     decodes.append(r)
                 extra[r.index] = take
                 budget -= take
-            if len(self.running) <= 1 or self.kv_after(extra) <= setup.kv_capacity_bytes:
+            if (
+                setup.reserve_output
+                or len(self.running) <= 1
+                or self.kv_after(extra) <= setup.kv_capacity_bytes
+            ):
                 break
             self._preempt()
-        self._admit(chunks, self.kv_after(extra), budget)
+            preempted = True
+        if not preempted:
+            used = self.reserved() if setup.reserve_output else self.kv_after(extra)
+            self._admit(chunks, used, budget)
         return decodes, chunks
+
+    def reserved(self) -> float:
+        """[TRT-NOEVICT]: cache bytes the running requests hold with their whole answers."""
+        ends = np.array([r.prompt + r.output for r in self.running], dtype=np.float64)
+        return float(self.cost.kv_bytes(ends).sum()) if len(ends) else 0.0
 
     def _admit(self, chunks: list[tuple[_Request, int]], used: float, budget: int) -> None:
         """Waiting requests join, first come first served, with their first chunk, while
@@ -202,11 +241,17 @@ class _Engine:
         setup = self.setup
         while self.waiting and budget > 0 and len(self.running) < setup.max_num_seqs:
             r = self.waiting[0]
-            take = min(r.target - r.cached, budget)
-            need = float(self.cost.kv_bytes(float(take)))
+            start = min(r.kept, r.target - 1)  # [V1-PREFIX]: its cached tokens, reused
+            take = min(r.target - start, budget)
+            held = r.prompt + r.output if setup.reserve_output else start + take
+            need = float(self.cost.kv_bytes(float(held)))
             if self.running and used + need > setup.kv_capacity_bytes:
                 break
             self.waiting.popleft()
+            if r.kept:
+                self.evictable.remove(r)
+                r.kept = 0
+            r.cached = start
             self.running.append(r)
             chunks.append((r, take))
             used += need
@@ -237,9 +282,34 @@ class _Engine:
         victim = self.running.pop()
         # recompute: its prompt and every token it generated, then sample the next
         victim.target = victim.prompt + victim.generated
+        if self.setup.prefix_caching and victim.cached:
+            victim.kept = victim.cached
+            self.evictable.append(victim)
         victim.cached = 0
         self.waiting.appendleft(victim)
         self.preemptions += 1
+
+    def evict(self) -> None:
+        """[V1-PREFIX]: drop kept tokens, earliest-preempted request first and its tail first,
+        until the running requests' cache and the kept tokens fit the capacity together."""
+        if not self.evictable:
+            return
+        held = np.array([r.cached for r in self.running], dtype=np.float64)
+        used = float(self.cost.kv_bytes(held).sum()) if len(held) else 0.0
+        free = self.setup.kv_capacity_bytes - used
+        kept = [float(self.cost.kv_bytes(float(r.kept))) for r in self.evictable]
+        over = sum(kept) - free
+        while over > 0 and self.evictable:
+            r, size = self.evictable[0], kept.pop(0)
+            if size <= over:
+                r.kept = 0
+                self.evictable.pop(0)
+                over -= size
+                continue
+            r.kept = max(0, r.kept - math.ceil(over / self.per_token))
+            if r.kept == 0:
+                self.evictable.pop(0)
+            over = 0.0
 
 
 def simulate(
@@ -334,6 +404,7 @@ def simulate(
         batch_time.append(len(decodes) * dt)
         for r in [r for r in engine.running if r.generated >= r.output]:
             finish(r, t)
+        engine.evict()
     return SimResult(
         arrival_s=np.array([r.arrival_s for r in reqs]),
         first_token_s=np.array([r.first_token_s for r in reqs]),

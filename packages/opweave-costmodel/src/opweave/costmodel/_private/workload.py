@@ -18,6 +18,10 @@ Sources:
   data-parallel rank is an engine core with its own ``max_num_batched_tokens``.
   [TRT-BATCH] TensorRT-LLM's ``trtllm-serve`` takes ``BuildConfig``'s ``max_batch_size`` 2048 and
   ``max_num_tokens`` 8192 (``tensorrt_llm/builder.py``) unless given.
+  [TRT-KV] TensorRT-LLM sizes its KV cache as ``KvCacheConfig.free_gpu_memory_fraction`` (0.9)
+  of the memory left free after the model is loaded ("TensorRT LLM will try to allocate 90% of
+  free GPU memory for KV cache": docs, examples/kvcacheconfig), where vLLM and SGLang take a
+  fraction of the whole device and subtract the weights from it.
   [RANGE] vLLM's and SGLang's ``random`` benchmark datasets (``--random-range-ratio``) draw each
   length uniformly from ``[L (1 - r), L (1 + r)]`` (vLLM) or ``[L r, L]`` (SGLang, InferenceX's
   ``--random-range-ratio 0.8``); ``Lengths.uniform`` takes the bounds either way.
@@ -46,6 +50,7 @@ SGLANG_CHUNK_TIERS = ((35 * GIB, 2048), (60 * GIB, 4096), (160 * GIB, 8192))
 SGLANG_LARGE_CHUNK, SGLANG_MAX_RUNNING = 16384, 2048
 # [TRT-BATCH]
 TRTLLM_MAX_NUM_TOKENS, TRTLLM_MAX_BATCH_SIZE = 8192, 2048
+TRTLLM_FREE_GPU_MEMORY_FRACTION = 0.9  # [TRT-KV]
 Engine = Literal["vllm", "sglang", "tensorrt-llm"]
 ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "tensorrt-llm")
 ENGINE_ALIASES = {"trtllm": "tensorrt-llm", "trt-llm": "tensorrt-llm"}
@@ -272,6 +277,22 @@ class Workload(Frozen):
         return "prefill-first" if self.engine == "sglang" else "mixed"
 
     @property
+    def preemption_text(self) -> str:
+        """How the engine makes room in a full KV cache, in words ([V1-PREFIX], [TRT-NOEVICT]
+        in :mod:`.serving_sim`)."""
+        if self.engine == "tensorrt-llm":
+            return (
+                "a request admitted only when the KV cache can hold its prompt and whole answer "
+                "(GUARANTEED_NO_EVICT), never preempted"
+            )
+        if self.engine == "vllm":
+            return (
+                "preemption when the KV cache is full, the preempted request reusing its cached "
+                "blocks when it resumes (automatic prefix caching)"
+            )
+        return "recompute preemption when the KV cache is full"
+
+    @property
     def engine_name(self) -> str:
         """The engine as people write it ("vLLM V1", "SGLang", "TensorRT-LLM")."""
         return ENGINE_NAMES[self.engine]
@@ -302,6 +323,12 @@ class Workload(Frozen):
         if self.engine == "sglang":
             tokens = max(1, tokens // dp)
         return tokens, self.max_num_seqs or seqs
+
+    @property
+    def kv_free_fraction(self) -> float | None:
+        """The engine's KV cache as a fraction of the memory the weights and activations leave
+        free ([TRT-KV]); None: the device's usable memory less those (vLLM, SGLang)."""
+        return TRTLLM_FREE_GPU_MEMORY_FRACTION if self.engine == "tensorrt-llm" else None
 
     @property
     def max_context_tokens(self) -> int:
