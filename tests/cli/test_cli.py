@@ -336,6 +336,38 @@ def test_estimate_takes_sglangs_receive_interval() -> None:
     assert not any("decode steps and after" in a for a in every["assumptions"])
 
 
+def test_estimate_takes_the_engines_memory_fraction() -> None:
+    """``--memory-fraction`` (vLLM's --gpu-memory-utilization, SGLang's --mem-fraction-static)
+    sizes the KV cache: on 2 x H100, Qwen3-32B's 32.8 GB of BF16 weights per GPU leave SGLang
+    0.7 x 85.5 GB - weights for the cache; the estimate says which setting it took."""
+    args = ("estimate", "qwen3-32b", "--gpu", "h100", "--tp", "2", "--isl", "2K", "--osl")
+    given = cli_json(
+        *args, "256", "--concurrency", "8", "--engine", "sglang", "--memory-fraction", "0.7"
+    )
+    default = cli_json(*args, "256", "--concurrency", "8", "--engine", "sglang")
+    assert any("--mem-fraction-static 0.7 (given)" in a for a in given["assumptions"])
+    assert any("SGLang's default for the GPU" in a for a in default["assumptions"])
+    assert given["kv_capacity_tokens"] < default["kv_capacity_tokens"]
+    for value in ("0", "1.5", "nan"):
+        proc = run_cli(*args, "256", "--concurrency", "8", "--memory-fraction", value, check=False)
+        assert proc.returncode == 2
+        assert len(proc.stderr.strip().splitlines()) == 1
+        assert "--memory-fraction" in proc.stderr
+    proc = run_cli(
+        "estimate",
+        "qwen3-32b",
+        "--gpu",
+        "h100",
+        "--batch",
+        "4",
+        "--memory-fraction",
+        "0.8",
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert "cannot be combined with --memory-fraction" in proc.stderr
+
+
 def test_estimate_serving_table_says_what_it_assumed() -> None:
     proc = run_cli(
         "estimate",

@@ -26,6 +26,7 @@ from opweave.costmodel import (
     kv_transfer_s,
     load_model,
     prefill_pool,
+    sglang_mem_fraction,
     simulate,
 )
 
@@ -456,21 +457,58 @@ def test_guaranteed_no_evict_admits_only_with_room_for_the_whole_answer() -> Non
     assert sim.first_token_s[1] > sim.finish_s[0]
 
 
-def test_tensorrt_llm_sizes_its_cache_from_the_memory_left_free(qwen32, h100) -> None:
-    """[TRT-KV]: free_gpu_memory_fraction 0.9 of what the weights and activations leave, where
-    vLLM subtracts them from 0.9 of the device; the engine's estimate says how it admits."""
-    cost = EngineStepCost.build(qwen32, h100, Parallelism(tp=1))
-    held = h100.usable_memory_bytes - cost.kv_capacity_bytes(8192, 2048)
-    assert cost.kv_capacity_bytes(8192, 2048, 0.9) == pytest.approx(
-        0.9 * (h100.memory_bytes - held), rel=1e-12
+def test_sglangs_default_memory_fraction_against_its_formula() -> None:
+    """[SGL-MEM], the reserve written out for three servers: (M - R) / M with M the device's MiB
+    and R = 512 + 1.5 chunk + 2 cuda_graph_max_bs + 1024 tp / 8 (+ the DP-attention terms), at
+    least 10 GiB on large GPUs."""
+    cat = default_catalog()
+    h100, b200, h200 = (cat.get(g) for g in ("h100", "b200", "h200"))
+    mib = {g.id: g.memory_bytes / 2**20 for g in (h100, b200, h200)}
+    tp1 = 512 + 1.5 * 8192 + 2 * 256 + 1024 / 8  # H100, TP1: graphs up to batch 256
+    tp8 = 512 + 1.5 * 16384 + 2 * 512 + 1024  # B200, TP8
+    dp8 = 512 + 1.5 * 8192 + 2 * 512 + 1024 + 512 * 8 * 3 + 512 * 8 * 1.5  # H200, DP attention
+    assert sglang_mem_fraction(h100, 8192, 1) == round((mib[h100.id] - tp1) / mib[h100.id], 3)
+    assert sglang_mem_fraction(b200, 16384, 8) == round((mib[b200.id] - tp8) / mib[b200.id], 3)
+    assert sglang_mem_fraction(h200, 8192, 8, 8, dp_attention=True) == round(
+        (mib[h200.id] - dp8) / mib[h200.id], 3
     )
+    assert sglang_mem_fraction(h100, 8192, 1) == pytest.approx(0.828, abs=0.01)  # sglang#29092
+
+
+def test_each_engine_sizes_the_kv_cache_its_own_way(qwen32, h100) -> None:
+    """The same replica's cache under each engine's memory rule, against the arithmetic: SGLang
+    f x M - weights; vLLM 0.9 M - weights - a full step's activations; TensorRT-LLM 0.9 x
+    (M - weights - activations); a given fraction replaces the default."""
+    par = Parallelism(tp=2)
+    cost = EngineStepCost.build(qwen32, h100, par)
+    per_token = float(cost.kv_bytes(1.0))
+    weights = qwen32.weight_bytes / 2
+    vllm_free = cost.kv_capacity_bytes(8192, 1024)  # vLLM's rule, the default
+    # a full step's activations at TensorRT-LLM's limits (8192 tokens, logits of 2048 requests)
+    activations = 0.9 * h100.memory_bytes - weights - cost.kv_capacity_bytes(8192, 2048)
+    assert 0 < activations < 0.05 * h100.memory_bytes
     w = Workload(isl=Lengths.fixed(2048), osl=Lengths.fixed(256), concurrency=8)
-    on_trt = w.model_copy(update={"engine": "tensorrt-llm"})
-    trt = estimate_serving(qwen32, h100, tp=2, workload=on_trt)
-    vllm = estimate_serving(qwen32, h100, tp=2, workload=w)
-    assert trt.kv_capacity_tokens > vllm.kv_capacity_tokens
-    assert "GUARANTEED_NO_EVICT" in " ".join(trt.assumptions)
-    assert "automatic prefix caching" in " ".join(vllm.assumptions)
+    expect = {
+        "vllm": vllm_free,
+        "sglang": sglang_mem_fraction(h100, 8192, 2) * h100.memory_bytes - weights,
+        "tensorrt-llm": 0.9 * (h100.memory_bytes - weights - activations),
+    }
+    expect_words = {
+        "vllm": "automatic prefix caching",
+        "sglang": "recompute preemption",
+        "tensorrt-llm": "GUARANTEED_NO_EVICT",
+    }
+    for engine, capacity in expect.items():
+        est = estimate_serving(qwen32, h100, tp=2, workload=w.model_copy(update={"engine": engine}))
+        # rel: the test splits every weight over the two GPUs; a few (norms) are replicated
+        assert est.kv_capacity_tokens * per_token == pytest.approx(capacity, rel=1e-4), engine
+        assert expect_words[engine] in " ".join(est.assumptions)
+    given = w.model_copy(update={"engine": "sglang", "memory_fraction": 0.7})
+    est = estimate_serving(qwen32, h100, tp=2, workload=given)
+    assert est.kv_capacity_tokens * per_token == pytest.approx(
+        0.7 * h100.memory_bytes - weights, rel=1e-4
+    )
+    assert "--mem-fraction-static 0.7 (given)" in " ".join(est.assumptions)
 
 
 # -- aggregated serving ------------------------------------------------------------------------

@@ -77,6 +77,8 @@ FLAGS = {
     "max_num_seqs": (r"--max-running-requests[ =](\d+)", r"--max-num-seqs[ =](\d+)"),
     "scheduler_recv_interval": (r"--scheduler-recv-interval[ =](\d+)",),
 }
+# the engine's memory setting ([SGL-MEM], vLLM's utilisation), where the serve command gives it
+MEMORY_FLAGS = (r"--mem-fraction-static[ =]([\d.]+)", r"--gpu-memory-utilization[ =]([\d.]+)")
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,16 @@ def engine_limits(row: dict[str, Any]) -> tuple[dict[str, int], str]:
     if "max_num_batched_tokens" in row:
         limits["max_num_batched_tokens"] = int(row["max_num_batched_tokens"])
     return limits, "serve command" if limits else f"{row_engine(row)} defaults"
+
+
+def memory_fraction(row: dict[str, Any]) -> float | None:
+    """The memory share the row's serve command gives the engine (else its default)."""
+    command = row.get("serve_command", "")
+    for pattern in MEMORY_FLAGS:
+        match = re.search(pattern, command)
+        if match:
+            return float(match.group(1))
+    return None
 
 
 def engine_host(row: dict[str, Any]) -> HostProfile | None:
@@ -174,6 +186,7 @@ def workload_for(row: dict[str, Any], replicas: int) -> Workload:
         num_requests=prompts,
         engine=row_engine(row),
         scheduling="mixed" if mixed else None,
+        memory_fraction=memory_fraction(row),
         **limits,
     )
     return w.per_replica(replicas)

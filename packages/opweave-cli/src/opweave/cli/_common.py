@@ -272,6 +272,18 @@ RecvIntervalOpt = Annotated[
         "every step).",
     ),
 ]
+MemoryFractionOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--memory-fraction",
+        min=0.01,
+        max=1.0,
+        help="Serving: the engine's memory setting, which sizes its KV cache: vLLM's "
+        "--gpu-memory-utilization or SGLang's --mem-fraction-static (a share of the GPU's "
+        "memory, weights included), TensorRT-LLM's free_gpu_memory_fraction (a share of what "
+        "the weights leave); default: the --engine's.",
+    ),
+]
 WorkloadFileOpt = Annotated[
     Path | None,
     typer.Option(
@@ -295,6 +307,7 @@ def workload_from_flags(
     scheduling: str | None = None,
     scheduler_recv_interval: int | None = None,
     engine: str | None = None,
+    memory_fraction: float | None = None,
 ):  # -> Workload
     """The workload ``--isl --osl (--concurrency | --rate)`` or ``--workload FILE`` describe,
     checked against the model's context, with the engine and its step limits where given."""
@@ -323,6 +336,7 @@ def workload_from_flags(
             scheduling=scheduling,
             scheduler_recv_interval=scheduler_recv_interval,
             engine=engine,
+            memory_fraction=memory_fraction,
         )
         check_context(spec, workload.max_context_tokens, "the workload's longest isl + osl")
         return workload
@@ -351,4 +365,5 @@ def workload_from_flags(
         scheduling=scheduling,
         scheduler_recv_interval=scheduler_recv_interval or 1,
         engine=engine or "vllm",
+        memory_fraction=memory_fraction,
     )

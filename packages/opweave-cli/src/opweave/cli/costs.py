@@ -17,6 +17,7 @@ from ._common import (
     IslOpt,
     JsonOpt,
     KvCacheOpt,
+    MemoryFractionOpt,
     ModelArg,
     OslOpt,
     QuantOpt,
@@ -136,6 +137,7 @@ def estimate(
     engine: EngineOpt = None,
     scheduling: SchedulingOpt = None,
     scheduler_recv_interval: RecvIntervalOpt = None,
+    memory_fraction: MemoryFractionOpt = None,
     max_num_batched_tokens: Annotated[
         int | None,
         typer.Option(
@@ -169,6 +171,7 @@ def estimate(
         "--engine": engine,
         "--scheduling": scheduling,
         "--scheduler-recv-interval": scheduler_recv_interval,
+        "--memory-fraction": memory_fraction,
         "--max-num-batched-tokens": max_num_batched_tokens,
         "--max-num-seqs": max_num_seqs,
     }
@@ -341,6 +344,7 @@ def _estimate_serving(
         scheduling=flags["--scheduling"],
         scheduler_recv_interval=flags["--scheduler-recv-interval"],
         engine=flags["--engine"],
+        memory_fraction=flags["--memory-fraction"],
     )
     hw = catalog(hardware).get(gpu)
     _check_tp(spec, hw, tp, ep)

@@ -18,6 +18,7 @@ from ._common import (
     IslOpt,
     JsonOpt,
     KvCacheOpt,
+    MemoryFractionOpt,
     ModelArg,
     OslOpt,
     QuantOpt,
@@ -159,6 +160,7 @@ def plan(
     engine: EngineOpt = None,
     scheduling: SchedulingOpt = None,
     scheduler_recv_interval: RecvIntervalOpt = None,
+    memory_fraction: MemoryFractionOpt = None,
     ttft_slo_ms: Annotated[
         float | None,
         typer.Option(
@@ -231,6 +233,7 @@ def plan(
         "--engine": engine,
         "--scheduling": scheduling,
         "--scheduler-recv-interval": scheduler_recv_interval,
+        "--memory-fraction": memory_fraction,
         "--ttft-slo-ms": ttft_slo_ms,
     }
     if any(v is not None for v in serving.values()) or slo_statistic != "p90":

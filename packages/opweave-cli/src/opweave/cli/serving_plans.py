@@ -61,6 +61,7 @@ def plan_serving(
         scheduling=serving["--scheduling"],
         engine=serving["--engine"],
         scheduler_recv_interval=serving["--scheduler-recv-interval"],
+        memory_fraction=serving["--memory-fraction"],
     )
     progress = _Progress(not json_out)
     try:

@@ -181,12 +181,14 @@ from ._private.serving_sim import EngineSetup, SimResult, simulate
 from ._private.sharding import tp_problem
 from ._private.workload import (
     ENGINES,
+    CacheBudget,
     Engine,
     Lengths,
     Workload,
     default_batch_limits,
     load_workload_file,
     parse_engine,
+    sglang_mem_fraction,
 )
 from .errors import (
     ConfigError,
@@ -373,6 +375,8 @@ __all__ = [
     "Engine",
     "default_batch_limits",
     "parse_engine",
+    "CacheBudget",
+    "sglang_mem_fraction",
     "estimate_serving",
     "kv_bytes_per_gpu",
     "kv_transfer_s",

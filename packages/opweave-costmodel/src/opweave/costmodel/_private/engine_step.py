@@ -53,6 +53,7 @@ from .roofline import (
     shard_fraction,
     state_shard_fraction,
 )
+from .workload import CacheBudget
 
 # Operators that run over one position per scheduled request, not over every token.
 PER_REQUEST_OPS = frozenset({"lm_head", "sample"})
@@ -365,17 +366,16 @@ class EngineStepCost:
         return total
 
     def kv_capacity_bytes(
-        self, batched_tokens: int, max_num_seqs: int, free_fraction: float | None = None
+        self, batched_tokens: int, max_num_seqs: int, budget: CacheBudget | None = None
     ) -> float:
         """Memory per GPU left for state: usable memory less the weights and the activations of
         a full step, which vLLM's start-up profile run reserves (``determine_available_memory``
         runs ``max_num_batched_tokens`` dummy tokens, and logits for ``max_num_seqs`` of them:
-        :func:`~.roofline.profile_activation_bytes`); with ``free_fraction``, that fraction of
-        the whole device's memory less those (TensorRT-LLM's ``free_gpu_memory_fraction``)."""
+        :func:`~.roofline.profile_activation_bytes`); or as an engine's ``budget`` says
+        (:meth:`.Workload.cache_budget`)."""
         ops = self.model.operators
-        held = weight_bytes_per_gpu(ops, self.par) + profile_activation_bytes(
-            ops, batched_tokens, max_num_seqs
-        )
-        if free_fraction is not None:
-            return max(0.0, free_fraction * (self.hardware.memory_bytes - held))
-        return max(0.0, self.hardware.usable_memory_bytes - held)
+        weights = weight_bytes_per_gpu(ops, self.par)
+        activations = profile_activation_bytes(ops, batched_tokens, max_num_seqs)
+        if budget is None:
+            return max(0.0, self.hardware.usable_memory_bytes - weights - activations)
+        return budget.kv_bytes(self.hardware.memory_bytes, weights, activations)

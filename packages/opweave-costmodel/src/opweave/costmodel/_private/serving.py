@@ -132,7 +132,8 @@ def _engine(
     hw = hardware if host is None else host.apply(hardware)
     cost = EngineStepCost.build(model, hw, par)
     tokens, seqs = workload.batch_limits(hardware, par.dp)
-    capacity = cost.kv_capacity_bytes(tokens, seqs, workload.kv_free_fraction)
+    budget = workload.cache_budget(hardware, par.gpus, par.dp)
+    capacity = cost.kv_capacity_bytes(tokens, seqs, budget)
     longest = float(cost.kv_bytes(float(workload.max_context_tokens)))
     if capacity < longest:
         raise InfeasibleError(
@@ -274,7 +275,7 @@ def estimate_serving(
         kv_capacity_tokens=setup.kv_capacity_bytes / max(float(cost.kv_bytes(1.0)), 1e-30),
         preemptions=sim.preemptions,
         saturated=bool(saturated),
-        assumptions=_assumptions(workload, tokens, seqs, dp) + _eager(cost, host),
+        assumptions=_assumptions(workload, tokens, seqs, dp, hardware, par) + _eager(cost, host),
     )
 
 
@@ -296,15 +297,18 @@ def _statistic(rank: Workload, n: int, first: int, last: int) -> str:
     )
 
 
-def _assumptions(workload: Workload, tokens: int, seqs: int, dp: int) -> tuple[str, ...]:
+def _assumptions(
+    workload: Workload, tokens: int, seqs: int, dp: int, hardware: HardwareSpec, par: Parallelism
+) -> tuple[str, ...]:
     given = workload.max_num_batched_tokens is not None
+    budget = workload.cache_budget(hardware, par.gpus, par.dp)
     out = [
         f"arrivals: {workload.arrival}",
         f"lengths: isl {_lengths(workload.isl)}, osl {_lengths(workload.osl)}",
         f"engine: {workload.engine_name}, continuous batching with chunked prefill: "
         f"{workload.policy_text}; prompt chunks up to {tokens} tokens per step "
         f"({'given' if given else 'its default on the GPU'}), at most {seqs} running "
-        f"requests, {workload.preemption_text}",
+        f"requests, {workload.preemption_text}; KV cache: {budget.source}",
         "prefill: GEMMs over the chunk's tokens at the weight format's tensor-core rate, causal "
         "attention over the prompt so far, weights read once per step",
     ]

@@ -18,6 +18,16 @@ Sources:
   data-parallel rank is an engine core with its own ``max_num_batched_tokens``.
   [TRT-BATCH] TensorRT-LLM's ``trtllm-serve`` takes ``BuildConfig``'s ``max_batch_size`` 2048 and
   ``max_num_tokens`` 8192 (``tensorrt_llm/builder.py``) unless given.
+  [SGL-MEM] SGLang's ``--mem-fraction-static`` is the share of the device's memory for the
+  weights and the KV cache pool; the pool is that share less the weights
+  (``model_runner.profile_max_num_token``). Left unset (since sgl-project/sglang#10975, v0.5.3)
+  it is ``(M - R) / M`` for a device of ``M`` MiB, reserving ``R = 512 + 1.5 max(chunk, 2048) +
+  2 cuda_graph_max_bs + 1024 tp / 8`` MiB for activations and CUDA-graph buffers (with data-
+  parallel attention also ``3 cuda_graph_max_bs dp``, and ``1.5 cuda_graph_max_bs dp`` more above
+  300), at least 10 GiB on devices above 60 GiB; ``cuda_graph_max_bs`` is 8 below 20 GiB, 24 / 80
+  (TP below 4 / from 4) below 35 GiB, 32 / 160 below 60 GiB, 256 / 512 below 160 GiB and 512
+  above (``ServerArgs._handle_gpu_memory_settings``). On an H100 serving Qwen3-32B at TP1 that
+  is 0.835; sgl-project/sglang#29092 reports 0.828 from a later release.
   [TRT-KV] TensorRT-LLM sizes its KV cache as ``KvCacheConfig.free_gpu_memory_fraction`` (0.9)
   of the memory left free after the model is loaded ("TensorRT LLM will try to allocate 90% of
   free GPU memory for KV cache": docs, examples/kvcacheconfig), where vLLM and SGLang take a
@@ -51,6 +61,15 @@ SGLANG_LARGE_CHUNK, SGLANG_MAX_RUNNING = 16384, 2048
 # [TRT-BATCH]
 TRTLLM_MAX_NUM_TOKENS, TRTLLM_MAX_BATCH_SIZE = 8192, 2048
 TRTLLM_FREE_GPU_MEMORY_FRACTION = 0.9  # [TRT-KV]
+# [SGL-MEM]: cuda_graph_max_bs by GPU memory (below, TP < 4, TP >= 4), then the reserve's terms
+SGLANG_GRAPH_BS_TIERS = (
+    (20 * GIB, 8, 8),
+    (35 * GIB, 24, 80),
+    (60 * GIB, 32, 160),
+    (160 * GIB, 256, 512),
+)
+SGLANG_LARGE_GRAPH_BS = 512
+MIB = float(1 << 20)
 Engine = Literal["vllm", "sglang", "tensorrt-llm"]
 ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "tensorrt-llm")
 ENGINE_ALIASES = {"trtllm": "tensorrt-llm", "trt-llm": "tensorrt-llm"}
@@ -107,6 +126,48 @@ def default_batch_limits(hardware: HardwareSpec, engine: Engine = "vllm") -> tup
     if large:
         return LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS
     return SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS
+
+
+class CacheBudget(Frozen):
+    """How an engine sizes its KV cache on one GPU: ``fraction`` of the device's memory less the
+    weights ([SGL-MEM]) and, where the engine profiles them (vLLM's start-up run), the
+    activations of a full step; or, ``of_free``, that fraction of what the weights and the
+    activations leave ([TRT-KV])."""
+
+    fraction: float = Field(gt=0, le=1)
+    of_free: bool = False
+    less_activations: bool = True
+    source: str = Field(description="Where the fraction comes from, in words.")
+
+    def kv_bytes(self, memory_bytes: float, weights: float, activations: float) -> float:
+        """Bytes for the KV cache on a device of ``memory_bytes``."""
+        if self.of_free:
+            return max(0.0, self.fraction * (memory_bytes - weights - activations))
+        held = weights + (activations if self.less_activations else 0.0)
+        return max(0.0, self.fraction * memory_bytes - held)
+
+
+def sglang_mem_fraction(
+    hardware: HardwareSpec, chunk: int, tp: int, dp: int = 1, dp_attention: bool = False
+) -> float:
+    """SGLang's default ``--mem-fraction-static`` for an engine of ``tp`` GPUs ([SGL-MEM]).
+
+    >>> from opweave.costmodel import default_catalog
+    >>> sglang_mem_fraction(default_catalog().get("h100"), 8192, 1)
+    0.835
+    """
+    mib = hardware.memory_bytes / MIB
+    low, high = next(
+        ((lo, hi) for below, lo, hi in SGLANG_GRAPH_BS_TIERS if hardware.memory_bytes < below),
+        (SGLANG_LARGE_GRAPH_BS, SGLANG_LARGE_GRAPH_BS),
+    )
+    graph_bs = low if tp < 4 else high
+    reserved = 512 + max(chunk, 2048) * 1.5 + graph_bs * 2 + tp / 8 * 1024
+    if dp_attention:
+        reserved += graph_bs * dp * 3 + (graph_bs * dp * 1.5 if graph_bs > 300 else 0.0)
+    if mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    return round((mib - reserved) / mib, 3)
 
 
 class Lengths(Frozen):
@@ -235,6 +296,16 @@ class Workload(Frozen):
         "with prompt chunks takes them in at once (SGLang's --scheduler-recv-interval). 1: at "
         "every step (vLLM, TensorRT-LLM, SGLang's default).",
     )
+    memory_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        allow_inf_nan=False,
+        description="The engine's memory setting: vLLM's --gpu-memory-utilization and SGLang's "
+        "--mem-fraction-static (a share of the device's memory, weights included), "
+        "TensorRT-LLM's free_gpu_memory_fraction (a share of what the weights leave); None: the "
+        "engine's default (vLLM 0.9, SGLang's from the GPU's memory, TensorRT-LLM 0.9).",
+    )
     seed: int = Field(default=0, ge=0, description="Seed of Poisson arrivals and drawn lengths.")
 
     @field_validator("engine", mode="before")
@@ -324,11 +395,36 @@ class Workload(Frozen):
             tokens = max(1, tokens // dp)
         return tokens, self.max_num_seqs or seqs
 
-    @property
-    def kv_free_fraction(self) -> float | None:
-        """The engine's KV cache as a fraction of the memory the weights and activations leave
-        free ([TRT-KV]); None: the device's usable memory less those (vLLM, SGLang)."""
-        return TRTLLM_FREE_GPU_MEMORY_FRACTION if self.engine == "tensorrt-llm" else None
+    def cache_budget(self, hardware: HardwareSpec, gpus: int, dp: int = 1) -> CacheBudget:
+        """How the engine, spread over ``gpus`` GPUs with ``dp`` data-parallel attention ranks,
+        sizes its KV cache on ``hardware``: the given ``memory_fraction`` or its default."""
+        given = self.memory_fraction
+        if self.engine == "tensorrt-llm":
+            fraction = TRTLLM_FREE_GPU_MEMORY_FRACTION if given is None else given
+            return CacheBudget(
+                fraction=fraction,
+                of_free=True,
+                source=f"free_gpu_memory_fraction {fraction:g} of the memory the weights leave",
+            )
+        if self.engine == "sglang":
+            chunk = self.max_num_batched_tokens or default_batch_limits(hardware, "sglang")[0]
+            fraction = (
+                given
+                if given is not None
+                else sglang_mem_fraction(hardware, chunk, gpus, dp, dp_attention=dp > 1)
+            )
+            return CacheBudget(
+                fraction=fraction,
+                less_activations=False,
+                source=f"--mem-fraction-static {fraction:g}"
+                + (" (given)" if given is not None else " (SGLang's default for the GPU)"),
+            )
+        # vLLM's gpu_memory_utilization (0.9 by default: the catalog's usable fraction)
+        fraction = hardware.usable_memory_fraction if given is None else given
+        return CacheBudget(
+            fraction=fraction,
+            source=f"--gpu-memory-utilization {fraction:g}, less a full step's activations",
+        )
 
     @property
     def max_context_tokens(self) -> int:
@@ -393,5 +489,5 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
             f"workload file {path}: {where}: {str(err['msg']).removeprefix('Value error, ')} "
             "(fields: isl, osl, rate_per_s or "
             "concurrency, engine, max_num_batched_tokens, max_num_seqs, scheduling, "
-            "scheduler_recv_interval, seed)"
+            "scheduler_recv_interval, memory_fraction, seed)"
         ) from None

@@ -138,7 +138,8 @@ def _decode_ceiling(
     tokens, seqs = workload.batch_limits(hw, option.par.dp)
     context = workload.mean_decode_context
     per_request = float(cost.kv_bytes(context))
-    capacity = cost.kv_capacity_bytes(tokens, seqs, workload.kv_free_fraction)
+    budget = workload.cache_budget(hw, option.par.gpus, option.par.dp)
+    capacity = cost.kv_capacity_bytes(tokens, seqs, budget)
     held = capacity / per_request if per_request > 0 else math.inf
     dp = option.par.dp
     top = int(min(seqs, max(held, 0.0))) * dp
