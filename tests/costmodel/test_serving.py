@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from dataclasses import replace
 from typing import ClassVar
 
 import numpy as np
@@ -438,11 +439,66 @@ def test_a_preempted_prompt_keeps_its_cached_chunks_with_prefix_caching() -> Non
     assert sim.first_token_s[1] == pytest.approx(sum(steps), abs=1e-12)
     assert sim.finish_s[1] == pytest.approx(sum(steps) + 1e-3 + 1e-4 + 17e-6, abs=1e-12)
     assert sum(c for step in cost.chunks[1:] for _, c in step) == 16  # B's prompt, once
-    # recompute preemption (prefix caching off) prefills B's first tokens again
+    assert cost.chunks[2] == []  # the step that preempted B decodes A alone
+    # recompute preemption (prefix caching off) prefills B's first tokens again; B's fresh
+    # first chunk would fit beside A in the step that preempted it, and still does not join
     again = RecordingCost()
     off = EngineSetup(max_num_batched_tokens=8, max_num_seqs=8, kv_capacity_bytes=20.0)
     simulate(again, off, np.array([8, 16]), np.array([6, 2]), clients=2)  # type: ignore[arg-type]
+    assert again.chunks[2] == []
     assert sum(c for step in again.chunks[1:] for _, c in step) > 16
+
+
+def _engine_holding(running: list[int], kept: list[int], capacity: float, cost=None):
+    """An engine whose running requests hold ``running`` cached tokens and whose waiting,
+    preempted requests kept ``kept`` tokens (earliest preempted first)."""
+    from opweave.costmodel._private.serving_sim import _Engine, _Request
+
+    setup = EngineSetup(8, 8, capacity, prefix_caching=True)
+    engine = _Engine(cost or StubCost(), setup)  # type: ignore[arg-type]
+    for i, held in enumerate(running):
+        r = _Request(i, held, 100, 0.0)
+        r.cached = held
+        engine.running.append(r)
+    for j, held in enumerate(kept, start=len(running)):
+        r = _Request(j, held + 5, 100, 0.0)
+        r.kept = held
+        engine.waiting.append(r)
+        engine.evictable.append(r)
+    return engine
+
+
+def test_the_running_requests_growth_evicts_kept_tokens_earliest_preempted_first() -> None:
+    """[V1-PREFIX]: a 20-token cache, running requests holding 12, 16 or 17 tokens beside
+    requests that kept 5 and 6: the earliest-preempted loses its tail first, then the next."""
+    engine = _engine_holding([12], [5, 6], 20.0)  # 11 kept in 8 free: the first keeps 2
+    engine.evict()
+    assert [r.kept for r in engine.waiting] == [2, 6]
+    engine = _engine_holding([16], [5, 6], 20.0)  # 4 free: the first goes, the second keeps 4
+    engine.evict()
+    assert [r.kept for r in engine.waiting] == [0, 4]
+    assert [r.kept for r in engine.evictable] == [4]
+    engine = _engine_holding([3, 4], [5, 6], 20.0)  # 13 free: nothing evicted
+    engine.evict()
+    assert [r.kept for r in engine.waiting] == [5, 6]
+
+
+class WindowedCost(StubCost):
+    """A cache of 2 bytes per token up to a 4-token window (half the layers) plus 1 per
+    token: concave in the tokens, as gpt-oss's and Gemma's caches are."""
+
+    def kv_bytes(self, contexts):
+        s = np.asarray(contexts, dtype=np.float64)
+        return 2.0 * np.minimum(s, 4.0) + s
+
+
+def test_eviction_keeps_what_fits_under_a_windowed_cache() -> None:
+    """A kept request of 10 tokens holds 2 x 4 + 10 = 18 bytes; with 14 bytes free it keeps
+    the most tokens that fit, 6 (8 + 6), not 10 less 4 bytes' worth at the first token's 3
+    bytes (8 tokens: 16 bytes, over the cache)."""
+    engine = _engine_holding([], [10], 14.0, WindowedCost())
+    engine.evict()
+    assert engine.waiting[0].kept == 6
 
 
 def test_guaranteed_no_evict_admits_only_with_room_for_the_whole_answer() -> None:
@@ -452,9 +508,10 @@ def test_guaranteed_no_evict_admits_only_with_room_for_the_whole_answer() -> Non
     setup = EngineSetup(
         max_num_batched_tokens=64, max_num_seqs=8, kv_capacity_bytes=24.0, reserve_output=True
     )
-    sim = simulate(StubCost(), setup, np.array([8, 8]), np.array([8, 8]), clients=2)  # type: ignore[arg-type]
-    assert sim.preemptions == 0
-    assert sim.first_token_s[1] > sim.finish_s[0]
+    for policy in (setup, replace(setup, prefill_first=True)):  # mixed and SGLang's policy
+        sim = simulate(StubCost(), policy, np.array([8, 8]), np.array([8, 8]), clients=2)  # type: ignore[arg-type]
+        assert sim.preemptions == 0
+        assert sim.first_token_s[1] > sim.finish_s[0]
 
 
 def test_sglangs_default_memory_fraction_against_its_formula() -> None:

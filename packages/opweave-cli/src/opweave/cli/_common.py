@@ -281,7 +281,8 @@ MemoryFractionOpt = Annotated[
         help="Serving: the engine's memory setting, which sizes its KV cache: vLLM's "
         "--gpu-memory-utilization or SGLang's --mem-fraction-static (a share of the GPU's "
         "memory, weights included), TensorRT-LLM's free_gpu_memory_fraction (a share of what "
-        "the weights leave); default: the --engine's.",
+        "the weights and activations leave); default: the --engine's. In plans it sizes the "
+        "aggregated and prefill engines; decode pools keep 0.9 of each GPU.",
     ),
 ]
 WorkloadFileOpt = Annotated[

@@ -138,8 +138,9 @@ def _engine(
     if capacity < longest:
         raise InfeasibleError(
             f"{model.name} on {par.gpus} x {hardware.id} ({par}) leaves "
-            f"{capacity / 1e9:.1f} GB per GPU for the KV cache, less than one request of "
-            f"{workload.max_context_tokens} tokens needs; use more GPUs or shorter requests"
+            f"{capacity / 1e9:.1f} GB per GPU for the KV cache ({budget.source}), less than "
+            f"one request of {workload.max_context_tokens} tokens needs; use more GPUs, shorter "
+            "requests or a larger memory fraction"
         )
     setup = EngineSetup(
         tokens,

@@ -22,8 +22,11 @@ running requests' growth erodes the kept tokens of the earliest-preempted waitin
 from its tail. Readmitting it needs the cache to hold its kept tokens and its next chunk
 (``allocate_slots`` counts evictable computed blocks as blocks to allocate). A prompt whose
 next chunk does not fit therefore waits without losing the chunks it computed, and the steps
-meanwhile decode only. Without prefix caching (SGLang's retraction is modelled so too) a
-preempted request recomputes from scratch.
+meanwhile decode only. vLLM hands out the least recently freed blocks first, so the blocks of
+requests that finish after the preemption are taken after the kept ones; the simulation erodes
+kept tokens only as far as the running requests need the room, which is optimistic where
+requests finish and new ones are admitted before the preempted one returns. Without prefix
+caching (SGLang's retraction is modelled so too) a preempted request recomputes from scratch.
 
 [TRT-NOEVICT] TensorRT-LLM's capacity scheduler defaults to ``GUARANTEED_NO_EVICT``
 (``tensorrt_llm.llmapi.SchedulerConfig.capacity_scheduler_policy``; the performance-tuning
@@ -237,7 +240,8 @@ class _Engine:
     def _admit(self, chunks: list[tuple[_Request, int]], used: float, budget: int) -> None:
         """Waiting requests join, first come first served, with their first chunk, while
         ``budget`` tokens are left, fewer than ``max_num_seqs`` run and the cache (``used``
-        bytes so far) holds the chunk."""
+        bytes so far) holds what joining takes: the tokens it kept and the chunk
+        ([V1-PREFIX]), or its prompt and whole answer ([TRT-NOEVICT])."""
         setup = self.setup
         while self.waiting and budget > 0 and len(self.running) < setup.max_num_seqs:
             r = self.waiting[0]
@@ -269,10 +273,11 @@ class _Engine:
                 chunks.append((r, take))
                 extra[r.index] = take
                 budget -= take
-        self._admit(chunks, self.kv_after(extra), budget)
+        used = self.reserved() if setup.reserve_output else self.kv_after(extra)
+        self._admit(chunks, used, budget)
         if chunks:
             return [], chunks
-        while len(self.running) > 1:
+        while len(self.running) > 1 and not setup.reserve_output:
             if self.kv_after({r.index: 1 for r in self.running}) <= setup.kv_capacity_bytes:
                 break
             self._preempt()
@@ -306,10 +311,22 @@ class _Engine:
                 self.evictable.pop(0)
                 over -= size
                 continue
-            r.kept = max(0, r.kept - math.ceil(over / self.per_token))
+            r.kept = self._tokens_within(r.kept, size - over)
             if r.kept == 0:
                 self.evictable.pop(0)
             over = 0.0
+
+    def _tokens_within(self, tokens: int, limit: float) -> int:
+        """The most of a request's first ``tokens`` tokens whose cache fits ``limit`` bytes (its
+        cache grows with its tokens, concavely where a window caps it)."""
+        lo, hi = 0, tokens
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if float(self.cost.kv_bytes(float(mid))) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
 
 def simulate(

@@ -298,13 +298,14 @@ class Workload(Frozen):
     )
     memory_fraction: float | None = Field(
         default=None,
-        gt=0,
+        ge=0.01,
         le=1,
         allow_inf_nan=False,
         description="The engine's memory setting: vLLM's --gpu-memory-utilization and SGLang's "
         "--mem-fraction-static (a share of the device's memory, weights included), "
-        "TensorRT-LLM's free_gpu_memory_fraction (a share of what the weights leave); None: the "
-        "engine's default (vLLM 0.9, SGLang's from the GPU's memory, TensorRT-LLM 0.9).",
+        "TensorRT-LLM's free_gpu_memory_fraction (a share of what the weights and a full "
+        "step's activations leave); None: the engine's default (vLLM 0.9, SGLang's from the "
+        "GPU's memory, TensorRT-LLM 0.9).",
     )
     seed: int = Field(default=0, ge=0, description="Seed of Poisson arrivals and drawn lengths.")
 
@@ -404,7 +405,8 @@ class Workload(Frozen):
             return CacheBudget(
                 fraction=fraction,
                 of_free=True,
-                source=f"free_gpu_memory_fraction {fraction:g} of the memory the weights leave",
+                source=f"free_gpu_memory_fraction {fraction:g} of the memory the weights and "
+                "a full step's activations leave",
             )
         if self.engine == "sglang":
             chunk = self.max_num_batched_tokens or default_batch_limits(hardware, "sglang")[0]
