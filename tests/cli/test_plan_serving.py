@@ -224,6 +224,14 @@ def test_plan_costs_the_pools_as_the_named_engine_runs_them() -> None:
     assert "SGLang's scheduler simulated" in said and "8192 tokens and 2048 requests" in said
     assert "opweave run serves a plan with vLLM's engine" in said
     assert "vLLM V1's scheduler simulated" in " ".join(vllm["assumptions"])
+    assert "--mem-fraction-static as SGLang derives it" in said
+    assert "--gpu-memory-utilization 0.9 of the GPU" in " ".join(vllm["assumptions"])
+    # a smaller memory fraction leaves SGLang less cache: the plan says so and costs no less
+    tight = cli_json(*args, "--engine", "sglang", "--memory-fraction", "0.7")
+    assert "--mem-fraction-static 0.7 (given)" in " ".join(tight["assumptions"])
+    assert tight["workload"]["memory_fraction"] == 0.7
+    best = sglang["best"]["usd_per_million_tokens"]
+    assert tight["best"]["usd_per_million_tokens"] >= best * (1 - 1e-9)
     # SGLang's decode steps carry no prompt chunks (those run in steps of their own, while the
     # decodes wait): its aggregated TPOT is the shorter, its TTFT the longer
     agg_v, agg_s = vllm["baselines"]["aggregated"], sglang["baselines"]["aggregated"]

@@ -349,6 +349,29 @@ class Workload(Frozen):
         return "prefill-first" if self.engine == "sglang" else "mixed"
 
     @property
+    def cache_rule_text(self) -> str:
+        """How the engine sizes its KV cache, in words, for any GPU ([SGL-MEM], [TRT-KV])."""
+        given = self.memory_fraction
+        if self.engine == "tensorrt-llm":
+            fraction = TRTLLM_FREE_GPU_MEMORY_FRACTION if given is None else given
+            return (
+                f"free_gpu_memory_fraction {fraction:g} of the memory the weights and a full "
+                "step's activations leave"
+            )
+        if self.engine == "sglang":
+            if given is None:
+                return (
+                    "--mem-fraction-static as SGLang derives it from the GPU's memory, less the "
+                    "weights"
+                )
+            return f"--mem-fraction-static {given:g} (given) of the GPU, less the weights"
+        fraction = "0.9" if given is None else f"{given:g} (given)"
+        return (
+            f"--gpu-memory-utilization {fraction} of the GPU, less the weights and a full "
+            "step's activations"
+        )
+
+    @property
     def preemption_text(self) -> str:
         """How the engine makes room in a full KV cache, in words ([V1-PREFIX], [TRT-NOEVICT]
         in :mod:`.serving_sim`)."""

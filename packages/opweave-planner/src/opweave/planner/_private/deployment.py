@@ -341,7 +341,8 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
         "a decode plan's TPOT is its steady-state step, the same for every request",
         f"aggregated engines and prefill pools: {w.engine_name}'s scheduler simulated "
         f"({w.policy_text}; prompt chunks up to a token budget per step: "
-        f"{_limits_text(w, decode)}), replicas sharing the arrivals evenly",
+        f"{_limits_text(w, decode)}), replicas sharing the arrivals evenly; their KV cache: "
+        f"{w.cache_rule_text}, {w.preemption_text}",
         "decode pools: replica sets of a decode plan at the mean decode context "
         f"({max(1, round(w.mean_decode_context))} tokens), as many as the requests decoding at "
         "once fill (Little's law); each set's TPOT at its full batch",
