@@ -27,6 +27,7 @@ from opweave.costmodel import (
     kv_transfer_s,
     load_model,
     prefill_pool,
+    sglang_graph_max_bs,
     sglang_mem_fraction,
     simulate,
 )
@@ -566,6 +567,37 @@ def test_each_engine_sizes_the_kv_cache_its_own_way(qwen32, h100) -> None:
         0.7 * h100.memory_bytes - weights, rel=1e-4
     )
     assert "--mem-fraction-static 0.7 (given)" in " ".join(est.assumptions)
+
+
+def test_sglangs_decode_graphs_end_at_cuda_graph_max_bs(qwen32, h100) -> None:
+    """SGLang replays a decode batch of at most --cuda-graph-max-bs requests as a CUDA graph
+    (256 on an H100 below TP4, 512 from TP4 and on larger GPUs, 32 / 160 on 40-60 GiB ones);
+    a larger decode step runs eagerly: at least its kernel launches' host time."""
+    cat = default_catalog()
+    tiers = {("h100", 1): 256, ("h100", 4): 512, ("b200", 1): 512, ("a100-40gb", 2): 32}
+    tiers[("a100-40gb", 8)] = 160
+    for (gpu, tp), bs in tiers.items():
+        assert sglang_graph_max_bs(cat.get(gpu), tp) == bs, (gpu, tp)
+    eager_hw = host_profile("sglang").apply(h100)
+    graphed = EngineStepCost.build(qwen32, eager_hw, Parallelism(tp=4))
+    capped = EngineStepCost.build(qwen32, eager_hw, Parallelism(tp=4))
+    capped.graph_max_batch = 256
+    floor = capped.kernels * eager_hw.eager_launch_s
+    small, large = np.full(200, 1024.0), np.full(300, 1024.0)
+    assert capped.step_s(small, []) == graphed.step_s(small, [])
+    assert capped.step_s(large, []) == max(graphed.step_s(large, []), floor)
+    assert capped.step_s(large, []) > graphed.step_s(large, [])  # at TP4 launches bind
+    run = capped.decode_run_s(large, 3)
+    assert run == pytest.approx(np.maximum(graphed.decode_run_s(large, 3), floor))
+    # the serving estimate says so, and a larger cap (given) graphs those steps again
+    w = Workload(isl=Lengths.fixed(512), osl=Lengths.fixed(512), concurrency=400, engine="sglang")
+    est = estimate_serving(qwen32, h100, tp=4, workload=w)
+    assert "decode steps of more than 512 requests" in " ".join(est.assumptions)
+    wider = estimate_serving(
+        qwen32, h100, tp=4, workload=w.model_copy(update={"cuda_graph_max_bs": 1024})
+    )
+    assert "more than 1024 requests" in " ".join(wider.assumptions)
+    assert wider.tpot_s <= est.tpot_s
 
 
 # -- aggregated serving ------------------------------------------------------------------------

@@ -76,6 +76,7 @@ FLAGS = {
     ),
     "max_num_seqs": (r"--max-running-requests[ =](\d+)", r"--max-num-seqs[ =](\d+)"),
     "scheduler_recv_interval": (r"--scheduler-recv-interval[ =](\d+)",),
+    "cuda_graph_max_bs": (r"--cuda-graph-max-bs[ =](\d+)",),
 }
 # the engine's memory setting ([SGL-MEM], vLLM's utilisation), where the serve command gives it
 MEMORY_FLAGS = (r"--mem-fraction-static[ =]([\d.]+)", r"--gpu-memory-utilization[ =]([\d.]+)")

@@ -188,6 +188,7 @@ from ._private.workload import (
     default_batch_limits,
     load_workload_file,
     parse_engine,
+    sglang_graph_max_bs,
     sglang_mem_fraction,
 )
 from .errors import (
@@ -377,6 +378,7 @@ __all__ = [
     "parse_engine",
     "CacheBudget",
     "sglang_mem_fraction",
+    "sglang_graph_max_bs",
     "estimate_serving",
     "kv_bytes_per_gpu",
     "kv_transfer_s",

@@ -210,6 +210,8 @@ class EngineStepCost:
     head: list[tuple[OperatorSpec, int]]
     kinds: list[AttentionKind]
     kernels: int  # launched by one forward (every operator once per layer that runs it)
+    # the largest decode batch replayed as a CUDA graph (None: every decode step is graphed)
+    graph_max_batch: int | None = None
     _memo: dict[tuple[bool, float], float] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -344,7 +346,7 @@ class EngineStepCost:
         tokens = n + sum(c for _, c in chunks)
         attn = self.attention_s(n, self.attended_sums(contexts), chunks)
         gpu_s = float(attn[0]) + self.tokens_s(tokens, n + len(chunks))
-        if not chunks:
+        if not chunks and not self._eager_decode(n):
             return gpu_s
         return max(gpu_s, self.kernels * self.hardware.eager_launch_s)
 
@@ -352,7 +354,14 @@ class EngineStepCost:
         """Times of ``steps`` consecutive decode-only steps from ``contexts``."""
         n = len(contexts)
         attn = self.attention_s(n, self.attended_sums(contexts, steps), [])
-        return attn + self.tokens_s(n, n)
+        gpu_s = attn + self.tokens_s(n, n)
+        if not self._eager_decode(n):
+            return gpu_s
+        return np.maximum(gpu_s, self.kernels * self.hardware.eager_launch_s)
+
+    def _eager_decode(self, requests: int) -> bool:
+        """Whether a decode step of ``requests`` runs outside the engine's CUDA graphs."""
+        return self.graph_max_batch is not None and requests > self.graph_max_batch
 
     # -- memory --------------------------------------------------------------------------------
     def kv_bytes(self, contexts: NDArray[np.float64] | float) -> NDArray[np.float64]:

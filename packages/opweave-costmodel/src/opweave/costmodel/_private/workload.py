@@ -147,21 +147,40 @@ class CacheBudget(Frozen):
         return max(0.0, self.fraction * memory_bytes - held)
 
 
+def sglang_graph_max_bs(hardware: HardwareSpec, tp: int) -> int:
+    """SGLang's default ``--cuda-graph-max-bs`` for an engine of ``tp`` GPUs ([SGL-MEM]): the
+    largest decode batch it captures in a CUDA graph; larger ones run eagerly
+    (``CudaGraphRunner.can_run``).
+
+    >>> from opweave.costmodel import default_catalog
+    >>> cat = default_catalog()
+    >>> sglang_graph_max_bs(cat.get("h100"), 1), sglang_graph_max_bs(cat.get("h100"), 8)
+    (256, 512)
+    """
+    low, high = next(
+        ((lo, hi) for below, lo, hi in SGLANG_GRAPH_BS_TIERS if hardware.memory_bytes < below),
+        (SGLANG_LARGE_GRAPH_BS, SGLANG_LARGE_GRAPH_BS),
+    )
+    return low if tp < 4 else high
+
+
 def sglang_mem_fraction(
-    hardware: HardwareSpec, chunk: int, tp: int, dp: int = 1, dp_attention: bool = False
+    hardware: HardwareSpec,
+    chunk: int,
+    tp: int,
+    dp: int = 1,
+    dp_attention: bool = False,
+    graph_bs: int | None = None,
 ) -> float:
-    """SGLang's default ``--mem-fraction-static`` for an engine of ``tp`` GPUs ([SGL-MEM]).
+    """SGLang's default ``--mem-fraction-static`` for an engine of ``tp`` GPUs ([SGL-MEM]),
+    capturing decode graphs up to ``graph_bs`` requests (default: its own for the GPU).
 
     >>> from opweave.costmodel import default_catalog
     >>> sglang_mem_fraction(default_catalog().get("h100"), 8192, 1)
     0.835
     """
     mib = hardware.memory_bytes / MIB
-    low, high = next(
-        ((lo, hi) for below, lo, hi in SGLANG_GRAPH_BS_TIERS if hardware.memory_bytes < below),
-        (SGLANG_LARGE_GRAPH_BS, SGLANG_LARGE_GRAPH_BS),
-    )
-    graph_bs = low if tp < 4 else high
+    graph_bs = graph_bs or sglang_graph_max_bs(hardware, tp)
     reserved = 512 + max(chunk, 2048) * 1.5 + graph_bs * 2 + tp / 8 * 1024
     if dp_attention:
         reserved += graph_bs * dp * 3 + (graph_bs * dp * 1.5 if graph_bs > 300 else 0.0)
@@ -307,6 +326,15 @@ class Workload(Frozen):
         "step's activations leave); None: the engine's default (vLLM 0.9, SGLang's from the "
         "GPU's memory, TensorRT-LLM 0.9).",
     )
+    cuda_graph_max_bs: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_SEQS,
+        description="Largest decode batch the engine replays as a CUDA graph (SGLang's "
+        "--cuda-graph-max-bs); a larger decode step runs eagerly, at least its kernel launches' "
+        "host time where the engine's host profile charges one. None: SGLang's default for the "
+        "GPU and TP; no limit for vLLM and TensorRT-LLM.",
+    )
     seed: int = Field(default=0, ge=0, description="Seed of Poisson arrivals and drawn lengths.")
 
     @field_validator("engine", mode="before")
@@ -419,6 +447,13 @@ class Workload(Frozen):
             tokens = max(1, tokens // dp)
         return tokens, self.max_num_seqs or seqs
 
+    def graph_max_batch(self, hardware: HardwareSpec, gpus: int) -> int | None:
+        """The largest decode batch the engine (over ``gpus`` GPUs) runs in a CUDA graph: the
+        given ``cuda_graph_max_bs``, SGLang's default, or None (no limit modelled)."""
+        if self.cuda_graph_max_bs is not None:
+            return self.cuda_graph_max_bs
+        return sglang_graph_max_bs(hardware, gpus) if self.engine == "sglang" else None
+
     def cache_budget(self, hardware: HardwareSpec, gpus: int, dp: int = 1) -> CacheBudget:
         """How the engine, spread over ``gpus`` GPUs with ``dp`` data-parallel attention ranks,
         sizes its KV cache on ``hardware``: the given ``memory_fraction`` or its default."""
@@ -436,7 +471,9 @@ class Workload(Frozen):
             fraction = (
                 given
                 if given is not None
-                else sglang_mem_fraction(hardware, chunk, gpus, dp, dp_attention=dp > 1)
+                else sglang_mem_fraction(
+                    hardware, chunk, gpus, dp, dp > 1, self.graph_max_batch(hardware, gpus)
+                )
             )
             return CacheBudget(
                 fraction=fraction,
@@ -514,5 +551,5 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
             f"workload file {path}: {where}: {str(err['msg']).removeprefix('Value error, ')} "
             "(fields: isl, osl, rate_per_s or "
             "concurrency, engine, max_num_batched_tokens, max_num_seqs, scheduling, "
-            "scheduler_recv_interval, memory_fraction, seed)"
+            "scheduler_recv_interval, memory_fraction, cuda_graph_max_bs, seed)"
         ) from None
