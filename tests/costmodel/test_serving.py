@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from opweave.costmodel import (
     EngineSetup,
     EngineStepCost,
+    GraphBatches,
     Lengths,
     Parallelism,
     Workload,
@@ -581,7 +582,7 @@ def test_sglangs_decode_graphs_end_at_cuda_graph_max_bs(qwen32, h100) -> None:
     eager_hw = host_profile("sglang").apply(h100)
     graphed = EngineStepCost.build(qwen32, eager_hw, Parallelism(tp=4))
     capped = EngineStepCost.build(qwen32, eager_hw, Parallelism(tp=4))
-    capped.graph_max_batch = 256
+    capped.graphs = GraphBatches(max_batch=256)
     floor = capped.kernels * eager_hw.eager_launch_s
     small, large = np.full(200, 1024.0), np.full(300, 1024.0)
     assert capped.step_s(small, []) == graphed.step_s(small, [])
@@ -598,6 +599,34 @@ def test_sglangs_decode_graphs_end_at_cuda_graph_max_bs(qwen32, h100) -> None:
     )
     assert "more than 1024 requests" in " ".join(wider.assumptions)
     assert wider.tpot_s <= est.tpot_s
+
+
+def test_tensorrt_llm_graphs_only_its_default_decode_sizes(qwen32, h100) -> None:
+    """[TRT-GRAPH]: trtllm-serve's default CUDA graphs, unpadded, cover decode batches 1-31,
+    32, 64 and 128; a batch of 40 or 200 runs eagerly, at least its launches' host time."""
+    w = Workload(isl=Lengths.fixed(512), osl=Lengths.fixed(512), concurrency=8)
+    graphs = w.model_copy(update={"engine": "tensorrt-llm"}).graph_batches(h100, 4)
+    assert graphs is not None
+    assert [b for b in range(1, 300) if graphs.graphs(b)] == [*range(1, 33), 64, 128]
+    hw = host_profile("tensorrt-llm").apply(h100)
+    plain = EngineStepCost.build(qwen32, hw, Parallelism(tp=4))
+    trt = EngineStepCost.build(qwen32, hw, Parallelism(tp=4))
+    trt.graphs = graphs
+    floor = trt.kernels * hw.eager_launch_s
+    for batch in (32, 64):
+        contexts = np.full(batch, 1024.0)
+        assert trt.step_s(contexts, []) == plain.step_s(contexts, [])
+    for batch in (40, 200):
+        contexts = np.full(batch, 1024.0)
+        assert trt.step_s(contexts, []) == max(plain.step_s(contexts, []), floor)
+    # given a cap, every batch up to it is graphed (padded)
+    given = w.model_copy(update={"engine": "tensorrt-llm", "cuda_graph_max_bs": 256})
+    padded = given.graph_batches(h100, 4)
+    assert padded is not None and padded.graphs(200) and not padded.graphs(257)
+    est = estimate_serving(
+        qwen32, h100, tp=4, workload=w.model_copy(update={"engine": "tensorrt-llm"})
+    )
+    assert "decode steps of sizes it has no CUDA graph for" in " ".join(est.assumptions)
 
 
 # -- aggregated serving ------------------------------------------------------------------------

@@ -53,7 +53,7 @@ from .roofline import (
     shard_fraction,
     state_shard_fraction,
 )
-from .workload import CacheBudget
+from .workload import CacheBudget, GraphBatches
 
 # Operators that run over one position per scheduled request, not over every token.
 PER_REQUEST_OPS = frozenset({"lm_head", "sample"})
@@ -210,8 +210,8 @@ class EngineStepCost:
     head: list[tuple[OperatorSpec, int]]
     kinds: list[AttentionKind]
     kernels: int  # launched by one forward (every operator once per layer that runs it)
-    # the largest decode batch replayed as a CUDA graph (None: every decode step is graphed)
-    graph_max_batch: int | None = None
+    # the decode batches replayed as CUDA graphs (None: every decode step is graphed)
+    graphs: GraphBatches | None = None
     _memo: dict[tuple[bool, float], float] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -361,7 +361,7 @@ class EngineStepCost:
 
     def _eager_decode(self, requests: int) -> bool:
         """Whether a decode step of ``requests`` runs outside the engine's CUDA graphs."""
-        return self.graph_max_batch is not None and requests > self.graph_max_batch
+        return self.graphs is not None and not self.graphs.graphs(requests)
 
     # -- memory --------------------------------------------------------------------------------
     def kv_bytes(self, contexts: NDArray[np.float64] | float) -> NDArray[np.float64]:

@@ -131,7 +131,7 @@ def _engine(
     host = host if host is not None else engine_host(workload.engine)
     hw = hardware if host is None else host.apply(hardware)
     cost = EngineStepCost.build(model, hw, par)
-    cost.graph_max_batch = workload.graph_max_batch(hardware, par.gpus)
+    cost.graphs = workload.graph_batches(hardware, par.gpus)
     tokens, seqs = workload.batch_limits(hardware, par.dp)
     budget = workload.cache_budget(hardware, par.gpus, par.dp)
     capacity = cost.kv_capacity_bytes(tokens, seqs, budget)
@@ -326,11 +326,8 @@ def _eager(cost: EngineStepCost, host: HostProfile | None) -> tuple[str, ...]:
         return ()
     named = f" (host profile {host.name})" if host is not None else ""
     which = "steps with prompt chunks"
-    if cost.graph_max_batch is not None:
-        which += (
-            f" and decode steps of more than {cost.graph_max_batch} requests (its largest "
-            "CUDA graph, --cuda-graph-max-bs)"
-        )
+    if cost.graphs is not None:
+        which += f" and decode steps of {cost.graphs.text}"
     return (
         f"{which} run outside CUDA graphs{named}: each takes at least its "
         f"{cost.kernels} kernel launches x {launch_s * 1e6:.0f} us of host time",

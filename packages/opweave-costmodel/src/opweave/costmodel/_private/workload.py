@@ -28,6 +28,11 @@ Sources:
   (TP below 4 / from 4) below 35 GiB, 32 / 160 below 60 GiB, 256 / 512 below 160 GiB and 512
   above (``ServerArgs._handle_gpu_memory_settings``). On an H100 serving Qwen3-32B at TP1 that
   is 0.835; sgl-project/sglang#29092 reports 0.828 from a later release.
+  [TRT-GRAPH] TensorRT-LLM's PyTorch flow captures CUDA graphs of decode-only batches by default
+  (``TorchLlmArgs.cuda_graph_config`` defaults to ``CudaGraphConfig()``): without
+  ``enable_padding`` (its default) only the batch sizes 1-31, 32, 64 and 128
+  (``CudaGraphConfig._generate_cuda_graph_batch_sizes`` at its default ``max_batch_size`` 128);
+  a decode batch of another size runs eagerly.
   [TRT-KV] TensorRT-LLM sizes its KV cache as ``KvCacheConfig.free_gpu_memory_fraction`` (0.9)
   of the memory left free after the model is loaded ("TensorRT LLM will try to allocate 90% of
   free GPU memory for KV cache": docs, examples/kvcacheconfig), where vLLM and SGLang take a
@@ -70,6 +75,8 @@ SGLANG_GRAPH_BS_TIERS = (
 )
 SGLANG_LARGE_GRAPH_BS = 512
 MIB = float(1 << 20)
+# [TRT-GRAPH]: the decode batches trtllm-serve graphs by default (no padding)
+TRTLLM_GRAPH_BATCHES = frozenset([*range(1, 32), 32, 64, 128])
 Engine = Literal["vllm", "sglang", "tensorrt-llm"]
 ENGINES: tuple[Engine, ...] = ("vllm", "sglang", "tensorrt-llm")
 ENGINE_ALIASES = {"trtllm": "tensorrt-llm", "trt-llm": "tensorrt-llm"}
@@ -126,6 +133,26 @@ def default_batch_limits(hardware: HardwareSpec, engine: Engine = "vllm") -> tup
     if large:
         return LARGE_GPU_BATCHED_TOKENS, LARGE_GPU_MAX_SEQS
     return SMALL_GPU_BATCHED_TOKENS, SMALL_GPU_MAX_SEQS
+
+
+class GraphBatches(Frozen):
+    """The decode batches an engine replays as CUDA graphs: every batch up to ``max_batch``
+    (padded to the next captured size, as SGLang does), or only the sizes in ``exact``
+    (TensorRT-LLM without padding, [TRT-GRAPH]); other decode steps run eagerly."""
+
+    max_batch: int = Field(ge=1)
+    exact: frozenset[int] | None = None
+
+    def graphs(self, batch: int) -> bool:
+        if self.exact is not None:
+            return batch in self.exact
+        return batch <= self.max_batch
+
+    @property
+    def text(self) -> str:
+        if self.exact is None:
+            return f"more than {self.max_batch} requests"
+        return f"sizes it has no CUDA graph for (it graphs 1-31, 32, 64 and {self.max_batch})"
 
 
 class CacheBudget(Frozen):
@@ -330,10 +357,12 @@ class Workload(Frozen):
         default=None,
         ge=1,
         le=MAX_SEQS,
-        description="Largest decode batch the engine replays as a CUDA graph (SGLang's "
-        "--cuda-graph-max-bs); a larger decode step runs eagerly, at least its kernel launches' "
-        "host time where the engine's host profile charges one. None: SGLang's default for the "
-        "GPU and TP; no limit for vLLM and TensorRT-LLM.",
+        description="Largest decode batch the engine replays as a CUDA graph, every batch up "
+        "to it padded to a captured size (SGLang's --cuda-graph-max-bs, TensorRT-LLM's "
+        "cuda_graph_config max_batch_size with enable_padding); a larger decode step runs "
+        "eagerly, at least its kernel launches' host time where the engine's host profile "
+        "charges one. None: SGLang's default for the GPU and TP; TensorRT-LLM's default sizes "
+        "(1-31, 32, 64, 128, unpadded); no limit for vLLM.",
     )
     seed: int = Field(default=0, ge=0, description="Seed of Poisson arrivals and drawn lengths.")
 
@@ -449,10 +478,33 @@ class Workload(Frozen):
 
     def graph_max_batch(self, hardware: HardwareSpec, gpus: int) -> int | None:
         """The largest decode batch the engine (over ``gpus`` GPUs) runs in a CUDA graph: the
-        given ``cuda_graph_max_bs``, SGLang's default, or None (no limit modelled)."""
+        given ``cuda_graph_max_bs``, SGLang's or TensorRT-LLM's default, or None (vLLM: no
+        limit modelled)."""
+        graphs = self.graph_batches(hardware, gpus)
+        return None if graphs is None else graphs.max_batch
+
+    @property
+    def eager_decode_text(self) -> str | None:
+        """Which decode steps run outside the engine's CUDA graphs, in words, for any GPU."""
         if self.cuda_graph_max_bs is not None:
-            return self.cuda_graph_max_bs
-        return sglang_graph_max_bs(hardware, gpus) if self.engine == "sglang" else None
+            return f"decode steps of more than {self.cuda_graph_max_bs} requests"
+        if self.engine == "sglang":
+            return "decode steps of more requests than its largest CUDA graph (--cuda-graph-max-bs)"
+        if self.engine == "tensorrt-llm":
+            return "decode steps of sizes it has no CUDA graph for (it graphs 1-31, 32, 64, 128)"
+        return None
+
+    def graph_batches(self, hardware: HardwareSpec, gpus: int) -> GraphBatches | None:
+        """The decode batches the engine replays as CUDA graphs: up to the given
+        ``cuda_graph_max_bs`` (padded), SGLang's default cap, TensorRT-LLM's default sizes
+        ([TRT-GRAPH]), or None (vLLM: every decode step graphed)."""
+        if self.cuda_graph_max_bs is not None:
+            return GraphBatches(max_batch=self.cuda_graph_max_bs)
+        if self.engine == "sglang":
+            return GraphBatches(max_batch=sglang_graph_max_bs(hardware, gpus))
+        if self.engine == "tensorrt-llm":
+            return GraphBatches(max_batch=max(TRTLLM_GRAPH_BATCHES), exact=TRTLLM_GRAPH_BATCHES)
+        return None
 
     def cache_budget(self, hardware: HardwareSpec, gpus: int, dp: int = 1) -> CacheBudget:
         """How the engine, spread over ``gpus`` GPUs with ``dp`` data-parallel attention ranks,

@@ -359,9 +359,8 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
     host = engine_host(w.engine)
     if host is not None and host.eager_launch_s > 0:
         which = "steps with prompt chunks"
-        if w.engine == "sglang" or w.cuda_graph_max_bs is not None:
-            cap = w.cuda_graph_max_bs or "--cuda-graph-max-bs for the GPU"
-            which += f" and decode steps of more requests than its largest CUDA graph ({cap})"
+        if w.eager_decode_text is not None:
+            which += f" and {w.eager_decode_text}"
         out.append(
             f"{w.engine_name} runs {which} outside CUDA graphs: each takes at least the "
             f"forward's kernel launches x {host.eager_launch_s * 1e6:.0f} us of host time "
