@@ -311,8 +311,11 @@ class Workload(Frozen):
     engine: Engine = Field(
         default="vllm",
         description="The serving engine whose defaults apply where a field below is not given: "
-        "its batch limits, its step policy and its host profile (vllm: V1, prompt chunks "
-        "graphed; sglang and tensorrt-llm: steps with prompt chunks run eagerly).",
+        "its batch limits, its step policy, its host profile (vllm: V1, prompt chunks "
+        "graphed; sglang and tensorrt-llm: steps with prompt chunks run eagerly), the decode "
+        "batches it graphs, how it sizes its KV cache and how it makes room when the cache is "
+        "full (vllm: preemption resuming from the prefix cache; sglang: recompute; "
+        "tensorrt-llm: no admission without room for the whole answer).",
     )
     max_num_batched_tokens: int | None = Field(
         default=None,
