@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -228,12 +229,14 @@ class _Engine:
             self._preempt()
             preempted = True
         if not preempted:
-            used = self.reserved() if setup.reserve_output else self.kv_after(extra)
-            self._admit(chunks, used, budget)
+            self._admit(chunks, self._held(extra), budget)
         return decodes, chunks
 
-    def reserved(self) -> float:
-        """[TRT-NOEVICT]: cache bytes the running requests hold with their whole answers."""
+    def _held(self, extra: dict[int, int]) -> float:
+        """Cache bytes the running requests hold for admission: once each has ``extra[index]``
+        more tokens, or ([TRT-NOEVICT]) with their whole answers reserved."""
+        if not self.setup.reserve_output:
+            return self.kv_after(extra)
         ends = np.array([r.prompt + r.output for r in self.running], dtype=np.float64)
         return float(self.cost.kv_bytes(ends).sum()) if len(ends) else 0.0
 
@@ -273,8 +276,7 @@ class _Engine:
                 chunks.append((r, take))
                 extra[r.index] = take
                 budget -= take
-        used = self.reserved() if setup.reserve_output else self.kv_after(extra)
-        self._admit(chunks, used, budget)
+        self._admit(chunks, self._held(extra), budget)
         if chunks:
             return [], chunks
         while len(self.running) > 1 and not setup.reserve_output:
@@ -311,22 +313,14 @@ class _Engine:
                 self.evictable.pop(0)
                 over -= size
                 continue
-            r.kept = self._tokens_within(r.kept, size - over)
+            # the most of its first tokens whose cache fits what is left (a window makes the
+            # cache concave in the tokens)
+            r.kept = _most(
+                r.kept, lambda t, room=size - over: float(self.cost.kv_bytes(float(t))) <= room
+            )
             if r.kept == 0:
                 self.evictable.pop(0)
             over = 0.0
-
-    def _tokens_within(self, tokens: int, limit: float) -> int:
-        """The most of a request's first ``tokens`` tokens whose cache fits ``limit`` bytes (its
-        cache grows with its tokens, concavely where a window caps it)."""
-        lo, hi = 0, tokens
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if float(self.cost.kv_bytes(float(mid))) <= limit:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
 
 def simulate(
@@ -441,10 +435,17 @@ def _steps_that_fit(engine: _Engine, k: int) -> int:
     cost, cap = engine.cost, engine.setup.kv_capacity_bytes
     if engine.per_token * (held.sum() + k * len(held)) + engine.per_request * len(held) <= cap:
         return k
-    lo, hi = 0, k  # the cache holds lo more tokens each; find the most that fit
+    # the most tokens more each that the cache holds
+    return _most(k, lambda j: float(cost.kv_bytes(held + j).sum()) <= cap)
+
+
+def _most(high: int, fits: Callable[[int], bool]) -> int:
+    """The largest ``j`` in ``[0, high]`` with ``fits(j)``, for ``fits`` true up to some point
+    and false beyond it (``fits(0)`` taken as true): a bisection."""
+    lo, hi = 0, high
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if float(cost.kv_bytes(held + mid).sum()) <= cap:
+        if fits(mid):
             lo = mid
         else:
             hi = mid - 1

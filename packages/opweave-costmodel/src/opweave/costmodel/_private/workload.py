@@ -150,9 +150,22 @@ class GraphBatches(Frozen):
 
     @property
     def text(self) -> str:
+        """The decode steps that run eagerly, in words.
+
+        >>> GraphBatches(max_batch=128, exact=TRTLLM_GRAPH_BATCHES).text
+        'sizes it has no CUDA graph for (it graphs 1-32, 64 and 128)'
+        """
         if self.exact is None:
             return f"more than {self.max_batch} requests"
-        return f"sizes it has no CUDA graph for (it graphs 1-31, 32, 64 and {self.max_batch})"
+        runs: list[list[int]] = []
+        for size in sorted(self.exact):
+            if runs and size == runs[-1][1] + 1:
+                runs[-1][1] = size
+            else:
+                runs.append([size, size])
+        parts = [f"{lo}-{hi}" if hi > lo else str(lo) for lo, hi in runs]
+        listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + f" and {parts[-1]}"
+        return f"sizes it has no CUDA graph for (it graphs {listed})"
 
 
 class CacheBudget(Frozen):
@@ -411,21 +424,22 @@ class Workload(Frozen):
     @property
     def cache_rule_text(self) -> str:
         """How the engine sizes its KV cache, in words, for any GPU ([SGL-MEM], [TRT-KV])."""
-        given = self.memory_fraction
+        if self.memory_fraction is not None:
+            return self._cache_rule(f"{self.memory_fraction:g} (given)")
+        if self.engine == "sglang":
+            return self._cache_rule("as SGLang derives it from the GPU's memory")
+        default = TRTLLM_FREE_GPU_MEMORY_FRACTION if self.engine == "tensorrt-llm" else 0.9
+        return self._cache_rule(f"{default:g}")
+
+    def _cache_rule(self, fraction: str) -> str:
+        """The engine's KV-cache rule in words, at ``fraction`` (a number or how it is set)."""
         if self.engine == "tensorrt-llm":
-            fraction = TRTLLM_FREE_GPU_MEMORY_FRACTION if given is None else given
             return (
-                f"free_gpu_memory_fraction {fraction:g} of the memory the weights and a full "
+                f"free_gpu_memory_fraction {fraction} of the memory the weights and a full "
                 "step's activations leave"
             )
         if self.engine == "sglang":
-            if given is None:
-                return (
-                    "--mem-fraction-static as SGLang derives it from the GPU's memory, less the "
-                    "weights"
-                )
-            return f"--mem-fraction-static {given:g} (given) of the GPU, less the weights"
-        fraction = "0.9" if given is None else f"{given:g} (given)"
+            return f"--mem-fraction-static {fraction} of the GPU, less the weights"
         return (
             f"--gpu-memory-utilization {fraction} of the GPU, less the weights and a full "
             "step's activations"
@@ -479,32 +493,26 @@ class Workload(Frozen):
             tokens = max(1, tokens // dp)
         return tokens, self.max_num_seqs or seqs
 
-    def graph_max_batch(self, hardware: HardwareSpec, gpus: int) -> int | None:
-        """The largest decode batch the engine (over ``gpus`` GPUs) runs in a CUDA graph: the
-        given ``cuda_graph_max_bs``, SGLang's or TensorRT-LLM's default, or None (vLLM: no
-        limit modelled)."""
-        graphs = self.graph_batches(hardware, gpus)
-        return None if graphs is None else graphs.max_batch
-
     @property
     def eager_decode_text(self) -> str | None:
         """Which decode steps run outside the engine's CUDA graphs, in words, for any GPU."""
-        if self.cuda_graph_max_bs is not None:
-            return f"decode steps of more than {self.cuda_graph_max_bs} requests"
-        if self.engine == "sglang":
+        if self.engine == "sglang" and self.cuda_graph_max_bs is None:
             return "decode steps of more requests than its largest CUDA graph (--cuda-graph-max-bs)"
-        if self.engine == "tensorrt-llm":
-            return "decode steps of sizes it has no CUDA graph for (it graphs 1-31, 32, 64, 128)"
-        return None
+        graphs = self._fixed_graphs()
+        return None if graphs is None else f"decode steps of {graphs.text}"
 
     def graph_batches(self, hardware: HardwareSpec, gpus: int) -> GraphBatches | None:
-        """The decode batches the engine replays as CUDA graphs: up to the given
-        ``cuda_graph_max_bs`` (padded), SGLang's default cap, TensorRT-LLM's default sizes
-        ([TRT-GRAPH]), or None (vLLM: every decode step graphed)."""
+        """The decode batches the engine (over ``gpus`` GPUs) replays as CUDA graphs: up to the
+        given ``cuda_graph_max_bs`` (padded), SGLang's default cap for the GPU, TensorRT-LLM's
+        default sizes ([TRT-GRAPH]), or None (vLLM: every decode step graphed)."""
+        if self.engine == "sglang" and self.cuda_graph_max_bs is None:
+            return GraphBatches(max_batch=sglang_graph_max_bs(hardware, gpus))
+        return self._fixed_graphs()
+
+    def _fixed_graphs(self) -> GraphBatches | None:
+        """The graphed decode batches where they do not depend on the GPU."""
         if self.cuda_graph_max_bs is not None:
             return GraphBatches(max_batch=self.cuda_graph_max_bs)
-        if self.engine == "sglang":
-            return GraphBatches(max_batch=sglang_graph_max_bs(hardware, gpus))
         if self.engine == "tensorrt-llm":
             return GraphBatches(max_batch=max(TRTLLM_GRAPH_BATCHES), exact=TRTLLM_GRAPH_BATCHES)
         return None
@@ -513,34 +521,23 @@ class Workload(Frozen):
         """How the engine, spread over ``gpus`` GPUs with ``dp`` data-parallel attention ranks,
         sizes its KV cache on ``hardware``: the given ``memory_fraction`` or its default."""
         given = self.memory_fraction
-        if self.engine == "tensorrt-llm":
-            fraction = TRTLLM_FREE_GPU_MEMORY_FRACTION if given is None else given
-            return CacheBudget(
-                fraction=fraction,
-                of_free=True,
-                source=f"free_gpu_memory_fraction {fraction:g} of the memory the weights and "
-                "a full step's activations leave",
-            )
-        if self.engine == "sglang":
+        if given is not None:
+            fraction, note = given, " (given)"
+        elif self.engine == "tensorrt-llm":
+            fraction, note = TRTLLM_FREE_GPU_MEMORY_FRACTION, ""
+        elif self.engine == "sglang":
             chunk = self.max_num_batched_tokens or default_batch_limits(hardware, "sglang")[0]
-            fraction = (
-                given
-                if given is not None
-                else sglang_mem_fraction(
-                    hardware, chunk, gpus, dp, dp > 1, self.graph_max_batch(hardware, gpus)
-                )
-            )
-            return CacheBudget(
-                fraction=fraction,
-                less_activations=False,
-                source=f"--mem-fraction-static {fraction:g}"
-                + (" (given)" if given is not None else " (SGLang's default for the GPU)"),
-            )
-        # vLLM's gpu_memory_utilization (0.9 by default: the catalog's usable fraction)
-        fraction = hardware.usable_memory_fraction if given is None else given
+            graphs = self.graph_batches(hardware, gpus)
+            assert graphs is not None  # SGLang always caps its decode graphs
+            fraction = sglang_mem_fraction(hardware, chunk, gpus, dp, dp > 1, graphs.max_batch)
+            note = " (SGLang's default for the GPU)"
+        else:  # vLLM's gpu_memory_utilization (0.9 by default: the catalog's usable fraction)
+            fraction, note = hardware.usable_memory_fraction, ""
         return CacheBudget(
             fraction=fraction,
-            source=f"--gpu-memory-utilization {fraction:g}, less a full step's activations",
+            of_free=self.engine == "tensorrt-llm",
+            less_activations=self.engine != "sglang",
+            source=self._cache_rule(f"{fraction:g}{note}"),
         )
 
     @property
