@@ -662,6 +662,33 @@ def test_open_loop_is_seeded_and_a_light_load_waits_for_nothing(qwen32, h100) ->
     assert heavy.saturated
 
 
+def test_the_median_request_of_a_burst(qwen32, h100) -> None:
+    """Five prompts of 1024 tokens sent at once, answers of two tokens, 1025 tokens a step:
+    vLLM's scheduler fills each step's budget, so every step after the first decodes the last
+    request that prefilled, finishes the next prompt (1023 tokens) and starts the one after
+    (1 token). Request i (from 1) samples its first token in step i; the last prompt's step
+    starts none."""
+    w = Workload(
+        isl=Lengths.fixed(1024),
+        osl=Lengths.fixed(2),
+        concurrency=5,
+        num_requests=5,
+        max_num_batched_tokens=1025,
+    )
+    est = estimate_serving(qwen32, h100, tp=4, workload=w)
+    cost = EngineStepCost.build(qwen32, h100, Parallelism(tp=4))
+    cost.graphs = w.graph_batches(h100, 4)  # vLLM's CUDA-graph sizes, as the engine runs them
+    first = cost.step_s(np.zeros(0), [(0, 1024), (0, 1)])
+    middle = cost.step_s(np.array([1025.0]), [(1, 1023), (0, 1)])
+    last = cost.step_s(np.array([1025.0]), [(1, 1023)])
+    ttfts = [first, first + middle, first + 2 * middle, first + 3 * middle]
+    ttfts.append(first + 3 * middle + last)
+    assert est.ttft_p50_s == pytest.approx(first + 2 * middle)
+    assert est.ttft_s == pytest.approx(sum(ttfts) / 5)
+    # each second token comes with the next step: three of the five with a middle step
+    assert est.tpot_p50_s == pytest.approx(middle)
+
+
 def test_vllm_batch_defaults() -> None:
     cat = default_catalog()
     assert default_batch_limits(cat.get("h200")) == (8192, 1024)

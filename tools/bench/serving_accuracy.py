@@ -26,11 +26,12 @@ replayed as its benchmark ran it:
   (:func:`~opweave.costmodel.kv_transfer_s`: NVLink inside a GB200/GB300 NVL72 rack, the network
   otherwise), or, where more clients run than the caps admit, their wait for a decode slot by
   Little's law (the clients beyond the slots over the decode pool's request rate), whichever is
-  longer: the first token reaches the client from the decode worker ([DYNAMO-FIRST] in the data
-  file). A decode pool with attention DP holds the dense FFN layers whole on every GPU
-  (``dense_dp``, :mod:`opweave.costmodel`'s parallelism) where the engine runs them so:
-  TensorRT-LLM whenever attention DP is on, and Dynamo's SGLang recipes on GB200/GB300
-  (``--moe-dense-tp-size 1``); ``production_decode_data.toml``'s header cites both.
+  longer; then the decode worker's step that samples the first token, which reaches the client
+  from there (:func:`~opweave.costmodel.decode_join_s`; [DYNAMO-FIRST] in the data file). A
+  decode pool with attention DP holds the dense FFN layers whole on every GPU (``dense_dp``,
+  :mod:`opweave.costmodel`'s parallelism) where the engine runs them so: TensorRT-LLM whenever
+  attention DP is on, and Dynamo's SGLang recipes on GB200/GB300 (``--moe-dense-tp-size 1``);
+  ``production_decode_data.toml``'s header cites both.
 
 The signed error is ``(estimate - measured) / measured``; the medians of the absolute errors are
 printed per engine, GPU and deployment. Goal: median <= 8% for TPOT and <= 15% for TTFT.
@@ -52,6 +53,7 @@ from opweave.costmodel import (
     Lengths,
     ModelSpec,
     Workload,
+    decode_join_s,
     default_catalog,
     estimate_serving,
     estimate_step,
@@ -83,18 +85,37 @@ MEMORY_FLAGS = (r"--mem-fraction-static[ =]([\d.]+)", r"--gpu-memory-utilization
 
 
 @dataclass(frozen=True)
+class Figures:
+    """An estimate's mean TTFT and TPOT, and their medians over the requests, in ms."""
+
+    ttft_ms: float
+    tpot_ms: float
+    ttft_median_ms: float
+    tpot_median_ms: float
+
+
+@dataclass(frozen=True)
 class ServingResult:
     row: dict[str, Any]
     ttft_ms: float | None
     tpot_ms: float | None
     why: str = ""
     limits: str = ""
+    medians: tuple[float, float] | None = None  # the estimate's median TTFT and TPOT, ms
 
     def error(self, which: str) -> float:
         est = self.ttft_ms if which == "ttft" else self.tpot_ms
         assert est is not None
         meas = float(self.row[f"{which}_ms"])
         return (est - meas) / meas
+
+    def median_error(self, which: str) -> float | None:
+        """The estimate's median against the row's, where the row prints one."""
+        meas = self.row.get(f"{which}_median_ms")
+        if meas is None or self.medians is None:
+            return None
+        est = self.medians[0 if which == "ttft" else 1]
+        return (est - float(meas)) / float(meas)
 
 
 def row_engine(row: dict[str, Any]) -> Engine:
@@ -193,7 +214,7 @@ def workload_for(row: dict[str, Any], replicas: int) -> Workload:
     return w.per_replica(replicas)
 
 
-def _aggregated(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
+def _aggregated(row: dict[str, Any], model: ModelSpec) -> Figures:
     hw = default_catalog().get(row["gpu"])
     tp, dp = int(row["tp"]), int(row["dp"])
     if tp % dp:
@@ -208,7 +229,7 @@ def _aggregated(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
         workload=w,
         host=engine_host(row),
     )
-    return est.ttft_s * 1e3, est.tpot_s * 1e3
+    return Figures(est.ttft_s * 1e3, est.tpot_s * 1e3, est.ttft_p50_s * 1e3, est.tpot_p50_s * 1e3)
 
 
 def dense_dp(row: dict[str, Any], pool: dict[str, Any]) -> bool:
@@ -257,7 +278,7 @@ def decode_point(row: dict[str, Any]) -> DecodePoint:
     return DecodePoint(isl, osl, decoding, max(1, round(decoding / workers)))
 
 
-def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
+def _pd(row: dict[str, Any], model: ModelSpec) -> Figures:
     hw = default_catalog().get(row["gpu"])
     pre, dec = row["prefill_pool"], row["decode_pool"]
     conc = int(row["concurrency"])
@@ -299,7 +320,14 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> tuple[float, float]:
     move = kv_transfer_s(model, isl, tp=ptp, link=link, prefill=hw)
     # Little's law over the clients not decoding: they leave the queue at the decode rate
     waiting = (conc - decoding) / rate
-    return max(pool.ttft_s + move, waiting) * 1e3, step * 1e3
+    # [PD-FIRST]: the first token comes from the decode worker, with its next step
+    join = decode_join_s(step)
+    return Figures(
+        (max(pool.ttft_s + move, waiting) + join) * 1e3,
+        step * 1e3,
+        (max(pool.ttft_p50_s + move, waiting) + join) * 1e3,
+        step * 1e3,  # every step of a decode-only worker is the same
+    )
 
 
 def evaluate(
@@ -310,8 +338,16 @@ def evaluate(
         try:
             model = model_of(row)
             run = _pd if row["deployment"] == "pd" else _aggregated
-            ttft, tpot = run(row, model)
-            out.append(ServingResult(row, ttft, tpot, limits=engine_limits(row)[1]))
+            f = run(row, model)
+            out.append(
+                ServingResult(
+                    row,
+                    f.ttft_ms,
+                    f.tpot_ms,
+                    limits=engine_limits(row)[1],
+                    medians=(f.ttft_median_ms, f.tpot_median_ms),
+                )
+            )
         except (OpWeaveError, KeyError, ValueError) as exc:
             out.append(ServingResult(row, None, None, str(exc).strip("'\"")))
     return out
@@ -364,6 +400,23 @@ def print_rows(results: Sequence[ServingResult]) -> None:
         )
 
 
+def print_medians(results: Sequence[ServingResult]) -> None:
+    """The same comparison on the median request, for the rows that print medians: a mean
+    over a benchmark's requests also holds its outliers (a first request that compiles
+    kernels, a client's start-up), which the median does not."""
+    print("\nMedians: the estimate's median request against the row's, where the row prints one")
+    by_source: dict[str, list[ServingResult]] = {"all": list(results)}
+    for r in results:
+        by_source.setdefault(f"source {source_name(r.row)}", []).append(r)
+    for name, part in by_source.items():
+        cells = []
+        for which in ("tpot", "ttft"):
+            errs = [abs(e) for r in part if (e := r.median_error(which)) is not None]
+            median = f"{100 * statistics.median(errs):5.1f}%" if errs else "     -"
+            cells.append(f"{which.upper()} n={len(errs):<4} median |err| {median}")
+        print(f"{name:<32}{'   '.join(cells)}")
+
+
 def run_serving(model_of: Callable[[dict[str, Any]], ModelSpec]) -> None:
     rows = tomllib.loads(SERVING.read_text())["rows"]
     scoped = [r for r in rows if r.get("in_scope", True)]
@@ -394,6 +447,7 @@ def run_serving(model_of: Callable[[dict[str, Any]], ModelSpec]) -> None:
             f"TPOT {'met' if tpot <= GOAL_TPOT else 'not met'} ({100 * tpot:.1f}%), "
             f"TTFT {'met' if ttft <= GOAL_TTFT else 'not met'} ({100 * ttft:.1f}%)"
         )
+        print_medians(described)
     if missing:
         print("\nNot described (not in the statistics):")
         reasons: dict[str, int] = {}
@@ -517,4 +571,4 @@ def production_tpot_ms(row: dict[str, Any], model: ModelSpec) -> float:
         "concurrency": max(1, round(float(row["batch"]) * int(row["dp"]))),
         "replicas": 1,
     }
-    return _aggregated(as_serving, model)[1]
+    return _aggregated(as_serving, model).tpot_ms

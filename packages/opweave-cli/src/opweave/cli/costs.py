@@ -367,17 +367,19 @@ def _estimate_serving(
                 [
                     "TTFT",
                     f"{est.ttft_s * 1e3:,.1f} ms",
+                    f"{est.ttft_p50_s * 1e3:,.1f} ms",
                     f"{est.ttft_p90_s * 1e3:,.1f} ms",
                     f"{est.ttft_p99_s * 1e3:,.1f} ms",
                 ],
                 [
                     "TPOT",
                     f"{est.tpot_s * 1e3:,.2f} ms",
+                    f"{est.tpot_p50_s * 1e3:,.2f} ms",
                     f"{est.tpot_p90_s * 1e3:,.2f} ms",
                     f"{est.tpot_p99_s * 1e3:,.2f} ms",
                 ],
             ],
-            ["", "mean", "p90", "p99"],
+            ["", "mean", "median", "p90", "p99"],
         )
     )
     typer.echo(

@@ -8,6 +8,15 @@ Sources:
   shard of the blocks GPU to GPU, over NVLink within a node or NVLink domain (UCX ``cuda_ipc``)
   and over the NICs with GPUDirect RDMA across nodes (Dynamo's disaggregated-serving docs; vLLM
   ``docs/features/nixl_connector_usage.md``).
+  [PD-FIRST] In P/D serving the client's first token leaves through the decode engine, once the
+  request has joined one of its steps. vLLM's decode instance pulls the prompt's KV between its
+  steps (``RequestStatus.WAITING_FOR_REMOTE_KVS``) and, once it has arrived, schedules the
+  request with its last prompt token left to compute, "so the next one can be sampled"
+  (``vllm/v1/core/sched/scheduler.py``, the finished-receiving path); Dynamo's decode worker
+  streams every token of the answer, the first included (ai-dynamo/dynamo
+  ``docs/design_docs/disagg_serving.md``, "Router Orchestration"). A prompt whose KV arrives
+  during a step waits for that step to end, half a step on average, and its first token comes
+  with the end of the next: one and a half decode steps after the transfer.
 """
 
 from __future__ import annotations
@@ -55,8 +64,10 @@ class ServingEstimate(Frozen):
         "(output - 1) per request, mean over requests; it includes the prefill chunks "
         "mixed into the decode steps."
     )
+    ttft_p50_s: float = Field(description="Median time to first token.")
     ttft_p90_s: float
     ttft_p99_s: float
+    tpot_p50_s: float = Field(description="Median time per output token.")
     tpot_p90_s: float
     tpot_p99_s: float
     statistic: str = Field(description="What the figures are: which requests, which statistic.")
@@ -87,6 +98,7 @@ class PrefillPoolEstimate(Frozen):
     gpus: int
     prefill_s: float = Field(description="One prompt alone: its chunks' steps.")
     ttft_s: float = Field(description="Mean queueing plus prefill at the given rate.")
+    ttft_p50_s: float = Field(description="Median queueing plus prefill.")
     ttft_p90_s: float
     ttft_p99_s: float
     capacity_requests_per_s: float = Field(description="Prompts per second at saturation.")
@@ -260,8 +272,10 @@ def estimate_serving(
         gpus=par.gpus,
         ttft_s=float(np.mean(ttft)),
         tpot_s=float(np.mean(tpot)),
+        ttft_p50_s=float(np.median(ttft)),
         ttft_p90_s=float(np.percentile(ttft, 90)),
         ttft_p99_s=float(np.percentile(ttft, 99)),
+        tpot_p50_s=float(np.median(tpot)),
         tpot_p90_s=float(np.percentile(tpot, 90)),
         tpot_p99_s=float(np.percentile(tpot, 99)),
         statistic=_statistic(rank, n, first, last)
@@ -292,10 +306,13 @@ def _tpot(sim: SimResult, first: int, last: int) -> np.ndarray:
 
 def _statistic(rank: Workload, n: int, first: int, last: int) -> str:
     if rank.num_requests is not None:
-        return f"mean (and p90/p99) over all {n} requests of the benchmark, as its client reports"
+        return (
+            f"mean (and median, p90, p99) over all {n} requests of the benchmark, as its client "
+            "reports"
+        )
     return (
-        f"mean (and p90/p99) over {last - first} simulated requests in steady state (of {n}; "
-        "the warm-up and the drain left out)"
+        f"mean (and median, p90, p99) over {last - first} simulated requests in steady state "
+        f"(of {n}; the warm-up and the drain left out)"
     )
 
 
@@ -396,7 +413,8 @@ class PrefillEngine:
             first = int(OPEN_LOOP_REQUESTS * OPEN_LOOP_WARMUP)
             ttft = self._run(rank, OPEN_LOOP_REQUESTS).ttft_s[first:]
             statistic = (
-                f"mean (and p90/p99) over {OPEN_LOOP_REQUESTS - first} simulated Poisson arrivals"
+                f"mean (and median, p90, p99) over {OPEN_LOOP_REQUESTS - first} simulated Poisson "
+                "arrivals"
             )
         par, capacity = self.par, self.capacity_requests_per_s
         return PrefillPoolEstimate(
@@ -407,6 +425,7 @@ class PrefillEngine:
             gpus=par.gpus,
             prefill_s=self.prefill_s,
             ttft_s=float(np.mean(ttft)),
+            ttft_p50_s=float(np.median(ttft)),
             ttft_p90_s=float(np.percentile(ttft, 90)),
             ttft_p99_s=float(np.percentile(ttft, 99)),
             capacity_requests_per_s=capacity,
@@ -485,10 +504,27 @@ def kv_transfer_s(
     return latency + per_gpu / bw
 
 
+# [PD-FIRST]: the rest of the step in progress (half of one on average) and the step that
+# samples the first token
+DECODE_JOIN_STEPS = 1.5
+
+
+def decode_join_s(step_s: float) -> float:
+    """Seconds from a prompt's KV reaching the decode pool to its first token there: the rest
+    of the decode step in progress and the step that samples it ([PD-FIRST]), for decode steps
+    of ``step_s``.
+
+    >>> round(decode_join_s(0.02) * 1e3, 3)  # ms
+    30.0
+    """
+    return DECODE_JOIN_STEPS * step_s
+
+
 def decode_pool(batch: float, step_s: float, osl: float) -> DecodePoolEstimate:
     """A decode-only replica holding ``batch`` requests at ``step_s`` per step, answers of
-    ``osl`` tokens (the first comes from the prefill pool): each step gives every request one
-    token, so TPOT is the step, and Little's law gives the requests it completes.
+    ``osl`` tokens, the first of them the join's (:func:`decode_join_s`): each later step gives
+    every request one token, so TPOT is the step, and Little's law gives the requests it
+    completes.
 
     >>> decode_pool(64, 0.02, 1025).requests_per_s
     3.125

@@ -3,10 +3,11 @@
 
 The decode pool is as many replica sets of the plan as the requests decoding at once fill
 (Little's law: arrivals times the time each decodes); the prefill pool the cheapest engines
-that take the arrivals within the TTFT SLO less the KV transfer between the pools ([NIXL] in
-:mod:`opweave.costmodel`'s serving module). In a closed loop the arrivals are the clients over
-each request's time, of which the prefill pool's TTFT is a part: the pool is sized for the
-most arrivals (no TTFT), then again at its mean TTFT.
+that take the arrivals within the TTFT SLO less the hand-off to the decode pool: the KV
+transfer between the pools ([NIXL] in :mod:`opweave.costmodel`'s serving module) and the decode
+pool's wait for a step to sample the first token in ([PD-FIRST] there). In a closed loop the
+arrivals are the clients over each request's time, of which the TTFT is a part: the pool is
+sized for the most arrivals (no TTFT), then again at its mean TTFT.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from opweave.costmodel import ModelSpec, Plan, Workload, fits_inventory, kv_transfer_s
+from opweave.costmodel import (
+    ModelSpec,
+    Plan,
+    Workload,
+    decode_join_s,
+    fits_inventory,
+    kv_transfer_s,
+)
 
 from .deployment_result import Deployment, Pool
 from .devices import Device
@@ -172,9 +180,13 @@ def _disaggregated(
     prices = {d.id: d.usd_per_hour for d in devices.values()}
     decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
     transfers = {o: _transfer_s(model, o, decode_plan, devices, workload.isl.mean) for o in options}
+    # what a request's TTFT holds beside the prefill pool's: its KV transfer, then the decode
+    # pool's step that samples its first token
+    join = decode_join_s(pred.tpot_s)
+    handoffs = {o: transfers[o] + join for o in options}
 
     def budget(option: EngineOption) -> float | None:
-        return None if slos.ttft_s is None else slos.ttft_s - transfers[option]
+        return None if slos.ttft_s is None else slos.ttft_s - handoffs[option]
 
     def sized(rate: float) -> PrefillSizing | None:
         sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
@@ -187,13 +199,13 @@ def _disaggregated(
     rate = _arrivals(workload, 0.0, decode_s)
     sizing = sized(rate)
     if sizing is not None and workload.concurrency is not None:
-        rate = _arrivals(workload, sizing.estimate.ttft_s + transfers[sizing.option], decode_s)
+        rate = _arrivals(workload, sizing.estimate.ttft_s + handoffs[sizing.option], decode_s)
         sizing = sized(rate)
     if sizing is None:
-        return None, _prefill_reason(prefill, options, transfers, slos, bool(limits))
-    transfer = transfers[sizing.option]
+        return None, _prefill_reason(prefill, options, handoffs, slos, bool(limits))
+    transfer, handoff = transfers[sizing.option], handoffs[sizing.option]
     if workload.concurrency is not None:
-        rate = _arrivals(workload, sizing.estimate.ttft_s + transfer, decode_s)
+        rate = _arrivals(workload, sizing.estimate.ttft_s + handoff, decode_s)
     sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
     est = sizing.estimate
     dep = Deployment(
@@ -202,9 +214,9 @@ def _disaggregated(
             Pool.of_engine("prefill", sizing.option, sizing.replicas),
             Pool.of_plan(decode_plan, sets, prices),
         ),
-        ttft_s=est.ttft_s + transfer,
-        ttft_p90_s=est.ttft_p90_s + transfer,
-        ttft_p99_s=est.ttft_p99_s + transfer,
+        ttft_s=est.ttft_s + handoff,
+        ttft_p90_s=est.ttft_p90_s + handoff,
+        ttft_p99_s=est.ttft_p99_s + handoff,
         tpot_s=pred.tpot_s,
         tpot_p90_s=pred.tpot_s,
         tpot_p99_s=pred.tpot_s,
@@ -220,12 +232,12 @@ def _disaggregated(
 def _prefill_reason(
     prefill: PrefillSearch,
     options: Sequence[EngineOption],
-    transfers: Mapping[EngineOption, float],
+    handoffs: Mapping[EngineOption, float],
     slos: Slos,
     bounded: bool,
 ) -> str:
     alone = [
-        (engine.prefill_s + transfers[o], o)
+        (engine.prefill_s + handoffs[o], o)
         for o in options
         if (engine := prefill.engine(o)) is not None
     ]
@@ -235,7 +247,8 @@ def _prefill_reason(
     if slos.ttft_s is not None and quickest > slos.ttft_s:
         return (
             f"a prompt alone reaches its first token in {quickest:.3g} s at best ({option}, "
-            f"its KV transfer included), beyond the {slos.ttft_s * 1e3:g} ms TTFT SLO"
+            "its KV transfer and the decode pool's first step included), beyond the "
+            f"{slos.ttft_s * 1e3:g} ms TTFT SLO"
         )
     where = " within the inventory" if bounded else ""
     return f"no prefill pool takes the arrivals{where} within the TTFT SLO"
