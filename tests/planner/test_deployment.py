@@ -125,9 +125,10 @@ def test_prefill_pool_is_the_fewest_engines_and_decode_sets_follow_littles_law(
         assert rate == pytest.approx(64 / (dep.ttft_s + decode_s), rel=0.05)
         assert dec.replicas == max(1, math.ceil(rate * decode_s / dec.plan.global_batch))
 
-        # then the first token from the decode pool: the rest of the step in progress (half of
-        # one on average) and the step that samples it
-        handoff = transfer + 1.5 * dec.plan.prediction.tpot_s
+        # then the hand-off at the decode pool's step boundaries: half a step to be taken in,
+        # the transfer in whole steps (at least one), and the step that samples the first token
+        step = dec.plan.prediction.tpot_s
+        handoff = step * (0.5 + max(1, math.ceil(transfer / step)) + 1)
         p90 = _prefill_p90(qwen32, hw, option.par.tp, rate / pre.replicas)
         assert dep.ttft_p90_s == pytest.approx(p90 + handoff, rel=1e-3)
         assert p90 + handoff <= 1.01

@@ -22,12 +22,13 @@ replayed as its benchmark ran it:
   ``decode_max_batch``, the recipe's); the decode pool's step at that per-worker batch and the
   mean context is the TPOT (:func:`~opweave.costmodel.decode_pool`). The TTFT is the prefill
   pool's (:func:`~opweave.costmodel.prefill_pool`, Poisson arrivals at the closed loop's request
-  rate split over the prefill workers) plus the KV transfer between the pools
-  (:func:`~opweave.costmodel.kv_transfer_s`: NVLink inside a GB200/GB300 NVL72 rack, the network
-  otherwise), or, where more clients run than the caps admit, their wait for a decode slot by
-  Little's law (the clients beyond the slots over the decode pool's request rate), whichever is
-  longer; then the decode worker's step that samples the first token, which reaches the client
-  from there (:func:`~opweave.costmodel.decode_join_s`; [DYNAMO-FIRST] in the data file). A
+  rate split over the prefill workers) or, where more clients run than the caps admit, their
+  wait for a decode slot by Little's law (the clients beyond the slots over the decode pool's
+  request rate), whichever is longer; then the hand-off to the decode worker, which takes the
+  request in, reads its KV and samples the first token at its step boundaries
+  (:func:`~opweave.costmodel.decode_handoff_s`, with the KV transfer between the pools of
+  :func:`~opweave.costmodel.kv_transfer_s`: NVLink inside a GB200/GB300 NVL72 rack, the network
+  otherwise; [DYNAMO-FIRST] in the data file). A
   decode pool with attention DP holds the dense FFN layers whole on every GPU (``dense_dp``,
   :mod:`opweave.costmodel`'s parallelism) where the engine runs them so: TensorRT-LLM whenever
   attention DP is on, and Dynamo's SGLang recipes on GB200/GB300 (``--moe-dense-tp-size 1``);
@@ -53,7 +54,7 @@ from opweave.costmodel import (
     Lengths,
     ModelSpec,
     Workload,
-    decode_join_s,
+    decode_handoff_s,
     default_catalog,
     estimate_serving,
     estimate_step,
@@ -320,12 +321,13 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> Figures:
     move = kv_transfer_s(model, isl, tp=ptp, link=link, prefill=hw)
     # Little's law over the clients not decoding: they leave the queue at the decode rate
     waiting = (conc - decoding) / rate
-    # [PD-FIRST]: the first token comes from the decode worker, with its next step
-    join = decode_join_s(step)
+    # [PD-FIRST]: the decode worker takes the request in, reads its KV and samples its first
+    # token at its step boundaries
+    handoff = decode_handoff_s(move, step)
     return Figures(
-        (max(pool.ttft_s + move, waiting) + join) * 1e3,
+        (max(pool.ttft_s, waiting) + handoff) * 1e3,
         step * 1e3,
-        (max(pool.ttft_p50_s + move, waiting) + join) * 1e3,
+        (max(pool.ttft_p50_s, waiting) + handoff) * 1e3,
         step * 1e3,  # every step of a decode-only worker is the same
     )
 

@@ -8,15 +8,19 @@ Sources:
   shard of the blocks GPU to GPU, over NVLink within a node or NVLink domain (UCX ``cuda_ipc``)
   and over the NICs with GPUDirect RDMA across nodes (Dynamo's disaggregated-serving docs; vLLM
   ``docs/features/nixl_connector_usage.md``).
-  [PD-FIRST] In P/D serving the client's first token leaves through the decode engine, once the
-  request has joined one of its steps. vLLM's decode instance pulls the prompt's KV between its
-  steps (``RequestStatus.WAITING_FOR_REMOTE_KVS``) and, once it has arrived, schedules the
-  request with its last prompt token left to compute, "so the next one can be sampled"
-  (``vllm/v1/core/sched/scheduler.py``, the finished-receiving path); Dynamo's decode worker
-  streams every token of the answer, the first included (ai-dynamo/dynamo
-  ``docs/design_docs/disagg_serving.md``, "Router Orchestration"). A prompt whose KV arrives
-  during a step waits for that step to end, half a step on average, and its first token comes
-  with the end of the next: one and a half decode steps after the transfer.
+  [PD-FIRST] In P/D serving the client's first token leaves through the decode engine, and the
+  decode engine takes a request in, reads its KV and samples at its step boundaries. vLLM's
+  decode instance takes a new request at its next ``schedule()`` (``RequestStatus.
+  WAITING_FOR_REMOTE_KVS``), its workers start the KV read in that step and report the reads
+  done at the step's end (``KVConnectorModelRunnerMixin``: ``start_load_kv``, then the
+  connector's finished receives with the step's output), and the next step computes the last
+  prompt token "so the next one can be sampled" (``vllm/v1/core/sched/scheduler.py``); Dynamo's
+  decode worker streams every token of the answer, the first included (ai-dynamo/dynamo
+  ``docs/design_docs/disagg_serving.md``, "Router Orchestration"). So a request waits half a
+  step on average to be taken in, its read takes whole steps (at least one), and one more step
+  samples the first token. vllm-project/vllm#51919 measures this hand-off at ~197 ms p50 on a
+  3-prefill / 1-decode node with ~29 ms of it the transfer; the recomputed first token with its
+  step alignment ~58 ms.
 """
 
 from __future__ import annotations
@@ -504,27 +508,27 @@ def kv_transfer_s(
     return latency + per_gpu / bw
 
 
-# [PD-FIRST]: the rest of the step in progress (half of one on average) and the step that
-# samples the first token
-DECODE_JOIN_STEPS = 1.5
+def decode_handoff_s(transfer_s: float, step_s: float) -> float:
+    """Seconds from a prompt's prefill to its first token at the decode pool ([PD-FIRST]): half
+    a decode step of ``step_s`` to be taken in, the KV transfer of ``transfer_s`` rounded up to
+    whole steps (at least one), and the step that samples the first token.
 
-
-def decode_join_s(step_s: float) -> float:
-    """Seconds from a prompt's KV reaching the decode pool to its first token there: the rest
-    of the decode step in progress and the step that samples it ([PD-FIRST]), for decode steps
-    of ``step_s``.
-
-    >>> round(decode_join_s(0.02) * 1e3, 3)  # ms
-    30.0
+    >>> round(decode_handoff_s(0.005, 0.02) * 1e3, 3)  # 10 + 20 + 20 ms
+    50.0
+    >>> round(decode_handoff_s(0.05, 0.02) * 1e3, 3)  # 10 + 3 x 20 + 20 ms
+    90.0
     """
-    return DECODE_JOIN_STEPS * step_s
+    if step_s <= 0:
+        return transfer_s
+    steps = max(1, math.ceil(transfer_s / step_s - 1e-9))
+    return step_s * (0.5 + steps + 1)
 
 
 def decode_pool(batch: float, step_s: float, osl: float) -> DecodePoolEstimate:
     """A decode-only replica holding ``batch`` requests at ``step_s`` per step, answers of
-    ``osl`` tokens, the first of them the join's (:func:`decode_join_s`): each later step gives
-    every request one token, so TPOT is the step, and Little's law gives the requests it
-    completes.
+    ``osl`` tokens, the first of them the hand-off's (:func:`decode_handoff_s`): each later
+    step gives every request one token, so TPOT is the step, and Little's law gives the requests
+    it completes.
 
     >>> decode_pool(64, 0.02, 1025).requests_per_s
     3.125

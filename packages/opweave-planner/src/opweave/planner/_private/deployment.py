@@ -348,8 +348,9 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
         "once fill (Little's law); each set's TPOT at its full batch",
         "KV cache moved from prefill to decode GPUs once per request, every prefill GPU "
         "sending its shard (NIXL), over the network unless both pools share a rack-scale "
-        "NVLink domain; the first token then comes from the decode pool, with the step after "
-        "the one in progress (1.5 decode steps on average)",
+        "NVLink domain; the decode pool takes a request in at its next step (half a step on "
+        "average), reads its KV over whole steps (at least one) and samples its first token in "
+        "the step after",
     ]
     out.extend(w.receive_note)
     if w.engine != "vllm":

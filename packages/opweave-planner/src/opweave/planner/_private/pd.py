@@ -4,10 +4,10 @@
 The decode pool is as many replica sets of the plan as the requests decoding at once fill
 (Little's law: arrivals times the time each decodes); the prefill pool the cheapest engines
 that take the arrivals within the TTFT SLO less the hand-off to the decode pool: the KV
-transfer between the pools ([NIXL] in :mod:`opweave.costmodel`'s serving module) and the decode
-pool's wait for a step to sample the first token in ([PD-FIRST] there). In a closed loop the
-arrivals are the clients over each request's time, of which the TTFT is a part: the pool is
-sized for the most arrivals (no TTFT), then again at its mean TTFT.
+transfer between the pools ([NIXL] in :mod:`opweave.costmodel`'s serving module) at the decode
+steps' boundaries, and the step that samples the first token ([PD-FIRST] there). In a closed
+loop the arrivals are the clients over each request's time, of which the TTFT is a part: the
+pool is sized for the most arrivals (no TTFT), then again at its mean TTFT.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from opweave.costmodel import (
     ModelSpec,
     Plan,
     Workload,
-    decode_join_s,
+    decode_handoff_s,
     fits_inventory,
     kv_transfer_s,
 )
@@ -180,10 +180,9 @@ def _disaggregated(
     prices = {d.id: d.usd_per_hour for d in devices.values()}
     decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
     transfers = {o: _transfer_s(model, o, decode_plan, devices, workload.isl.mean) for o in options}
-    # what a request's TTFT holds beside the prefill pool's: its KV transfer, then the decode
-    # pool's step that samples its first token
-    join = decode_join_s(pred.tpot_s)
-    handoffs = {o: transfers[o] + join for o in options}
+    # what a request's TTFT holds beside the prefill pool's: the decode pool taking it in, its
+    # KV transfer and the step that samples its first token, at the decode steps' boundaries
+    handoffs = {o: decode_handoff_s(transfers[o], pred.tpot_s) for o in options}
 
     def budget(option: EngineOption) -> float | None:
         return None if slos.ttft_s is None else slos.ttft_s - handoffs[option]
