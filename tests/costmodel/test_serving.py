@@ -19,6 +19,7 @@ from opweave.costmodel import (
     Parallelism,
     Workload,
     causal_pairs,
+    decode_handoff_s,
     decode_pool,
     default_batch_limits,
     default_catalog,
@@ -729,9 +730,28 @@ def test_prefill_pool_capacity_is_the_budget_over_a_full_step(qwen32, h100) -> N
 
 
 def test_decode_pool_is_littles_law() -> None:
+    # a request holds its slot for the step that samples its first token and 512 more
     pool = decode_pool(32, 0.015, 513)
     assert pool.tpot_s == 0.015
-    assert pool.requests_per_s == pytest.approx(32 / (512 * 0.015))
+    assert pool.requests_per_s == pytest.approx(32 / (513 * 0.015))
+    # SGLang's first token arrives with the KV: 512 steps in the batch
+    pushed = decode_pool(32, 0.015, 513, samples_first=False)
+    assert pushed.requests_per_s == pytest.approx(32 / (512 * 0.015))
+
+
+@pytest.mark.parametrize(
+    ("transfer", "step", "engine", "expected"),
+    [
+        (0.0, 0.02, "vllm", 0.01 + 0.02 + 0.02),  # no bytes still cost the step that reads
+        (0.005, 0.02, "vllm", 0.01 + 0.02 + 0.02),
+        (0.04, 0.02, "vllm", 0.01 + 0.04 + 0.02),  # exactly two steps of read
+        (0.3, 0.1, "tensorrt-llm", 0.05 + 0.3 + 0.1),  # 0.3 / 0.1 in floats is 2.9999999999999996
+        (0.041, 0.02, "vllm", 0.01 + 0.06 + 0.02),  # just over two steps: three
+        (0.041, 0.02, "sglang", 0.041 + 0.01),  # pushed, first token with the KV
+    ],
+)
+def test_the_pd_handoff_by_hand(transfer, step, engine, expected) -> None:
+    assert decode_handoff_s(transfer, step, engine) == pytest.approx(expected)
 
 
 def test_fewer_clients_than_dp_ranks_leave_ranks_idle(h100) -> None:

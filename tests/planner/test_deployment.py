@@ -120,21 +120,26 @@ def test_prefill_pool_is_the_fewest_engines_and_decode_sets_follow_littles_law(
                                  decode=hw)  # fmt: skip
         assert dep.kv_transfer_s == pytest.approx(transfer)
         rate = dep.requests_per_s
-        # closed loop: the clients over each request's time (TTFT, then osl - 1 decode steps)
-        decode_s = 1023 * dec.plan.prediction.tpot_s
-        assert rate == pytest.approx(64 / (dep.ttft_s + decode_s), rel=0.05)
-        assert dec.replicas == max(1, math.ceil(rate * decode_s / dec.plan.global_batch))
-
-        # then the hand-off at the decode pool's step boundaries: half a step to be taken in,
-        # the transfer in whole steps (at least one), and the step that samples the first token
         step = dec.plan.prediction.tpot_s
-        handoff = step * (0.5 + max(1, math.ceil(transfer / step)) + 1)
-        p90 = _prefill_p90(qwen32, hw, option.par.tp, rate / pre.replicas)
-        assert dep.ttft_p90_s == pytest.approx(p90 + handoff, rel=1e-3)
-        assert p90 + handoff <= 1.01
+        # closed loop: the clients over each request's time (TTFT, then osl - 1 decode steps)
+        assert rate == pytest.approx(64 / (dep.ttft_s + 1023 * step), rel=0.05)
+        # a decode slot is held for the step that samples the first token and 1023 more
+        assert dec.replicas == max(1, math.ceil(rate * 1024 * step / dec.plan.global_batch))
+
+        # the hand-off at vLLM's decode step boundaries: half a step to be taken in, the read
+        # in whole steps (at least one: this transfer is under a step), the step that samples
+        assert transfer < step
+        assert dep.handoff_s == pytest.approx(2.5 * step)
+        pool = prefill_pool(
+            qwen32, hw, tp=option.par.tp, workload=_workload(rate_per_s=1.0),
+            rate_per_s=rate / pre.replicas,
+        )  # fmt: skip
+        assert dep.ttft_s == pytest.approx(pool.ttft_s + 2.5 * step, rel=1e-3)
+        assert dep.ttft_p90_s == pytest.approx(pool.ttft_p90_s + 2.5 * step, rel=1e-3)
+        assert pool.ttft_p90_s + 2.5 * step <= 1.01
         if pre.replicas > 1:
             fewer = _prefill_p90(qwen32, hw, option.par.tp, rate / (pre.replicas - 1))
-            assert fewer + handoff > 0.99
+            assert fewer + 2.5 * step > 0.99
 
 
 def _prefill_p90(model, hw, tp: int, rate_per_s: float) -> float:
@@ -147,6 +152,24 @@ def test_ttft_slo_binds_every_kind(closed_loop) -> None:
     for kind, dep in closed_loop.baselines.items():
         if dep is not None:
             assert dep.ttft_p90_s <= 1.0 + 1e-9, kind
+
+
+def test_a_ttft_slo_counts_the_handoff_to_the_decode_pool(qwen32) -> None:
+    """One client (no queueing) and a TTFT SLO 5 ms above the quickest prompt alone plus its KV
+    transfer: the decode pool's hand-off (at least 1.5 decode steps more) misses it, so no P/D
+    deployment meets it, and the reason says what the figure includes."""
+    h100 = CATALOG.get("h100")
+    w = _workload(concurrency=1)
+    quickest = min(
+        prefill_pool(qwen32, h100, tp=tp, workload=_workload(rate_per_s=1.0)).prefill_s
+        + kv_transfer_s(qwen32, 4096, tp=tp, link="network", prefill=h100, decode=h100)
+        for tp in (1, 2, 4, 8)
+    )
+    slo = quickest + 0.005
+    result = plan_deployment(qwen32, ["h100"], workload=w, tpot_slo_s=0.05, ttft_slo_s=slo)
+    for kind in ("pd", "afd", "cad", "opweave"):
+        assert result.baselines[kind] is None, kind
+    assert "hand-off to the decode pool included" in result.reasons["pd"]
 
 
 def test_long_answers_make_aggregated_tpot_the_decode_step(qwen32) -> None:

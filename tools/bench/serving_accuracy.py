@@ -22,13 +22,13 @@ replayed as its benchmark ran it:
   ``decode_max_batch``, the recipe's); the decode pool's step at that per-worker batch and the
   mean context is the TPOT (:func:`~opweave.costmodel.decode_pool`). The TTFT is the prefill
   pool's (:func:`~opweave.costmodel.prefill_pool`, Poisson arrivals at the closed loop's request
-  rate split over the prefill workers) or, where more clients run than the caps admit, their
-  wait for a decode slot by Little's law (the clients beyond the slots over the decode pool's
-  request rate), whichever is longer; then the hand-off to the decode worker, which takes the
-  request in, reads its KV and samples the first token at its step boundaries
+  rate split over the prefill workers) plus the hand-off to the decode worker, which takes the
+  request in, sees its KV arrive and emits the first token at its step boundaries
   (:func:`~opweave.costmodel.decode_handoff_s`, with the KV transfer between the pools of
   :func:`~opweave.costmodel.kv_transfer_s`: NVLink inside a GB200/GB300 NVL72 rack, the network
-  otherwise; [DYNAMO-FIRST] in the data file). A
+  otherwise; [DYNAMO-FIRST] in the data file), or, where more clients run than the caps admit,
+  their wait for a decode slot by Little's law (the clients beyond the slots over the decode
+  pool's request rate), whichever is longer. A
   decode pool with attention DP holds the dense FFN layers whole on every GPU (``dense_dp``,
   :mod:`opweave.costmodel`'s parallelism) where the engine runs them so: TensorRT-LLM whenever
   attention DP is on, and Dynamo's SGLang recipes on GB200/GB300 (``--moe-dense-tp-size 1``);
@@ -321,13 +321,13 @@ def _pd(row: dict[str, Any], model: ModelSpec) -> Figures:
     move = kv_transfer_s(model, isl, tp=ptp, link=link, prefill=hw)
     # Little's law over the clients not decoding: they leave the queue at the decode rate
     waiting = (conc - decoding) / rate
-    # [PD-FIRST]: the decode worker takes the request in, reads its KV and samples its first
-    # token at its step boundaries
-    handoff = decode_handoff_s(move, step)
+    # [PD-FIRST]: the decode worker takes the request in, sees its KV arrive and emits its first
+    # token at its step boundaries; a client waiting for a slot waits through all of that
+    handoff = decode_handoff_s(move, step, row_engine(row))
     return Figures(
-        (max(pool.ttft_s, waiting) + handoff) * 1e3,
+        max(pool.ttft_s + handoff, waiting) * 1e3,
         step * 1e3,
-        (max(pool.ttft_p50_s, waiting) + handoff) * 1e3,
+        max(pool.ttft_p50_s + handoff, waiting) * 1e3,
         step * 1e3,  # every step of a decode-only worker is the same
     )
 
@@ -406,7 +406,10 @@ def print_medians(results: Sequence[ServingResult]) -> None:
     """The same comparison on the median request, for the rows that print medians: a mean
     over a benchmark's requests also holds its outliers (a first request that compiles
     kernels, a client's start-up), which the median does not."""
-    print("\nMedians: the estimate's median request against the row's, where the row prints one")
+    print(
+        "\nMedians: the estimate's median request against the row's, where the row prints one "
+        "(a P/D row's wait for a decode slot is Little's law's mean in both)"
+    )
     by_source: dict[str, list[ServingResult]] = {"all": list(results)}
     for r in results:
         by_source.setdefault(f"source {source_name(r.row)}", []).append(r)
@@ -429,7 +432,7 @@ def run_serving(model_of: Callable[[dict[str, Any]], ModelSpec]) -> None:
         f"\nCost model vs published serving benchmarks ({SERVING.name}): {len(scoped)} rows in "
         f"scope ({len(rows) - len(scoped)} out of scope), {len(described)} described "
         f"({100 * len(described) / max(1, len(scoped)):.0f}%). Statistic: the mean TTFT and TPOT "
-        "over the benchmark's requests, as the rows print them."
+        "over the benchmark's requests, as the rows print them (medians further down)."
     )
     print_rows(described)
     print("\nErrors, signed = (estimate - measured) / measured")

@@ -8,19 +8,30 @@ Sources:
   shard of the blocks GPU to GPU, over NVLink within a node or NVLink domain (UCX ``cuda_ipc``)
   and over the NICs with GPUDirect RDMA across nodes (Dynamo's disaggregated-serving docs; vLLM
   ``docs/features/nixl_connector_usage.md``).
-  [PD-FIRST] In P/D serving the client's first token leaves through the decode engine, and the
-  decode engine takes a request in, reads its KV and samples at its step boundaries. vLLM's
-  decode instance takes a new request at its next ``schedule()`` (``RequestStatus.
-  WAITING_FOR_REMOTE_KVS``), its workers start the KV read in that step and report the reads
-  done at the step's end (``KVConnectorModelRunnerMixin``: ``start_load_kv``, then the
-  connector's finished receives with the step's output), and the next step computes the last
-  prompt token "so the next one can be sampled" (``vllm/v1/core/sched/scheduler.py``); Dynamo's
-  decode worker streams every token of the answer, the first included (ai-dynamo/dynamo
-  ``docs/design_docs/disagg_serving.md``, "Router Orchestration"). So a request waits half a
-  step on average to be taken in, its read takes whole steps (at least one), and one more step
-  samples the first token. vllm-project/vllm#51919 measures this hand-off at ~197 ms p50 on a
-  3-prefill / 1-decode node with ~29 ms of it the transfer; the recomputed first token with its
-  step alignment ~58 ms.
+  [PD-FIRST] In P/D serving the client's first token leaves through the decode engine, which
+  takes requests in, sees KV transfers done and emits tokens at its step boundaries.
+  - vLLM pulls: its decode instance takes a new request at its next ``schedule()``
+    (``RequestStatus.WAITING_FOR_REMOTE_KVS``), its workers start the KV read in that step and
+    report the reads done at the step's end (``KVConnectorModelRunnerMixin``: ``start_load_kv``,
+    then the connector's finished receives with the step's output), and the next step computes
+    the last prompt token "so the next one can be sampled" (``vllm/v1/core/sched/scheduler.py``):
+    half a step to be taken in, the read in whole steps (at least one) and one step that samples.
+    TensorRT-LLM's generation-only requests (Dynamo's decode workers, which stream every token
+    of the answer, the first included: ai-dynamo/dynamo ``docs/design_docs/disagg_serving.md``,
+    "Router Orchestration") are taken in, and their transfers checked, at its executor's
+    iterations in the same way; their first token is taken to leave with the first generation
+    step, as vLLM's (not checked against its source).
+  - SGLang pushes: its decode worker receives the request before the prefill, allocates the
+    KV slots the prefill writes into, polls the transfers once per scheduler iteration, and reads
+    the first token the prefill sampled from the transfer's metadata buffer; the request then
+    joins through a "prebuilt" extend that skips the forward (``python/sglang/srt/disaggregation/
+    decode.py``: ``DecodeTransferQueue.pop_transferred``, ``prepare_for_prebuilt_extend``; the
+    flow as ai-dynamo/dynamo ``components/backends/sglang/docs/sglang-kv-transfer-explainer.md``
+    walks it): the transfer, then half a step until the next poll.
+  vllm-project/vllm#51919 measures vLLM's hand-off at ~197 ms p50 on a 3-prefill / 1-decode node
+  with ~29 ms of it the transfer, the recomputed first token with its step alignment ~58 ms; the
+  rest there (serial router dispatch, side-channel latency) is not modelled here. The waits are
+  taken at their means, also beside a TTFT percentile.
 """
 
 from __future__ import annotations
@@ -41,7 +52,7 @@ from .parallelism import Parallelism, parallelism_problem
 from .precision import check_runs
 from .roofline import NETWORK_EFFICIENCY, state_shard_fraction
 from .serving_sim import EngineSetup, SimResult, simulate
-from .workload import Lengths, Workload
+from .workload import Engine, Lengths, Workload
 
 # Closed loop, steady state: the clients' first requests all arrive at once and the last ones
 # leave a draining engine; the figures are taken over the requests sent in between.
@@ -508,36 +519,53 @@ def kv_transfer_s(
     return latency + per_gpu / bw
 
 
-def decode_handoff_s(transfer_s: float, step_s: float) -> float:
-    """Seconds from a prompt's prefill to its first token at the decode pool ([PD-FIRST]): half
-    a decode step of ``step_s`` to be taken in, the KV transfer of ``transfer_s`` rounded up to
-    whole steps (at least one), and the step that samples the first token.
+def decode_samples_first(engine: Engine) -> bool:
+    """Whether a P/D decode engine computes a request's first token in a step of its own (vLLM,
+    TensorRT-LLM) or receives it with the KV (SGLang) ([PD-FIRST])."""
+    return engine != "sglang"
+
+
+def decode_handoff_s(transfer_s: float, step_s: float, engine: Engine = "vllm") -> float:
+    """Mean seconds from a prompt's prefill to its first token at a P/D decode pool of
+    ``engine`` with steps of ``step_s`` ([PD-FIRST]): vLLM and TensorRT-LLM take the request in
+    at the next step (half a step on average), read its KV of ``transfer_s`` over whole steps (at
+    least one) and sample its first token in one more step; SGLang receives it with the KV and
+    sees the transfer done at its next step boundary.
 
     >>> round(decode_handoff_s(0.005, 0.02) * 1e3, 3)  # 10 + 20 + 20 ms
     50.0
     >>> round(decode_handoff_s(0.05, 0.02) * 1e3, 3)  # 10 + 3 x 20 + 20 ms
     90.0
+    >>> round(decode_handoff_s(0.05, 0.02, "sglang") * 1e3, 3)  # 50 + 10 ms
+    60.0
     """
     if step_s <= 0:
         return transfer_s
+    if not decode_samples_first(engine):
+        return transfer_s + step_s / 2
     steps = max(1, math.ceil(transfer_s / step_s - 1e-9))
     return step_s * (0.5 + steps + 1)
 
 
-def decode_pool(batch: float, step_s: float, osl: float) -> DecodePoolEstimate:
+def decode_pool(
+    batch: float, step_s: float, osl: float, *, samples_first: bool = True
+) -> DecodePoolEstimate:
     """A decode-only replica holding ``batch`` requests at ``step_s`` per step, answers of
-    ``osl`` tokens, the first of them the hand-off's (:func:`decode_handoff_s`): each later
-    step gives every request one token, so TPOT is the step, and Little's law gives the requests
-    it completes.
+    ``osl`` tokens: each step gives every request one token, so TPOT is the step, and Little's
+    law gives the requests it completes. A request holds its slot for ``osl`` steps where the
+    pool computes its first token, ``osl - 1`` where it arrives with the KV
+    (:func:`decode_samples_first`).
 
-    >>> decode_pool(64, 0.02, 1025).requests_per_s
+    >>> round(decode_pool(64, 0.02, 1025).requests_per_s, 4)
+    3.122
+    >>> decode_pool(64, 0.02, 1025, samples_first=False).requests_per_s
     3.125
     """
     if batch <= 0 or step_s <= 0 or osl < 1:
         raise ConfigError(
             f"a decode pool needs a positive batch, step and osl, got {batch}, {step_s}, {osl}"
         )
-    decode_tokens = max(1.0, osl - 1)
+    decode_tokens = osl if samples_first else max(1.0, osl - 1)
     return DecodePoolEstimate(
         batch=batch,
         step_s=step_s,

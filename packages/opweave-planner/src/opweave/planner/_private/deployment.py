@@ -29,6 +29,7 @@ from opweave.costmodel import (
     ModelSpec,
     Profile,
     Workload,
+    decode_samples_first,
     engine_host,
     fits_inventory,
 )
@@ -348,9 +349,7 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
         "once fill (Little's law); each set's TPOT at its full batch",
         "KV cache moved from prefill to decode GPUs once per request, every prefill GPU "
         "sending its shard (NIXL), over the network unless both pools share a rack-scale "
-        "NVLink domain; the decode pool takes a request in at its next step (half a step on "
-        "average), reads its KV over whole steps (at least one) and samples its first token in "
-        "the step after",
+        f"NVLink domain; {_handoff_text(w)}",
     ]
     out.extend(w.receive_note)
     if w.engine != "vllm":
@@ -389,3 +388,19 @@ def _lengths_text(lengths: Lengths) -> str:
     if lengths.kind == "fixed":
         return f"{lengths.tokens} tokens"
     return f"uniform {lengths.low_tokens}-{lengths.high_tokens} tokens"
+
+
+def _handoff_text(w: Workload) -> str:
+    """How a P/D request reaches its first token at the decode pool ([PD-FIRST] in
+    :mod:`opweave.costmodel`'s serving module)."""
+    if decode_samples_first(w.engine):
+        how = (
+            f"{w.engine_name}'s decode pool takes a request in at its next step, reads its KV "
+            "over whole steps (at least one) and samples its first token in the step after"
+        )
+    else:
+        how = (
+            f"{w.engine_name}'s decode pool receives the first token with the KV and sees the "
+            "transfer done at its next step"
+        )
+    return how + " (the waits at their means, added to every TTFT percentile)"

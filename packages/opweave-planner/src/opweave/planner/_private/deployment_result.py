@@ -138,6 +138,7 @@ class Deployment:
     tokens_per_s: float
     requests_per_s: float
     kv_transfer_s: float | None = None
+    handoff_s: float | None = None  # P/D: from the prefill to the first token, the transfer in it
 
     @property
     def usd_per_hour(self) -> float:
@@ -198,6 +199,7 @@ class Deployment:
             "gpus_used": self.gpus_used,
             "gpus_by_type": self.gpus_by_type,
             "kv_transfer_s": self.kv_transfer_s,
+            "handoff_s": self.handoff_s,
             "pools": {p.role: p.to_json() for p in self.pools},
         }
 
@@ -304,7 +306,13 @@ class DeploymentResult:
         if self.best is not None:
             lines += [f"    {p.role} pool: {p.words()}" for p in self.best.pools]
             if self.best.kv_transfer_s is not None:
-                lines.append(f"    KV transfer per request: {_ms(self.best.kv_transfer_s)}")
+                line = f"    KV transfer per request: {_ms(self.best.kv_transfer_s)}"
+                if self.best.handoff_s is not None:
+                    line += (
+                        f"; prefill to first token at the decode pool: "
+                        f"{_ms(self.best.handoff_s)} (its step boundaries)"
+                    )
+                lines.append(line)
         if self.fleet is not None:
             lines += self._fleet_lines(self.fleet)
         lines.append(f"  deployments compared ({self.slo_words()})")
@@ -363,6 +371,6 @@ def _infeasible(kind: str, reason: str) -> dict[str, Any]:
     keys = (
         "ttft_s", "ttft_p90_s", "ttft_p99_s", "tpot_s", "tpot_p90_s", "tpot_p99_s",
         "tokens_per_s", "requests_per_s", "usd_per_hour", "usd_per_million_tokens",
-        "gpus_used", "gpus_by_type", "kv_transfer_s", "pools",
+        "gpus_used", "gpus_by_type", "kv_transfer_s", "handoff_s", "pools",
     )  # fmt: skip
     return {"strategy": kind, **dict.fromkeys(keys), "reason": reason}

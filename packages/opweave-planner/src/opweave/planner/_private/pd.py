@@ -22,6 +22,7 @@ from opweave.costmodel import (
     Plan,
     Workload,
     decode_handoff_s,
+    decode_samples_first,
     fits_inventory,
     kv_transfer_s,
 )
@@ -112,11 +113,18 @@ def _decode_reason(result: PlanResult, key: str | None) -> str:
 
 
 def _decoding(decode_plan: Plan, workload: Workload, ttft_s: float) -> float:
-    """Requests decoding at once (Little's law): arrivals times the time each decodes."""
+    """Requests decoding at once (Little's law): arrivals times the time each holds a slot."""
     pred = decode_plan.prediction
     assert pred is not None
     decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
-    return _arrivals(workload, ttft_s, decode_s) * decode_s
+    return _arrivals(workload, ttft_s, decode_s) * _held_s(workload, pred.tpot_s)
+
+
+def _held_s(workload: Workload, step_s: float) -> float:
+    """Time a request holds a decode slot: the steps of its answer after the first token, and
+    the step that samples the first where the decode pool computes it ([PD-FIRST])."""
+    first = 1.0 if decode_samples_first(workload.engine) else 0.0
+    return (max(1.0, workload.osl.mean - 1) + first) * step_s
 
 
 def _arrivals(workload: Workload, ttft_s: float, decode_s: float) -> float:
@@ -178,23 +186,25 @@ def _disaggregated(
     pred = decode_plan.prediction
     assert pred is not None
     prices = {d.id: d.usd_per_hour for d in devices.values()}
+    # a request's time after its first token, and the time it holds a decode slot
     decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
+    held_s = _held_s(workload, pred.tpot_s)
     transfers = {o: _transfer_s(model, o, decode_plan, devices, workload.isl.mean) for o in options}
     # what a request's TTFT holds beside the prefill pool's: the decode pool taking it in, its
-    # KV transfer and the step that samples its first token, at the decode steps' boundaries
-    handoffs = {o: decode_handoff_s(transfers[o], pred.tpot_s) for o in options}
+    # KV transfer and the first token, at the decode steps' boundaries (their means)
+    handoffs = {o: decode_handoff_s(transfers[o], pred.tpot_s, workload.engine) for o in options}
 
     def budget(option: EngineOption) -> float | None:
         return None if slos.ttft_s is None else slos.ttft_s - handoffs[option]
 
     def sized(rate: float) -> PrefillSizing | None:
-        sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
+        sets = max(1, math.ceil(rate * held_s / decode_plan.global_batch))
         used = Pool.of_plan(decode_plan, sets, prices).gpus_by_type
         return prefill.cheapest(options, rate, budget, lambda o: room_for(limits, used, o))
 
-    # closed loop: the arrivals are the clients over each request's time, which the prefill
-    # pool's TTFT is part of: size for the most arrivals (no TTFT), then settle on the pool's
-    # mean TTFT (Little's law), once
+    # closed loop: the arrivals are the clients over each request's time, which the TTFT is
+    # part of: size for the most arrivals (no TTFT), then settle on the mean TTFT (the prefill
+    # pool's and the hand-off; Little's law), once
     rate = _arrivals(workload, 0.0, decode_s)
     sizing = sized(rate)
     if sizing is not None and workload.concurrency is not None:
@@ -205,7 +215,7 @@ def _disaggregated(
     transfer, handoff = transfers[sizing.option], handoffs[sizing.option]
     if workload.concurrency is not None:
         rate = _arrivals(workload, sizing.estimate.ttft_s + handoff, decode_s)
-    sets = max(1, math.ceil(rate * decode_s / decode_plan.global_batch))
+    sets = max(1, math.ceil(rate * held_s / decode_plan.global_batch))
     est = sizing.estimate
     dep = Deployment(
         kind=kind,
@@ -222,6 +232,7 @@ def _disaggregated(
         tokens_per_s=rate * workload.osl.mean,
         requests_per_s=rate,
         kv_transfer_s=transfer,
+        handoff_s=handoff,
     )
     if limits and not fits_inventory(dep.nodes(per_node), limits, per_node):
         return None, "its prefill and decode pools together do not fit the inventory"
@@ -246,8 +257,9 @@ def _prefill_reason(
     if slos.ttft_s is not None and quickest > slos.ttft_s:
         return (
             f"a prompt alone reaches its first token in {quickest:.3g} s at best ({option}, "
-            "its KV transfer and the decode pool's first step included), beyond the "
-            f"{slos.ttft_s * 1e3:g} ms TTFT SLO"
+            "its hand-off to the decode pool included: the KV transfer and the decode steps "
+            f"that take it in and emit the first token), beyond the {slos.ttft_s * 1e3:g} ms "
+            "TTFT SLO"
         )
     where = " within the inventory" if bounded else ""
     return f"no prefill pool takes the arrivals{where} within the TTFT SLO"
