@@ -18,9 +18,10 @@ Sources:
     half a step to be taken in, the read in whole steps (at least one) and one step that samples.
     TensorRT-LLM's generation-only requests (Dynamo's decode workers, which stream every token
     of the answer, the first included: ai-dynamo/dynamo ``docs/design_docs/disagg_serving.md``,
-    "Router Orchestration") are taken in, and their transfers checked, at its executor's
-    iterations in the same way; their first token is taken to leave with the first generation
-    step, as vLLM's (not checked against its source).
+    "Router Orchestration") carry the token the context phase sampled
+    (``DisaggregatedParams.first_gen_tokens``), are taken in and have their transfers checked at
+    the executor's iterations; the first token is taken to leave with the request's first
+    generation step, as vLLM's does (when the executor first responds was not checked).
   - SGLang pushes: its decode worker receives the request before the prefill, allocates the
     KV slots the prefill writes into, polls the transfers once per scheduler iteration, and reads
     the first token the prefill sampled from the transfer's metadata buffer; the request then
