@@ -53,7 +53,7 @@ from .parallelism import Parallelism, parallelism_problem
 from .precision import check_runs
 from .roofline import NETWORK_EFFICIENCY, state_shard_fraction
 from .serving_sim import EngineSetup, SimResult, simulate
-from .workload import Engine, Lengths, Workload
+from .workload import CacheBudget, Engine, Lengths, Workload
 
 # Closed loop, steady state: the clients' first requests all arrive at once and the last ones
 # leave a draining engine; the figures are taken over the requests sent in between.
@@ -152,9 +152,9 @@ def _engine(
     par: Parallelism,
     workload: Workload,
     host: HostProfile | None,
-) -> tuple[EngineStepCost, EngineSetup, HostProfile | None]:
-    """The step costs and limits of one engine rank, and the host profile they charge (``host``,
-    else the workload's engine's)."""
+) -> tuple[EngineStepCost, EngineSetup, HostProfile | None, CacheBudget]:
+    """The step costs and limits of one engine rank, the host profile they charge (``host``,
+    else the workload's engine's) and the rule that sized its KV cache."""
     _check(model, hardware, par, workload)
     host = host if host is not None else engine_host(workload.engine)
     hw = hardware if host is None else host.apply(hardware)
@@ -180,7 +180,7 @@ def _engine(
         prefix_caching=workload.engine == "vllm",
         reserve_output=workload.engine == "tensorrt-llm",
     )
-    return cost, setup, host
+    return cost, setup, host, budget
 
 
 def _population(workload: Workload, rank: Workload) -> tuple[int, int, int]:
@@ -244,7 +244,7 @@ def estimate_serving(
     (23, True)
     """
     par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
-    cost, setup, host = _engine(model, hardware, par, workload, host)
+    cost, setup, host, budget = _engine(model, hardware, par, workload, host)
     rank = workload.per_replica(dp)
     # the replica's output is its ranks' together: dp ranks at a rate share, or (closed loop)
     # as many rank shares as the clients fill (fewer clients than ranks leave ranks idle)
@@ -307,7 +307,7 @@ def estimate_serving(
         kv_capacity_tokens=setup.kv_capacity_bytes / max(float(cost.kv_bytes(1.0)), 1e-30),
         preemptions=sim.preemptions,
         saturated=bool(saturated),
-        assumptions=_assumptions(workload, tokens, seqs, dp, hardware, par) + _eager(cost, host),
+        assumptions=_assumptions(workload, tokens, seqs, dp, budget) + _eager(cost, host),
     )
 
 
@@ -333,10 +333,9 @@ def _statistic(rank: Workload, n: int, first: int, last: int) -> str:
 
 
 def _assumptions(
-    workload: Workload, tokens: int, seqs: int, dp: int, hardware: HardwareSpec, par: Parallelism
+    workload: Workload, tokens: int, seqs: int, dp: int, budget: CacheBudget
 ) -> tuple[str, ...]:
     given = workload.max_num_batched_tokens is not None
-    budget = workload.cache_budget(hardware, par.gpus, par.dp)
     out = [
         f"arrivals: {workload.arrival}",
         f"lengths: isl {_lengths(workload.isl)}, osl {_lengths(workload.osl)}",
@@ -395,7 +394,7 @@ class PrefillEngine:
         self.hardware = hardware
         self.par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
         self.workload = workload
-        self.cost, self.setup, _ = _engine(model, hardware, self.par, workload, host)
+        self.cost, self.setup, _, _ = _engine(model, hardware, self.par, workload, host)
         budget = self.setup.max_num_batched_tokens
         per_step = max(1, math.ceil(budget / max(1.0, workload.isl.mean)))
         alone = workload.model_copy(
@@ -548,14 +547,23 @@ def decode_handoff_s(transfer_s: float, step_s: float, engine: Engine = "vllm") 
     return step_s * (0.5 + steps + 1)
 
 
+def decode_slot_steps(osl: float, samples_first: bool = True) -> float:
+    """Decode steps a P/D request holds a slot of the decode pool, answers of ``osl`` tokens:
+    ``osl`` where the pool computes the first token in a step of its own, ``osl - 1`` (at least
+    one) where the first token arrives with the KV (:func:`decode_samples_first`).
+
+    >>> decode_slot_steps(1025), decode_slot_steps(1025, samples_first=False)
+    (1025, 1024)
+    """
+    return osl if samples_first else max(1.0, osl - 1)
+
+
 def decode_pool(
     batch: float, step_s: float, osl: float, *, samples_first: bool = True
 ) -> DecodePoolEstimate:
     """A decode-only replica holding ``batch`` requests at ``step_s`` per step, answers of
     ``osl`` tokens: each step gives every request one token, so TPOT is the step, and Little's
-    law gives the requests it completes. A request holds its slot for ``osl`` steps where the
-    pool computes its first token, ``osl - 1`` where it arrives with the KV
-    (:func:`decode_samples_first`).
+    law gives the requests it completes, each holding its slot for :func:`decode_slot_steps`.
 
     >>> round(decode_pool(64, 0.02, 1025).requests_per_s, 4)
     3.122
@@ -566,7 +574,7 @@ def decode_pool(
         raise ConfigError(
             f"a decode pool needs a positive batch, step and osl, got {batch}, {step_s}, {osl}"
         )
-    decode_tokens = osl if samples_first else max(1.0, osl - 1)
+    decode_tokens = decode_slot_steps(osl, samples_first)
     return DecodePoolEstimate(
         batch=batch,
         step_s=step_s,

@@ -23,6 +23,7 @@ from opweave.costmodel import (
     Workload,
     decode_handoff_s,
     decode_samples_first,
+    decode_slot_steps,
     fits_inventory,
     kv_transfer_s,
 )
@@ -116,15 +117,18 @@ def _decoding(decode_plan: Plan, workload: Workload, ttft_s: float) -> float:
     """Requests decoding at once (Little's law): arrivals times the time each holds a slot."""
     pred = decode_plan.prediction
     assert pred is not None
-    decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
+    decode_s = _decode_s(workload, pred.tpot_s)
     return _arrivals(workload, ttft_s, decode_s) * _held_s(workload, pred.tpot_s)
 
 
+def _decode_s(workload: Workload, step_s: float) -> float:
+    """A request's time after its first token: the rest of its answer, a step a token."""
+    return max(1.0, workload.osl.mean - 1) * step_s
+
+
 def _held_s(workload: Workload, step_s: float) -> float:
-    """Time a request holds a decode slot: the steps of its answer after the first token, and
-    the step that samples the first where the decode pool computes it ([PD-FIRST])."""
-    first = 1.0 if decode_samples_first(workload.engine) else 0.0
-    return (max(1.0, workload.osl.mean - 1) + first) * step_s
+    """Time a request holds a decode slot ([PD-FIRST] in :mod:`opweave.costmodel`'s serving)."""
+    return decode_slot_steps(workload.osl.mean, decode_samples_first(workload.engine)) * step_s
 
 
 def _arrivals(workload: Workload, ttft_s: float, decode_s: float) -> float:
@@ -187,7 +191,7 @@ def _disaggregated(
     assert pred is not None
     prices = {d.id: d.usd_per_hour for d in devices.values()}
     # a request's time after its first token, and the time it holds a decode slot
-    decode_s = max(1.0, workload.osl.mean - 1) * pred.tpot_s
+    decode_s = _decode_s(workload, pred.tpot_s)
     held_s = _held_s(workload, pred.tpot_s)
     transfers = {o: _transfer_s(model, o, decode_plan, devices, workload.isl.mean) for o in options}
     # what a request's TTFT holds beside the prefill pool's: the decode pool taking it in, its
