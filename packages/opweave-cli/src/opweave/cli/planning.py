@@ -306,7 +306,10 @@ def plan(
     if plot is not None:
         from ._plots import plot_frontier
 
-        plot_frontier(frontier(results), plot, title=f"{spec.name}, context {context}")
+        gpus = " + ".join(dict.fromkeys(results[0].gpus))
+        plot_frontier(
+            frontier(results), plot, title=f"{spec.name} on {gpus}, context {tokens:,} tokens"
+        )
     if len(results) == 1:
         if json_out:
             emit_json(results[0].to_json())
@@ -322,7 +325,7 @@ def plan(
         ranks = sum(o.replicas * o.gpus_per_replica for o in result.best.owners)
         typer.echo(
             f"plan written to {path} ({ranks} rank{'s' if ranks > 1 else ''}); deployment "
-            f"files: opweave deploy {path} -o DIR"
+            f"files: opweave deploy {path} --image IMAGE -o DIR"
         )
     if plot is not None:
         typer.echo(f"frontier plot written to {plot}")
@@ -355,6 +358,8 @@ def frontier(results: list[Any]) -> dict[str, list[dict[str, Any] | None]]:
 
 def describe_sweep(results: list[Any]) -> list[str]:
     """The cost vs TPOT frontier as a table, then each SLO's best plan in one line."""
+    from opweave.planner import describe_plan
+
     front = frontier(results)
     rows = []
     for i, r in enumerate(results):
@@ -374,8 +379,12 @@ def describe_sweep(results: list[Any]) -> list[str]:
         table(rows, header),
         "",
     ]
-    lines += [f"{r.tpot_slo_s * 1e3:g} ms: {r.message()}" for r in results]
-    lines.append("assumptions: " + "; ".join(results[0].assumptions()))
+    for r in results:
+        lines.append(f"{r.tpot_slo_s * 1e3:g} ms: {r.message()}")
+        if r.best is not None:
+            lines.append(f"  {describe_plan(r.best)}")
+    lines.append("assumptions:")
+    lines += [f"  - {a}" for a in results[0].assumptions()]
     return lines
 
 

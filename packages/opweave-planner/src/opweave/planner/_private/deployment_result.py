@@ -10,7 +10,7 @@ from typing import Any, Literal
 from opweave.costmodel import Plan, Workload, fits_inventory, node_layout, plan_groups
 
 from .engines import EngineOption, Slos
-from .result import PlanResult, describe_plan, gpus_used
+from .result import PlanResult, describe_plan, gpus_used, parallelism_words
 
 Role = Literal["aggregated", "prefill", "decode"]
 # Deployment kinds: the contract's baselines, then P/D with OpWeave's best decode plan.
@@ -117,10 +117,10 @@ class Pool:
             what = "engine" if self.role == "aggregated" else f"{self.role} engine"
             return (
                 f"{n} {what}{'s' if n > 1 else ''} of {self.engine.gpus} x "
-                f"{self.engine.device.id} ({self.parallelism})"
+                f"{self.engine.device.id} ({_parallelism_words(self.engine.par)})"
             )
         assert self.plan is not None
-        return f"{n} replica set{'s' if n > 1 else ''} of {describe_plan(self.plan)}"
+        return f"{n} cop{'ies, each' if n > 1 else 'y,'} {describe_plan(self.plan)}"
 
 
 @dataclass(frozen=True)
@@ -303,32 +303,39 @@ class DeploymentResult:
 
     def describe(self) -> list[str]:
         lines = [self.message()]
-        if self.best is not None:
-            lines += [f"    {p.role} pool: {p.words()}" for p in self.best.pools]
-            if self.best.kv_transfer_s is not None:
-                line = f"    KV transfer per request: {_ms(self.best.kv_transfer_s)}"
-                if self.best.handoff_s is not None:
+        best = self.best
+        if best is not None:
+            lines += [f"  {p.role} pool: {p.words()}" for p in best.pools]
+            if best.kv_transfer_s is not None:
+                line = f"  KV transfer per request: {_ms(best.kv_transfer_s)}"
+                if best.handoff_s is not None:
                     line += (
                         f"; prefill to first token at the decode pool: "
-                        f"{_ms(self.best.handoff_s)} (its step boundaries)"
+                        f"{_ms(best.handoff_s)} (its step boundaries)"
                     )
                 lines.append(line)
         if self.fleet is not None:
             lines += self._fleet_lines(self.fleet)
-        lines.append(f"  deployments compared ({self.slo_words()})")
-        for kind, dep in self.baselines.items():
+        shown = {
+            k: d
+            for k, d in self.baselines.items()
+            if d is None or best is None or d.pools != best.pools
+        }
+        left_out = "; those that are the best deployment are left out" if best else ""
+        if shown:
+            lines.append(f"deployments compared ({self.slo_words()}){left_out}:")
+        for kind, dep in shown.items():
             if dep is None:
-                lines.append(f"    {kind}: infeasible: {self.reasons.get(kind, '')}")
+                lines.append(f"  {kind}: infeasible: {self.reasons.get(kind, '')}")
                 continue
             ratio = ""
-            if self.best is not None:
-                ratio = (
-                    f" = {dep.usd_per_million_tokens / self.best.usd_per_million_tokens:.2f}x best"
-                )
-            lines.append(f"    {kind}: {dep.headline()}{ratio}")
-            lines += [f"      {p.role}: {p.words()}" for p in dep.pools]
-        lines.append("  assumptions: " + "; ".join(self.assumptions))
-        lines.append(f"  search: {self.simulations} engine simulations, {self.wall_s:.2f} s")
+            if best is not None:
+                ratio = f"{dep.usd_per_million_tokens / best.usd_per_million_tokens:.2f}x: "
+            lines.append(f"  {KIND_WORDS[kind]}: {ratio}{dep.headline()}")
+            lines += [f"    {p.role}: {p.words()}" for p in dep.pools]
+        lines.append("assumptions:")
+        lines += [f"  - {a}" for a in self.assumptions]
+        lines.append(f"search: {self.simulations:,} engine simulations, {self.wall_s:.2f} s")
         return lines
 
     def _fleet_lines(self, fleet: Fleet) -> list[str]:
@@ -365,6 +372,10 @@ class DeploymentResult:
         else:
             lines.append(f"    idle: {left_text}: {fleet.idle_reason}")
         return lines
+
+
+def _parallelism_words(par: Any) -> str:
+    return parallelism_words(par.tp, par.ep, par.dp)
 
 
 def _infeasible(kind: str, reason: str) -> dict[str, Any]:

@@ -25,26 +25,88 @@ from .search import SearchStats
 
 BASELINES = ("colocated", "afd", "cad")
 
-# What each strategy is, in words (spelled out once in the text output).
-STRATEGY_WORDS = {
+# What each baseline is, in words.
+BASELINE_WORDS = {
     "colocated": "colocated (the whole model on one device group)",
-    "afd": "AFD (attention-FFN disaggregation: attention modules and FFN/MoE on separate owners)",
-    "cad": "CAD (core-attention disaggregation: core attention alone, everything else elsewhere)",
-    "opweave": "OpWeave (the cheapest operator partition of the searched space)",
+    "afd": "AFD (attention-FFN disaggregation: attention and FFN/MoE on separate owners)",
+    "cad": "CAD (core-attention disaggregation: core attention alone, the rest elsewhere)",
+    "opweave_homogeneous": "OpWeave on one GPU type",
+    "opweave_heterogeneous": "OpWeave mixing GPU types",
 }
 KIND_WORDS = {"full": "full-attention", "sliding": "sliding-window", "linear": "linear-attention"}
+KIND_OF_STRATEGY = {"afd": "attention-FFN disaggregation", "cad": "core-attention disaggregation"}
+
+
+def plan_kind(plan: Plan) -> str:
+    """What shape of plan this is, in words: ``colocated``, ``attention-FFN disaggregation``,
+    ``core-attention disaggregation``, ``layer pipeline`` (whole layer blocks alternate between
+    the owners) or ``operator split`` (a layer's operators run on different owners)."""
+    if len(plan.owners) == 1 or plan.strategy == "colocated":
+        return "colocated"
+    if plan.strategy in ("afd", "cad"):
+        return KIND_OF_STRATEGY[plan.strategy]
+    if plan.template.cuts == (0,):
+        return "layer pipeline"
+    return "operator split"
+
+
+def plan_title(plan: Plan) -> str:
+    """``OpWeave operator split over 2 owners``, ``colocated (the whole model on one device
+    group)``: the plan's strategy and shape, in words."""
+    kind = plan_kind(plan)
+    if plan.strategy != "opweave" or kind == "colocated":
+        return BASELINE_WORDS.get(plan.strategy if plan.strategy != "opweave" else kind, kind)
+    n = len(plan.owners)
+    same = "identical " if all(o == plan.owners[0] for o in plan.owners) else ""
+    return f"OpWeave {kind} over {n} {same}owners"
+
+
+def nodes_text(nodes: Sequence[Mapping[str, Any]]) -> str:
+    """``19 nodes: 3 x 8 h100-sxm, 16 x 8 a100-sxm-80gb`` (nodes of the same size and GPU
+    counted together, in order)."""
+    counts: dict[tuple[str, int], int] = {}
+    for n in nodes:
+        counts[(n["gpu"], n["gpus"])] = counts.get((n["gpu"], n["gpus"]), 0) + 1
+    total = len(nodes)
+    parts = ", ".join(f"{k} x {gpus} {gpu}" for (gpu, gpus), k in counts.items())
+    return f"{total} node{'s' if total > 1 else ''}: {parts}"
+
+
+def owner_words(owner: Any) -> str:
+    """``3 replicas of 8 x h100-sxm (TP8, EP8) holding 3,072 requests each``."""
+    n = owner.replicas
+    each = " each" if n > 1 else ""
+    return (
+        f"{n} replica{'s' if n > 1 else ''} of {owner.tp * owner.dp} x {owner.gpu} "
+        f"({parallelism_words(owner.tp, owner.ep, owner.dp)}) holding "
+        f"{owner.resident_batch:,} requests{each}"
+    )
+
+
+def parallelism_words(tp: int, ep: int, dp: int) -> str:
+    """``TP2``, ``TP8, EP8`` or ``DP16 x TP2, EP32``."""
+    out = f"TP{tp}" if dp == 1 else f"DP{dp} x TP{tp}"
+    return f"{out}, EP{ep}" if ep > 1 else out
 
 
 def describe_plan(plan: Plan) -> str:
-    """One line: strategy, owners (GPU, parallelism, resident batch, replicas), microbatches."""
-    owners = " | ".join(
-        f"{o.gpu} {o.parallelism} b{o.resident_batch} x{o.replicas}" for o in plan.owners
-    )
-    return (
-        f"{plan.strategy} [{len(plan.template.cuts)}-stage template, "
-        f"{len(plan.owners)} owner{'s' if len(plan.owners) > 1 else ''}: {owners}; "
-        f"{plan.microbatches} microbatch{'es' if plan.microbatches > 1 else ''}]"
-    )
+    """One line in plain words: what shape of plan, which GPUs in which groups, how many
+    requests each holds, and the microbatches a pipeline needs."""
+    return f"{plan_kind(plan)}{groups_text(plan)}"
+
+
+def groups_text(plan: Plan) -> str:
+    """The owners of :func:`describe_plan`, after its shape: ``: 1 replica of 8 x a100 (TP8)
+    holding 48 requests`` or `` over 2 owners: ...; 3 microbatches``."""
+    owners = plan.owners
+    if len(owners) == 1:
+        text = f": {owner_words(owners[0])}"
+    elif all(o == owners[0] for o in owners):
+        text = f" over {len(owners)} identical owners, each {owner_words(owners[0])}"
+    else:
+        text = f" over {len(owners)} owners: " + "; ".join(owner_words(o) for o in owners)
+    m = plan.microbatches
+    return text + (f"; {m} microbatches" if m > 1 else "")
 
 
 def gpus_used(plan: Plan) -> dict[str, int]:
@@ -205,8 +267,8 @@ class PlanResult:
             pred = self.best.prediction
             assert pred is not None
             return (
-                f"best: {describe_plan(self.best)} at ${_usd(self.best):.4g} per million "
-                f"tokens, TPOT {pred.tpot_s * 1e3:.2f} ms (SLO {slo_ms:g} ms)"
+                f"best: {plan_title(self.best)}, ${_usd(self.best):.4g} per million tokens, "
+                f"TPOT {pred.tpot_s * 1e3:.2f} ms (SLO {slo_ms:g} ms)"
             )
         if self.smallest is not None:
             need = gpus_used(self.smallest)
@@ -377,19 +439,19 @@ class PlanResult:
         return out
 
     # -- plain words ---------------------------------------------------------------------------
-    def _owner_lines(self, plan: Plan) -> list[str]:
+    def _owner_lines(self, plan: Plan, indent: str) -> list[str]:
         doc = self.summary(plan)
         lines = []
         for o, place in zip(doc["owners"], doc["placement"], strict=True):
             reps = f"{o['replicas']} replica{'s' if o['replicas'] > 1 else ''}"
             used, cap = o["memory_bytes_per_gpu"] / 1e9, o["memory_capacity_bytes_per_gpu"] / 1e9
-            layout = _layout_words(o["tp"], o["ep"], o["dp"])
+            each = " each" if o["replicas"] > 1 else ""
             lines.append(
-                f"    owner {place['owner']}: {reps} of {o['tp'] * o['dp']} x {o['gpu']} "
-                f"({layout}, {o['quant']} weights), {o['resident_batch']} requests each, "
-                f"{used:.1f} of {cap:.1f} GB per GPU"
+                f"{indent}owner {place['owner']}: {reps} of {o['tp'] * o['dp']} x {o['gpu']} "
+                f"({_layout_words(o['tp'], o['ep'], o['dp'])}), {o['quant']} weights, "
+                f"{o['resident_batch']:,} requests{each}, {used:.1f} of {cap:.1f} GB per GPU"
             )
-            lines.append(f"      runs {_operators_text(place['operators'])}")
+            lines.append(f"{indent}  runs {_operators_text(place['operators'])}")
         return lines
 
     def _headline(self, plan: Plan) -> str:
@@ -400,55 +462,69 @@ class PlanResult:
             f"${doc['usd_per_hour']:.2f}/hour on {_gpus_text(doc['gpus_used'])}"
         )
 
+    def _schedule_line(self, plan: Plan) -> str | None:
+        """How tokens move between the owners and how the batch is pipelined (None for a
+        single owner without microbatches: nothing moves)."""
+        pred = plan.prediction
+        assert pred is not None
+        if len(plan.owners) == 1 and plan.microbatches == 1:
+            return None
+        m = plan.microbatches
+        batch = (
+            f"the {plan.global_batch:,} requests in flight move in {m} microbatches"
+            if m > 1
+            else f"the {plan.global_batch:,} requests in flight move as one batch"
+        )
+        return (
+            f"  a token passes {pred.stages_per_token} stages in turn on the owners, "
+            f"{pred.internode_bytes_per_token / 1e3:.1f} kB per token between nodes; {batch}, "
+            f"keeping the GPUs {100 * (pred.compute_occupancy or 0):.0f}% busy"
+        )
+
     def describe(self) -> list[str]:
         """Human-readable lines: the plan in plain words (which operators run where, what it
         costs), each baseline against it and why, and the assumptions behind the figures."""
         lines = [self.message()]
         best = self.best
         if best is not None:
-            pred = best.prediction
-            assert pred is not None
             doc = self.summary(best)
-            lines.append(f"  {STRATEGY_WORDS[best.strategy]}: {self._headline(best)}")
-            lines += self._owner_lines(best)
-            name = self.template_names.get(best.template.cuts, "")
             lines.append(
-                f"    template cuts {list(best.template.cuts)}"
-                + (f" ({name})" if name else "")
-                + f"; {best.microbatches} microbatch{'es' if best.microbatches > 1 else ''} of "
-                f"the global batch of {best.global_batch}; {pred.stages_per_token} stages per "
-                f"token, {pred.internode_bytes_per_token / 1e3:.1f} kB inter-node per token, "
-                f"compute occupancy {100 * (pred.compute_occupancy or 0):.0f}%"
+                f"  {doc['tokens_per_s']:,.0f} tokens/s for ${doc['usd_per_hour']:.2f}/hour on "
+                f"{_gpus_text(doc['gpus_used'])} ({nodes_text(doc['nodes'])})"
             )
-            nodes = ", ".join(f"{n['gpus']} x {n['gpu']}" for n in doc["nodes"])
-            lines.append(f"    nodes: {len(doc['nodes'])} ({nodes})")
+            lines += self._owner_lines(best, "  ")
+            schedule = self._schedule_line(best)
+            if schedule is not None:
+                lines.append(schedule)
             if doc["replica_sets"] is not None:
                 k = doc["replica_sets"]
                 lines.append(
-                    f"    the inventory {self.inventory_text()} holds {k} such deployment"
+                    f"  the inventory {self.inventory_text()} holds {k} such deployment"
                     f"{'s' if k > 1 else ''} ({k * doc['tokens_per_s']:,.0f} tokens/s at "
                     f"${k * doc['usd_per_hour']:.2f}/hour)"
                 )
-        lines.append("  baselines (same GPU types" + (" and inventory)" if self.bounded else ")"))
-        said: set[str] = set()
-        for key, plan in self.baselines.items():
-            word = key.split("_")[0]
-            label = key.replace("_", " ")
-            if word in STRATEGY_WORDS and word not in said and word != "opweave":
-                label = STRATEGY_WORDS[word]
-                said.add(word)
+        others = {k: p for k, p in self.baselines.items() if p is None or p != best}
+        if others:
+            lines.append(
+                "baselines on the same GPU types"
+                + (" and inventory" if self.bounded else "")
+                + (", cost per token against the best plan's:" if best is not None else ":")
+            )
+        for key, plan in others.items():
+            label = BASELINE_WORDS.get(key, key.replace("_", " "))
             if plan is None:
-                lines.append(f"    {label}: infeasible: {self.reasons.get(key, '')}")
+                lines.append(f"  {label}: infeasible: {self.reasons.get(key, '')}")
                 continue
-            pred = plan.prediction
-            assert pred is not None
-            ratio = f" = {_usd(plan) / _usd(best):.2f}x best" if best is not None else ""
-            lines.append(f"    {label}: {self._headline(plan)}{ratio}{self._why(plan)}")
-            lines.append(f"      {describe_plan(plan)}")
-        lines.append("  assumptions: " + "; ".join(self.assumptions()))
+            ratio = f"{_usd(plan) / _usd(best):.2f}x: " if best is not None else ""
+            lines.append(f"  {label}: {ratio}{self._headline(plan)}")
+            why = self._why(plan)
+            groups = groups_text(plan).removeprefix(": ").removeprefix(" over ")
+            lines.append(f"    {groups}" + (f"; costs more: {why}" if why else ""))
+        lines.append("assumptions:")
+        lines += [f"  - {a}" for a in self.assumptions()]
         s = self.search
         lines.append(
-            f"  search: {s.simulator_calls} simulator calls, {s.candidates} candidates, "
+            f"search: {s.simulator_calls:,} simulator calls, {s.candidates:,} candidates, "
             f"{s.wall_s:.2f} s"
         )
         return lines
@@ -467,21 +543,25 @@ class PlanResult:
         best_b = _mean_batch(best)
         if mean_b < best_b:
             why.append(f"smaller batches (mean {mean_b:.0f} vs {best_b:.0f})")
-        return f" ({', '.join(why)})" if why else ""
+        return ", ".join(why)
 
 
 def _layout_words(tp: int, ep: int, dp: int) -> str:
-    """``TP2``, or ``4 DP ranks of TP2, experts over EP8`` (how a replica lays out its GPUs)."""
+    """``TP2``, or ``attention in 4 data-parallel ranks of TP2, experts over all 8 GPUs (EP8)``
+    (how a replica lays out its GPUs)."""
     if ep == dp == 1:
         return f"TP{tp}"
     gpus = tp * dp
+    attention = f"attention TP{tp}"
+    if dp > 1:
+        attention = f"attention in {dp} data-parallel ranks of TP{tp}"
     if ep == 1:
-        experts = f"experts tensor-parallel over all {gpus}"
+        experts = f"experts TP{gpus}"
     elif ep == gpus:
-        experts = f"experts over EP{ep}"
+        experts = f"experts EP{ep} over the {gpus} GPUs"
     else:
         experts = f"experts over EP{ep}, each TP{gpus // ep}"
-    return f"{dp} DP rank{'s' if dp > 1 else ''} of TP{tp}, {experts}"
+    return f"{attention}, {experts}"
 
 
 def _mean_batch(plan: Plan) -> float:
