@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -44,3 +45,54 @@ def test_costmodel_installs_without_torch(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "none of" in proc.stdout
+
+
+@pytest.mark.skipif(shutil.which("uv") is None, reason="needs uv to build wheels and a venv")
+def test_planner_cli_extra_gives_the_command_without_torch(tmp_path: Path) -> None:
+    """`pip install "opweave-planner[cli]"`, as the README tells planning users: the library and
+    the `opweave` command, no torch; the command plans."""
+    dist = tmp_path / "dist"
+    subprocess.run(
+        ["uv", "build", "-q", "--all-packages", "--wheel", "-o", str(dist)], cwd=ROOT, check=True
+    )
+    venv = tmp_path / "venv"
+    subprocess.run(["uv", "venv", "-q", "-p", sys.executable, str(venv)], check=True)
+    python = venv / "bin/python"
+    subprocess.run(
+        [
+            "uv",
+            "pip",
+            "install",
+            "-q",
+            "-p",
+            str(python),
+            "--find-links",
+            str(dist),
+            "opweave-planner[cli]",
+        ],
+        check=True,
+    )
+    proc = subprocess.run(
+        [str(python), str(ROOT / "tools/check_isolation.py"), "opweave-planner[cli]"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    command = [
+        "plan",
+        "qwen3-32b",
+        "--gpus",
+        "a100",
+        "--context",
+        "8K",
+        "--tpot-slo-ms",
+        "50",
+        "--json",
+    ]
+    proc = subprocess.run(
+        [str(venv / "bin/opweave"), *command],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["best"]["strategy"] == "colocated"
