@@ -12,6 +12,52 @@ from pydantic import BaseModel, ConfigDict
 from ..errors import ConfigError
 
 
+def schema_version_problem(value: Any, expected: int, *, toml: bool = False) -> str | None:
+    """What is wrong with a file's ``schema_version`` ``value``, to follow "schema_version"
+    in a message (None: it is ``expected``).
+
+    It says what the value is and how to write the right one in the file's syntax (``toml``:
+    ``schema_version = 1``; JSON: ``"schema_version": 1``): a quoted ``"1"`` or a ``1.0``
+    prints as the version it spells, so "has schema_version 1; reads version 1" would not tell
+    the user what to change."""
+    if type(value) is int and value == expected:
+        return None
+    fix = f"schema_version = {expected}" if toml else f'"schema_version": {expected}'
+    if isinstance(value, bool):
+        found = "true" if value else "false"
+        return f"must be the integer {expected}, not {found}; write {fix}"
+    if isinstance(value, int):
+        if value > expected:
+            return (
+                f"{value} is newer than this OpWeave reads ({expected}): upgrade OpWeave, or "
+                f"rewrite the file for version {expected}"
+            )
+        return f"{value} is not a version OpWeave writes; write {fix}"
+    if isinstance(value, str):
+        shown = json.dumps(value if len(value) <= 40 else value[:40] + "...")
+        return f"must be the integer {expected}, not the string {shown}; write {fix}"
+    if isinstance(value, float):
+        return f"must be the integer {expected}, not the number {value!r}; write {fix}"
+    kind = {list: "a list", dict: "a table" if toml else "an object"}.get(type(value), "null")
+    return f"must be the integer {expected}, not {kind}; write {fix}"
+
+
+def schema_version_field(expected: int) -> Any:
+    """A ``mode="before"`` validator of a JSON file's ``schema_version`` whose error is
+    :func:`schema_version_problem`'s (pydantic's own says only "Input should be 1")."""
+    from pydantic import field_validator
+    from pydantic_core import PydanticCustomError
+
+    def check(cls: type, value: Any) -> Any:
+        del cls
+        problem = schema_version_problem(value, expected)
+        if problem is not None:
+            raise PydanticCustomError("schema_version", "{problem}", {"problem": problem})
+        return value
+
+    return field_validator("schema_version", mode="before")(check)
+
+
 class Frozen(BaseModel):
     """Immutable schema object; unknown fields are an error, never silently dropped."""
 
@@ -30,7 +76,13 @@ def read_data_file(path: Path, what: str) -> Any:
     """The data of a user's TOML (``.toml``) or JSON file; every way it can fail to be read is
     a one-line :class:`ConfigError` naming ``what`` the file is and ``path``."""
     if not path.is_file():
-        state = "is not a regular file" if path.exists() else "does not exist"
+        state = (
+            "is a folder; give the file itself"
+            if path.is_dir()
+            else "is not a regular file"
+            if path.exists()
+            else "does not exist"
+        )
         raise ConfigError(f"{what} {path} {state}")
     try:
         text = path.read_text()

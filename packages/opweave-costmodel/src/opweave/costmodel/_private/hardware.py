@@ -45,7 +45,7 @@ from typing import Annotated, Any
 from pydantic import Field, ValidationError, model_validator
 
 from ..errors import ConfigError, UnknownGPUError
-from .base import FileSchema, read_data_file
+from .base import FileSchema, read_data_file, schema_version_problem
 
 HARDWARE_SCHEMA_VERSION = 1
 GB = 1e9
@@ -365,10 +365,11 @@ def load_hardware_file(path: str | Path, base: HardwareCatalog | None = None) ->
             f"hardware file {path}: unknown key {unknown[0]!r} (a hardware file holds "
             "schema_version and [[gpus]] entries)"
         )
-    version = data.get("schema_version", HARDWARE_SCHEMA_VERSION)
-    if isinstance(version, bool) or version != HARDWARE_SCHEMA_VERSION:
-        raise ConfigError(
-            f"hardware file {path} has schema_version {version}; this OpWeave "
-            f"reads version {HARDWARE_SCHEMA_VERSION}"
-        )
+    problem = schema_version_problem(
+        data.get("schema_version", HARDWARE_SCHEMA_VERSION),
+        HARDWARE_SCHEMA_VERSION,
+        toml=path.suffix == ".toml",
+    )
+    if problem is not None:
+        raise ConfigError(f"hardware file {path}: schema_version {problem}")
     return (base or HardwareCatalog()).with_overrides(data["gpus"], str(path))

@@ -13,7 +13,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from ..errors import ConfigError
-from .base import FileSchema
+from .base import FileSchema, schema_version_field
 from .hardware import HardwareCatalog, HardwareSpec
 from .model import ModelSpec, OpClass, OperatorSpec
 from .parallelism import MAX_GROUP_GPUS, Parallelism
@@ -128,6 +128,37 @@ class PlanModel(FileSchema):
         default="bf16", description="KV-cache dtype the plan assumed."
     )
 
+    def config_problem(self, model: ModelSpec) -> str | None:
+        """Why the plan this describes cannot run ``model``, to follow "plan" in a message; None
+        when it was made for ``model``'s config. Where the names match but the configs do not,
+        it names the recorded fields that differ, or else says the fingerprints differ."""
+        if self.config_sha256 == model.config_sha256:
+            return None
+        if self.name != model.name:
+            return (
+                f"was made for model {self.name!r}, not {model.name!r}; pass the model the "
+                "plan was made for, or plan this one"
+            )
+        ours = plan_model(model)
+        differs = [
+            f"{field} {getattr(self, field)}, this config {getattr(ours, field)}"
+            for field in (
+                "family",
+                "num_layers",
+                "period_layers",
+                "prefix_layers",
+                "quant",
+                "kv_cache_dtype",
+            )
+            if getattr(self, field) != getattr(ours, field)
+        ] or ["a size, count or setting of the config differs"]
+        return (
+            f"was made for another config of {model.name} ({'; '.join(differs)}; config "
+            f"fingerprint {self.config_sha256[:12]}, this config's {model.config_sha256[:12]}); "
+            "pass the config the plan was made for (and its --quant / --kv-cache-dtype), or "
+            "plan this one"
+        )
+
     @property
     def precision_options(self) -> dict[str, str | None]:
         """``load_model``'s ``quant`` and ``kv_cache_dtype`` that re-derive the model the plan
@@ -175,6 +206,7 @@ class Plan(FileSchema):
     deployment's plan also names its prefill pool."""
 
     schema_version: Literal[1] = PLAN_SCHEMA_VERSION
+    _schema_version = schema_version_field(PLAN_SCHEMA_VERSION)
     strategy: Strategy
     model: PlanModel
     context_tokens: int = Field(ge=1, le=MAX_CONTEXT)

@@ -15,7 +15,7 @@ import numpy as np
 from pydantic import Field, model_validator
 
 from ..errors import ConfigError
-from .base import FileSchema
+from .base import FileSchema, schema_version_field
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
 
@@ -223,6 +223,7 @@ class Profile(FileSchema):
     """
 
     schema_version: Literal[1] = PROFILE_SCHEMA_VERSION
+    _schema_version = schema_version_field(PROFILE_SCHEMA_VERSION)
     device: HardwareSpec
     model: str
     config_sha256: str
@@ -263,6 +264,45 @@ class Profile(FileSchema):
         if len(set(links)) < len(links):
             raise ValueError("transfers: a link kind is given twice")
         return self
+
+    def config_problem(self, model: ModelSpec) -> str | None:
+        """Why this profile cannot price ``model``, to follow "profile for DEVICE" in a message;
+        None when it was measured on ``model``'s config. Where the names match but the configs
+        do not, it says what differs that the profile records (dtype, operators, the
+        precision's part of the fingerprint), or else that the fingerprints differ."""
+        if self.config_sha256 == model.config_sha256:
+            return None
+        if self.model != model.name:
+            return (
+                f"was measured on model {self.model!r}, not {model.name!r}; profile "
+                f"{model.name} (opweave profile --model), or use the model the profile was "
+                "measured on"
+            )
+        differs = []
+        if self.dtype != model.dtype:
+            differs.append(f"dtype {self.dtype}, this config {model.dtype}")
+        have = {t.op for t in self.ops}
+        want = {profile_key(op, None) for op in (*model.pre_ops, *model.post_ops)}
+        want |= {profile_key(op, layer) for layer in model.layers for op in layer.ops}
+        if want - have:
+            differs.append(f"no table for this config's {', '.join(sorted(want - have)[:3])}")
+        if have - want:
+            differs.append(f"tables for {', '.join(sorted(have - want)[:3])}, not in this config")
+        precision = model.precision
+        if not differs and (precision.quantized or precision.kv_fp8):
+            differs.append(
+                f"this config is served with {precision.quant} weights and a "
+                f"{precision.kv_cache_dtype} KV cache, which its fingerprint includes: was the "
+                "profile measured at another --quant or --kv-cache-dtype?"
+            )
+        if not differs:
+            differs.append("a size, count or setting of the config differs")
+        return (
+            f"was measured on another config of {model.name} ({'; '.join(differs)}; config "
+            f"fingerprint {self.config_sha256[:12]}, this config's {model.config_sha256[:12]}); "
+            "profile this config (opweave profile --model), or use the config the profile was "
+            "measured on"
+        )
 
     def table(self, key: str, tp: int) -> OpLatencyTable:
         for t in self.ops:

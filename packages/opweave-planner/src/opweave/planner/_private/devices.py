@@ -112,11 +112,9 @@ def resolve_devices(
     cat = catalog or default_catalog()
     by_id: dict[str, Profile] = {}
     for prof in profiles:
-        if prof.config_sha256 != model.config_sha256:
-            raise ConfigError(
-                f"profile for {prof.device.id} was measured on model {prof.model!r}, not "
-                f"{model.name!r}; profile this model with `opweave profile --model`"
-            )
+        problem = prof.config_problem(model)
+        if problem is not None:
+            raise ConfigError(f"profile for {prof.device.id} {problem}")
         key = profile_device_id(prof, cat)
         if key in by_id:
             raise ConfigError(f"two profiles are for device {key}; give one --profile per device")

@@ -339,11 +339,9 @@ def _owner_choices(
     plan: Plan, model: ModelSpec, catalog: HardwareCatalog | None, profiles: Sequence[Profile]
 ) -> tuple[list[OwnerChoice], tuple[str, ...]]:
     """The plan's owners as devices, and where those differ from what the plan was made with."""
-    if plan.model.config_sha256 != model.config_sha256:
-        raise ConfigError(
-            f"plan was made for model {plan.model.name!r}, not {model.name!r}; "
-            "pass the model the plan was made for"
-        )
+    problem = plan.model.config_problem(model)
+    if problem is not None:
+        raise ConfigError(f"plan {problem}")
     cat = planned_catalog(plan, catalog)
     by_name = {
         name: resolve_devices([name], model, catalog=cat, profiles=profiles)[0]
