@@ -306,9 +306,8 @@ def plan(
     if plot is not None:
         from ._plots import plot_frontier
 
-        gpus = " + ".join(dict.fromkeys(results[0].gpus))
         plot_frontier(
-            frontier(results), plot, title=f"{spec.name} on {gpus}, context {tokens:,} tokens"
+            frontier(results), plot, model=spec.name, gpus=results[0].gpus, context_tokens=tokens
         )
     if len(results) == 1:
         if json_out:
