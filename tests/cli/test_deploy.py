@@ -182,6 +182,55 @@ def test_the_api_is_behind_a_key_and_probed_on_health(tmp_path) -> None:
     assert proc.returncode == 0 and "--master-addr 10.0.0.1" in proc.stdout, proc.stderr
 
 
+def test_manifests_are_readable_yaml_with_the_values_meant(tmp_path) -> None:
+    """Every manifest parses back (PyYAML, as kubectl reads it) to the values written: the
+    Secret holds the deployment's secret and API key, the rendezvous Service is headless and
+    publishes pods before they are ready, the API Service selects node 0's pod, and the
+    ConfigMap holds the plan and node layout byte for byte, as literal blocks a person can
+    read (no anchors, no escaped newlines)."""
+    path = _wide_plan(tmp_path)
+    out = tmp_path / "dep"
+    cli_json("deploy", str(path), "-o", str(out), *IMAGE, "--name", "wide", "--namespace", "ns")
+    texts = {p.name: p.read_text() for p in (out / "k8s").iterdir()}
+    manifests = {name: yaml.safe_load(text) for name, text in texts.items()}
+    for name, text in texts.items():
+        assert "&id" not in text and "*id" not in text, name  # no aliases
+        assert not text.startswith(("{", "---")), name  # block style, one document
+        meta = manifests[name]["metadata"]
+        assert meta["namespace"] == "ns" and meta["labels"]["app.kubernetes.io/instance"] == "wide"
+    secret = manifests["secret.yaml"]
+    assert (secret["apiVersion"], secret["kind"], secret["type"]) == ("v1", "Secret", "Opaque")
+    assert secret["metadata"]["name"] == "wide-run-secret"
+    assert secret["stringData"] == {
+        "secret": (out / "run-secret").read_text().strip(),
+        "api-key": (out / "api-key").read_text().strip(),
+    }
+    rdzv = manifests["rendezvous-service.yaml"]
+    assert (rdzv["kind"], rdzv["metadata"]["name"]) == ("Service", "wide-rdzv")
+    assert rdzv["spec"] == {
+        "clusterIP": "None",
+        "publishNotReadyAddresses": True,
+        "selector": {"app.kubernetes.io/instance": "wide"},
+        "ports": [{"name": "rendezvous", "port": 29500}],
+    }
+    api = manifests["api-service.yaml"]
+    assert (api["kind"], api["metadata"]["name"]) == ("Service", "wide-api")
+    assert api["spec"] == {
+        "selector": {"statefulset.kubernetes.io/pod-name": "wide-g0-0"},
+        "ports": [{"name": "http", "port": 8000, "targetPort": 8000}],
+    }
+    config = manifests["config.yaml"]
+    assert (config["kind"], config["metadata"]["name"]) == ("ConfigMap", "wide-plan")
+    assert config["data"]["plan.json"] == (out / "plan.json").read_text()
+    assert config["data"]["nodes.json"] == (out / "nodes.json").read_text()
+    assert "  plan.json: |\n" in texts["config.yaml"]
+    (group,) = [m for n, m in manifests.items() if n == "node-group-0.yaml"]
+    (container,) = group["spec"]["template"]["spec"]["containers"]
+    assert container["resources"]["limits"] == container["resources"]["requests"]
+    assert container["resources"]["limits"] == {"nvidia.com/gpu": 8}
+    assert "--node-rank $$((0 + ${HOSTNAME##*-}))" in container["args"][0]
+
+
 def test_deploy_counts_tp_x_dp_gpus_per_replica(tmp_path) -> None:
     """A wide-EP plan: 2 replicas of 8 DP ranks of TP 2 (experts over EP 16) are 32 GPUs, four
     nodes of 8, one launch script each, ranks numbered DP rank by DP rank."""

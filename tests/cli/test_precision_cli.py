@@ -82,7 +82,7 @@ def test_plan_text_says_which_precision_it_assumed(fp8_folder: Path) -> None:
     out = run_cli(
         "plan", str(fp8_folder), "--gpus", "h100", "--context", "8K", "--tpot-slo-ms", "50"
     ).stdout
-    assert "fp8-block weights)" in out  # each owner line
+    assert "fp8-block weights," in out  # each owner line
     assert "precision: weights fp8-block (config.json quantization_config: fp8, 128x128" in out
 
 

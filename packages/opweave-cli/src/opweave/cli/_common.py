@@ -1,4 +1,8 @@
-"""Options and output helpers shared by every command."""
+"""Helpers shared by every command: parsing values, checking paths, printing results.
+
+The option declarations are in :mod:`._options` and tables in :mod:`._console`; the names
+re-exported here keep ``from ._common import ...`` working for every command module.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +11,69 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
+
+from ._console import table
+from ._options import (
+    MAX_BATCH,
+    MAX_COUNT,
+    MAX_GROUP,
+    MAX_TOKENS,
+    ConcurrencyOpt,
+    EngineOpt,
+    HardwareOpt,
+    IslOpt,
+    JsonOpt,
+    KvCacheOpt,
+    MemoryFractionOpt,
+    ModelArg,
+    OslOpt,
+    QuantOpt,
+    RateOpt,
+    RecvIntervalOpt,
+    SchedulingOpt,
+    WorkloadFileOpt,
+    finite,
+    positive_price,
+)
+
+__all__ = [
+    "MAX_BATCH",
+    "MAX_COUNT",
+    "MAX_GROUP",
+    "MAX_TOKENS",
+    "PLOT_SUFFIXES",
+    "ConcurrencyOpt",
+    "EngineOpt",
+    "HardwareOpt",
+    "IslOpt",
+    "JsonOpt",
+    "KvCacheOpt",
+    "MemoryFractionOpt",
+    "ModelArg",
+    "OslOpt",
+    "QuantOpt",
+    "RateOpt",
+    "RecvIntervalOpt",
+    "SchedulingOpt",
+    "Terminated",
+    "WorkloadFileOpt",
+    "catalog",
+    "check_context",
+    "emit_json",
+    "finite",
+    "human_bytes",
+    "load_spec",
+    "missing_file",
+    "output_file",
+    "parse_list",
+    "parse_size",
+    "positive_price",
+    "table",
+    "workload_from_flags",
+]
 
 
 class Terminated(BaseException):
@@ -17,34 +81,6 @@ class Terminated(BaseException):
     folder) runs before the process exits (status 143; its message, if any, follows the error
     line's "terminated (SIGTERM)"). A ``BaseException``, as ``KeyboardInterrupt`` is, so no
     ``except Exception`` on the way swallows it."""
-
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document, nothing else.")]
-HardwareOpt = Annotated[
-    Path | None,
-    typer.Option("--hardware", help="TOML/JSON file adding or overriding GPUs ([[gpus]] entries)."),
-]
-QuantOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--quant",
-        help="Weight format to serve an unquantised checkpoint in: bf16, fp8, fp8-block, nvfp4, "
-        "mxfp4, int4-wo (default: the checkpoint's own; a quantised checkpoint keeps its "
-        "format).",
-    ),
-]
-KvCacheOpt = Annotated[
-    str,
-    typer.Option(
-        "--kv-cache-dtype",
-        help="KV-cache dtype: auto (the checkpoint's FP8 KV scales if it ships them, else the "
-        "model's dtype) or fp8.",
-    ),
-]
-ModelArg = Annotated[
-    str,
-    typer.Argument(help="Built-in model name, or a path to a Hugging Face config.json or folder."),
-]
 
 
 def _clean(value: Any) -> Any:
@@ -68,29 +104,13 @@ def catalog(hardware: Path | None):  # -> HardwareCatalog
     return default_catalog() if hardware is None else load_hardware_file(hardware)
 
 
-MAX_BATCH = 1 << 20  # requests per step / replica: far beyond any GPU's memory
-MAX_COUNT = 1 << 16  # replicas, ranks, microbatches, repeats: far beyond any deployment
-MAX_GROUP = 1024  # EP / DP degree: opweave.costmodel.MAX_GROUP_GPUS (not imported: CLI start-up)
-MAX_TOKENS = 1 << 31  # a token count (context, max tokens) beyond any model's positions
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-
-
-def finite(value: float | None) -> float | None:
-    """Option callback: ``inf`` and ``nan`` parse as floats, but are no setting's value."""
-    if value is not None and not math.isfinite(value):
-        raise typer.BadParameter(f"{value} is not a finite number")
-    return value
-
-
-def positive_price(value: float | None) -> float | None:
-    """Option callback for a price in USD per hour: finite and above zero."""
-    if value is not None and not (math.isfinite(value) and value > 0):
-        raise typer.BadParameter(f"{value} is not a price; give a positive number of USD")
-    return value
 
 
 def missing_file(path: Path) -> str:
     """Why ``path`` is not a file to read: absent, or a folder, device or pipe."""
+    if path.is_dir():
+        return "is a folder; give the file itself"
     return "is not a regular file" if path.exists() else "does not exist"
 
 
@@ -187,20 +207,6 @@ def human_bytes(num: float) -> str:
     return f"{num:.1f} TB"
 
 
-def table(rows: list[list[str]], header: list[str]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    line = "  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
-    out = [line, "  ".join("-" * w for w in widths)]
-    out += [
-        "  ".join(
-            str(c).ljust(w) if i == 0 else str(c).rjust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
-        for r in rows
-    ]
-    return "\n".join(out)
-
-
 def load_spec(model: str, quant: str | None, kv_cache_dtype: str):  # -> ModelSpec
     """The model a command costs, in the precision ``--quant``/``--kv-cache-dtype`` ask for
     (their values are checked first, so a bad one is named before the model is read)."""
@@ -213,87 +219,6 @@ def load_spec(model: str, quant: str | None, kv_cache_dtype: str):  # -> ModelSp
             f"--kv-cache-dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_CHOICES)}"
         )
     return load_model(model, quant=quant, kv_cache_dtype=kv_cache_dtype)
-
-
-# -- a serving workload (estimate, plan) ---------------------------------------------------------
-IslOpt = Annotated[
-    str | None, typer.Option("--isl", help="Serving: prompt tokens per request, e.g. 4096 or 4K.")
-]
-OslOpt = Annotated[
-    str | None,
-    typer.Option("--osl", help="Serving: generated tokens per request, e.g. 1024 or 1K."),
-]
-ConcurrencyOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--concurrency",
-        min=1,
-        max=MAX_BATCH,
-        help="Serving: closed-loop clients, each sending its next request when the last one "
-        "finishes.",
-    ),
-]
-RateOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--rate",
-        callback=finite,
-        help="Serving: Poisson arrivals, requests per second (instead of --concurrency).",
-    ),
-]
-
-
-EngineOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--engine",
-        help="Serving: the engine whose defaults apply (vllm, sglang, tensorrt-llm; default "
-        "vllm): its per-step token budget and running-request cap for the GPU, its step policy "
-        "and its host profile (SGLang and TensorRT-LLM run steps with prompt chunks eagerly).",
-    ),
-]
-SchedulingOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--scheduling",
-        help="Serving: the engine's step policy: mixed (prompt chunks share the decode steps, "
-        "vLLM and TensorRT-LLM) or prefill-first (prompt chunks in steps of their own, SGLang "
-        "without --enable-mixed-chunk); default: the --engine's.",
-    ),
-]
-RecvIntervalOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--scheduler-recv-interval",
-        min=1,
-        max=1 << 16,
-        help="Serving: decode steps between the times the engine takes in new requests, as "
-        "SGLang's --scheduler-recv-interval (a prefill step takes them in at once; default 1: "
-        "every step).",
-    ),
-]
-MemoryFractionOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--memory-fraction",
-        min=0.01,
-        max=1.0,
-        help="Serving: the engine's memory setting, which sizes its KV cache: vLLM's "
-        "--gpu-memory-utilization or SGLang's --mem-fraction-static (a share of the GPU's "
-        "memory, weights included), TensorRT-LLM's free_gpu_memory_fraction (a share of what "
-        "the weights and activations leave); default: the --engine's. In plans it sizes the "
-        "aggregated and prefill engines; decode pools keep 0.9 of each GPU.",
-    ),
-]
-WorkloadFileOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--workload",
-        help='Serving: a TOML/JSON workload file (isl, osl as tokens or {kind = "uniform", '
-        "low_tokens, high_tokens}; rate_per_s or concurrency); --rate/--concurrency replace "
-        "its arrival.",
-    ),
-]
 
 
 def workload_from_flags(

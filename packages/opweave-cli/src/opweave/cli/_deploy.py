@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import yaml
+
 RENDEZVOUS_PORT = 29500  # torch.distributed's customary MASTER_PORT
 API_PORT = 8000  # `opweave run`'s serving port (DESIGN: --port 8000)
 MODEL_MOUNT = "/models"
@@ -294,51 +296,35 @@ def k8s_manifests(
     return out
 
 
-def to_yaml(value: Any, indent: int = 0) -> str:
-    """Block-style YAML of dicts, lists, strings, numbers and booleans (strings JSON-quoted,
-    which YAML reads as double-quoted scalars; multi-line strings as literal blocks)."""
-    pad = " " * indent
-    if isinstance(value, dict):
-        if not value:
-            return "{}\n"
-        lines = []
-        for key, item in value.items():
-            head = f"{pad}{_key(str(key))}:"
-            lines.append(head + _yaml_child(item, indent))
-        return "".join(lines)
-    if isinstance(value, list):
-        if not value:
-            return "[]\n"
-        lines = []
-        for item in value:
-            if isinstance(item, dict) and item:
-                body = to_yaml(item, indent + 2)
-                lines.append(f"{pad}- " + body[indent + 2 :])
-            else:
-                lines.append(f"{pad}-" + _yaml_child(item, indent))
-        return "".join(lines)
-    return _scalar(value) + "\n"
+class _BlockDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, as people write manifests: multi-line strings as literal blocks
+    (``|``, not quoted scalars full of ``\\n``: the ConfigMap's plan reads as the plan file
+    does), a list indented under its key, and a value used twice (a container's GPU limits and
+    requests) written out twice rather than as an anchor and an alias."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+    def increase_indent(self, flow: bool = False, indentless: bool = False) -> None:
+        super().increase_indent(flow, False)
 
 
-def _yaml_child(item: Any, indent: int) -> str:
-    if isinstance(item, dict | list) and item:
-        return "\n" + to_yaml(item, indent + 2)
-    if isinstance(item, str) and "\n" in item:
-        chomp = "" if item.endswith("\n") else "-"
-        body = "".join(f"{' ' * (indent + 2)}{line}\n" for line in item.splitlines())
-        return f" |{chomp}\n{body}"
-    return " " + to_yaml(item, indent)
+def _string(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in text else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
 
 
-def _key(key: str) -> str:
-    return key if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_./-]*", key) else json.dumps(key)
+_BlockDumper.add_representer(str, _string)
+_YAML_WIDTH = 1 << 16  # no folding of long scalars (a pod's command line) over lines
 
 
-def _scalar(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return json.dumps(value)
-    if isinstance(value, dict | list):
-        return "{}" if isinstance(value, dict) else "[]"
-    return json.dumps(str(value))
+def to_yaml(value: Any) -> str:
+    """A Kubernetes resource as block-style YAML, its keys in the order they were written."""
+    return yaml.dump(
+        value,
+        Dumper=_BlockDumper,
+        sort_keys=False,
+        default_flow_style=False,
+        allow_unicode=True,
+        width=_YAML_WIDTH,
+    )

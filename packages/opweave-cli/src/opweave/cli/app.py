@@ -16,9 +16,10 @@ from typing import Any
 import typer
 
 from . import catalog, costs, deploying
+from ._command import App, empty_argument
 from ._common import Terminated
 
-app = typer.Typer(
+app = App(
     name="opweave",
     help="Plan and run operator-level disaggregated LLM decode on mixed GPU fleets.",
     no_args_is_help=True,
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 handlers[sig] = signal.signal(sig, _on_signal)
     try:
-        problem = _argument_problem(args)
+        problem = empty_argument(args)
         if problem is not None:
             print(f"error: {problem}", file=sys.stderr)
             return 2
@@ -161,35 +162,6 @@ def main(argv: list[str] | None = None) -> int:
             if handler is not None:  # None: a handler set outside Python, not restorable
                 signal.signal(sig, handler)
     return 0
-
-
-def _argument_problem(args: list[str]) -> str | None:
-    """What click would take silently: an empty argument (an empty path is the current
-    folder to it) or an option taking a value given twice (it keeps the last); None if
-    neither."""
-    words = args[: args.index("--")] if "--" in args else args
-    for i, word in enumerate(words):
-        if word.startswith("--") and word.endswith("="):
-            return f"{word[:-1]} is empty; give a value"
-        if word == "":
-            before = words[i - 1] if i else ""
-            if before.startswith("-"):
-                return f"{before} is empty; give a value"
-            return "an argument is empty" + (f" (after {before})" if before else "")
-    group = typer.main.get_command(app)
-    command = getattr(group, "commands", {}).get(args[0]) if args else None
-    if command is None:
-        return None
-    words = words[1:]
-    for param in command.params:
-        is_option = getattr(param, "param_type_name", None) == "option"
-        if not is_option or getattr(param, "is_flag", False) or param.multiple:
-            continue
-        names = [*param.opts, *param.secondary_opts]
-        given = [w for w in words for n in names if w == n or w.startswith(f"{n}=")]
-        if len(given) > 1:
-            return f"{'/'.join(names)} is given more than once; give it once"
-    return None
 
 
 def _console_main() -> None:

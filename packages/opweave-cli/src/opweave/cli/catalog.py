@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from ._common import HardwareOpt, JsonOpt, catalog, emit_json, human_bytes, table
+from ._common import catalog, emit_json, human_bytes
+from ._console import print_table
+from ._options import HardwareOpt, JsonOpt
 
 
 def register(app: typer.Typer) -> None:
@@ -38,23 +40,22 @@ def models(json_out: JsonOpt = False) -> None:
     if json_out:
         emit_json({"models": rows})
         return
-    typer.echo(
-        table(
+    print_table(
+        [
             [
-                [
-                    r["name"],
-                    r["family"],
-                    str(r["layers"]),
-                    human_bytes(r["weight_bytes"]),
-                    (f"{r['block_prefix_layers']}+" if r["block_prefix_layers"] else "")
-                    + str(r["block_layers"]),
-                    "+".join(r["attention_kinds"]),
-                    human_bytes(r["kv_bytes_per_request_at_32k"]),
-                ]
-                for r in rows
-            ],
-            ["model", "family", "layers", "weights", "block", "attention", "state@32K/req"],
-        )
+                r["name"],
+                r["family"],
+                str(r["layers"]),
+                human_bytes(r["weight_bytes"]),
+                (f"{r['block_prefix_layers']}+" if r["block_prefix_layers"] else "")
+                + str(r["block_layers"]),
+                "+".join(r["attention_kinds"]),
+                human_bytes(r["kv_bytes_per_request_at_32k"]),
+            ]
+            for r in rows
+        ],
+        ["model", "family", "layers", "weights", "block", "attention", "state@32K/req"],
+        text=(0, 1, 5),
     )
 
 
@@ -65,36 +66,35 @@ def gpus(json_out: JsonOpt = False, hardware: HardwareOpt = None) -> None:
     if json_out:
         emit_json({"gpus": rows})
         return
-    typer.echo(
-        table(
+    print_table(
+        [
             [
-                [
-                    g.id,
-                    f"{g.memory_bytes / 2**30:.1f} GiB",  # as nvidia-smi's MiB total reads
-                    f"{g.mem_bandwidth_bytes_per_s / 1e12:.2f}",
-                    f"{g.dense_flops_per_s / 1e12:.0f}",
-                    _tflops(g.fp8_flops_per_s),
-                    _tflops(g.fp4_flops_per_s),
-                    g.intra_node_link,
-                    f"{g.network_bandwidth_bytes_per_s * 8 / 1e9:.0f}",
-                    "-" if g.usd_per_hour is None else f"{g.usd_per_hour:.2f}",
-                    _price_basis(g.price_source),
-                ]
-                for g in cat
-            ],
-            [
-                "gpu",
-                "memory",
-                "HBM TB/s",
-                "BF16 TFLOPS",
-                "FP8",
-                "FP4",
-                "intra-node",
-                "net Gb/s",
-                "USD/h",
-                "price basis",
-            ],
-        )
+                g.id,
+                f"{g.memory_bytes / 2**30:.1f} GiB",  # as nvidia-smi's MiB total reads
+                f"{g.mem_bandwidth_bytes_per_s / 1e12:.2f}",
+                f"{g.dense_flops_per_s / 1e12:.0f}",
+                _tflops(g.fp8_flops_per_s),
+                _tflops(g.fp4_flops_per_s),
+                g.intra_node_link,
+                f"{g.network_bandwidth_bytes_per_s * 8 / 1e9:.0f}",
+                "-" if g.usd_per_hour is None else f"{g.usd_per_hour:.2f}",
+                _price_basis(g.price_source),
+            ]
+            for g in cat
+        ],
+        [
+            "gpu",
+            "memory",
+            "HBM TB/s",
+            "BF16 TFLOPS",
+            "FP8",
+            "FP4",
+            "intra-node",
+            "net Gb/s",
+            "USD/h",
+            "price basis",
+        ],
+        text=(0, 6, 9),
     )
     typer.echo(
         "\nPrices: on-demand list prices per GPU-hour, from one provider and tier (RunPod "

@@ -3,42 +3,57 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
 from ._common import (
-    MAX_BATCH,
     MAX_GROUP,
     PLOT_SUFFIXES,
-    ConcurrencyOpt,
-    EngineOpt,
-    HardwareOpt,
-    IslOpt,
-    JsonOpt,
-    KvCacheOpt,
-    MemoryFractionOpt,
-    ModelArg,
-    OslOpt,
-    QuantOpt,
-    RateOpt,
-    RecvIntervalOpt,
-    SchedulingOpt,
-    WorkloadFileOpt,
     catalog,
     check_context,
     emit_json,
-    finite,
     human_bytes,
     load_spec,
     output_file,
     parse_list,
     parse_size,
-    table,
     workload_from_flags,
 )
-
-DEFAULT_CONTEXTS = "1K,2K,4K,8K,16K,32K,64K,128K"
+from ._console import print_table
+from ._options import (
+    DEFAULT_CONTEXTS,
+    AnalyzePlotOpt,
+    AnalyzeTpOpt,
+    ConcurrencyOpt,
+    ContextOpt,
+    ContextsOpt,
+    DenseDpOpt,
+    DpOpt,
+    EngineOpt,
+    EpOpt,
+    ExpertImbalanceOpt,
+    GpuOpt,
+    GpusOpt,
+    HardwareOpt,
+    HostOpt,
+    IslOpt,
+    JsonOpt,
+    KvCacheOpt,
+    MaxBatchedTokensOpt,
+    MaxSeqsOpt,
+    MemoryFractionOpt,
+    ModelArg,
+    OslOpt,
+    ProfileFileOpt,
+    QuantOpt,
+    RateOpt,
+    RecvIntervalOpt,
+    SchedulingOpt,
+    StepBatchOpt,
+    TpOpt,
+    WorkloadFileOpt,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -48,87 +63,20 @@ def register(app: typer.Typer) -> None:
 
 def estimate(
     model: ModelArg,
-    gpu: Annotated[str, typer.Option("--gpu", help="GPU id, e.g. h100.")],
-    tp: Annotated[
-        int, typer.Option("--tp", help="Tensor-parallel degree of each DP rank (1, 2, 4, 8).")
-    ] = 1,
-    ep: Annotated[
-        int,
-        typer.Option(
-            "--ep",
-            help="Expert-parallel degree: GPU sets the routed experts are sharded over; divides "
-            "tp x dp (tp x dp: one set per GPU, tokens dispatched by all-to-all; 1: experts "
-            "tensor-parallel over all tp x dp GPUs). MoE models only.",
-        ),
-    ] = 1,
-    dp: Annotated[
-        int,
-        typer.Option(
-            "--dp",
-            help="Data-parallel attention ranks: the replica spans tp x dp GPUs; each rank of "
-            "tp GPUs runs attention (with its own KV cache) on its share of --batch.",
-        ),
-    ] = 1,
-    dense_dp: Annotated[
-        bool,
-        typer.Option(
-            "--dense-dp",
-            help="With --dp above 1: dense FFN layers whole on every GPU, each computing its "
-            "own tokens (SGLang's --moe-dense-tp-size 1, TensorRT-LLM under attention DP), not "
-            "split over the replica.",
-        ),
-    ] = False,
-    batch: Annotated[
-        int | None,
-        typer.Option(
-            "--batch",
-            min=1,
-            max=MAX_BATCH,
-            help="Requests per step of the replica, split over its DP ranks (ceil(B/dp) each); "
-            "default 1. A single decode step (not with --isl/--osl).",
-        ),
-    ] = None,
-    context: Annotated[
-        str | None,
-        typer.Option(
-            "--context",
-            help="Context tokens, e.g. 8192 or 8K (default: 4096, or the model's context if "
-            "shorter).",
-        ),
-    ] = None,
+    gpu: GpuOpt,
+    tp: TpOpt = 1,
+    ep: EpOpt = 1,
+    dp: DpOpt = 1,
+    dense_dp: DenseDpOpt = False,
+    batch: StepBatchOpt = None,
+    context: ContextOpt = None,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
-    host: Annotated[
-        str | None,
-        typer.Option(
-            "--host",
-            help="Serving engine whose host time to charge (overlapped, sglang, sglang-sync, "
-            "tensorrt-llm, vllm-0.6, vllm-0.4): per decode step, and for sglang and "
-            "tensorrt-llm steps with prompt chunks run eagerly (at least their kernel launches' "
-            "host time); default: the --engine's in serving, else the GPU's step_overhead_s "
-            "(an overlapped engine).",
-        ),
-    ] = None,
+    host: HostOpt = None,
     quant: QuantOpt = None,
     kv_cache_dtype: KvCacheOpt = "auto",
-    expert_imbalance: Annotated[
-        float | None,
-        typer.Option(
-            "--expert-imbalance",
-            callback=finite,
-            help="Measured busiest-over-mean expected load of the expert GPUs (>= 1; e.g. "
-            "1.3-4.0 without a load balancer); default: balanced (EPLB), an assumption the "
-            "output states.",
-        ),
-    ] = None,
-    profile_path: Annotated[
-        Path | None,
-        typer.Option(
-            "--profile",
-            help="A profile of this model on --gpu (measured, or imported with opweave profile "
-            "--from aiconfigurator): its operator latencies replace the roofline's.",
-        ),
-    ] = None,
+    expert_imbalance: ExpertImbalanceOpt = None,
+    profile_path: ProfileFileOpt = None,
     isl: IslOpt = None,
     osl: OslOpt = None,
     concurrency: ConcurrencyOpt = None,
@@ -138,30 +86,12 @@ def estimate(
     scheduling: SchedulingOpt = None,
     scheduler_recv_interval: RecvIntervalOpt = None,
     memory_fraction: MemoryFractionOpt = None,
-    max_num_batched_tokens: Annotated[
-        int | None,
-        typer.Option(
-            "--max-num-batched-tokens",
-            min=1,
-            max=1 << 20,
-            help="Serving: token budget of one engine step (default: the --engine's for the GPU).",
-        ),
-    ] = None,
-    max_num_seqs: Annotated[
-        int | None,
-        typer.Option(
-            "--max-num-seqs",
-            min=1,
-            max=1 << 16,
-            help="Serving: requests one engine runs at once (default: the --engine's for the GPU).",
-        ),
-    ] = None,
+    max_num_batched_tokens: MaxBatchedTokensOpt = None,
+    max_num_seqs: MaxSeqsOpt = None,
 ) -> None:
     """Colocated decode step (--batch --context): where its latency goes, memory per GPU and
     whether it fits; or aggregated serving (--isl --osl --concurrency | --rate): TTFT, TPOT
     and tokens/s of one engine that prefills and decodes (vLLM's chunked prefill)."""
-    from opweave.costmodel import TP_DEGREES, estimate_step, host_profile
-
     serving = {
         "--isl": isl,
         "--osl": osl,
@@ -175,44 +105,70 @@ def estimate(
         "--max-num-batched-tokens": max_num_batched_tokens,
         "--max-num-seqs": max_num_seqs,
     }
-    given = [flag for flag, value in serving.items() if value is not None]
-    if given:
-        step_flags = [f for f, v in (("--batch", batch), ("--context", context)) if v is not None]
-        if step_flags:
-            raise typer.BadParameter(
-                f"{' and '.join(step_flags)} (a decode step) cannot be combined with "
-                f"{' and '.join(given)} (serving); give one or the other"
-            )
-        for flag, value in (("--expert-imbalance", expert_imbalance), ("--profile", profile_path)):
-            if value is not None:
-                raise typer.BadParameter(
-                    f"{flag} applies to a decode step (--batch --context), not serving"
-                )
-        _estimate_serving(
-            model,
-            gpu,
-            (tp, ep, dp, dense_dp),
-            json_out,
-            hardware,
-            host,
-            quant,
-            kv_cache_dtype,
-            serving,
-        )
+    layout = (tp, ep, dp, dense_dp)
+    precision = (quant, kv_cache_dtype)
+    if any(value is not None for value in serving.values()):
+        _refuse_step_flags(serving, batch, context, expert_imbalance, profile_path)
+        _estimate_serving(model, gpu, layout, json_out, hardware, host, precision, serving)
         return
-    batch = 1 if batch is None else batch
+    step = (1 if batch is None else batch, context, expert_imbalance, profile_path)
+    _estimate_step(model, gpu, layout, step, json_out, hardware, host, precision)
+
+
+def _refuse_step_flags(
+    serving: dict[str, Any],
+    batch: int | None,
+    context: str | None,
+    expert_imbalance: float | None,
+    profile_path: Path | None,
+) -> None:
+    """A decode step's flags given with serving's: say which of both were given."""
+    given = [flag for flag, value in serving.items() if value is not None]
+    step_flags = [f for f, v in (("--batch", batch), ("--context", context)) if v is not None]
+    if step_flags:
+        raise typer.BadParameter(
+            f"{' and '.join(step_flags)} (a decode step) cannot be combined with "
+            f"{' and '.join(given)} (serving); give one or the other"
+        )
+    for flag, value in (("--expert-imbalance", expert_imbalance), ("--profile", profile_path)):
+        if value is not None:
+            raise typer.BadParameter(
+                f"{flag} applies to a decode step (--batch --context), not serving"
+            )
+
+
+def _check_layout(tp: int, ep: int, dp: int) -> None:
+    from opweave.costmodel import TP_DEGREES
 
     if tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
     for flag, value in (("--ep", ep), ("--dp", dp)):
         if not 1 <= value <= MAX_GROUP:
             raise typer.BadParameter(f"{flag} must be from 1 to {MAX_GROUP}, got {value}")
+
+
+def _estimate_step(
+    model: str,
+    gpu: str,
+    layout: tuple[int, int, int, bool],
+    step: tuple[int, str | None, float | None, Path | None],
+    json_out: bool,
+    hardware: Path | None,
+    host: str | None,
+    precision: tuple[str | None, str],
+) -> None:
+    """One colocated decode step: its latency by term, memory per GPU, whether it fits."""
+    from opweave.costmodel import estimate_step, host_profile
+
+    tp, ep, dp, dense_dp = layout
+    batch, context, expert_imbalance, profile_path = step
+    _check_layout(tp, ep, dp)
     if expert_imbalance is not None and expert_imbalance < 1:
         raise typer.BadParameter(
             f"--expert-imbalance is a busiest-over-mean ratio of at least 1, got {expert_imbalance}"
         )
     tokens = None if context is None else parse_size(context)
-    spec = load_spec(model, quant, kv_cache_dtype)
+    spec = load_spec(model, *precision)
     if tokens is None:
         tokens = min(4096, spec.max_context_tokens)
     check_context(spec, tokens, "--context")
@@ -244,20 +200,40 @@ def estimate(
             doc["profile"] = {"source": prov.source, "date": prov.date, "note": prov.note}
         emit_json(doc)
         return
+    _print_step(est, spec, hw, layout, batch)
+
+
+# The estimate's terms (`breakdown_s` keys in --json) in words; terms that are zero are not shown.
+TERM_WORDS = {
+    "attention": "attention (KV cache reads)",
+    "gemm": "GEMMs (weight reads or FLOPs)",
+    "small": "norms, RoPE, embedding, sampling",
+    "communication": "tensor-parallel collectives",
+    "kernel_launch": "kernel launches",
+    "moe_experts": "fused-MoE fixed cost",
+    "step_overhead": "engine host work per step",
+    "allreduce_latency": "collectives' latency floor",
+    "alltoall_latency": "expert all-to-all latency floor",
+    "alltoall": "expert all-to-all (dispatch, combine)",
+}
+
+
+def _print_step(
+    est: Any, spec: Any, hw: Any, layout: tuple[int, int, int, bool], batch: int
+) -> None:
+    tp, ep, dp, dense_dp = layout
     fits = "yes" if est.fits else "NO (exceeds usable memory)"
-    layout = ""
+    where = ""
     if ep != 1 or dp != 1:
         experts = "tensor-parallel over all" if ep == 1 else f"over EP{ep}"
-        layout = f" ({dp} DP rank{'s' if dp > 1 else ''} of TP{tp}, experts {experts})"
+        where = f" ({dp} DP rank{'s' if dp > 1 else ''} of TP{tp}, experts {experts})"
     typer.echo(
-        f"{spec.name} on {tp * dp} x {hw.id}{layout}, batch {batch}, context {est.context_tokens}"
+        f"{spec.name} on {tp * dp} x {hw.id}{where}, batch {batch}, context {est.context_tokens}"
     )
-    typer.echo(
-        table(
-            [[k, f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items()]
-            + [["step", f"{est.step_latency_s * 1e3:.3f}"]],
-            ["term", "latency ms"],
-        )
+    print_table(
+        [[TERM_WORDS.get(k, k), f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items() if v > 0]
+        + [["decode step", f"{est.step_latency_s * 1e3:.3f}"]],
+        ["where the step's time goes", "ms"],
     )
     typer.echo(
         f"memory per GPU: {human_bytes(est.memory_bytes_per_gpu)} of "
@@ -297,11 +273,9 @@ def _profiled(path: Path, spec: Any, hw: Any, tp: int, host: str | None) -> Any:
         device = prof.device.id
     if device != hw.id:
         raise ConfigError(f"profile {path} is of {prof.device.id}, not --gpu {hw.id}")
-    if prof.config_sha256 != spec.config_sha256:
-        raise ConfigError(
-            f"profile {path} was made for model {prof.model!r}, not {spec.name!r}; profile this "
-            "model with opweave profile --model"
-        )
+    problem = prof.config_problem(spec)
+    if problem is not None:
+        raise ConfigError(f"profile {path} {problem}")
     if not any(t.tp == tp for t in prof.ops):
         have = sorted({t.tp for t in prof.ops})
         raise ConfigError(f"profile {path} has no tables at --tp {tp}; it has tp {have}")
@@ -319,19 +293,15 @@ def _estimate_serving(
     json_out: bool,
     hardware: Path | None,
     host: str | None,
-    quant: str | None,
-    kv_cache_dtype: str,
+    precision: tuple[str | None, str],
     flags: dict[str, Any],
 ) -> None:
-    from opweave.costmodel import TP_DEGREES, estimate_serving, host_profile
+    """Aggregated serving of the workload ``flags`` describe: TTFT, TPOT, tokens/s."""
+    from opweave.costmodel import estimate_serving, host_profile
 
     tp, ep, dp, dense_dp = layout
-    if tp not in TP_DEGREES:
-        raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
-    for flag, value in (("--ep", ep), ("--dp", dp)):
-        if not 1 <= value <= MAX_GROUP:
-            raise typer.BadParameter(f"{flag} must be from 1 to {MAX_GROUP}, got {value}")
-    spec = load_spec(model, quant, kv_cache_dtype)
+    _check_layout(tp, ep, dp)
+    spec = load_spec(model, *precision)
     workload = workload_from_flags(
         spec,
         flags["--isl"],
@@ -361,26 +331,24 @@ def _estimate_serving(
     typer.echo(
         f"{spec.name} on {est.gpus} x {hw.id}{where}, aggregated serving ({workload.engine_name})"
     )
-    typer.echo(
-        table(
+    print_table(
+        [
             [
-                [
-                    "TTFT",
-                    f"{est.ttft_s * 1e3:,.1f} ms",
-                    f"{est.ttft_p50_s * 1e3:,.1f} ms",
-                    f"{est.ttft_p90_s * 1e3:,.1f} ms",
-                    f"{est.ttft_p99_s * 1e3:,.1f} ms",
-                ],
-                [
-                    "TPOT",
-                    f"{est.tpot_s * 1e3:,.2f} ms",
-                    f"{est.tpot_p50_s * 1e3:,.2f} ms",
-                    f"{est.tpot_p90_s * 1e3:,.2f} ms",
-                    f"{est.tpot_p99_s * 1e3:,.2f} ms",
-                ],
+                "TTFT",
+                f"{est.ttft_s * 1e3:,.1f} ms",
+                f"{est.ttft_p50_s * 1e3:,.1f} ms",
+                f"{est.ttft_p90_s * 1e3:,.1f} ms",
+                f"{est.ttft_p99_s * 1e3:,.1f} ms",
             ],
-            ["", "mean", "median", "p90", "p99"],
-        )
+            [
+                "TPOT",
+                f"{est.tpot_s * 1e3:,.2f} ms",
+                f"{est.tpot_p50_s * 1e3:,.2f} ms",
+                f"{est.tpot_p90_s * 1e3:,.2f} ms",
+                f"{est.tpot_p99_s * 1e3:,.2f} ms",
+            ],
+        ],
+        ["", "mean", "median", "p90", "p99"],
     )
     typer.echo(
         f"throughput: {est.tokens_per_s:,.0f} output tokens/s ({est.requests_per_s:,.2f} "
@@ -402,17 +370,10 @@ def _estimate_serving(
 
 def analyze(
     model: ModelArg,
-    gpus: Annotated[str, typer.Option("--gpus", help="One GPU id, or two: G1,G2.")],
-    contexts: Annotated[
-        str, typer.Option("--contexts", help="Comma-separated context lengths.")
-    ] = DEFAULT_CONTEXTS,
-    tp: Annotated[
-        int | None,
-        typer.Option("--tp", help="TP degree of the analysed unit (default: smallest that fits)."),
-    ] = None,
-    plot: Annotated[
-        Path | None, typer.Option("--plot", help="Write a PNG of cost and gain against context.")
-    ] = None,
+    gpus: GpusOpt,
+    contexts: ContextsOpt = DEFAULT_CONTEXTS,
+    tp: AnalyzeTpOpt = None,
+    plot: AnalyzePlotOpt = None,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
     quant: QuantOpt = None,

@@ -6,11 +6,23 @@ import os
 import secrets
 import stat
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
-from ._common import HardwareOpt, JsonOpt, catalog, emit_json
+from ._common import catalog, emit_json
+from ._options import (
+    DeployOutputOpt,
+    DeviceProfilesOpt,
+    HardwareOpt,
+    ImageOpt,
+    JsonOpt,
+    ModelPvcOpt,
+    NameOpt,
+    NamespaceOpt,
+    NodeSelectorKeyOpt,
+    PlanArg,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -18,68 +30,81 @@ def register(app: typer.Typer) -> None:
 
 
 def deploy(
-    plan_file: Annotated[
-        Path, typer.Argument(metavar="PLAN", help="A plan file (opweave plan -o).")
-    ],
-    output: Annotated[
-        Path, typer.Option("-o", "--output", help="Directory to write the deployment files to.")
-    ],
-    name: Annotated[
-        str | None,
-        typer.Option("--name", help="Kubernetes name prefix (default: opweave-MODEL)."),
-    ] = None,
-    image: Annotated[
-        str,
-        typer.Option(
-            "--image",
-            help="Container image with opweave installed, for Kubernetes (required: no "
-            "public image exists).",
-        ),
-    ] = ...,  # type: ignore[assignment]
-    model_pvc: Annotated[
-        str | None,
-        typer.Option(
-            "--model-pvc",
-            help="PersistentVolumeClaim holding the model folder (default: NAME-model).",
-        ),
-    ] = None,
-    node_selector_key: Annotated[
-        str,
-        typer.Option(
-            "--node-selector-key",
-            help="Node label whose value is the GPU id (kubectl label node N KEY=h100-sxm).",
-        ),
-    ] = "opweave.io/gpu",
-    namespace: Annotated[
-        str | None, typer.Option("--namespace", help="Kubernetes namespace of the resources.")
-    ] = None,
-    profile: Annotated[
-        list[Path] | None,
-        typer.Option("--profile", help="Profile of a device the plan uses (its node size)."),
-    ] = None,
+    plan_file: PlanArg,
+    output: DeployOutputOpt,
+    name: NameOpt = None,
+    image: ImageOpt = ...,  # type: ignore[assignment]
+    model_pvc: ModelPvcOpt = None,
+    node_selector_key: NodeSelectorKeyOpt = "opweave.io/gpu",
+    namespace: NamespaceOpt = None,
+    profile: DeviceProfilesOpt = None,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
 ) -> None:
     """Write DIR/nodes.json (which ranks run on which node), one launch script per node in
     DIR/launch/ and Kubernetes manifests in DIR/k8s/ for a plan."""
-    from opweave.costmodel import ConfigError, plan_nodes
+    from opweave.costmodel import plan_nodes
 
-    from . import _deploy
     from .planning import load_profiles, load_servable_plan
 
     the_plan = load_servable_plan(plan_file, "deploy")
     specs = _hardware(the_plan, hardware, load_profiles(profile))
     nodes = plan_nodes(the_plan, {gpu: hw.gpus_per_node for gpu, hw in specs.items()})
-    prefix = _deploy.dns_name(name or f"opweave-{the_plan.model.name}")
+    opts = _k8s_options(the_plan, name, image, model_pvc, node_selector_key, namespace)
+    if output.exists() and not output.is_dir():
+        from opweave.costmodel import ConfigError
+
+        raise ConfigError(f"{output} exists and is not a directory")
+    files = _write(output, the_plan, nodes, opts, specs)
+    if json_out:
+        emit_json(
+            {
+                "nodes": [n.model_dump(mode="json") for n in nodes],
+                "files": sorted(str(p) for p in files),
+            }
+        )
+        return
+    _print_summary(the_plan, nodes, output, opts, manifests=len(files) - 4 - len(nodes))
+
+
+def _k8s_options(
+    plan: Any,
+    name: str | None,
+    image: str,
+    model_pvc: str | None,
+    node_selector_key: str,
+    namespace: str | None,
+) -> Any:
+    """The Kubernetes settings, checked: Kubernetes would refuse them later, one resource at a
+    time."""
+    from opweave.costmodel import ConfigError
+
+    from . import _deploy
+
+    prefix = _deploy.dns_name(name or f"opweave-{plan.model.name}")
     if name is not None and prefix != name:
         raise ConfigError(
             f"--name {name!r} is not a Kubernetes name (lowercase letters, digits and '-', "
             "at most 40 characters); try --name " + prefix
         )
     _check_k8s_values(image, model_pvc, node_selector_key, namespace)
-    if output.exists() and not output.is_dir():
-        raise ConfigError(f"{output} exists and is not a directory")
-    plan_text = the_plan.model_dump_json(indent=2) + "\n"
+    return _deploy.K8sOptions(
+        name=prefix,
+        image=image,
+        model_pvc=model_pvc or f"{prefix}-model",
+        node_selector_key=node_selector_key,
+        namespace=namespace,
+    )
+
+
+def _write(
+    output: Path, plan: Any, nodes: list[Any], opts: Any, specs: dict[str, Any]
+) -> list[Path]:
+    """Write the deployment's files into ``output`` (secrets readable by their owner only)
+    and remove the ones an earlier deployment of more nodes left; the paths written."""
+    from . import _deploy
+
+    plan_text = plan.model_dump_json(indent=2) + "\n"
     secret = secrets.token_hex(32)
     api_key = secrets.token_urlsafe(32)
     files: dict[Path, str] = {
@@ -87,17 +112,10 @@ def deploy(
         output / "nodes.json": _deploy.nodes_json(nodes),
     }
     for r in range(len(nodes)):
-        files[output / "launch" / f"node-{r}.sh"] = _deploy.launch_script(the_plan, nodes, r)
-    opts = _deploy.K8sOptions(
-        name=prefix,
-        image=image,
-        model_pvc=model_pvc or f"{prefix}-model",
-        node_selector_key=node_selector_key,
-        namespace=namespace,
-    )
+        files[output / "launch" / f"node-{r}.sh"] = _deploy.launch_script(plan, nodes, r)
     resources = {gpu: _gpu_resource(hw) for gpu, hw in specs.items()}
     for fname, manifest in _deploy.k8s_manifests(
-        the_plan, nodes, plan_text, opts, resources, secret, api_key
+        plan, nodes, plan_text, opts, resources, secret, api_key
     ).items():
         files[output / "k8s" / fname] = _deploy.to_yaml(manifest)
     output.mkdir(parents=True, exist_ok=True)
@@ -118,18 +136,14 @@ def deploy(
         for stale in (output / folder).glob(pattern):
             if stale not in files:
                 stale.unlink()
-    if json_out:
-        emit_json(
-            {
-                "nodes": [n.model_dump(mode="json") for n in nodes],
-                "files": sorted(str(p) for p in [*files, key_file, api_key_file]),
-            }
-        )
-        return
+    return [*files, key_file, api_key_file]
+
+
+def _print_summary(plan: Any, nodes: list[Any], output: Path, opts: Any, manifests: int) -> None:
     used = sum(n.gpus for n in nodes)
-    pool = the_plan.prefill
+    pool = plan.prefill
     typer.echo(
-        f"{the_plan.strategy} plan of {the_plan.model.name}: {len(nodes)} node"
+        f"{plan.strategy} plan of {plan.model.name}: {len(nodes)} node"
         f"{'s' if len(nodes) > 1 else ''}, {used} GPUs"
         + (
             f" (a prefill pool of {pool.replicas} x {pool.tp * pool.dp} {pool.gpu}: the last "
@@ -142,11 +156,11 @@ def deploy(
         typer.echo(f"  node {r}: {n.gpus} x {n.gpu}, ranks {n.ranks[0]}-{n.ranks[-1]}")
     typer.echo(
         f"wrote {output}/nodes.json, {output}/launch/node-0..{len(nodes) - 1}.sh and "
-        f"{output}/k8s/ ({len(files) - 2 - len(nodes)} manifests, image {image}); the run's "
+        f"{output}/k8s/ ({manifests} manifests, image {opts.image}); the run's "
         f"secret is in {output}/run-secret and the API key clients must send in "
         f"{output}/api-key (keep both private)\n"
         f"  on each node: MODEL_PATH=DIR MASTER_ADDR=<node 0> {output}/launch/node-R.sh\n"
-        f"  on Kubernetes: label the nodes {node_selector_key}=<gpu id>, put the model in "
+        f"  on Kubernetes: label the nodes {opts.node_selector_key}=<gpu id>, put the model in "
         f"PersistentVolumeClaim {opts.model_pvc}, kubectl apply -f {output}/k8s/"
     )
 

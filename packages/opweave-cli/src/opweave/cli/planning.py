@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -37,10 +36,15 @@ from ._common import (
     parse_size,
     table,
 )
+from ._progress import SearchProgress
 
 ProfileOpt = Annotated[
     list[Path] | None,
-    typer.Option("--profile", help="Measured profile file; its device becomes usable in --gpus."),
+    typer.Option(
+        "--profile",
+        help="Measured profile file: its device's latencies (and, in plan, its device becomes "
+        "usable in --gpus).",
+    ),
 ]
 
 
@@ -103,31 +107,6 @@ def load_servable_plan(path: Path, command: str):  # -> Plan
     deployment, its prefill pool."""
     del command
     return load_plan_file(path)
-
-
-class _Progress:
-    """A one-line live progress display on stderr (only when it is a terminal)."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled and sys.stderr.isatty()
-
-    def __call__(self, p: Any) -> None:
-        if not self.enabled:
-            return
-        best = (
-            "-"
-            if p.best_usd_per_million_tokens is None
-            else f"${p.best_usd_per_million_tokens:.3f}/Mtok"
-        )
-        sys.stderr.write(
-            f"\r{p.phase:<12} {p.done}/{p.total} candidates "
-            f"{p.simulator_calls} simulated, best {best}   "
-        )
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        if self.enabled:
-            sys.stderr.write("\r" + " " * 110 + "\r")
 
 
 def plan(
@@ -280,7 +259,7 @@ def plan(
     cat, profiles = catalog(hardware), load_profiles(profile)
     results = []
     for slo in slos:
-        progress = _Progress(not json_out)
+        progress = SearchProgress(not json_out)
         try:
             results.append(
                 search(
@@ -562,9 +541,11 @@ def simulate(
             | {"prefill": None if pool is None else pool.model_dump() | {"gpus": pool.gpus}}
         )
         return
+    from opweave.planner import parallelism_words, plan_title
+
     typer.echo(
-        f"{the_plan.strategy} plan for {spec.name} ({precision.quant} weights, "
-        f"{precision.kv_cache_dtype} KV cache) at context {the_plan.context_tokens}: "
+        f"{plan_title(the_plan)} for {spec.name} ({precision.quant} weights, "
+        f"{precision.kv_cache_dtype} KV cache) at context {the_plan.context_tokens:,}: "
         f"TPOT {sim.tpot_s * 1e3:.3f} ms"
         + (
             ""
@@ -580,7 +561,7 @@ def simulate(
     if pool is not None:
         typer.echo(
             f"prefill pool: {pool.replicas} engine{'s' if pool.replicas > 1 else ''} of "
-            f"{pool.tp * pool.dp} x {pool.gpu} (tp {pool.tp}, ep {pool.ep}, dp {pool.dp}), "
+            f"{pool.tp * pool.dp} x {pool.gpu} ({parallelism_words(pool.tp, pool.ep, pool.dp)}), "
             f"{pool.gpus} GPUs; it prefills every prompt and sends its KV cache to the decode "
             "owners above (the iteration simulated is the decode pool's)"
         )

@@ -32,7 +32,8 @@ def plan_serving(
     from opweave.costmodel import InfeasibleError
     from opweave.planner import plan_deployment
 
-    from .planning import _Progress, load_profiles
+    from ._progress import SearchProgress
+    from .planning import load_profiles
 
     if refused:
         raise typer.BadParameter(
@@ -63,7 +64,7 @@ def plan_serving(
         scheduler_recv_interval=serving["--scheduler-recv-interval"],
         memory_fraction=serving["--memory-fraction"],
     )
-    progress = _Progress(not json_out)
+    progress = SearchProgress(not json_out)
     try:
         result = plan_deployment(
             spec,

@@ -16,7 +16,13 @@ from ._private.devices import Device, profile_device_id, resolve_devices
 from ._private.evaluate import SimResult, simulate_plan
 from ._private.gantt import gantt
 from ._private.host import NO_HOST, Draft, HostModel, host_effects, host_time, with_cold_caches
-from ._private.result import PlanResult, describe_plan, plan_summary
+from ._private.result import (
+    PlanResult,
+    describe_plan,
+    parallelism_words,
+    plan_summary,
+    plan_title,
+)
 from ._private.search import SearchProgress, SearchStats
 from ._private.simulator import (
     EventRun,
@@ -42,6 +48,8 @@ __all__ = [
     "SearchProgress",
     "SearchStats",
     "describe_plan",
+    "plan_title",
+    "parallelism_words",
     "plan_summary",
     # simulation
     "simulate_plan",

@@ -15,6 +15,13 @@ from .result import PlanResult, describe_plan, gpus_used, parallelism_words
 Role = Literal["aggregated", "prefill", "decode"]
 # Deployment kinds: the contract's baselines, then P/D with OpWeave's best decode plan.
 KINDS = ("aggregated", "pd", "afd", "cad", "opweave")
+SHORT = {
+    "aggregated": "aggregated",
+    "pd": "P/D",
+    "afd": "P/D + AFD",
+    "cad": "P/D + CAD",
+    "opweave": "P/D + OpWeave",
+}
 KIND_WORDS = {
     "aggregated": "aggregated (prefill and decode in one engine, chunked prefill)",
     "pd": "P/D (a prefill pool and a pool of colocated decode replicas)",
@@ -324,10 +331,16 @@ class DeploymentResult:
         left_out = "; those that are the best deployment are left out" if best else ""
         if shown:
             lines.append(f"deployments compared ({self.slo_words()}){left_out}:")
+        said: dict[str, tuple[Pool, ...]] = {}
         for kind, dep in shown.items():
             if dep is None:
                 lines.append(f"  {kind}: infeasible: {self.reasons.get(kind, '')}")
                 continue
+            same = next((k for k, pools in said.items() if pools == dep.pools), None)
+            if same is not None:
+                lines.append(f"  {KIND_WORDS[kind]}: the same deployment as {SHORT[same]}")
+                continue
+            said[kind] = dep.pools
             ratio = ""
             if best is not None:
                 ratio = f"{dep.usd_per_million_tokens / best.usd_per_million_tokens:.2f}x: "

@@ -81,7 +81,11 @@ class OwnerChoice:
 
 
 def owner_name(j: int, ch: OwnerChoice) -> str:
-    return f"o{j} {ch.device.id} {ch.par}"
+    """``owner 0 (h100-sxm, TP4, EP4)``: how simulations, Gantt charts and `opweave simulate`
+    name an owner's resources."""
+    from .result import parallelism_words
+
+    return f"owner {j} ({ch.device.id}, {parallelism_words(ch.tp, ch.ep, ch.dp)})"
 
 
 def build_pipeline(

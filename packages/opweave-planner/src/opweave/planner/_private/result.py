@@ -510,11 +510,18 @@ class PlanResult:
                 + (" and inventory" if self.bounded else "")
                 + (", cost per token against the best plan's:" if best is not None else ":")
             )
+        said: dict[str, Plan] = {}
         for key, plan in others.items():
             label = BASELINE_WORDS.get(key, key.replace("_", " "))
             if plan is None:
                 lines.append(f"  {label}: infeasible: {self.reasons.get(key, '')}")
                 continue
+            same = next((k for k, p in said.items() if p == plan), None)
+            if same is not None:
+                short = BASELINE_WORDS.get(same, same).split(" (")[0]
+                lines.append(f"  {label}: the same plan as {short}")
+                continue
+            said[key] = plan
             ratio = f"{_usd(plan) / _usd(best):.2f}x: " if best is not None else ""
             lines.append(f"  {label}: {ratio}{self._headline(plan)}")
             why = self._why(plan)

@@ -52,12 +52,15 @@ class IdleFit:
 
     def describe(self) -> str:
         s = self.slowdown
-        pts = ", ".join(f"{g * 1e3:g} ms {e * 1e12:.0f}" for g, e in self.points)
+        tau_ms = s.time_constant_s * 1e3
+        pts = ", ".join(f"{e * 1e12:.0f} after {g * 1e3:g} ms" for g, e in self.points)
+        waited = "spinning on" if self.wait == "spin" else "blocked in"
         return (
-            f"after idling: {s.s_per_byte * 1e12:.1f} ps per byte touched x (1 - exp(-idle / "
-            f"{s.time_constant_s * 1e3:.2f} ms)); reading {self.probe_bytes / 2**20:.0f} MiB "
-            f"({self.hot_s * 1e3:.2f} ms hot) cost extra ps per byte after {pts} "
-            f"({'spinning' if self.wait == 'spin' else 'blocked'} in select, as ranks wait)"
+            f"after idling, memory reads are slower: up to {s.s_per_byte * 1e12:.1f} ps per "
+            f"byte touched, 63% of that after {tau_ms:.2f} ms idle (the time constant) and "
+            f"nearly all of it after a few times that; a {self.probe_bytes / 2**20:.0f} MiB "
+            f"read ({self.hot_s * 1e3:.2f} ms when hot) cost these ps per byte more: {pts} "
+            f"(waiting {waited} select, as ranks wait)"
         )
 
 

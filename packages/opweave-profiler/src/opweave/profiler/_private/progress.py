@@ -40,24 +40,36 @@ class Progress:
             return
         pct = 100 * self.done // self.total
         elapsed = time.monotonic() - self.started
+        eta = _eta(elapsed, self.done, self.total)
         if self.live:
             filled = _WIDTH * self.done // self.total
             bar = "#" * filled + "-" * (_WIDTH - filled)
             self.stream.write(
-                f"\r[{bar}] {pct:3d}% {self.done}/{self.total} {elapsed:5.1f}s {label[:40]:<40}"
+                f"\r[{bar}] {pct:3d}% {self.done}/{self.total} {elapsed:5.1f}s, {eta:<14} "
+                f"{label[:40]:<40}"
             )
             self.stream.flush()
         elif pct >= self._next_line_pct:
             self.stream.write(
-                f"profile: {pct:3d}% ({self.done}/{self.total} cells, {elapsed:.1f} s) {label}\n"
+                f"profile: {pct:3d}% ({self.done}/{self.total} cells, {elapsed:.1f} s, {eta}) "
+                f"{label}\n"
             )
             self.stream.flush()
             self._next_line_pct = pct - pct % 10 + 10
 
     def _clear(self) -> None:
-        self.stream.write("\r" + " " * (_WIDTH + 70) + "\r")
+        self.stream.write("\r" + " " * (_WIDTH + 86) + "\r")
 
     def close(self) -> None:
         if self.enabled and self.live:
             self._clear()
             self.stream.flush()
+
+
+def _eta(elapsed_s: float, done: int, total: int) -> str:
+    """``about 42 s left``: the remaining cells at the mean pace so far (cells of one run take
+    alike long, within a factor of a few)."""
+    if done <= 0 or done >= total:
+        return "done" if done >= total else "starting"
+    left = elapsed_s / done * (total - done)
+    return f"about {left:.0f} s left" if left < 120 else f"about {left / 60:.0f} min left"
