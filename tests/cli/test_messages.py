@@ -51,3 +51,14 @@ def test_a_model_config_file_is_named_after_itself(tmp_path: Path) -> None:
     code, out, err, _ = invoke(["estimate", str(folder / "x.json"), "--gpu", "h100"])
     assert code == 0, err
     assert out.startswith("x on 1 x h100-sxm"), out.splitlines()[0]
+
+
+def test_a_json_file_that_is_not_a_model_config_says_so(tmp_path: Path) -> None:
+    """ModelOpt's hf_quant_config.json beside a checkpoint, given instead of its config.json."""
+    path = tmp_path / "hf_quant_config.json"
+    path.write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
+    line = _error(["estimate", str(path), "--gpu", "h200", "--batch", "8", "--context", "4K"])
+    assert line == (
+        "error: the config has neither model_type nor architectures: it is not a model's "
+        "config.json (give the model's config.json or its folder)"
+    )

@@ -371,6 +371,11 @@ def _architectures(config: Mapping[str, Any]) -> list[str]:
 
 
 def _unsupported(config: Mapping[str, Any], archs: list[str]) -> UnsupportedModelError:
+    if config.get("model_type") is None and not archs:
+        return UnsupportedModelError(
+            "the config has neither model_type nor architectures: it is not a model's config.json "
+            "(give the model's config.json or its folder)"
+        )
     named = f" (nor architectures {', '.join(archs)})" if archs else ""
     return UnsupportedModelError(
         f"model_type {config.get('model_type')!r} is not supported{named}; supported "
