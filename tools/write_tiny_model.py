@@ -30,6 +30,9 @@ def main() -> int:
         help="override a config key (JSON value), e.g. num_hidden_layers=4",
     )
     args = parser.parse_args()
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a tiny model is written at once: no bar to watch
     overrides = {}
     for item in args.set:
         key, sep, value = item.partition("=")
