@@ -636,3 +636,82 @@ SeedOpt = Annotated[
     typer.Option("--seed", min=0, max=2**32 - 1, help="Seed of random weights and inputs."),
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress on stderr.")]
+
+
+# -- plan ------------------------------------------------------------------------------------
+FleetOpt = Annotated[
+    str,
+    typer.Option(
+        "--gpus",
+        help="GPU types of the cluster: G1 or G1,G2; G:N bounds a type to N GPUs "
+        "(h100:16,a100:8), without a count it is unbounded.",
+    ),
+]
+TpotSlosOpt = Annotated[
+    str,
+    typer.Option(
+        "--tpot-slo-ms",
+        help="Time-per-output-token SLO in ms; several (20,30,50,100) sweep them and print "
+        "the cost vs TPOT frontier.",
+    ),
+]
+DecodeContextOpt = Annotated[
+    str | None,
+    typer.Option("--context", help="Decode only: every request at this context, e.g. 32K."),
+]
+TtftSloOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--ttft-slo-ms",
+        callback=finite,
+        help="Serving: time-to-first-token SLO in ms (default: none).",
+    ),
+]
+SloStatisticOpt = Annotated[
+    str,
+    typer.Option(
+        "--slo-statistic",
+        help="Serving: what the SLOs bound of the simulated requests: mean, p90 or p99.",
+    ),
+]
+PlanProfileOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--profile",
+        help="Measured profile file: its device's latencies (and, in plan, its device becomes "
+        "usable in --gpus).",
+    ),
+]
+PlanOutputOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "-o",
+        "--output",
+        help="Write the best plan (Plan schema) to this file; with several SLOs, one file "
+        "per SLO (plan-50ms.json, ...).",
+    ),
+]
+FrontierPlotOpt = Annotated[
+    Path | None,
+    typer.Option("--plot", help="Draw the cost vs TPOT frontier of the SLOs to this PNG."),
+]
+PlanBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--batch",
+        min=1,
+        max=MAX_BATCH,
+        help="Resident batch of every owner replica (requests); with one --microbatches "
+        "count M every owner holds B requests in M microbatches of B/M, one replica each.",
+    ),
+]
+MicrobatchCountsOpt = Annotated[
+    str | None,
+    typer.Option("--microbatches", help="Microbatch counts to search, e.g. 2 or 1,2,4."),
+]
+MaxOwnersOpt = Annotated[
+    int,
+    typer.Option("--max-owners", help="Most owners (device groups) a plan may map to: 1-3."),
+]
+NoFrontierPruningOpt = Annotated[bool, typer.Option("--no-frontier-pruning")]
+NoBranchAndBoundOpt = Annotated[bool, typer.Option("--no-branch-and-bound")]

@@ -9,26 +9,10 @@ from typing import Annotated, Any
 import typer
 
 from ._common import (
-    MAX_BATCH,
     PLOT_SUFFIXES,
-    ConcurrencyOpt,
-    EngineOpt,
-    HardwareOpt,
-    IslOpt,
-    JsonOpt,
-    KvCacheOpt,
-    MemoryFractionOpt,
-    ModelArg,
-    OslOpt,
-    QuantOpt,
-    RateOpt,
-    RecvIntervalOpt,
-    SchedulingOpt,
-    WorkloadFileOpt,
     catalog,
     check_context,
     emit_json,
-    finite,
     load_spec,
     missing_file,
     output_file,
@@ -36,16 +20,37 @@ from ._common import (
     parse_size,
     table,
 )
+from ._options import (
+    MAX_BATCH,
+    ConcurrencyOpt,
+    DecodeContextOpt,
+    EngineOpt,
+    FleetOpt,
+    FrontierPlotOpt,
+    HardwareOpt,
+    IslOpt,
+    JsonOpt,
+    KvCacheOpt,
+    MaxOwnersOpt,
+    MemoryFractionOpt,
+    MicrobatchCountsOpt,
+    ModelArg,
+    NoBranchAndBoundOpt,
+    NoFrontierPruningOpt,
+    OslOpt,
+    PlanBatchOpt,
+    PlanOutputOpt,
+    PlanProfileOpt,
+    QuantOpt,
+    RateOpt,
+    RecvIntervalOpt,
+    SchedulingOpt,
+    SloStatisticOpt,
+    TpotSlosOpt,
+    TtftSloOpt,
+    WorkloadFileOpt,
+)
 from ._progress import SearchProgress
-
-ProfileOpt = Annotated[
-    list[Path] | None,
-    typer.Option(
-        "--profile",
-        help="Measured profile file: its device's latencies (and, in plan, its device becomes "
-        "usable in --gpus).",
-    ),
-]
 
 
 def register(app: typer.Typer) -> None:
@@ -111,26 +116,9 @@ def load_servable_plan(path: Path, command: str):  # -> Plan
 
 def plan(
     model: ModelArg,
-    gpus: Annotated[
-        str,
-        typer.Option(
-            "--gpus",
-            help="GPU types of the cluster: G1 or G1,G2; G:N bounds a type to N GPUs "
-            "(h100:16,a100:8), without a count it is unbounded.",
-        ),
-    ],
-    tpot_slo_ms: Annotated[
-        str,
-        typer.Option(
-            "--tpot-slo-ms",
-            help="Time-per-output-token SLO in ms; several (20,30,50,100) sweep them and print "
-            "the cost vs TPOT frontier.",
-        ),
-    ],
-    context: Annotated[
-        str | None,
-        typer.Option("--context", help="Decode only: every request at this context, e.g. 32K."),
-    ] = None,
+    gpus: FleetOpt,
+    tpot_slo_ms: TpotSlosOpt,
+    context: DecodeContextOpt = None,
     isl: IslOpt = None,
     osl: OslOpt = None,
     concurrency: ConcurrencyOpt = None,
@@ -140,55 +128,16 @@ def plan(
     scheduling: SchedulingOpt = None,
     scheduler_recv_interval: RecvIntervalOpt = None,
     memory_fraction: MemoryFractionOpt = None,
-    ttft_slo_ms: Annotated[
-        float | None,
-        typer.Option(
-            "--ttft-slo-ms",
-            callback=finite,
-            help="Serving: time-to-first-token SLO in ms (default: none).",
-        ),
-    ] = None,
-    slo_statistic: Annotated[
-        str,
-        typer.Option(
-            "--slo-statistic",
-            help="Serving: what the SLOs bound of the simulated requests: mean, p90 or p99.",
-        ),
-    ] = "p90",
-    profile: ProfileOpt = None,
-    output: Annotated[
-        Path | None,
-        typer.Option(
-            "-o",
-            "--output",
-            help="Write the best plan (Plan schema) to this file; with several SLOs, one file "
-            "per SLO (plan-50ms.json, ...).",
-        ),
-    ] = None,
-    plot: Annotated[
-        Path | None,
-        typer.Option("--plot", help="Draw the cost vs TPOT frontier of the SLOs to this PNG."),
-    ] = None,
-    batch: Annotated[
-        int | None,
-        typer.Option(
-            "--batch",
-            min=1,
-            max=MAX_BATCH,
-            help="Resident batch of every owner replica (requests); with one --microbatches "
-            "count M every owner holds B requests in M microbatches of B/M, one replica each.",
-        ),
-    ] = None,
-    microbatches: Annotated[
-        str | None,
-        typer.Option("--microbatches", help="Microbatch counts to search, e.g. 2 or 1,2,4."),
-    ] = None,
-    max_owners: Annotated[
-        int,
-        typer.Option("--max-owners", help="Most owners (device groups) a plan may map to: 1-3."),
-    ] = 2,
-    no_frontier_pruning: Annotated[bool, typer.Option("--no-frontier-pruning")] = False,
-    no_branch_and_bound: Annotated[bool, typer.Option("--no-branch-and-bound")] = False,
+    ttft_slo_ms: TtftSloOpt = None,
+    slo_statistic: SloStatisticOpt = "p90",
+    profile: PlanProfileOpt = None,
+    output: PlanOutputOpt = None,
+    plot: FrontierPlotOpt = None,
+    batch: PlanBatchOpt = None,
+    microbatches: MicrobatchCountsOpt = None,
+    max_owners: MaxOwnersOpt = 2,
+    no_frontier_pruning: NoFrontierPruningOpt = False,
+    no_branch_and_bound: NoBranchAndBoundOpt = False,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
     quant: QuantOpt = None,
@@ -198,9 +147,6 @@ def plan(
     decode plan that meets the TPOT SLO at --context, compared with colocated, AFD and CAD; or,
     with a workload (--isl --osl --concurrency | --rate), the cheapest whole deployment
     (aggregated, or a prefill pool beside a colocated, AFD, CAD or OpWeave decode pool)."""
-    from opweave.costmodel import InfeasibleError
-    from opweave.planner import plan as search
-
     names, inventory = parse_gpus(gpus)
     slos = parse_slos(tpot_slo_ms)
     serving = {
@@ -248,39 +194,64 @@ def plan(
             "plan needs --context (decode only) or a workload: --isl --osl with --concurrency "
             "or --rate"
         )
-    tokens = parse_size(context)
     if max_owners not in (1, 2, 3):
         raise typer.BadParameter(f"--max-owners must be 1, 2 or 3, got {max_owners}")
     shape = _batching(batch, microbatches)
     output_file(output, "-o")
     output_file(plot, "--plot", PLOT_SUFFIXES)
     spec = load_spec(model, quant, kv_cache_dtype)
+    tokens = parse_size(context)
     check_context(spec, tokens, "--context")
-    cat, profiles = catalog(hardware), load_profiles(profile)
+    search = {
+        "catalog": catalog(hardware),
+        "profiles": load_profiles(profile),
+        "frontier_pruning": not no_frontier_pruning,
+        "branch_and_bound": not no_branch_and_bound,
+        "max_owners": max_owners,
+        "inventory": inventory,
+        **shape,
+    }
+    results = _search(spec, names, tokens, slos, search, progress=not json_out)
+    _report(results, spec, tokens, output=output, plot=plot, json_out=json_out)
+
+
+def _search(
+    spec: Any,
+    names: list[str],
+    tokens: int,
+    slos: list[float],
+    options: dict[str, Any],
+    *,
+    progress: bool,
+) -> list[Any]:
+    """One plan search per SLO (ms), with a progress bar each; an error when none is feasible."""
+    from opweave.costmodel import InfeasibleError
+    from opweave.planner import plan as search
+
     results = []
     for slo in slos:
-        progress = SearchProgress(not json_out)
+        bar = SearchProgress(progress)
         try:
             results.append(
-                search(
-                    spec,
-                    names,
-                    context=tokens,
-                    tpot_slo_s=slo / 1e3,
-                    catalog=cat,
-                    profiles=profiles,
-                    frontier_pruning=not no_frontier_pruning,
-                    branch_and_bound=not no_branch_and_bound,
-                    progress=progress,
-                    max_owners=max_owners,
-                    inventory=inventory,
-                    **shape,
-                )
+                search(spec, names, context=tokens, tpot_slo_s=slo / 1e3, progress=bar, **options)
             )
         finally:
-            progress.close()
+            bar.close()
     if all(r.best is None for r in results):
         raise InfeasibleError(results[0].message())
+    return results
+
+
+def _report(
+    results: list[Any],
+    spec: Any,
+    tokens: int,
+    *,
+    output: Path | None,
+    plot: Path | None,
+    json_out: bool,
+) -> None:
+    """Write the plan files and the plot, and print the result (or the sweep) as asked."""
     written = _write_plans(results, output)
     if plot is not None:
         from ._plots import plot_frontier
@@ -505,7 +476,7 @@ def simulate(
     gantt: Annotated[
         Path | None, typer.Option("--gantt", help="Write a Gantt chart PNG of one iteration.")
     ] = None,
-    profile: ProfileOpt = None,
+    profile: PlanProfileOpt = None,
     json_out: JsonOpt = False,
     hardware: HardwareOpt = None,
 ) -> None:
