@@ -56,6 +56,17 @@ def invoke(args: Sequence[str]) -> tuple[int | Reached, str, str, float]:
     return code, out.getvalue(), err.getvalue(), time.monotonic() - start
 
 
+def one_line_error(args: Sequence[str]) -> str:
+    """The ``error: ...`` line of a command that must fail on its input: exit status 2, one
+    line on stderr, nothing on stdout, no traceback."""
+    code, out, err, _ = invoke(args)
+    assert code == 2 and out == "", (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    return lines[0]
+
+
 def check(name: str, args: Sequence[str]) -> int | Reached:
     """Run ``args`` and assert the contract; returns the exit status or the :class:`Reached`."""
     return check_output(name, args)[0]

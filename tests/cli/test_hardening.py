@@ -10,17 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzzing import invoke
+from tests.fuzzing import invoke, one_line_error
 from tests.helpers import IMAGE, TINY_LLAMA
-
-
-def _error(args: list[str]) -> str:
-    code, out, err, _ = invoke(args)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert "Traceback" not in err and out == ""
-    return lines[0]
 
 
 @pytest.fixture
@@ -58,15 +49,15 @@ EST = ["estimate", "qwen3-32b", "--gpu", "h100"]
     ],
 )
 def test_numbers_beyond_reason(args: list[str], message: str) -> None:
-    assert message in _error(args)
+    assert message in one_line_error(args)
 
 
 def test_plot_paths(tmp_path: Path) -> None:
     base = ["analyze", "qwen3-32b", "--gpus", "h100", "--contexts", "8K", "--plot"]
-    assert "is a directory" in _error([*base, str(tmp_path)])
-    assert "unsupported file type '.txt'" in _error([*base, str(tmp_path / "a.txt")])
-    assert "unsupported file type '(none)'" in _error([*base, str(tmp_path / "plot")])
-    assert "does not exist" in _error([*base, str(tmp_path / "no" / "such" / "a.png")])
+    assert "is a directory" in one_line_error([*base, str(tmp_path)])
+    assert "unsupported file type '.txt'" in one_line_error([*base, str(tmp_path / "a.txt")])
+    assert "unsupported file type '(none)'" in one_line_error([*base, str(tmp_path / "plot")])
+    assert "does not exist" in one_line_error([*base, str(tmp_path / "no" / "such" / "a.png")])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
@@ -76,13 +67,13 @@ def test_unreadable_and_unwritable_paths_exit_2(tmp_path: Path, tiny: Path) -> N
     locked.chmod(0o500)
     try:
         base = ["plan", str(tiny), "--gpus", "h100", "--context", "256", "--tpot-slo-ms", "50"]
-        assert "not writable" in _error([*base, "-o", str(locked / "p.json")])
+        assert "not writable" in one_line_error([*base, "-o", str(locked / "p.json")])
         secret = tmp_path / "secret.json"
         secret.write_text("{}")
         secret.chmod(0)
-        assert "Permission denied" in _error(["simulate", str(secret)])
+        assert "Permission denied" in one_line_error(["simulate", str(secret)])
         (tiny / "config.json").chmod(0)
-        assert "Permission denied" in _error(["estimate", str(tiny), "--gpu", "h100"])
+        assert "Permission denied" in one_line_error(["estimate", str(tiny), "--gpu", "h100"])
     finally:
         locked.chmod(0o700)
 
@@ -90,7 +81,7 @@ def test_unreadable_and_unwritable_paths_exit_2(tmp_path: Path, tiny: Path) -> N
 def test_a_file_the_system_will_not_let_anyone_write_exits_2(tiny: Path) -> None:
     """/proc takes no new files, not even from root (whose writes os.access cannot foresee)."""
     base = ["plan", str(tiny), "--gpus", "h100", "--context", "256", "--tpot-slo-ms", "50"]
-    line = _error([*base, "-o", "/proc/opweave-plan.json"])
+    line = one_line_error([*base, "-o", "/proc/opweave-plan.json"])
     assert "/proc/opweave-plan.json" in line
 
 
@@ -103,7 +94,7 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
     doc["model"]["name"] = str(tiny)  # a plan someone crafted to point at a file
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
-    assert "is not built in; pass --model" in _error(["simulate", str(path)])
+    assert "is not built in; pass --model" in one_line_error(["simulate", str(path)])
     code, out, err, _ = invoke(["simulate", str(path), "--model", str(tiny), "--json"])
     assert code == 0, err
     assert json.loads(out)["tpot_s"] > 0
@@ -151,7 +142,7 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
 def test_hardware_file_values(tmp_path: Path, entries: str, message: str) -> None:
     path = tmp_path / "hw.toml"
     path.write_text(f"schema_version = 1\n[[gpus]]\n{entries}\n")
-    assert message in _error(["gpus", "--hardware", str(path)])
+    assert message in one_line_error(["gpus", "--hardware", str(path)])
 
 
 def test_a_hardware_file_sets_the_fp8_fp4_rates_and_the_nvlink_domain(tmp_path: Path) -> None:
@@ -203,11 +194,11 @@ def test_a_new_gpu_is_found_by_any_case(tmp_path: Path) -> None:
 def test_profile_flags_refused_before_any_timing(tmp_path: Path, tiny: Path) -> None:
     base = ["profile", "-m", str(tiny), "-o", str(tmp_path / "p.json")]
     for value in ("inf", "nan", "0", "-1"):
-        assert "--usd-per-hour" in _error([*base, "--usd-per-hour", value])
-    assert "--working-set-mib" in _error([*base, "--working-set-mib", "nan"])
-    assert "beyond tiny's context of 4096" in _error([*base, "--contexts", "8K"])
-    assert "--tp takes degrees" in _error([*base, "--tp", "3"])
-    assert "is a directory" in _error(["profile", "-m", str(tiny), "-o", str(tmp_path)])
+        assert "--usd-per-hour" in one_line_error([*base, "--usd-per-hour", value])
+    assert "--working-set-mib" in one_line_error([*base, "--working-set-mib", "nan"])
+    assert "beyond tiny's context of 4096" in one_line_error([*base, "--contexts", "8K"])
+    assert "--tp takes degrees" in one_line_error([*base, "--tp", "3"])
+    assert "is a directory" in one_line_error(["profile", "-m", str(tiny), "-o", str(tmp_path)])
 
 
 def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) -> None:
@@ -219,16 +210,16 @@ def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) 
     path = tmp_path / "p.json"
     path.write_text(json.dumps(doc))
     plan = ["plan", str(tiny), "--gpus", "l4", "--context", "256", "--tpot-slo-ms", "50"]
-    assert "two profiles are for device l4" in _error(
+    assert "two profiles are for device l4" in one_line_error(
         [*plan, "--profile", str(path), "--profile", str(path)]
     )
     doc["ops"].append(doc["ops"][0])
     path.write_text(json.dumps(doc))
-    assert "two tables for" in _error([*plan, "--profile", str(path)])
+    assert "two tables for" in one_line_error([*plan, "--profile", str(path)])
     doc["ops"].pop()
     doc["device"]["usd_per_hour"] = float("inf")
     path.write_text(json.dumps(doc).replace("Infinity", "1e999"))
-    assert "usd_per_hour" in _error([*plan, "--profile", str(path)])
+    assert "usd_per_hour" in one_line_error([*plan, "--profile", str(path)])
 
 
 @pytest.mark.parametrize(
@@ -254,22 +245,24 @@ def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) 
 )
 def test_config_fields(write_config, edit: dict, message: str) -> None:
     folder = write_config({**TINY_LLAMA, **edit}, "edited")
-    line = _error(["estimate", str(folder), "--gpu", "h100"])
+    line = one_line_error(["estimate", str(folder), "--gpu", "h100"])
     assert line.startswith(f"error: {folder / 'config.json'}: ") and message in line, line
 
 
 def test_config_nesting_and_odd_json(write_config, tmp_path: Path) -> None:
     folder = write_config({"model_type": "gemma3", "text_config": [1]}, "gemma")
-    assert "text_config: expected an object" in _error(["estimate", str(folder), "--gpu", "h100"])
+    assert "text_config: expected an object" in one_line_error(
+        ["estimate", str(folder), "--gpu", "h100"]
+    )
     moe = {"model_type": "qwen3_moe", **{k: v for k, v in TINY_LLAMA.items() if k != "model_type"}}
     folder = write_config({**moe, "num_experts": 4, "num_experts_per_tok": 5}, "moe")
-    assert "num_experts_per_tok: 5 is more than the 4 experts" in _error(
+    assert "num_experts_per_tok: 5 is more than the 4 experts" in one_line_error(
         ["estimate", str(folder), "--gpu", "h100"]
     )
     folder = tmp_path / "deep"
     folder.mkdir()
     (folder / "config.json").write_text("[" * 100_000 + "]" * 100_000)
-    assert "nests JSON too deeply" in _error(["estimate", str(folder), "--gpu", "h100"])
+    assert "nests JSON too deeply" in one_line_error(["estimate", str(folder), "--gpu", "h100"])
 
 
 @pytest.mark.parametrize(
@@ -333,14 +326,14 @@ def test_config_nesting_and_odd_json(write_config, tmp_path: Path) -> None:
     ],
 )
 def test_what_click_would_take_silently(args: list[str], message: str) -> None:
-    assert message in _error(args)
+    assert message in one_line_error(args)
 
 
 def test_estimate_refuses_a_degree_the_model_does_not_split_over(write_config) -> None:
     config = write_config({**TINY_LLAMA, "num_attention_heads": 12, "num_key_value_heads": 4})
     for command in (["estimate", str(config), "--gpu", "h100"], ["analyze", str(config)]):
         flag = ["--gpus", "h100"] if command[0] == "analyze" else []
-        assert "does not split over tp 8" in _error([*command, *flag, "--tp", "8"])
+        assert "does not split over tp 8" in one_line_error([*command, *flag, "--tp", "8"])
 
 
 def test_a_hardware_file_cannot_take_another_gpus_alias_or_an_unlistable_id(
@@ -348,20 +341,20 @@ def test_a_hardware_file_cannot_take_another_gpus_alias_or_an_unlistable_id(
 ) -> None:
     steal = tmp_path / "steal.toml"
     steal.write_text('[[gpus]]\nid = "h100"\naliases = ["a100"]\n')
-    assert "alias 'a100' already names a100-sxm-80gb" in _error(
+    assert "alias 'a100' already names a100-sxm-80gb" in one_line_error(
         ["estimate", "qwen3-32b", "--gpu", "a100", "--hardware", str(steal)]
     )
     odd = tmp_path / "odd.toml"
     odd.write_text('[[gpus]]\nid = "my gpu,x:3"\nmemory_bytes = 1e10\n')
-    assert "may hold only letters, digits" in _error(["gpus", "--hardware", str(odd)])
+    assert "may hold only letters, digits" in one_line_error(["gpus", "--hardware", str(odd)])
     small = tmp_path / "small.toml"
     small.write_text('[[gpus]]\nid = "h100"\ngpus_per_node = 2\n')
-    assert "h100-sxm has 2 GPUs per NVLink domain" in _error(
+    assert "h100-sxm has 2 GPUs per NVLink domain" in one_line_error(
         ["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "4", "--hardware", str(small)]
     )
     version = tmp_path / "version.toml"
     version.write_text('schema_version = true\n[[gpus]]\nid = "h100"\n')
-    assert "schema_version" in _error(["gpus", "--hardware", str(version)])
+    assert "schema_version" in one_line_error(["gpus", "--hardware", str(version)])
 
 
 def test_deploy_refuses_what_kubernetes_would_and_leaves_no_stale_node_groups(
@@ -377,7 +370,7 @@ def test_deploy_refuses_what_kubernetes_would_and_leaves_no_stale_node_groups(
         ("--model-pvc", "x y"),
         ("--node-selector-key", "bad key!"),
     ):
-        assert flag in _error(["deploy", str(plan), "-o", str(out), *IMAGE, flag, value])
+        assert flag in one_line_error(["deploy", str(plan), "-o", str(out), *IMAGE, flag, value])
     (out / "k8s").mkdir(parents=True)
     (out / "launch").mkdir()
     (out / "k8s" / "node-group-5.yaml").write_text("old")

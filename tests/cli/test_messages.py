@@ -7,21 +7,13 @@ import json
 from pathlib import Path
 
 from opweave.costmodel import canonical_plan, load_model
-from tests.fuzzing import invoke
-
-
-def _error(args: list[str]) -> str:
-    code, out, err, _ = invoke(args)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
+from tests.fuzzing import invoke, one_line_error
 
 
 def test_hardware_file_with_a_quoted_schema_version(tmp_path: Path) -> None:
     path = tmp_path / "hw.toml"
     path.write_text('schema_version = "1"\n[[gpus]]\nid = "h100"\n')
-    line = _error(["gpus", "--hardware", str(path)])
+    line = one_line_error(["gpus", "--hardware", str(path)])
     assert line == (
         f'error: hardware file {path}: schema_version must be the integer 1, not the string "1"; '
         "write schema_version = 1"
@@ -33,13 +25,13 @@ def test_plan_file_with_a_quoted_schema_version(tmp_path: Path) -> None:
     doc = json.loads(plan.model_dump_json()) | {"schema_version": "1"}
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(doc))
-    line = _error(["simulate", str(path)])
+    line = one_line_error(["simulate", str(path)])
     assert 'schema_version: must be the integer 1, not the string "1"' in line
     assert 'write "schema_version": 1' in line
 
 
 def test_a_folder_given_as_a_hardware_file(tmp_path: Path) -> None:
-    line = _error(["gpus", "--hardware", str(tmp_path)])
+    line = one_line_error(["gpus", "--hardware", str(tmp_path)])
     assert line == f"error: hardware file {tmp_path} is a folder; give the file itself"
 
 
@@ -57,7 +49,9 @@ def test_a_json_file_that_is_not_a_model_config_says_so(tmp_path: Path) -> None:
     """ModelOpt's hf_quant_config.json beside a checkpoint, given instead of its config.json."""
     path = tmp_path / "hf_quant_config.json"
     path.write_text(json.dumps({"quantization": {"quant_algo": "NVFP4"}}))
-    line = _error(["estimate", str(path), "--gpu", "h200", "--batch", "8", "--context", "4K"])
+    line = one_line_error(
+        ["estimate", str(path), "--gpu", "h200", "--batch", "8", "--context", "4K"]
+    )
     assert line == (
         "error: the config has neither model_type nor architectures: it is not a model's "
         "config.json (give the model's config.json or its folder)"

@@ -11,7 +11,7 @@ import pytest
 from opweave.cli._command import empty_argument
 from opweave.cli._console import PLAIN_WIDTH, print_table, table
 from opweave.cli._progress import SearchProgress
-from tests.fuzzing import invoke
+from tests.fuzzing import invoke, one_line_error
 
 
 class _Terminal(io.StringIO):
@@ -108,24 +108,17 @@ def test_empty_arguments(args: list[str], problem: str | None) -> None:
     assert empty_argument(args) == problem
 
 
-def _error(args: list[str]) -> str:
-    code, out, err, _ = invoke(args)
-    assert code == 2 and out == "", (code, out, err)
-    (line,) = err.strip().splitlines()
-    return line
-
-
 def test_an_option_given_twice_is_named_with_all_its_spellings() -> None:
-    line = _error(["deploy", "p.json", "-o", "a", "--output", "b", "--image", "i"])
+    line = one_line_error(["deploy", "p.json", "-o", "a", "--output", "b", "--image", "i"])
     assert line == "error: -o/--output is given more than once; give it once"
-    line = _error(["estimate", "qwen3-32b", "--gpu", "h100", "--batch", "2", "--batch=3"])
+    line = one_line_error(["estimate", "qwen3-32b", "--gpu", "h100", "--batch", "2", "--batch=3"])
     assert line == "error: --batch is given more than once; give it once"
 
 
 def test_a_value_that_spells_an_option_is_no_second_option(tmp_path) -> None:
     """``--hardware --json``: ``--json`` is the file's name here, not the flag (the parser
     knows which words are values), so this is a missing file, not a repeated option."""
-    line = _error(["gpus", "--hardware", "--json", "--json"])
+    line = one_line_error(["gpus", "--hardware", "--json", "--json"])
     assert "given more than once" not in line
     assert "--json" in line
 

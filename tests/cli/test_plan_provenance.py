@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fuzzing import invoke
+from tests.fuzzing import invoke, one_line_error
 from tests.helpers import IMAGE, TINY_LLAMA
 
 PLAN = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "4K", "--tpot-slo-ms", "50"]
@@ -19,14 +19,6 @@ def _ok(args: list[str]) -> tuple[str, str]:
     code, out, err, _ = invoke(args)
     assert code == 0, (code, out, err)
     return out, err
-
-
-def _error(args: list[str]) -> str:
-    code, out, err, _ = invoke(args)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    return lines[0]
 
 
 def _hardware(tmp_path: Path, name: str, **fields: object) -> Path:
@@ -89,7 +81,7 @@ def test_a_profiled_plan_needs_its_profile(tmp_path: Path, tiny: Path) -> None:
     base = ["plan", str(tiny), "--gpus", "l4", "--context", "256", "--tpot-slo-ms", "50"]
     _ok([*base, "--profile", str(path), "-o", str(plan_file)])
     assert not json.loads(plan_file.read_text())["profiles"][0].endswith(":roofline")
-    message = _error(["simulate", str(plan_file), "--model", str(tiny)])
+    message = one_line_error(["simulate", str(plan_file), "--model", str(tiny)])
     assert "the plan's l4 latencies come from a measured profile" in message
     assert "pass that profile with --profile" in message
     _, err = _ok(["simulate", str(plan_file), "--model", str(tiny), "--profile", str(path)])
@@ -154,7 +146,7 @@ def test_hardware_numbers_are_numbers_within_reason(
     tmp_path: Path, fields: dict[str, object], message: str
 ) -> None:
     path = _hardware(tmp_path, "bad", **fields)
-    assert message in _error(["gpus", "--hardware", str(path)])
+    assert message in one_line_error(["gpus", "--hardware", str(path)])
 
 
 def test_plan_files_are_read_strictly(tmp_path: Path) -> None:
@@ -164,10 +156,10 @@ def test_plan_files_are_read_strictly(tmp_path: Path) -> None:
     for field, value in (("context_tokens", "4096"), ("microbatches", 1.0)):
         bad = tmp_path / "bad.json"
         bad.write_text(json.dumps({**doc, field: value}))
-        message = _error(["simulate", str(bad)])
+        message = one_line_error(["simulate", str(bad)])
         assert f"is not a valid plan ({field}:" in message
     stray = {**doc, "hardware": [{**doc["hardware"][0], "id": "a100-sxm-80gb"}]}
     (tmp_path / "stray.json").write_text(json.dumps(stray))
-    assert "hardware describes a100-sxm-80gb, which no owner uses" in _error(
+    assert "hardware describes a100-sxm-80gb, which no owner uses" in one_line_error(
         ["simulate", str(tmp_path / "stray.json")]
     )
