@@ -11,7 +11,9 @@ changes how it runs:
 
 Blocks fenced as ``bash``, ``text`` or anything else are never run. Each page's blocks run in
 order in one fresh temporary folder, with ``$OPWEAVE_REPO`` set to the repository and this
-Python's ``bin`` folder (the ``opweave`` command) first on ``PATH``.
+Python's ``bin`` folder (the ``opweave`` command) first on ``PATH``. A command ending in ``&``
+(a server) runs in the background, showing no output; when the page is done it gets SIGTERM,
+and whatever of it is left after a minute, SIGKILL.
 
     python tools/docs_examples.py            # check every page; exit status 1 on a mismatch
     python tools/docs_examples.py --update   # rewrite the expected output from the commands
@@ -21,9 +23,11 @@ Python's ``bin`` folder (the ``opweave`` command) first on ``PATH``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -107,23 +111,54 @@ def matches(expected: list[str], actual: str) -> bool:
     return _pattern(expected).fullmatch(text) is not None
 
 
-def run(command: str, cwd: Path) -> tuple[int, str]:
-    """Run one command as a user would in ``cwd``; its exit status and combined output."""
+def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["OPWEAVE_REPO"] = str(ROOT)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["COLUMNS"] = "200"
     env.pop("OPWEAVE_DEBUG", None)
+    return env
+
+
+def run(command: str, cwd: Path) -> tuple[int, str]:
+    """Run one command as a user would in ``cwd``; its exit status and combined output."""
     proc = subprocess.run(
         ["bash", "-c", command],
         cwd=cwd,
-        env=env,
+        env=_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
         timeout=TIMEOUT_S,
     )
     return proc.returncode, proc.stdout
+
+
+def start(command: str, cwd: Path) -> subprocess.Popen[bytes]:
+    """Start a background command (``... &``) in a session of its own."""
+    return subprocess.Popen(
+        ["bash", "-c", f"exec {command.removesuffix('&').strip()}"],
+        cwd=cwd,
+        env=_env(),
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the background command's process group, SIGKILL to what is left after a
+    minute: nothing the page started outlives it."""
+    for sig, wait_s in ((signal.SIGTERM, 60.0), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=wait_s)
+            if sig == signal.SIGTERM:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # any child the command left behind
+            return
 
 
 def has_vllm() -> bool:
@@ -138,30 +173,53 @@ def check_page(path: Path, *, vllm: bool = False, update: bool = False) -> list[
     lines = text.split("\n")
     problems: list[str] = []
     edits: list[tuple[int, int, list[str]]] = []
+    background: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory(prefix="opweave-docs-") as tmp:
-        for block in parse(text):
-            if block.mode == "skip" or (block.mode == "vllm" and not vllm):
-                continue
-            for ex in block.examples:
-                status, out = run(ex.command, Path(tmp))
-                where = f"{path.relative_to(ROOT)}:{ex.line + 1}"
-                if status != 0:
-                    problems.append(f"{where}: `{ex.command}` exited {status}:\n{out}")
-                    continue
-                if matches(ex.expected, out):
-                    continue
-                if update:
-                    _, again = run(ex.command, Path(tmp))
-                    edits.append((ex.out, ex.end, _elide_changes(out, again)))
-                else:
-                    problems.append(
-                        f"{where}: `{ex.command}` printed something else:\n{out}\n"
-                        f"--- the page shows:\n" + "\n".join(ex.expected)
-                    )
+        try:
+            problems += _run_blocks(path, text, Path(tmp), vllm, update, edits, background)
+        finally:
+            for proc in background:
+                stop(proc)
     if update and edits:
-        for start, end, shown in sorted(edits, reverse=True):
-            lines[start:end] = shown
+        for start_line, end, shown in sorted(edits, reverse=True):
+            lines[start_line:end] = shown
         path.write_text("\n".join(lines))
+    return problems
+
+
+def _run_blocks(
+    path: Path,
+    text: str,
+    tmp: Path,
+    vllm: bool,
+    update: bool,
+    edits: list[tuple[int, int, list[str]]],
+    background: list[subprocess.Popen[bytes]],
+) -> list[str]:
+    """Run the page's blocks in ``tmp``; the background commands go to ``background``."""
+    problems: list[str] = []
+    for block in parse(text):
+        if block.mode == "skip" or (block.mode == "vllm" and not vllm):
+            continue
+        for ex in block.examples:
+            if ex.command.endswith("&"):
+                background.append(start(ex.command, tmp))
+                continue
+            status, out = run(ex.command, tmp)
+            where = f"{path.relative_to(ROOT)}:{ex.line + 1}"
+            if status != 0:
+                problems.append(f"{where}: `{ex.command}` exited {status}:\n{out}")
+                continue
+            if matches(ex.expected, out):
+                continue
+            if update:
+                _, again = run(ex.command, tmp)
+                edits.append((ex.out, ex.end, _elide_changes(out, again)))
+            else:
+                problems.append(
+                    f"{where}: `{ex.command}` printed something else:\n{out}\n"
+                    f"--- the page shows:\n" + "\n".join(ex.expected)
+                )
     return problems
 
 
