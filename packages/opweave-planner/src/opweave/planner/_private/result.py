@@ -92,19 +92,20 @@ def parallelism_words(tp: int, ep: int, dp: int) -> str:
 def describe_plan(plan: Plan) -> str:
     """One line in plain words: what shape of plan, which GPUs in which groups, how many
     requests each holds, and the microbatches a pipeline needs."""
-    return f"{plan_kind(plan)}{groups_text(plan)}"
+    joint = ": " if len(plan.owners) == 1 else " over "
+    return f"{plan_kind(plan)}{joint}{groups_text(plan)}"
 
 
 def groups_text(plan: Plan) -> str:
-    """The owners of :func:`describe_plan`, after its shape: ``: 1 replica of 8 x a100 (TP8)
-    holding 48 requests`` or `` over 2 owners: ...; 3 microbatches``."""
+    """The owners of :func:`describe_plan`: ``1 replica of 8 x a100 (TP8) holding 48
+    requests`` or ``2 owners: ...; 3 microbatches``."""
     owners = plan.owners
     if len(owners) == 1:
-        text = f": {owner_words(owners[0])}"
+        text = owner_words(owners[0])
     elif all(o == owners[0] for o in owners):
-        text = f" over {len(owners)} identical owners, each {owner_words(owners[0])}"
+        text = f"{len(owners)} identical owners, each {owner_words(owners[0])}"
     else:
-        text = f" over {len(owners)} owners: " + "; ".join(owner_words(o) for o in owners)
+        text = f"{len(owners)} owners: " + "; ".join(owner_words(o) for o in owners)
     m = plan.microbatches
     return text + (f"; {m} microbatches" if m > 1 else "")
 
@@ -525,8 +526,7 @@ class PlanResult:
             ratio = f"{_usd(plan) / _usd(best):.2f}x: " if best is not None else ""
             lines.append(f"  {label}: {ratio}{self._headline(plan)}")
             why = self._why(plan)
-            groups = groups_text(plan).removeprefix(": ").removeprefix(" over ")
-            lines.append(f"    {groups}" + (f"; costs more: {why}" if why else ""))
+            lines.append(f"    {groups_text(plan)}" + (f"; costs more: {why}" if why else ""))
         lines.append("assumptions:")
         lines += [f"  - {a}" for a in self.assumptions()]
         s = self.search
