@@ -118,7 +118,10 @@ def test_estimate_expert_and_data_parallel_json() -> None:
     assert measured["expert_imbalance"] == pytest.approx(2 * ep["expert_imbalance"])
     assert measured["expert_imbalance_basis"].startswith("measured")
     text = run_cli(*args, "--tp", "1", "--ep", "8", "--dp", "8").stdout
-    assert "8 x h200-sxm (8 DP ranks of TP1, experts over EP8)" in text
+    assert (
+        "8 x h200-sxm (attention in 8 data-parallel ranks of TP1, experts EP8 over the 8 GPUs)"
+        in text
+    )
     assert "busiest expert GPU: 1.08x the mean load (assumed" in text
 
 

@@ -218,18 +218,22 @@ TERM_WORDS = {
 }
 
 
+def _replica_words(spec: Any, hw: Any, layout: tuple[int, int, int, bool]) -> str:
+    """``qwen3-32b on 4 x h100-sxm (TP4)``: the model, the GPUs and their layout in words."""
+    from opweave.costmodel import Parallelism
+
+    tp, ep, dp, dense_dp = layout
+    par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
+    moe = any(op.moe is not None for op in spec.operators)
+    return f"{spec.name} on {par.gpus} x {hw.id} ({par.describe(moe)})"
+
+
 def _print_step(
     est: Any, spec: Any, hw: Any, layout: tuple[int, int, int, bool], batch: int
 ) -> None:
     tp, ep, dp, dense_dp = layout
     fits = "yes" if est.fits else "NO (exceeds usable memory)"
-    where = ""
-    if ep != 1 or dp != 1:
-        experts = "tensor-parallel over all" if ep == 1 else f"over EP{ep}"
-        where = f" ({dp} DP rank{'s' if dp > 1 else ''} of TP{tp}, experts {experts})"
-    typer.echo(
-        f"{spec.name} on {tp * dp} x {hw.id}{where}, batch {batch}, context {est.context_tokens}"
-    )
+    typer.echo(f"{_replica_words(spec, hw, layout)}, batch {batch}, context {est.context_tokens}")
     print_table(
         [[TERM_WORDS.get(k, k), f"{v * 1e3:.3f}"] for k, v in est.breakdown_s.items() if v > 0]
         + [["decode step", f"{est.step_latency_s * 1e3:.3f}"]],
@@ -326,10 +330,9 @@ def _estimate_serving(
     if json_out:
         emit_json(est.model_dump())
         return
-    where = "" if ep == 1 and dp == 1 else f" (tp {tp}, ep {ep}, dp {dp})"
-    where = where.replace(")", ", dense FFN data-parallel)") if dense_dp else where
     typer.echo(
-        f"{spec.name} on {est.gpus} x {hw.id}{where}, aggregated serving ({workload.engine_name})"
+        f"{_replica_words(spec, hw, (tp, ep, dp, dense_dp))}, "
+        f"aggregated serving ({workload.engine_name})"
     )
     print_table(
         [

@@ -139,6 +139,37 @@ class Parallelism:
         """Tensor parallelism only (``ep = dp = 1``)."""
         return self.ep == 1 and self.dp == 1 and not self.dense_dp
 
+    def describe(self, moe: bool = True) -> str:
+        """How a replica lays out its GPUs, in words (``moe``: the model has routed experts).
+
+        >>> Parallelism(tp=4).describe()
+        'TP4'
+        >>> Parallelism(tp=2, ep=8, dp=4).describe()
+        'attention in 4 data-parallel ranks of TP2, experts EP8 over the 8 GPUs'
+        >>> Parallelism(tp=8, ep=2).describe()
+        'attention TP8, experts over EP2, each TP4'
+        >>> Parallelism(tp=1, dp=4).describe(moe=False)
+        'attention in 4 data-parallel ranks of TP1, FFN TP4'
+        """
+        if self.plain:
+            return f"TP{self.tp}"
+        gpus = self.gpus
+        if self.dp > 1:
+            attention = f"attention in {self.dp} data-parallel ranks of TP{self.tp}"
+        else:
+            attention = f"attention TP{self.tp}"
+        if not moe:
+            ffn = "FFN data-parallel" if self.dense_dp else f"FFN TP{gpus}"
+            return f"{attention}, {ffn}"
+        if self.ep == 1:
+            experts = f"experts TP{gpus}"
+        elif self.ep == gpus:
+            experts = f"experts EP{self.ep} over the {gpus} GPUs"
+        else:
+            experts = f"experts over EP{self.ep}, each TP{self.expert_tp}"
+        dense = ", dense FFN layers data-parallel" if self.dense_dp else ""
+        return f"{attention}, {experts}{dense}"
+
     def __str__(self) -> str:
         if self.plain:
             return f"tp{self.tp}"

@@ -10,6 +10,7 @@ from typing import Any
 from opweave.costmodel import (
     BALANCED_BASIS,
     ModelSpec,
+    Parallelism,
     Plan,
     ProfiledLatency,
     check_runs,
@@ -442,14 +443,17 @@ class PlanResult:
     # -- plain words ---------------------------------------------------------------------------
     def _owner_lines(self, plan: Plan, indent: str) -> list[str]:
         doc = self.summary(plan)
+        assert self.spec is not None, "PlanResult built by plan() carries its model"
+        moe = any(op.moe is not None for op in self.spec.operators)
         lines = []
         for o, place in zip(doc["owners"], doc["placement"], strict=True):
+            layout = Parallelism(tp=o["tp"], ep=o["ep"], dp=o["dp"])
             reps = f"{o['replicas']} replica{'s' if o['replicas'] > 1 else ''}"
             used, cap = o["memory_bytes_per_gpu"] / 1e9, o["memory_capacity_bytes_per_gpu"] / 1e9
             each = " each" if o["replicas"] > 1 else ""
             lines.append(
                 f"{indent}owner {place['owner']}: {reps} of {o['tp'] * o['dp']} x {o['gpu']} "
-                f"({_layout_words(o['tp'], o['ep'], o['dp'])}), {o['quant']} weights, "
+                f"({layout.describe(moe)}), {o['quant']} weights, "
                 f"{o['resident_batch']:,} requests{each}, {used:.1f} of {cap:.1f} GB per GPU"
             )
             lines.append(f"{indent}  runs {_operators_text(place['operators'])}")
@@ -551,24 +555,6 @@ class PlanResult:
         if mean_b < best_b:
             why.append(f"smaller batches (mean {mean_b:.0f} vs {best_b:.0f})")
         return ", ".join(why)
-
-
-def _layout_words(tp: int, ep: int, dp: int) -> str:
-    """``TP2``, or ``attention in 4 data-parallel ranks of TP2, experts over all 8 GPUs (EP8)``
-    (how a replica lays out its GPUs)."""
-    if ep == dp == 1:
-        return f"TP{tp}"
-    gpus = tp * dp
-    attention = f"attention TP{tp}"
-    if dp > 1:
-        attention = f"attention in {dp} data-parallel ranks of TP{tp}"
-    if ep == 1:
-        experts = f"experts TP{gpus}"
-    elif ep == gpus:
-        experts = f"experts EP{ep} over the {gpus} GPUs"
-    else:
-        experts = f"experts over EP{ep}, each TP{gpus // ep}"
-    return f"{attention}, {experts}"
 
 
 def _mean_batch(plan: Plan) -> float:
