@@ -29,8 +29,10 @@ def _sync(session: nox.Session, *groups: str) -> None:
 def tests(session: nox.Session) -> None:
     """The test suite in the locked uv environment (vLLM-marked tests skip here: see `vllm`)."""
     _sync(session, "dev")
-    # the slowest tests, printed at the end: what to look at when the run nears its time budget
-    session.run("pytest", "--durations=15", *session.posargs)
+    # two workers: the tests that run ranks one after another on one (tests/conftest.py,
+    # RANK_TESTS), the single-process tests on the other; the slowest tests are printed at the
+    # end, what to look at when the run nears its time budget
+    session.run("pytest", "-n", "2", "--dist", "loadgroup", "--durations=15", *session.posargs)
 
 
 @nox.session(python="3.11")

@@ -16,6 +16,20 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+# Tests that run ranks: several processes each, which between them already keep both cores of a
+# small machine busy. Under pytest-xdist (``-n 2 --dist loadgroup``, the nox ``tests`` session)
+# they run one after another on one worker while the other worker takes the single-process
+# tests; two of them at once are slower than one after the other.
+RANK_TESTS = [Path(__file__).parent / d for d in ("runtime", "integration")]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if any(d in item.path.parents for d in RANK_TESTS):
+            item.add_marker(pytest.mark.xdist_group("ranks"))
+
 
 @pytest.fixture
 def write_config(tmp_path: Path):
