@@ -355,6 +355,9 @@ def run_plan_ep_dp(model: ModelSpec, catalog: HardwareCatalog, slo: float, **kwa
 
 @settings(max_examples=5, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.floats(0.05, 1.0))
+# two optima whose simulated TPOTs differ in the last bit only (EP1 and EP2 over one DP2
+# replica): the same plan with and without the frontiers, by the tie-break key
+@example(10884, 1.0)
 def test_branch_and_bound_matches_exhaustive_enumeration_with_ep_dp(
     tiny_moe: ModelSpec, seed: int, quantile: float
 ) -> None:

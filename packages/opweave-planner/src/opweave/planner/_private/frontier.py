@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
+EPS = 1e-9  # relative slack: float rounding never prunes a candidate the simulator would keep
+
 
 def pareto_mask(
     tp: np.ndarray, rate: np.ndarray, latency: np.ndarray, links: np.ndarray, comparable: np.ndarray
@@ -38,7 +40,7 @@ def pareto_mask(
 
     ``latency`` is ``S_j x C`` (per occurrence), ``links`` is ``L x C`` (send, receive and
     fan-out time per boundary group), ``comparable`` marks configurations whose link times do
-    not depend on the partner. Exact duplicates keep the first.
+    not depend on the partner. Duplicates (equal within float rounding) keep the first.
     """
     keep = np.ones(tp.shape[0], dtype=bool)
     keep[dominated_pairs(tp, rate, latency, links, comparable)[1]] = False
@@ -82,12 +84,19 @@ def _block_pairs(
         return xs, ys
     ok = np.all(latency[:, xs] <= latency[:, ys], axis=0)
     xs, ys = xs[ok], ys[ok]
-    # identical configurations dominate each other: only the first one survives
-    same = (rate[xs] == rate[ys]) & np.all(latency[:, xs] == latency[:, ys], axis=0)
+    # identical configurations dominate each other: only the first one survives. Identical
+    # means equal within float rounding (relative EPS), as the search's tie-break reads it: a
+    # configuration ahead of another by rounding alone does not prune an earlier one, which
+    # the search may prefer by its key
+    same = _close(rate[xs], rate[ys]) & np.all(_close(latency[:, xs], latency[:, ys]), axis=0)
     if links.shape[0]:
-        same &= np.all(links[:, xs] == links[:, ys], axis=0)
+        same &= np.all(_close(links[:, xs], links[:, ys]), axis=0)
     ok = ~same | (xs < ys)
     return xs[ok], ys[ok]
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.abs(a - b) <= EPS * np.maximum(np.abs(a), np.abs(b))
 
 
 def _distinct_rows(matrix: np.ndarray) -> np.ndarray:

@@ -26,14 +26,12 @@ from opweave.costmodel import (
 )
 
 from .devices import Device
-from .frontier import dominated_pairs
+from .frontier import EPS, dominated_pairs
 from .space import candidate_parallelisms, u_grid_for_dp
 from .structure import OpTables, Structure, owner_compute
 
 if TYPE_CHECKING:
     from .search import SearchStats
-
-EPS = 1e-9  # relative slack: float rounding never prunes a candidate the simulator would keep
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ For partial assignments, unassigned owners contribute their cheapest possible te
 are taken best root bound first; inside one, owner prefixes are pruned depth first and the last
 two owners are bounded together in one vectorised block; complete candidates whose bound still
 beats the incumbent are simulated in bound order (the simulator is authoritative). Pruning is
-strict (``bound > incumbent``) and ties are broken by a fixed key, so the reported optimum is the
-same with and without either reduction.
+strict (``bound > incumbent``) and ties (equal within float rounding) are broken by a fixed key, so
+the reported optimum is the same with and without either reduction.
 """
 
 from __future__ import annotations
@@ -41,8 +41,9 @@ from opweave.costmodel import (
 from .bounds import cost_lower_bound, full_occupancy_cost, tpot_lower_bound
 from .devices import Device
 from .evaluate import OwnerChoice, build_pipeline, cost_rate
+from .frontier import EPS
 from .host import cools
-from .owners import EPS, Job, OwnerOptions, OwnerSpace
+from .owners import Job, OwnerOptions, OwnerSpace
 from .simulator import cycle_time
 from .space import U_GRID
 from .structure import OpTables, Structure
@@ -84,13 +85,28 @@ class Leaf:
     job: Job = field(compare=False)
     configs: tuple[tuple[int, int, int, int], ...] = field(compare=False)  # (tp, ep, dp, u)
 
-    def order(self) -> tuple[object, ...]:
-        return (self.value, self.tpot_s, self.key)
+    def better_than(self, other: Leaf) -> bool:
+        """Lower objective, then lower TPOT, then the lower key. Values within float rounding
+        of each other (relative ``EPS``) tie: two plans the simulator costs alike, whose sums
+        merely ran in another order, are then told apart by the key alone, with or without
+        the frontiers' pruning."""
+        if not _close(self.value, other.value):
+            return self.value < other.value
+        if not _close(self.tpot_s, other.tpot_s):
+            return self.tpot_s < other.tpot_s
+        return self.key < other.key
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= EPS * max(abs(a), abs(b))
 
 
 def lexmin(*leaves: Leaf | None) -> Leaf | None:
-    found = [x for x in leaves if x is not None]
-    return min(found, key=Leaf.order) if found else None
+    best = None
+    for leaf in leaves:
+        if leaf is not None and (best is None or leaf.better_than(best)):
+            best = leaf
+    return best
 
 
 class Searcher:
@@ -422,7 +438,7 @@ class Searcher:
             if not self._fits_nodes(picks):
                 continue  # the GPU counts fit, but not as whole TP groups on nodes
             leaf = self._simulate(job, picks, inc)
-            if leaf.tpot_s <= self.slo and (inc is None or leaf.order() < inc.order()):
+            if leaf.tpot_s <= self.slo and (inc is None or leaf.better_than(inc)):
                 inc = leaf
         return inc
 
@@ -492,7 +508,7 @@ class Searcher:
         if not cools([ch.device.host for ch in owners]):
             return leaf(cold=True)
         hot = leaf(cold=False)
-        if hot.tpot_s > self.slo or (inc is not None and not hot.order() < inc.order()):
+        if hot.tpot_s > self.slo or (inc is not None and not hot.better_than(inc)):
             return hot  # rejected either way
         return leaf(cold=True)
 
