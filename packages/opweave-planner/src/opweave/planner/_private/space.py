@@ -160,15 +160,19 @@ def candidate_parallelisms(
     """The parallelisms an owner running ``ops`` on ``device`` is offered (see the module doc),
     before the model's operators are checked to split so (the search keeps those
     :func:`opweave.costmodel.parallelism_problem` passes)."""
-    plain = tuple(Parallelism(tp=tp) for tp in device.tps)
+    plain = tuple(Parallelism(tp=tp) for tp in sorted(device.tps))
     if not any(op.moe is not None for op in ops) or not isinstance(device.latency, RooflineLatency):
         return plain
+    # in (tp, ep, dp) order, the search's tie-break order: of two configurations the frontier
+    # finds alike it keeps the first, the one the search would pick
     return tuple(
-        Parallelism(tp=tp, ep=ep, dp=gpus // tp)
-        for tp in device.tps
-        for gpus in GROUP_GPUS
-        if gpus % tp == 0 and gpus <= max_group_gpus
-        for ep in dict.fromkeys((1, gpus))
+        sorted(
+            Parallelism(tp=tp, ep=ep, dp=gpus // tp)
+            for tp in device.tps
+            for gpus in GROUP_GPUS
+            if gpus % tp == 0 and gpus <= max_group_gpus
+            for ep in dict.fromkeys((1, gpus))
+        )
     )
 
 
