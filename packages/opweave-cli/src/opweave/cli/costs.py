@@ -224,8 +224,7 @@ def _replica_words(spec: Any, hw: Any, layout: tuple[int, int, int, bool]) -> st
 
     tp, ep, dp, dense_dp = layout
     par = Parallelism(tp=tp, ep=ep, dp=dp, dense_dp=dense_dp)
-    moe = any(op.moe is not None for op in spec.operators)
-    return f"{spec.name} on {par.gpus} x {hw.id} ({par.describe(moe)})"
+    return f"{spec.name} on {par.gpus} x {hw.id} ({par.describe(spec.arch.moe is not None)})"
 
 
 def _print_step(

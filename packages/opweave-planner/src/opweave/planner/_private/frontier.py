@@ -29,8 +29,15 @@ better than the same plan with X: the frontier is exact.
 from __future__ import annotations
 
 import numpy as np
+from numpy.typing import ArrayLike, NDArray
 
 EPS = 1e-9  # relative slack: float rounding never prunes a candidate the simulator would keep
+
+
+def equal_but_rounding(a: ArrayLike, b: ArrayLike) -> NDArray[np.bool_]:
+    """Where ``a`` and ``b`` differ by float rounding at most (relative ``EPS``)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return np.abs(a - b) <= EPS * np.maximum(np.abs(a), np.abs(b))
 
 
 def pareto_mask(
@@ -88,15 +95,13 @@ def _block_pairs(
     # means equal within float rounding (relative EPS), as the search's tie-break reads it: a
     # configuration ahead of another by rounding alone does not prune an earlier one, which
     # the search may prefer by its key
-    same = _close(rate[xs], rate[ys]) & np.all(_close(latency[:, xs], latency[:, ys]), axis=0)
+    same = equal_but_rounding(rate[xs], rate[ys]) & np.all(
+        equal_but_rounding(latency[:, xs], latency[:, ys]), axis=0
+    )
     if links.shape[0]:
-        same &= np.all(_close(links[:, xs], links[:, ys]), axis=0)
+        same &= np.all(equal_but_rounding(links[:, xs], links[:, ys]), axis=0)
     ok = ~same | (xs < ys)
     return xs[ok], ys[ok]
-
-
-def _close(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return np.abs(a - b) <= EPS * np.maximum(np.abs(a), np.abs(b))
 
 
 def _distinct_rows(matrix: np.ndarray) -> np.ndarray:

@@ -444,7 +444,7 @@ class PlanResult:
     def _owner_lines(self, plan: Plan, indent: str) -> list[str]:
         doc = self.summary(plan)
         assert self.spec is not None, "PlanResult built by plan() carries its model"
-        moe = any(op.moe is not None for op in self.spec.operators)
+        moe = self.spec.arch.moe is not None
         lines = []
         for o, place in zip(doc["owners"], doc["placement"], strict=True):
             layout = Parallelism(tp=o["tp"], ep=o["ep"], dp=o["dp"])

@@ -41,7 +41,7 @@ from opweave.costmodel import (
 from .bounds import cost_lower_bound, full_occupancy_cost, tpot_lower_bound
 from .devices import Device
 from .evaluate import OwnerChoice, build_pipeline, cost_rate
-from .frontier import EPS
+from .frontier import EPS, equal_but_rounding
 from .host import cools
 from .owners import Job, OwnerOptions, OwnerSpace
 from .simulator import cycle_time
@@ -90,15 +90,11 @@ class Leaf:
         of each other (relative ``EPS``) tie: two plans the simulator costs alike, whose sums
         merely ran in another order, are then told apart by the key alone, with or without
         the frontiers' pruning."""
-        if not _close(self.value, other.value):
+        if not equal_but_rounding(self.value, other.value):
             return self.value < other.value
-        if not _close(self.tpot_s, other.tpot_s):
+        if not equal_but_rounding(self.tpot_s, other.tpot_s):
             return self.tpot_s < other.tpot_s
         return self.key < other.key
-
-
-def _close(a: float, b: float) -> bool:
-    return abs(a - b) <= EPS * max(abs(a), abs(b))
 
 
 def lexmin(*leaves: Leaf | None) -> Leaf | None:
