@@ -236,6 +236,43 @@ def test_qwen3_5_is_397b_with_17b_active() -> None:
     assert (spec.block.prefix_layers, spec.block.period_layers) == (0, 4)
 
 
+@pytest.mark.parametrize(
+    ("ssm_dtype", "state_bytes"), [(None, 2), ("auto", 2), ("float32", 4), ("bfloat16", 2)]
+)
+def test_qwen3_5_recurrent_state_in_the_configs_ssm_dtype(
+    ssm_dtype: str | None, state_bytes: int
+) -> None:
+    """The state matrices in ``mamba_ssm_dtype`` (as vLLM's Qwen3.5 hook keeps them), the conv
+    window in the model's dtype, the full-attention layers' KV cache unchanged."""
+    config = builtin_config("qwen3.5-397b-a17b")
+    assert config["text_config"]["mamba_ssm_dtype"] == "float32"  # as released
+    text = {k: v for k, v in config["text_config"].items() if k != "mamba_ssm_dtype"}
+    if ssm_dtype is not None:
+        text["mamba_ssm_dtype"] = ssm_dtype
+    spec = model_spec_from_config({**config, "text_config": text}, dtype="bfloat16")
+    t = config["text_config"]
+    nk, nv, dk, dv = (
+        t["linear_num_key_heads"],
+        t["linear_num_value_heads"],
+        t["linear_key_head_dim"],
+        t["linear_value_head_dim"],
+    )
+    conv = (2 * nk * dk + nv * dv) * (t["linear_conv_kernel_dim"] - 1) * 2
+    linear = t["layer_types"].count("linear_attention")
+    full = t["num_hidden_layers"] - linear
+    kv_per_token = full * 2 * t["num_key_value_heads"] * t["head_dim"] * 2
+    per_request = linear * (nv * dk * dv * state_bytes + conv)
+    got = state_bytes_per_rank(spec.operators, tp=1, batch=1, context=1000)
+    assert got == per_request + 1000 * kv_per_token
+
+
+def test_qwen3_5_bad_ssm_dtype_names_the_key() -> None:
+    config = builtin_config("qwen3.5-397b-a17b")
+    text = {**config["text_config"], "mamba_ssm_dtype": "float8"}
+    with pytest.raises(ConfigError, match=r"^mamba_ssm_dtype: 'float8' .*auto, float32"):
+        model_spec_from_config({**config, "text_config": text})
+
+
 def test_qwen3_5_dense_27b_against_its_shapes() -> None:
     spec = model_spec_from_config(QWEN3_5_27B)
     t = QWEN3_5_27B["text_config"]

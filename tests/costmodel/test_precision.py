@@ -787,3 +787,23 @@ def test_kimi_k2_5_wrapper_reads_its_text_models_int4_experts() -> None:
     )
     assert (t["first_k_dense_replace"], t["moe_intermediate_size"]) == (dense, moe_inter)
     assert spec.weight_bytes == pytest.approx(expected, rel=1e-5)
+
+
+def test_modelopt_export_of_a_wrapper_wins_over_its_text_configs_quantization(
+    tmp_path: Path,
+) -> None:
+    """nvidia/Kimi-K2.5-NVFP4 keeps moonshotai's INT4 quantization_config in its text_config
+    and ships ModelOpt's hf_quant_config.json beside it. vLLM promotes hf_quant_config.json to
+    the top-level quantization_config before it looks into text_config, so it serves NVFP4;
+    without that file the text_config's INT4 scheme is the checkpoint's, and says where it
+    was read."""
+    _needs("deepseek_v3")
+    folder = tmp_path / "kimi-k2.5-nvfp4"
+    folder.mkdir()
+    (folder / "config.json").write_text((CHECKPOINTS / "kimi-k2.5.json").read_text())
+    quant = {"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": []}}
+    (folder / "hf_quant_config.json").write_text(json.dumps(quant))
+    precision = load_model(folder).precision
+    assert (precision.quant, precision.source) == ("nvfp4", "hf_quant_config.json: ModelOpt NVFP4")
+    source = load_model(CHECKPOINTS / "kimi-k2.5.json").precision.source
+    assert source.startswith("config.json text_config.quantization_config: compressed-tensors")

@@ -26,6 +26,8 @@ SLIDING: LayerType = "sliding_attention"
 LINEAR: LayerType = "linear_attention"
 
 _DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
+# a recurrent state's dtypes (vLLM's MambaDType less "auto", config/cache.py)
+_STATE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 class RopeSpec(Frozen):
@@ -78,6 +80,11 @@ class LinearAttentionSpec(Frozen):
     k_head_dim: int
     v_head_dim: int
     conv_kernel: int
+    state_dtype: str | None = Field(
+        default=None,
+        description="Dtype of the recurrent state when the config names one (Qwen3.5's "
+        "mamba_ssm_dtype); None: the model's dtype. The conv window is in the model's dtype.",
+    )
     split_projections: bool = Field(
         default=False,
         description="The checkpoint holds the input projections as four linears "
@@ -570,7 +577,16 @@ def _linear_attention(cfg: Any, split_projections: bool) -> LinearAttentionSpec:
         raise ConfigError(
             f"linear_num_value_heads: {nv} is not a multiple of linear_num_key_heads ({nk})"
         )
+    state_dtype = getattr(cfg, "mamba_ssm_dtype", None)
+    if state_dtype == "auto":
+        state_dtype = None
+    if state_dtype not in (None, *_STATE_DTYPES):
+        raise ConfigError(
+            f"mamba_ssm_dtype: {state_dtype!r} is not a state dtype vLLM keeps; use one of "
+            f"auto, {', '.join(_STATE_DTYPES)}"
+        )
     return LinearAttentionSpec(
+        state_dtype=state_dtype,
         num_k_heads=nk,
         num_v_heads=nv,
         k_head_dim=cfg.linear_key_head_dim,

@@ -302,8 +302,10 @@ class _Builder:
         kernel = la.conv_kernel
         qkvz = 2 * nk * dk + 2 * nv * dv
         conv_dim = 2 * nk * dk + nv * dv
-        # State per request: one dk x dv matrix per value head + the conv window.
-        recurrent = nv * dk * dv + conv_dim * (kernel - 1)
+        # State per request: one dk x dv matrix per value head (in the state dtype) + the conv
+        # window (in the model's)
+        state_p = self.p if la.state_dtype is None else _DTYPE_BYTES[la.state_dtype]
+        state_bytes = nv * dk * dv * state_p + conv_dim * (kernel - 1) * self.p
         # Per token: conv (2*K per channel) + delta rule (decay, k^T S, outer-product update,
         # q^T S: about 8 FLOPs per state element).
         gdn_flops = 2.0 * conv_dim * kernel + 8.0 * nv * dk * dv
@@ -326,7 +328,7 @@ class _Builder:
                 i,
                 params=conv_dim * kernel + 2 * nv,
                 flops=gdn_flops,
-                state_bytes_fixed=recurrent * self.p,
+                state_bytes_fixed=state_bytes,
                 act=conv_dim + 2 * nv * dv,
                 boundary=2 * nv * dv + h,
                 shard_units=nk,

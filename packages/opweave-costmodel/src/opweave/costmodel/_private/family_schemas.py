@@ -225,7 +225,18 @@ class Qwen3NextConfig(_GatedDeltaNet, _RoutedExperts):
     mlp_only_layers: LayerList = Field(default_factory=list)
 
 
-class Qwen3_5MoeTextConfig(_GatedDeltaNet, _RoutedExperts):
+class _Qwen3_5(_GatedDeltaNet):
+    """Keys both Qwen3.5 text models add to Qwen3-Next's."""
+
+    # vLLM's qwen3_5.py: getattr(config, "attn_output_gate", True)
+    attn_output_gate: Flag = True
+    # The recurrent state's dtype (the released checkpoints say float32): vLLM's Qwen3.5
+    # config hook makes it the cache's ``mamba_ssm_cache_dtype`` (Qwen3_5ForConditional-
+    # GenerationConfig in model_executor/models/config.py). Unset: the model's dtype.
+    mamba_ssm_dtype: OptStr = None
+
+
+class Qwen3_5MoeTextConfig(_Qwen3_5, _RoutedExperts):
     """Qwen3.5-MoE's text model (transformers ``Qwen3_5MoeTextConfig``): Qwen3-Next's layers
     with every layer sparse (no ``decoder_sparse_step``, ``mlp_only_layers`` nor dense
     ``intermediate_size``) and the router always renormalising its top-k."""
@@ -244,11 +255,9 @@ class Qwen3_5MoeTextConfig(_GatedDeltaNet, _RoutedExperts):
         256, validation_alias=_experts_key("num_experts", "num_local_experts")
     )
     num_experts_per_tok: Experts = 8
-    # vLLM's qwen3_5.py: getattr(config, "attn_output_gate", True)
-    attn_output_gate: Flag = True
 
 
-class Qwen3_5TextConfig(_GatedDeltaNet):
+class Qwen3_5TextConfig(_Qwen3_5):
     """Qwen3.5's dense text model (transformers ``Qwen3_5TextConfig``: Qwen3.5-27B and the
     0.8B-9B models): the MoE models' layers with a dense SwiGLU MLP in every layer."""
 
@@ -261,8 +270,6 @@ class Qwen3_5TextConfig(_GatedDeltaNet):
     head_dim: OptWidth = 256
     max_position_embeddings: Tokens = 32768
     partial_rotary_factor: Any = 0.25
-    # vLLM's qwen3_5.py: getattr(config, "attn_output_gate", True)
-    attn_output_gate: Flag = True
 
 
 class GptOssConfig(_RoutedExperts):

@@ -368,9 +368,11 @@ _TENSOR_PATHS = {
 }
 
 
-def gemm_rate(fmt: str, hw: HardwareSpec, method: str = "") -> GemmRate:
+def gemm_rate(fmt: str, hw: HardwareSpec, method: str = "", math: str = "bf16") -> GemmRate:
     """The FLOP/s a GEMM with ``fmt`` weights (quantised by ``method``) runs at on ``hw``, and
-    its path; :class:`UnsupportedPrecisionError` where ``hw`` cannot run it at all.
+    its path; :class:`UnsupportedPrecisionError` where ``hw`` cannot run it at all. A format
+    without tensor cores of its own is dequantised to the model's ``math`` dtype (BF16 and FP16
+    run at the same dense rate).
 
     >>> from opweave.costmodel import default_catalog
     >>> a100 = default_catalog().get("a100")
@@ -394,7 +396,9 @@ def gemm_rate(fmt: str, hw: HardwareSpec, method: str = "") -> GemmRate:
     dense = hw.dense_flops_per_s * hw.compute_efficiency
     if fmt in UNQUANTISED.values():
         return GemmRate(flops_per_s=dense, path=f"{fmt} tensor cores")
-    return GemmRate(flops_per_s=dense, path=f"weight-only: {fmt} weights dequantised to bf16 math")
+    return GemmRate(
+        flops_per_s=dense, path=f"weight-only: {fmt} weights dequantised to {math} math"
+    )
 
 
 def check_runs(precision: Precision, hw: HardwareSpec) -> str:
@@ -409,11 +413,12 @@ def check_runs(precision: Precision, hw: HardwareSpec) -> str:
     weight_only = sorted({r.scheme.format for r in precision.rules if r.scheme.weight_only})
     if not formats and not weight_only:
         formats = [precision.quant]
+    math = UNQUANTISED.get(precision.compute_dtype, "bf16")
     try:
-        paths = [gemm_rate(f, hw, precision.method).path for f in formats]
+        paths = [gemm_rate(f, hw, precision.method, math).path for f in formats]
         if weight_only:
             gemm_rate(weight_only[0], hw, precision.method)  # the method runs here at all
-        paths += [f"weight-only: {f} weights dequantised to bf16 math" for f in weight_only]
+        paths += [f"weight-only: {f} weights dequantised to {math} math" for f in weight_only]
         return "; ".join(paths)
     except UnsupportedPrecisionError as exc:
         why = str(exc).split(": ", 1)[-1]

@@ -1,8 +1,10 @@
 """A checkpoint's precision, read from its ``quantization_config`` (config.json) or ModelOpt's
 ``hf_quant_config.json``, with the ``--quant`` and ``--kv-cache-dtype`` overrides.
 
-Which file wins follows vLLM (``get_quant_config``, model_executor/model_loader/weight_utils.py):
-config.json's ``quantization_config`` when there is one, else ``hf_quant_config.json``. What
+Which file wins follows vLLM: config.json's ``quantization_config`` when there is one, else
+``hf_quant_config.json`` (``get_config`` in transformers_utils/config.py promotes it to the
+top level), else the ``quantization_config`` of a multimodal wrapper's ``text_config``
+(``get_quant_config`` in model_executor/model_loader/weight_utils.py). What
 each method leaves unquantised follows its engine convention, cited where it is read. The
 KV-cache dtype ``auto`` is the model's dtype unless the checkpoint ships calibrated FP8 KV
 scales (ModelOpt ``kv_cache_quant_algo: FP8``, compressed-tensors ``kv_cache_scheme``), in
@@ -157,11 +159,16 @@ def checkpoint_precision(
 ) -> Precision:
     """The precision the checkpoint itself stores (unquantised when it says nothing)."""
     base = Precision(compute_dtype=arch.dtype)
-    qc = config.get("quantization_config")
-    if qc is None and isinstance(config.get("text_config"), Mapping):
-        qc = config["text_config"].get("quantization_config")
+    qc, where = config.get("quantization_config"), "quantization_config"
+    if qc is None and hf_quant_config is None and isinstance(config.get("text_config"), Mapping):
+        # a multimodal wrapper's text model; a ModelOpt export beside it comes first, since
+        # vLLM promotes hf_quant_config.json to the top-level quantization_config
+        qc, where = (
+            config["text_config"].get("quantization_config"),
+            "text_config.quantization_config",
+        )
     if qc is not None:
-        r = _Reader(qc, "quantization_config")
+        r = _Reader(qc, where)
         method = r.get("quant_method", str)
         producer = qc.get("producer") if isinstance(qc, Mapping) else None
         if method is None and isinstance(producer, Mapping) and producer.get("name") == "modelopt":
@@ -169,13 +176,13 @@ def checkpoint_precision(
             # ModelOpt's own fields (quant_algo) as hf_quant_config.json states them
             method = "modelopt"
         if method is None:
-            raise ConfigError("quantization_config.quant_method: missing; the checkpoint must say")
+            raise ConfigError(f"{r.where}.quant_method: missing; the checkpoint must say")
         method = method.lower()
         if method == "modelopt":
             return _modelopt(r, base, compressed_style=True)
         if method not in _METHODS:
             raise ConfigError(
-                f"quantization_config.quant_method {method!r} is not modelled; OpWeave reads "
+                f"{r.where}.quant_method {method!r} is not modelled; OpWeave reads "
                 f"{', '.join(_METHODS)} (and ModelOpt's hf_quant_config.json)"
             )
         return {
@@ -201,15 +208,14 @@ def _fp8(r: _Reader, base: Precision) -> Precision:
     and transformers' FP8 quantiser keeps the output embedding out by default."""
     fmt = r.get("fmt", str, "e4m3")
     if fmt not in ("e4m3", "float8_e4m3fn"):
-        raise ConfigError(f"quantization_config.fmt {fmt!r}: OpWeave models FP8 E4M3 weights")
+        raise ConfigError(f"{r.where}.fmt {fmt!r}: OpWeave models FP8 E4M3 weights")
     block = r.get("weight_block_size", list)
     if block is not None:
         if len(block) != 2 or not all(
             isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 1 << 16 for b in block
         ):
             raise ConfigError(
-                f"quantization_config.weight_block_size: expected two positive integers, got "
-                f"{_show(block)}"
+                f"{r.where}.weight_block_size: expected two positive integers, got {_show(block)}"
             )
         scheme = fp8_block_scheme(block[0], block[1])
         what = f"{block[0]}x{block[1]} blocks"
@@ -221,7 +227,7 @@ def _fp8(r: _Reader, base: Precision) -> Precision:
             "rules": (QuantRule(scheme=scheme),),
             "ignore": r.names("modules_to_not_convert"),
             "method": "fp8",
-            "source": f"config.json quantization_config: fp8, {what}",
+            "source": f"config.json {r.where}: fp8, {what}",
         }
     )
 
@@ -235,7 +241,7 @@ def _mxfp4(r: _Reader, base: Precision) -> Precision:
             "ignore": r.names("modules_to_not_convert"),
             "experts_only": True,
             "method": "mxfp4",
-            "source": "config.json quantization_config: mxfp4 routed experts",
+            "source": f"config.json {r.where}: mxfp4 routed experts",
         }
     )
 
@@ -244,14 +250,14 @@ def _int4(r: _Reader, method: str) -> int | None:
     bits = r.get("bits", int, 4)
     if bits != 4:
         raise ConfigError(
-            f"quantization_config.bits: {bits}-bit {method} is not modelled; OpWeave models "
+            f"{r.where}.bits: {bits}-bit {method} is not modelled; OpWeave models "
             "4-bit weight-only checkpoints"
         )
     group = r.get("group_size", int, 128)
     if group == -1:
         return None  # one group per output channel
     if not 1 <= group <= 1 << 20:
-        raise ConfigError(f"quantization_config.group_size: {group} is out of range")
+        raise ConfigError(f"{r.where}.group_size: {group} is out of range")
     return group
 
 
@@ -263,7 +269,7 @@ def _awq(r: _Reader, base: Precision) -> Precision:
             "rules": (QuantRule(scheme=int4_scheme(group, zeros=zeros)),),
             "ignore": r.names("modules_to_not_convert"),
             "method": "awq",
-            "source": f"config.json quantization_config: awq int4, group {group or 'channel'}",
+            "source": f"config.json {r.where}: awq int4, group {group or 'channel'}",
         }
     )
 
@@ -272,7 +278,7 @@ def _gptq(r: _Reader, base: Precision) -> Precision:
     group = _int4(r, "GPTQ")
     if r.get("dynamic", dict):
         raise ConfigError(
-            "quantization_config.dynamic: per-module GPTQ overrides are not modelled; OpWeave "
+            f"{r.where}.dynamic: per-module GPTQ overrides are not modelled; OpWeave "
             "models one GPTQ scheme for every linear"
         )
     # GPTQ checkpoints store qzeros and g_idx whether or not the scheme is symmetric
@@ -281,7 +287,7 @@ def _gptq(r: _Reader, base: Precision) -> Precision:
             "rules": (QuantRule(scheme=int4_scheme(group, zeros=True, g_idx=True)),),
             "lm_head": r.get("lm_head", bool, False),
             "method": "gptq",
-            "source": f"config.json quantization_config: gptq int4, group {group or 'channel'}",
+            "source": f"config.json {r.where}: gptq int4, group {group or 'channel'}",
         }
     )
 
@@ -290,7 +296,7 @@ def _modelopt(r: _Reader, base: Precision, *, compressed_style: bool) -> Precisi
     """NVIDIA ModelOpt: every linear, lm_head and routed experts included, but
     ``exclude_modules`` (vLLM ``ModelOptQuantConfigBase.get_quant_method`` quantises LinearBase
     and ParallelLMHead unless excluded)."""
-    where = "quantization_config" if compressed_style else "hf_quant_config.json"
+    where = f"config.json {r.where}" if compressed_style else "hf_quant_config.json"
     algo = r.get("quant_algo", str)
     if algo is None:
         raise ConfigError(f"{r.where}.quant_algo: missing; the checkpoint must say")
@@ -390,7 +396,7 @@ def _compressed_tensors(r: _Reader, base: Precision) -> Precision:
     targeted as a Linear)."""
     groups = r.sub("config_groups")
     if groups is None or not groups.data:
-        raise ConfigError("quantization_config.config_groups: missing; the checkpoint must say")
+        raise ConfigError(f"{r.where}.config_groups: missing; the checkpoint must say")
     rules = []
     for name in groups.data:
         g = groups.sub(str(name))
@@ -406,13 +412,13 @@ def _compressed_tensors(r: _Reader, base: Precision) -> Precision:
         "rules": tuple(rules),
         "ignore": r.names("ignore"),
         "method": "compressed-tensors",
-        "source": "config.json quantization_config: compressed-tensors "
+        "source": f"config.json {r.where}: compressed-tensors "
         + ", ".join(sorted({q.scheme.format for q in rules}) or ["(no weights)"]),
     }
     kv = r.sub("kv_cache_scheme")
     if kv is not None:
         _kv_scheme(kv)
-        update |= {"kv_fp8": True, "kv_source": "config.json quantization_config: kv_cache_scheme"}
+        update |= {"kv_fp8": True, "kv_source": f"config.json {r.where}: kv_cache_scheme"}
     return base.model_copy(update=update)
 
 
