@@ -28,6 +28,8 @@ from opweave.costmodel import (
 from opweave.costmodel._private.models import builtin_config
 from tests.helpers import GLM_4_5, QWEN3_5_27B
 
+CHECKPOINTS = Path(__file__).with_name("checkpoints")
+
 
 def bf16(config: dict[str, Any]) -> ModelSpec:
     """The config as a BF16 checkpoint (parameter counts from weight bytes, whatever the
@@ -325,6 +327,37 @@ def test_glm_4_5_is_355b_with_32b_active() -> None:
         state_bytes_per_rank(spec.operators, 1, 1.0, 1.0)
     )
     assert per_token == layers * 2 * nkv * d * 2
+
+
+def test_glm_4_7_flash_is_deepseek_v3s_layout_at_30b() -> None:
+    """zai-org/GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's MLA layers and MoE layout, counted
+    module by module as DeepSeek-V3 is; "30B-A3B" as Z.ai names it. Its config is
+    transformers' Glm4MoeLiteConfig defaults. The router keeps its selection bias whatever
+    topk_method says (GLM-4.5's router), and the latent cache is DeepSeek-V3's."""
+    c = json.loads((CHECKPOINTS / "glm-4.7-flash.json").read_text())
+    spec = bf16(c)
+    assert spec.family == "glm4_moe_lite"
+    total, active = deepseek_count(c)
+    assert params(spec) == (total, active)
+    embeddings = 2 * c["vocab_size"] * c["hidden_size"]
+    assert (round(total / 1e9), round((active - embeddings) / 1e9)) == (30, 3)  # 29.9B, 3.3B
+    assert params(bf16({"model_type": "glm4_moe_lite"})) == (total, active)
+    no_method = bf16({k: v for k, v in c.items() if k != "topk_method"})
+    assert no_method.arch.moe is not None and no_method.arch.moe.score_correction_bias
+    per_token = float(state_bytes_per_rank(spec.operators, 1, 1.0, 2.0)) - float(
+        state_bytes_per_rank(spec.operators, 1, 1.0, 1.0)
+    )
+    assert per_token == c["num_hidden_layers"] * (c["kv_lora_rank"] + c["qk_rope_head_dim"]) * 2
+
+
+def test_glm_4_7_flash_mlp_layer_types_must_agree_with_first_k_dense() -> None:
+    c = json.loads((CHECKPOINTS / "glm-4.7-flash.json").read_text())
+    n = c["num_hidden_layers"]
+    agree = {**c, "mlp_layer_types": ["dense"] + ["sparse"] * (n - 1)}
+    assert params(bf16(agree)) == params(bf16(c))
+    disagree = {**c, "mlp_layer_types": ["dense"] * 2 + ["sparse"] * (n - 2)}
+    with pytest.raises(ConfigError, match="^mlp_layer_types: disagrees with first_k_dense"):
+        bf16(disagree)
 
 
 def test_glm_4_5_air_is_the_schema_default() -> None:

@@ -314,7 +314,7 @@ def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None)
         ),
         attn_sinks=flags.attn_sinks,
         mla=mla,
-        sparse_index=_sparse_index(cfg, num_layers, moe_layers) if flags.sparse_index else None,
+        sparse_index=_sparse_index(cfg, num_layers) if flags.sparse_index else None,
         moe=moe,
         moe_layers=moe_layers,
         linear_attn=(
@@ -478,6 +478,14 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
     else:  # first_k_dense: vLLM deepseek_v2.py's is_moe_layer
         first, freq = cfg.first_k_dense_replace, cfg.moe_layer_freq
         layers = tuple(i for i in range(n) if i >= first and i % freq == 0)
+        mlp_types = getattr(cfg, "mlp_layer_types", None)  # transformers' list, where read
+        if mlp_types is not None:
+            sparse = tuple(i for i, t in enumerate(mlp_types) if t == "sparse")
+            if len(mlp_types) != n or sparse != layers:
+                raise ConfigError(
+                    "mlp_layer_types: disagrees with first_k_dense_replace and moe_layer_freq "
+                    f"(MoE layers {layers[:4]}...); give consistent values"
+                )
     if not layers:
         return None, ()
     top_k = cfg.num_experts_per_tok
@@ -538,9 +546,8 @@ def _mla(cfg: Any) -> MLASpec:
     )
 
 
-def _sparse_index(cfg: Any, n: int, moe_layers: tuple[int, ...]) -> SparseIndexSpec:
-    """The DSA indexer of a config; its per-layer lists must agree with the layer count and
-    the MoE layout the other keys give."""
+def _sparse_index(cfg: Any, n: int) -> SparseIndexSpec:
+    """The DSA indexer of a config; its per-layer list must agree with the layer count."""
     types = cfg.indexer_types
     if types is None:
         indexer_layers = tuple(range(n))
@@ -554,14 +561,6 @@ def _sparse_index(cfg: Any, n: int, moe_layers: tuple[int, ...]) -> SparseIndexS
             raise ConfigError(
                 "indexer_types: the first layer must run its own indexer ('full'); a 'shared' "
                 "layer reuses the selection of a layer before it"
-            )
-    mlp_types = cfg.mlp_layer_types
-    if mlp_types is not None:
-        sparse = tuple(i for i, t in enumerate(mlp_types) if t == "sparse")
-        if len(mlp_types) != n or sparse != moe_layers:
-            raise ConfigError(
-                "mlp_layer_types: disagrees with first_k_dense_replace and moe_layer_freq "
-                f"(MoE layers {moe_layers[:4]}...); give consistent values"
             )
     return SparseIndexSpec(
         index_n_heads=cfg.index_n_heads,

@@ -328,6 +328,35 @@ class DeepseekV3Config(_RoutedExperts):
     topk_method: Str = "noaux_tc"
 
 
+class Glm4MoeLiteConfig(DeepseekV3Config):
+    """transformers ``Glm4MoeLiteConfig`` (GLM-4.7-Flash): DeepSeek-V3's MLA layers and MoE
+    layout at its own sizes. vLLM's ``glm4_moe_lite.py`` makes layers from
+    ``first_k_dense_replace`` on MoE; transformers reads ``mlp_layer_types`` (by default one
+    dense layer, then MoE), so the two must agree where both are given."""
+
+    vocab_size: Vocab = 154880
+    hidden_size: Width = 2048
+    intermediate_size: Width = 10240
+    num_hidden_layers: Layers = 47
+    num_attention_heads: Heads = 20
+    num_key_value_heads: OptHeads = 20
+    max_position_embeddings: Tokens = 202752
+    rms_norm_eps: Positive = 1e-5
+    q_lora_rank: OptWidth = 768
+    qk_nope_head_dim: Width = 192
+    v_head_dim: Width = 256
+    moe_intermediate_size: Width = 1536
+    num_experts: Experts0 = Field(
+        64, validation_alias=_experts_key("n_routed_experts", "num_local_experts")
+    )
+    num_experts_per_tok: Experts = 4
+    n_group: Experts = 1
+    topk_group: Experts = 1
+    routed_scaling_factor: Positive = 1.8
+    first_k_dense_replace: Layers0 = 1
+    mlp_layer_types: OptStrList = None
+
+
 class Glm4MoeConfig(_RoutedExperts):
     """transformers ``Glm4MoeConfig`` (its defaults are GLM-4.5-Air's): GQA attention with
     partial RoPE, q/k/v biases (``attention_bias``) and per-head q/k norms (``use_qk_norm``),

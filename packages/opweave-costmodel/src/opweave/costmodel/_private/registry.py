@@ -30,6 +30,7 @@ from .family_schemas import (
     DeepseekV32Config,
     Gemma3TextConfig,
     Glm4MoeConfig,
+    Glm4MoeLiteConfig,
     GlmMoeDsaConfig,
     GptOssConfig,
     LlamaConfig,
@@ -299,6 +300,16 @@ FAMILIES: dict[str, Family] = {
             # per-head q/k norms) over DeepSeek-V3's MoE layout
             ("glm4_moe",),
             ("Glm4MoeForCausalLM",),
+            checkpoint=CheckpointNames(shared_expert="shared_experts"),
+        ),
+        # GLM-4.7-Flash: DeepSeek-V3's MLA layers with GLM-4.5's router (vLLM's glm4_moe_lite.py:
+        # DeepseekV2MLAAttention over Glm4MoE, whose selection bias is always there)
+        Family(
+            "glm4_moe_lite",
+            Glm4MoeLiteConfig,
+            _flags(_DEEPSEEK, router_scoring="sigmoid", router_score_bias="always"),
+            ("glm4_moe_lite",),
+            ("Glm4MoeLiteForCausalLM",),
             checkpoint=CheckpointNames(shared_expert="shared_experts"),
         ),
         Family(

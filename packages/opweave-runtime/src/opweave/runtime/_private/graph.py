@@ -62,6 +62,7 @@ RUNTIME_FAMILIES = (
     "gpt_oss",
     "minimax_m2",
     "glm4_moe",
+    "glm4_moe_lite",
 )
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -212,6 +212,27 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.5,
     },
+    # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE layout (a query LoRA, layer 0 dense, a shared
+    # expert) with plain RoPE over the rope part of each head and GLM-4.5's router, whose
+    # selection bias is there whatever topk_method says; 8 experts in 2 groups of which a token
+    # may use 1.
+    "glm4_moe_lite": {
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16,
+        "qk_rope_head_dim": 8,
+        "v_head_dim": 16,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "n_group": 2,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "routed_scaling_factor": 1.8,
+    },
     # Sliding (window 8) and full layers alternating, attention sinks, biased q/k/v/o, router
     # and experts, the clamped SwiGLU (a limit the random activations reach), YaRN without
     # truncation as the released models use it.
