@@ -28,7 +28,28 @@ EST = ["estimate", "qwen3-32b", "--gpu", "h100"]
         ([*EST, "--context", "infK"], "is not a token count"),
         ([*EST, "--context", "nan"], "is not a token count"),
         ([*EST, "--context", "9" * 400], "is not a token count"),
-        ([*EST, "--context", "1e30K"], "is more than 2147483648 tokens"),
+        # ASCII digits only, a decimal part only before a unit (int() takes all of these)
+        ([*EST, "--context", "\u0663\u0662K"], "--context '\u0663\u0662K' is not a token count"),
+        ([*EST, "--context", "32 K"], "is not a token count"),
+        ([*EST, "--context", "1_000"], "is not a token count"),
+        ([*EST, "--context", "1e1K"], "is not a token count"),
+        ([*EST, "--context", "8.5"], "is not a token count"),
+        ([*EST, "--isl", "0", "--osl", "1K", "--concurrency", "1"], "--isl '0' must be at least 1"),
+        ([*EST, "--isl", "1K", "--osl", "-1", "--concurrency", "1"], "--osl '-1' is not a token"),
+        (
+            [
+                "plan",
+                "qwen3-32b",
+                "--gpus",
+                "h100",
+                "--context",
+                "8K",
+                "--tpot-slo-ms",
+                "\u0665\u0660",
+            ],
+            "--tpot-slo-ms takes positive numbers of ms",
+        ),
+        ([*EST, "--context", "99999999999K"], "is more than 2147483648 tokens"),
         ([*EST, "--batch", "9" * 400], "--batch"),
         ([*EST, "--context", "64K"], "beyond qwen3-32b's context of 40960 tokens"),
         (["analyze", "qwen3-32b", "--gpus", "h100", "--contexts", "128K"], "beyond qwen3-32b"),
@@ -101,6 +122,37 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
 
 
 @pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("model", "num_layers", -1), "model.num_layers: Input should be greater than or equal"),
+        (("model", "num_layers", 3), "records num_layers 3, the config's 2 beside this config"),
+        (("model", "family", "qwen3"), "records family qwen3, the config's llama"),
+        (("prediction", "tpot_s", -1.0), "prediction.tpot_s: Input should be greater than 0"),
+        (("prediction", "usd_per_million_tokens", -5.0), "prediction.usd_per_million_tokens"),
+        (("microbatches", None, 1), "microbatches: Value error, given twice; keep one"),
+    ],
+)
+def test_an_edited_plan_file(tmp_path: Path, tiny: Path, edit: tuple, message: str) -> None:
+    """A plan whose recorded model or prediction was edited by hand, or that names a key twice
+    (the JSON parser would keep the last), is refused, not simulated."""
+    from opweave.costmodel import canonical_plan, load_model
+
+    plan = canonical_plan(load_model(tiny), "colocated", gpu="h100", batch=4)
+    doc = json.loads(plan.model_dump_json())
+    section, key, value = edit
+    if key is None:  # the key twice: prepend a second copy
+        text = json.dumps(doc).replace("{", f'{{"{section}": {value}, ', 1)
+    else:
+        if doc[section] is None:  # a canonical plan predicts nothing: give it a prediction
+            doc[section] = {"tpot_s": 0.02, "stages_per_token": 1}
+        doc[section][key] = value
+        text = json.dumps(doc)
+    path = tmp_path / "plan.json"
+    path.write_text(text)
+    assert message in one_line_error(["simulate", str(path), "--model", str(tiny)])
+
+
+@pytest.mark.parametrize(
     ("entries", "message"),
     [
         ('id = "h100"\nusd_per_hour = -1.0', "usd_per_hour"),
@@ -109,6 +161,12 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
         ('id = "h100"\nusd_per_hour = inf', "usd_per_hour"),
         ('id = "h100"\nmem_bandwidth_bytes_per_s = inf', "mem_bandwidth_bytes_per_s"),
         ('id = "h100"\nmemory_bytes = 0', "memory_bytes"),
+        # a rate so small that a step's time overflows to inf (and the simulator to nan)
+        ('id = "h100"\nmem_bandwidth_bytes_per_s = 1e-300', "greater than or equal to 1000000"),
+        ('id = "h100"\ndense_flops_per_s = 1e-300', "dense_flops_per_s"),
+        ('id = "h100"\nnetwork_bandwidth_bytes_per_s = 1e-300', "network_bandwidth"),
+        ('id = "h100"\ncompute_efficiency = 1e-300', "compute_efficiency"),
+        ('id = "h100"\nside_streams = "yes"', "side_streams"),
         ('id = "h100"\nnetwork_latency_s = nan', "network_latency_s"),
         ('id = ""\nusd_per_hour = 1.0', "'id' must be a non-empty string"),
         ('id = "h100"\nusd_per_hour = 1.0\n[[gpus]]\nid = "H100-SXM"', "is given twice"),
@@ -241,12 +299,51 @@ def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) 
         ),
         ({"eos_token_id": 100}, "eos_token_id: 100 is outside the vocabulary"),
         ({"torch_dtype": {"x": 1}}, "dtype:"),
+        (
+            {"quantization_config": {"quant_method": "fp8", "activation_scheme": "bogus"}},
+            "quantization_config.activation_scheme 'bogus': use static or dynamic",
+        ),
+        (  # MXFP4 quantises routed experts only, and this model has none
+            {"quantization_config": {"quant_method": "mxfp4"}},
+            "mxfp4 quantises routed experts only",
+        ),
     ],
 )
 def test_config_fields(write_config, edit: dict, message: str) -> None:
     folder = write_config({**TINY_LLAMA, **edit}, "edited")
     line = one_line_error(["estimate", str(folder), "--gpu", "h100"])
     assert line.startswith(f"error: {folder / 'config.json'}: ") and message in line, line
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"isl": 100, "isl": 200, "osl": 200, "concurrency": 4}', "gives 'isl' twice"),
+        ('{"isl": 100, "osl": 200, "concurrency": true}', "concurrency: Input should be"),
+        ('{"isl": 100, "osl": 200, "concurrency": 4.0}', "concurrency: Input should be"),
+        ('{"isl": 100, "osl": 200, "rate_per_s": "2"}', "rate_per_s: Input should be"),
+        ('{"isl": 100, "osl": 200, "rate_per_s": 2, "memory_fraction": true}', "memory_fraction"),
+        (
+            '{"isl": {"kind": "uniform", "high_tokens": 3000}, "osl": 200, "concurrency": 4}',
+            "isl: a uniform length needs integer low_tokens and high_tokens",
+        ),
+    ],
+)
+def test_workload_file_values(tmp_path: Path, text: str, message: str) -> None:
+    """A workload file's values as they are written: no true for 1, no "2" for 2, no key
+    given twice (json.loads would keep the last)."""
+    path = tmp_path / "w.json"
+    path.write_text(text)
+    assert message in one_line_error([*EST, "--workload", str(path)])
+
+
+def test_a_config_naming_a_key_twice(write_config, tmp_path: Path) -> None:
+    folder = write_config(TINY_LLAMA, "dup")
+    text = (folder / "config.json").read_text()
+    (folder / "config.json").write_text(text.replace("{", '{"hidden_size": 4, ', 1))
+    assert "gives 'hidden_size' twice; keep one" in one_line_error(
+        ["estimate", str(folder), "--gpu", "h100"]
+    )
 
 
 def test_config_nesting_and_odd_json(write_config, tmp_path: Path) -> None:

@@ -76,7 +76,12 @@ def test_rate_with_ttft_slo_writes_a_plan_deploy_launches_with_both_pools(
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (("--context", "4K"), "--context belongs to decode-only planning"),
+        (
+            ("--context", "4K"),
+            "--context (decode-only planning at --context) cannot be combined with --isl and "
+            "--osl and --concurrency",
+        ),
+        (("--max-owners", "5"), "--max-owners must be 1, 2 or 3, got 5"),
         (("--tpot-slo-ms", "20,50"), "one --tpot-slo-ms"),
         (("--slo-statistic", "p50"), "--slo-statistic takes mean, p90 or p99"),
         (("--ttft-slo-ms", "0"), "--ttft-slo-ms must be a positive"),

@@ -158,3 +158,28 @@ def test_a_table_the_profile_lacks_is_a_clear_error(tiny_model, quick_profile) -
         profile.table("experts@full", 1)
     with pytest.raises(ConfigError, match="re-profile with that --tp"):
         profile.table("lm_head", 2)
+
+
+def test_estimate_takes_a_cpu_profile_for_its_device(
+    tiny_model, quick_profile, tmp_path, capsys
+) -> None:
+    """``estimate --gpu cpu --profile P`` costs the step from the profile, as ``plan --gpus cpu
+    --profile P`` does; the profile of another device is refused."""
+    from opweave.costmodel import ProfiledLatency, estimate_step, load_model
+
+    model = tiny_model("llama")
+    profile = quick_profile(model).profile
+    path = tmp_path / "cpu.json"
+    path.write_text(profile.model_dump_json())
+    code, out, _ = _main(
+        capsys, "estimate", str(model), "--gpu", "cpu", "--profile", str(path),
+        "--batch", "4", "--context", "64", "--json",
+    )  # fmt: skip
+    assert code == 0
+    latency = ProfiledLatency(profile)
+    want = estimate_step(
+        load_model(model), latency.hardware, tp=1, batch=4, context=64, latency=latency
+    ).step_latency_s
+    assert json.loads(out)["step_latency_s"] == pytest.approx(want, rel=1e-12)
+    code, _, err = _main(capsys, "estimate", str(model), "--gpu", "h100", "--profile", str(path))
+    assert code == 2 and err.strip().endswith("is of cpu, not --gpu h100-sxm"), err

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -159,7 +160,7 @@ def parse_list(text: str, kind: type = str, what: str = "") -> list[Any]:
         raise typer.BadParameter(f"{text_} has an empty item; separate items by one comma")
     try:
         values = [kind(_parse_size(t) if kind is int else t) for t in items]
-    except (ValueError, IndexError, OverflowError):
+    except ValueError:
         raise typer.BadParameter(f"{text_} is not a list of {kind.__name__}s") from None
     seen: set[Any] = set()
     for raw, value in zip(items, values, strict=True):
@@ -169,33 +170,41 @@ def parse_list(text: str, kind: type = str, what: str = "") -> list[Any]:
     return values
 
 
+# ASCII digits, a decimal part only before a unit: "8192", "8K", "1.5k", "1M" (int() and
+# float() would also take "٣٢", "1_000", " 8", "1e1" and ".5")
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kKmM]?)")
+
+
 def _parse_size(token: str) -> int:
     """``8K`` -> 8192, ``128k`` -> 131072, ``1M`` -> 1048576, plain integers as they are.
 
     At most 20 characters: a 400-digit count is a typo, and Python's ``int`` of a long enough
     string takes quadratic time.
     """
-    if len(token) > 20:
+    match = _SIZE.fullmatch(token)
+    if len(token) > 20 or match is None:
         raise ValueError(token)
-    units = {"k": 1024, "m": 1024 * 1024}
-    suffix = token[-1].lower()
-    if suffix in units:
-        scaled = float(token[:-1]) * units[suffix]
-        if not math.isfinite(scaled) or not scaled.is_integer():
-            raise ValueError(token)  # infK, nanK, 1.0001K
-        return int(scaled)
-    return int(token)
+    number, unit = match.groups()
+    if not unit:
+        return int(number)  # "8.5" has no unit to make it whole: refused below
+    scaled = float(number) * {"k": 1024, "m": 1024 * 1024}[unit.lower()]
+    if not scaled.is_integer():
+        raise ValueError(token)  # 1.0001K
+    return int(scaled)
 
 
-def parse_size(token: str) -> int:
+def parse_size(token: str, flag: str) -> int:
+    """The token count option ``flag`` was given as ``token``."""
     try:
-        value = _parse_size(token.strip())
-    except (ValueError, IndexError, OverflowError):
-        raise typer.BadParameter(f"{token!r} is not a token count (e.g. 8192 or 8K)") from None
+        value = _parse_size(token)
+    except ValueError:
+        raise typer.BadParameter(
+            f"{flag} {token!r} is not a token count (e.g. 8192 or 8K)"
+        ) from None
     if value < 1:
-        raise typer.BadParameter(f"{token!r} must be at least 1")
+        raise typer.BadParameter(f"{flag} {token!r} must be at least 1")
     if value > MAX_TOKENS:
-        raise typer.BadParameter(f"{token!r} is more than {MAX_TOKENS} tokens")
+        raise typer.BadParameter(f"{flag} {token!r} is more than {MAX_TOKENS} tokens")
     return value
 
 
@@ -279,7 +288,7 @@ def workload_from_flags(
     if rate is not None and not 1e-6 <= rate <= 1e6:
         raise typer.BadParameter(f"--rate must be from 1e-6 to 1e6 requests/s, got {rate}")
     assert isl is not None and osl is not None
-    prompt, answer = parse_size(isl), parse_size(osl)
+    prompt, answer = parse_size(isl, "--isl"), parse_size(osl, "--osl")
     check_context(spec, prompt + answer, "--isl + --osl")
     return Workload(
         isl=Lengths.fixed(prompt),

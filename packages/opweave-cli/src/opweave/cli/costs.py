@@ -167,19 +167,21 @@ def _estimate_step(
         raise typer.BadParameter(
             f"--expert-imbalance is a busiest-over-mean ratio of at least 1, got {expert_imbalance}"
         )
-    tokens = None if context is None else parse_size(context)
+    tokens = None if context is None else parse_size(context, "--context")
     spec = load_spec(model, *precision)
     if tokens is None:
         tokens = min(4096, spec.max_context_tokens)
     check_context(spec, tokens, "--context")
-    hw = catalog(hardware).get(gpu)
+    cat = catalog(hardware)
+    latency = None
+    if profile_path is None:
+        hw = cat.get(gpu)
+    else:
+        latency = _profiled(profile_path, spec, cat, gpu, tp, host)
+        hw = latency.hardware
     profile = None if host is None else host_profile(host)
     _check_tp(spec, hw, tp, ep)
     _check_parallelism(spec, hw, tp, ep, dp, expert_imbalance, dense_dp)
-    latency = None
-    if profile_path is not None:
-        latency = _profiled(profile_path, spec, hw, tp, host)
-        hw = latency.hardware
     est = estimate_step(
         spec,
         hw,
@@ -260,22 +262,28 @@ def _print_step(
     )
 
 
-def _profiled(path: Path, spec: Any, hw: Any, tp: int, host: str | None) -> Any:
-    """The ``--profile`` file as a latency model of ``hw`` for ``spec`` at ``tp``."""
-    from opweave.costmodel import ConfigError, ProfiledLatency, default_catalog
+def _profiled(path: Path, spec: Any, cat: Any, gpu: str, tp: int, host: str | None) -> Any:
+    """The ``--profile`` file as a latency model of ``--gpu`` (a catalog GPU, or the device the
+    profile measured, e.g. ``cpu``, as ``plan --gpus`` takes it) for ``spec`` at ``tp``."""
+    from opweave.costmodel import ConfigError, ProfiledLatency
     from opweave.costmodel.errors import UnknownGPUError
+    from opweave.planner import profile_device_id
 
     from .planning import load_profiles
 
     if host is not None:
         raise typer.BadParameter("--host applies to the roofline, not to a --profile")
     (prof,) = load_profiles([path])
+    device = profile_device_id(prof, cat)
     try:
-        device = default_catalog().resolve(prof.device.id)
+        wanted = cat.resolve(gpu)
     except UnknownGPUError:
-        device = prof.device.id
-    if device != hw.id:
-        raise ConfigError(f"profile {path} is of {prof.device.id}, not --gpu {hw.id}")
+        if gpu.strip().lower() != device:
+            raise
+        wanted = device
+    if device != wanted:
+        raise ConfigError(f"profile {path} is of {prof.device.id}, not --gpu {wanted}")
+    hw = cat.get(device) if device in cat.ids else prof.device
     problem = prof.config_problem(spec)
     if problem is not None:
         raise ConfigError(f"profile {path} {problem}")
@@ -387,7 +395,7 @@ def analyze(
 
     if tp is not None and tp not in TP_DEGREES:
         raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
-    points = [parse_size(c) for c in parse_list(contexts, what="--contexts")]
+    points = [parse_size(c, "--contexts") for c in parse_list(contexts, what="--contexts")]
     if len(set(points)) < len(points):
         raise typer.BadParameter(f"--contexts {contexts!r} names a context more than once")
     output_file(plot, "--plot", PLOT_SUFFIXES)

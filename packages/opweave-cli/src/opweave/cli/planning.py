@@ -68,7 +68,7 @@ def load_profiles(paths: list[Path] | None) -> list[Any]:
         if not path.is_file():
             raise ConfigError(f"profile file {path} {missing_file(path)}")
         try:
-            profiles.append(Profile.model_validate_json(path.read_bytes(), strict=True))
+            profiles.append(Profile.from_json(path.read_bytes()))
         except OSError as exc:
             raise ConfigError(f"cannot read profile file {path}: {exc.strerror or exc}") from None
         except (ValidationError, UnicodeDecodeError) as exc:
@@ -93,7 +93,7 @@ def load_plan_file(path: Path):  # -> Plan
     if not path.is_file():
         raise ConfigError(f"plan file {path} {missing_file(path)}")
     try:
-        return Plan.model_validate_json(path.read_bytes(), strict=True)
+        return Plan.from_json(path.read_bytes())
     except OSError as exc:
         raise ConfigError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
     except (ValidationError, UnicodeDecodeError) as exc:
@@ -161,6 +161,8 @@ def plan(
         "--memory-fraction": memory_fraction,
         "--ttft-slo-ms": ttft_slo_ms,
     }
+    if max_owners not in (1, 2, 3):
+        raise typer.BadParameter(f"--max-owners must be 1, 2 or 3, got {max_owners}")
     if any(v is not None for v in serving.values()) or slo_statistic != "p90":
         from .serving_plans import plan_serving
 
@@ -194,13 +196,11 @@ def plan(
             "plan needs --context (decode only) or a workload: --isl --osl with --concurrency "
             "or --rate"
         )
-    if max_owners not in (1, 2, 3):
-        raise typer.BadParameter(f"--max-owners must be 1, 2 or 3, got {max_owners}")
     shape = _batching(batch, microbatches)
     output_file(output, "-o")
     output_file(plot, "--plot", PLOT_SUFFIXES)
     spec = load_spec(model, quant, kv_cache_dtype)
-    tokens = parse_size(context)
+    tokens = parse_size(context, "--context")
     check_context(spec, tokens, "--context")
     search = {
         "catalog": catalog(hardware),
@@ -394,10 +394,8 @@ def parse_slos(text: str) -> list[float]:
 
     slos = []
     for item in parse_list(text, what="--tpot-slo-ms"):
-        try:
-            value = float(item)
-        except ValueError:
-            value = math.nan
+        # ASCII decimals only: float() would also take "٥٠", "1_0" and " 5"
+        value = float(item) if re.fullmatch(r"[0-9]*\.?[0-9]+", item) else math.nan
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"--tpot-slo-ms takes positive numbers of ms, got {item!r}")
         slos.append(value)

@@ -36,10 +36,13 @@ def plan_serving(
     from .planning import load_profiles
 
     if refused:
+        given = [flag for flag, value in serving.items() if value is not None]
+        if statistic != "p90":
+            given.append("--slo-statistic")
         raise typer.BadParameter(
-            f"{' and '.join(refused)} belong{'s' if len(refused) == 1 else ''} to decode-only "
-            "planning (--context); a workload "
-            "(--isl --osl --concurrency | --rate) plans whole deployments without them"
+            f"{' and '.join(refused)} (decode-only planning at --context) cannot be combined "
+            f"with {' and '.join(given)} (a whole deployment for a workload: --isl --osl "
+            "with --concurrency or --rate); give one or the other"
         )
     if len(slos_ms) > 1:
         raise typer.BadParameter(

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..errors import ConfigError
 
@@ -71,6 +71,60 @@ class FileSchema(Frozen):
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Self:
+        """``model_validate_json(raw, strict=True)`` that also refuses an object naming a key
+        twice, which the JSON parser would resolve silently to the last (a validation error
+        at that key)."""
+        try:
+            loads_json(raw)
+        except DuplicateKeyError as exc:
+            error = ValueError("given twice; keep one")
+            raise ValidationError.from_exception_data(
+                cls.__name__,
+                [
+                    {
+                        "type": "value_error",
+                        "loc": (exc.key,),
+                        "input": exc.key,
+                        "ctx": {"error": error},
+                    }
+                ],
+            ) from None
+        except (ValueError, RecursionError):
+            pass  # not JSON: model_validate_json says where
+        return cls.model_validate_json(raw, strict=True)
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object names one key twice (json.loads would keep the last silently)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def loads_json(text: str | bytes) -> Any:
+    """``json.loads`` that refuses an object naming a key twice (:class:`DuplicateKeyError`),
+    as TOML does.
+
+    >>> try:
+    ...     loads_json('{"a": 1, "b": {"a": 2, "a": 3}}')
+    ... except DuplicateKeyError as exc:
+    ...     print(exc.key)
+    a
+    """
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
 
 def read_data_file(path: Path, what: str) -> Any:
     """The data of a user's TOML (``.toml``) or JSON file; every way it can fail to be read is
@@ -86,9 +140,11 @@ def read_data_file(path: Path, what: str) -> Any:
         raise ConfigError(f"{what} {path} {state}")
     try:
         text = path.read_text()
-        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        return tomllib.loads(text) if path.suffix == ".toml" else loads_json(text)
     except OSError as exc:
         raise ConfigError(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{what} {path} gives {exc.key!r} twice; keep one") from None
     except (tomllib.TOMLDecodeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{what} {path} is malformed: {exc}") from None
     except ValueError:  # an integer of more than 4300 digits

@@ -54,14 +54,16 @@ TFLOPS = 1e12
 US = 1e-6
 
 # A hardware entry's numbers are numbers (strict: "2.0" is refused, not read as 2.0), bounded far
-# beyond any device: a petabyte or a petabyte per second, an exaflop, a second of fixed latency,
-# $10,000 per device-hour. Past them an entry is a unit slip or corrupt (1e300 B/s would also
-# overflow the simulator's arithmetic).
+# beyond any device on both sides: rates from a megabyte per second, a megaflop and an
+# efficiency of 0.1% up to a petabyte per second and an exaflop; up to a petabyte of memory, a
+# second of fixed latency, $10,000 per device-hour. Past them an entry is a unit slip or corrupt,
+# and the times it gives overflow the simulator's arithmetic (1e-300 B/s turns a step into inf,
+# 1e300 B/s into 0).
 _Bytes = Annotated[float, Field(strict=True, gt=0, le=1e15)]
-_Rate = Annotated[float, Field(strict=True, gt=0, le=1e15)]
-_Flops = Annotated[float, Field(strict=True, gt=0, le=1e18)]
+_Rate = Annotated[float, Field(strict=True, ge=1e6, le=1e15)]
+_Flops = Annotated[float, Field(strict=True, ge=1e6, le=1e18)]
 _Seconds = Annotated[float, Field(strict=True, ge=0, le=1.0)]
-_Fraction = Annotated[float, Field(strict=True, gt=0, le=1)]
+_Fraction = Annotated[float, Field(strict=True, ge=1e-3, le=1)]
 
 
 class HardwareSpec(FileSchema):
@@ -172,12 +174,14 @@ class HardwareSpec(FileSchema):
     )
     side_streams: bool = Field(
         default=True,
+        strict=True,
         description="The engines run a MoE layer's shared experts on a second stream beside "
         "the routed experts here (CUDA); False where they run them inline (ROCm: vLLM turns it "
         "off, vllm-project/vllm#30085; SGLang makes its second stream only under CUDA).",
     )
     engine_kernels: bool = Field(
         default=True,
+        strict=True,
         description="The device runs the serving engines' GPU kernels: routed experts as "
         "fused-MoE grouped GEMMs and prefill attention as FlashAttention-style kernels, at the "
         "fractions of the dense rate NVIDIA's silicon database measures for them "

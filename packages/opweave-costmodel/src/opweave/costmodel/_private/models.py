@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, UnknownModelError
+from .base import DuplicateKeyError, loads_json
 from .families import model_spec_from_config
 from .model import ModelSpec
 
@@ -61,9 +62,11 @@ def builtin_config(name: str) -> dict[str, Any]:
 
 def _read_json(path: Path, what: str) -> Any:
     try:
-        return json.loads(path.read_text())
+        return loads_json(path.read_text())
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"{path} gives {exc.key!r} twice; keep one") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{path} is not valid JSON ({exc}); fix or re-download it") from None
     except ValueError:  # an integer of more than 4300 digits

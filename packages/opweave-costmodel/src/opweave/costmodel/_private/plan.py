@@ -113,9 +113,11 @@ class Owner(FileSchema):
 class PlanModel(FileSchema):
     name: str
     family: str
-    num_layers: int
-    period_layers: int
-    prefix_layers: int = Field(default=0, description="Irregular layers before the first block.")
+    num_layers: int = Field(ge=1)
+    period_layers: int = Field(ge=1)
+    prefix_layers: int = Field(
+        default=0, ge=0, description="Irregular layers before the first block."
+    )
     config_sha256: str
     quant: str = Field(
         default="bf16",
@@ -133,7 +135,18 @@ class PlanModel(FileSchema):
         when it was made for ``model``'s config. Where the names match but the configs do not,
         it names the recorded fields that differ, or else says the fingerprints differ."""
         if self.config_sha256 == model.config_sha256:
-            return None
+            ours = plan_model(model)
+            edited = [
+                f"{field} {getattr(self, field)}, the config's {getattr(ours, field)}"
+                for field in ("family", "num_layers", "period_layers", "prefix_layers")
+                if getattr(self, field) != getattr(ours, field)
+            ]
+            if not edited:
+                return None
+            return (
+                f"records {'; '.join(edited)} beside this config's fingerprint: the file was "
+                "edited; plan the model again"
+            )
         if self.name != model.name:
             return (
                 f"was made for model {self.name!r}, not {model.name!r}; pass the model the "
@@ -170,12 +183,14 @@ class PlanModel(FileSchema):
 
 
 class Prediction(FileSchema):
-    tpot_s: float
-    usd_per_million_tokens: float | None = None
-    tokens_per_s_per_replica_set: float | None = None
-    stages_per_token: int
-    internode_bytes_per_token: float = 0.0
-    compute_occupancy: float | None = Field(default=None, description="Mean busy share of owners.")
+    tpot_s: float = Field(gt=0)
+    usd_per_million_tokens: float | None = Field(default=None, ge=0)
+    tokens_per_s_per_replica_set: float | None = Field(default=None, gt=0)
+    stages_per_token: int = Field(ge=1)
+    internode_bytes_per_token: float = Field(default=0.0, ge=0)
+    compute_occupancy: float | None = Field(
+        default=None, ge=0, le=1, description="Mean busy share of owners."
+    )
 
 
 class PrefillPool(FileSchema):

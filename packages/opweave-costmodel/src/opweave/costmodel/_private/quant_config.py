@@ -185,6 +185,11 @@ def checkpoint_precision(
                 f"{r.where}.quant_method {method!r} is not modelled; OpWeave reads "
                 f"{', '.join(_METHODS)} (and ModelOpt's hf_quant_config.json)"
             )
+        if method == "mxfp4" and arch.moe is None:
+            raise ConfigError(
+                f"{r.where}.quant_method mxfp4 quantises routed experts only (vLLM's mxfp4 "
+                f"method), and this {arch.family} model has none; the checkpoint cannot be one"
+            )
         return {
             "fp8": _fp8,
             "mxfp4": _mxfp4,
@@ -209,6 +214,11 @@ def _fp8(r: _Reader, base: Precision) -> Precision:
     fmt = r.get("fmt", str, "e4m3")
     if fmt not in ("e4m3", "float8_e4m3fn"):
         raise ConfigError(f"{r.where}.fmt {fmt!r}: OpWeave models FP8 E4M3 weights")
+    activations = r.get("activation_scheme", str, "dynamic")
+    if activations not in ("static", "dynamic"):  # vLLM's Fp8Config refuses any other
+        raise ConfigError(
+            f"{r.where}.activation_scheme {activations!r}: use static or dynamic, as vLLM does"
+        )
     block = r.get("weight_block_size", list)
     if block is not None:
         if len(block) != 2 or not all(
@@ -220,7 +230,7 @@ def _fp8(r: _Reader, base: Precision) -> Precision:
         scheme = fp8_block_scheme(block[0], block[1])
         what = f"{block[0]}x{block[1]} blocks"
     else:
-        scheme = fp8_tensor_scheme(static_input=r.get("activation_scheme", str) == "static")
+        scheme = fp8_tensor_scheme(static_input=activations == "static")
         what = "per-tensor scales"
     return base.model_copy(
         update={

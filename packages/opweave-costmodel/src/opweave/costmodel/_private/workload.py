@@ -564,6 +564,10 @@ class Workload(Frozen):
         return self.model_copy(update=update)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
     """A workload from a TOML or JSON file of :class:`Workload`'s fields; a length may be a
     number of tokens (fixed) or a table (``{kind = "uniform", low_tokens = 1000,
@@ -588,14 +592,22 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
     data = {**data, **given}
     for key in ("isl", "osl"):
         value = data.get(key)
-        if isinstance(value, int) and not isinstance(value, bool):
+        if _is_int(value):
             data[key] = {"kind": "fixed", "tokens": value}
         elif isinstance(value, dict) and value.get("kind") == "uniform" and "tokens" not in value:
             low, high = value.get("low_tokens"), value.get("high_tokens")
-            if isinstance(low, int) and isinstance(high, int):
-                data[key] = {**value, "tokens": round((low + high) / 2)}
+            if not (isinstance(low, int) and isinstance(high, int)) or bool in (
+                type(low),
+                type(high),
+            ):
+                raise ConfigError(
+                    f"workload file {path}: {key}: a uniform length needs integer low_tokens "
+                    "and high_tokens"
+                )
+            data[key] = {**value, "tokens": round((low + high) / 2)}
     try:
-        return Workload.model_validate(data, strict=False)
+        # strict: a file's true is not a concurrency of 1, nor "2" a rate
+        return Workload.model_validate(data, strict=True)
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "file"

@@ -215,7 +215,8 @@ class Deployment:
             f"${self.usd_per_million_tokens:.4g} per million tokens, TTFT "
             f"{_ms(self.ttft_s)} (p90 {_ms(self.ttft_p90_s)}), TPOT {_ms(self.tpot_s)} "
             f"(p90 {_ms(self.tpot_p90_s)}), {self.tokens_per_s:,.0f} tokens/s, "
-            f"${self.usd_per_hour:.2f}/hour on {self.gpus_used} GPUs"
+            f"${self.usd_per_hour:.2f}/hour on {self.gpus_used} "
+            f"GPU{'s' if self.gpus_used > 1 else ''}"
         )
 
 

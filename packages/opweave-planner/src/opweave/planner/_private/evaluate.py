@@ -230,7 +230,8 @@ def evaluate(
     busy = pipe.busy_s()
     names = pipe.resource_names()
     weights = [ch.gpus / ch.resident_batch for ch in owners]  # GPUs per request of each owner
-    occ = float(sum(w * busy[j] / tpot for j, w in enumerate(weights)) / sum(weights))
+    # a share: at most 1 (an owner busy all cycle can come out a rounding above it)
+    occ = min(1.0, float(sum(w * busy[j] / tpot for j, w in enumerate(weights)) / sum(weights)))
     internode = float(sum(st.beta[s] for s, k in enumerate(kinds) if k == "network"))
     return Evaluation(
         tpot_s=tpot,
@@ -381,6 +382,13 @@ def _owner_choices(
                 f"plan owner {j} ({o.gpu} {o.parallelism}): a measured profile holds "
                 "tensor-parallel latencies only; simulate it without --profile"
             )
+    pool = plan.prefill
+    if pool is not None:  # its GPU type is known and the model splits as the pool says
+        hw = by_name.get(pool.gpu) or resolve_devices([pool.gpu], model, catalog=cat)[0]
+        par = Parallelism(tp=pool.tp, ep=pool.ep, dp=pool.dp)
+        problem = parallelism_problem(model, par, hw.hardware)
+        if problem is not None:
+            raise ConfigError(f"the plan's prefill pool ({pool.gpu} {par}): {problem}")
     choices = [
         OwnerChoice(by_name[o.gpu], o.tp, o.resident_batch, ep=o.ep, dp=o.dp) for o in plan.owners
     ]

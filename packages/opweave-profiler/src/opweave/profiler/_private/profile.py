@@ -690,7 +690,7 @@ def load_profile(path: str | Path) -> Profile:
     if not path.is_file():
         raise ConfigError(f"profile file {path} does not exist")
     try:
-        return Profile.model_validate_json(path.read_bytes(), strict=True)
+        return Profile.from_json(path.read_bytes())
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "file"

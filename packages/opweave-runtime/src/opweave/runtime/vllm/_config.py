@@ -91,7 +91,7 @@ def load_plan(plan: Any) -> Any:  # -> opweave.costmodel.Plan | None
     path = Path(plan)
     if not path.is_file():
         raise ConfigError(f"opweave plan file {path} does not exist")
-    return Plan.model_validate_json(path.read_text(), strict=True)
+    return Plan.from_json(path.read_text())
 
 
 # additional_config key -> RunOptions field
