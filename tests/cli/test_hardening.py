@@ -257,6 +257,12 @@ def test_profile_flags_refused_before_any_timing(tmp_path: Path, tiny: Path) -> 
     assert "beyond tiny's context of 4096" in one_line_error([*base, "--contexts", "8K"])
     assert "--tp takes degrees" in one_line_error([*base, "--tp", "3"])
     assert "is a directory" in one_line_error(["profile", "-m", str(tiny), "-o", str(tmp_path)])
+    # an option the other way of profiling reads is refused, not ignored
+    line = one_line_error([*base, "--hardware", str(tmp_path / "none.toml"), "--engine", "sglang"])
+    assert "--engine and --hardware apply to --from aiconfigurator" in line
+    imported = ["profile", "-m", "qwen3-32b", "--from", "aiconfigurator", "--device", "h100"]
+    line = one_line_error([*imported, "-o", str(tmp_path / "p.json"), "--repeats", "3"])
+    assert "--repeats sets how a profile is measured" in line
 
 
 def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) -> None:

@@ -68,13 +68,60 @@ class ProfileFlags:
         return cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)})
 
 
+# Options only one way of profiling reads, by field, with their option names: given to the
+# other way, they would be silently ignored.
+_MEASURE_ONLY = {
+    "dtype": "--dtype",
+    "ops": "--ops",
+    "warmup": "--warmup",
+    "repeats": "--repeats",
+    "passes": "--passes",
+    "timing_mode": "--timing",
+    "working_set_mib": "--working-set-mib",
+    "threads": "--threads",
+    "usd_per_hour": "--usd-per-hour",
+    "random_weights": "--random-weights",
+    "kernels": "--kernels",
+    "decode_step": "--decode-step",
+    "no_transfer": "--no-transfer",
+    "no_orchestration": "--no-orchestration",
+    "no_idle": "--no-idle",
+    "seed": "--seed",
+}
+_IMPORT_ONLY = {
+    "engine": "--engine",
+    "engine_version": "--engine-version",
+    "database": "--database",
+    "hardware": "--hardware",
+}
+
+
+def _given(flags: ProfileFlags, names: dict[str, str]) -> list[str]:
+    """The options among ``names`` set to other than their defaults."""
+    defaults = ProfileFlags(model="", output=Path())
+    return [opt for f, opt in names.items() if getattr(flags, f) != getattr(defaults, f)]
+
+
 def execute(flags: ProfileFlags) -> None:
     """Measure (or, with ``--from aiconfigurator``, import) the profile and report it."""
     if flags.source is not None:
         if flags.source != "aiconfigurator":
             raise typer.BadParameter(f"--from takes aiconfigurator, got {flags.source!r}")
+        stray = _given(flags, _MEASURE_ONLY)
+        if stray:
+            raise typer.BadParameter(
+                f"{' and '.join(stray)} set{'s' if len(stray) == 1 else ''} how a profile is "
+                "measured; --from aiconfigurator imports measured latencies, so drop "
+                f"{'it' if len(stray) == 1 else 'them'}"
+            )
         _import(flags)
     else:
+        stray = _given(flags, _IMPORT_ONLY)
+        if stray:
+            raise typer.BadParameter(
+                f"{' and '.join(stray)} appl{'ies' if len(stray) == 1 else 'y'} to --from "
+                "aiconfigurator; a measured profile times this machine's device"
+            )
         _measure(flags)
 
 

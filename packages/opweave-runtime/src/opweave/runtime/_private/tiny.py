@@ -317,7 +317,17 @@ def write_tiny_model(
         _perturb(model)
     model.to(torch_dtype)
     model.config.dtype = torch_dtype
-    model.save_pretrained(out, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+    from transformers.utils import logging as hf_logging
+
+    # no "Writing model shards" bar on stderr for a model of a few hundred kilobytes
+    quiet = not hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        shards = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(out, **shards)
+    finally:
+        if not quiet:
+            hf_logging.enable_progress_bar()
     write_tokenizer(out, int(kwargs["vocab_size"]))
     return out
 
