@@ -167,6 +167,7 @@ def test_an_edited_plan_file(tmp_path: Path, tiny: Path, edit: tuple, message: s
         ('id = "h100"\nnetwork_bandwidth_bytes_per_s = 1e-300', "network_bandwidth"),
         ('id = "h100"\ncompute_efficiency = 1e-300', "compute_efficiency"),
         ('id = "h100"\nside_streams = "yes"', "side_streams"),
+        ('id = "h100"\naliases = ["x", "x"]', "alias 'x' is listed twice"),
         ('id = "h100"\nnetwork_latency_s = nan', "network_latency_s"),
         ('id = ""\nusd_per_hour = 1.0', "'id' must be a non-empty string"),
         ('id = "h100"\nusd_per_hour = 1.0\n[[gpus]]\nid = "H100-SXM"', "is given twice"),
@@ -341,6 +342,19 @@ def test_workload_file_values(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "w.json"
     path.write_text(text)
     assert message in one_line_error([*EST, "--workload", str(path)])
+
+
+def test_work_and_files_a_plan_is_asked_for(tmp_path: Path) -> None:
+    base = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K"]
+    slos = ",".join(str(n) for n in range(1, 66))
+    assert "gives 65 SLOs; give at most 64" in one_line_error([*base, "--tpot-slo-ms", slos])
+    same = str(tmp_path / "x.png")
+    line = one_line_error([*base, "--tpot-slo-ms", "50", "-o", same, "--plot", same])
+    assert "-o and --plot both name" in line
+    empty = tmp_path / "hw.toml"
+    empty.write_text("schema_version = 1\ngpus = []\n")
+    line = one_line_error(["gpus", "--hardware", str(empty)])
+    assert "needs a list 'gpus' of GPU entries" in line
 
 
 def test_a_config_naming_a_key_twice(write_config, tmp_path: Path) -> None:

@@ -199,6 +199,8 @@ def plan(
     shape = _batching(batch, microbatches)
     output_file(output, "-o")
     output_file(plot, "--plot", PLOT_SUFFIXES)
+    if output is not None and plot is not None and output.resolve() == plot.resolve():
+        raise typer.BadParameter(f"-o and --plot both name {plot}; give them different files")
     spec = load_spec(model, quant, kv_cache_dtype)
     tokens = parse_size(context, "--context")
     check_context(spec, tokens, "--context")
@@ -386,6 +388,9 @@ def parse_gpus(text: str) -> tuple[list[str], dict[str, int]]:
     return names, inventory
 
 
+MAX_SLOS = 64
+
+
 def parse_slos(text: str) -> list[float]:
     """``50,20`` -> [20.0, 50.0] (ms): positive, finite, distinct, ascending."""
     import math
@@ -393,7 +398,12 @@ def parse_slos(text: str) -> list[float]:
     from opweave.costmodel import ConfigError
 
     slos = []
-    for item in parse_list(text, what="--tpot-slo-ms"):
+    items = parse_list(text, what="--tpot-slo-ms")
+    if len(items) > MAX_SLOS:  # each is a search of its own
+        raise ConfigError(
+            f"--tpot-slo-ms gives {len(items)} SLOs; give at most {MAX_SLOS} (each is a search)"
+        )
+    for item in items:
         # ASCII decimals only: float() would also take "٥٠", "1_0" and " 5"
         value = float(item) if re.fullmatch(r"[0-9]*\.?[0-9]+", item) else math.nan
         if not (math.isfinite(value) and value > 0):

@@ -325,10 +325,14 @@ class HardwareCatalog:
             aliases = merged.get("aliases") or ()
             if not isinstance(aliases, list | tuple):
                 raise ConfigError(f"{source}: GPU {raw!r}: aliases must be a list of GPU ids")
+            listed: set[str] = set()
             for alias in aliases:
                 key = alias.strip().lower() if isinstance(alias, str) else alias
                 if not isinstance(key, str) or not _GPU_ID.fullmatch(key):
                     raise ConfigError(f"{source}: GPU {raw!r}: alias {alias!r} is not a GPU id")
+                if key in listed:
+                    raise ConfigError(f"{source}: GPU {raw!r}: alias {alias!r} is listed twice")
+                listed.add(key)
                 try:
                     owner = out.resolve(key)
                 except UnknownGPUError:
@@ -361,7 +365,7 @@ def load_hardware_file(path: str | Path, base: HardwareCatalog | None = None) ->
     """
     path = Path(path)
     data = read_data_file(path, "hardware file")
-    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list):
+    if not isinstance(data, dict) or not isinstance(data.get("gpus"), list) or not data["gpus"]:
         raise ConfigError(f"hardware file {path} needs a list 'gpus' of GPU entries")
     unknown = sorted(set(data) - {"schema_version", "gpus"})
     if unknown:
