@@ -20,6 +20,7 @@ def tiny(write_config) -> Path:
 
 
 EST = ["estimate", "qwen3-32b", "--gpu", "h100"]
+PLAN = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K"]
 
 
 @pytest.mark.parametrize(
@@ -36,19 +37,7 @@ EST = ["estimate", "qwen3-32b", "--gpu", "h100"]
         ([*EST, "--context", "8.5"], "is not a token count"),
         ([*EST, "--isl", "0", "--osl", "1K", "--concurrency", "1"], "--isl '0' must be at least 1"),
         ([*EST, "--isl", "1K", "--osl", "-1", "--concurrency", "1"], "--osl '-1' is not a token"),
-        (
-            [
-                "plan",
-                "qwen3-32b",
-                "--gpus",
-                "h100",
-                "--context",
-                "8K",
-                "--tpot-slo-ms",
-                "\u0665\u0660",
-            ],
-            "--tpot-slo-ms takes positive numbers of ms",
-        ),
+        ([*PLAN, "--tpot-slo-ms", "\u0665\u0660"], "--tpot-slo-ms takes positive numbers of ms"),
         ([*EST, "--context", "99999999999K"], "is more than 2147483648 tokens"),
         ([*EST, "--batch", "9" * 400], "--batch"),
         ([*EST, "--context", "64K"], "beyond qwen3-32b's context of 40960 tokens"),
@@ -345,7 +334,7 @@ def test_workload_file_values(tmp_path: Path, text: str, message: str) -> None:
 
 
 def test_work_and_files_a_plan_is_asked_for(tmp_path: Path) -> None:
-    base = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K"]
+    base = PLAN
     slos = ",".join(str(n) for n in range(1, 66))
     assert "gives 65 SLOs; give at most 64" in one_line_error([*base, "--tpot-slo-ms", slos])
     same = str(tmp_path / "x.png")

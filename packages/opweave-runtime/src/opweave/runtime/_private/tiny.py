@@ -52,6 +52,23 @@ _QWEN3_5_LAYERS: dict[str, Any] = {
     },
 }
 
+# DeepSeek-V3's layers (MLA with a query LoRA; layer 0 dense, then a shared expert beside 8
+# routed ones), which GLM-4.7-Flash shares
+_MLA_LAYERS: dict[str, Any] = {
+    "num_hidden_layers": 3,
+    "num_key_value_heads": 4,
+    "q_lora_rank": 32,
+    "kv_lora_rank": 32,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+}
+
 # Qwen3-VL's text models (dense and MoE)
 _QWEN3_VL_TEXT: dict[str, Any] = {
     "head_dim": 32,
@@ -185,7 +202,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     # softmax scale move); layer 0 dense (first_k_dense_replace), layers 1-2 with a shared
     # expert and 8 routed experts in 4 groups of which a token may use 2 (group-limited
     # routing); the noaux_tc correction bias is perturbed like every parameter.
-    "deepseek_v3": {
+    "deepseek_v3": _MLA_LAYERS
+    | {
         "rope_parameters": {
             "rope_type": "yarn",
             "rope_theta": 10_000.0,
@@ -196,43 +214,15 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
             "mscale": 0.707,
             "mscale_all_dim": 1.0,
         },
-        "num_hidden_layers": 3,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
         "n_group": 4,
         "topk_group": 2,
-        "first_k_dense_replace": 1,
         "routed_scaling_factor": 2.5,
     },
     # GLM-4.7-Flash: DeepSeek-V3's MLA and MoE layout (a query LoRA, layer 0 dense, a shared
     # expert) with plain RoPE over the rope part of each head and GLM-4.5's router, whose
     # selection bias is there whatever topk_method says; 8 experts in 2 groups of which a token
     # may use 1.
-    "glm4_moe_lite": {
-        "num_hidden_layers": 3,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 32,
-        "qk_nope_head_dim": 16,
-        "qk_rope_head_dim": 8,
-        "v_head_dim": 16,
-        "n_routed_experts": 8,
-        "n_shared_experts": 1,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "n_group": 2,
-        "topk_group": 1,
-        "first_k_dense_replace": 1,
-        "routed_scaling_factor": 1.8,
-    },
+    "glm4_moe_lite": _MLA_LAYERS | {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.8},
     # Sliding (window 8) and full layers alternating, attention sinks, biased q/k/v/o, router
     # and experts, the clamped SwiGLU (a limit the random activations reach), YaRN without
     # truncation as the released models use it.
