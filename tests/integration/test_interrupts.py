@@ -70,8 +70,9 @@ HANG = ["--fault", "1:3:hang"]
     [
         (signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
         (signal.SIGINT, 130, "error: interrupted (SIGINT)"),
+        (signal.SIGHUP, 129, "error: hung up (SIGHUP)"),  # the terminal or session closed
     ],
-    ids=["SIGTERM", "SIGINT"],
+    ids=["SIGTERM", "SIGINT", "SIGHUP"],
 )
 def test_a_signal_stops_an_offline_run_and_everything_it_started(
     sig, code, line, tiny_model, tmp_path

@@ -1,7 +1,8 @@
 """Stopping a server, and who may use it: SIGTERM (a supervisor's stop) drains and exits 0,
-SIGINT (Ctrl-C) exits 130 with one line; either way every rank is gone and the run's temporary
-folders are removed. The API key comes from the flag, a file or ``OPWEAVE_API_KEY``, and serving
-beyond loopback without one is warned about."""
+SIGINT (Ctrl-C) exits 130 and SIGHUP (a closed session) drains and exits 129, with one line;
+every way every rank is gone and the run's temporary folders are removed. The API key comes
+from the flag, a file or ``OPWEAVE_API_KEY``, and serving beyond loopback without one is warned
+about."""
 
 from __future__ import annotations
 
@@ -35,8 +36,12 @@ def _default_sigint() -> None:
 
 @pytest.mark.parametrize(
     ("sig", "code", "last"),
-    [(signal.SIGTERM, 0, None), (signal.SIGINT, 130, "error: interrupted (SIGINT)")],
-    ids=["SIGTERM", "SIGINT"],
+    [
+        (signal.SIGTERM, 0, None),
+        (signal.SIGINT, 130, "error: interrupted (SIGINT)"),
+        (signal.SIGHUP, 129, "error: hung up (SIGHUP)"),  # drains as SIGTERM does
+    ],
+    ids=["SIGTERM", "SIGINT", "SIGHUP"],
 )
 def test_a_signal_stops_the_server_and_every_rank(sig, code, last, model, tmp_path):
     temp = tmp_path / "tmp"

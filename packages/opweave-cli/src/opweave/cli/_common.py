@@ -84,6 +84,11 @@ class Terminated(BaseException):
     ``except Exception`` on the way swallows it."""
 
 
+class HungUp(Terminated):
+    """SIGHUP arrived (the terminal or the session that started the command closed): stop as
+    on SIGTERM, with status 129 and "hung up (SIGHUP)". Under ``nohup`` SIGHUP stays ignored."""
+
+
 def _clean(value: Any) -> Any:
     """JSON has no NaN/inf: they become null."""
     if isinstance(value, float) and not math.isfinite(value):

@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from ._common import Terminated
+from ._common import HungUp, Terminated
 from ._options import API_KEY_ENV
 from ._prompts import tokenizer
 from ._run import RunFlags, fault_injection
@@ -109,11 +109,12 @@ def serve(flags: RunFlags, plan: Any, nodes: Any, vllm_args: list[str]) -> None:
         )
     if stopped.signal == signal.SIGINT:
         raise KeyboardInterrupt  # exit 130, as every command does on Ctrl-C
-    if stopped.cut:
-        n = stopped.cut
-        raise Terminated(
-            f"the drain deadline cut {n} request{'s' if n != 1 else ''} short (each got an error)"
-        )
+    n = stopped.cut
+    cut = f"the drain deadline cut {n} request{'s' if n != 1 else ''} short (each got an error)"
+    if stopped.signal == signal.SIGHUP:  # exit 129: a closed session is not a requested stop
+        raise HungUp(cut if n else "")
+    if n:
+        raise Terminated(cut)
     # SIGTERM after a clean drain (every request finished): how supervisors stop a server, 0
 
 

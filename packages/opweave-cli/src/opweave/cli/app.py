@@ -1,8 +1,8 @@
 """The ``opweave`` command: parse arguments, call a library, print the result.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; a traceback only
-appears with ``OPWEAVE_DEBUG=1``. SIGINT and SIGTERM unwind the command (a run stops its ranks
-and removes its folder) and exit with 130 and 143.
+appears with ``OPWEAVE_DEBUG=1``. SIGINT, SIGTERM and SIGHUP unwind the command (a run stops
+its ranks and removes its folder) and exit with 130, 143 and 129.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import typer
 
 from . import catalog, costs, deploying
 from ._command import App, empty_argument
-from ._common import Terminated
+from ._common import HungUp, Terminated
 
 app = App(
     name="opweave",
@@ -85,11 +85,17 @@ def _register_optional() -> None:
 _register_optional()
 
 
+# the signals that stop a command: Ctrl-C, a supervisor, a closed terminal or session
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _on_signal(signum: int, _frame: object) -> None:
     # One interruption unwinds; more of them while the run cleans up (seconds at most) would
     # only cut the clean-up short and leave ranks or files behind.
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOPPING:
         signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGHUP:
+        raise HungUp
     if signum == signal.SIGTERM:
         raise Terminated
     raise KeyboardInterrupt
@@ -108,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: run the app, mapping errors to one-line messages and exit codes.
 
     Exit status: 0 on success, 2 for any error the input causes (bad option, bad file,
-    unreadable or unwritable path, infeasible request), 130 after SIGINT, 143 after SIGTERM.
+    unreadable or unwritable path, infeasible request), 130 after SIGINT, 143 after SIGTERM,
+    129 after SIGHUP.
     """
     from opweave.costmodel.errors import OpWeaveError
 
@@ -118,8 +125,9 @@ def main(argv: list[str] | None = None) -> int:
         args = ["--help"]
     handlers: dict[int, Any] = {}
     if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            # a signal ignored at start stays ignored (a shell's background job ignores SIGINT)
+        for sig in STOPPING:
+            # a signal ignored at start stays ignored (a shell's background job ignores SIGINT,
+            # nohup SIGHUP)
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 handlers[sig] = signal.signal(sig, _on_signal)
     try:
@@ -141,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     except (typer.Abort, KeyboardInterrupt):
         print("error: interrupted (SIGINT)", file=sys.stderr)
         return 130
+    except HungUp as exc:
+        detail = f": {exc}" if str(exc) else ""
+        print(f"error: hung up (SIGHUP){detail}", file=sys.stderr)
+        return 129
     except Terminated as exc:
         detail = f": {exc}" if str(exc) else ""
         print(f"error: terminated (SIGTERM){detail}", file=sys.stderr)

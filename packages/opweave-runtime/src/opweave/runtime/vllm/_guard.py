@@ -76,7 +76,8 @@ class Drain:
         :data:`_SECOND_GRACE_S` to be written; then the process exits, and the engine, the
         ranks and the run's folders go with it (parent-death signals and the run's reapers)."""
         name = signal.Signals(sig).name
-        what = "interrupted" if sig == signal.SIGINT else "terminated"
+        words: dict[int, str] = {signal.SIGINT: "interrupted", signal.SIGHUP: "hung up"}
+        what = words.get(sig, "terminated")
         cut = len(self.active)
         detail = f", cutting {cut} request{'s' if cut != 1 else ''}" if cut else ""
 
