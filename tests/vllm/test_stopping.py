@@ -150,6 +150,37 @@ def test_a_malformed_tokenizer_is_refused_before_vllm_starts(model, tmp_path, se
     assert code == 2 and "is not a valid tokenizer" in err
 
 
+def test_a_folder_without_a_tokenizer_is_refused_before_vllm_starts(
+    model, tmp_path, serve_stand_in
+):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(model, bare)
+    (bare / "tokenizer.json").unlink()
+    code, err = _serve(bare)
+    assert code == 2 and err.strip().endswith("needs the checkpoint's tokenizer files there")
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--max-model-len", "100000"], "--max-model-len 100000 is beyond the model's context"),
+        (["--bogus-flag", "3"], "vLLM's server options: unrecognized arguments: --bogus-flag"),
+    ],
+)
+def test_vllm_options_it_would_refuse_later_are_one_line(model, options, message, capsys):
+    """Checked while vLLM's arguments are parsed, before any process starts: argparse's
+    usage (hundreds of lines) and the engine's late traceback would bury the reason."""
+    from opweave.costmodel import ConfigError
+    from opweave.runtime.vllm.serve import server_args
+
+    with pytest.raises(ConfigError) as info:
+        server_args(model, vllm_args=options)
+    assert message in str(info.value) and "\n" not in str(info.value)
+    assert capsys.readouterr().err == ""
+
+
 def test_only_the_dead_engine_report_after_a_stopping_signal_is_dropped():
     """vLLM's front end may log the engine it just stopped as dead (its own shutdown race); after a
     signal that one record is dropped, and nothing else is."""

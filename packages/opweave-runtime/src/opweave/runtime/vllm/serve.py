@@ -11,7 +11,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from ._config import APPLIED, PLAN_KEY, REQUEST_CHECK
 
@@ -81,8 +81,26 @@ def server_args(
         chat_template = FALLBACK_CHAT_TEMPLATE
     if chat_template is not None:
         argv += ["--chat-template", chat_template]
-    parser = make_arg_parser(FlexibleArgumentParser(prog="opweave serve"))
+
+    class OneLineParser(FlexibleArgumentParser):
+        """vLLM's parser, whose errors are one line (argparse prints its whole usage first)."""
+
+        def error(self, message: str) -> NoReturn:
+            from opweave.costmodel import ConfigError
+
+            raise ConfigError(f"vLLM's server options: {' '.join(message.split())}")
+
+    parser = make_arg_parser(OneLineParser(prog="opweave serve"))
     args = parser.parse_args(argv)
+    if isinstance(args.max_model_len, int):
+        from opweave.costmodel import ConfigError, load_model
+
+        limit = load_model(model_dir).max_context_tokens
+        if args.max_model_len > limit:
+            raise ConfigError(
+                f"--max-model-len {args.max_model_len} is beyond the model's context of "
+                f"{limit} tokens (max_position_embeddings); give at most {limit}"
+            )
     if args.logits_processors:
         from opweave.costmodel import ConfigError
 
