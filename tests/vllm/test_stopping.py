@@ -162,6 +162,21 @@ def test_a_folder_without_a_tokenizer_is_refused_before_vllm_starts(
     assert code == 2 and err.strip().endswith("needs the checkpoint's tokenizer files there")
 
 
+def test_a_port_another_process_listens_on_is_refused_before_vllm_starts(model, serve_stand_in):
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        code, err = _serve(model, "--port", str(port))
+    assert code == 2
+    assert err.strip() == (
+        f"error: 127.0.0.1:{port} is in use by another process (another server?); stop it or "
+        "choose another --port"
+    )
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [

@@ -40,6 +40,7 @@ def serve(flags: RunFlags, plan: Any, nodes: Any, vllm_args: list[str]) -> None:
             f"{flags.model_path} has no tokenizer (tokenizer.json, tokenizer.model, vocab.json "
             "or a tiktoken file); vLLM's server needs the checkpoint's tokenizer files there"
         )
+    _check_port(flags.host, flags.port)
     if flags.api_key is None and not _loopback(flags.host):
         typer.echo(
             f"warning: serving on {flags.host}:{flags.port} without an API key: anyone who can "
@@ -121,6 +122,34 @@ def serve(flags: RunFlags, plan: Any, nodes: Any, vllm_args: list[str]) -> None:
     if n:
         raise Terminated(cut)
     # SIGTERM after a clean drain (every request finished): how supervisors stop a server, 0
+
+
+def _check_port(host: str, port: int) -> None:
+    """Refuse a port another process listens on, before anything starts. Bound as vLLM's
+    server binds it (SO_REUSEADDR), so a port a stopped server left in TIME_WAIT stays usable;
+    vLLM's own failure would come after the engine and the ranks started, as "Address already
+    in use" naming neither the address nor the fix."""
+    import errno
+    import socket
+
+    from opweave.costmodel import OpWeaveError
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError:
+        return  # vLLM reports a host it cannot resolve
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                return  # vLLM reports its own bind failure
+            raise OpWeaveError(
+                f"{host}:{port} is in use by another process (another server?); stop it or "
+                "choose another --port"
+            ) from None
 
 
 def _slow_tokenizer(model_path: Path) -> bool:
