@@ -35,7 +35,8 @@ def _cut_after_attention(model_dir) -> list[int]:
     return [attn, attn + 1]
 
 
-@pytest.mark.parametrize("family", tuple(TINY_CONFIGS))
+# glm4_moe_lite's operators are deepseek_v3's (MLA) with glm4_moe's router, both traced here
+@pytest.mark.parametrize("family", tuple(f for f in TINY_CONFIGS if f != "glm4_moe_lite"))
 def test_every_segments_decode_step_traces_as_one_graph(family, tiny_model, hf_greedy, prompts):
     """torch.compile(fullgraph=True) of each segment's decode step (a graph break would raise),
     and the traced steps' greedy tokens equal transformers'."""
