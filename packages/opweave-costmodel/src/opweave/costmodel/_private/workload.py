@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeGuard
 
 import numpy as np
 from pydantic import Field, ValidationError, field_validator, model_validator
@@ -564,7 +564,7 @@ class Workload(Frozen):
         return self.model_copy(update=update)
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -596,10 +596,7 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
             data[key] = {"kind": "fixed", "tokens": value}
         elif isinstance(value, dict) and value.get("kind") == "uniform" and "tokens" not in value:
             low, high = value.get("low_tokens"), value.get("high_tokens")
-            if not (isinstance(low, int) and isinstance(high, int)) or bool in (
-                type(low),
-                type(high),
-            ):
+            if not (_is_int(low) and _is_int(high)):
                 raise ConfigError(
                     f"workload file {path}: {key}: a uniform length needs integer low_tokens "
                     "and high_tokens"

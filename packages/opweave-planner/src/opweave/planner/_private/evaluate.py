@@ -384,9 +384,9 @@ def _owner_choices(
             )
     pool = plan.prefill
     if pool is not None:  # its GPU type is known and the model splits as the pool says
-        hw = by_name.get(pool.gpu) or resolve_devices([pool.gpu], model, catalog=cat)[0]
+        dev = by_name.get(pool.gpu) or resolve_devices([pool.gpu], model, catalog=cat)[0]
         par = Parallelism(tp=pool.tp, ep=pool.ep, dp=pool.dp)
-        problem = parallelism_problem(model, par, hw.hardware)
+        problem = parallelism_problem(model, par, dev.hardware)
         if problem is not None:
             raise ConfigError(f"the plan's prefill pool ({pool.gpu} {par}): {problem}")
     choices = [
