@@ -1,8 +1,8 @@
 """Stopping a server, and who may use it: SIGTERM (a supervisor's stop) drains and exits 0,
-SIGINT (Ctrl-C) exits 130 and SIGHUP (a closed session) drains and exits 129, with one line;
-every way every rank is gone and the run's temporary folders are removed. The API key comes
-from the flag, a file or ``OPWEAVE_API_KEY``, and serving beyond loopback without one is warned
-about."""
+SIGINT (Ctrl-C) exits 130 and SIGHUP (a closed session) drains and exits 129, with one line,
+also while vLLM's engine starts; every way every rank is gone and the run's temporary folders
+are removed. The API key comes from the flag, a file or ``OPWEAVE_API_KEY``, and serving beyond
+loopback without one is warned about."""
 
 from __future__ import annotations
 
@@ -87,6 +87,75 @@ def test_a_signal_stops_the_server_and_every_rank(sig, code, last, model, tmp_pa
     # vLLM's own log lines surround it (and triton's leak report at exit follows it)
     errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
     assert errors == ([] if last is None else [last]), errors
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and any(alive(p) for p in started):
+        time.sleep(0.2)
+    assert not [p for p in started if alive(p)], "processes outlived the server"
+    assert list(temp.iterdir()) == []
+
+
+def _engine_started(pid: int) -> bool:
+    """Whether vLLM's engine process (a multiprocessing spawn) runs under ``pid``."""
+    for child in descendants(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in command or b"EngineCore" in command:
+            return True
+    return False
+
+
+@pytest.mark.parametrize(
+    ("sig", "code", "last"),
+    [
+        (signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
+        (signal.SIGINT, 130, "error: interrupted (SIGINT)"),  # Ctrl-C: the terminal's group
+    ],
+    ids=["SIGTERM", "SIGINT"],
+)
+def test_a_signal_while_the_engine_starts_stops_the_server(sig, code, last, model, tmp_path):
+    # vLLM's engine start-up once caught and dropped the KeyboardInterrupt a signal raised
+    # there, and the server hung until vLLM's ten-minute engine timeout; the engine process,
+    # Ctrl-C'd while importing vLLM, printed a traceback
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env |= {"HF_HUB_OFFLINE": "1", "TMPDIR": str(temp)}
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "opweave.cli", "run", "--strategy", "afd"),
+                *("--model-path", str(model), "--port", str(free_port()), *SERVER),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
+    started: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not _engine_started(proc.pid):
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        time.sleep(1)  # the engine process imports vLLM for several seconds
+        started = [*descendants(proc.pid), proc.pid]
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)
+        else:
+            proc.send_signal(sig)
+        assert proc.wait(60) == code, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = log_path.read_text()
+    assert "Traceback" not in text, text[-3000:]
+    assert [ln for ln in text.splitlines() if ln.startswith("error: ")] == [last]
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and any(alive(p) for p in started):
         time.sleep(0.2)

@@ -49,6 +49,7 @@ __all__ = [
     "ConcurrencyOpt",
     "EngineOpt",
     "HardwareOpt",
+    "Interrupted",
     "IslOpt",
     "JsonOpt",
     "KvCacheOpt",
@@ -77,11 +78,17 @@ __all__ = [
 ]
 
 
+class Interrupted(BaseException):
+    """Ctrl-C (SIGINT) arrived: unwind, so every ``finally`` (a run's ranks, its folder) runs
+    before the process exits with status 130. A ``BaseException``, so no ``except Exception``
+    on the way swallows it, and not a ``KeyboardInterrupt``: vLLM's engine start-up catches
+    and drops that one (its ZMQ socket context, around the engine handshake), which left a
+    server interrupted there waiting for an engine that never came."""
+
+
 class Terminated(BaseException):
-    """SIGTERM arrived: unwind like Ctrl-C does, so every ``finally`` (a run's ranks, its
-    folder) runs before the process exits (status 143; its message, if any, follows the error
-    line's "terminated (SIGTERM)"). A ``BaseException``, as ``KeyboardInterrupt`` is, so no
-    ``except Exception`` on the way swallows it."""
+    """SIGTERM arrived: unwind as on Ctrl-C (:class:`Interrupted`), with status 143; its
+    message, if any, follows the error line's "terminated (SIGTERM)"."""
 
 
 class HungUp(Terminated):

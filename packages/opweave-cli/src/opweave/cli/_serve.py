@@ -14,7 +14,7 @@ from typing import Any
 
 import typer
 
-from ._common import HungUp, Terminated
+from ._common import HungUp, Interrupted, Terminated
 from ._options import API_KEY_ENV
 from ._prompts import tokenizer
 from ._run import RunFlags, fault_injection
@@ -114,7 +114,7 @@ def serve(flags: RunFlags, plan: Any, nodes: Any, vllm_args: list[str]) -> None:
             "above); the server was stopped"
         )
     if stopped.signal == signal.SIGINT:
-        raise KeyboardInterrupt  # exit 130, as every command does on Ctrl-C
+        raise Interrupted  # exit 130, as every command does on Ctrl-C
     n = stopped.cut
     cut = f"the drain deadline cut {n} request{'s' if n != 1 else ''} short (each got an error)"
     if stopped.signal == signal.SIGHUP:  # exit 129: a closed session is not a requested stop

@@ -17,7 +17,7 @@ import typer
 
 from . import catalog, costs, deploying
 from ._command import App, empty_argument
-from ._common import HungUp, Terminated
+from ._common import HungUp, Interrupted, Terminated
 
 app = App(
     name="opweave",
@@ -98,7 +98,7 @@ def _on_signal(signum: int, _frame: object) -> None:
         raise HungUp
     if signum == signal.SIGTERM:
         raise Terminated
-    raise KeyboardInterrupt
+    raise Interrupted
 
 
 def _error(exc: BaseException | str) -> str:
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {_error(exc)}", file=sys.stderr)
         return 2
-    except (typer.Abort, KeyboardInterrupt):
+    except (typer.Abort, KeyboardInterrupt, Interrupted):
         print("error: interrupted (SIGINT)", file=sys.stderr)
         return 130
     except HungUp as exc:

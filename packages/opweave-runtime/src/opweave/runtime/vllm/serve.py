@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -153,11 +155,14 @@ def serve(
     only some). A first SIGINT or SIGTERM drains (:class:`~._guard.Drain`): 503 for new
     requests and ``/health``, in-flight requests get until ``--shutdown-timeout`` and are then
     cut (an error event and ``[DONE]``), then vLLM's engine and the plan's ranks stop; a second
-    signal exits the process at once (status 128 + the signal).
+    signal exits the process at once (status 128 + the signal). Until the server is ready, a
+    signal goes to the caller's handler (the CLI's unwinds the start-up).
     """
     import uvloop
     from vllm.entrypoints.launchers.api_server import entry
     from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.utils.system_utils import decorate_logs
+    from vllm.v1.engine import utils as engine_utils
 
     from ._guard import Drain, Guard
     from ._loop import NotingLoop
@@ -187,17 +192,52 @@ def serve(
         made.drain = drain
         return made
 
-    entry.build_app = guarded_app
-    try:
+    async def run() -> None:
+        # entry.run_server's steps, less its SIGTERM handler for the start-up: that raises
+        # KeyboardInterrupt, which vLLM's engine handshake catches and drops, so a server
+        # stopped there waited for an engine that never came. The caller's handlers stay.
+        decorate_logs("APIServer", skip_if_decorated=True)
+        address, sock = entry.setup_server(args, reuse_port=False)
         # connections still open once the drain has ended every response: closed after this
-        uvloop.run(entry.run_server(args, timeout_graceful_shutdown=_CLOSE_S), loop_factory=loop)
+        await entry.run_server_worker(address, sock, args, timeout_graceful_shutdown=_CLOSE_S)
+
+    engines = engine_utils.CoreEngineProcManager
+    entry.build_app = guarded_app
+    engine_utils.CoreEngineProcManager = _ctrl_c_ignored_at_start(engines)
+    try:
+        uvloop.run(run(), loop_factory=loop)
     finally:
-        entry.build_app = build_app
+        entry.build_app, engine_utils.CoreEngineProcManager = build_app, engines
         front_end.removeFilter(quiet)
     return Stopped(stopped_by[0] if stopped_by else None, drain.cut)
 
 
 _CLOSE_S = 2  # seconds uvicorn waits for connections to close once every response has ended
+
+
+def _ctrl_c_ignored_at_start(manager: type) -> type:
+    """vLLM's engine process manager (``CoreEngineProcManager``), starting the engine's
+    process with SIGINT ignored.
+
+    Ctrl-C reaches every process of the terminal's group. An engine process still importing
+    vLLM (seconds) printed a KeyboardInterrupt traceback for it, under the server's one line.
+    Started with SIGINT ignored, it takes Ctrl-C once vLLM's engine installs its own handler;
+    before that the server, which Ctrl-C stops, ends it. A Ctrl-C in the milliseconds the
+    process takes to start is lost (press it again).
+    """
+
+    class QuietStart(manager):
+        def __init__(self, *given: Any, **named: Any) -> None:
+            if threading.current_thread() is not threading.main_thread():
+                super().__init__(*given, **named)
+                return
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            try:
+                super().__init__(*given, **named)
+            finally:
+                signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+
+    return QuietStart
 
 
 class _QuietEngineStop(logging.Filter):
