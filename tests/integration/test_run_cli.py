@@ -246,6 +246,48 @@ def test_two_nodes_on_one_machine(tmp_path, capsys, monkeypatch, tiny_model, hf_
     assert doc["driver"]["start_method"] == "fork"  # the CLI forks while it has one thread
 
 
+def test_a_node_with_another_secret_is_refused_and_the_run_waits_for_the_right_one(
+    tmp_path, capsys, monkeypatch, tiny_model
+):
+    """A node whose OPWEAVE_RUN_SECRET differs from node 0's says so at once (its ranks used to
+    wait, without a word, until the join deadline); node 0 warns and keeps waiting, so the
+    node started again with the right secret joins."""
+    model_dir = tiny_model("llama")
+    port = str(free_port())
+    args = [
+        *("run", "--strategy", "cad", "--ranks", "2", "--model-path", str(model_dir)),
+        *("--prompt", "t5 t6", "--max-tokens", "2", "--nnodes", "2"),
+        *("--master-addr", "127.0.0.1", "--master-port", port),
+    ]
+    env = dict(os.environ, OPWEAVE_RUN_SECRET="node zero's secret")
+    node0 = subprocess.Popen(
+        [sys.executable, "-m", "opweave.cli", *args, "--node-rank", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        monkeypatch.setenv("OPWEAVE_RUN_SECRET", "another secret")
+        code, _, err = _opweave(capsys, *args, "--node-rank", "1")
+        assert code == 2
+        assert err == (
+            f"error: node 0's run at 127.0.0.1:{port} has another secret than node 1's: set "
+            "OPWEAVE_RUN_SECRET to the same value on every node\n"
+        )
+        monkeypatch.setenv("OPWEAVE_RUN_SECRET", "node zero's secret")
+        code, _, err = _opweave(capsys, *args, "--node-rank", "1")
+        assert code == 0, err
+        _, stderr = node0.communicate(timeout=120)
+    finally:
+        node0.kill()
+    assert node0.returncode == 0, stderr
+    assert stderr == (
+        "warning: node 1 was started with another OPWEAVE_RUN_SECRET and cannot join; start it "
+        "again with this node's value\n"
+    )
+
+
 def test_torchrun_style_launch(tmp_path, tiny_model, hf_greedy, prompts):
     """Ranks started by an outside launcher (torchrun's RANK/WORLD_SIZE/... variables) each run
     ``opweave run`` themselves; rank 0 prints the document."""

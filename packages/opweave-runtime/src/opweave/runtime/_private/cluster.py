@@ -37,7 +37,7 @@ from opweave.costmodel import ModelSpec, Plan
 
 from ..errors import OpWeaveRuntimeError, RunFailedError
 from . import native
-from .control import run_secret
+from .control import SECRET_ENV, run_secret, store_namespace
 from .controlhub import Conn, ControlHub
 from .faults import RankView, diagnose
 from .join import CONTROL_KEY, in_namespace
@@ -57,7 +57,7 @@ from .messages import (
     Warmed,
     encode,
 )
-from .nodes import Topology, host_store
+from .nodes import OTHER_SECRET_KEY, RUN_KEY, Topology, host_store
 from .options import RunOptions
 from .placement import Placement, check_plan, total_ranks
 from .reaper import Reaper
@@ -135,6 +135,9 @@ class Cluster(ControlHub):
         self._reaper: Reaper | None = Reaper([self.run_dir])
         self.children: list[RankProcess] = []
         self._store: Any = None
+        self._public_store: Any = None  # the store itself, for the keys outside the run's
+        self._other_secrets: set[str] = set()  # nodes started with another secret, told
+        self._next_secret_check = 0.0
         host = node_address(topology.master_addr) if multi else "127.0.0.1"
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -147,16 +150,13 @@ class Cluster(ControlHub):
             self._start_ranks(model_dir, topology, host, control, start_method)
             if multi:  # hosted after every fork, so no rank inherits the store's thread
                 agent = torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-                self._store = in_namespace(
-                    host_store(
-                        topology.master_addr,
-                        topology.master_port,
-                        self.join_timeout_s,
-                        client=agent,
-                    ),
-                    self._key,
+                raw = host_store(
+                    topology.master_addr, topology.master_port, self.join_timeout_s, client=agent
                 )
+                raw.set(RUN_KEY, store_namespace(self._key))
+                self._store = in_namespace(raw, self._key)
                 self._store.set(CONTROL_KEY, f"{control[0]}:{control[1]}")
+                self._public_store = raw
             self._start_io()
             self._wait_ready()
             self.first_iteration = 0  # the driver's first iteration (1 after a warm-up)
@@ -344,7 +344,7 @@ class Cluster(ControlHub):
             sock = getattr(self, name, None)
             if sock is not None:
                 sock.close()
-        self._store = None
+        self._store = self._public_store = None
         if self.failed is not None and os.environ.get("OPWEAVE_DEBUG") == "1":
             print(f"opweave: the ranks' logs are kept in {self.run_dir}", file=sys.stderr)
         else:
@@ -443,6 +443,9 @@ class Cluster(ControlHub):
             if code not in (None, 0) or (code == 0 and not self._stopping):
                 self._signal(f"rank {child.rank} exited")
         if self._failing_since is None:
+            if len(self._conns) < self.world and now >= self._next_secret_check:
+                self._next_secret_check = now + 1.0
+                self._tell_other_secrets()
             if len(self._conns) < self.world and now - self._started > self.join_timeout_s:
                 missing = sorted(set(range(self.world)) - set(self._conns))
                 self._signal(f"ranks {missing} did not join within {self.join_timeout_s:g} s")
@@ -450,6 +453,28 @@ class Cluster(ControlHub):
                 if conn.state == "joined" and now - conn.last_seen > self.timeout_s + 5:
                     self._signal(f"rank {conn.rank} stopped responding while loading")
         self._finish_failure()
+
+    def _tell_other_secrets(self) -> None:
+        """Say once for each node that found this run has another secret than its own
+        (:func:`~.nodes.check_same_secret`): its ranks cannot join, and the run waits for
+        ranks with the right one until the join deadline."""
+        store = self._public_store
+        if store is None:
+            return
+        try:
+            if not store.check([OTHER_SECRET_KEY]):
+                return
+            text = store.get(OTHER_SECRET_KEY).decode(errors="replace")
+        except (RuntimeError, OSError):
+            return
+        for who in text.split(";"):
+            if who and who not in self._other_secrets:
+                self._other_secrets.add(who)
+                print(
+                    f"warning: {who} was started with another {SECRET_ENV} and cannot join; "
+                    "start it again with this node's value",
+                    file=sys.stderr,
+                )
 
     # -- failure ------------------------------------------------------------------------------
     def _signal(self, why: str) -> None:
@@ -506,7 +531,7 @@ class Cluster(ControlHub):
             with contextlib.suppress(OSError):
                 conn.sock.close()
             conn.state = "closed"
-        self._store = None
+        self._store = self._public_store = None
         self._results.put(None)
         for callback in self.on_failure:
             with contextlib.suppress(Exception):

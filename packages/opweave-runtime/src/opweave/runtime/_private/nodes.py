@@ -9,6 +9,7 @@ a torchrun worker other than rank 0 runs its one rank in its own process
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -26,7 +27,7 @@ from opweave.costmodel import ModelSpec, Plan
 
 from ..errors import OpWeaveRuntimeError, RunFailedError
 from . import native
-from .control import run_secret
+from .control import SECRET_ENV, run_secret, store_namespace
 from .join import run_rank
 from .launch import RankProcess, fork_is_safe, node_layout, rank_specs, starter
 from .options import RunOptions
@@ -37,6 +38,10 @@ from .wire import node_address
 
 TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 _POLL_S = 0.05
+# Public keys of the rendezvous store, outside every run's namespace: the namespace of the run
+# node 0 hosts, and the nodes that found it is not theirs (another secret), each "node N;"
+RUN_KEY = "opweave/run"
+OTHER_SECRET_KEY = "opweave/other-secret"
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,7 @@ def run_node(
     if topology.master_port is None:
         raise OpWeaveRuntimeError("nodes other than 0 need --master-port of node 0")
     key = run_secret(multi_process_origin=True)
+    check_same_secret(topology.master_addr, topology.master_port, key, options, f"node {node_rank}")
     if options.native(total_ranks(plan)):
         native.load()  # built once here (cached), not by every rank at once
     run_dir = Path(tempfile.mkdtemp(prefix="opweave-node-"))
@@ -126,12 +132,14 @@ def run_torchrun_rank(
     assert env is not None
     check_plan(plan, model, int(env["WORLD_SIZE"]))
     rank = int(env["RANK"])
+    key = run_secret(multi_process_origin=True)
+    check_same_secret(env["MASTER_ADDR"], int(env["MASTER_PORT"]), key, options, f"rank {rank}")
     (spec,) = rank_specs(
         plan,
         model_dir,
         options,
         [rank],
-        key=run_secret(multi_process_origin=True),
+        key=key,
         host=node_address(env["MASTER_ADDR"]),
         store={"host": env["MASTER_ADDR"], "port": int(env["MASTER_PORT"])},
         local_ranks=[int(env["LOCAL_RANK"])],
@@ -139,6 +147,34 @@ def run_torchrun_rank(
     )
     if run_rank(spec) != 0:
         raise RunFailedError(f"rank {rank} failed; torchrun's rank 0 names the cause")
+
+
+def check_same_secret(addr: str, port: int, key: bytes, options: RunOptions, who: str) -> None:
+    """Before a node (or a torchrun worker) starts its ranks: wait for node 0's rendezvous
+    store and the run it hosts, and refuse to start when that run has another secret. Its
+    ranks would otherwise wait, without a word, for a driver they cannot find (the run's keys
+    live under a namespace derived from the secret) until the join deadline. Node 0 is told
+    too (:data:`OTHER_SECRET_KEY`)."""
+    import torch.distributed as dist
+
+    timeout = options.join_timeout_s
+    try:
+        store = dist.TCPStore(  # pyright: ignore[reportPrivateImportUsage]
+            addr, port, None, False, timeout=timedelta(seconds=timeout), wait_for_workers=False
+        )
+        theirs = store.get(RUN_KEY).decode(errors="replace")
+    except (RuntimeError, OSError):  # torch's DistStoreError is a RuntimeError
+        raise OpWeaveRuntimeError(
+            f"node 0's run did not appear at {addr}:{port} within {timeout:g} s; start node 0 "
+            "(or check --master-addr and --master-port)"
+        ) from None
+    if theirs != store_namespace(key):
+        with contextlib.suppress(RuntimeError, OSError):
+            store.append(OTHER_SECRET_KEY, f"{who};")  # pyright: ignore[reportAttributeAccessIssue]
+        raise OpWeaveRuntimeError(
+            f"node 0's run at {addr}:{port} has another secret than {who}'s: set "
+            f"{SECRET_ENV} to the same value on every node"
+        )
 
 
 def layout_from_file(path: str | Path) -> list[list[int]]:
