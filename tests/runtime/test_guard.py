@@ -8,6 +8,8 @@ import asyncio
 import json
 import signal
 
+import pytest
+
 from opweave.runtime.vllm._guard import PUBLIC, Drain, Guard
 
 
@@ -114,3 +116,65 @@ def test_the_drain_cuts_streams_at_its_deadline_and_refuses_new_requests():
     assert sum(m["type"] == "http.response.body" for m in stream) > 2
     # the request that had no answer yet: a 503
     assert _status(slow) == 503 and slow[-1]["more_body"] is False
+
+
+def test_the_guard_notes_when_the_application_has_started():
+    async def lifespan(scope, receive, send) -> None:
+        await receive()
+        await send({"type": "lifespan.startup.complete"})
+
+    async def run() -> bool:
+        started = asyncio.Event()
+        guard = Guard(lifespan, key=None, drain=Drain(1.0, []), started=started)
+        sent: list[dict] = []
+
+        async def send(message) -> None:
+            sent.append(message)
+
+        async def receive() -> dict:
+            return {"type": "lifespan.startup"}
+
+        await guard({"type": "lifespan"}, receive, send)
+        return started.is_set() and sent == [{"type": "lifespan.startup.complete"}]
+
+    assert asyncio.run(run())
+
+
+def test_a_server_whose_port_another_took_at_the_same_moment_stops_itself(monkeypatch):
+    """Two servers bind one port at once (SO_REUSEADDR) and only the first listens: the second
+    stops itself as SIGTERM does, saying why, once its application has started."""
+    import os
+    import socket
+
+    from opweave.runtime.vllm import serve as serving
+
+    first, second = socket.socket(), socket.socket()
+    for sock in (first, second):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    first.bind(("127.0.0.1", 0))
+    port = first.getsockname()[1]
+    second.bind(("127.0.0.1", port))
+    first.listen()
+    with pytest.raises(OSError):  # EADDRINUSE
+        second.listen()
+    sent: list[int] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: sent.append(sig))
+
+    def check(sock: socket.socket) -> list[str]:
+        failures: list[str] = []
+
+        async def run() -> None:
+            started = asyncio.Event()
+            started.set()
+            await serving._stop_unless_listening(sock.dup(), started, failures, f"here:{port}")
+
+        asyncio.run(run())
+        return failures
+
+    with first, second:
+        assert check(first) == [] and sent == []
+        assert check(second) == [
+            f"here:{port} is in use by another process (a server started at the same time?); "
+            "stop it or choose another --port"
+        ]
+    assert sent == [signal.SIGTERM]

@@ -107,6 +107,8 @@ def serve(flags: RunFlags, plan: Any, nodes: Any, vllm_args: list[str]) -> None:
         reason = failed()
         if reason is not None:
             raise OpWeaveError(reason)
+    if stopped is not None and stopped.failure is not None:
+        raise OpWeaveError(stopped.failure)
     if stopped is None or stopped.signal is None:
         # no signal stopped it: vLLM's engine failed (its process died) and took the server
         raise OpWeaveError(

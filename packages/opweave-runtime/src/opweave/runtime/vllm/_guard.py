@@ -105,21 +105,28 @@ class Drain:
 
 class Guard:
     """ASGI middleware: the key on every route but :data:`PUBLIC`, 503 while draining, and
-    every HTTP request in flight known to the :class:`Drain`."""
+    every HTTP request in flight known to the :class:`Drain`; ``started`` is set when the
+    application has started (the server listens next)."""
 
     def __init__(
-        self, app: App, *, key: str | list[str] | tuple[str, ...] | None, drain: Drain
+        self,
+        app: App,
+        *,
+        key: str | list[str] | tuple[str, ...] | None,
+        drain: Drain,
+        started: asyncio.Event | None = None,
     ) -> None:
         """``key``: the key, or several (vLLM's ``--api-key`` takes a list); None: no key."""
         self.app = app
         keys = [key] if isinstance(key, str) else list(key or ())
         self.keys = [f"Bearer {k}".encode() for k in keys]
         self.drain = drain
+        self.started = started
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind not in ("http", "websocket"):  # lifespan
-            await self.app(scope, receive, send)
+            await self.app(scope, receive, self._noting_start(send))
             return
         if self.drain.draining:
             await _refuse(scope, send, 503, "the server is shutting down", "ServiceUnavailable")
@@ -136,6 +143,18 @@ class Guard:
             await exchange.run(self.app(scope, receive, exchange.send))
         finally:
             self.drain.active.discard(exchange)
+
+    def _noting_start(self, send: Send) -> Send:
+        started = self.started
+        if started is None:
+            return send
+
+        async def noted(message: Message) -> None:
+            await send(message)
+            if message["type"] == "lifespan.startup.complete":
+                started.set()
+
+        return noted
 
     def _authorized(self, scope: Scope) -> bool:
         given = [v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"]

@@ -6,9 +6,12 @@ inside :func:`serve` only."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+import os
 import signal
+import socket
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -133,10 +136,12 @@ def server_args(
 @dataclass(frozen=True)
 class Stopped:
     """How :func:`serve` ended: the signal that stopped it (``None``: it stopped on its own,
-    its engine having failed), and how many requests the drain deadline cut."""
+    its engine having failed), how many requests the drain deadline cut, and the reason the
+    server stopped itself, if it did."""
 
     signal: int | None
     cut: int = 0
+    failure: str | None = None  # why the server stopped itself (its port was taken)
 
 
 def serve(
@@ -179,12 +184,15 @@ def serve(
     front_end.addFilter(quiet)
     build_app = entry.build_app
 
+    started, failures = asyncio.Event(), []
+
     def guarded_app(*given: Any, **named: Any) -> Any:
         app = build_app(*given, **named)
+        guard = {"key": args.api_key, "drain": drain, "started": started}
         if app.middleware_stack is None:
-            app.add_middleware(Guard, key=args.api_key, drain=drain)
+            app.add_middleware(Guard, **guard)
         else:  # vLLM built its stack already: the guard goes in front of it
-            app.middleware_stack = Guard(app.middleware_stack, key=args.api_key, drain=drain)
+            app.middleware_stack = Guard(app.middleware_stack, **guard)
         return app
 
     def loop() -> NotingLoop:
@@ -198,8 +206,15 @@ def serve(
         # stopped there waited for an engine that never came. The caller's handlers stay.
         decorate_logs("APIServer", skip_if_decorated=True)
         address, sock = entry.setup_server(args, reuse_port=False)
-        # connections still open once the drain has ended every response: closed after this
-        await entry.run_server_worker(address, sock, args, timeout_graceful_shutdown=_CLOSE_S)
+        where = f"{args.host or '0.0.0.0'}:{args.port}"
+        check = asyncio.get_running_loop().create_task(
+            _stop_unless_listening(sock.dup(), started, failures, where)
+        )
+        try:
+            # connections still open once the drain has ended every response: closed after
+            await entry.run_server_worker(address, sock, args, timeout_graceful_shutdown=_CLOSE_S)
+        finally:
+            check.cancel()
 
     engines = engine_utils.CoreEngineProcManager
     entry.build_app = guarded_app
@@ -209,10 +224,38 @@ def serve(
     finally:
         entry.build_app, engine_utils.CoreEngineProcManager = build_app, engines
         front_end.removeFilter(quiet)
-    return Stopped(stopped_by[0] if stopped_by else None, drain.cut)
+    return Stopped(
+        stopped_by[0] if stopped_by else None, drain.cut, failures[0] if failures else None
+    )
 
 
 _CLOSE_S = 2  # seconds uvicorn waits for connections to close once every response has ended
+
+
+async def _stop_unless_listening(
+    sock: socket.socket, started: asyncio.Event, failures: list[str], where: str
+) -> None:
+    """Once the application has started, check that the server's socket listens, and stop
+    the server (as SIGTERM does, noting why in ``failures``) if it does not.
+
+    The socket is bound before vLLM's engine starts and listens once the engine is ready.
+    Two servers started on one port at the same moment both bind it (SO_REUSEADDR, so a
+    stopped server's port in TIME_WAIT stays usable), and the second one's listen fails
+    without a word: it ran on, serving nothing.
+    """
+    with sock:  # a duplicate: the server's own is closed when its listen fails
+        await started.wait()
+        await asyncio.sleep(_LISTEN_CHECK_S)  # the server listens right after the start
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+            return
+    failures.append(
+        f"{where} is in use by another process (a server started at the same time?); stop "
+        "it or choose another --port"
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+_LISTEN_CHECK_S = 0.5
 
 
 def _ctrl_c_ignored_at_start(manager: type) -> type:
