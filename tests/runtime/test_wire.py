@@ -185,3 +185,35 @@ def test_an_outsider_on_the_rendezvous_store_cannot_find_the_runs_keys(
     finally:
         starting.join()
     assert len(failed) == 1 and isinstance(failed[0], RunFailedError), failed  # node 1 never came
+
+
+def test_node_zero_names_only_nodes_from_the_public_key_of_other_secrets(capsys):
+    """The key nodes with another secret write is public, so anyone reaching the store can
+    write it: node 0 says only a node's or rank's name from it, once each."""
+    from types import SimpleNamespace
+
+    from opweave.runtime._private.cluster import Cluster
+    from opweave.runtime._private.nodes import OTHER_SECRET_KEY
+
+    class Store:
+        value = b"node 1;\x1b[2Jnode 9;node 1;rank 3;node 2; and more"
+
+        def check(self, keys: list[str]) -> bool:
+            return keys == [OTHER_SECRET_KEY]
+
+        def get(self, key: str) -> bytes:
+            return self.value
+
+    told = SimpleNamespace(_public_store=Store(), _other_secrets=set())
+    Cluster._tell_other_secrets(told)  # pyright: ignore[reportArgumentType]
+    Cluster._tell_other_secrets(told)  # pyright: ignore[reportArgumentType]
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" was started")[0] for line in lines] == [
+        "warning: node 1",
+        "warning: rank 3",
+        "warning: node 2",
+    ]
+    assert lines[0] == (
+        "warning: node 1 was started with another OPWEAVE_RUN_SECRET and cannot join; start it "
+        "again with this node's value"
+    )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import os
 import queue
+import re
 import selectors
 import shutil
 import socket
@@ -468,7 +469,8 @@ class Cluster(ControlHub):
         except (RuntimeError, OSError):
             return
         for who in text.split(";"):
-            if who and who not in self._other_secrets:
+            # anyone reaching the store can write there: only a node's or rank's name is said
+            if re.fullmatch(r"(node|rank) [0-9]{1,6}", who) and who not in self._other_secrets:
                 self._other_secrets.add(who)
                 print(
                     f"warning: {who} was started with another {SECRET_ENV} and cannot join; "
