@@ -44,25 +44,9 @@ def _default_sigint() -> None:
     ids=["SIGTERM", "SIGINT", "SIGHUP"],
 )
 def test_a_signal_stops_the_server_and_every_rank(sig, code, last, model, tmp_path):
-    temp = tmp_path / "tmp"
-    temp.mkdir()
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env |= {"HF_HUB_OFFLINE": "1", "TMPDIR": str(temp), "OPWEAVE_API_KEY": "from-env"}
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "opweave.cli", "run", "--strategy", "afd"),
-                *("--model-path", str(model), "--port", str(port), *SERVER),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_default_sigint,
-        )
+    proc, log_path, temp = _server(model, port, tmp_path, OPWEAVE_API_KEY="from-env")
     try:
         deadline = time.monotonic() + 240
         while health(base) != 200:
@@ -82,9 +66,41 @@ def test_a_signal_stops_the_server_and_every_rank(sig, code, last, model, tmp_pa
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    _one_line_and_nothing_left(log_path, last, started, temp)
+
+
+def _server(
+    model: Path, port: int, tmp_path: Path, **env: str
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``opweave run`` serving ``model`` in a session of its own, as a shell starts it (SIGINT
+    at its default); its log and its own temporary folder."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    environ |= {"HF_HUB_OFFLINE": "1", "TMPDIR": str(temp), **env}
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "opweave.cli", "run", "--strategy", "afd"),
+                *("--model-path", str(model), "--port", str(port), *SERVER),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=environ,
+            start_new_session=True,
+            preexec_fn=_default_sigint,
+        )
+    return proc, log_path, temp
+
+
+def _one_line_and_nothing_left(
+    log_path: Path, last: str | None, started: list[int], temp: Path
+) -> None:
+    """No traceback, ``last`` the only error line (vLLM's own log lines surround it, and
+    triton's leak report at exit follows it), every process gone and the folder empty."""
     text = log_path.read_text()
     assert "Traceback" not in text, text[-3000:]
-    # vLLM's own log lines surround it (and triton's leak report at exit follows it)
     errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
     assert errors == ([] if last is None else [last]), errors
     deadline = time.monotonic() + 15
@@ -118,23 +134,7 @@ def test_a_signal_while_the_engine_starts_stops_the_server(sig, code, last, mode
     # vLLM's engine start-up once caught and dropped the KeyboardInterrupt a signal raised
     # there, and the server hung until vLLM's ten-minute engine timeout; the engine process,
     # Ctrl-C'd while importing vLLM, printed a traceback
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    env |= {"HF_HUB_OFFLINE": "1", "TMPDIR": str(temp)}
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "opweave.cli", "run", "--strategy", "afd"),
-                *("--model-path", str(model), "--port", str(free_port()), *SERVER),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            preexec_fn=_default_sigint,
-        )
+    proc, log_path, temp = _server(model, free_port(), tmp_path)
     started: list[int] = []
     try:
         deadline = time.monotonic() + 120
@@ -153,14 +153,7 @@ def test_a_signal_while_the_engine_starts_stops_the_server(sig, code, last, mode
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    text = log_path.read_text()
-    assert "Traceback" not in text, text[-3000:]
-    assert [ln for ln in text.splitlines() if ln.startswith("error: ")] == [last]
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and any(alive(p) for p in started):
-        time.sleep(0.2)
-    assert not [p for p in started if alive(p)], "processes outlived the server"
-    assert list(temp.iterdir()) == []
+    _one_line_and_nothing_left(log_path, last, started, temp)
 
 
 @pytest.fixture
