@@ -103,3 +103,32 @@ def test_a_killed_driver_leaves_no_rank_and_no_folder(tiny_model, tmp_path):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+def test_ranks_that_went_with_their_launcher_are_said_to_have():
+    """A launcher that dies takes its ranks along (their parent-death signal): they are named
+    as stopped with it, not as killed themselves; a rank whose own exit it reported before
+    keeps that."""
+    import threading
+    from types import SimpleNamespace
+
+    from opweave.runtime._private.launch import RankProcess, _Launcher
+
+    launcher = object.__new__(_Launcher)
+    launcher.proc = SimpleNamespace(  # pyright: ignore[reportAttributeAccessIssue]
+        stdout=iter([b"started 0 111\n", b"started 1 112\n", b"exited 1 -9\n"]),
+        wait=lambda: -9,
+        returncode=-9,
+        pid=100,
+    )
+    launcher.pids, launcher.status, launcher.orphaned, launcher.dead = {}, {}, set(), False
+    launcher._started = threading.Condition()
+    launcher._read()
+    first, second = (
+        RankProcess(r, 111 + r, Path(os.devnull), launcher=launcher, tag=r) for r in (0, 1)
+    )
+    assert launcher.dead
+    assert first.ended() == (
+        "was stopped with the rank launcher (process 100), which was killed by signal 9 (SIGKILL)"
+    )
+    assert second.ended() == "was killed by signal 9 (SIGKILL)"

@@ -218,9 +218,13 @@ class RankProcess:
         code = self.poll()
         if code is None or code == 0:
             return None
-        if code < 0:
-            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
-        return f"exited with status {code}"
+        launcher = self.launcher
+        if launcher is not None and self.tag in launcher.orphaned:
+            return (
+                f"was stopped with the rank launcher (process {launcher.proc.pid}), which "
+                f"{_ended(launcher.proc.returncode)}"
+            )
+        return _ended(code)
 
     def log_tail(self) -> str:
         with contextlib.suppress(OSError):
@@ -228,6 +232,15 @@ class RankProcess:
             if lines:
                 return lines[-1].strip()[:300]
         return ""
+
+
+def _ended(code: int | None) -> str:
+    """How a process with exit code ``code`` ended (negative: killed by that signal)."""
+    if code is None:
+        return "ended"
+    if code < 0:
+        return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+    return f"exited with status {code}"
 
 
 class Starter(Protocol):
@@ -373,6 +386,7 @@ class _Launcher:
         )
         self.pids: dict[int, int] = {}  # tag -> pid
         self.status: dict[int, int] = {}  # tag -> exit code (negative: killed by that signal)
+        self.orphaned: set[int] = set()  # ranks whose exit the launcher did not report: it died
         self.dead = False
         self._tags = itertools.count()
         self._write = threading.Lock()
@@ -390,9 +404,12 @@ class _Launcher:
                     else:
                         self.status[int(words[1])] = int(words[2])
                     self._started.notify_all()
+        self.proc.wait()
         with self._started:
             for tag in self.pids:  # the launcher is gone, and its ranks with it
-                self.status.setdefault(tag, -signal.SIGKILL)
+                if tag not in self.status:
+                    self.orphaned.add(tag)
+                    self.status[tag] = -signal.SIGKILL
             self.dead = True
             self._started.notify_all()
 
