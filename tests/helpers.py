@@ -68,6 +68,33 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def start_opweave(
+    args: list[str], tmp: Path, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """``opweave ARGS`` in a session of its own with SIGINT at its default disposition (a
+    shell starts background jobs with it ignored, and the test's own process may be one), and
+    a temporary folder of its own (``TMPDIR``: other test runs share /tmp); the process, its
+    log and that folder. Without ``OPWEAVE_DEBUG`` (its tracebacks replace the one-line
+    errors) or ``VLLM_ENABLE_V1_MULTIPROCESSING`` (a server's engine runs in a process of its
+    own)."""
+    temp = tmp / "tmp"
+    temp.mkdir()
+    log = tmp / "out.log"
+    unset = ("OPWEAVE_DEBUG", "VLLM_ENABLE_V1_MULTIPROCESSING")
+    environ = {k: v for k, v in os.environ.items() if k not in unset}
+    environ |= {"TMPDIR": str(temp), **(env or {})}
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "opweave.cli", *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=environ,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+    return proc, log, temp
+
+
 def stop_server(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM a server started with ``start_new_session=True`` (unless it already exited);
     after 60 s, SIGKILL its whole process group."""

@@ -13,38 +13,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import alive, descendants, listening, rank_pids
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
-def _start(
-    args: list[str], tmp: Path, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen, Path, Path]:
-    """``opweave ARGS`` with its own TMPDIR; the process, its log and its temporary folder."""
-    temp = tmp / "tmp"
-    temp.mkdir()
-    log = tmp / "out.log"
-    environ = {k: v for k, v in os.environ.items() if k != "OPWEAVE_DEBUG"}
-    environ |= {"TMPDIR": str(temp), **(env or {})}
-    out = open(log, "wb")  # noqa: SIM115 -- the child keeps it
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "opweave.cli", *args],
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        env=environ,
-        start_new_session=True,
-        preexec_fn=_default_sigint,
-    )
-    return proc, log, temp
+from tests.helpers import alive, descendants, listening, rank_pids, start_opweave
 
 
 def _wait_for(what, timeout_s: float, proc: subprocess.Popen, log: Path):
@@ -78,7 +52,7 @@ def test_a_signal_stops_an_offline_run_and_everything_it_started(
     sig, code, line, tiny_model, tmp_path
 ):
     args = [*RUN, "--model-path", str(tiny_model("llama")), "--timeout-s", "120", *HANG]
-    proc, log, temp = _start(args, tmp_path)
+    proc, log, temp = start_opweave(args, tmp_path)
     ranks = _wait_for(lambda: len(rank_pids(proc.pid)) == 2 and rank_pids(proc.pid), 60, proc, log)
     run_dirs = _wait_for(lambda: list(temp.iterdir()), 10, proc, log)
     assert [p.name.startswith("opweave-run-") for p in run_dirs] == [True]
@@ -110,7 +84,7 @@ def test_sigint_stops_a_profile_run(write_config, tmp_path):
     out = tmp_path / "p.json"
     # far more repeats than it could time before the signal
     args = ["profile", "-m", str(model), "--device", "cpu", "-o", str(out), "--repeats", "60000"]
-    proc, log, temp = _start(args, tmp_path)
+    proc, log, temp = start_opweave(args, tmp_path)
     time.sleep(6.0)  # past torch's import: timing
     assert proc.poll() is None, log.read_text()[-2000:]
     started = [*descendants(proc.pid), proc.pid]

