@@ -234,10 +234,8 @@ class RankProcess:
         return ""
 
 
-def _ended(code: int | None) -> str:
+def _ended(code: int) -> str:
     """How a process with exit code ``code`` ended (negative: killed by that signal)."""
-    if code is None:
-        return "ended"
     if code < 0:
         return f"was killed by signal {-code} ({signal.Signals(-code).name})"
     return f"exited with status {code}"
