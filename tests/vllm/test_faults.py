@@ -1,8 +1,9 @@
 """A rank that dies or hangs while ``opweave run`` serves streaming clients: every client gets an
 error (how soon, beside the timeout: ``tools/bench/serve_load.py --kill-rank-after``), ``/health``
-stops saying 200, the command exits with one ``error:`` line naming the rank, and no process or
-run folder is left, on any node. Each command runs with a temporary folder of its own
-(``TMPDIR``: other test runs share /tmp), which must be empty afterwards."""
+stops saying 200, the command exits with one ``error:`` line naming the rank, last and without
+vLLM's tracebacks of the failure above it, and no process or run folder is left, on any node.
+Each command runs with a temporary folder of its own (``TMPDIR``: other test runs share /tmp),
+which must be empty afterwards."""
 
 from __future__ import annotations
 
@@ -95,6 +96,9 @@ def _check(events, errors, proc, log: Path, pids: list[int], temps: list[Path]) 
     out = log.read_text()
     errors_lines = [ln for ln in out.splitlines() if ln.startswith("error: ")]
     assert code == 2 and len(errors_lines) == 1, out[-3000:]
+    # the line is the explanation: vLLM's tracebacks of the failure and its dumps are dropped
+    assert "Traceback" not in out and "Dumping" not in out, out[-3000:]
+    assert out.strip().splitlines()[-1] == errors_lines[0]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(_alive(p) for p in pids):
         time.sleep(0.2)
@@ -227,6 +231,7 @@ def test_a_rank_that_fails_its_warm_up_stops_serve_with_one_line(model, tmp_path
     )
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[0].startswith("error: rank 1 (owner 1, replica 0: stages")
     assert lines[0].endswith("exited with status 1; the run was stopped")
     assert list(temp.iterdir()) == [], f"left in its TMPDIR: {list(temp.iterdir())}"

@@ -9,7 +9,9 @@ one :class:`~opweave.runtime.RunOptions` (:func:`run_options`), the only place t
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,6 +48,52 @@ def leave_failure(line: str) -> None:
     if failure_file and text:
         with contextlib.suppress(OSError):
             Path(failure_file).write_text(text.splitlines()[0] + "\n")
+
+
+def failure_left() -> bool:
+    """Whether a failure's line was left for ``opweave serve`` to print."""
+    path = os.environ.get(FAILURE_ENV)
+    try:
+        return bool(path) and bool(Path(path).read_text().strip())
+    except OSError:
+        return False
+
+
+class _ExplainedFailure(logging.Filter):
+    """Drops vLLM's records of a failure whose one line ``opweave serve`` prints last.
+
+    In the engine process: records logged while an OpWeave error is raised (vLLM's fatal
+    error with its traceback, the step's whole input dumped beside it); the error's line is
+    left for the server first, if the ranks have not left theirs yet. In the front end: the
+    "engine dead" errors that follow (its output handler's, and one per open stream), once a
+    line was left. Without ``opweave serve`` to print the line (no failure file), every record
+    stays.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from opweave.costmodel import OpWeaveError
+
+        if os.environ.get(FAILURE_ENV) is None:
+            return True
+        exc = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
+        if isinstance(exc, OpWeaveError):
+            if not failure_left():
+                leave_failure(str(exc))
+            return not failure_left()
+        if exc is not None and type(exc).__name__ == "EngineDeadError":
+            return not failure_left()
+        return True
+
+
+_EXPLAINED = _ExplainedFailure()
+
+
+def quiet_explained_failures() -> None:
+    """Put :class:`_ExplainedFailure` on the handlers of vLLM's logger, once vLLM has
+    configured its logging (which replaces them)."""
+    for handler in logging.getLogger("vllm").handlers:
+        if _EXPLAINED not in handler.filters:
+            handler.addFilter(_EXPLAINED)
 
 
 def unapplied(params: Any) -> list[str]:

@@ -38,6 +38,7 @@ from ._config import (
     REQUEST_CHECK,
     leave_failure,
     load_plan,
+    quiet_explained_failures,
     refuse,
     run_options,
     unapplied,
@@ -120,6 +121,7 @@ class OpWeaveExecutor(Executor):
 
     def _init_executor(self) -> None:
         _follow_the_front_end()
+        quiet_explained_failures()  # the failures this executor leaves a line for
         extra = self.vllm_config.additional_config
         extra = extra if isinstance(extra, dict) else {}
         if self.speculative_config is not None:

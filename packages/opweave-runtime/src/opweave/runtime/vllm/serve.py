@@ -18,7 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from ._config import APPLIED, PLAN_KEY, REQUEST_CHECK
+from ._config import (
+    APPLIED,
+    PLAN_KEY,
+    REQUEST_CHECK,
+    failure_left,
+    quiet_explained_failures,
+)
 
 EXECUTOR_NAME = "opweave.runtime.vllm.OpWeaveExecutor"
 
@@ -188,6 +194,7 @@ def serve(
 
     def guarded_app(*given: Any, **named: Any) -> Any:
         app = build_app(*given, **named)
+        quiet_explained_failures()  # vLLM's logging is configured by now (the engine is up)
         guard = {"key": args.api_key, "drain": drain, "started": started}
         if app.middleware_stack is None:
             app.add_middleware(Guard, **guard)
@@ -218,7 +225,7 @@ def serve(
 
     engines = engine_utils.CoreEngineProcManager
     entry.build_app = guarded_app
-    engine_utils.CoreEngineProcManager = _ctrl_c_ignored_at_start(engines)
+    engine_utils.CoreEngineProcManager = _engine_processes(engines)
     try:
         uvloop.run(run(), loop_factory=loop)
     finally:
@@ -258,9 +265,9 @@ async def _stop_unless_listening(
 _LISTEN_CHECK_S = 0.5
 
 
-def _ctrl_c_ignored_at_start(manager: type) -> type:
+def _engine_processes(manager: type) -> type:
     """vLLM's engine process manager (``CoreEngineProcManager``), starting the engine's
-    process with SIGINT ignored.
+    process with SIGINT ignored and with :func:`_run_engine_core` as its body.
 
     Ctrl-C reaches every process of the terminal's group. An engine process still importing
     vLLM (seconds) printed a KeyboardInterrupt traceback for it, under the server's one line.
@@ -268,19 +275,52 @@ def _ctrl_c_ignored_at_start(manager: type) -> type:
     before that the server, which Ctrl-C stops, ends it. A Ctrl-C in the milliseconds the
     process takes to start is lost (press it again).
     """
+    from vllm.v1.engine.core import EngineCoreProc
 
     class QuietStart(manager):
         def __init__(self, *given: Any, **named: Any) -> None:
-            if threading.current_thread() is not threading.main_thread():
-                super().__init__(*given, **named)
-                return
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            global _ENGINE_CORE
+            _ENGINE_CORE = EngineCoreProc.run_engine_core  # the body a forked process calls
+            EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
+            ignoring = threading.current_thread() is threading.main_thread()
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignoring else None
             try:
                 super().__init__(*given, **named)
             finally:
-                signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+                EngineCoreProc.run_engine_core = staticmethod(_ENGINE_CORE)
+                if ignoring:
+                    signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
     return QuietStart
+
+
+_ENGINE_CORE: Any = None  # vLLM's engine body, while a forked engine process may need it
+
+
+def _run_engine_core(*given: Any, **named: Any) -> None:
+    """vLLM's engine process body, quiet about a failure the ranks explained.
+
+    The ranks' failures (a rank that died, a plan vLLM's engine cannot serve) are left in one
+    line for ``opweave serve`` to print last (:func:`._config.leave_failure`). vLLM logged
+    them first as a fatal error, with the step's whole input, its traceback, and the same
+    traceback again from ``multiprocessing`` as the process ended: about 100 lines above the
+    one that says what happened. The executor drops those records
+    (:func:`._config.quiet_explained_failures`); here the process exits with status 1 as it
+    did, without the traceback.
+    """
+    import sys
+
+    from vllm.v1.engine.core import EngineCoreProc
+
+    from opweave.costmodel import OpWeaveError
+
+    body = _ENGINE_CORE or EngineCoreProc.run_engine_core  # spawned: vLLM's, unpatched
+    try:
+        body(*given, **named)
+    except OpWeaveError:
+        if not failure_left():
+            raise
+        sys.exit(1)
 
 
 class _QuietEngineStop(logging.Filter):
