@@ -156,3 +156,31 @@ def test_analyze_takes_the_precision_flags() -> None:
     plain = cli_json(*args)
     # the FP8 KV cache holds half the bytes per request
     assert doc["state_bytes_per_request"][0] == plain["state_bytes_per_request"][0] / 2
+
+
+def test_a_float32_checkpoint_is_costed_as_engines_serve_it(tmp_path: Path) -> None:
+    """vLLM's and SGLang's ``--dtype auto`` serve float32 weights in bfloat16 on GPUs: so does
+    ``estimate`` without ``--quant``; ``--quant fp32`` keeps float32, ``--quant bf16|fp16``
+    name the dtype. Weights and KV cache counted from the config here: a tiny Llama's linears,
+    embedding and untied head, and 2 layers x 2 KV heads x 16 x (K, V) per token."""
+    from tests.helpers import TINY_LLAMA
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    h, inter, vocab, layers = 64, 128, 100, 2
+    params = layers * (h * h + 2 * h * 32 + h * h + 3 * h * inter + 2 * h) + 2 * vocab * h + h
+    kv_per_token = layers * 2 * 2 * 16
+    args = ("estimate", str(tmp_path), "--gpu", "h100", "--batch", "4", "--context", "1K")
+    by_flag = {
+        flag: cli_json(*args, *(("--quant", flag) if flag else ()))
+        for flag in (None, "bf16", "fp16", "fp32")
+    }
+    for flag, (quant, size) in {
+        None: ("bf16", 2), "bf16": ("bf16", 2), "fp16": ("fp16", 2), "fp32": ("fp32", 4)
+    }.items():  # fmt: skip
+        doc = by_flag[flag]
+        assert (doc["quant"], doc["kv_cache_dtype"]) == (quant, quant), flag
+        assert doc["weight_bytes_per_gpu"] == params * size, flag
+        kv = doc["memory_bytes_per_gpu"] - by_flag["fp32"]["memory_bytes_per_gpu"]
+        assert kv == pytest.approx((size - 4) * (4 * 1024 * kv_per_token + params), rel=0.05)
+    text = run_cli(*args).stdout
+    assert "weights bf16 (a float32 checkpoint served in bf16: as vLLM's and SGLang's" in text

@@ -11,6 +11,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -228,9 +229,18 @@ def human_bytes(num: float) -> str:
     return f"{num:.1f} TB"
 
 
-def load_spec(model: str, quant: str | None, kv_cache_dtype: str):  # -> ModelSpec
+def load_spec(
+    model: str, quant: str | None, kv_cache_dtype: str, profiles: Sequence[Any] = ()
+):  # -> ModelSpec
     """The model a command costs, in the precision ``--quant``/``--kv-cache-dtype`` ask for
-    (their values are checked first, so a bad one is named before the model is read)."""
+    (their values are checked first, so a bad one is named before the model is read).
+
+    Without ``--quant``, an unquantised float32 checkpoint is costed as engines serve it:
+    vLLM's and SGLang's default ``--dtype auto`` casts float32 weights down to bfloat16 on
+    every GPU with BF16 tensor cores (vLLM ``_resolve_auto_dtype``: the platform's first
+    supported dtype), which every catalog GPU has. Given measured ``profiles``, their dtype
+    instead: it is what was run (a CPU profile of a float32 model, in float32).
+    """
     from opweave.costmodel import KV_CACHE_CHOICES, QUANT_CHOICES, load_model
 
     if quant is not None and quant not in QUANT_CHOICES:
@@ -239,7 +249,23 @@ def load_spec(model: str, quant: str | None, kv_cache_dtype: str):  # -> ModelSp
         raise typer.BadParameter(
             f"--kv-cache-dtype {kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_CHOICES)}"
         )
-    return load_model(model, quant=quant, kv_cache_dtype=kv_cache_dtype)
+    spec = load_model(model, quant=quant, kv_cache_dtype=kv_cache_dtype)
+    if quant is not None or spec.precision.quantized or spec.dtype != "float32":
+        return spec
+    measured = {p.dtype for p in profiles}
+    label = {"bfloat16": "bf16", "float16": "fp16"}.get(next(iter(measured), "bfloat16"))
+    if label is None or len(measured) > 1:  # float32 profiles, or several (refused later)
+        return spec
+    spec = load_model(model, quant=label, kv_cache_dtype=kv_cache_dtype)
+    why = (
+        "the profiles' dtype"
+        if profiles
+        else "as vLLM's and SGLang's default --dtype auto serves it; --quant fp32 keeps float32"
+    )
+    source = f"a float32 checkpoint served in {label}: {why}"
+    return spec.model_copy(
+        update={"precision": spec.precision.model_copy(update={"source": source})}
+    )
 
 
 def workload_from_flags(

@@ -57,8 +57,8 @@ QuantOpt = Annotated[
     typer.Option(
         "--quant",
         help="Weight format to serve an unquantised checkpoint in: bf16, fp8, fp8-block, nvfp4, "
-        "mxfp4, int4-wo (default: the checkpoint's own; a quantised checkpoint keeps its "
-        "format).",
+        "mxfp4, int4-wo, fp16, fp32 (default: the checkpoint's own, a float32 one in bf16 as "
+        "engines serve it; a quantised checkpoint keeps its format).",
     ),
 ]
 KvCacheOpt = Annotated[

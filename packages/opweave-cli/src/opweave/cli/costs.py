@@ -168,7 +168,9 @@ def _estimate_step(
             f"--expert-imbalance is a busiest-over-mean ratio of at least 1, got {expert_imbalance}"
         )
     tokens = None if context is None else parse_size(context, "--context")
-    spec = load_spec(model, *precision)
+    from .planning import load_profiles
+
+    spec = load_spec(model, *precision, load_profiles([profile_path] if profile_path else None))
     if tokens is None:
         tokens = min(4096, spec.max_context_tokens)
     check_context(spec, tokens, "--context")

@@ -201,12 +201,13 @@ def plan(
     output_file(plot, "--plot", PLOT_SUFFIXES)
     if output is not None and plot is not None and output.resolve() == plot.resolve():
         raise typer.BadParameter(f"-o and --plot both name {plot}; give them different files")
-    spec = load_spec(model, quant, kv_cache_dtype)
+    profiles = load_profiles(profile)
+    spec = load_spec(model, quant, kv_cache_dtype, profiles)
     tokens = parse_size(context, "--context")
     check_context(spec, tokens, "--context")
     search = {
         "catalog": catalog(hardware),
-        "profiles": load_profiles(profile),
+        "profiles": profiles,
         "frontier_pruning": not no_frontier_pruning,
         "branch_and_bound": not no_branch_and_bound,
         "max_owners": max_owners,

@@ -54,7 +54,8 @@ def plan_serving(
     if ttft_ms is not None and not ttft_ms > 0:
         raise typer.BadParameter(f"--ttft-slo-ms must be a positive number of ms, got {ttft_ms}")
     output_file(output, "-o")
-    spec = load_spec(model, quant, kv_cache_dtype)
+    profiles = load_profiles(profile)
+    spec = load_spec(model, quant, kv_cache_dtype, profiles)
     workload = workload_from_flags(
         spec,
         serving["--isl"],
@@ -77,7 +78,7 @@ def plan_serving(
             ttft_slo_s=None if ttft_ms is None else ttft_ms / 1e3,
             statistic=statistic,  # type: ignore[arg-type]
             catalog=catalog(hardware),
-            profiles=load_profiles(profile),
+            profiles=profiles,
             inventory=inventory,
             max_owners=max_owners,
             progress=progress,

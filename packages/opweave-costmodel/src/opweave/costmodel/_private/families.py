@@ -32,6 +32,9 @@ from .quant_config import resolve_precision
 from .quantize import quantize_layer, quantize_ops
 from .registry import FAMILIES, text_config
 
+# ``--quant`` names of unquantised float dtypes, for a checkpoint served in another one
+_SERVED_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
 
 def model_spec_from_config(
     config: Mapping[str, Any],
@@ -61,6 +64,16 @@ def model_spec_from_config(
     precision = resolve_precision(
         config, arch, quant=quant, kv_cache_dtype=kv_cache_dtype, hf_quant_config=hf_quant_config
     )
+    stored = arch.dtype  # the checkpoint's, part of its fingerprint whatever it is served in
+    served = _SERVED_DTYPES.get(quant or "")
+    recast = arch.dtype in _SERVED_DTYPES.values() and arch.dtype != served
+    if served and dtype is None and recast and not precision.quantized:
+        # an unquantised checkpoint served in another float dtype (an engine's --dtype):
+        # weights, KV cache and math all in it
+        arch = resolve_architecture(text, dtype=served)
+        precision = resolve_precision(
+            config, arch, kv_cache_dtype=kv_cache_dtype, hf_quant_config=hf_quant_config
+        ).model_copy(update={"source": f"a {stored} checkpoint served in {quant}: --quant {quant}"})
     builder = _Builder(arch, _DTYPE_BYTES[arch.dtype])
     layers = tuple(quantize_layer(builder.layer(i), precision) for i in range(arch.num_layers))
     post_ops = quantize_ops(builder.post_ops(), precision)
@@ -73,7 +86,7 @@ def model_spec_from_config(
             f"{precision.source}: none of its quantized_layers is a linear of this "
             f"{arch.family} model; check that the checkpoint's config belongs to these weights"
         )
-    identity: dict[str, Any] = {"config": text, "dtype": arch.dtype}
+    identity: dict[str, Any] = {"config": text, "dtype": stored}
     if precision.quantized or precision.kv_fp8:  # unquantised models keep their digest
         identity["precision"] = precision.model_dump(exclude={"source", "kv_source"})
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()

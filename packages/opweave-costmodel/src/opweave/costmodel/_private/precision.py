@@ -58,7 +58,7 @@ WeightFormat = Literal["bf16", "fp16", "fp32", "fp8", "fp8-block", "nvfp4", "mxf
 KvCacheDtype = Literal["bf16", "fp16", "fp32", "fp8"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 # what --quant takes: "bf16" leaves the weights unquantised, in the model's dtype
-QUANT_CHOICES = ("bf16", "fp8", "fp8-block", "nvfp4", "mxfp4", "int4-wo")
+QUANT_CHOICES = ("bf16", "fp8", "fp8-block", "nvfp4", "mxfp4", "int4-wo", "fp16", "fp32")
 KV_CACHE_CHOICES = ("auto", "fp8")
 # The label of unquantised weights by compute dtype; the legacy whole-model ``dtype`` override
 # float8_e4m3fn (every tensor in FP8, a model dtype, not a quantisation) is labelled fp8.

@@ -274,7 +274,9 @@ def check_plan(plan: Plan, model: ModelSpec, world_size: int | None = None) -> N
     """Refuse a plan made for another model, one whose owners cannot shard their operators as
     their (TP, EP, DP) asks, or a launch with the wrong number of ranks."""
     pm = plan.model
-    if pm.kv_cache_dtype != model.precision.kv_cache_dtype:
+    # an unquantised cache is in the dtype the run computes in (vLLM's --dtype): a plan made
+    # for bf16 serving of a float32 checkpoint runs in either; FP8 is the plan's choice
+    if (pm.kv_cache_dtype == "fp8") != (model.precision.kv_cache_dtype == "fp8"):
         raise PlanMismatchError(
             f"the plan assumes a {pm.kv_cache_dtype} KV cache, the model is loaded with a "
             f"{model.precision.kv_cache_dtype} one; load it in the plan's precision (plan_model)"
