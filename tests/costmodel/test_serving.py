@@ -794,3 +794,23 @@ def test_the_kv_cache_is_sized_after_logits_for_one_position_per_request() -> No
     gpt_cost = EngineStepCost.build(gpt_oss, hw, Parallelism(tp=1))
     assert gpt_cost.kv_capacity_bytes(16384, 1024) > 1e9
     assert estimate_serving(gpt_oss, hw, tp=1, workload=w).tpot_s > 0
+
+
+def test_weights_beyond_the_gpu_are_named_as_such(qwen32, h100) -> None:
+    """Qwen3-32B's 65.5 GB of BF16 weights fit one H100 (80 GiB) but leave less cache than one
+    40K-token request needs; its 34 GB of FP8 weights do not fit an L4 (24 GB) at all, and that
+    error says so rather than how little cache is left."""
+    from opweave.costmodel import InfeasibleError
+
+    w = Workload(isl=Lengths.fixed(2048), osl=Lengths.fixed(256), concurrency=8)
+    long = w.model_copy(update={"isl": Lengths.fixed(40000), "osl": Lengths.fixed(900)})
+    with pytest.raises(InfeasibleError, match="leaves .* GB per GPU for the KV cache"):
+        estimate_serving(qwen32, h100, tp=1, workload=long)
+    l4, fp8 = default_catalog().get("l4"), load_model("qwen3-32b", quant="fp8")
+    assert fp8.weight_bytes > l4.memory_bytes
+    with pytest.raises(InfeasibleError) as err:
+        estimate_serving(fp8, l4, tp=1, workload=w)
+    assert str(err.value).startswith(
+        f"qwen3-32b's weights take {fp8.weight_bytes / 1e9:.1f} GB per GPU on 1 x l4 (tp1), "
+        f"more than the GPU's {l4.memory_bytes / 1e9:.1f} GB"
+    )

@@ -49,7 +49,7 @@ from .engine_step import EngineStepCost
 from .hardware import HardwareSpec
 from .host import HostProfile, engine_host
 from .model import ModelSpec
-from .parallelism import Parallelism, parallelism_problem
+from .parallelism import Parallelism, parallelism_problem, weight_bytes_per_gpu
 from .precision import check_runs
 from .roofline import NETWORK_EFFICIENCY, state_shard_fraction
 from .serving_sim import EngineSetup, SimResult, simulate
@@ -164,6 +164,13 @@ def _engine(
     budget = workload.cache_budget(hardware, par.gpus, par.dp)
     capacity = cost.kv_capacity_bytes(tokens, seqs, budget)
     longest = float(cost.kv_bytes(float(workload.max_context_tokens)))
+    weights = weight_bytes_per_gpu(model.operators, par)
+    if weights >= hardware.memory_bytes:
+        raise InfeasibleError(
+            f"{model.name}'s weights take {weights / 1e9:.1f} GB per GPU on {par.gpus} x "
+            f"{hardware.id} ({par}), more than the GPU's {hardware.memory_bytes / 1e9:.1f} GB; use "
+            "more GPUs (a larger --tp, --ep or --dp) or a smaller weight format (--quant)"
+        )
     if capacity < longest:
         raise InfeasibleError(
             f"{model.name} on {par.gpus} x {hardware.id} ({par}) leaves "
