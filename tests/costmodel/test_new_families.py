@@ -636,3 +636,26 @@ def test_qwen3_vl_wrappers_cost_their_qwen3_text_models() -> None:
     assert params(moe) == _qwen3_count(t)
     assert params(moe)[0] == pytest.approx(30.5e9, rel=0.01)
     assert params(moe)[1] == pytest.approx(3.3e9, rel=0.03)
+
+
+def test_a_multimodal_checkpoint_is_costed_as_its_text_model_and_says_so() -> None:
+    """Qwen3-VL, Kimi-K2.5 and Qwen3.5 wrap their text model beside a ``vision_config``: the
+    spec names the encoder it leaves out, every plan's and serving estimate's assumptions say
+    so, and a text-only config says nothing."""
+    from opweave.costmodel import Lengths, Workload, estimate_serving
+    from opweave.planner import plan
+
+    for name in ("qwen3-vl-8b.json", "kimi-k2.5.json"):
+        assert load_model(CHECKPOINTS / name).encoders_not_costed == ("vision_config",)
+    assert load_model("qwen3.5-397b-a17b").encoders_not_costed == ("vision_config",)
+    assert load_model("qwen3-8b").encoders_not_costed == ()
+    assert load_model("qwen3-8b").scope_note is None
+    vl = load_model(CHECKPOINTS / "qwen3-vl-8b.json")
+    note = vl.scope_note
+    assert note is not None and "its encoders (vision_config) are not costed" in note
+    assert "--language-model-only" in note
+    h100 = default_catalog().get("h100")
+    w = Workload(isl=Lengths.fixed(512), osl=Lengths.fixed(64), concurrency=2)
+    assert note in estimate_serving(vl, h100, tp=1, workload=w).assumptions
+    result = plan(vl, ["h100"], context=4096, tpot_slo_s=0.05)
+    assert note in result.assumptions()

@@ -248,6 +248,8 @@ def _print_step(
         f"({human_bytes(est.weight_bytes_per_gpu)} of weights); fits: {fits}"
     )
     typer.echo(f"precision: {spec.precision.describe()}; GEMMs: {est.gemm_path}")
+    if spec.scope_note:
+        typer.echo(spec.scope_note)
     _echo_engine_split(spec, tp, ep, dp, dense_dp)
     if est.expert_imbalance is not None:
         typer.echo(
@@ -428,6 +430,8 @@ def analyze(
         return
     typer.echo(result.summary())
     typer.echo(f"precision: {precision.describe()}")
+    if spec.scope_note:
+        typer.echo(spec.scope_note)
     if plot is not None:
         typer.echo(f"plot written to {plot}")
 

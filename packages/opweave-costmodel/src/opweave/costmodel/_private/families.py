@@ -106,6 +106,21 @@ def model_spec_from_config(
         config_sha256=digest,
         arch=arch,
         precision=precision,
+        encoders_not_costed=_encoders(config),
+    )
+
+
+def _encoders(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """A multimodal wrapper's encoder configs (``vision_config``, ``audio_config``, ...)."""
+    return tuple(
+        sorted(
+            key
+            for key, value in config.items()
+            if key != "text_config"
+            and key.endswith("_config")
+            and isinstance(value, Mapping)
+            and any(word in key for word in ("vision", "audio", "visual", "image", "video"))
+        )
     )
 
 

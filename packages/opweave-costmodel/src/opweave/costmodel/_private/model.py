@@ -346,6 +346,23 @@ class ModelSpec(Frozen):
         default_factory=Precision,
         description="Weight formats and KV-cache dtype the model is served in.",
     )
+    encoders_not_costed: tuple[str, ...] = Field(
+        default=(),
+        description="A multimodal checkpoint's encoder configs (e.g. vision_config): only its "
+        "text model is costed, as vLLM serves it with --language-model-only.",
+    )
+
+    @property
+    def scope_note(self) -> str | None:
+        """What a multimodal checkpoint's figures leave out, in words (None: nothing)."""
+        if not self.encoders_not_costed:
+            return None
+        named = ", ".join(self.encoders_not_costed)
+        return (
+            f"model: the text model of a multimodal checkpoint: its encoders ({named}) are not "
+            "costed, as vLLM serves it with --language-model-only; without that flag their "
+            "weights take memory too"
+        )
 
     @cached_property
     def operators(self) -> tuple[OperatorSpec, ...]:

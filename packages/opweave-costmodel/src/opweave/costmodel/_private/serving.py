@@ -314,7 +314,9 @@ def estimate_serving(
         kv_capacity_tokens=setup.kv_capacity_bytes / max(float(cost.kv_bytes(1.0)), 1e-30),
         preemptions=sim.preemptions,
         saturated=bool(saturated),
-        assumptions=_assumptions(workload, tokens, seqs, dp, budget) + _eager(cost, host),
+        assumptions=_assumptions(workload, tokens, seqs, dp, budget)
+        + _eager(cost, host)
+        + ((model.scope_note,) if model.scope_note else ()),
     )
 
 

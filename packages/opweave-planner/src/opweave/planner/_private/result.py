@@ -333,7 +333,8 @@ class PlanResult:
         ]
 
     def _precision(self) -> list[str]:
-        """The precision every figure assumes, and the GEMM path each GPU type takes."""
+        """The precision every figure assumes, the GEMM path each GPU type takes, and what a
+        multimodal checkpoint's figures leave out."""
         if self.spec is None:
             return []
         precision = self.spec.precision
@@ -342,9 +343,11 @@ class PlanResult:
             for d in self.devices
             if not isinstance(d.latency, ProfiledLatency)
         ]
+        scope = self.spec.scope_note
         return [
             f"precision: {precision.describe()}"
-            + (f"; quantised GEMMs on {', '.join(paths)}" if precision.quantized and paths else "")
+            + (f"; quantised GEMMs on {', '.join(paths)}" if precision.quantized and paths else ""),
+            *([scope] if scope else []),
         ]
 
     def _imported(self) -> list[str]:
