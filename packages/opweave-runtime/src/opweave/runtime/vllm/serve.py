@@ -280,7 +280,8 @@ def _engine_processes(manager: type) -> type:
     class QuietStart(manager):
         def __init__(self, *given: Any, **named: Any) -> None:
             global _ENGINE_CORE
-            _ENGINE_CORE = EngineCoreProc.run_engine_core  # the body a forked process calls
+            if EngineCoreProc.run_engine_core is not _run_engine_core:
+                _ENGINE_CORE = EngineCoreProc.run_engine_core  # the body a forked one calls
             EngineCoreProc.run_engine_core = staticmethod(_run_engine_core)
             ignoring = threading.current_thread() is threading.main_thread()
             previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if ignoring else None
