@@ -80,33 +80,36 @@ def serve(flags: RunFlags, plan: Any, nodes: Any, vllm_args: list[str]) -> None:
         }
     with tempfile.TemporaryDirectory(prefix="opweave-serve-") as tmp, _temporary_folder(tmp):
         failure = Path(tmp) / "failure"
-        os.environ[FAILURE_ENV] = str(failure)
 
         def failed() -> str | None:  # the ranks' failure, as the executor left it
             text = failure.read_text().strip() if failure.is_file() else ""
             return text.splitlines()[0] if text else None
 
+        os.environ[FAILURE_ENV] = str(failure)
         try:
-            stopped = run_server(
-                flags.model_path,
-                plan.model_dump(mode="json"),
-                host=flags.host,
-                port=flags.port,
-                api_key=flags.api_key,
-                chat_template=flags.chat_template,
-                vllm_args=vllm_args,
-                additional_config=extra,
-                # more completions than the plan holds at once would queue behind each other
-                max_n=flags.max_n or plan.global_batch,
-                max_request_tokens=flags.max_request_tokens,
-            )
-        except Exception:  # vLLM's engine did not start: the ranks' reason, if they left one
-            if failed() is None:
-                raise
-            stopped = None
-        reason = failed()
-        if reason is not None:
-            raise OpWeaveError(reason)
+            try:
+                stopped = run_server(
+                    flags.model_path,
+                    plan.model_dump(mode="json"),
+                    host=flags.host,
+                    port=flags.port,
+                    api_key=flags.api_key,
+                    chat_template=flags.chat_template,
+                    vllm_args=vllm_args,
+                    additional_config=extra,
+                    # more completions than the plan holds at once would queue behind each other
+                    max_n=flags.max_n or plan.global_batch,
+                    max_request_tokens=flags.max_request_tokens,
+                )
+            except Exception:  # vLLM's engine did not start: the ranks' reason, if they left one
+                if failed() is None:
+                    raise
+                stopped = None
+            reason = failed()
+            if reason is not None:
+                raise OpWeaveError(reason)
+        finally:
+            del os.environ[FAILURE_ENV]  # it names a file of this folder only
     if stopped is not None and stopped.failure is not None:
         raise OpWeaveError(stopped.failure)
     if stopped is None or stopped.signal is None:

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -40,14 +41,25 @@ def refuse(message: str) -> None:
     raise ConfigError(message)
 
 
-def leave_failure(line: str) -> None:
+def leave_failure(line: str, *, first: bool = False) -> None:
     """The failure's first line, for ``opweave serve`` to print when vLLM's server stops
-    (``FAILURE_ENV``; nothing without it)."""
+    (``FAILURE_ENV``; nothing without it). Written whole (a reader never sees half of it);
+    ``first``: only if no line was left yet."""
     failure_file = os.environ.get(FAILURE_ENV)
     text = line.strip()
-    if failure_file and text:
-        with contextlib.suppress(OSError):
-            Path(failure_file).write_text(text.splitlines()[0] + "\n")
+    if not failure_file or not text:
+        return
+    path = Path(failure_file)
+    part = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}")
+    with contextlib.suppress(OSError):
+        part.write_text(text.splitlines()[0] + "\n")
+        try:
+            if first:
+                os.link(part, path)  # fails where a line is already there
+            else:
+                os.replace(part, path)
+        finally:
+            part.unlink(missing_ok=True)
 
 
 def failure_left() -> bool:
@@ -77,8 +89,7 @@ class _ExplainedFailure(logging.Filter):
             return True
         exc = record.exc_info[1] if record.exc_info else sys.exc_info()[1]
         if isinstance(exc, OpWeaveError):
-            if not failure_left():
-                leave_failure(str(exc))
+            leave_failure(str(exc), first=True)
             return not failure_left()
         if exc is not None and type(exc).__name__ == "EngineDeadError":
             return not failure_left()
