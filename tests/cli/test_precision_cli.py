@@ -184,3 +184,15 @@ def test_a_float32_checkpoint_is_costed_as_engines_serve_it(tmp_path: Path) -> N
         assert kv == pytest.approx((size - 4) * (4 * 1024 * kv_per_token + params), rel=0.05)
     text = run_cli(*args).stdout
     assert "weights bf16 (a float32 checkpoint served in bf16: as vLLM's and SGLang's" in text
+    # quantised online, the rest of a float32 checkpoint is served in bf16 too
+    fp8 = cli_json(*args, "--quant", "fp8")
+    assert (fp8["quant"], fp8["kv_cache_dtype"]) == ("fp8", "bf16")
+    linears = layers * (h * h + 2 * h * 32 + h * h + 3 * h * inter)
+    # FP8 linears with an FP32 scale each (7 per layer), the rest (norms, embeddings) in bf16
+    assert fp8["weight_bytes_per_gpu"] == linears + 7 * layers * 4 + (params - linears) * 2
+
+
+def test_fp16_is_refused_where_vllm_refuses_it() -> None:
+    proc = run_cli("estimate", "gemma-3-27b", "--gpu", "h100", "--quant", "fp16", check=False)
+    assert proc.returncode == 2
+    assert "--quant fp16: vLLM does not serve gemma3_text models in float16" in proc.stderr

@@ -59,3 +59,25 @@ def test_plan_of_another_config_of_the_same_name() -> None:
     assert not _repeats_the_name(message, "tiny-llama"), message
     assert "made for another config of tiny-llama (num_layers 2, this config 3" in message
     assert "pass the config the plan was made for" in message
+
+
+def test_a_profile_in_another_dtype_of_the_same_checkpoint_names_the_dtype() -> None:
+    """A float32 checkpoint served in bf16 keeps its fingerprint (plans and profiles of it fit
+    the folder), so a profile measured in bf16 fits the bf16-served model and is refused, by
+    dtype, for the float32 one."""
+    stored = model_spec_from_config(TINY_LLAMA, name="tiny-llama")
+    served = model_spec_from_config(TINY_LLAMA, name="tiny-llama", quant="bf16")
+    assert (stored.dtype, served.dtype) == ("float32", "bfloat16")
+    assert served.config_sha256 == stored.config_sha256
+    fp8_kv = model_spec_from_config(TINY_LLAMA, quant="bf16", kv_cache_dtype="fp8")
+    assert (
+        fp8_kv.config_sha256
+        == model_spec_from_config(TINY_LLAMA, kv_cache_dtype="fp8").config_sha256
+    )
+    prof = random_profile(np.random.default_rng(0), served, toy_gpu("cpu", memory_bytes=64e9))
+    assert prof.config_problem(served) is None
+    message = prof.config_problem(stored)
+    assert message is not None and message.startswith(
+        "was measured in bfloat16, and tiny-llama is costed in float32"
+    )
+    assert "(--quant bf16)" in message

@@ -252,9 +252,12 @@ def load_spec(
     spec = load_model(model, quant=quant, kv_cache_dtype=kv_cache_dtype)
     if quant is not None or spec.precision.quantized or spec.dtype != "float32":
         return spec
+    # profiles measured in one dtype: that one (each profile's own check refuses a mix)
     measured = {p.dtype for p in profiles}
-    label = {"bfloat16": "bf16", "float16": "fp16"}.get(next(iter(measured), "bfloat16"))
-    if label is None or len(measured) > 1:  # float32 profiles, or several (refused later)
+    label = {"bfloat16": "bf16", "float16": "fp16"}.get(
+        measured.pop() if len(measured) == 1 else "bfloat16"
+    )
+    if label is None:  # float32 profiles
         return spec
     spec = load_model(model, quant=label, kv_cache_dtype=kv_cache_dtype)
     why = (

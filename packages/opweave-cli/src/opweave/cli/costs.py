@@ -170,7 +170,8 @@ def _estimate_step(
     tokens = None if context is None else parse_size(context, "--context")
     from .planning import load_profiles
 
-    spec = load_spec(model, *precision, load_profiles([profile_path] if profile_path else None))
+    profiles = load_profiles([profile_path] if profile_path else None)
+    spec = load_spec(model, *precision, profiles)
     if tokens is None:
         tokens = min(4096, spec.max_context_tokens)
     check_context(spec, tokens, "--context")
@@ -179,7 +180,7 @@ def _estimate_step(
     if profile_path is None:
         hw = cat.get(gpu)
     else:
-        latency = _profiled(profile_path, spec, cat, gpu, tp, host)
+        latency = _profiled(profile_path, profiles[0], spec, cat, gpu, tp, host)
         hw = latency.hardware
     profile = None if host is None else host_profile(host)
     _check_tp(spec, hw, tp, ep)
@@ -198,7 +199,7 @@ def _estimate_step(
         dense_dp=dense_dp,
     )
     if json_out:
-        doc = est.model_dump()
+        doc = est.model_dump() | {"encoders_not_costed": list(spec.encoders_not_costed)}
         if latency is not None:
             prov = latency.profile.provenance
             doc["profile"] = {"source": prov.source, "date": prov.date, "note": prov.note}
@@ -266,18 +267,18 @@ def _print_step(
     )
 
 
-def _profiled(path: Path, spec: Any, cat: Any, gpu: str, tp: int, host: str | None) -> Any:
-    """The ``--profile`` file as a latency model of ``--gpu`` (a catalog GPU, or the device the
-    profile measured, e.g. ``cpu``, as ``plan --gpus`` takes it) for ``spec`` at ``tp``."""
+def _profiled(
+    path: Path, prof: Any, spec: Any, cat: Any, gpu: str, tp: int, host: str | None
+) -> Any:
+    """The ``--profile`` file (``prof``, read from ``path``) as a latency model of ``--gpu`` (a
+    catalog GPU, or the device the profile measured, e.g. ``cpu``, as ``plan --gpus`` takes it)
+    for ``spec`` at ``tp``."""
     from opweave.costmodel import ConfigError, ProfiledLatency
     from opweave.costmodel.errors import UnknownGPUError
     from opweave.planner import profile_device_id
 
-    from .planning import load_profiles
-
     if host is not None:
         raise typer.BadParameter("--host applies to the roofline, not to a --profile")
-    (prof,) = load_profiles([path])
     device = profile_device_id(prof, cat)
     try:
         wanted = cat.resolve(gpu)
@@ -426,6 +427,7 @@ def analyze(
         emit_json(
             result.to_json()
             | {"quant": precision.quant, "kv_cache_dtype": precision.kv_cache_dtype}
+            | {"encoders_not_costed": list(spec.encoders_not_costed)}
         )
         return
     typer.echo(result.summary())

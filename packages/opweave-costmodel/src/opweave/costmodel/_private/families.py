@@ -28,12 +28,33 @@ from .model import (
     TPCollective,
 )
 from .precision import DTYPE_BYTES as _DTYPE_BYTES
+from .precision import UNQUANTISED
 from .quant_config import resolve_precision
 from .quantize import quantize_layer, quantize_ops
 from .registry import FAMILIES, text_config
 
 # ``--quant`` names of unquantised float dtypes, for a checkpoint served in another one
 _SERVED_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# families vLLM refuses to run in float16 (``_FLOAT16_NOT_SUPPORTED_MODELS`` in
+# vllm/config/model.py: numerical instability)
+_NO_FLOAT16 = frozenset({"gemma3_text"})
+
+
+def _served_dtype(stored: str, quant: str | None, family: str) -> str | None:
+    """The float dtype a checkpoint stored in ``stored`` is served in under ``--quant``, where
+    that differs from its own: the dtype ``bf16|fp16|fp32`` names; bf16 for a float32
+    checkpoint quantised online, since vLLM's --dtype auto casts float32 down (and its FP8
+    method refuses float32 activations). None: as stored."""
+    if quant is None or stored not in _SERVED_DTYPES.values():
+        return None
+    if quant in _SERVED_DTYPES:
+        if quant == "fp16" and family in _NO_FLOAT16:
+            raise ConfigError(
+                f"--quant fp16: vLLM does not serve {family} models in float16 (numerical "
+                "instability); use bf16 or fp32"
+            )
+        return _SERVED_DTYPES[quant]
+    return "bfloat16" if stored == "float32" else None
 
 
 def model_spec_from_config(
@@ -64,16 +85,27 @@ def model_spec_from_config(
     precision = resolve_precision(
         config, arch, quant=quant, kv_cache_dtype=kv_cache_dtype, hf_quant_config=hf_quant_config
     )
-    stored = arch.dtype  # the checkpoint's, part of its fingerprint whatever it is served in
-    served = _SERVED_DTYPES.get(quant or "")
-    recast = arch.dtype in _SERVED_DTYPES.values() and arch.dtype != served
-    if served and dtype is None and recast and not precision.quantized:
-        # an unquantised checkpoint served in another float dtype (an engine's --dtype):
-        # weights, KV cache and math all in it
+    # the checkpoint's own dtype: its fingerprint, whatever dtype it is served in
+    stored = arch.dtype if dtype is None else resolve_architecture(text).dtype
+    served = _served_dtype(stored, quant, arch.family)
+    if served is not None and dtype is None and arch.dtype != served:
+        # served in another float dtype (an engine's --dtype): weights, KV cache and math
         arch = resolve_architecture(text, dtype=served)
+        recast = quant in _SERVED_DTYPES
         precision = resolve_precision(
-            config, arch, kv_cache_dtype=kv_cache_dtype, hf_quant_config=hf_quant_config
-        ).model_copy(update={"source": f"a {stored} checkpoint served in {quant}: --quant {quant}"})
+            config,
+            arch,
+            quant=None if recast else quant,
+            kv_cache_dtype=kv_cache_dtype,
+            hf_quant_config=hf_quant_config,
+        )
+        source = (
+            f"a {stored} checkpoint served in {quant}: --quant {quant}"
+            if recast
+            else f"{precision.source}; the {stored} checkpoint's other weights and its math "
+            f"in {UNQUANTISED[served]}, as vLLM's --dtype auto serves it"
+        )
+        precision = precision.model_copy(update={"source": source})
     builder = _Builder(arch, _DTYPE_BYTES[arch.dtype])
     layers = tuple(quantize_layer(builder.layer(i), precision) for i in range(arch.num_layers))
     post_ops = quantize_ops(builder.post_ops(), precision)
@@ -88,7 +120,9 @@ def model_spec_from_config(
         )
     identity: dict[str, Any] = {"config": text, "dtype": stored}
     if precision.quantized or precision.kv_fp8:  # unquantised models keep their digest
-        identity["precision"] = precision.model_dump(exclude={"source", "kv_source"})
+        identity["precision"] = precision.model_dump(exclude={"source", "kv_source"}) | {
+            "compute_dtype": stored
+        }
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
     return ModelSpec(
         name=name or arch.family,

@@ -18,6 +18,7 @@ from ..errors import ConfigError
 from .base import FileSchema, schema_version_field
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
+from .precision import UNQUANTISED
 
 PROFILE_SCHEMA_VERSION = 1
 _MAX_GRID = 1 << 31  # largest batch or context a table may hold
@@ -271,7 +272,14 @@ class Profile(FileSchema):
         do not, it says what differs that the profile records (dtype, operators, the
         precision's part of the fingerprint), or else that the fingerprints differ."""
         if self.config_sha256 == model.config_sha256:
-            return None
+            if self.dtype == model.dtype:
+                return None
+            return (
+                f"was measured in {self.dtype}, and {model.name} is costed in {model.dtype} "
+                f"({model.precision.source}); cost it in the profile's dtype (--quant "
+                f"{UNQUANTISED.get(self.dtype, self.dtype)}), or use a profile measured in "
+                f"{model.dtype}"
+            )
         if self.model != model.name:
             return (
                 f"was measured on model {self.model!r}, not {model.name!r}; profile "
