@@ -34,7 +34,7 @@ from .quantize import quantize_layer, quantize_ops
 from .registry import FAMILIES, text_config
 
 # ``--quant`` names of unquantised float dtypes, for a checkpoint served in another one
-_SERVED_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+_SERVED_DTYPES = {label: dtype for dtype, label in UNQUANTISED.items()}
 # families vLLM refuses to run in float16 (``_FLOAT16_NOT_SUPPORTED_MODELS`` in
 # vllm/config/model.py: numerical instability)
 _NO_FLOAT16 = frozenset({"gemma3_text"})
