@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from opweave.costmodel import (
@@ -16,9 +17,12 @@ from opweave.costmodel import (
     estimate_serving,
     kv_transfer_s,
     load_model,
+    model_spec_from_config,
     prefill_pool,
 )
 from opweave.planner import DeploymentResult, plan_deployment
+from tests.helpers import TINY_LLAMA
+from tests.planner.conftest import random_profile, toy_gpu
 
 CATALOG = default_catalog()
 
@@ -115,16 +119,20 @@ def test_prefill_pool_is_the_fewest_engines_and_decode_sets_follow_littles_law(
         assert pre is not None and dec is not None and dec.plan is not None
         option = pre.engine
         hw = option.device.hardware
-        # the KV transfer: every prefill GPU sends its shard over the network (one GPU type)
-        transfer = kv_transfer_s(qwen32, 4096, tp=option.par.tp, link="network", prefill=hw,
+        # the KV transfer: every prefill GPU sends its shard over the network, or over NVLink
+        # where the whole deployment lies on one node of 8 H100s (one GPU type)
+        link = "nvlink" if dep.gpus_used <= hw.gpus_per_node else "network"
+        transfer = kv_transfer_s(qwen32, 4096, tp=option.par.tp, link=link, prefill=hw,
                                  decode=hw)  # fmt: skip
         assert dep.kv_transfer_s == pytest.approx(transfer)
         rate = dep.requests_per_s
         step = dec.plan.prediction.tpot_s
         # closed loop: the clients over each request's time (TTFT, then osl - 1 decode steps)
         assert rate == pytest.approx(64 / (dep.ttft_s + 1023 * step), rel=0.05)
-        # a decode slot is held for the step that samples the first token and 1023 more
-        assert dec.replicas == max(1, math.ceil(rate * 1024 * step / dec.plan.global_batch))
+        # a decode slot is held for the step that samples the first token and 1023 more, by
+        # at most the 64 clients
+        holding = min(rate * 1024 * step, 64)
+        assert dec.replicas == max(1, math.ceil(holding / dec.plan.global_batch))
 
         # the hand-off at vLLM's decode step boundaries: half a step to be taken in, the read
         # in whole steps (at least one: this transfer is under a step), the step that samples
@@ -220,6 +228,30 @@ def test_inventory_bounds_every_deployment(qwen32) -> None:
             assert result.reasons[kind]
 
 
+def test_a_pd_deployment_shares_one_node_and_moves_its_kv_over_nvlink() -> None:
+    # single-node P/D (prefill and decode engines on the GPUs of one node, as vLLM's and
+    # Dynamo's disaggregated examples run them): the pools share the node, so KV moves over
+    # NVLink, and a closed loop of 4 clients never holds more than 4 decode slots
+    qwen8 = load_model("qwen3-8b")
+    workload = Workload(isl=Lengths.fixed(1024), osl=Lengths.fixed(256), concurrency=4)
+    result = plan_deployment(
+        qwen8, ["h100"], workload=workload, tpot_slo_s=0.05, inventory={"h100": 2}
+    )
+    dep = result.baselines["pd"]
+    assert dep is not None, result.reasons
+    pre, dec = dep.pool("prefill"), dep.pool("decode")
+    assert pre is not None and dec is not None and dec.plan is not None
+    assert dep.gpus_used == 2 and dep.nodes({"h100-sxm": 8}) == [("h100-sxm", 2)]
+    hw = CATALOG.get("h100")
+    nvlink = kv_transfer_s(qwen8, 1024, tp=1, link="nvlink", prefill=hw, decode=hw)
+    assert dep.kv_transfer_s == pytest.approx(nvlink)
+    assert dep.kv_transfer_s < kv_transfer_s(qwen8, 1024, tp=1, link="network", prefill=hw)
+    assert dec.replicas * dec.plan.global_batch >= 4 and dec.replicas == 1
+    # no TTFT SLO was given: a kind without room for its prefill pool does not blame one
+    for kind, why in result.reasons.items():
+        assert "TTFT" not in why, (kind, why)
+
+
 def test_bad_settings_are_named(qwen32) -> None:
     with pytest.raises(ConfigError, match="TTFT SLO"):
         plan_deployment(qwen32, ["h100"], workload=_workload(concurrency=4), tpot_slo_s=0.05,
@@ -230,3 +262,18 @@ def test_bad_settings_are_named(qwen32) -> None:
     long = Workload(isl=Lengths.fixed(40_000), osl=Lengths.fixed(1024), concurrency=4)
     with pytest.raises(ConfigError, match="beyond qwen3-32b's context"):
         plan_deployment(qwen32, ["h100"], workload=long, tpot_slo_s=0.05)
+
+
+def test_a_profiled_device_plans_a_workload_and_says_what_its_profile_covers() -> None:
+    # a profiled device's latency model holds the profile's tables (not hashable): the engine
+    # search keys its options by device id
+    model = model_spec_from_config(TINY_LLAMA)
+    prof = random_profile(np.random.default_rng(0), model, toy_gpu("cpu", memory_bytes=64e9))
+    workload = Workload(isl=Lengths.fixed(32), osl=Lengths.fixed(16), concurrency=4)
+    result = plan_deployment(model, ["cpu"], workload=workload, tpot_slo_s=1.0, profiles=[prof])
+    assert result.best is not None
+    assert result.baselines["aggregated"] is not None
+    assert any(
+        a.startswith("profiles (cpu) hold decode steps only") and "roofline" in a
+        for a in result.assumptions
+    )

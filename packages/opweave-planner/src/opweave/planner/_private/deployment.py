@@ -28,6 +28,7 @@ from opweave.costmodel import (
     Lengths,
     ModelSpec,
     Profile,
+    ProfiledLatency,
     Workload,
     decode_samples_first,
     engine_host,
@@ -348,10 +349,18 @@ def _assumptions(query: Query, decode: PlanResult) -> tuple[str, ...]:
         f"({max(1, round(w.mean_decode_context))} tokens), as many as the requests decoding at "
         "once fill (Little's law); each set's TPOT at its full batch",
         "KV cache moved from prefill to decode GPUs once per request, every prefill GPU "
-        "sending its shard (NIXL), over the network unless both pools share a rack-scale "
-        f"NVLink domain; {_handoff_text(w)}",
+        "sending its shard (NIXL), over NVLink where the whole deployment lies on one node "
+        "or both pools share a rack-scale NVLink domain, else over the network; pools fill "
+        f"each node before the next, as opweave deploy places them; {_handoff_text(w)}",
     ]
     out.extend(w.receive_note)
+    profiled = [d.id for d in decode.devices if isinstance(d.latency, ProfiledLatency)]
+    if profiled:
+        out.append(
+            f"profiles ({', '.join(profiled)}) hold decode steps only: decode pools take their "
+            "latencies from them; aggregated engines and prefill pools on those devices are "
+            "costed on the roofline of the profile's device"
+        )
     if w.engine != "vllm":
         out.append(
             f"the pools are costed as {w.engine_name} runs them; opweave run serves a plan "

@@ -171,13 +171,17 @@ class Deployment:
         return next((p for p in self.pools if p.role == role), None)
 
     def nodes(self, gpus_per_node: Mapping[str, int], copies: int = 1) -> list[tuple[str, int]]:
-        """``(gpu, gpus)`` of every node of ``copies`` deployments, each pool on nodes of its
-        own; copies of a pool share nodes as the replicas of one do (they need no link)."""
-        return [
-            (gpu, n)
-            for pool in self.pools
-            for gpu, _, n in node_layout(pool.groups() * copies, gpus_per_node)
-        ]
+        """``(gpu, gpus)`` of every node of ``copies`` deployments, laid out as ``opweave
+        deploy`` places a plan's ranks (:func:`opweave.costmodel.plan_nodes`): the decode
+        groups, then the prefill pool's, filling each node before the next, so a small P/D
+        deployment shares one node; copies of a pool share nodes as the replicas of one do."""
+        pools = sorted(self.pools, key=lambda p: p.role == "prefill")
+        groups = [g for pool in pools for g in pool.groups() * copies]
+        return [(gpu, n) for gpu, _, n in node_layout(groups, gpus_per_node)]
+
+    def on_one_node(self, gpus_per_node: Mapping[str, int]) -> bool:
+        """Whether the whole deployment lies on one node (its pools share it)."""
+        return len(self.nodes(gpus_per_node)) == 1
 
     def copies_in(
         self, inventory: Mapping[str, int | None], gpus_per_node: Mapping[str, int]

@@ -62,6 +62,15 @@ class EngineOption:
     device: Device
     par: Parallelism
 
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EngineOption):
+            return NotImplemented
+        return (self.device.id, self.par) == (other.device.id, other.par)
+
+    def __hash__(self) -> int:
+        # a device's id names it within a search (its profile's tables are not hashable)
+        return hash((self.device.id, self.par))
+
     @property
     def gpus(self) -> int:
         return self.par.gpus

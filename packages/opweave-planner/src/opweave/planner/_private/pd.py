@@ -118,7 +118,14 @@ def _decoding(decode_plan: Plan, workload: Workload, ttft_s: float) -> float:
     pred = decode_plan.prediction
     assert pred is not None
     decode_s = _decode_s(workload, pred.tpot_s)
-    return _arrivals(workload, ttft_s, decode_s) * _held_s(workload, pred.tpot_s)
+    return _holding(workload, _arrivals(workload, ttft_s, decode_s), pred.tpot_s)
+
+
+def _holding(workload: Workload, rate: float, step_s: float) -> float:
+    """Requests holding a decode slot at once (Little's law: arrivals times the time each holds
+    one), at most a closed loop's clients."""
+    held = rate * _held_s(workload, step_s)
+    return held if workload.concurrency is None else min(held, workload.concurrency)
 
 
 def _decode_s(workload: Workload, step_s: float) -> float:
@@ -145,9 +152,14 @@ def _small_grid(decode_plan: Plan, workload: Workload) -> list[int]:
     return [u for u in U_GRID if u <= top] or [U_GRID[0]]
 
 
-def _link(option: EngineOption, decode_plan: Plan, devices: Mapping[str, Device]) -> str:
-    """``nvlink`` when the prefill and decode GPUs share one rack-scale NVLink domain (one
-    type with a scale-up domain beyond a node, e.g. GB200 NVL72), else the ``network``."""
+def _link(
+    option: EngineOption, decode_plan: Plan, devices: Mapping[str, Device], one_node: bool
+) -> str:
+    """``nvlink`` when the prefill and decode GPUs share one node (``one_node``) or one
+    rack-scale NVLink domain (one type with a scale-up domain beyond a node, e.g. GB200
+    NVL72), else the ``network``."""
+    if one_node:
+        return "nvlink"
     hw = option.device.hardware
     same = all(o.gpu == option.device.id for o in decode_plan.owners)
     return "nvlink" if same and hw.scale_up_gpus > hw.gpus_per_node else "network"
@@ -159,9 +171,10 @@ def _transfer_s(
     decode_plan: Plan,
     devices: Mapping[str, Device],
     tokens: float,
+    one_node: bool,
 ) -> float:
     """One request's KV transfer to the decode pool, at its slowest receiving GPU type."""
-    link = _link(option, decode_plan, devices)
+    link = _link(option, decode_plan, devices, one_node)
     return max(
         kv_transfer_s(
             model,
@@ -184,16 +197,22 @@ def _disaggregated(
     devices: Mapping[str, Device],
     limits: Mapping[str, int],
     per_node: Mapping[str, int],
+    one_node: bool = False,
 ) -> tuple[Deployment | None, str]:
-    """The cheapest prefill pool beside ``decode_plan``'s decode pool, or why there is none."""
+    """The cheapest prefill pool beside ``decode_plan``'s decode pool, or why there is none.
+
+    A deployment that lies on one node moves its KV cache over the node's NVLink, not the
+    network: where the network-costed one does, it is sized again with that link
+    (``one_node``) and taken if it still lies on one node."""
     workload, slos, model = query.workload, query.slos, query.model
     pred = decode_plan.prediction
     assert pred is not None
     prices = {d.id: d.usd_per_hour for d in devices.values()}
     # a request's time after its first token, and the time it holds a decode slot
     decode_s = _decode_s(workload, pred.tpot_s)
-    held_s = _held_s(workload, pred.tpot_s)
-    transfers = {o: _transfer_s(model, o, decode_plan, devices, workload.isl.mean) for o in options}
+    transfers = {
+        o: _transfer_s(model, o, decode_plan, devices, workload.isl.mean, one_node) for o in options
+    }
     # what a request's TTFT holds beside the prefill pool's: the decode pool taking it in, its
     # KV transfer and the first token, at the decode steps' boundaries (their means)
     handoffs = {o: decode_handoff_s(transfers[o], pred.tpot_s, workload.engine) for o in options}
@@ -202,7 +221,7 @@ def _disaggregated(
         return None if slos.ttft_s is None else slos.ttft_s - handoffs[option]
 
     def sized(rate: float) -> PrefillSizing | None:
-        sets = max(1, math.ceil(rate * held_s / decode_plan.global_batch))
+        sets = max(1, math.ceil(_holding(workload, rate, pred.tpot_s) / decode_plan.global_batch))
         used = Pool.of_plan(decode_plan, sets, prices).gpus_by_type
         return prefill.cheapest(options, rate, budget, lambda o: room_for(limits, used, o))
 
@@ -219,7 +238,7 @@ def _disaggregated(
     transfer, handoff = transfers[sizing.option], handoffs[sizing.option]
     if workload.concurrency is not None:
         rate = _arrivals(workload, sizing.estimate.ttft_s + handoff, decode_s)
-    sets = max(1, math.ceil(rate * held_s / decode_plan.global_batch))
+    sets = max(1, math.ceil(_holding(workload, rate, pred.tpot_s) / decode_plan.global_batch))
     est = sizing.estimate
     dep = Deployment(
         kind=kind,
@@ -240,6 +259,12 @@ def _disaggregated(
     )
     if limits and not fits_inventory(dep.nodes(per_node), limits, per_node):
         return None, "its prefill and decode pools together do not fit the inventory"
+    if not one_node and dep.on_one_node(per_node):
+        near, _ = _disaggregated(
+            query, kind, decode_plan, prefill, options, devices, limits, per_node, one_node=True
+        )
+        if near is not None and near.on_one_node(per_node):
+            return near, ""
     return dep, ""
 
 
@@ -265,5 +290,8 @@ def _prefill_reason(
             f"that take it in and emit the first token), beyond the {slos.ttft_s * 1e3:g} ms "
             "TTFT SLO"
         )
+    if slos.ttft_s is None:
+        where = " in the GPUs the inventory leaves beside the decode pool" if bounded else ""
+        return f"no prefill pool{where} takes the arrivals"
     where = " within the inventory" if bounded else ""
     return f"no prefill pool takes the arrivals{where} within the TTFT SLO"
