@@ -196,7 +196,9 @@ def test_estimate_any_config_path(write_config) -> None:
     [
         (["estimate", "nope", "--gpu", "h100"], "unknown model 'nope'"),
         (["estimate", "qwen3-32b", "--gpu", "h900"], "unknown GPU 'h900'"),
-        (["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "3"], "--tp must be one of"),
+        (["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "3"], "does not split over tp 3"),
+        (["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "16"], "8 GPUs per NVLink domain"),
+        (["estimate", "qwen3-32b", "--gpu", "h100", "--tp", "0"], "--tp must be from 1"),
         (["estimate", "qwen3-32b", "--gpu", "h100", "--context", "lots"], "not a token count"),
         (["estimate", "qwen3-32b"], "Missing option '--gpu'"),
         (["analyze", "qwen3-32b", "--gpus", "h100,a100,l40s"], "one or two GPU ids"),
@@ -437,3 +439,9 @@ def test_estimate_costs_an_engine_split_the_runtime_does_not_serve_and_says_so()
     assert "sharding: L0.experts: mlp.experts.down_proj shards of 360 are not whole" in out
     assert "OpWeave's runtime does not serve this split" in out
     assert "sharding:" not in run_cli(*args, "--tp", "2").stdout
+
+
+def test_estimate_takes_a_tp_group_across_a_rack_scale_nvlink_domain() -> None:
+    # GB200 NVL72: 72 GPUs share one NVLink fabric, so TP16 is one group (docs/support.md)
+    doc = cli_json("estimate", "qwen3-32b", "--gpu", "gb200", "--tp", "16", "--batch", "8")
+    assert doc["tp"] == 16 and doc["fits"] is True

@@ -112,6 +112,9 @@ def test_catalog_aliases_and_override_file(tmp_path) -> None:
     assert custom.get("h100").usd_per_hour == 2.0
     assert custom.get("h100").memory_bytes == cat.get("h100").memory_bytes
     assert custom.get("my-gpu").usd_per_hour == 0.5
+    # a price the file gives is attributed to the file, not to the catalog's basis
+    given = f"given in {path}"
+    assert custom.get("h100").price_source == custom.get("my-gpu").price_source == given
     path.write_text('[[gpus]]\nid = "half"\nmemory_bytes = 1e9\n')
     with pytest.raises(ConfigError, match="GPU 'half' field 'mem_bandwidth_bytes_per_s'"):
         load_hardware_file(path)

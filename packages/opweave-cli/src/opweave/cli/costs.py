@@ -138,11 +138,8 @@ def _refuse_step_flags(
 
 
 def _check_layout(tp: int, ep: int, dp: int) -> None:
-    from opweave.costmodel import TP_DEGREES
-
-    if tp not in TP_DEGREES:
-        raise typer.BadParameter(f"--tp must be one of {', '.join(map(str, TP_DEGREES))}")
-    for flag, value in (("--ep", ep), ("--dp", dp)):
+    # the GPU's NVLink domain and the model's shapes bound --tp further (parallelism_problem)
+    for flag, value in (("--tp", tp), ("--ep", ep), ("--dp", dp)):
         if not 1 <= value <= MAX_GROUP:
             raise typer.BadParameter(f"{flag} must be from 1 to {MAX_GROUP}, got {value}")
 
@@ -262,7 +259,7 @@ def _print_step(
         + (
             ""
             if est.usd_per_million_tokens is None
-            else f"; cost: ${est.usd_per_million_tokens:.3f} per million tokens"
+            else f"; cost: ${est.usd_per_million_tokens:.4g} per million tokens"
         )
     )
 
@@ -372,7 +369,7 @@ def _estimate_serving(
         + (
             ""
             if est.usd_per_million_tokens is None
-            else f"; cost: ${est.usd_per_million_tokens:.3f} per million output tokens"
+            else f"; cost: ${est.usd_per_million_tokens:.4g} per million output tokens"
         )
     )
     if est.saturated:

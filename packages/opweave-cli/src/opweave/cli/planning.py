@@ -510,6 +510,15 @@ def simulate(
     )
     for note in sim.notes:
         typer.echo(f"note: simulating other specs than the plan was made with: {note}", err=True)
+    planned = the_plan.prediction
+    if planned is not None and not sim.notes and abs(sim.tpot_s / planned.tpot_s - 1) > 1e-3:
+        typer.echo(
+            f"note: the plan file predicts TPOT {planned.tpot_s * 1e3:.3f} ms and "
+            f"${planned.usd_per_million_tokens:.4g} per million tokens for the whole deployment "
+            "it was planned as (a workload's prompts prefilled beside decode); this re-simulates "
+            "its decode iteration alone",
+            err=True,
+        )
     if gantt is not None:
         draw_gantt(sim, gantt)
     precision = spec.precision
@@ -530,7 +539,7 @@ def simulate(
         + (
             ""
             if sim.usd_per_million_tokens is None
-            else f", ${sim.usd_per_million_tokens:.3f} per million tokens"
+            else f", ${sim.usd_per_million_tokens:.4g} per million tokens"
         )
     )
     rows = [
@@ -542,8 +551,9 @@ def simulate(
         typer.echo(
             f"prefill pool: {pool.replicas} engine{'s' if pool.replicas > 1 else ''} of "
             f"{pool.tp * pool.dp} x {pool.gpu} ({parallelism_words(pool.tp, pool.ep, pool.dp)}), "
-            f"{pool.gpus} GPUs; it prefills every prompt and sends its KV cache to the decode "
-            "owners above (the iteration simulated is the decode pool's)"
+            f"{pool.gpus} GPU{'s' if pool.gpus > 1 else ''}; it prefills every prompt and "
+            "sends its KV cache to the decode owners above (the iteration simulated, its TPOT "
+            "and its cost are the decode pool's)"
         )
     if gantt is not None:
         typer.echo(f"gantt chart written to {gantt}")

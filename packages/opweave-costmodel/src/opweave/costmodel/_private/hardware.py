@@ -311,6 +311,9 @@ class HardwareCatalog:
             except UnknownGPUError:
                 gpu_id = raw.strip().lower()  # ids are looked up case-insensitively
                 merged = {"name": raw, **entry, "id": gpu_id}
+            if "usd_per_hour" in entry and "price_source" not in entry:
+                # a price the file gives is the file's (the catalog's basis was for its own)
+                merged["price_source"] = f"given in {source}"
             if gpu_id in seen:
                 raise ConfigError(
                     f"{source}: GPU {raw!r} is given twice (also as {seen[gpu_id]!r}); "

@@ -436,7 +436,14 @@ def hardware_drift(plan: Plan, hw: HardwareSpec) -> str | None:
     if planned is None or planned == hw:
         return None
     old, new = planned.model_dump(), hw.model_dump()
-    changed = [f"{k} {old[k]} -> {new[k]}" for k in new if old[k] != new[k]]
+    # the figures; the name and the price's basis describe them
+    changed = [
+        f"{k} {old[k]} -> {new[k]}"
+        for k in new
+        if old[k] != new[k] and k not in ("name", "price_source")
+    ]
+    if not changed:
+        return None
     return f"{hw.id}: {', '.join(changed[:4])}{' ...' if len(changed) > 4 else ''}"
 
 

@@ -270,14 +270,7 @@ def estimate_serving(
     per_rank_tokens, batch = _window_throughput(sim, first, last, rank.num_requests is not None)
     wait = queued / (per_rank_tokens / float(np.mean(sim.output_tokens))) if queued else 0.0
     ttft, tpot = sim.ttft_s[first:last] + wait, _tpot(sim, first, last)
-    tokens_per_s = per_rank_tokens * ranks
     mean_osl = float(np.mean(sim.output_tokens))
-    price = hardware.usd_per_hour
-    usd_hour = None if price is None else price * par.gpus
-    usd = None if usd_hour is None else usd_hour / 3600 / tokens_per_s * 1e6
-    context = workload.mean_decode_context
-    decode_step = float(cost.decode_run_s(np.full(max(1, round(batch)), context), 1)[0])
-    tokens, seqs = setup.max_num_batched_tokens, setup.max_num_seqs
     # overloaded: over the measured window the engine generates less than the requests that
     # arrived in it ask for (the realised arrivals, not the nominal rate: Poisson noise)
     saturated = False
@@ -285,6 +278,17 @@ def estimate_serving(
         span = float(sim.arrival_s[last - 1] - sim.arrival_s[first])
         offered = (last - 1 - first) / span * mean_osl
         saturated = per_rank_tokens < SATURATED * offered
+        if not saturated:
+            # a stable engine serves what arrives: the nominal rate's tokens, not those of the
+            # sample's realised arrivals (Poisson noise of a few hundred requests)
+            per_rank_tokens = rank.rate_per_s * rank.osl.mean
+    tokens_per_s = per_rank_tokens * ranks
+    price = hardware.usd_per_hour
+    usd_hour = None if price is None else price * par.gpus
+    usd = None if usd_hour is None else usd_hour / 3600 / tokens_per_s * 1e6
+    context = workload.mean_decode_context
+    decode_step = float(cost.decode_run_s(np.full(max(1, round(batch)), context), 1)[0])
+    tokens, seqs = setup.max_num_batched_tokens, setup.max_num_seqs
     return ServingEstimate(
         model=model.name,
         gpu=hardware.id,

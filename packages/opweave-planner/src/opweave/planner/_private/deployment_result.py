@@ -214,11 +214,15 @@ class Deployment:
             "pools": {p.role: p.to_json() for p in self.pools},
         }
 
-    def headline(self) -> str:
+    def headline(self, statistic: str = "p90") -> str:
+        """One line of figures: the means, and beside them the tail the SLOs bound (``p99``
+        when they bound it, else the p90)."""
+        tail = "p99" if statistic == "p99" else "p90"
+        ttft_tail, tpot_tail = getattr(self, f"ttft_{tail}_s"), getattr(self, f"tpot_{tail}_s")
         return (
             f"${self.usd_per_million_tokens:.4g} per million tokens, TTFT "
-            f"{_ms(self.ttft_s)} (p90 {_ms(self.ttft_p90_s)}), TPOT {_ms(self.tpot_s)} "
-            f"(p90 {_ms(self.tpot_p90_s)}), {self.tokens_per_s:,.0f} tokens/s, "
+            f"{_ms(self.ttft_s)} ({tail} {_ms(ttft_tail)}), TPOT {_ms(self.tpot_s)} "
+            f"({tail} {_ms(tpot_tail)}), {self.tokens_per_s:,.0f} tokens/s, "
             f"${self.usd_per_hour:.2f}/hour on {self.gpus_used} "
             f"GPU{'s' if self.gpus_used > 1 else ''}"
         )
@@ -277,7 +281,7 @@ class DeploymentResult:
 
     def message(self) -> str:
         if self.best is not None:
-            return f"best: {KIND_WORDS[self.best.kind]}: {self.best.headline()}"
+            return f"best: {KIND_WORDS[self.best.kind]}: {self.best.headline(self.slos.statistic)}"
         why = "; ".join(f"{k}: {v}" for k, v in self.reasons.items())
         return f"no deployment meets the SLOs ({self.slo_words()}): {why}"
 
@@ -349,7 +353,7 @@ class DeploymentResult:
             ratio = ""
             if best is not None:
                 ratio = f"{dep.usd_per_million_tokens / best.usd_per_million_tokens:.2f}x: "
-            lines.append(f"  {KIND_WORDS[kind]}: {ratio}{dep.headline()}")
+            lines.append(f"  {KIND_WORDS[kind]}: {ratio}{dep.headline(self.slos.statistic)}")
             lines += [f"    {p.role}: {p.words()}" for p in dep.pools]
         lines.append("assumptions:")
         lines += [f"  - {a}" for a in self.assumptions]
@@ -376,7 +380,7 @@ class DeploymentResult:
         if second is not None and second.best is not None and fleet.second_copies > 0:
             lines.append(
                 f"    the {left_text} left over run {fleet.second_copies} more: "
-                f"{KIND_WORDS[second.best.kind]}: {second.best.headline()}"
+                f"{KIND_WORDS[second.best.kind]}: {second.best.headline(self.slos.statistic)}"
             )
             rest = (
                 {g: n for g, n in second.fleet.gpus_left.items() if n > 0} if second.fleet else {}

@@ -80,14 +80,18 @@ def owner_words(owner: Any) -> str:
     return (
         f"{n} replica{'s' if n > 1 else ''} of {owner.tp * owner.dp} x {owner.gpu} "
         f"({parallelism_words(owner.tp, owner.ep, owner.dp)}) holding "
-        f"{owner.resident_batch:,} requests{each}"
+        f"{owner.resident_batch:,} request{'s' if owner.resident_batch != 1 else ''}{each}"
     )
 
 
 def parallelism_words(tp: int, ep: int, dp: int) -> str:
-    """``TP2``, ``TP8, EP8`` or ``DP16 x TP2, EP32``."""
+    """``TP2``, ``TP8, EP8``, ``DP16 x TP2, EP32`` or ``DP4 x TP1, FFN TP4``: with
+    data-parallel attention and no EP the FFN (experts included) is tensor-parallel over the
+    whole group, each GPU holding its share."""
     out = f"TP{tp}" if dp == 1 else f"DP{dp} x TP{tp}"
-    return f"{out}, EP{ep}" if ep > 1 else out
+    if ep > 1:
+        return f"{out}, EP{ep}"
+    return f"{out}, FFN TP{tp * dp}" if dp > 1 else out
 
 
 def describe_plan(plan: Plan) -> str:
@@ -324,8 +328,14 @@ class PlanResult:
             "every replica's resident batch is full (requests always waiting)",
             "prices are on-demand list prices per GPU-hour, dated in `opweave gpus` and "
             "overridable with --hardware; cost counts only the GPUs a plan uses",
-            "GPU counts with no given number are unbounded (cost per token does not depend on "
-            "the number of replica sets)",
+            *(
+                [
+                    "GPU counts with no given number are unbounded (cost per token does not "
+                    "depend on the number of replica sets)"
+                ]
+                if not self.inventory or None in self.inventory.values()
+                else []
+            ),
             *self._precision(),
             *self._imported(),
             *(self._expert_load() if self._uses_ep() else []),
@@ -457,7 +467,8 @@ class PlanResult:
             lines.append(
                 f"{indent}owner {place['owner']}: {reps} of {o['tp'] * o['dp']} x {o['gpu']} "
                 f"({layout.describe(moe)}), {o['quant']} weights, "
-                f"{o['resident_batch']:,} requests{each}, {used:.1f} of {cap:.1f} GB per GPU"
+                f"{o['resident_batch']:,} request{'' if o['resident_batch'] == 1 else 's'}"
+                f"{each}, {used:.1f} of {cap:.1f} GB per GPU"
             )
             lines.append(f"{indent}  runs {_operators_text(place['operators'])}")
         return lines
