@@ -196,3 +196,21 @@ def test_fp16_is_refused_where_vllm_refuses_it() -> None:
     proc = run_cli("estimate", "gemma-3-27b", "--gpu", "h100", "--quant", "fp16", check=False)
     assert proc.returncode == 2
     assert "--quant fp16: vLLM does not serve gemma3_text models in float16" in proc.stderr
+
+
+def test_float32_math_runs_at_the_gpus_fp32_rate() -> None:
+    """A compute-bound step of Qwen3-8B (1,024 requests): its GEMMs are 2 FLOPs per linear
+    weight per token (36 layers of q, k, v, o, gate, up, down, and the LM head at one position
+    per request). bf16 runs them on the H100's tensor cores (989 TFLOPS), fp32 without them (67
+    TFLOPS: vLLM's float32 matmul precision is 'highest', no TF32), both at its 80%."""
+    h, inter, kv, vocab, layers, batch = 4096, 12288, 8 * 128, 151936, 36, 1024
+    linears = layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + h * vocab
+    flops = 2 * linears * batch
+    args = ("estimate", "qwen3-8b", "--gpu", "h100", "--batch", str(batch), "--context", "1K")
+    for quant, peak, path in (
+        ("bf16", 989e12, "bf16 tensor cores"),
+        ("fp32", 67e12, "fp32 math (no tensor cores)"),
+    ):
+        doc = cli_json(*args, "--quant", quant)
+        assert doc["gemm_path"] == path
+        assert doc["breakdown_s"]["gemm"] == pytest.approx(flops / (0.80 * peak), rel=1e-3)

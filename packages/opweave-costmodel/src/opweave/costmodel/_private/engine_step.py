@@ -98,6 +98,7 @@ class AttentionKind:
     kv_bytes_fixed: float  # resident state per request
     weight_bytes: float = 0.0  # read once per step (a linear-attention layer's conv weights)
     fp8_math: bool = False  # its FLOPs run on FP8 tensor cores (a DSA indexer's scoring)
+    fp32_math: bool = False  # its FLOPs run at the FP32 rate (a model computing in float32)
     head_dim: float = 0.0  # the prefill kernel's head width ([AIC-ATTN]); 0: no such kernel
 
     def attended(self, context: NDArray[np.float64]) -> NDArray[np.float64]:
@@ -130,6 +131,7 @@ def _attention_kind(model: ModelSpec, op: OperatorSpec, tp: int, count: int) -> 
         kv_bytes_fixed=op.state_bytes_fixed * state,
         weight_bytes=op.weight_bytes * share,
         head_dim=float(model.arch.head_dim),  # MLA's prefill: nope + rope
+        fp32_math=op.fp32_math,
     )
 
 
@@ -295,13 +297,16 @@ class EngineStepCost:
             num_bytes = requests * kind.bytes_per_request + summed * kind.bytes_per_attended
             num_bytes = num_bytes + (kind.weight_bytes if requests or chunks else 0.0)
             flops = requests * kind.flops_per_token + summed * kind.flops_per_attended
-            rate = (hw.effective_fp8_flops or hw.effective_flops) if kind.fp8_math else None
+            if kind.fp8_math:
+                rate = hw.effective_fp8_flops or hw.effective_flops
+            else:
+                rate = hw.effective_fp32_flops if kind.fp32_math else hw.effective_flops
             # the prompt's attention at the prefill kernels' measured fraction of the rate (a
             # DSA indexer's FP8 scoring has no such kernel: head_dim 0, the whole rate)
             prefill = prefill_attention_fraction(kind.head_dim, hw)
             seconds = np.maximum(
                 (num_bytes + pre_bytes) / hw.effective_bandwidth,
-                (flops + pre_flops + pair_flops / prefill) / (rate or hw.effective_flops),
+                (flops + pre_flops + pair_flops / prefill) / rate,
             )
             total = total + kind.count * seconds + kind.fixed_s
         return total

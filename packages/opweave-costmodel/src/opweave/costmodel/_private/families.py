@@ -107,8 +107,11 @@ def model_spec_from_config(
         )
         precision = precision.model_copy(update={"source": source})
     builder = _Builder(arch, _DTYPE_BYTES[arch.dtype])
-    layers = tuple(quantize_layer(builder.layer(i), precision) for i in range(arch.num_layers))
-    post_ops = quantize_ops(builder.post_ops(), precision)
+    layers = tuple(
+        _math_dtype(quantize_layer(builder.layer(i), precision), arch.dtype)
+        for i in range(arch.num_layers)
+    )
+    post_ops = _math_ops(quantize_ops(builder.post_ops(), precision), arch.dtype)
     if (
         precision.method == "modelopt-mixed"
         and not any(op.weight_format for layer in layers for op in layer.ops)
@@ -133,7 +136,7 @@ def model_spec_from_config(
         vocab_size=arch.vocab_size,
         num_layers=len(layers),
         max_context_tokens=arch.max_position_embeddings,
-        pre_ops=quantize_ops(builder.pre_ops(), precision),
+        pre_ops=_math_ops(quantize_ops(builder.pre_ops(), precision), arch.dtype),
         layers=layers,
         post_ops=post_ops,
         block=partition_block(layers),
@@ -156,6 +159,18 @@ def _encoders(config: Mapping[str, Any]) -> tuple[str, ...]:
             and any(word in key for word in ("vision", "audio", "visual", "image", "video"))
         )
     )
+
+
+def _math_ops(ops: tuple[OperatorSpec, ...], dtype: str) -> tuple[OperatorSpec, ...]:
+    """``ops`` computing in ``dtype``: float32 math runs at the device's FP32 rate."""
+    if dtype != "float32":
+        return ops
+    return tuple(op.model_copy(update={"fp32_math": True}) for op in ops)
+
+
+def _math_dtype(layer: LayerSpec, dtype: str) -> LayerSpec:
+    ops = _math_ops(layer.ops, dtype)
+    return layer if ops is layer.ops else layer.model_copy(update={"ops": ops})
 
 
 class _Builder:

@@ -33,6 +33,13 @@ Sources, cited once here and by key below:
   [DS-RTXP6K] NVIDIA RTX PRO 6000 Blackwell Server Edition product page (nvidia.com/en-us/
   data-center/rtx-pro-6000-blackwell-server-edition): 96 GB GDDR7, 1,597 GB/s, FP4 4 PFLOPS,
   FP8 2 PFLOPS, FP16/BF16 1 PFLOPS (with sparsity), PCIe Gen5 x16, no NVLink, up to 600 W.
+  [DS-FP32] FP32 without tensor cores (CUDA cores; vector units on the MI300X), which a float32
+  model's math runs at (``HardwareSpec.fp32_flops_per_s``), per GPU: H100 SXM 67 and PCIe 51
+  [DS-H100]; H200 67 [DS-H200]; H20 44 as listed at launch [DS-H20]; A100 19.5 [DS-A100]; L40S
+  91.6 [DS-L40S]; L4 30.3 [DS-L4]; RTX PRO 6000 120 [DS-RTXP6K]; B200 and B300 75 (NVIDIA
+  Blackwell Technical Brief, table 3; HGX B200 and B300: 600 TFLOPS per 8 GPUs); GB200 5,760
+  and GB300 6,000 (rounded, "6 PFLOPS") TFLOPS per 72 GPUs [DS-GB200] [DS-GB300]; MI300X 163.4
+  TFLOPS (AMD CDNA 3 white paper, endnote MI300-11).
   [MLPERF-GB200] MLPerf Inference v6.1 system description
   GB200-NVL72_GB200-186GB_aarch64x16_Dynamo (Crusoe): 186 GB per GPU, 4 GPUs per node (a
   compute tray), 4x BlueField-3 (ConnectX-7) NICs per 4-GPU node, NVLink across trays
@@ -120,6 +127,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=81559 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=3.35 * TB,  # [DS-H100]
         dense_flops_per_s=989 * TFLOPS,  # [DS-H100]
+        fp32_flops_per_s=67 * TFLOPS,  # [DS-H100] SXM column: FP32, no tensor cores
         fp8_flops_per_s=1979 * TFLOPS,  # [DS-H100] 3,958 sparse
         intra_node_link="NVLink 4",
         intra_node_bandwidth_bytes_per_s=450 * GB,
@@ -140,6 +148,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=143771 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=4.8 * TB,  # [DS-H200]
         dense_flops_per_s=989 * TFLOPS,
+        fp32_flops_per_s=67 * TFLOPS,  # [DS-H200]: FP32, no tensor cores
         fp8_flops_per_s=1979 * TFLOPS,  # [DS-H200]
         intra_node_link="NVLink 4",
         intra_node_bandwidth_bytes_per_s=450 * GB,
@@ -159,6 +168,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=97871 * MIB,  # [SMI]; [DS-H20]: 96 GB
         mem_bandwidth_bytes_per_s=4.0 * TB,  # [DS-H20]
         dense_flops_per_s=148 * TFLOPS,  # [DS-H20]
+        fp32_flops_per_s=44 * TFLOPS,  # [DS-H20]: FP32, no tensor cores
         fp8_flops_per_s=296 * TFLOPS,  # [DS-H20]
         intra_node_link="NVLink 4",
         intra_node_bandwidth_bytes_per_s=450 * GB,  # [DS-H20] 900 GB/s both directions
@@ -178,6 +188,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=81920 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=2.039 * TB,  # [DS-A100]
         dense_flops_per_s=312 * TFLOPS,  # [DS-A100]; no FP8 tensor cores
+        fp32_flops_per_s=19.5 * TFLOPS,  # [DS-A100]: FP32, no tensor cores
         intra_node_link="NVLink 3",
         intra_node_bandwidth_bytes_per_s=300 * GB,
         network_bandwidth_bytes_per_s=25 * GB,  # [NIC] HDR 200 Gb/s
@@ -196,6 +207,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=40960 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=1.555 * TB,  # [DS-A100]
         dense_flops_per_s=312 * TFLOPS,
+        fp32_flops_per_s=19.5 * TFLOPS,  # [DS-A100]: FP32, no tensor cores
         intra_node_link="NVLink 3",
         intra_node_bandwidth_bytes_per_s=300 * GB,
         network_bandwidth_bytes_per_s=25 * GB,
@@ -213,6 +225,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=81559 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=2.0 * TB,  # [DS-H100] PCIe
         dense_flops_per_s=756 * TFLOPS,
+        fp32_flops_per_s=51 * TFLOPS,  # [DS-H100] PCIe column: FP32, no tensor cores
         fp8_flops_per_s=1513 * TFLOPS,  # [DS-H100] PCIe, 3,026 sparse
         intra_node_link="PCIe Gen5 x16",
         intra_node_bandwidth_bytes_per_s=64 * GB,
@@ -228,6 +241,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=46068 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=0.864 * TB,  # [DS-L40S]
         dense_flops_per_s=362.05 * TFLOPS,
+        fp32_flops_per_s=91.6 * TFLOPS,  # [DS-L40S]: FP32, no tensor cores
         fp8_flops_per_s=733 * TFLOPS,  # [DS-L40S] 1,466 sparse
         intra_node_link="PCIe Gen4 x16",
         intra_node_bandwidth_bytes_per_s=32 * GB,
@@ -249,6 +263,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=23034 * MIB,  # [SMI]
         mem_bandwidth_bytes_per_s=0.3 * TB,  # [DS-L4]
         dense_flops_per_s=121 * TFLOPS,
+        fp32_flops_per_s=30.3 * TFLOPS,  # [DS-L4]: FP32, no tensor cores
         fp8_flops_per_s=242.5 * TFLOPS,  # [DS-L4] 485 sparse
         intra_node_link="PCIe Gen4 x16",
         intra_node_bandwidth_bytes_per_s=32 * GB,
@@ -269,6 +284,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=97887 * MIB,  # [SMI]; [DS-RTXP6K]: 96 GB
         mem_bandwidth_bytes_per_s=1.597 * TB,  # [DS-RTXP6K]
         dense_flops_per_s=500 * TFLOPS,  # [DS-RTXP6K] 1 PFLOPS sparse
+        fp32_flops_per_s=120 * TFLOPS,  # [DS-RTXP6K]: FP32, no tensor cores
         fp8_flops_per_s=1000 * TFLOPS,  # [DS-RTXP6K] 2 PFLOPS sparse
         fp4_flops_per_s=2000 * TFLOPS,  # [DS-RTXP6K] 4 PFLOPS sparse
         # PCIe only, no NVLink [DS-RTXP6K]: Gen5 x16, 128 GB/s both directions.
@@ -291,6 +307,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=183359 * MIB,  # [SMI]; [DS-B200]: 180 GB
         mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-B200]
         dense_flops_per_s=2250 * TFLOPS,  # [DS-B200] 36 PFLOPS sparse / 8 / 2
+        fp32_flops_per_s=75 * TFLOPS,  # [DS-FP32]: FP32, no tensor cores
         fp8_flops_per_s=4500 * TFLOPS,  # [DS-B200] 72 / 8 / 2
         fp4_flops_per_s=9000 * TFLOPS,  # [DS-B200] 144 / 8 / 2
         intra_node_link="NVLink 5",
@@ -311,6 +328,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=275040 * MIB,  # [SMI]; [DS-B300]: 288 GB (2.3 TB / 8)
         mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-B300]
         dense_flops_per_s=2250 * TFLOPS,  # [DS-B300] 36 PFLOPS sparse / 8 / 2
+        fp32_flops_per_s=75 * TFLOPS,  # [DS-FP32]: FP32, no tensor cores
         fp8_flops_per_s=4500 * TFLOPS,  # [DS-B300] 72 / 8 / 2
         fp4_flops_per_s=13125 * TFLOPS,  # [DS-B300] 105 PFLOPS dense / 8
         intra_node_link="NVLink 5",
@@ -331,6 +349,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=189471 * MIB,  # [SMI]; [DS-GB200] [MLPERF-GB200]: 186 GB
         mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-GB200] 576 TB/s / 72
         dense_flops_per_s=2500 * TFLOPS,  # [DS-GB200] 360 PFLOPS sparse / 72 / 2
+        fp32_flops_per_s=5760 / 72 * TFLOPS,  # [DS-GB200] FP32 5,760 TFLOPS per 72 GPUs
         fp8_flops_per_s=5000 * TFLOPS,  # [DS-GB200] 720 / 72 / 2
         fp4_flops_per_s=10000 * TFLOPS,  # [DS-GB200] 1,440 / 72 / 2
         # One NVLink domain of 72 GPUs over 18 compute trays of 4 [DS-GB200] [MLPERF-GB200].
@@ -356,6 +375,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=284208 * MIB,  # [SMI]; [DS-GB300]: 288 GB
         mem_bandwidth_bytes_per_s=8.0 * TB,  # [DS-GB300] 576 TB/s / 72
         dense_flops_per_s=2500 * TFLOPS,  # [DS-GB300] 360 PFLOPS sparse / 72 / 2
+        fp32_flops_per_s=6000 / 72 * TFLOPS,  # [DS-GB300] FP32 6 PFLOPS per 72 GPUs
         fp8_flops_per_s=5000 * TFLOPS,  # [DS-GB300] 720 / 72 / 2
         fp4_flops_per_s=15000 * TFLOPS,  # [DS-GB300] 1,080 PFLOPS dense / 72
         intra_node_link="NVLink 5 (NVL72)",
@@ -377,6 +397,7 @@ BUILTIN_GPUS: tuple[HardwareSpec, ...] = (
         memory_bytes=206141652992,  # [SMI] (rocm-smi, in bytes)
         mem_bandwidth_bytes_per_s=5.3 * TB,  # [DS-MI300X]
         dense_flops_per_s=1307.4 * TFLOPS,
+        fp32_flops_per_s=163.4 * TFLOPS,  # [DS-MI300X]: FP32, no tensor cores
         fp8_flops_per_s=2614.9 * TFLOPS,  # [DS-MI300X] 5,229.8 sparse
         # 7 xGMI links x 64 GB/s per direction.
         intra_node_link="Infinity Fabric (xGMI)",

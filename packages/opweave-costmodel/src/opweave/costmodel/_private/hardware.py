@@ -83,6 +83,13 @@ class HardwareSpec(FileSchema):
         default=None,
         description="Datasheet dense FP4 (NVFP4/MXFP4) tensor peak; None: no FP4 tensor cores.",
     )
+    fp32_flops_per_s: _Flops | None = Field(
+        default=None,
+        description="Datasheet FP32 peak without tensor cores (CUDA cores; AMD's vector "
+        "units), which a float32 model's math runs at: vLLM's float32 matmul precision is "
+        "'highest' (no TF32) unless VLLM_FLOAT32_MATMUL_PRECISION says otherwise. None: the "
+        "dense rate (a device measured in float32, such as a CPU profile's).",
+    )
     intra_node_link: str = ""
     intra_node_bandwidth_bytes_per_s: _Rate = Field(description="Per direction.")
     intra_node_latency_s: _Seconds = 4 * US
@@ -225,6 +232,11 @@ class HardwareSpec(FileSchema):
     @property
     def effective_flops(self) -> float:
         return self.dense_flops_per_s * self.compute_efficiency
+
+    @property
+    def effective_fp32_flops(self) -> float:
+        """Achievable float32 rate: the FP32 peak (else the dense one) at compute_efficiency."""
+        return (self.fp32_flops_per_s or self.dense_flops_per_s) * self.compute_efficiency
 
     @property
     def effective_fp8_flops(self) -> float | None:

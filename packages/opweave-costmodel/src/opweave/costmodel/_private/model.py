@@ -191,6 +191,11 @@ class OperatorSpec(Frozen):
         "that run at the weight format's rate).",
     )
     tied_to: str | None = Field(default=None, description="Key of a weight shared with another op.")
+    fp32_math: bool = Field(
+        default=False,
+        description="Its math runs in float32 (a model computing in float32), at the device's "
+        "FP32 rate (HardwareSpec.fp32_flops_per_s) instead of its dense tensor rate.",
+    )
 
     def alone(self) -> OperatorSpec:
         """This operator as it runs by itself on the main stream (as a profiler times it, or

@@ -393,9 +393,12 @@ def gemm_rate(fmt: str, hw: HardwareSpec, method: str = "", math: str = "bf16") 
     rate = getattr(hw, field) if field else None
     if rate is not None:
         return GemmRate(flops_per_s=rate, path=path)
-    dense = hw.dense_flops_per_s * hw.compute_efficiency
+    if fmt == "fp32":
+        where = "no tensor cores" if hw.fp32_flops_per_s else "the device's dense rate"
+        return GemmRate(flops_per_s=hw.effective_fp32_flops, path=f"fp32 math ({where})")
     if fmt in UNQUANTISED.values():
-        return GemmRate(flops_per_s=dense, path=f"{fmt} tensor cores")
+        return GemmRate(flops_per_s=hw.effective_flops, path=f"{fmt} tensor cores")
+    dense = hw.effective_fp32_flops if math == "fp32" else hw.effective_flops
     return GemmRate(
         flops_per_s=dense, path=f"weight-only: {fmt} weights dequantised to {math} math"
     )

@@ -241,7 +241,7 @@ def compute_s(
     (BF16 math; its FLOPs stay at the dense rate), as vLLM's paged-attention kernels do for
     ``kv_cache_dtype=fp8``.
     """
-    dense = hw.effective_flops
+    dense = hw.effective_fp32_flops if op.fp32_math else hw.effective_flops
     width = expert_channels(op, share) if channels is None else channels
     fraction = grouped_gemm_fraction(op, hw, width)
     if op.weight_format is None or not op.quantized_flops_per_token:
@@ -258,4 +258,10 @@ def gemm_flops_per_s(model: ModelSpec, hw: HardwareSpec) -> float:
     ops = [o for o in model.operators if o.name != "core_attn" and o.flops_per_token]
     flops = sum(o.flops_per_token for o in ops)
     seconds = sum(compute_s(o, hw, o.flops_per_token, 1.0, 1.0) for o in ops)
-    return flops / seconds if seconds else hw.effective_flops
+    return flops / seconds if seconds else compute_rate(model, hw)
+
+
+def compute_rate(model: ModelSpec, hw: HardwareSpec) -> float:
+    """The dense rate ``model``'s unquantised math runs at on ``hw``: its FP32 rate for a model
+    computing in float32, else its dense tensor rate."""
+    return hw.effective_fp32_flops if model.dtype == "float32" else hw.effective_flops
