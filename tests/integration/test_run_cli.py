@@ -482,6 +482,5 @@ def test_prefill_replicas_with_a_plan_file_is_one_error_line(tmp_path, capsys, t
     )  # fmt: skip
     assert code == 2
     assert err.strip().splitlines() == [
-        "error: Invalid value: --prefill-replicas applies to --strategy; a plan file names its "
-        "own prefill pool"
+        "error: --prefill-replicas applies to --strategy; a plan file names its own prefill pool"
     ]

@@ -160,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     except typer.TyperException as exc:  # usage errors: bad or missing options
         if debug:
             raise
-        print(f"error: {_error(exc.format_message())}", file=sys.stderr)
+        # click words a check inside a command "Invalid value: ..."; the message says what
+        print(f"error: {_error(exc.format_message().removeprefix('Invalid value: '))}",
+              file=sys.stderr)  # fmt: skip
         return 2
     except typer.Exit as exc:
         return exc.exit_code

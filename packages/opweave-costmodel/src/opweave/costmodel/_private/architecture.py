@@ -51,6 +51,12 @@ class RopeSpec(Frozen):
     truncate: bool = Field(
         default=True, description="YaRN rounds its ramp's band edges outwards (gpt-oss: false)."
     )
+    attention_factor: float | None = Field(
+        default=None,
+        gt=0,
+        description="What YaRN multiplies cos and sin by, as given (transformers' "
+        "attention_factor); None: from factor, mscale and mscale_all_dim.",
+    )
 
     @model_validator(mode="after")
     def _llama3_band(self) -> RopeSpec:
@@ -409,6 +415,15 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
             f"partial_rotary_factor: expected a number in (0, 1], got {show(partial)}"
         )
     rotary_dim = getattr(cfg, "rotary_dim", None)
+    own = family.schema.model_fields["partial_rotary_factor"].default is not None
+    if not own and family.flags.attention != "mla" and rotary_dim is None:
+        given = [partial, *(v.get("partial_rotary_factor") for v in (params, *nested.values()))]
+        part = next((f for f in given if f is not None and f != 1), None)
+        if part is not None:
+            raise ConfigError(
+                f"partial_rotary_factor: {family.name} models rotate the whole head (as "
+                f"transformers implements them); a factor of {show(part)} is not supported"
+            )
     if partial is None and rotary_dim is not None:
         # MiniMax-M2 rotates the first rotary_dim channels of each head (vLLM minimax_m2.py)
         partial = rotary_dim / head_dim
@@ -459,7 +474,7 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
 
 # RopeSpec field -> the config key it comes from
 _ROPE_KEYS = {"theta": "rope_theta"}
-_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate")
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor")
 
 
 def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tuple[int, ...]]:
@@ -509,6 +524,12 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
         shared = cfg.shared_expert_intermediate_size
     elif flags.shared_experts == "n_shared":
         shared = cfg.n_shared_experts * cfg.moe_intermediate_size
+    if flags.router_score_bias == "use_routing_bias" and not cfg.use_routing_bias:
+        raise ConfigError(
+            "use_routing_bias: false is not supported: transformers' MiniMax-M2 adds the "
+            "router's e_score_correction_bias whatever the key says and vLLM leaves it out, so "
+            "the model is ambiguous; set it to true (as released checkpoints do) or remove it"
+        )
     spec = ExpertsSpec(
         num_experts=experts,
         top_k=top_k,

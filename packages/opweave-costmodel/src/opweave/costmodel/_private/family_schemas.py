@@ -437,7 +437,9 @@ class MiniMaxM2Config(_RoutedExperts):
     num_experts_per_tok: Experts = 8
     rotary_dim: OptWidth = None  # None: the whole head rotates
     scoring_func: Str = "sigmoid"
-    use_routing_bias: Flag = False
+    # absent: applied, as every released checkpoint sets it and transformers' MiniMaxM2 (whose
+    # config has no such key) always applies it; false is refused (architecture._experts)
+    use_routing_bias: Flag = True
 
 
 __all__ = [

@@ -128,11 +128,27 @@ def load_model(
     >>> round(load_model("qwen3-32b", quant="fp8").weight_bytes / 1e9, 1)  # 65.5 GB in bf16
     34.3
     """
-    return _load_model(str(model), dtype, quant, kv_cache_dtype)
+    return _load_model(str(model), dtype, quant, kv_cache_dtype, _stamp(model))
+
+
+def _stamp(model: str | Path) -> tuple[int, int] | None:
+    """When and how large a model path's config files were last written, so that the cache
+    below reads a config again once it changes (``None``: a built-in name or no such path)."""
+    if str(model) in BUILTIN_MODELS:
+        return None
+    path = Path(model)
+    files = [path / "config.json", path / "hf_quant_config.json"] if path.is_dir() else [path]
+    stats = [f.stat() for f in files if f.is_file()]
+    if not stats:
+        return None
+    return (max(s.st_mtime_ns for s in stats), sum(s.st_size for s in stats))
 
 
 @lru_cache(maxsize=32)
-def _load_model(model: str, dtype: str | None, quant: str | None, kv: str) -> ModelSpec:
+def _load_model(
+    model: str, dtype: str | None, quant: str | None, kv: str, stamp: tuple[int, int] | None
+) -> ModelSpec:
+    del stamp  # part of the cache key only
     precision = {"quant": quant, "kv_cache_dtype": kv}
     if model in BUILTIN_MODELS:
         return model_spec_from_config(builtin_config(model), name=model, dtype=dtype, **precision)

@@ -264,6 +264,7 @@ def run_plan(
 
     from .graph import check_runtime_support
     from .placement import check_plan, plan_model, total_ranks
+    from .stop_tokens import stop_token_ids
 
     options = options or RunOptions()
     topology = topology or Topology()
@@ -289,7 +290,7 @@ def run_plan(
         torchrun=torchrun is not None,
     )
     try:
-        driver = OfflineDriver(cluster, requests, model.arch.eos_token_ids)
+        driver = OfflineDriver(cluster, requests, stop_token_ids(model.arch, model_dir))
         driver.run()
         wall_s = time.perf_counter() - (driver.started or time.perf_counter())
         stats = cluster.shutdown()

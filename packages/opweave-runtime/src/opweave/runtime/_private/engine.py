@@ -19,6 +19,7 @@ from ..errors import RequestStateError
 from .inprocess import InProcessCluster
 from .options import DecodeStep, Kernels
 from .stepping import StepDriver, StepItem
+from .stop_tokens import stop_token_ids
 
 UNBOUNDED_RUNNING = 256  # slots of a LocalModel without max_running: requests past it wait
 
@@ -89,6 +90,7 @@ class LocalModel:
         # what runs on another library's kernels, "<layer>.<operator>[.<part>]:<kernel>" each
         self.kernels = self.module.kernels
         self.arch = self.module.arch
+        self.stop_token_ids = stop_token_ids(self.arch, model_dir)
         self.device = torch.device(device)
         self.max_running = max_running
         self.waiting: deque[Generation] = deque()
@@ -105,7 +107,8 @@ class LocalModel:
     ) -> str:
         """Queue a request; it joins the batch at the next :meth:`step`.
 
-        Generation stops at ``max_new_tokens`` or a stop token (the config's EOS ids by default).
+        Generation stops at ``max_new_tokens`` or a stop token (by default the config's EOS ids
+        and those of its ``generation_config.json``).
         """
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
@@ -114,7 +117,7 @@ class LocalModel:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         if rid in self.running or any(g.request_id == rid for g in self.waiting):
             raise RequestStateError(f"request id {rid!r} is already in use")
-        stops = frozenset(self.arch.eos_token_ids if stop_token_ids is None else stop_token_ids)
+        stops = frozenset(self.stop_token_ids if stop_token_ids is None else stop_token_ids)
         self.waiting.append(Generation(rid, list(prompt_token_ids), max_new_tokens, stops))
         return rid
 

@@ -67,11 +67,14 @@ def _yarn_frequencies(rope: RopeSpec, dim: int) -> torch.Tensor:
 
 
 def attention_scaling(rope: RopeSpec) -> float:
-    """What YaRN multiplies cos and sin by: ``mscale(factor, mscale) / mscale(factor,
-    mscale_all_dim)`` when both are given (DeepSeek's, usually 1), else ``0.1 ln(factor) + 1``
-    (the paper's sqrt(1/t)); 1 for every other RoPE type."""
+    """What YaRN multiplies cos and sin by: ``attention_factor`` where the config gives it,
+    else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` when both are given
+    (DeepSeek's, usually 1), else ``0.1 ln(factor) + 1`` (the paper's sqrt(1/t)), as
+    transformers' ``_compute_yarn_parameters`` does; 1 for every other RoPE type."""
     if rope.rope_type != "yarn":
         return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
 
     def mscale(m: float) -> float:
         return 1.0 if rope.factor <= 1 else 0.1 * m * math.log(rope.factor) + 1.0
