@@ -155,7 +155,8 @@ def _print_summary(plan: Any, nodes: list[Any], output: Path, opts: Any, manifes
     for r, n in enumerate(nodes):
         typer.echo(f"  node {r}: {n.gpus} x {n.gpu}, ranks {n.ranks[0]}-{n.ranks[-1]}")
     typer.echo(
-        f"wrote {output}/nodes.json, {output}/launch/node-0..{len(nodes) - 1}.sh and "
+        f"wrote {output}/nodes.json, {output}/launch/"
+        f"{'node-0.sh' if len(nodes) == 1 else f'node-0..{len(nodes) - 1}.sh'} and "
         f"{output}/k8s/ ({manifests} manifests, image {opts.image}); the run's "
         f"secret is in {output}/run-secret and the API key clients must send in "
         f"{output}/api-key (keep both private)\n"

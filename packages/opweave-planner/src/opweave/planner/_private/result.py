@@ -567,7 +567,10 @@ class PlanResult:
         mean_b = _mean_batch(plan)
         best_b = _mean_batch(best)
         if mean_b < best_b:
-            why.append(f"smaller batches (mean {mean_b:.0f} vs {best_b:.0f})")
+            why.append(
+                f"smaller batches ({mean_b:.0f} vs {best_b:.0f} requests per replica, "
+                "mean over GPUs)"
+            )
         return ", ".join(why)
 
 
