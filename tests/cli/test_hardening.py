@@ -119,6 +119,9 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
         (("prediction", "tpot_s", -1.0), "prediction.tpot_s: Input should be greater than 0"),
         (("prediction", "usd_per_million_tokens", -5.0), "prediction.usd_per_million_tokens"),
         (("microbatches", None, 1), "microbatches: Value error, given twice; keep one"),
+        # deploy writes the name into shell scripts: a newline would end their comment
+        (("model", "name", "x\ntouch /tmp/owned\n#"), "model.name: String should match"),
+        (("model", "family", "bogus"), "'bogus' is not a supported family"),
     ],
 )
 def test_an_edited_plan_file(tmp_path: Path, tiny: Path, edit: tuple, message: str) -> None:
@@ -302,6 +305,19 @@ def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) 
         (  # MXFP4 quantises routed experts only, and this model has none
             {"quantization_config": {"quant_method": "mxfp4"}},
             "mxfp4 quantises routed experts only",
+        ),
+        (
+            {"quantization_config": {"quant_method": "fp8", "modules_to_not_convert": ["re:[("]}},
+            "module pattern 're:[(' is not a valid regular expression",
+        ),
+        (  # Python's matcher would backtrack for ever on a name it does not match
+            {
+                "quantization_config": {
+                    "quant_method": "fp8",
+                    "modules_to_not_convert": ["re:(.*)*x$"],
+                }
+            },
+            "repeats a group that itself repeats",
         ),
     ],
 )
@@ -487,3 +503,52 @@ def test_deploy_refuses_what_kubernetes_would_and_leaves_no_stale_node_groups(
     assert not (out / "launch" / "node-5.sh").exists()
     assert (out / "k8s" / "node-group-0.yaml").exists()
     assert (out / "k8s" / "secret.yaml").stat().st_mode & 0o077 == 0
+
+
+def test_a_deployment_refuses_a_model_name_that_would_break_its_scripts(tmp_path: Path) -> None:
+    from opweave.costmodel import canonical_plan, load_model
+
+    doc = json.loads(canonical_plan(load_model("qwen3-8b"), "colocated", gpu="h100", batch=4)
+                     .model_dump_json())  # fmt: skip
+    doc["model"]["name"] = "qwen3-8b\ntouch /tmp/owned\n#"
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    line = one_line_error(["deploy", str(path), *IMAGE, "-o", str(tmp_path / "d")])
+    assert "model.name" in line and not (tmp_path / "d").exists()
+    folder = tmp_path / "evil\ntouch x\n#"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    assert "holds control characters" in one_line_error(["estimate", str(folder), "--gpu", "h100"])
+
+
+def test_latencies_and_prices_beyond_reason_are_refused(tmp_path: Path, tiny: Path) -> None:
+    from opweave.costmodel import Profile
+
+    prof = tmp_path / "p.json"
+    assert invoke(["profile", "--model", str(tiny), "--device", "cpu", "--batches", "1",
+                   "--contexts", "8", "--no-transfer", "--no-orchestration", "--no-idle",
+                   "-o", str(prof), "-q"])[0] == 0  # fmt: skip
+    doc = json.loads(prof.read_text())
+    doc["ops"][0]["latency_s"] = [[1e-300]]
+    prof.write_text(json.dumps(doc))
+    assert "latencies must be seconds from 1e-9" in one_line_error(
+        ["estimate", str(tiny), "--gpu", "cpu", "--profile", str(prof)]
+    )
+    with pytest.raises(ValueError):
+        Profile.model_validate(doc)
+    hw = tmp_path / "hw.toml"
+    hw.write_text('[[gpus]]\nid = "h100"\nusd_per_hour = 1e-300\n')
+    assert "usd_per_hour" in one_line_error(["gpus", "--hardware", str(hw)])
+
+
+def test_a_closed_stdout_is_one_line_on_stderr() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "opweave.cli", "models"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        preexec_fn=lambda: os.close(1), check=False,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "error: standard output is closed; run with it open"

@@ -130,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
             # nohup SIGHUP)
             if signal.getsignal(sig) is not signal.SIG_IGN:
                 handlers[sig] = signal.signal(sig, _on_signal)
+    if sys.stdout is None:  # started with stdout closed (`opweave models >&-`)
+        if sys.stderr is not None:
+            print("error: standard output is closed; run with it open", file=sys.stderr)
+        return 2
     try:
         problem = empty_argument(args)
         if problem is not None:

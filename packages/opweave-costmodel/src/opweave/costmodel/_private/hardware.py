@@ -104,7 +104,7 @@ class HardwareSpec(FileSchema):
         description="GPUs one scale-up (NVLink) domain joins, across hosts in a rack-scale "
         "system such as GB200 NVL72; None: one node (gpus_per_node).",
     )
-    usd_per_hour: Annotated[float, Field(strict=True, gt=0, le=1e4)] | None = Field(
+    usd_per_hour: Annotated[float, Field(strict=True, ge=1e-4, le=1e4)] | None = Field(
         default=None, description="On-demand price per device-hour."
     )
     price_source: str = ""

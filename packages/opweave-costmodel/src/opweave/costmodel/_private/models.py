@@ -166,6 +166,11 @@ def _load_model(
     else:
         name = path.stem
     file = path / "config.json" if path.is_dir() else path
+    if not name.isprintable():
+        raise ConfigError(
+            f"{str(path)!r}: the model is named by its folder or file, and this name holds "
+            "control characters (a newline, ...); rename it"
+        )
     config = read_config(path)  # its errors name the file already
     quant_file = hf_quant_config_path(path)
     hf_quant = None if quant_file is None else read_hf_quant_config(quant_file)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..errors import ConfigError
 from .base import FileSchema, schema_version_field
@@ -18,6 +18,7 @@ from .hardware import HardwareCatalog, HardwareSpec
 from .model import ModelSpec, OpClass, OperatorSpec
 from .parallelism import MAX_GROUP_GPUS, Parallelism
 from .precision import WEIGHT_FORMATS, KvCacheDtype
+from .registry import SUPPORTED_FAMILIES
 
 PLAN_SCHEMA_VERSION = 1
 # A TP group runs an all-reduce per layer and stays within a node; wider replicas add
@@ -111,8 +112,22 @@ class Owner(FileSchema):
 
 
 class PlanModel(FileSchema):
-    name: str
-    family: str
+    name: str = Field(
+        min_length=1,
+        max_length=200,
+        pattern=r"^[^\x00-\x1f\x7f]+$",
+        description="The model's name (built-in, or its folder's): no control characters, "
+        "since deployment scripts and logs print it.",
+    )
+    family: str = Field(min_length=1, max_length=100, pattern=r"^[a-z0-9_]+$")
+
+    @field_validator("family")
+    @classmethod
+    def _known_family(cls, family: str) -> str:
+        if family not in SUPPORTED_FAMILIES:
+            raise ValueError(f"{family!r} is not a supported family")
+        return family
+
     num_layers: int = Field(ge=1)
     period_layers: int = Field(ge=1)
     prefix_layers: int = Field(

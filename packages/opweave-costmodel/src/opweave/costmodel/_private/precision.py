@@ -50,7 +50,7 @@ from typing import Literal, get_args
 
 from pydantic import Field
 
-from ..errors import UnsupportedPrecisionError
+from ..errors import ConfigError, UnsupportedPrecisionError
 from .base import Frozen
 from .hardware import HardwareSpec
 
@@ -258,6 +258,27 @@ def _normalise(pattern: str) -> str:
     return pattern
 
 
+# A group holding a repeat that is itself repeated, ``(.*)*``: Python's backtracking matcher
+# can take exponential time on a name it does not match.
+_NESTED_REPEAT = re.compile(r"\((?:[^()\\]|\\.)*[*+}](?:[^()\\]|\\.)*\)[*+{]")
+
+
+def _compile(pattern: str) -> re.Pattern[str]:
+    """A checkpoint's ``re:`` module pattern, compiled; a bad one is a :class:`ConfigError`."""
+    body = pattern[3:]
+    if _NESTED_REPEAT.search(body):
+        raise ConfigError(
+            f"module pattern {pattern!r} repeats a group that itself repeats, which can take "
+            "exponential time to match; simplify it"
+        )
+    try:
+        return re.compile(body)
+    except re.error as exc:
+        raise ConfigError(
+            f"module pattern {pattern!r} is not a valid regular expression ({exc})"
+        ) from None
+
+
 class _Patterns:
     """A list of module patterns, compiled once (checkpoints list hundreds)."""
 
@@ -267,7 +288,7 @@ class _Patterns:
         self.regex: list[re.Pattern[str]] = []
         for p in patterns:
             if p.startswith("re:"):
-                self.regex.append(re.compile(p[3:]))
+                self.regex.append(_compile(p))
             elif any(c in p for c in "*?["):
                 self.wild.append(_normalise(p))
             else:

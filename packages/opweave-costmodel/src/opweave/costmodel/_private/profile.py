@@ -30,6 +30,15 @@ def profile_key(op: OperatorSpec, layer: LayerSpec | None) -> str:
     return op.name if layer is None else f"{op.name}@{layer.attention.value}"
 
 
+# A measured latency lies between a GPU clock cycle (about a nanosecond) and an hour; outside,
+# a table is corrupt and would yield absurd throughputs.
+_LATENCY_RANGE = "latencies must be seconds from 1e-9 (a nanosecond) to 3600 (an hour)"
+
+
+def _plausible(seconds: float) -> bool:
+    return bool(np.isfinite(seconds)) and 1e-9 <= seconds <= 3600.0
+
+
 class OpLatencyTable(FileSchema):
     """Median latency of one operator at one TP degree over a batch x context grid."""
 
@@ -60,8 +69,8 @@ class OpLatencyTable(FileSchema):
             len(row) != len(self.contexts) for row in self.latency_s
         ):
             raise ValueError("latency_s must be a [batch][context] table")
-        if any(not (v > 0 and np.isfinite(v)) for row in self.latency_s for v in row):
-            raise ValueError("latencies must be positive and finite")
+        if any(not _plausible(v) for row in self.latency_s for v in row):
+            raise ValueError(_LATENCY_RANGE)
         return self
 
     def __call__(self, batch: float, context: float) -> float:
@@ -116,8 +125,8 @@ class CollectiveTable(FileSchema):
             raise ValueError("message_bytes must be distinct, increasing, from 1 to 2^50")
         if len(self.latency_s) != len(sizes):
             raise ValueError("latency_s must give one latency per message size")
-        if any(not (v > 0 and np.isfinite(v)) for v in self.latency_s):
-            raise ValueError("latencies must be positive and finite")
+        if any(not _plausible(v) for v in self.latency_s):
+            raise ValueError(_LATENCY_RANGE)
         return self
 
     def __call__(self, num_bytes: float) -> float:
