@@ -142,7 +142,8 @@ def test_corrupt_profile_files_are_one_line(tiny_model, quick_profile, tmp_path)
     doc = json.loads(good.read_text())
     doc["ops"][0]["latency_s"][0][0] = -1.0
     wrong.write_text(json.dumps(doc))
-    for path, what in ((broken, "json_invalid|Invalid JSON|EOF"), (wrong, "latencies must be seconds from 1e-9")):
+    cases = ((broken, "json_invalid|Invalid JSON|EOF"), (wrong, "latencies must be seconds from"))
+    for path, what in cases:
         for loader in (load_profile, lambda p: load_profiles([p])):
             with pytest.raises(ConfigError, match="is not a valid profile") as info:
                 loader(path)
