@@ -220,9 +220,12 @@ def _disaggregated(
     def budget(option: EngineOption) -> float | None:
         return None if slos.ttft_s is None else slos.ttft_s - handoffs[option]
 
+    def decode_sets(rate: float) -> int:
+        """Replica sets of the decode plan the requests holding slots at ``rate`` fill."""
+        return max(1, math.ceil(_holding(workload, rate, pred.tpot_s) / decode_plan.global_batch))
+
     def sized(rate: float) -> PrefillSizing | None:
-        sets = max(1, math.ceil(_holding(workload, rate, pred.tpot_s) / decode_plan.global_batch))
-        used = Pool.of_plan(decode_plan, sets, prices).gpus_by_type
+        used = Pool.of_plan(decode_plan, decode_sets(rate), prices).gpus_by_type
         return prefill.cheapest(options, rate, budget, lambda o: room_for(limits, used, o))
 
     # closed loop: the arrivals are the clients over each request's time, which the TTFT is
@@ -238,7 +241,7 @@ def _disaggregated(
     transfer, handoff = transfers[sizing.option], handoffs[sizing.option]
     if workload.concurrency is not None:
         rate = _arrivals(workload, sizing.estimate.ttft_s + handoff, decode_s)
-    sets = max(1, math.ceil(_holding(workload, rate, pred.tpot_s) / decode_plan.global_batch))
+    sets = decode_sets(rate)
     est = sizing.estimate
     dep = Deployment(
         kind=kind,
