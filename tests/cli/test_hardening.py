@@ -38,6 +38,12 @@ PLAN = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K"]
         ([*EST, "--isl", "0", "--osl", "1K", "--concurrency", "1"], "--isl '0' must be at least 1"),
         ([*EST, "--isl", "1K", "--osl", "-1", "--concurrency", "1"], "--osl '-1' is not a token"),
         ([*PLAN, "--tpot-slo-ms", "\u0665\u0660"], "--tpot-slo-ms takes positive numbers of ms"),
+        # not the memory: the count asked for (each owner holds a request per microbatch)
+        (
+            [*PLAN, "--tpot-slo-ms", "50", "--microbatches", "1000"],
+            "at context 8192 with 1000 microbatches: no owner configuration holds its weights "
+            "and the state of 1000 requests; lower --microbatches",
+        ),
         ([*EST, "--context", "99999999999K"], "is more than 2147483648 tokens"),
         ([*EST, "--batch", "9" * 400], "--batch"),
         ([*EST, "--context", "64K"], "beyond qwen3-32b's context of 40960 tokens"),
@@ -122,6 +128,9 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
         # deploy writes the name into shell scripts: a newline would end their comment
         (("model", "name", "x\ntouch /tmp/owned\n#"), "model.name: String should match"),
         (("model", "family", "bogus"), "'bogus' is not a supported family"),
+        # simulate costed an unknown format as the checkpoint's own
+        (("model", "quant", "bogus"), "model.quant: Value error, 'bogus' is not a weight format"),
+        (("model", "quant", "fp8+bf16"), "join distinct formats in sorted order"),
     ],
 )
 def test_an_edited_plan_file(tmp_path: Path, tiny: Path, edit: tuple, message: str) -> None:
@@ -319,6 +328,11 @@ def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) 
             },
             "repeats a group that itself repeats",
         ),
+        (
+            {"rope_scaling": {"rope_type": "bogus", "factor": 4.0}},
+            "rope_scaling.rope_type (full_attention layers): rope_type 'bogus' is none that "
+            "transformers or vLLM know",
+        ),
     ],
 )
 def test_config_fields(write_config, edit: dict, message: str) -> None:
@@ -339,6 +353,10 @@ def test_config_fields(write_config, edit: dict, message: str) -> None:
             '{"isl": {"kind": "uniform", "high_tokens": 3000}, "osl": 200, "concurrency": 4}',
             "isl: a uniform length needs integer low_tokens and high_tokens",
         ),
+        (
+            '{"schema_version": "1", "isl": 100, "osl": 200, "concurrency": 4}',
+            'schema_version must be the integer 1, not the string "1"; write "schema_version": 1',
+        ),
     ],
 )
 def test_workload_file_values(tmp_path: Path, text: str, message: str) -> None:
@@ -347,6 +365,27 @@ def test_workload_file_values(tmp_path: Path, text: str, message: str) -> None:
     path = tmp_path / "w.json"
     path.write_text(text)
     assert message in one_line_error([*EST, "--workload", str(path)])
+
+
+def test_an_slo_in_exponent_notation_is_the_number_it_spells() -> None:
+    results = []
+    for slo in ("50", "5e1", "0.5E2", "50.0"):
+        code, out, err, _ = invoke([*PLAN, "--tpot-slo-ms", slo, "--json"])
+        assert code == 0, err
+        results.append(json.loads(out)["best"])
+    assert all(r == results[0] for r in results)
+
+
+def test_a_workload_file_may_carry_its_schema_version(tmp_path: Path) -> None:
+    """As OpWeave's other files do: the same estimate with or without it."""
+    path = tmp_path / "w.toml"
+    path.write_text("isl = 1000\nosl = 200\nconcurrency = 4\n")
+    code, plain, err, _ = invoke([*EST, "--workload", str(path), "--json"])
+    assert code == 0, err
+    path.write_text("schema_version = 1\nisl = 1000\nosl = 200\nconcurrency = 4\n")
+    code, versioned, err, _ = invoke([*EST, "--workload", str(path), "--json"])
+    assert code == 0, err
+    assert json.loads(versioned) == json.loads(plain)
 
 
 def test_work_and_files_a_plan_is_asked_for(tmp_path: Path) -> None:
@@ -552,3 +591,62 @@ def test_a_closed_stdout_is_one_line_on_stderr() -> None:
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == "error: standard output is closed; run with it open"
+
+
+def test_a_plans_strategy_and_its_owners_agree(tmp_path: Path, tiny: Path) -> None:
+    """A plan labelled colocated with three owners was simulated as a pipeline under that
+    label; AFD and CAD have two owners."""
+    from opweave.costmodel import canonical_plan, load_model
+
+    plan = canonical_plan(load_model(tiny), "colocated", gpu="h100", batch=4)
+    doc = json.loads(plan.model_dump_json())
+    doc["owners"] *= 3
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    line = one_line_error(["simulate", str(path), "--model", str(tiny)])
+    assert "colocated plans have 1 owner, this one 3; label a plan of other owners opweave" in line
+    doc = json.loads(canonical_plan(load_model(tiny), "afd", gpu="h100", batch=4).model_dump_json())
+    doc["owners"] = doc["owners"][:1]
+    path.write_text(json.dumps(doc))
+    line = one_line_error(["simulate", str(path), "--model", str(tiny)])
+    assert "afd plans have 2 owners, this one 1" in line, line
+
+
+def test_a_quantisation_config_that_is_not_a_file(tiny: Path) -> None:
+    """An hf_quant_config.json that is a folder was passed over: the model was costed as
+    unquantised."""
+    (tiny / "hf_quant_config.json").mkdir()
+    line = one_line_error(["estimate", str(tiny), "--gpu", "h100"])
+    assert line == (
+        f"error: {tiny / 'hf_quant_config.json'} is not a readable file; ModelOpt's "
+        "quantisation config must be its JSON file (remove it if the checkpoint is not "
+        "quantised)"
+    )
+
+
+def test_deploy_refuses_a_plan_that_cannot_run(tmp_path: Path) -> None:
+    """An edited plan of a built-in model whose cut is past the block, or whose owners' GPUs
+    hold less than it needs: deploy wrote its scripts; simulate refused it."""
+    from opweave.costmodel import canonical_plan, load_model
+
+    plan = canonical_plan(load_model("qwen3-32b"), "colocated", gpu="h100", batch=64, tp=8)
+    good = json.loads(plan.model_dump_json())
+    path, out = tmp_path / "plan.json", tmp_path / "d"
+    for edit, message in (
+        (lambda d: d["template"].update(cuts=[1000]), "template cut 1000 is past the block's"),
+        (
+            lambda d: d.update(
+                context_tokens=40960, owners=[{**d["owners"][0], "resident_batch": 4096}]
+            ),
+            "needs ",
+        ),
+    ):
+        doc = json.loads(json.dumps(good))
+        edit(doc)
+        path.write_text(json.dumps(doc))
+        line = one_line_error(["deploy", str(path), *IMAGE, "-o", str(out)])
+        assert message in line, line
+        assert not out.exists()
+    path.write_text(json.dumps(good))
+    code, _, err, _ = invoke(["deploy", str(path), *IMAGE, "-o", str(out)])
+    assert code == 0, err

@@ -62,11 +62,15 @@ def test_deploy_lays_nodes_out_with_the_planned_node_size(tmp_path: Path) -> Non
     doc = json.loads(plan_file.read_text())
     owner = doc["owners"][0]
     assert doc["hardware"][0]["gpus_per_node"] == 2 and owner["tp"] <= 2
-    doc["owners"] = [{**owner, "replicas": 2}]  # two replica sets: more GPUs than one node
+    # twice the replica sets: more GPUs than one node
+    doc["owners"] = [{**o, "replicas": 2 * o["replicas"]} for o in doc["owners"]]
     plan_file.write_text(json.dumps(doc))
     out, _ = _ok(["deploy", str(plan_file), "-o", str(tmp_path / "dep"), *IMAGE, "--json"])
     nodes = json.loads(out)["nodes"]
-    assert sum(n["gpus"] for n in nodes) == 2 * owner["tp"] * len(doc["owners"])
+    assert sum(n["gpus"] for n in nodes) == sum(
+        o["replicas"] * o["tp"] * o["dp"] for o in doc["owners"]
+    )
+    assert sum(n["gpus"] for n in nodes) > 2
     assert max(n["gpus"] for n in nodes) <= 2  # the built-in h100-sxm has 8 per node
 
 

@@ -321,7 +321,7 @@ def test_weight_only_experts_dispatch_their_bf16_activations() -> None:
         ({"quantized_layers": {"lm_head": "FP8"}}, "quantized_layers.lm_head: expected an object"),
         (
             {"quantized_layers": {"visual.blocks.0.attn.qkv": {"quant_algo": "FP8"}}},
-            "none of its quantized_layers is a linear of this qwen3 model",
+            "it quantises none of this qwen3 model's linears \\(none of its quantized_layers",
         ),
         ({"kv_cache_scheme": "INT8"}, r"quantization_config.kv_cache_scheme 'INT8'"),
     ],
@@ -640,6 +640,39 @@ def test_compressed_tensors_ignore_and_kv_scheme() -> None:
     assert formats[(1, "down_proj")] is None  # ignored
     assert spec.precision.kv_cache_dtype == "fp8"
     assert spec.block.period_layers == 2  # layer 1 differs from layer 0 now
+
+
+def _ct_groups(**groups: list[str]) -> dict[str, Any]:
+    """compressed-tensors config groups: an INT4 group-16 W4A16 group per name, on its
+    targets (``w8``: an FP8 group)."""
+    int4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16}
+    fp8 = {"num_bits": 8, "type": "float", "strategy": "tensor"}
+    return {
+        "quant_method": "compressed-tensors",
+        "config_groups": {
+            name: {"targets": targets, "weights": fp8 if name.startswith("w8") else int4}
+            for name, targets in groups.items()
+        },
+    }
+
+
+def test_a_compressed_tensors_group_targeting_no_linear_of_the_model() -> None:
+    """A group that names none of the model's linears (a vision tower's) leaves the label:
+    the weights are what the groups that apply store. Groups that together quantise nothing
+    are refused: the config does not describe these weights (before: labelled int4-wo, and
+    costed as bf16 bytes)."""
+    partly = _ct_groups(w8=["Linear"], w4=["re:visual\\..*"])
+    spec = model_spec_from_config(dict(TINY, quantization_config=partly))
+    assert spec.precision.quant == "fp8"
+    # every linear fp8 but lm_head, which compressed-tensors leaves in bf16
+    formats = {op.name: op.weight_format for op in spec.operators if op.linears}
+    assert formats.pop("lm_head") is None and set(formats.values()) == {"fp8"}
+    for groups in (_ct_groups(w4=["Conv2d"]), _ct_groups(w4=["re:visual\\..*"])):
+        with pytest.raises(ConfigError, match="it quantises none of this qwen3 model's linears"):
+            model_spec_from_config(dict(TINY, quantization_config=groups))
+    everything = _ct_groups(w4=["Linear"]) | {"ignore": ["re:.*"]}
+    with pytest.raises(ConfigError, match="or its ignore list holds them all"):
+        model_spec_from_config(dict(TINY, quantization_config=everything))
 
 
 @pytest.mark.parametrize(

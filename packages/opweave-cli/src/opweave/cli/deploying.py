@@ -48,7 +48,9 @@ def deploy(
     from .planning import load_profiles, load_servable_plan
 
     the_plan = load_servable_plan(plan_file, "deploy")
-    specs = _hardware(the_plan, hardware, load_profiles(profile))
+    profiles = load_profiles(profile)
+    specs = _hardware(the_plan, hardware, profiles)
+    _check_it_runs(the_plan, plan_file, hardware, profiles)
     nodes = plan_nodes(the_plan, {gpu: hw.gpus_per_node for gpu, hw in specs.items()})
     opts = _k8s_options(the_plan, name, image, model_pvc, node_selector_key, namespace)
     if output.exists() and not output.is_dir():
@@ -65,6 +67,27 @@ def deploy(
         )
         return
     _print_summary(the_plan, nodes, output, opts, manifests=len(files) - 4 - len(nodes))
+
+
+def _check_it_runs(plan: Any, path: Path, hardware: Path | None, profiles: Any) -> None:
+    """For a built-in model, what ``opweave simulate`` checks: the template's cuts and each
+    owner's memory (the nodes check the rest when they load the checkpoint; a model of
+    another name is the folder the plan was made from, which only the nodes hold)."""
+    from opweave.costmodel import BUILTIN_MODELS
+    from opweave.planner import simulate_plan
+
+    from .planning import _planned_model
+
+    if plan.model.name not in BUILTIN_MODELS:
+        return
+    spec = _planned_model(plan.model.name, plan, path)
+    if spec.config_sha256 == plan.model.config_sha256:
+        simulate_plan(
+            plan,
+            spec,
+            catalog=None if hardware is None else catalog(hardware),
+            profiles=profiles,
+        )
 
 
 def _k8s_options(

@@ -405,8 +405,9 @@ def parse_slos(text: str) -> list[float]:
             f"--tpot-slo-ms gives {len(items)} SLOs; give at most {MAX_SLOS} (each is a search)"
         )
     for item in items:
-        # ASCII decimals only: float() would also take "٥٠", "1_0" and " 5"
-        value = float(item) if re.fullmatch(r"[0-9]*\.?[0-9]+", item) else math.nan
+        # ASCII decimals, with an exponent or not: float() would also take "٥٠", "1_0", " 5"
+        plain = re.fullmatch(r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", item)
+        value = float(item) if plain else math.nan
         if not (math.isfinite(value) and value > 0):
             raise ConfigError(f"--tpot-slo-ms takes positive numbers of ms, got {item!r}")
         slos.append(value)

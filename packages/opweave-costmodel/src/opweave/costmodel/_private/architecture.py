@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..errors import ConfigError
 from .base import Frozen
@@ -28,6 +28,12 @@ LINEAR: LayerType = "linear_attention"
 _DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn")
 # a recurrent state's dtypes (vLLM's MambaDType less "auto", config/cache.py)
 _STATE_DTYPES = ("float32", "float16", "bfloat16")
+
+
+# RoPE variants of transformers' ROPE_INIT_FUNCTIONS (modeling_rope_utils.py), and mrope, the
+# legacy type of Qwen2-VL's configs that vLLM reads (get_rope): they change positions' angles,
+# never a step's cost, so the cost model takes each; the runtime implements some (its rope.py)
+KNOWN_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "mrope")
 
 
 class RopeSpec(Frozen):
@@ -57,6 +63,16 @@ class RopeSpec(Frozen):
         description="What YaRN multiplies cos and sin by, as given (transformers' "
         "attention_factor); None: from factor, mscale and mscale_all_dim.",
     )
+
+    @field_validator("rope_type")
+    @classmethod
+    def _known_type(cls, rope_type: str) -> str:
+        if rope_type not in KNOWN_ROPE_TYPES:
+            raise ValueError(
+                f"rope_type {rope_type!r} is none that transformers or vLLM know "
+                f"({', '.join(KNOWN_ROPE_TYPES)})"
+            )
+        return rope_type
 
     @model_validator(mode="after")
     def _llama3_band(self) -> RopeSpec:
@@ -468,7 +484,8 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
             section = "rope_parameters" if params else "rope_scaling"
             where = key if key in ("rope_theta", "rope_local_base_freq") else f"{section}.{key}"
             where = where.rstrip(".") if key else section
-            raise ConfigError(f"{where} ({kind} layers): {first['msg']}") from None
+            message = first["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"{where} ({kind} layers): {message}") from None
     return out
 
 

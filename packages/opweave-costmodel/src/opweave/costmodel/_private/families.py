@@ -111,16 +111,22 @@ def model_spec_from_config(
         _math_dtype(quantize_layer(builder.layer(i), precision), arch.dtype)
         for i in range(arch.num_layers)
     )
+    pre_ops = _math_ops(quantize_ops(builder.pre_ops(), precision), arch.dtype)
     post_ops = _math_ops(quantize_ops(builder.post_ops(), precision), arch.dtype)
-    if (
-        precision.method == "modelopt-mixed"
-        and not any(op.weight_format for layer in layers for op in layer.ops)
-        and not any(op.weight_format for op in post_ops)
-    ):
+    applied = {op.weight_format for layer in layers for op in (*pre_ops, *layer.ops, *post_ops)}
+    if precision.rules and not applied - {None}:
+        what = "quantized_layers" if precision.method == "modelopt-mixed" else "targets"
+        ignored = ", or its ignore list holds them all" if precision.ignore else ""
         raise ConfigError(
-            f"{precision.source}: none of its quantized_layers is a linear of this "
-            f"{arch.family} model; check that the checkpoint's config belongs to these weights"
+            f"{precision.source}: it quantises none of this {arch.family} model's linears "
+            f"(none of its {what} names one{ignored}); check that the checkpoint's config "
+            "belongs to these weights"
         )
+    # a rule whose targets are none of the model's linears (a vision tower's, say) says nothing
+    # of how this model is stored: its format leaves the label
+    rules = tuple(r for r in precision.rules if r.scheme.format in applied)
+    if rules != precision.rules:
+        precision = precision.model_copy(update={"rules": rules})
     identity: dict[str, Any] = {"config": text, "dtype": stored}
     if precision.quantized or precision.kv_fp8:  # unquantised models keep their digest
         identity["precision"] = precision.model_dump(exclude={"source", "kv_source"}) | {
@@ -136,7 +142,7 @@ def model_spec_from_config(
         vocab_size=arch.vocab_size,
         num_layers=len(layers),
         max_context_tokens=arch.max_position_embeddings,
-        pre_ops=_math_ops(quantize_ops(builder.pre_ops(), precision), arch.dtype),
+        pre_ops=pre_ops,
         layers=layers,
         post_ops=post_ops,
         block=partition_block(layers),

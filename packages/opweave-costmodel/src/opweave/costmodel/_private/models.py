@@ -101,7 +101,15 @@ def hf_quant_config_path(path: str | Path) -> Path | None:
         candidates = [path.with_name(f"{path.stem}.hf_quant_config.json")]
         if path.name == "config.json":
             candidates.append(path.with_name("hf_quant_config.json"))
-    return next((c for c in candidates if c.is_file()), None)
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+        if candidate.exists() or candidate.is_symlink():  # a folder, a pipe, a broken link
+            raise ConfigError(
+                f"{candidate} is not a readable file; ModelOpt's quantisation config must be "
+                "its JSON file (remove it if the checkpoint is not quantised)"
+            )
+    return None
 
 
 def read_hf_quant_config(path: Path) -> dict[str, Any]:

@@ -145,6 +145,20 @@ class PlanModel(FileSchema):
         default="bf16", description="KV-cache dtype the plan assumed."
     )
 
+    @field_validator("quant")
+    @classmethod
+    def _known_formats(cls, quant: str) -> str:
+        parts = quant.split("+")
+        unknown = [p for p in parts if p not in WEIGHT_FORMATS]
+        if unknown:
+            raise ValueError(
+                f"{unknown[0]!r} is not a weight format; use {', '.join(WEIGHT_FORMATS)} (or "
+                "several joined by +)"
+            )
+        if parts != sorted(set(parts)):
+            raise ValueError(f"{quant!r}: join distinct formats in sorted order, as plan writes")
+        return quant
+
     def config_problem(self, model: ModelSpec) -> str | None:
         """Why the plan this describes cannot run ``model``, to follow "plan" in a message; None
         when it was made for ``model``'s config. Where the names match but the configs do not,
@@ -270,6 +284,21 @@ class Plan(FileSchema):
         stray = set(ids) - used
         if stray:
             raise ValueError(f"hardware describes {sorted(stray)[0]}, which no owner uses")
+        return self
+
+    @model_validator(mode="after")
+    def _shape_of_strategy(self) -> Plan:
+        owners = {"colocated": 1, "afd": 2, "cad": 2}.get(self.strategy)
+        if owners is not None and len(self.owners) != owners:
+            raise ValueError(
+                f"{self.strategy} plans have {owners} owner{'s' if owners > 1 else ''}, this one "
+                f"{len(self.owners)}; label a plan of other owners opweave"
+            )
+        if self.strategy == "colocated" and self.template.num_stages != 1:
+            raise ValueError(
+                f"colocated plans have one stage, this one {self.template.num_stages}; label a "
+                "pipeline opweave"
+            )
         return self
 
     @model_validator(mode="after")

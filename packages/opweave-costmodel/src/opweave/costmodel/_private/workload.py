@@ -52,7 +52,7 @@ import numpy as np
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from ..errors import ConfigError
-from .base import Frozen, read_data_file
+from .base import Frozen, read_data_file, schema_version_problem
 from .hardware import HardwareSpec
 
 GIB = float(1 << 30)
@@ -569,10 +569,11 @@ def _is_int(value: Any) -> TypeGuard[int]:
 
 
 def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
-    """A workload from a TOML or JSON file of :class:`Workload`'s fields; a length may be a
-    number of tokens (fixed) or a table (``{kind = "uniform", low_tokens = 1000,
-    high_tokens = 3000}``). ``overrides`` (not ``None``) replace the file's fields: an arrival
-    given beside the file replaces the file's arrival.
+    """A workload from a TOML or JSON file of :class:`Workload`'s fields (and, optionally,
+    ``schema_version`` 1); a length may be a number of tokens (fixed) or a table
+    (``{kind = "uniform", low_tokens = 1000, high_tokens = 3000}``). ``overrides`` (not
+    ``None``) replace the file's fields: an arrival given beside the file replaces the file's
+    arrival.
 
     >>> import tempfile, pathlib
     >>> f = pathlib.Path(tempfile.mkdtemp()) / "chat.toml"
@@ -586,6 +587,12 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
     data = read_data_file(path, "workload file")
     if not isinstance(data, dict):
         raise ConfigError(f"workload file {path} must hold a table of the workload's fields")
+    if "schema_version" in data:  # optional: the format has had one version
+        data = dict(data)
+        version = data.pop("schema_version")
+        problem = schema_version_problem(version, 1, toml=path.suffix.lower() == ".toml")
+        if problem is not None:
+            raise ConfigError(f"workload file {path}: schema_version {problem}")
     given = {k: v for k, v in overrides.items() if v is not None}
     if {"rate_per_s", "concurrency"} & set(given):
         data = {k: v for k, v in data.items() if k not in ("rate_per_s", "concurrency")}

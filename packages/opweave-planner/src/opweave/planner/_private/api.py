@@ -276,6 +276,7 @@ def plan(
         spec=model,
         devices=tuple(devices),
         expert_skew=expert_skew,
+        fewest_microbatches=mbs[0],
     )
 
 

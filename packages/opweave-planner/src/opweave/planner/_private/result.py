@@ -254,6 +254,7 @@ class PlanResult:
     spec: ModelSpec | None = field(default=None, repr=False, compare=False)
     devices: tuple[Device, ...] = field(default=(), repr=False, compare=False)
     expert_skew: float = 1.0
+    fewest_microbatches: int = 1  # the search's smallest microbatch count
 
     @property
     def feasible(self) -> bool:
@@ -297,6 +298,14 @@ class PlanResult:
                     f"{self.context_tokens}, and no plan meets the {slo_ms:g} ms TPOT SLO on "
                     "any number of these GPUs either; add a GPU type with more memory, shorten "
                     "the context or relax --tpot-slo-ms"
+                )
+            m = self.fewest_microbatches
+            if m > 1:  # each owner holds a request per microbatch at least
+                return (
+                    f"{self.model} does not fit on {', '.join(self.gpus)} at context "
+                    f"{self.context_tokens} with {m} microbatches: no owner configuration "
+                    f"holds its weights and the state of {m} requests; lower --microbatches, "
+                    "add a GPU type with more memory or shorten the context"
                 )
             return (
                 f"{self.model} does not fit on {', '.join(self.gpus)} at context "
