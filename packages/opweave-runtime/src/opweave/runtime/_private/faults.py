@@ -56,6 +56,11 @@ def diagnose(
     for rank, rep in sorted(reports.items()):
         if rep.peer is not None and rep.peer not in reports:
             return f"{who(rep.peer)} stopped responding: {who(rank)} reported: {rep.message}"
+    for rank, rep in sorted(reports.items()):
+        # peers that both report (one timed out waiting, the other then lost the connection):
+        # the one that waited names who did not answer
+        if rep.peer is not None and "Timed out" in rep.message:
+            return f"{who(rep.peer)} stopped responding: {who(rank)} reported: {rep.message}"
     if hang is not None:
         owing, waited = hang
         culprits = [r for r in owing if r in silent] or owing or silent

@@ -198,9 +198,10 @@ def run_rank(spec: RankSpec) -> int:
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, PeerError):
             report = Error("peer", text, exc.peer)
-        elif worker is not None and _collective_timeout(exc):
-            # a tensor- or expert-parallel collective waited in vain: a peer of the group
-            # stopped, not this rank (the driver names it: the one peer, or the group's silent one)
+        elif worker is not None and _peer_gone(exc):
+            # a tensor- or expert-parallel collective waited in vain, or its peer hung up: a
+            # peer of the group stopped, not this rank (the driver names it: the one peer, or
+            # the group's silent one)
             p = worker.placement
             groups = [g for g in (*p.tp_groups, *p.ep_groups) if spec.rank in g]
             peers = sorted({r for g in groups for r in g if r != spec.rank})
@@ -218,9 +219,12 @@ def run_rank(spec: RankSpec) -> int:
                 dist.destroy_process_group()
 
 
-def _collective_timeout(exc: BaseException) -> bool:
-    """gloo's error when a collective's peer did not answer within the group's timeout."""
-    return "Timed out waiting" in str(exc) and ("recv" in str(exc) or "send" in str(exc))
+def _peer_gone(exc: BaseException) -> bool:
+    """gloo's errors when a collective's peer did not answer within the group's timeout, or
+    closed its connection (its process ended)."""
+    text = str(exc)
+    timed_out = "Timed out waiting" in text and ("recv" in text or "send" in text)
+    return timed_out or "Connection closed by peer" in text or "Connection reset by peer" in text
 
 
 def main(argv: list[str]) -> int:

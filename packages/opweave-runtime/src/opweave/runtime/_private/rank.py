@@ -41,7 +41,7 @@ from .rankcore import Clock, RankCore, RankRequest, Rows
 from .runners import IterationRunner, PerRequestRunner, ProgramRunner, RowsRunner
 from .schedule import Compute, compile_schedule, microbatches_of, rank_ops
 from .stage import StageModule
-from .tensor_parallel import Shard, TPComm
+from .tensor_parallel import Shard, TPComm, patient
 from .transport import Transport
 from .work import GREEDY, Work, skip_draw
 
@@ -263,9 +263,13 @@ class StageWorker(RankCore):
         if self.module.static_decode is not None:
             rows_in: dict[tuple[int, int], tuple[Rows, Rows]] = {}
             rows_pad: dict[tuple[int, int], Rows] = {}
-            for action in self.actions:  # TP ranks of a group: the same steps in the same order
-                key = (action.segment, action.microbatch)
-                rows_in[key], rows_pad[key] = self._warm_action(action)
+            # a step's collectives wait for peers still compiling theirs: up to the warm-up's
+            # deadline, not an iteration's
+            groups = (self.group, *((self.ep.group, self.ep.tp_group) if self.ep else ()))
+            with patient(groups, self.options.join_timeout_s, self.options.timeout_s):
+                for action in self.actions:  # TP ranks of a group: the same steps, one order
+                    key = (action.segment, action.microbatch)
+                    rows_in[key], rows_pad[key] = self._warm_action(action)
             rows = RowsRunner(self, rows_in, rows_pad)
             self.runner = rows
             if self.programs and self.actions:

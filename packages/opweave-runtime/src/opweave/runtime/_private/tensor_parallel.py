@@ -21,9 +21,11 @@ owners always carry full tensors.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -132,11 +134,26 @@ class TPComm:
 def new_groups(groups: Sequence[tuple[int, ...]], rank: int, timeout_s: float) -> object | None:
     """Create every replica's TP group (every rank creates every group, in the same order);
     ``rank``'s own, or None."""
-    from datetime import timedelta
-
     mine = None
     for ranks in groups:
         g = dist.new_group(list(ranks), timeout=timedelta(seconds=timeout_s))
         if rank in ranks:
             mine = g
     return mine
+
+
+@contextlib.contextmanager
+def patient(groups: Iterable[object | None], wait_s: float, usual_s: float) -> Iterator[None]:
+    """Collectives of ``groups`` (None: no group) wait up to ``wait_s`` for a peer inside the
+    block, ``usual_s`` (the groups' own timeout) after it. For a warm-up: a peer may still be
+    compiling its step, minutes on a GPU, while the rank's own first collective waits for it."""
+    mine = [g for g in groups if g is not None]
+    set_timeout = dist.distributed_c10d._set_pg_timeout  # pyright: ignore[reportPrivateUsage]
+    for g in mine:
+        set_timeout(timedelta(seconds=wait_s), g)  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        for g in mine:
+            with contextlib.suppress(RuntimeError, ValueError):  # a group a failure tore down
+                set_timeout(timedelta(seconds=usual_s), g)  # type: ignore[arg-type]
