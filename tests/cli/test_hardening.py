@@ -650,3 +650,28 @@ def test_deploy_refuses_a_plan_that_cannot_run(tmp_path: Path) -> None:
     path.write_text(json.dumps(good))
     code, _, err, _ = invoke(["deploy", str(path), *IMAGE, "-o", str(out)])
     assert code == 0, err
+
+
+def test_deploy_refuses_a_prefill_pool_that_does_not_split_the_model(tmp_path: Path) -> None:
+    """Expert parallelism for a dense model's prefill pool: the nodes would refuse the pool
+    once started; deploy refuses it before writing anything."""
+    from opweave.costmodel import PrefillPool, canonical_plan, load_model
+
+    plan = canonical_plan(load_model("qwen3-32b"), "colocated", gpu="h100", batch=64, tp=8)
+    path = tmp_path / "plan.json"
+    for pool, ok in (
+        (PrefillPool(gpu="h100-sxm", tp=4, replicas=2), True),
+        (PrefillPool(gpu="h100-sxm", tp=4, ep=2, dp=2, replicas=1), False),
+    ):
+        path.write_text(plan.model_copy(update={"prefill": pool}).model_dump_json())
+        out = tmp_path / ("ok" if ok else "refused")
+        if ok:
+            code, _, err, _ = invoke(["deploy", str(path), *IMAGE, "-o", str(out)])
+            assert code == 0, err
+        else:
+            line = one_line_error(["deploy", str(path), *IMAGE, "-o", str(out)])
+            assert line == (
+                "error: the plan's prefill pool (h100-sxm tp4 ep2 dp2): ep 2: qwen3-32b has no "
+                "routed experts (a dense model); use ep 1"
+            )
+            assert not out.exists()

@@ -70,9 +70,10 @@ def deploy(
 
 
 def _check_it_runs(plan: Any, path: Path, hardware: Path | None, profiles: Any) -> None:
-    """For a built-in model, what ``opweave simulate`` checks: the template's cuts and each
-    owner's memory (the nodes check the rest when they load the checkpoint; a model of
-    another name is the folder the plan was made from, which only the nodes hold)."""
+    """For a built-in model, what ``opweave simulate`` checks: the template's cuts, each
+    owner's memory, and whether a prefill pool's parallelism splits the model (the nodes check
+    the rest when they load the checkpoint; a model of another name is the folder the plan was
+    made from, which only the nodes hold)."""
     from opweave.costmodel import BUILTIN_MODELS
     from opweave.planner import simulate_plan
 
@@ -81,13 +82,11 @@ def _check_it_runs(plan: Any, path: Path, hardware: Path | None, profiles: Any) 
     if plan.model.name not in BUILTIN_MODELS:
         return
     spec = _planned_model(plan.model.name, plan, path)
-    if spec.config_sha256 == plan.model.config_sha256:
-        simulate_plan(
-            plan,
-            spec,
-            catalog=None if hardware is None else catalog(hardware),
-            profiles=profiles,
-        )
+    if spec.config_sha256 != plan.model.config_sha256:
+        return
+    simulate_plan(
+        plan, spec, catalog=None if hardware is None else catalog(hardware), profiles=profiles
+    )
 
 
 def _k8s_options(
