@@ -277,3 +277,26 @@ def test_a_profiled_device_plans_a_workload_and_says_what_its_profile_covers() -
         a.startswith("profiles (cpu) hold decode steps only") and "roofline" in a
         for a in result.assumptions
     )
+
+
+def test_the_engine_simulations_report_their_progress(qwen32) -> None:
+    """Many clients make each engine simulation take seconds: after the decode search, the
+    aggregated engines report one by one (their count, the simulations so far, the cheapest
+    deployment so far), then the P/D phase; the result is the same as without a callback."""
+    reports = []
+    workload = _workload(concurrency=64)
+    result = plan_deployment(
+        qwen32, ["h100"], workload=workload, tpot_slo_s=0.05, progress=reports.append
+    )
+    engines = [r for r in reports if r.phase == "aggregated engines"]
+    assert engines and engines[0].done == 0 and engines[0].simulator_calls == 0
+    assert all(r.done < r.total == engines[0].total for r in engines)
+    assert [r.done for r in engines] == list(range(len(engines)))
+    calls = [r.simulator_calls for r in engines]
+    assert calls == sorted(calls) and calls[-1] > 0
+    assert reports[-1].phase == "prefill pools and P/D deployments"
+    aggregated = result.baselines["aggregated"]
+    assert aggregated is not None
+    assert reports[-1].best_usd_per_million_tokens == aggregated.usd_per_million_tokens
+    quiet = plan_deployment(qwen32, ["h100"], workload=workload, tpot_slo_s=0.05)
+    assert quiet.best == result.best

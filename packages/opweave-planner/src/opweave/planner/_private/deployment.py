@@ -140,13 +140,24 @@ def plan_deployment(
     reasons: dict[str, str] = {}
 
     agg = AggregatedSearch(model, workload, query.slos)
+    prefill = PrefillSearch(model, workload, query.slos)
+
+    def report(phase: str, done: int, total: int, best: Deployment | None) -> None:
+        # engine simulations: seconds each where many clients share an engine
+        if progress is not None:
+            usd = None if best is None else best.usd_per_million_tokens
+            calls = agg.calls + prefill.calls
+            progress(
+                SearchProgress(phase, done, total, calls, calls, usd, time.perf_counter() - started)
+            )
+
     found: dict[str, Deployment | None] = {
-        "aggregated": _aggregated(agg, options, limits, per_node)
+        "aggregated": _aggregated(agg, options, limits, per_node, report)
     }
     if found["aggregated"] is None:
         reasons["aggregated"] = _aggregated_reason(agg, options, query.slos)
 
-    prefill = PrefillSearch(model, workload, query.slos)
+    report("prefill pools and P/D deployments", 0, 1, found["aggregated"])
     pd_found, pd_reasons = disaggregated_kinds(
         query, decode, prefill, options, by_id, limits, per_node
     )
@@ -206,14 +217,15 @@ def _aggregated(
     options: Sequence[EngineOption],
     limits: Mapping[str, int],
     per_node: Mapping[str, int],
+    report: Callable[[str, int, int, Deployment | None], None],
 ) -> Deployment | None:
     """The cheapest aggregated deployment: options in order of their cost bound, each sized,
-    until the bound is above the best found."""
+    until the bound is above the best found (``report``: its progress)."""
     bounds = {o: search.lower_bound_usd_per_mtok(o) for o in options}
+    ranked = [o for o in sorted(options, key=lambda o: bounds[o]) if math.isfinite(bounds[o])]
     best: Deployment | None = None
-    for option in sorted(options, key=lambda o: bounds[o]):
-        if not math.isfinite(bounds[option]):
-            continue
+    for i, option in enumerate(ranked):
+        report("aggregated engines", i, len(ranked), best)
         if best is not None and bounds[option] >= best.usd_per_million_tokens:
             break
         most = room_for(limits, {}, option)
