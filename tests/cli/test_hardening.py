@@ -40,10 +40,14 @@ PLAN = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K"]
         ([*PLAN, "--tpot-slo-ms", "\u0665\u0660"], "--tpot-slo-ms takes positive numbers of ms"),
         # not the memory: the count asked for (each owner holds a request per microbatch)
         (
-            [*PLAN, "--tpot-slo-ms", "50", "--microbatches", "1000"],
-            "at context 8192 with 1000 microbatches: no owner configuration holds its weights "
-            "and the state of 1000 requests; lower --microbatches",
+            [
+                *("plan", "llama-3.3-70b", "--gpus", "h100", "--context", "128K"),
+                *("--tpot-slo-ms", "200", "--microbatches", "64"),
+            ],
+            "at context 131072 with 64 microbatches: no owner configuration holds its weights "
+            "and the state of 64 requests; lower --microbatches",
         ),
+        ([*PLAN, "--tpot-slo-ms", "50", "--microbatches", "65"], "counts from 1 to 64, got '65'"),
         ([*EST, "--context", "99999999999K"], "is more than 2147483648 tokens"),
         ([*EST, "--batch", "9" * 400], "--batch"),
         ([*EST, "--context", "64K"], "beyond qwen3-32b's context of 40960 tokens"),
@@ -131,6 +135,9 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
         # simulate costed an unknown format as the checkpoint's own
         (("model", "quant", "bogus"), "model.quant: Value error, 'bogus' is not a weight format"),
         (("model", "quant", "fp8+bf16"), "join distinct formats in sorted order"),
+        (("model", "config_sha256", "zz"), "model.config_sha256: String should match pattern"),
+        # each microbatch is simulated: a thousand took a minute
+        (("microbatches", 1000, None), "microbatches: Input should be less than or equal to 64"),
     ],
 )
 def test_an_edited_plan_file(tmp_path: Path, tiny: Path, edit: tuple, message: str) -> None:
@@ -143,6 +150,9 @@ def test_an_edited_plan_file(tmp_path: Path, tiny: Path, edit: tuple, message: s
     section, key, value = edit
     if key is None:  # the key twice: prepend a second copy
         text = json.dumps(doc).replace("{", f'{{"{section}": {value}, ', 1)
+    elif value is None:  # a top-level value
+        doc[section] = key
+        text = json.dumps(doc)
     else:
         if doc[section] is None:  # a canonical plan predicts nothing: give it a prediction
             doc[section] = {"tpot_s": 0.02, "stages_per_token": 1}
@@ -328,6 +338,20 @@ def test_a_profile_with_duplicate_tables_or_devices(tmp_path: Path, tiny: Path) 
             },
             "repeats a group that itself repeats",
         ),
+        # transformers' AutoConfig (what engines load configs with) knows no such type
+        ({"model_type": 5}, "model_type: expected a model type's name (letters, digits, _ . -)"),
+        ({"model_type": ""}, "model_type: expected a model type's name"),
+        ({"model_type": "llama\u200b"}, "model_type: expected a model type's name"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "rope_type 'yarn' needs a factor"),
+        (
+            {
+                "quantization_config": {
+                    "quant_method": "compressed-tensors",
+                    "config_groups": {"g": {"targets": ["Linear"], "weights": None}},
+                }
+            },
+            "no group quantises weights (each group's weights is null)",
+        ),
         (
             {"rope_scaling": {"rope_type": "bogus", "factor": 4.0}},
             "rope_scaling.rope_type (full_attention layers): rope_type 'bogus' is none that "
@@ -352,6 +376,11 @@ def test_config_fields(write_config, edit: dict, message: str) -> None:
         (
             '{"isl": {"kind": "uniform", "high_tokens": 3000}, "osl": 200, "concurrency": 4}',
             "isl: a uniform length needs integer low_tokens and high_tokens",
+        ),
+        (
+            '{"isl": {"kind": "uniform", "tokens": 5, "low_tokens": 10, "high_tokens": 30}, '
+            '"osl": 200, "concurrency": 4}',
+            "isl: tokens 5 is not the mean of low_tokens and high_tokens (20)",
         ),
         (
             '{"schema_version": "1", "isl": 100, "osl": 200, "concurrency": 4}',
@@ -675,3 +704,22 @@ def test_deploy_refuses_a_prefill_pool_that_does_not_split_the_model(tmp_path: P
                 "routed experts (a dense model); use ep 1"
             )
             assert not out.exists()
+
+
+def test_simulate_says_why_a_plans_prediction_may_differ(tmp_path: Path) -> None:
+    """A decode-only plan edited by hand: the note named only a workload's prefill as the cause
+    of the difference; it names both, and the two figures."""
+    path = tmp_path / "p.json"
+    code, _, err, _ = invoke([*PLAN, "--tpot-slo-ms", "50", "-o", str(path)])
+    assert code == 0, err
+    doc = json.loads(path.read_text())
+    doc["microbatches"] = 3
+    path.write_text(json.dumps(doc))
+    code, _, err, _ = invoke(["simulate", str(path)])
+    assert code == 0, err
+    planned = doc["prediction"]["tpot_s"] * 1e3
+    assert err.startswith(f"note: the plan file predicts TPOT {planned:.3f} ms and $"), err
+    assert err.rstrip().endswith(
+        "the plan was made for a workload (its prediction covers the whole deployment, prompts "
+        "prefilled beside decode), or the file was edited since"
+    ), err

@@ -15,6 +15,7 @@ from opweave.costmodel import (
     load_model,
     model_spec_from_config,
 )
+from opweave.costmodel._private.models import builtin_config
 from tests.helpers import TINY_LLAMA
 
 
@@ -184,6 +185,12 @@ def test_bad_configs_get_clear_errors(write_config, tmp_path) -> None:
         model_spec_from_config(
             dict(TINY_LLAMA, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=9)
         )
+    # Qwen's MoE families build dense layers without experts; DeepSeek-V3's MoE layers would
+    # route each token to 8 of none
+    qwen_moe = dict(TINY_LLAMA, model_type="qwen3_moe", num_experts=0, num_experts_per_tok=2)
+    assert model_spec_from_config(qwen_moe).arch.moe is None
+    with pytest.raises(ConfigError, match="^the config gives 0 routed experts, but a deepseek_v3"):
+        model_spec_from_config(builtin_config("deepseek-v3") | {"n_routed_experts": 0})
     with pytest.raises(ConfigError, match=r"^num_hidden_layers: 10000000 is out of range"):
         model_spec_from_config(dict(TINY_LLAMA, num_hidden_layers=10**7))
     with pytest.raises(ConfigError, match="^text_config: expected an object, got 3$"):

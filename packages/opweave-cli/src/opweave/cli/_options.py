@@ -340,7 +340,7 @@ MicrobatchesOpt = Annotated[
     typer.Option(
         "--microbatches",
         min=1,
-        max=MAX_BATCH,
+        max=64,  # a plan file's limit (opweave.costmodel.MAX_MICROBATCHES)
         help="With --strategy: microbatches (default: owners).",
     ),
 ]

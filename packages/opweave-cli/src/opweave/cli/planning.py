@@ -21,7 +21,6 @@ from ._common import (
     table,
 )
 from ._options import (
-    MAX_BATCH,
     ConcurrencyOpt,
     DecodeContextOpt,
     EngineOpt,
@@ -425,10 +424,12 @@ def _batching(batch: int | None, microbatches: str | None) -> dict[str, Any]:
     """
     counts = None
     if microbatches is not None:
+        from opweave.costmodel import MAX_MICROBATCHES
+
         counts = sorted(parse_list(microbatches, int, "--microbatches"))  # distinct
-        if counts[0] < 1 or counts[-1] > MAX_BATCH:
+        if counts[0] < 1 or counts[-1] > MAX_MICROBATCHES:
             raise typer.BadParameter(
-                f"--microbatches takes counts from 1 to {MAX_BATCH}, got {microbatches!r}"
+                f"--microbatches takes counts from 1 to {MAX_MICROBATCHES}, got {microbatches!r}"
             )
     if batch is None:
         return {} if counts is None else {"microbatches": tuple(counts)}
@@ -513,11 +514,16 @@ def simulate(
         typer.echo(f"note: simulating other specs than the plan was made with: {note}", err=True)
     planned = the_plan.prediction
     if planned is not None and not sim.notes and abs(sim.tpot_s / planned.tpot_s - 1) > 1e-3:
+        cost = (
+            ""
+            if planned.usd_per_million_tokens is None
+            else f" and ${planned.usd_per_million_tokens:.4g} per million tokens"
+        )
         typer.echo(
-            f"note: the plan file predicts TPOT {planned.tpot_s * 1e3:.3f} ms and "
-            f"${planned.usd_per_million_tokens:.4g} per million tokens for the whole deployment "
-            "it was planned as (a workload's prompts prefilled beside decode); this re-simulates "
-            "its decode iteration alone",
+            f"note: the plan file predicts TPOT {planned.tpot_s * 1e3:.3f} ms{cost}, this "
+            f"re-simulation of its decode iteration {sim.tpot_s * 1e3:.3f} ms: the plan was made "
+            "for a workload (its prediction covers the whole deployment, prompts prefilled "
+            "beside decode), or the file was edited since",
             err=True,
         )
     if gantt is not None:

@@ -108,6 +108,7 @@ from ._private.parallelism import (
     weight_share,
 )
 from ._private.plan import (
+    MAX_MICROBATCHES,
     PLAN_SCHEMA_VERSION,
     TP_DEGREES,
     Owner,
@@ -291,6 +292,7 @@ __all__ = [
     "fit_efficiency_report",
     "synthesize_profile",
     # plans
+    "MAX_MICROBATCHES",
     "PLAN_SCHEMA_VERSION",
     "TP_DEGREES",
     "Owner",

@@ -464,6 +464,10 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
         if kind not in layer_types:
             continue
         rope_type = p.get("rope_type", p.get("type", "default"))
+        if rope_type in _NEEDS_FACTOR and "factor" not in p:
+            # transformers' rope validation requires it: the scaling has no default
+            section = "rope_parameters" if params else "rope_scaling"
+            raise ConfigError(f"{section} ({kind} layers): rope_type {rope_type!r} needs a factor")
         try:
             out[kind] = RopeSpec(
                 theta=p["rope_theta"],
@@ -489,6 +493,9 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
     return out
 
 
+# the RoPE types whose parameters require a scaling factor (transformers' modeling_rope_utils,
+# each type's _validate_*_parameters: required_keys)
+_NEEDS_FACTOR = ("linear", "dynamic", "yarn", "llama3")
 # RopeSpec field -> the config key it comes from
 _ROPE_KEYS = {"theta": "rope_theta"}
 _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate", "attention_factor")
@@ -500,7 +507,13 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
         return None, ()
     experts = cfg.num_experts
     if not experts:
-        return None, ()
+        if flags.moe == "sparse_step":  # transformers' and vLLM's Qwen MoE: no experts, dense
+            return None, ()
+        # every other family builds its MoE layers whatever the count: zero is no model
+        raise ConfigError(
+            f"the config gives 0 routed experts, but a {family.name} model routes each token "
+            f"to {cfg.num_experts_per_tok} of its MoE layers' experts; give the expert count"
+        )
     if flags.moe == "every_layer":
         layers = tuple(range(n))
     elif flags.moe == "sparse_step":

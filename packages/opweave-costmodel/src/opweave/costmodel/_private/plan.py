@@ -29,6 +29,9 @@ TP_DEGREES = (1, 2, 4, 8)
 MAX_REPLICAS = 1 << 16
 MAX_GPUS = 1 << 16  # replicas x tp x dp over every owner
 MAX_BATCH = 1 << 20
+# microbatches overlap a token's stages on the owners; a handful does (the planner searches up to
+# 4), and a simulated iteration's events grow with their count
+MAX_MICROBATCHES = 64
 MAX_CONTEXT = 1 << 31
 Strategy = Literal["colocated", "afd", "cad", "opweave"]
 
@@ -133,7 +136,7 @@ class PlanModel(FileSchema):
     prefix_layers: int = Field(
         default=0, ge=0, description="Irregular layers before the first block."
     )
-    config_sha256: str
+    config_sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="The config's digest.")
     quant: str = Field(
         default="bf16",
         max_length=100,
@@ -257,7 +260,7 @@ class Plan(FileSchema):
     tpot_slo_s: float | None = Field(default=None, gt=0)
     template: StageTemplate
     owners: tuple[Owner, ...] = Field(min_length=1)
-    microbatches: int = Field(ge=1, le=MAX_BATCH)
+    microbatches: int = Field(ge=1, le=MAX_MICROBATCHES)
     prediction: Prediction | None = None
     profiles: tuple[str, ...] = Field(
         default=(), description="Provenance of the latency profiles used."

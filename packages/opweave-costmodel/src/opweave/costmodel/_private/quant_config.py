@@ -429,6 +429,12 @@ def _compressed_tensors(r: _Reader, base: Precision) -> Precision:
     if kv is not None:
         _kv_scheme(kv)
         update |= {"kv_fp8": True, "kv_source": f"config.json {r.where}: kv_cache_scheme"}
+    elif not rules:
+        raise ConfigError(
+            f"{groups.where}: no group quantises weights (each group's weights is null) and "
+            "there is no kv_cache_scheme: the config quantises nothing; remove it or give "
+            "the groups' weights"
+        )
     return base.model_copy(update=update)
 
 

@@ -16,6 +16,7 @@ entry is known.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -405,9 +406,17 @@ def resolve_family(config: Mapping[str, Any]) -> tuple[Family, dict[str, Any]]:
     if not isinstance(config, Mapping):
         raise ConfigError("config.json must hold a JSON object")
     archs = _architectures(config)
+    model_type = config.get("model_type")
+    if "model_type" in config and not (
+        isinstance(model_type, str) and re.fullmatch(r"[A-Za-z0-9_.\-]{1,100}", model_type)
+    ):
+        # transformers' AutoConfig, which engines load a config with, finds no such type
+        raise ConfigError(
+            f"model_type: expected a model type's name (letters, digits, _ . -), got "
+            f"{show(model_type)}"
+        )
     found = next((_BY_ARCHITECTURE[a] for a in archs if a in _BY_ARCHITECTURE), None)
     if found is None:
-        model_type = config.get("model_type")
         found = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if found is None:
         raise _unsupported(config, archs)

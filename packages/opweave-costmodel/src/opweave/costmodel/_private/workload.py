@@ -246,6 +246,12 @@ class Lengths(Frozen):
                 raise ValueError(
                     f"low_tokens {self.low_tokens} is above high_tokens {self.high_tokens}"
                 )
+            mean = round((self.low_tokens + self.high_tokens) / 2)
+            if self.tokens != mean:  # a uniform length's tokens is its mean, never a setting
+                raise ValueError(
+                    f"tokens {self.tokens} is not the mean of low_tokens and high_tokens "
+                    f"({mean}); a uniform length takes only those two"
+                )
         elif self.low_tokens is not None or self.high_tokens is not None:
             raise ValueError("low_tokens and high_tokens belong to a uniform length")
         return self

@@ -23,7 +23,14 @@ import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 
-from opweave.costmodel import GROUP_GPUS, HardwareCatalog, ModelSpec, Plan, Profile
+from opweave.costmodel import (
+    GROUP_GPUS,
+    MAX_MICROBATCHES,
+    HardwareCatalog,
+    ModelSpec,
+    Plan,
+    Profile,
+)
 from opweave.costmodel.errors import ConfigError
 
 from .devices import Device, resolve_devices
@@ -95,8 +102,11 @@ def plan(
         )
     if not (tpot_slo_s > 0 and math.isfinite(tpot_slo_s)):
         raise ConfigError(f"the TPOT SLO must be a positive number of seconds, got {tpot_slo_s}")
-    if not microbatches or any(int(m) != m or m < 1 for m in microbatches):
-        raise ConfigError(f"microbatch counts must be positive integers, got {list(microbatches)}")
+    if not microbatches or any(int(m) != m or not 1 <= m <= MAX_MICROBATCHES for m in microbatches):
+        raise ConfigError(
+            f"microbatch counts must be integers from 1 to {MAX_MICROBATCHES}, got "
+            f"{list(microbatches)}"
+        )
     if not u_grid or any(int(u) != u or u < 1 for u in u_grid):
         raise ConfigError(f"microbatch sizes must be positive integers, got {list(u_grid)}")
     if max_owners not in (1, 2, 3):
