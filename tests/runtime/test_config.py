@@ -255,7 +255,8 @@ def test_unsupported_inputs_raise_user_errors(tmp_path):
     folder = write_tiny_model(
         "llama", tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic", "factor": 4.0}
     )
-    assert parse_config(LLAMA_33_70B | {"rope_scaling": {"rope_type": "dynamic"}}).rope
+    dynamic = {"rope_type": "dynamic", "factor": 4.0}
+    assert parse_config(LLAMA_33_70B | {"rope_scaling": dynamic}).rope
     with pytest.raises(UnsupportedModelError, match="RoPE type 'dynamic' is not implemented"):
         StageModule(folder, [(0, "rope")])
 
