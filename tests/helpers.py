@@ -68,6 +68,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def join_gloo_pair(rank: int, port: int) -> None:
+    """Join a two-process gloo group on 127.0.0.1:``port`` as ``rank`` (a test's spawned
+    process: both import torch first, so the group's own timeout is only against a hang)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=300),
+    )
+
+
 def start_opweave(
     args: list[str], tmp: Path, env: dict[str, str] | None = None
 ) -> tuple[subprocess.Popen[bytes], Path, Path]:

@@ -136,6 +136,11 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
         (("model", "quant", "bogus"), "model.quant: Value error, 'bogus' is not a weight format"),
         (("model", "quant", "fp8+bf16"), "join distinct formats in sorted order"),
         (("model", "config_sha256", "zz"), "model.config_sha256: String should match pattern"),
+        # the precision alone edited: the fingerprint is the checkpoint's own
+        (
+            ("model", "quant", "fp8"),
+            "records fp8 weights and a fp32 KV cache beside the fingerprint",
+        ),
         # each microbatch is simulated: a thousand took a minute
         (("microbatches", 1000, None), "microbatches: Input should be less than or equal to 64"),
     ],
@@ -723,3 +728,37 @@ def test_simulate_says_why_a_plans_prediction_may_differ(tmp_path: Path) -> None
         "the plan was made for a workload (its prediction covers the whole deployment, prompts "
         "prefilled beside decode), or the file was edited since"
     ), err
+
+
+def test_a_missing_vocab_size_is_named_where_it_shows(write_config) -> None:
+    """transformers' LlamaConfig default (32000) holds no EOS id of Llama 3's vocabulary."""
+    config = {k: v for k, v in TINY_LLAMA.items() if k != "vocab_size"} | {"eos_token_id": 128001}
+    folder = write_config(config, "novocab")
+    assert one_line_error(["estimate", str(folder), "--gpu", "h100"]).endswith(
+        "eos_token_id: 128001 is outside the vocabulary (vocab_size 32000, transformers' "
+        "default: the config gives none)"
+    )
+
+
+def test_an_edited_owner_gpu_or_smaller_nodes_name_their_cause(tmp_path: Path) -> None:
+    """An owner's GPU edited to an unknown id was reported as a stray hardware entry; a TP
+    group wider than the nodes as a latency profile's gap, on a plan without a profile."""
+    path = tmp_path / "p.json"
+    code, _, err, _ = invoke([*PLAN, "--tpot-slo-ms", "50", "-o", str(path)])
+    assert code == 0, err
+    good = json.loads(path.read_text())
+    assert good["owners"][0]["tp"] == 8, good["owners"]
+    doc = json.loads(json.dumps(good))
+    doc["owners"][0]["gpu"] = "h999"
+    path.write_text(json.dumps(doc))
+    assert (
+        "hardware describes h100-sxm, which no owner uses, and owner 0's gpu 'h999' is none it "
+        "describes: the file was edited; plan again"
+    ) in one_line_error(["simulate", str(path)])
+    doc = json.loads(json.dumps(good))
+    doc["hardware"][0]["gpus_per_node"] = 4
+    path.write_text(json.dumps(doc))
+    assert one_line_error(["simulate", str(path)]) == (
+        "error: plan owner 0 (h100-sxm) has tp 8, but each h100-sxm node holds 4 GPUs and a TP "
+        "group spans one node; plan again for nodes of that size"
+    )

@@ -7,11 +7,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
-from datetime import timedelta
 
 from opweave.runtime._private.faults import RankView, diagnose
 from opweave.runtime._private.messages import Error
-from tests.helpers import free_port
+from tests.helpers import free_port, join_gloo_pair
 
 SHORT_S = 1.0  # the group's own timeout
 LATE_S = 3.0  # how late rank 1 comes to each collective
@@ -23,13 +22,7 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
 
     from opweave.runtime._private.tensor_parallel import new_groups, patient
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=300),  # only against a hang: both import torch first
-    )
+    join_gloo_pair(rank, port)
     group = new_groups([(0, 1)], rank, SHORT_S)
     dist.barrier()
     outcomes = []

@@ -12,24 +12,17 @@ from hashlib import sha256
 import pytest
 import torch
 
-from tests.helpers import free_port
+from tests.helpers import free_port, join_gloo_pair
 
 KEY = bytes(range(32))
 
 
 def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> None:
-    import torch.distributed as dist
 
     from opweave.runtime import BatchMeta, TokenBatch, unpack
     from opweave.runtime.transport import Message, PeerError, Transport
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=300),  # only against a hang: both import torch first
-    )
+    join_gloo_pair(rank, port)
     key = KEY if scenario != "impostor" or rank == 0 else b"not the run's secret"
     peer = 1 - rank
     if scenario == "impostor":

@@ -498,8 +498,19 @@ def simulate(
 
     output_file(gantt, "--gantt", PLOT_SUFFIXES)
     the_plan = load_plan_file(plan_file)
-    spec = _planned_model(model or _builtin_model(the_plan, plan_file), the_plan, plan_file)
+    name = model or _builtin_model(the_plan, plan_file)
+    spec = _planned_model(name, the_plan, plan_file)
     if spec.config_sha256 != the_plan.model.config_sha256:
+        from opweave.costmodel import load_model
+
+        own = load_model(name)  # the checkpoint's own precision
+        if own.config_sha256 == the_plan.model.config_sha256:
+            pm = the_plan.model
+            raise ConfigError(
+                f"plan {plan_file} records {pm.quant} weights and a {pm.kv_cache_dtype} KV cache "
+                f"beside the fingerprint of {name} in {own.precision.quant} and "
+                f"{own.precision.kv_cache_dtype}: the file was edited; plan again"
+            )
         raise ConfigError(
             f"plan {plan_file} was made for a different {the_plan.model.name} "
             "config; pass --model with the config it was planned for"

@@ -367,8 +367,9 @@ def _eos(text: Mapping[str, Any], vocab: int) -> tuple[int, ...]:
         raise ConfigError(f"eos_token_id: expected token ids, got {show(eos)}")
     outside = [i for i in ids if i >= vocab]
     if outside:
+        given = "" if "vocab_size" in text else ", transformers' default: the config gives none"
         raise ConfigError(
-            f"eos_token_id: {outside[0]} is outside the vocabulary (vocab_size {vocab})"
+            f"eos_token_id: {outside[0]} is outside the vocabulary (vocab_size {vocab}{given})"
         )
     return tuple(ids)
 

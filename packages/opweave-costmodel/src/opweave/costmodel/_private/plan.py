@@ -286,7 +286,17 @@ class Plan(FileSchema):
         used = {o.gpu for o in self.owners} | ({self.prefill.gpu} if self.prefill else set())
         stray = set(ids) - used
         if stray:
-            raise ValueError(f"hardware describes {sorted(stray)[0]}, which no owner uses")
+            problem = f"hardware describes {sorted(stray)[0]}, which no owner uses"
+            # an owner's GPU, or the entry's id, edited away from the other
+            gpus = [("prefill pool", self.prefill.gpu)] if self.prefill else []
+            gpus = [(f"owner {i}", o.gpu) for i, o in enumerate(self.owners)] + gpus
+            other = next(((who, gpu) for who, gpu in gpus if gpu not in ids), None)
+            if other is not None:
+                problem += (
+                    f", and {other[0]}'s gpu {other[1]!r} is none it describes: the file was "
+                    "edited; plan again"
+                )
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")

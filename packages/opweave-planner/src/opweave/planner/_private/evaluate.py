@@ -369,6 +369,18 @@ def _owner_choices(
     for j, o in enumerate(plan.owners):
         dev = by_name[o.gpu]
         if o.tp not in dev.tps:
+            if isinstance(dev.latency, RooflineLatency):  # a TP group spans one node
+                per_node = dev.hardware.gpus_per_node
+                if o.tp > per_node:
+                    raise ConfigError(
+                        f"plan owner {j} ({o.gpu}) has tp {o.tp}, but each {o.gpu} node holds "
+                        f"{per_node} GPUs and a TP group spans one node; plan again for nodes "
+                        "of that size"
+                    )
+                raise ConfigError(
+                    f"plan owner {j} ({o.gpu}) has tp {o.tp}, which {model.name} does not "
+                    f"split over on {o.gpu} (it takes tp {', '.join(map(str, dev.tps))})"
+                )
             raise ConfigError(
                 f"owner {o.gpu} has tp={o.tp}, which its latency profile does "
                 f"not cover ({dev.tps}); re-profile with that TP"
