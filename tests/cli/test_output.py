@@ -137,3 +137,10 @@ def test_the_run_choices_spelled_in_the_cli_are_the_runtimes() -> None:
     assert tuple(Kernels) == _options.KERNELS
     assert tuple(DecodeStep) == _options.DECODE_STEPS
     assert tuple(Wait) == _options.WAITS
+
+
+def test_the_microbatch_limit_spelled_in_the_cli_is_the_plan_files() -> None:
+    from opweave.cli import _options
+    from opweave.costmodel import MAX_MICROBATCHES
+
+    assert _options.MAX_MICROBATCHES == MAX_MICROBATCHES

@@ -17,6 +17,7 @@ import typer
 MAX_BATCH = 1 << 20  # requests per step / replica: far beyond any GPU's memory
 MAX_COUNT = 1 << 16  # replicas, ranks, microbatches, repeats: far beyond any deployment
 MAX_GROUP = 1024  # EP / DP degree: opweave.costmodel.MAX_GROUP_GPUS (not imported: CLI start-up)
+MAX_MICROBATCHES = 64  # a plan file's: opweave.costmodel.MAX_MICROBATCHES (not imported either)
 MAX_TOKENS = 1 << 31  # a token count (context, max tokens) beyond any model's positions
 
 # opweave.runtime's Kernels, DecodeStep and Wait, spelled out so that a bad flag fails before the
@@ -340,7 +341,7 @@ MicrobatchesOpt = Annotated[
     typer.Option(
         "--microbatches",
         min=1,
-        max=64,  # a plan file's limit (opweave.costmodel.MAX_MICROBATCHES)
+        max=MAX_MICROBATCHES,
         help="With --strategy: microbatches (default: owners).",
     ),
 ]

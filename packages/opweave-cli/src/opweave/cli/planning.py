@@ -21,6 +21,7 @@ from ._common import (
     table,
 )
 from ._options import (
+    MAX_MICROBATCHES,
     ConcurrencyOpt,
     DecodeContextOpt,
     EngineOpt,
@@ -424,8 +425,6 @@ def _batching(batch: int | None, microbatches: str | None) -> dict[str, Any]:
     """
     counts = None
     if microbatches is not None:
-        from opweave.costmodel import MAX_MICROBATCHES
-
         counts = sorted(parse_list(microbatches, int, "--microbatches"))  # distinct
         if counts[0] < 1 or counts[-1] > MAX_MICROBATCHES:
             raise typer.BadParameter(

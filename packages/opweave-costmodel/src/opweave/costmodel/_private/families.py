@@ -113,7 +113,8 @@ def model_spec_from_config(
     )
     pre_ops = _math_ops(quantize_ops(builder.pre_ops(), precision), arch.dtype)
     post_ops = _math_ops(quantize_ops(builder.post_ops(), precision), arch.dtype)
-    applied = {op.weight_format for layer in layers for op in (*pre_ops, *layer.ops, *post_ops)}
+    layer_ops = [op for layer in layers for op in layer.ops]
+    applied = {op.weight_format for op in (*pre_ops, *layer_ops, *post_ops)}
     if precision.rules and not applied - {None}:
         what = "quantized_layers" if precision.method == "modelopt-mixed" else "targets"
         ignored = ", or its ignore list holds them all" if precision.ignore else ""
