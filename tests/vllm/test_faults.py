@@ -154,9 +154,9 @@ def test_sigstop_of_a_rank(model, tmp_path):
 
 
 def test_sigstop_of_a_tensor_parallel_follower_keeps_the_logs(model, tmp_path):
-    """Its group's leader times out in a collective (gloo: "Timed out waiting ... for recv"):
-    the stopped rank is named, not the one that waited; with --log-dir the ranks' logs stay
-    and the message says where."""
+    """Its group's leader times out in a collective (gloo: "Timed out waiting ... for recv", or
+    "... for send" when its fan-out found nobody receiving): the stopped rank is named, not the
+    one that waited; with --log-dir the ranks' logs stay and the message says where."""
     log, logs = tmp_path / "server.log", tmp_path / "rank-logs"
     args = ["--strategy", "afd", "--tp", "2", "--model-path", str(model), *SERVER]
     server = _Server([*args, "--log-dir", str(logs)], log, _temp(tmp_path))
