@@ -196,7 +196,7 @@ def _estimate_step(
         dense_dp=dense_dp,
     )
     if json_out:
-        doc = est.model_dump() | {"encoders_not_costed": list(spec.encoders_not_costed)}
+        doc = est.model_dump() | _model_notes(spec)
         if latency is not None:
             prov = latency.profile.provenance
             doc["profile"] = {"source": prov.source, "date": prov.date, "note": prov.note}
@@ -218,6 +218,15 @@ TERM_WORDS = {
     "alltoall_latency": "expert all-to-all latency floor",
     "alltoall": "expert all-to-all (dispatch, combine)",
 }
+
+
+def _model_notes(spec: Any) -> dict[str, list[str]]:
+    """``--json``'s words on the model beyond its figures: encoders a multimodal checkpoint's
+    figures leave out, sizes its config left to transformers' defaults."""
+    return {
+        "encoders_not_costed": list(spec.encoders_not_costed),
+        "config_defaults": list(spec.config_defaults),
+    }
 
 
 def _replica_words(spec: Any, hw: Any, layout: tuple[int, int, int, bool]) -> str:
@@ -246,8 +255,8 @@ def _print_step(
         f"({human_bytes(est.weight_bytes_per_gpu)} of weights); fits: {fits}"
     )
     typer.echo(f"precision: {spec.precision.describe()}; GEMMs: {est.gemm_path}")
-    if spec.scope_note:
-        typer.echo(spec.scope_note)
+    for note in spec.notes:
+        typer.echo(note)
     _echo_engine_split(spec, tp, ep, dp, dense_dp)
     if est.expert_imbalance is not None:
         typer.echo(
@@ -424,13 +433,13 @@ def analyze(
         emit_json(
             result.to_json()
             | {"quant": precision.quant, "kv_cache_dtype": precision.kv_cache_dtype}
-            | {"encoders_not_costed": list(spec.encoders_not_costed)}
+            | _model_notes(spec)
         )
         return
     typer.echo(result.summary())
     typer.echo(f"precision: {precision.describe()}")
-    if spec.scope_note:
-        typer.echo(spec.scope_note)
+    for note in spec.notes:
+        typer.echo(note)
     if plot is not None:
         typer.echo(f"plot written to {plot}")
 

@@ -17,7 +17,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from ..errors import ConfigError
 from .base import Frozen
-from .config_fields import MAX_CONTEXT, parse_config, show
+from .config_fields import MAX_CONTEXT, defaulted_sizes, parse_config, show
 from .registry import Family, resolve_family
 
 LayerType = Literal["full_attention", "sliding_attention", "linear_attention"]
@@ -264,6 +264,13 @@ class Architecture(Frozen):
 
     def layer_window(self, layer: int) -> int | None:
         return self.sliding_window if self.layer_types[layer] == SLIDING else None
+
+
+def config_defaults(config: Mapping[str, Any]) -> tuple[str, ...]:
+    """The sizes a (text) config leaves to its family's transformers defaults, as
+    ``key=value``: what :func:`resolve_architecture` read without the config saying so."""
+    family, text = resolve_family(config)
+    return defaulted_sizes(parse_config(family.schema, text))
 
 
 def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None) -> Architecture:

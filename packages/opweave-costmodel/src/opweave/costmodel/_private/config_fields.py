@@ -59,6 +59,14 @@ def _as_int(value: Any, low: int, high: int) -> int:
     return value
 
 
+class _Size:
+    """Marks a size (a width, count or length): the shape of what is costed. A config that leaves
+    one out takes transformers' default, as transformers and vLLM load it, and says so."""
+
+
+_SIZE = _Size()
+
+
 def _int(low: int, high: int) -> BeforeValidator:
     return BeforeValidator(lambda v: _as_int(v, low, high))
 
@@ -67,22 +75,22 @@ def _opt_int(low: int, high: int) -> BeforeValidator:
     return BeforeValidator(lambda v: None if v is None else _as_int(v, low, high))
 
 
-Width = Annotated[int, _int(1, MAX_WIDTH)]
+Width = Annotated[int, _int(1, MAX_WIDTH), _SIZE]
 """A width (hidden, intermediate, head dim, latent rank) in ``1..2^20``."""
-Width0 = Annotated[int, _int(0, MAX_WIDTH)]
+Width0 = Annotated[int, _int(0, MAX_WIDTH), _SIZE]
 """A width that may be 0 (none)."""
-OptWidth = Annotated[int | None, _opt_int(1, MAX_WIDTH)]
-Layers = Annotated[int, _int(1, MAX_LAYERS)]
+OptWidth = Annotated[int | None, _opt_int(1, MAX_WIDTH), _SIZE]
+Layers = Annotated[int, _int(1, MAX_LAYERS), _SIZE]
 """A count of layers (or a layer interval) in ``1..10000``."""
-Layers0 = Annotated[int, _int(0, MAX_LAYERS)]
-OptLayers = Annotated[int | None, _opt_int(1, MAX_LAYERS)]
-Heads = Annotated[int, _int(1, MAX_HEADS)]
-OptHeads = Annotated[int | None, _opt_int(1, MAX_HEADS)]
-Vocab = Annotated[int, _int(1, MAX_VOCAB)]
-Experts = Annotated[int, _int(1, MAX_EXPERTS)]
-Experts0 = Annotated[int, _int(0, MAX_EXPERTS)]
-Tokens = Annotated[int, _int(1, MAX_CONTEXT)]
-OptTokens = Annotated[int | None, _opt_int(1, MAX_CONTEXT)]
+Layers0 = Annotated[int, _int(0, MAX_LAYERS), _SIZE]
+OptLayers = Annotated[int | None, _opt_int(1, MAX_LAYERS), _SIZE]
+Heads = Annotated[int, _int(1, MAX_HEADS), _SIZE]
+OptHeads = Annotated[int | None, _opt_int(1, MAX_HEADS), _SIZE]
+Vocab = Annotated[int, _int(1, MAX_VOCAB), _SIZE]
+Experts = Annotated[int, _int(1, MAX_EXPERTS), _SIZE]
+Experts0 = Annotated[int, _int(0, MAX_EXPERTS), _SIZE]
+Tokens = Annotated[int, _int(1, MAX_CONTEXT), _SIZE]
+OptTokens = Annotated[int | None, _opt_int(1, MAX_CONTEXT), _SIZE]
 ConvKernel = Annotated[int, _int(1, 1024)]
 
 
@@ -214,6 +222,29 @@ def field_names(name: str, alias: Any) -> list[str]:
     if isinstance(alias, str):
         return [alias]
     return [c for c in alias.choices if isinstance(c, str)]
+
+
+def defaulted_sizes(cfg: ConfigSchema) -> tuple[str, ...]:
+    """The sizes ``cfg`` holds at transformers' defaults because its config left them out, as
+    ``key=value`` (a default of none, null or 0, and transformers' private keys, are not
+    sizes the config assumed).
+
+    >>> class Tiny(ConfigSchema):
+    ...     hidden_size: Width = 64
+    ...     num_hidden_layers: Layers = 2
+    ...     first_k_dense_replace: Layers0 = 0
+    >>> defaulted_sizes(parse_config(Tiny, {"hidden_size": 32}))
+    ('num_hidden_layers=2',)
+    """
+    out = []
+    for name, field in type(cfg).model_fields.items():
+        key = field_names(name, field.validation_alias)[0]
+        value = getattr(cfg, name)
+        if _SIZE not in field.metadata or name in cfg.model_fields_set or key.startswith("_"):
+            continue
+        if value:  # None and 0 mean "none"
+            out.append(f"{key}={value}")
+    return tuple(out)
 
 
 S = TypeVar("S", bound=ConfigSchema)

@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from . import linears
-from .architecture import FULL, SLIDING, Architecture, resolve_architecture
+from .architecture import FULL, SLIDING, Architecture, config_defaults, resolve_architecture
 from .blocks import partition_block
 from .mla import mla_attention
 from .model import (
@@ -151,6 +151,7 @@ def model_spec_from_config(
         arch=arch,
         precision=precision,
         encoders_not_costed=_encoders(config),
+        config_defaults=config_defaults(text),
     )
 
 

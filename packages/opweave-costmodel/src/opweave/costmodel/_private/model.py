@@ -357,6 +357,24 @@ class ModelSpec(Frozen):
         "text model is costed, as vLLM serves it with --language-model-only.",
     )
 
+    config_defaults: tuple[str, ...] = Field(
+        default=(),
+        description="Sizes the config leaves out, as key=value: read at the family's "
+        "defaults, as transformers and vLLM load the config.",
+    )
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the figures assume about the model beyond its config's own keys, in words."""
+        defaults = None
+        if self.config_defaults:
+            keys = ", ".join(self.config_defaults)
+            defaults = (
+                f"model: config.json leaves {keys} at the {self.family} defaults transformers "
+                "and vLLM load it with; add the keys if the checkpoint differs"
+            )
+        return tuple(n for n in (self.scope_note, defaults) if n)
+
     @property
     def scope_note(self) -> str | None:
         """What a multimodal checkpoint's figures leave out, in words (None: nothing)."""

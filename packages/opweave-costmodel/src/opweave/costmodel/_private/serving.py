@@ -320,7 +320,7 @@ def estimate_serving(
         saturated=bool(saturated),
         assumptions=_assumptions(workload, tokens, seqs, dp, budget)
         + _eager(cost, host)
-        + ((model.scope_note,) if model.scope_note else ()),
+        + model.notes,
     )
 
 

@@ -352,8 +352,9 @@ class PlanResult:
         ]
 
     def _precision(self) -> list[str]:
-        """The precision every figure assumes, the GEMM path each GPU type takes, and what a
-        multimodal checkpoint's figures leave out."""
+        """The precision every figure assumes, the GEMM path each GPU type takes, and the
+        model's notes (what a multimodal checkpoint's figures leave out, the sizes its config
+        left to transformers' defaults)."""
         if self.spec is None:
             return []
         precision = self.spec.precision
@@ -362,11 +363,10 @@ class PlanResult:
             for d in self.devices
             if not isinstance(d.latency, ProfiledLatency)
         ]
-        scope = self.spec.scope_note
         return [
             f"precision: {precision.describe()}"
             + (f"; quantised GEMMs on {', '.join(paths)}" if precision.quantized and paths else ""),
-            *([scope] if scope else []),
+            *self.spec.notes,
         ]
 
     def _imported(self) -> list[str]:
