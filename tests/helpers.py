@@ -5,11 +5,13 @@ from __future__ import annotations
 import functools
 import importlib.util
 import json
+import multiprocessing as mp
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -82,6 +84,32 @@ def join_gloo_pair(rank: int, port: int) -> None:
         world_size=2,
         timeout=timedelta(seconds=300),
     )
+
+
+def _gloo_pair_rank(target: Callable[[int], Any], rank: int, port: int, out: Any) -> None:
+    join_gloo_pair(rank, port)
+    out.put((rank, target(rank)))
+    out.close()
+    out.join_thread()  # flush the queue's feeder thread before the hard exit
+    os._exit(0)  # no process-group teardown: a peer may have given up on the group
+
+
+def run_gloo_pair(target: Callable[[int], Any]) -> dict[int, Any]:
+    """``target(rank)`` in two spawned processes joined in a gloo group; what each returned,
+    by rank (``target`` a module-level function, for the spawn to import)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_gloo_pair_rank, args=(target, r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        return dict(out.get(timeout=240) for _ in procs)  # only against a hang
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
 
 
 def start_opweave(

@@ -3,17 +3,15 @@ leader, and the leader (whose send found nobody receiving) names the member, not
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import time
 
-from tests.helpers import free_port, join_gloo_pair
+from tests.helpers import run_gloo_pair
 
 SHORT_S = 1.0  # the groups' own timeout
 AWAY_S = 4.0  # how long the other rank stays out of the collective
 
 
-def _rank(rank: int, port: int, out: mp.Queue) -> None:
+def _rank(rank: int) -> list:
     import torch
     import torch.distributed as dist
 
@@ -21,7 +19,6 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
     from opweave.runtime._private.transport import _broadcast
     from opweave.runtime._private.wire import PeerError
 
-    join_gloo_pair(rank, port)
     # one group per case: a collective that timed out leaves its group unusable
     groups = [new_groups([(0, 1)], rank, SHORT_S) for _ in range(2)]
     dist.barrier()
@@ -39,25 +36,10 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
             time.sleep(AWAY_S)
             blamed.append("away")
         dist.barrier()
-    out.put((rank, blamed))
-    out.close()
-    out.join_thread()
-    os._exit(0)
+    return blamed
 
 
 def test_a_timed_out_fan_out_names_the_rank_it_waited_on():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = run_gloo_pair(_rank)
     assert results[0] == [1, "away"]  # the leader's send timed out: rank 1 did not receive
     assert results[1] == ["away", 0]  # rank 1's receive timed out: rank 0 did not send

@@ -4,25 +4,22 @@ did not answer, not the one that lost its connection after."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import os
 import time
 
 from opweave.runtime._private.faults import RankView, diagnose
 from opweave.runtime._private.messages import Error
-from tests.helpers import free_port, join_gloo_pair
+from tests.helpers import run_gloo_pair
 
 SHORT_S = 1.0  # the group's own timeout
 LATE_S = 3.0  # how late rank 1 comes to each collective
 
 
-def _rank(rank: int, port: int, out: mp.Queue) -> None:
+def _rank(rank: int) -> list[str]:
     import torch
     import torch.distributed as dist
 
     from opweave.runtime._private.tensor_parallel import new_groups, patient
 
-    join_gloo_pair(rank, port)
     group = new_groups([(0, 1)], rank, SHORT_S)
     dist.barrier()
     outcomes = []
@@ -40,26 +37,11 @@ def _rank(rank: int, port: int, out: mp.Queue) -> None:
         except RuntimeError as exc:
             outcomes.append(str(exc).splitlines()[0])
             break
-    out.put((rank, outcomes))
-    out.close()
-    out.join_thread()
-    os._exit(0)
+    return outcomes
 
 
 def test_a_warm_up_collective_waits_for_a_late_peer_and_an_iteration_does_not():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        results = dict(out.get(timeout=240) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    results = run_gloo_pair(_rank)
     # rank 0 waited 3 s within the warm-up's deadline; after it, the group's 1 s applies again
     assert results[0][0] == "sum 2"
     assert "Timed out" in results[0][1], results[0]
