@@ -40,7 +40,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from datetime import timedelta
 from pathlib import Path
 
 CASES = ("run", "step", "wire", "native", "refusal")
@@ -124,17 +123,11 @@ def bench_step(model_dir: Path, repeats: int) -> None:
 
 def _wire_rank(rank: int, port: int, scenario: str, out: mp.Queue) -> None:
     import torch
-    import torch.distributed as dist
 
     from opweave.runtime.transport import Message, PeerError, Transport
+    from tests.helpers import join_gloo_pair
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=timedelta(seconds=30),
-    )
+    join_gloo_pair(rank, port)
     if scenario == "impostor":
         key = KEY if rank == 0 else b"not the run's secret"
         start = time.monotonic()
