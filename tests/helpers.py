@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -87,16 +88,20 @@ def join_gloo_pair(rank: int, port: int) -> None:
 
 
 def _gloo_pair_rank(target: Callable[[int], Any], rank: int, port: int, out: Any) -> None:
-    join_gloo_pair(rank, port)
-    out.put((rank, target(rank)))
+    try:
+        join_gloo_pair(rank, port)
+        out.put((rank, target(rank)))
+    except BaseException:  # the test's assertion shows it, instead of a bare queue timeout
+        out.put((rank, f"rank {rank} raised: {traceback.format_exc()}"))
     out.close()
     out.join_thread()  # flush the queue's feeder thread before the hard exit
     os._exit(0)  # no process-group teardown: a peer may have given up on the group
 
 
 def run_gloo_pair(target: Callable[[int], Any]) -> dict[int, Any]:
-    """``target(rank)`` in two spawned processes joined in a gloo group; what each returned,
-    by rank (``target`` a module-level function, for the spawn to import)."""
+    """``target(rank)`` in two spawned processes joined in a gloo group; what each returned
+    (or a text of what it raised), by rank (``target`` a module-level function, for the
+    spawn to import)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
@@ -110,6 +115,7 @@ def run_gloo_pair(target: Callable[[int], Any]) -> dict[int, Any]:
             p.join(30)
             if p.is_alive():
                 p.kill()
+                p.join()
 
 
 def start_opweave(

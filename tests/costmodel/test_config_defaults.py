@@ -46,8 +46,8 @@ def test_a_size_left_out_is_costed_at_the_default_and_named() -> None:
     assert spec.num_layers == layers == 32
     assert spec.config_defaults == ("num_hidden_layers=32",)
     assert spec.notes == (
-        "model: config.json leaves num_hidden_layers=32 at the llama defaults transformers and "
-        "vLLM load it with; add the keys if the checkpoint differs",
+        "model: config.json does not set num_hidden_layers; costed at transformers' llama "
+        "defaults (32), as vLLM loads it; set them if the checkpoint differs",
     )
 
 
@@ -57,8 +57,13 @@ def test_a_complete_config_has_no_note_and_a_default_of_none_is_no_size() -> Non
     # Qwen3.5-MoE has no dense FFN: its intermediate_size defaults to 0, which is no assumption
     qwen35 = load_model("qwen3.5-397b-a17b")
     assert not any(d.startswith("intermediate_size") for d in qwen35.config_defaults)
-    # Gemma 3's released text config relies on transformers for its vocabulary
-    assert "vocab_size=262208" in load_model("gemma-3-27b").config_defaults
+    # Gemma 3's released text config relies on transformers for its vocabulary; its layer
+    # pattern is no size (layer_types, where given, decides it)
+    gemma = load_model("gemma-3-27b").config_defaults
+    assert gemma == ("vocab_size=262208", "max_position_embeddings=131072")
+    # an expert count is named by both its spellings, either of which a config may use
+    mixtral = dict(TINY_LLAMA, model_type="mixtral", num_key_value_heads=4)
+    assert "num_experts/num_local_experts=8" in model_spec_from_config(mixtral).config_defaults
 
 
 def test_estimate_says_which_sizes_it_assumed(tmp_path) -> None:
@@ -67,6 +72,11 @@ def test_estimate_says_which_sizes_it_assumed(tmp_path) -> None:
     path.write_text(json.dumps(config))
     args = ["estimate", str(path), "--gpu", "h100", "--batch", "8", "--context", "256"]
     text = run_cli(*args).stdout
-    assert "model: config.json leaves hidden_size=4096, vocab_size=32000 at the llama" in text
+    note = "model: config.json does not set hidden_size, vocab_size; costed at transformers' "
+    assert note + "llama defaults (4096, 32000)" in text
     doc = json.loads(run_cli(*args, "--json").stdout)
     assert doc["config_defaults"] == ["hidden_size=4096", "vocab_size=32000"]
+    serving = ["estimate", str(path), "--gpu", "h100", "--isl", "64", "--osl", "8"]
+    doc = json.loads(run_cli(*serving, "--concurrency", "2", "--json").stdout)
+    assert doc["config_defaults"] == ["hidden_size=4096", "vocab_size=32000"]
+    assert any(a.startswith(note) for a in doc["assumptions"])

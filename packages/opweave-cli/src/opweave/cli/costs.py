@@ -346,7 +346,7 @@ def _estimate_serving(
         spec, hw, tp=tp, ep=ep, dp=dp, dense_dp=dense_dp, workload=workload, host=profile
     )
     if json_out:
-        emit_json(est.model_dump())
+        emit_json(est.model_dump() | _model_notes(spec))
         return
     typer.echo(
         f"{_replica_words(spec, hw, (tp, ep, dp, dense_dp))}, "

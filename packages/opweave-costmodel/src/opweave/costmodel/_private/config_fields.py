@@ -67,6 +67,14 @@ class _Size:
 _SIZE = _Size()
 
 
+class _Placement:
+    """Marks a layer count that only places attention types, and only where another key asks
+    for it (``sliding_window_pattern`` without ``layer_types``): not a size, so no note."""
+
+
+PLACEMENT = _Placement()
+
+
 def _int(low: int, high: int) -> BeforeValidator:
     return BeforeValidator(lambda v: _as_int(v, low, high))
 
@@ -238,12 +246,14 @@ def defaulted_sizes(cfg: ConfigSchema) -> tuple[str, ...]:
     """
     out = []
     for name, field in type(cfg).model_fields.items():
-        key = field_names(name, field.validation_alias)[0]
+        keys = field_names(name, field.validation_alias)  # every spelling the key is read under
         value = getattr(cfg, name)
-        if _SIZE not in field.metadata or name in cfg.model_fields_set or key.startswith("_"):
+        if _SIZE not in field.metadata or PLACEMENT in field.metadata or keys[0].startswith("_"):
+            continue
+        if name in cfg.model_fields_set:
             continue
         if value:  # None and 0 mean "none"
-            out.append(f"{key}={value}")
+            out.append(f"{'/'.join(keys)}={value}")
     return tuple(out)
 
 

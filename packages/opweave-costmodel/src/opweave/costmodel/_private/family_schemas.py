@@ -10,11 +10,12 @@ mean for the operators is decided in ``architecture.py`` from the family's flags
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field
 
 from .config_fields import (
+    PLACEMENT,
     ConfigSchema,
     ConvKernel,
     Experts,
@@ -101,7 +102,7 @@ class Qwen2Config(DecoderConfig):
     max_position_embeddings: Tokens = 32768
     attention_bias: Flag = True  # Qwen2 always biases q/k/v (and never o)
     use_sliding_window: Flag = False
-    max_window_layers: Layers0 = 28
+    max_window_layers: Annotated[Layers0, PLACEMENT] = 28  # read with use_sliding_window
 
 
 class Qwen3Config(Qwen2Config):
@@ -185,7 +186,7 @@ class Gemma3TextConfig(DecoderConfig):
     rope_local_base_freq: Positive = 10_000.0
     query_pre_attn_scalar: Positive = 256
     sliding_window: OptTokens = 4096
-    sliding_window_pattern: OptLayers = 6
+    sliding_window_pattern: Annotated[OptLayers, PLACEMENT] = 6  # read without layer_types
     # transformers 4.5x saved the pattern under this private name
     legacy_sliding_window_pattern: Layers = Field(6, validation_alias="_sliding_window_pattern")
     attn_logit_softcapping: OptPositive = None

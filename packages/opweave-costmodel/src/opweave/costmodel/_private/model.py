@@ -368,10 +368,11 @@ class ModelSpec(Frozen):
         """What the figures assume about the model beyond its config's own keys, in words."""
         defaults = None
         if self.config_defaults:
-            keys = ", ".join(self.config_defaults)
+            pairs = [d.split("=", 1) for d in self.config_defaults]
             defaults = (
-                f"model: config.json leaves {keys} at the {self.family} defaults transformers "
-                "and vLLM load it with; add the keys if the checkpoint differs"
+                f"model: config.json does not set {', '.join(k for k, _ in pairs)}; costed at "
+                f"transformers' {self.family} defaults ({', '.join(v for _, v in pairs)}), as "
+                "vLLM loads it; set them if the checkpoint differs"
             )
         return tuple(n for n in (self.scope_note, defaults) if n)
 

@@ -61,6 +61,12 @@ def diagnose(
         # the one that waited names who did not answer
         if rep.peer is not None and "Timed out" in rep.message:
             return f"{who(rep.peer)} stopped responding: {who(rank)} reported: {rep.message}"
+    for rank, rep in sorted(reports.items()):
+        # a group's collective failed: the silent rank of the group it waited in (its live
+        # members time out together, within the driver's grace, and report)
+        suspects = [r for r in rep.suspects if r in silent]
+        if rep.peer is None and suspects:
+            return f"{who(suspects[0])} stopped responding: {who(rank)} reported: {rep.message}"
     if hang is not None:
         owing, waited = hang
         culprits = [r for r in owing if r in silent] or owing or silent

@@ -197,15 +197,15 @@ def run_rank(spec: RankSpec) -> int:
         traceback.print_exc()
         text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if isinstance(exc, PeerError):
-            report = Error("peer", text, exc.peer)
+            report = Error("peer", text, exc.peer, exc.suspects)
         elif worker is not None and _peer_gone(exc):
             # a tensor- or expert-parallel collective waited in vain, or its peer hung up: a
             # peer of the group stopped, not this rank (the driver names it: the one peer, or
             # the group's silent one)
             p = worker.placement
             groups = [g for g in (*p.tp_groups, *p.ep_groups) if spec.rank in g]
-            peers = sorted({r for g in groups for r in g if r != spec.rank})
-            report = Error("peer", text, peers[0] if len(peers) == 1 else None)
+            peers = tuple(sorted({r for g in groups for r in g if r != spec.rank}))
+            report = Error("peer", text, peers[0] if len(peers) == 1 else None, peers)
         else:
             report = Error("error", f"{type(exc).__name__}: {text}")
         if control is not None:

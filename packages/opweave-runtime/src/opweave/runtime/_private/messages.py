@@ -112,11 +112,13 @@ class Stats(_Message, frozen=True, tag="stats"):
 
 
 class Error(_Message, frozen=True, tag="error"):
-    """A rank failed: ``kind`` ``peer`` (waiting for ``peer`` failed) or ``error`` (its own)."""
+    """A rank failed: ``kind`` ``peer`` (waiting for ``peer``, or for one of ``suspects``,
+    failed) or ``error`` (its own)."""
 
     kind: str
     message: str
     peer: int | None = None
+    suspects: tuple[int, ...] = ()
 
 
 ToRank = Work | PrefillBatch | Warm | Shutdown

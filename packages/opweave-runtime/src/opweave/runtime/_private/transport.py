@@ -283,17 +283,11 @@ def _broadcast(tensor: torch.Tensor, leader: int, group: object) -> None:
         dist.broadcast(tensor, src=leader, group=group)  # type: ignore[arg-type]
     except RuntimeError as exc:
         message = f"tensor-parallel fan-out from rank {leader} failed: {exc}"
-        raise PeerError(_fanout_peer(leader, group), message) from None
-
-
-def _fanout_peer(leader: int, group: object) -> int | None:
-    """Whom a failed fan-out waited on: a member waited on its leader; the leader waited on its
-    members, the one other member or (``None``) whichever of them the driver finds silent."""
-    me = dist.get_rank()
-    if me != leader:
-        return leader
-    others = [r for r in dist.get_process_group_ranks(group) if r != me]  # type: ignore[arg-type]
-    return others[0] if len(others) == 1 else None
+        members = dist.get_process_group_ranks(group)  # type: ignore[arg-type]
+        others = tuple(r for r in members if r != dist.get_rank())
+        # a pair waited on each other; in a larger group the broadcast relays through members
+        # (a tree in gloo, a ring in NCCL), so any of them may be the one that stopped
+        raise PeerError(others[0] if len(others) == 1 else None, message, others) from None
 
 
 def as_batch(part: Part) -> TokenBatch:

@@ -34,11 +34,14 @@ MAX_MESSAGE_BYTES = 1 << 36  # activations of one microbatch: far above any real
 
 
 class PeerError(OpWeaveRuntimeError):
-    """A message to or from ``peer`` failed or timed out: the peer died, hung, or disconnected."""
+    """A message to or from ``peer`` failed or timed out: the peer died, hung, or disconnected.
+    ``peer`` None: one of ``suspects`` did (a collective of a group, which cannot say whom it
+    waited on)."""
 
-    def __init__(self, peer: int | None, message: str) -> None:
+    def __init__(self, peer: int | None, message: str, suspects: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.peer = peer
+        self.suspects = suspects
 
 
 def connect_pairs(
