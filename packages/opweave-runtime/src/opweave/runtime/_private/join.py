@@ -38,7 +38,7 @@ from .prefill import PrefillWorker
 from .proc import die_with_parent, name_process, refuse_new_connections, watch_parent
 from .rank import StageWorker
 from .spec import RankSpec, read_spec
-from .wire import PeerError
+from .wire import PeerError, group_blame
 
 CONTROL_KEY = "opweave/control"  # store key under which the driver publishes its address
 _HEARTBEAT_S = 1.0
@@ -205,7 +205,7 @@ def run_rank(spec: RankSpec) -> int:
             p = worker.placement
             groups = [g for g in (*p.tp_groups, *p.ep_groups) if spec.rank in g]
             peers = tuple(sorted({r for g in groups for r in g if r != spec.rank}))
-            report = Error("peer", text, peers[0] if len(peers) == 1 else None, peers)
+            report = Error("peer", text, *group_blame(peers))
         else:
             report = Error("error", f"{type(exc).__name__}: {text}")
         if control is not None:

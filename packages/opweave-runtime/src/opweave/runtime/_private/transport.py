@@ -45,7 +45,7 @@ from ..errors import OpWeaveRuntimeError
 from .batch import BatchMeta, TokenBatch, byte_view, pack, unpack
 from .native import NativeWire
 from .schedule import Message
-from .wire import MAX_MESSAGE_BYTES, PeerError, connect_pairs
+from .wire import MAX_MESSAGE_BYTES, PeerError, connect_pairs, group_blame
 
 Part = TokenBatch | torch.Tensor  # a batch handed over in-process, or packed bytes off the wire
 EAGER_BYTES = 4096  # fixed size of a message's first transfer: length word + payload head
@@ -284,10 +284,8 @@ def _broadcast(tensor: torch.Tensor, leader: int, group: object) -> None:
     except RuntimeError as exc:
         message = f"tensor-parallel fan-out from rank {leader} failed: {exc}"
         members = dist.get_process_group_ranks(group)  # type: ignore[arg-type]
-        others = tuple(r for r in members if r != dist.get_rank())
-        # a pair waited on each other; in a larger group the broadcast relays through members
-        # (a tree in gloo, a ring in NCCL), so any of them may be the one that stopped
-        raise PeerError(others[0] if len(others) == 1 else None, message, others) from None
+        peer, suspects = group_blame(tuple(r for r in members if r != dist.get_rank()))
+        raise PeerError(peer, message, suspects) from None
 
 
 def as_batch(part: Part) -> TokenBatch:

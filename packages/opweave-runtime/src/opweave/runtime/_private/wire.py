@@ -44,6 +44,13 @@ class PeerError(OpWeaveRuntimeError):
         self.suspects = suspects
 
 
+def group_blame(others: tuple[int, ...]) -> tuple[int | None, tuple[int, ...]]:
+    """Whom a failed collective of a group waited on, as (``peer``, ``suspects``): the other
+    rank of a pair; in a larger group none in particular, since the collective relays through
+    members (a tree in gloo, a ring in NCCL): the driver names the silent one of ``others``."""
+    return (others[0] if len(others) == 1 else None), others
+
+
 def connect_pairs(
     rank: int, world_size: int, timeout_s: float, host: str, key: bytes
 ) -> dict[int, socket.socket]:
