@@ -18,7 +18,6 @@ KEY = bytes(range(32))
 
 
 def _rank(rank: int, port: int, scenario: str, spin_s: float, out: mp.Queue) -> None:
-
     from opweave.runtime import BatchMeta, TokenBatch, unpack
     from opweave.runtime.transport import Message, PeerError, Transport
 
