@@ -83,13 +83,17 @@ def test_a_profiled_plan_needs_its_profile(tmp_path: Path, tiny: Path) -> None:
     path.write_text(profile.model_dump_json())
     plan_file = tmp_path / "p.json"
     base = ["plan", str(tiny), "--gpus", "l4", "--context", "256", "--tpot-slo-ms", "50"]
-    _ok([*base, "--profile", str(path), "-o", str(plan_file)])
+    out, _ = _ok([*base, "--profile", str(path), "-o", str(plan_file)])
     assert not json.loads(plan_file.read_text())["profiles"][0].endswith(":roofline")
+    # the plan and its re-simulation say where the latencies came from
+    said = f"l4 latencies: synthesised on {profile.device.name} ({profile.provenance.date})"
+    assert f"  - {said}, " in out, out
     message = one_line_error(["simulate", str(plan_file), "--model", str(tiny)])
     assert "the plan's l4 latencies come from a measured profile" in message
     assert "pass that profile with --profile" in message
-    _, err = _ok(["simulate", str(plan_file), "--model", str(tiny), "--profile", str(path)])
+    out, err = _ok(["simulate", str(plan_file), "--model", str(tiny), "--profile", str(path)])
     assert err == ""
+    assert f"l4 latencies: {path}, synthesised on {profile.device.name}" in out, out
 
 
 def test_a_profile_naming_a_catalog_gpu_by_its_alias(tmp_path: Path, tiny: Path) -> None:

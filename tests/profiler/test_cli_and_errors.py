@@ -182,5 +182,8 @@ def test_estimate_takes_a_cpu_profile_for_its_device(
         load_model(model), latency.hardware, tp=1, batch=4, context=64, latency=latency
     ).step_latency_s
     assert json.loads(out)["step_latency_s"] == pytest.approx(want, rel=1e-12)
+    code, out, _ = _main(capsys, "estimate", str(model), "--gpu", "cpu", "--profile", str(path))
+    device = profile.provenance.device_name
+    assert code == 0 and f"latencies: {path}, measured by opweave profile on {device}" in out
     code, _, err = _main(capsys, "estimate", str(model), "--gpu", "h100", "--profile", str(path))
     assert code == 2 and err.strip().endswith("is of cpu, not --gpu h100-sxm"), err

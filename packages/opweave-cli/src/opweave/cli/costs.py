@@ -203,6 +203,8 @@ def _estimate_step(
         emit_json(doc)
         return
     _print_step(est, spec, hw, layout, batch)
+    if latency is not None:
+        typer.echo(f"latencies: {profile_path}, {latency.profile.describe()}")
 
 
 # The estimate's terms (`breakdown_s` keys in --json) in words; terms that are zero are not shown.

@@ -514,11 +514,9 @@ def simulate(
             f"plan {plan_file} was made for a different {the_plan.model.name} "
             "config; pass --model with the config it was planned for"
         )
+    profiles = load_profiles(profile)
     sim = simulate_plan(
-        the_plan,
-        spec,
-        catalog=None if hardware is None else catalog(hardware),
-        profiles=load_profiles(profile),
+        the_plan, spec, catalog=None if hardware is None else catalog(hardware), profiles=profiles
     )
     for note in sim.notes:
         typer.echo(f"note: simulating other specs than the plan was made with: {note}", err=True)
@@ -564,6 +562,8 @@ def simulate(
         for name, busy in sim.busy_s.items()
     ]
     typer.echo(table(rows, ["resource", "busy ms/iter", "occupancy"]))
+    for path, prof in zip(profile or (), profiles, strict=True):
+        typer.echo(f"{prof.device.id} latencies: {path}, {prof.describe()}")
     if pool is not None:
         typer.echo(
             f"prefill pool: {pool.replicas} engine{'s' if pool.replicas > 1 else ''} of "

@@ -321,6 +321,29 @@ class Profile(FileSchema):
             "measured on"
         )
 
+    def describe(self) -> str:
+        """Where this profile's latencies come from, in words, for the line that tells a user
+        an estimate or a plan rests on it rather than on the roofline."""
+        prov = self.provenance
+        if prov.source == "aiconfigurator":
+            settings = prov.settings
+            roofline = sum((t.source or "").startswith("roofline") for t in self.ops)
+            return (
+                f"imported from NVIDIA's silicon database ({settings.get('database', '?')}, "
+                f"{settings.get('system', '?')}, {settings.get('engine', '?')} "
+                f"{settings.get('engine_version', '?')}); {len(self.ops) - roofline} of "
+                f"{len(self.ops)} operator tables from its kernels, the rest roofline"
+                + "".join(
+                    f"; {kind.replace('all', 'all-')} measured ({source})"
+                    for kind, source in dict.fromkeys((c.kind, c.source) for c in self.collectives)
+                )
+            )
+        how = "measured by opweave profile" if prov.source == "measured" else "synthesised"
+        words = f"{how} on {prov.device_name} ({prov.date}), {len(self.ops)} operator tables"
+        if not self.collectives and any(t.tp > 1 for t in self.ops):
+            words += "; tensor-parallel collectives from the roofline"
+        return words
+
     def table(self, key: str, tp: int) -> OpLatencyTable:
         for t in self.ops:
             if t.op == key and t.tp == tp:

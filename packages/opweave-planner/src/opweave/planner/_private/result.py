@@ -346,7 +346,7 @@ class PlanResult:
                 else []
             ),
             *self._precision(),
-            *self._imported(),
+            *self._profiled(),
             *(self._expert_load() if self._uses_ep() else []),
             *(self._extrapolated(self.best) if self.best is not None else []),
         ]
@@ -369,29 +369,14 @@ class PlanResult:
             *self.spec.notes,
         ]
 
-    def _imported(self) -> list[str]:
-        """Which GPU types' latencies come from an imported (not measured) profile."""
-        out = []
-        for d in self.devices:
-            if not isinstance(d.latency, ProfiledLatency):
-                continue
-            prof = d.latency.profile
-            if prof.provenance.source != "aiconfigurator":
-                continue
-            settings = prof.provenance.settings
-            roofline = sum((t.source or "").startswith("roofline") for t in prof.ops)
-            out.append(
-                f"{d.id} latencies: imported from NVIDIA's silicon database "
-                f"({settings.get('database', '?')}, {settings.get('system', '?')}, "
-                f"{settings.get('engine', '?')} {settings.get('engine_version', '?')}); "
-                f"{len(prof.ops) - roofline} of {len(prof.ops)} operator tables from its "
-                f"kernels, the rest roofline"
-                + "".join(
-                    f"; {kind.replace('all', 'all-')} measured ({source})"
-                    for kind, source in dict.fromkeys((c.kind, c.source) for c in prof.collectives)
-                )
-            )
-        return out
+    def _profiled(self) -> list[str]:
+        """Which GPU types' latencies come from a profile (measured, imported or synthesised)
+        rather than the roofline, and where that profile's figures come from."""
+        return [
+            f"{d.id} latencies: {d.latency.profile.describe()}"
+            for d in self.devices
+            if isinstance(d.latency, ProfiledLatency)
+        ]
 
     def _uses_ep(self) -> bool:
         plans = [self.best, *self.baselines.values()]
