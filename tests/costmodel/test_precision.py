@@ -642,6 +642,29 @@ def test_compressed_tensors_ignore_and_kv_scheme() -> None:
     assert spec.block.period_layers == 2  # layer 1 differs from layer 0 now
 
 
+def test_compressed_tensors_ignore_names_modules_exactly() -> None:
+    """A compressed-tensors ``ignore`` entry names one module, as vLLM matches it (equal name
+    or ``re:``), not its subtree: an ignored ``self_attn`` (a parent, no linear of its own)
+    leaves q/k/v/o quantised, as llm-compressor stores them (Qwen3.6-27B INT4's ignored
+    ``linear_attn`` modules were costed in bf16: +46% of its weight bytes). A linear's own
+    name, in the checkpoint's multimodal spelling too, still keeps it in bf16."""
+    int4 = _ct_groups(w4=["Linear"])
+    fp8_bytes = model_spec_from_config(dict(TINY, quantization_config=int4)).weight_bytes
+    parents = int4 | {"ignore": ["model.layers.0.self_attn", "model.layers.1.mlp", "lm_head"]}
+    spec = model_spec_from_config(dict(TINY, quantization_config=parents))
+    assert spec.weight_bytes == fp8_bytes
+    assert {op.weight_format for op in spec.operators if op.layer == 0 and op.linears} == {
+        "int4-wo"
+    }
+    own = int4 | {"ignore": ["model.language_model.layers.1.mlp.down_proj"]}
+    formats = {
+        (op.layer, op.name): op.weight_format
+        for op in model_spec_from_config(dict(TINY, quantization_config=own)).operators
+        if op.linears
+    }
+    assert formats[(1, "down_proj")] is None and formats[(0, "down_proj")] == "int4-wo"
+
+
 def _ct_groups(**groups: list[str]) -> dict[str, Any]:
     """compressed-tensors config groups: an INT4 group-16 W4A16 group per name, on its
     targets (``w8``: an FP8 group)."""

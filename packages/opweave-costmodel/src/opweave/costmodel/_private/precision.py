@@ -331,6 +331,24 @@ def module_matches(patterns: _Patterns | tuple[str, ...], path: str) -> bool:
     return any(r.match(path) for r in pats.regex)
 
 
+def exact_pattern(name: str) -> str:
+    """A plain module name as a pattern that matches that one module, not its subtree: how
+    compressed-tensors checkpoints mean their ``ignore`` entries and vLLM matches them (equal
+    name, or ``re:``: ``compressed_tensors/utils.py``, ``should_ignore_layer``). An ignored
+    ``linear_attn`` leaves its ``in_proj_qkv`` quantised, as the checkpoint stores it. ``re:``
+    patterns are kept.
+
+    >>> exact = exact_pattern("model.language_model.layers.0.linear_attn")
+    >>> module_matches((exact,), "model.layers.0.linear_attn.out_proj")
+    False
+    >>> module_matches((exact_pattern("lm_head"),), "lm_head")
+    True
+    """
+    if name.startswith("re:"):
+        return name
+    return f"re:{re.escape(_normalise(name))}$"
+
+
 # -- compute ----------------------------------------------------------------------------------
 # Architecture of the catalog's GPU ids (and those the catalog adds for Blackwell racks and the
 # H20 / RTX PRO 6000): what an engine's kernels key on. Other ids (a --hardware entry) run

@@ -26,6 +26,7 @@ from .precision import (
     Precision,
     QuantRule,
     WeightScheme,
+    exact_pattern,
     fp8_block_scheme,
     fp8_tensor_scheme,
     int4_scheme,
@@ -420,7 +421,7 @@ def _compressed_tensors(r: _Reader, base: Precision) -> Precision:
         rules.append(QuantRule(targets=targets, scheme=_ct_scheme(weights, g, base)))
     update: dict[str, Any] = {
         "rules": tuple(rules),
-        "ignore": r.names("ignore"),
+        "ignore": tuple(exact_pattern(name) for name in r.names("ignore")),
         "method": "compressed-tensors",
         "source": f"config.json {r.where}: compressed-tensors "
         + ", ".join(sorted({q.scheme.format for q in rules}) or ["(no weights)"]),

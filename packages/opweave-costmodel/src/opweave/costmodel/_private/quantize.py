@@ -27,10 +27,12 @@ ROUTER_NAMES = frozenset({"gate", "router", "shared_expert_gate"})
 
 def linear_paths(module: str, layer: int | None, expert: bool) -> tuple[str, ...]:
     """The checkpoint names of a linear: ``model.layers.3.self_attn.q_proj``; a routed expert's
-    also with its index, as checkpoints store them (``mlp.experts.0.gate_proj``)."""
+    also with its index, as checkpoints store them (``mlp.experts.0.gate_proj``), and the
+    experts' module itself (``mlp.experts``), the name vLLM matches a fused-MoE layer by."""
     path = module if layer is None else f"model.layers.{layer}.{module}"
     if expert and ".experts." in path:
-        return (path, path.replace(".experts.", ".experts.0.", 1))
+        experts = path[: path.index(".experts.") + len(".experts")]
+        return (path, path.replace(".experts.", ".experts.0.", 1), experts)
     return (path,)
 
 
