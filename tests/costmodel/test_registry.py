@@ -36,6 +36,26 @@ def test_unknown_family_is_one_line_naming_the_supported_ones() -> None:
         resolve_architecture(dict(TINY_LLAMA, architectures=3))
 
 
+@pytest.mark.parametrize(
+    "architecture", ["LlamaModel", "LlamaForSequenceClassification", "Gemma3TextModel"]
+)
+def test_a_supported_model_type_without_a_language_model_head_is_refused(
+    architecture: str,
+) -> None:
+    """An embedding or classification checkpoint of a supported model type (e.g.
+    google/embeddinggemma-300m: gemma3_text, Gemma3TextModel) never decodes; it was costed as a
+    decoder."""
+    config = dict(TINY_LLAMA, architectures=[architecture])
+    with pytest.raises(ConfigError) as info:
+        model_spec_from_config(config)
+    assert str(info.value).startswith(
+        f"architectures {architecture}: a model without a language-model head"
+    )
+    # beside a generative architecture it is served as that one
+    both = dict(TINY_LLAMA, architectures=[architecture, "LlamaForCausalLM"])
+    assert resolve_architecture(both).family == "llama"
+
+
 def test_null_keys_read_as_the_family_defaults_or_as_missing() -> None:
     # a null string or object takes the default; a null required number is missing
     arch = resolve_architecture(dict(TINY_LLAMA, hidden_act=None, rope_scaling=None))

@@ -395,6 +395,14 @@ def _unsupported(config: Mapping[str, Any], archs: list[str]) -> UnsupportedMode
     )
 
 
+# Architectures of a family's model type that have no language-model head: transformers' bare
+# ``...Model`` (embedding checkpoints such as google/embeddinggemma-300m: Gemma3TextModel) and
+# its classification and reward heads.
+_HEADLESS = re.compile(
+    r"(Model|For(Sequence|Token)Classification|ForQuestionAnswering|ForRewardModel|Embedding)$"
+)
+
+
 def resolve_family(config: Mapping[str, Any]) -> tuple[Family, dict[str, Any]]:
     """The family of a Hugging Face config and its text model's keys.
 
@@ -418,6 +426,13 @@ def resolve_family(config: Mapping[str, Any]) -> tuple[Family, dict[str, Any]]:
     found = next((_BY_ARCHITECTURE[a] for a in archs if a in _BY_ARCHITECTURE), None)
     if found is None:
         found = _BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+        if found is not None and archs and all(_HEADLESS.search(a) for a in archs):
+            raise ConfigError(
+                f"architectures {', '.join(archs)}: a model without a language-model head "
+                "(an embedding, classification or reward model, which vLLM runs as a pooling "
+                "model and which never decodes); OpWeave costs the decode of generative models "
+                "(architectures ...ForCausalLM)"
+            )
     if found is None:
         raise _unsupported(config, archs)
     family, nested = found
