@@ -203,7 +203,6 @@ class _GatedDeltaNet(DecoderConfig):
     linear_value_head_dim: Width = 128
     linear_num_key_heads: Heads = 16
     linear_num_value_heads: Heads = 32
-    shared_expert_intermediate_size: Width0 = 512
 
 
 class Qwen3NextConfig(_GatedDeltaNet, _RoutedExperts):
@@ -218,6 +217,7 @@ class Qwen3NextConfig(_GatedDeltaNet, _RoutedExperts):
     partial_rotary_factor: Any = 0.25
     decoder_sparse_step: Layers = 1
     moe_intermediate_size: Width = 512
+    shared_expert_intermediate_size: Width0 = 512
     num_experts: Experts0 = Field(
         512, validation_alias=_experts_key("num_experts", "num_local_experts")
     )
@@ -252,6 +252,7 @@ class Qwen3_5MoeTextConfig(_Qwen3_5, _RoutedExperts):
     max_position_embeddings: Tokens = 32768
     partial_rotary_factor: Any = 0.25
     moe_intermediate_size: Width = 512
+    shared_expert_intermediate_size: Width0 = 512
     num_experts: Experts0 = Field(
         256, validation_alias=_experts_key("num_experts", "num_local_experts")
     )
