@@ -242,3 +242,15 @@ def test_plan_costs_the_pools_as_the_named_engine_runs_them() -> None:
     agg_v, agg_s = vllm["baselines"]["aggregated"], sglang["baselines"]["aggregated"]
     assert agg_v["pools"] is not None and agg_s["pools"] is not None
     assert agg_s["tpot_s"] < agg_v["tpot_s"] and agg_s["ttft_s"] > agg_v["ttft_s"]
+
+
+def test_sglang_plans_of_a_moe_model_skip_layouts_its_defaults_cannot_start() -> None:
+    """With --engine sglang an MoE model's candidates include DP attention over many ranks,
+    where SGLang's default memory fraction is negative: the planner skips them (it was a
+    pydantic traceback on this ordinary command) and plans the rest."""
+    doc = cli_json(
+        "plan", "qwen3-30b-a3b", "--gpus", "h100", "--isl", "1K", "--osl", "64",
+        "--concurrency", "4", "--engine", "sglang", "--tpot-slo-ms", "100",
+    )  # fmt: skip
+    assert doc["best"]["usd_per_million_tokens"] > 0
+    assert doc["best"]["tpot_s"] <= 0.1

@@ -535,6 +535,26 @@ def test_sglangs_default_memory_fraction_against_its_formula() -> None:
     assert sglang_mem_fraction(h100, 8192, 1) == pytest.approx(0.828, abs=0.01)  # sglang#29092
 
 
+def test_a_layout_sglangs_default_memory_split_leaves_nothing_is_one_error(h100) -> None:
+    """DP attention over many ranks reserves graph_bs x dp x 4.5 MiB: past the GPU's memory
+    SGLang's default fraction is negative and the engine does not start. That is an error
+    naming the flag (it was a pydantic traceback), and a given fraction still estimates."""
+    from opweave.costmodel import InfeasibleError
+
+    moe = load_model("qwen3-30b-a3b")
+    w = Workload(isl=Lengths.fixed(1024), osl=Lengths.fixed(64), concurrency=4, engine="sglang")
+    assert sglang_mem_fraction(h100, 8192, 64, 64, dp_attention=True) < 0
+    with pytest.raises(InfeasibleError) as info:
+        estimate_serving(moe, h100, tp=1, ep=64, dp=64, workload=w)
+    assert str(info.value).startswith(
+        "SGLang's default --mem-fraction-static on 64 x h100-sxm with data-parallel attention "
+        "over 64 ranks is -"
+    )
+    assert "give --memory-fraction" in str(info.value)
+    given = w.model_copy(update={"memory_fraction": 0.8})
+    assert estimate_serving(moe, h100, tp=1, ep=64, dp=64, workload=given).tokens_per_s > 0
+
+
 def test_each_engine_sizes_the_kv_cache_its_own_way(qwen32, h100) -> None:
     """The same replica's cache under each engine's memory rule, against the arithmetic: SGLang
     f x M - weights; vLLM 0.9 M - weights - a full step's activations; TensorRT-LLM 0.9 x
@@ -661,6 +681,21 @@ def test_open_loop_is_seeded_and_a_light_load_waits_for_nothing(qwen32, h100) ->
     assert not a.saturated
     heavy = estimate_serving(qwen32, h100, tp=4, workload=w.model_copy(update={"rate_per_s": 500}))
     assert heavy.saturated
+
+
+def test_an_overloaded_engine_serves_its_capacity_whatever_the_rate(qwen32, h100) -> None:
+    """Prompts that arrive faster than the engine prefills them: the arrivals' window can pass
+    without one output token (it divided by that zero: a traceback). An overloaded engine
+    serves its capacity, the same at twice the overload, and costs what that capacity does."""
+    w = Workload(isl=Lengths.fixed(30720), osl=Lengths.fixed(64), rate_per_s=1000)
+    flood = estimate_serving(qwen32, h100, tp=1, workload=w)
+    half = estimate_serving(qwen32, h100, tp=1, workload=w.model_copy(update={"rate_per_s": 500}))
+    assert flood.saturated and half.saturated
+    assert 0 < flood.tokens_per_s < 1000 * 64
+    assert flood.tokens_per_s == pytest.approx(half.tokens_per_s, rel=0.05)
+    assert flood.usd_per_million_tokens == pytest.approx(
+        h100.usd_per_hour / 3600 / flood.tokens_per_s * 1e6
+    )
 
 
 def test_the_median_request_of_a_burst(qwen32, h100) -> None:

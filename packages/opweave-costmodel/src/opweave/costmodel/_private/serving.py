@@ -278,7 +278,12 @@ def estimate_serving(
         span = float(sim.arrival_s[last - 1] - sim.arrival_s[first])
         offered = (last - 1 - first) / span * mean_osl
         saturated = per_rank_tokens < SATURATED * offered
-        if not saturated:
+        if saturated:
+            # the queue only grows: what the engine serves is its capacity, over the whole run
+            # (prompts that arrive faster than it prefills can leave the arrivals' window
+            # without a single output token)
+            per_rank_tokens, batch = sim.throughput(0.0, float(np.max(sim.finish_s)))
+        else:
             # a stable engine serves what arrives: the nominal rate's tokens, not those of the
             # sample's realised arrivals (Poisson noise of a few hundred requests)
             per_rank_tokens = rank.rate_per_s * rank.osl.mean

@@ -51,7 +51,7 @@ from typing import Any, Literal, TypeGuard
 import numpy as np
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InfeasibleError
 from .base import Frozen, read_data_file, schema_version_problem
 from .hardware import HardwareSpec
 
@@ -537,6 +537,15 @@ class Workload(Frozen):
             assert graphs is not None  # SGLang always caps its decode graphs
             fraction = sglang_mem_fraction(hardware, chunk, gpus, dp, dp > 1, graphs.max_batch)
             note = " (SGLang's default for the GPU)"
+            if fraction <= 0:
+                layout = f" with data-parallel attention over {dp} ranks" if dp > 1 else ""
+                raise InfeasibleError(
+                    f"SGLang's default --mem-fraction-static on {gpus} x {hardware.id}{layout} "
+                    f"is {fraction:g}: what it reserves for activations and CUDA graphs exceeds "
+                    "the GPU's memory, so the engine does not start; give --memory-fraction "
+                    "(SGLang's --mem-fraction-static), fewer DP ranks, or a workload file's "
+                    "smaller cuda_graph_max_bs"
+                )
         else:  # vLLM's gpu_memory_utilization (0.9 by default: the catalog's usable fraction)
             fraction, note = hardware.usable_memory_fraction, ""
         return CacheBudget(

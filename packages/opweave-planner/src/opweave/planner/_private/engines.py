@@ -147,7 +147,10 @@ def _decode_ceiling(
     tokens, seqs = workload.batch_limits(hw, option.par.dp)
     context = workload.mean_decode_context
     per_request = float(cost.kv_bytes(context))
-    budget = workload.cache_budget(hw, option.par.gpus, option.par.dp)
+    try:
+        budget = workload.cache_budget(hw, option.par.gpus, option.par.dp)
+    except InfeasibleError:  # the engine's default memory split leaves it nothing
+        return 0.0
     capacity = cost.kv_capacity_bytes(tokens, seqs, budget)
     held = capacity / per_request if per_request > 0 else math.inf
     dp = option.par.dp
