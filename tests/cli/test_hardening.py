@@ -78,6 +78,12 @@ def test_plot_paths(tmp_path: Path) -> None:
     assert "unsupported file type '.txt'" in one_line_error([*base, str(tmp_path / "a.txt")])
     assert "unsupported file type '(none)'" in one_line_error([*base, str(tmp_path / "plot")])
     assert "does not exist" in one_line_error([*base, str(tmp_path / "no" / "such" / "a.png")])
+    # a pipe nobody reads would hold the command forever (plan -o blocked until killed)
+    fifo = tmp_path / "fifo.png"
+    os.mkfifo(fifo)
+    assert "is not a regular file (a pipe or socket)" in one_line_error([*base, str(fifo)])
+    plan = ["plan", "qwen3-32b", "--gpus", "h100", "--context", "8K", "--tpot-slo-ms", "50"]
+    assert "-o " + str(fifo) + " is not a regular file" in one_line_error([*plan, "-o", str(fifo)])
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")

@@ -137,6 +137,11 @@ def output_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) ->
 
     if path.is_dir():
         raise ConfigError(f"{flag} {path} is a directory; give a file name")
+    if path.is_fifo() or path.is_socket():
+        # writing would wait for a reader that may never come
+        raise ConfigError(
+            f"{flag} {path} is not a regular file (a pipe or socket); give a file name"
+        )
     if suffixes and path.suffix.lower() not in suffixes:
         raise ConfigError(
             f"{flag} {path}: unsupported file type {path.suffix or '(none)'!r}; "
