@@ -171,3 +171,24 @@ def test_plan_files_are_read_strictly(tmp_path: Path) -> None:
     assert "hardware describes a100-sxm-80gb, which no owner uses" in one_line_error(
         ["simulate", str(tmp_path / "stray.json")]
     )
+
+
+def test_deploy_refuses_an_edited_precision_and_says_what_it_did_not_check(
+    tmp_path: Path,
+) -> None:
+    """deploy checks a built-in model's plan as simulate does: a precision edited beside the
+    built-in's fingerprint is refused (it wrote launch scripts for it), and a plan of another
+    config of that name is deployed with a note that its memory was not re-checked."""
+    plan_file = tmp_path / "p.json"
+    _ok([*PLAN, "-o", str(plan_file)])
+    doc = json.loads(plan_file.read_text())
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps({**doc, "model": {**doc["model"], "quant": "fp8"}}))
+    message = one_line_error(["deploy", str(edited), "-o", str(tmp_path / "a"), *IMAGE])
+    assert message.endswith("the file was edited; plan again"), message
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**doc, "model": {**doc["model"], "config_sha256": "0" * 64}}))
+    _, err = _ok(["deploy", str(other), "-o", str(tmp_path / "b"), *IMAGE])
+    assert "config other than the built-in one" in err and "not re-checked" in err
+    _, err = _ok(["deploy", str(plan_file), "-o", str(tmp_path / "c"), *IMAGE])
+    assert err == ""

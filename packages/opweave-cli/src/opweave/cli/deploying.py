@@ -77,12 +77,18 @@ def _check_it_runs(plan: Any, path: Path, hardware: Path | None, profiles: Any) 
     from opweave.costmodel import BUILTIN_MODELS
     from opweave.planner import simulate_plan
 
-    from .planning import _planned_model
+    from .planning import _planned_model, planned_config
 
     if plan.model.name not in BUILTIN_MODELS:
         return
     spec = _planned_model(plan.model.name, plan, path)
-    if spec.config_sha256 != plan.model.config_sha256:
+    if not planned_config(plan.model.name, spec, plan, path):
+        typer.echo(
+            f"note: plan {path} was made for a {plan.model.name} config other than the built-in "
+            "one (its fingerprint differs), so its memory and cuts were not re-checked here; "
+            "the nodes check them when they load the checkpoint",
+            err=True,
+        )
         return
     simulate_plan(
         plan, spec, catalog=None if hardware is None else catalog(hardware), profiles=profiles

@@ -475,6 +475,25 @@ def _planned_model(model: str, plan: Any, path: Path):  # -> ModelSpec
     return load_model(model, **options)
 
 
+def planned_config(name: str, spec: Any, plan: Any, path: Path) -> bool:
+    """Whether ``spec`` (model ``name`` in the plan's precision) is the config the plan was
+    made for. A plan whose precision was edited beside the fingerprint of ``name``'s own
+    precision is an error: nothing but an edit writes that."""
+    from opweave.costmodel import ConfigError, load_model
+
+    if spec.config_sha256 == plan.model.config_sha256:
+        return True
+    own = load_model(name)  # the checkpoint's own precision
+    if own.config_sha256 == plan.model.config_sha256:
+        pm = plan.model
+        raise ConfigError(
+            f"plan {path} records {pm.quant} weights and a {pm.kv_cache_dtype} KV cache "
+            f"beside the fingerprint of {name} in {own.precision.quant} and "
+            f"{own.precision.kv_cache_dtype}: the file was edited; plan again"
+        )
+    return False
+
+
 def simulate(
     plan_file: Annotated[
         Path, typer.Argument(metavar="PLAN", help="A plan file (opweave plan -o).")
@@ -499,17 +518,7 @@ def simulate(
     the_plan = load_plan_file(plan_file)
     name = model or _builtin_model(the_plan, plan_file)
     spec = _planned_model(name, the_plan, plan_file)
-    if spec.config_sha256 != the_plan.model.config_sha256:
-        from opweave.costmodel import load_model
-
-        own = load_model(name)  # the checkpoint's own precision
-        if own.config_sha256 == the_plan.model.config_sha256:
-            pm = the_plan.model
-            raise ConfigError(
-                f"plan {plan_file} records {pm.quant} weights and a {pm.kv_cache_dtype} KV cache "
-                f"beside the fingerprint of {name} in {own.precision.quant} and "
-                f"{own.precision.kv_cache_dtype}: the file was edited; plan again"
-            )
+    if not planned_config(name, spec, the_plan, plan_file):
         raise ConfigError(
             f"plan {plan_file} was made for a different {the_plan.model.name} "
             "config; pass --model with the config it was planned for"
