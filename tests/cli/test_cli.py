@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fuzzing import one_line_error
 from tests.helpers import TINY_LLAMA, cli_json, run_cli
 
 
@@ -123,6 +124,15 @@ def test_estimate_expert_and_data_parallel_json() -> None:
         in text
     )
     assert "busiest expert GPU: 1.08x the mean load (assumed" in text
+    # no GPU takes more than every token's copies its experts can: 8 of 16 experts per GPU at
+    # EP8 take all 8 of a token's, 8 times the mean (1e6 was printed as 8x without a word)
+    flags = ("--tp", "1", "--ep", "8", "--dp", "8")
+    message = one_line_error([*args, *flags, "--expert-imbalance", "8.5"])
+    assert message == (
+        "error: --expert-imbalance 8.5 is more than a busiest expert GPU can carry with --ep 8: "
+        "at most 8 times the mean, when it holds as many of each token's 8 experts as it can"
+    )
+    assert cli_json(*args, *flags, "--expert-imbalance", "8")["expert_imbalance"] == 8
 
 
 @pytest.mark.parametrize(

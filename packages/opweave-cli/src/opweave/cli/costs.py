@@ -470,6 +470,16 @@ def _check_parallelism(
         raise ConfigError(
             "--expert-imbalance applies to expert parallelism; give --ep above 1 with it"
         )
+    moe = spec.arch.moe
+    if imbalance is not None and moe is not None:
+        # the busiest GPU's load is at most every token's copies its experts can take
+        most = min(moe.top_k, moe.num_experts // ep) * ep / moe.top_k
+        if imbalance > most:
+            raise ConfigError(
+                f"--expert-imbalance {imbalance:g} is more than a busiest expert GPU can carry "
+                f"with --ep {ep}: at most {most:g} times the mean, when it holds as many of "
+                f"each token's {moe.top_k} experts as it can"
+            )
 
 
 def _echo_engine_split(spec: Any, tp: int, ep: int, dp: int, dense_dp: bool) -> None:
