@@ -360,6 +360,11 @@ def resolve_architecture(config: Mapping[str, Any], *, dtype: str | None = None)
 
 
 def _dtype(text: Mapping[str, Any], override: str | None) -> str:
+    for key in ("torch_dtype", "dtype"):
+        value = text.get(key)
+        if value is not None and not (isinstance(value, str) and value):
+            # 0, false, "" or [] read as "unset" and were costed as bfloat16
+            raise ConfigError(f"{key}: expected a dtype's name, e.g. bfloat16, got {show(value)}")
     name = override or text.get("torch_dtype") or text.get("dtype") or "bfloat16"
     name = str(name).removeprefix("torch.")
     if name not in _DTYPES:
@@ -527,9 +532,20 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
     elif flags.moe == "sparse_step":
         step = cfg.decoder_sparse_step
         dense = set(cfg.mlp_only_layers)
+        beyond = sorted(i for i in dense if i >= n)
+        if beyond:
+            raise ConfigError(
+                f"mlp_only_layers: layer {beyond[0]} is beyond the model's {n} layers "
+                f"(0-{n - 1}); list layers of this model"
+            )
         layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
     else:  # first_k_dense: vLLM deepseek_v2.py's is_moe_layer
         first, freq = cfg.first_k_dense_replace, cfg.moe_layer_freq
+        if first > n:
+            raise ConfigError(
+                f"first_k_dense_replace: {first} dense layers is more than the model's {n} "
+                "layers; give at most num_hidden_layers"
+            )
         layers = tuple(i for i in range(n) if i >= first and i % freq == 0)
         mlp_types = getattr(cfg, "mlp_layer_types", None)  # transformers' list, where read
         if mlp_types is not None:
