@@ -734,6 +734,15 @@ def test_simulate_says_why_a_plans_prediction_may_differ(tmp_path: Path) -> None
         "the plan was made for a workload (its prediction covers the whole deployment, prompts "
         "prefilled beside decode), or the file was edited since"
     ), err
+    # an edited price leaves the TPOT alone and was not noted
+    doc["microbatches"] = 1
+    doc["hardware"][0]["usd_per_hour"] *= 10
+    path.write_text(json.dumps(doc))
+    code, _, err, _ = invoke(["simulate", str(path)])
+    assert code == 0, err
+    usd = doc["prediction"]["usd_per_million_tokens"]
+    said = f"iteration {planned:.3f} ms and ${10 * usd:.4g} per million tokens: the plan"
+    assert said in err, err
 
 
 def test_a_missing_vocab_size_is_named_where_it_shows(write_config) -> None:

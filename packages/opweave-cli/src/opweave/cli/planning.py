@@ -475,6 +475,16 @@ def _planned_model(model: str, plan: Any, path: Path):  # -> ModelSpec
     return load_model(model, **options)
 
 
+def _differs(planned: Any, sim: Any) -> bool:
+    """Whether a re-simulation's TPOT or cost differs from the plan file's prediction."""
+    if abs(sim.tpot_s / planned.tpot_s - 1) > 1e-3:
+        return True
+    usd, again = planned.usd_per_million_tokens, sim.usd_per_million_tokens
+    if usd is None or again is None:
+        return (usd is None) != (again is None)
+    return abs(again / usd - 1) > 1e-3
+
+
 def planned_config(name: str, spec: Any, plan: Any, path: Path) -> bool:
     """Whether ``spec`` (model ``name`` in the plan's precision) is the config the plan was
     made for. A plan whose precision was edited beside the fingerprint of ``name``'s own
@@ -530,17 +540,17 @@ def simulate(
     for note in sim.notes:
         typer.echo(f"note: simulating other specs than the plan was made with: {note}", err=True)
     planned = the_plan.prediction
-    if planned is not None and not sim.notes and abs(sim.tpot_s / planned.tpot_s - 1) > 1e-3:
-        cost = (
-            ""
-            if planned.usd_per_million_tokens is None
-            else f" and ${planned.usd_per_million_tokens:.4g} per million tokens"
-        )
+    if planned is not None and not sim.notes and _differs(planned, sim):
+
+        def cost(usd: float | None) -> str:
+            return "" if usd is None else f" and ${usd:.4g} per million tokens"
+
         typer.echo(
-            f"note: the plan file predicts TPOT {planned.tpot_s * 1e3:.3f} ms{cost}, this "
-            f"re-simulation of its decode iteration {sim.tpot_s * 1e3:.3f} ms: the plan was made "
-            "for a workload (its prediction covers the whole deployment, prompts prefilled "
-            "beside decode), or the file was edited since",
+            f"note: the plan file predicts TPOT {planned.tpot_s * 1e3:.3f} ms"
+            f"{cost(planned.usd_per_million_tokens)}, this re-simulation of its decode "
+            f"iteration {sim.tpot_s * 1e3:.3f} ms{cost(sim.usd_per_million_tokens)}: the plan "
+            "was made for a workload (its prediction covers the whole deployment, prompts "
+            "prefilled beside decode), or the file was edited since",
             err=True,
         )
     if gantt is not None:
