@@ -12,6 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from opweave.costmodel import (
+    ConfigError,
     EngineSetup,
     EngineStepCost,
     GraphBatches,
@@ -849,3 +850,18 @@ def test_weights_beyond_the_gpu_are_named_as_such(qwen32, h100) -> None:
         f"qwen3-32b's weights take {fp8.weight_bytes / 1e9:.1f} GB per GPU on 1 x l4 (tp1), "
         f"more than the GPU's {l4.memory_bytes / 1e9:.1f} GB"
     )
+
+
+def test_a_vllm_token_budget_below_its_running_requests_is_refused(qwen32, h100) -> None:
+    """vLLM refuses max_num_batched_tokens below max_num_seqs at start-up (SchedulerConfig);
+    a budget of 1 was simulated (34 s at 8K prompts, with no word that vLLM would not start)."""
+    w = Workload(
+        isl=Lengths.fixed(1024), osl=Lengths.fixed(64), concurrency=4, max_num_batched_tokens=1
+    )
+    with pytest.raises(ConfigError, match="^max_num_batched_tokens 1 is below max_num_seqs 1024"):
+        estimate_serving(qwen32, h100, tp=1, workload=w)
+    fits = w.model_copy(update={"max_num_batched_tokens": 16, "max_num_seqs": 16})
+    assert estimate_serving(qwen32, h100, tp=1, workload=fits).ttft_s > 0
+    # SGLang has no such rule
+    sglang = w.model_copy(update={"engine": "sglang", "max_num_batched_tokens": 512})
+    assert estimate_serving(qwen32, h100, tp=1, workload=sglang).ttft_s > 0

@@ -495,9 +495,18 @@ class Workload(Frozen):
         data-parallel attention ranks ([SGL-DP]), vLLM's DP ranks each have their own."""
         tokens, seqs = default_batch_limits(hardware, self.engine)
         tokens = self.max_num_batched_tokens or tokens
+        seqs = self.max_num_seqs or seqs
+        if self.engine == "vllm" and tokens < seqs:
+            # SchedulerConfig._verify_args (vllm/config/scheduler.py): every running request
+            # takes at least one token of a step
+            raise ConfigError(
+                f"max_num_batched_tokens {tokens} is below max_num_seqs {seqs}, which vLLM "
+                "refuses to start with (a step must hold one token of every running request); "
+                "give --max-num-batched-tokens of at least --max-num-seqs"
+            )
         if self.engine == "sglang":
             tokens = max(1, tokens // dp)
-        return tokens, self.max_num_seqs or seqs
+        return tokens, seqs
 
     @property
     def eager_decode_text(self) -> str | None:
