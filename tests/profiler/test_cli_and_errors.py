@@ -142,7 +142,18 @@ def test_corrupt_profile_files_are_one_line(tiny_model, quick_profile, tmp_path)
     doc = json.loads(good.read_text())
     doc["ops"][0]["latency_s"][0][0] = -1.0
     wrong.write_text(json.dumps(doc))
-    cases = ((broken, "json_invalid|Invalid JSON|EOF"), (wrong, "latencies must be seconds from"))
+    # a stall overhead of 1e9 priced a step at 8.7e9 ms; a dtype no model has was suggested
+    # back as --quant float7
+    stalled = tmp_path / "stalled.json"
+    stalled.write_text(json.dumps({**json.loads(good.read_text()), "stall_overhead": 1e9}))
+    float7 = tmp_path / "float7.json"
+    float7.write_text(json.dumps({**json.loads(good.read_text()), "dtype": "float7"}))
+    cases = (
+        (broken, "json_invalid|Invalid JSON|EOF"),
+        (wrong, "latencies must be seconds from"),
+        (stalled, "stall_overhead: Input should be less than or equal to 10"),
+        (float7, "dtype: 'float7' is not a model dtype; one of bfloat16"),
+    )
     for path, what in cases:
         for loader in (load_profile, lambda p: load_profiles([p])):
             with pytest.raises(ConfigError, match="is not a valid profile") as info:

@@ -80,7 +80,7 @@ def load_profiles(paths: list[Path] | None) -> list[Any]:
             where = ".".join(str(p) for p in first["loc"]) or "file"
             raise ConfigError(
                 f"profile file {path} is not a valid profile ({where}: "
-                f"{first['msg']}); re-run opweave profile"
+                f"{str(first['msg']).removeprefix('Value error, ')}); re-run opweave profile"
             ) from None
     return profiles
 

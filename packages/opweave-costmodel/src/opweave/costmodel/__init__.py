@@ -142,6 +142,7 @@ from ._private.precision import (
     module_matches,
 )
 from ._private.profile import (
+    MAX_STALL_OVERHEAD,
     PROFILE_SCHEMA_VERSION,
     CollectiveTable,
     IdleSlowdown,
@@ -281,6 +282,7 @@ __all__ = [
     "OrchestrationProfile",
     "ProfiledLatency",
     "Profile",
+    "MAX_STALL_OVERHEAD",
     "Provenance",
     "RooflineLatency",
     "TransferProfile",

@@ -12,9 +12,10 @@ from datetime import date
 from typing import Literal, Protocol
 
 import numpy as np
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from ..errors import ConfigError
+from .architecture import _DTYPES
 from .base import FileSchema, schema_version_field
 from .hardware import HardwareSpec
 from .model import LayerSpec, ModelSpec, OperatorSpec
@@ -210,6 +211,11 @@ class IdleSlowdown(FileSchema):
         return cold * self.s_per_byte * -math.expm1(-max(idle_s, 0.0) / self.time_constant_s)
 
 
+# A profile's stall overhead beyond which its timings measured the machine's stalls, not the
+# operators (a mean of 11 times the median).
+MAX_STALL_OVERHEAD = 10.0
+
+
 class Provenance(FileSchema):
     source: Literal["measured", "roofline", "aiconfigurator"] = Field(
         description="measured: the profiler timed the runtime's operators; roofline: "
@@ -254,10 +260,19 @@ class Profile(FileSchema):
     stall_overhead: float = Field(
         default=0.0,
         ge=0,
+        le=MAX_STALL_OVERHEAD,
         description="The mean of timed operator calls over their median, less one: what stalls "
-        "add to the tables' medians in expectation (operator latencies are scaled by 1 + this).",
+        "add to the tables' medians in expectation (operator latencies are scaled by 1 + this). "
+        "At most 10: calls whose mean is 11 times their median measured no steady latency.",
     )
     provenance: Provenance
+
+    @field_validator("dtype")
+    @classmethod
+    def _known_dtype(cls, dtype: str) -> str:
+        if dtype not in _DTYPES:
+            raise ValueError(f"{dtype!r} is not a model dtype; one of {', '.join(_DTYPES)}")
+        return dtype
 
     @model_validator(mode="after")
     def _distinct(self) -> Profile:

@@ -25,6 +25,7 @@ import torch
 from pydantic import ValidationError
 
 from opweave.costmodel import (
+    MAX_STALL_OVERHEAD,
     EfficiencyFit,
     OpLatencyTable,
     Profile,
@@ -558,6 +559,11 @@ def profile_model(
     tables = _tables(targets, runner.grids, grid_b, grid_s)
     timed = [m for grid in runner.grids.values() for cells in grid.values() for m in _flat(cells)]
     stalls = stall_overhead(timed)
+    if stalls > MAX_STALL_OVERHEAD:
+        raise ConfigError(
+            f"the timed calls' mean is {1 + stalls:.0f} times their median: the machine stalled "
+            "the measurement (other work, throttling); profile on a quiet machine"
+        )
     settings_doc: dict[str, str | int | float | list[int] | list[str]] = {
         "device": str(dev),
         "timing": mode,
@@ -695,6 +701,7 @@ def load_profile(path: str | Path) -> Profile:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "file"
         raise ConfigError(
-            f"profile file {path} is not a valid profile ({where}: {err['msg']}); "
+            f"profile file {path} is not a valid profile ({where}: "
+            f"{str(err['msg']).removeprefix('Value error, ')}); "
             "re-run opweave profile"
         ) from None
