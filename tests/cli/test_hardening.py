@@ -86,6 +86,23 @@ def test_plot_paths(tmp_path: Path) -> None:
     assert "-o " + str(fifo) + " is not a regular file" in one_line_error([*plan, "-o", str(fifo)])
 
 
+def test_a_link_to_nothing_is_named_as_one(tmp_path: Path) -> None:
+    """A symlink loop or a dangling link read 'does not exist' although the name is there."""
+    loop, back, dangling = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    loop.symlink_to(back)
+    back.symlink_to(loop)
+    dangling.symlink_to(tmp_path / "gone.json")
+    for path in (loop, dangling):
+        assert one_line_error(["simulate", str(path)]).endswith(
+            f"plan file {path} is a symbolic link to nothing (dangling, or a loop); give the "
+            "file itself"
+        )
+    assert one_line_error(["estimate", str(loop), "--gpu", "h100"]).endswith(
+        "is a symbolic link to nothing (dangling, or a loop); give the config.json or model "
+        "folder itself"
+    )
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_unreadable_and_unwritable_paths_exit_2(tmp_path: Path, tiny: Path) -> None:
     locked = tmp_path / "locked"

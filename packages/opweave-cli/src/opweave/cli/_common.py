@@ -125,7 +125,11 @@ def missing_file(path: Path) -> str:
     """Why ``path`` is not a file to read: absent, or a folder, device or pipe."""
     if path.is_dir():
         return "is a folder; give the file itself"
-    return "is not a regular file" if path.exists() else "does not exist"
+    if path.exists():
+        return "is not a regular file"
+    if path.is_symlink():
+        return "is a symbolic link to nothing (dangling, or a loop); give the file itself"
+    return "does not exist"
 
 
 def output_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:

@@ -161,6 +161,11 @@ def _load_model(
     if model in BUILTIN_MODELS:
         return model_spec_from_config(builtin_config(model), name=model, dtype=dtype, **precision)
     path = Path(model)
+    if not path.exists() and path.is_symlink():
+        raise ConfigError(
+            f"model path {model} is a symbolic link to nothing (dangling, or a loop); give the "
+            "config.json or model folder itself"
+        )
     if not path.exists():
         raise UnknownModelError(
             f"unknown model {model!r}; use a built-in ({', '.join(BUILTIN_MODELS)}) "
