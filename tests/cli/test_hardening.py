@@ -97,10 +97,15 @@ def test_a_link_to_nothing_is_named_as_one(tmp_path: Path) -> None:
             f"plan file {path} is a symbolic link to nothing (dangling, or a loop); give the "
             "file itself"
         )
-    assert one_line_error(["estimate", str(loop), "--gpu", "h100"]).endswith(
-        "is a symbolic link to nothing (dangling, or a loop); give the config.json or model "
-        "folder itself"
-    )
+    linked = "is a symbolic link to nothing (dangling, or a loop); give the file itself"
+    assert one_line_error(["estimate", str(loop), "--gpu", "h100"]).endswith(linked)
+    # a workload file, and a model folder whose config.json lost its blob (a hub cache)
+    workload = ["estimate", "qwen3-8b", "--gpu", "h100", "--workload", str(dangling)]
+    assert one_line_error(workload).endswith(f"workload file {dangling} {linked}")
+    folder = tmp_path / "snapshot"
+    folder.mkdir()
+    (folder / "config.json").symlink_to(tmp_path / "blobs" / "0123")
+    assert one_line_error(["estimate", str(folder), "--gpu", "h100"]).endswith(linked)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
@@ -151,12 +156,12 @@ def test_simulate_never_opens_the_plans_model_name_as_a_path(tmp_path: Path, tin
         (("model", "family", "qwen3"), "records family qwen3, the config's llama"),
         (("prediction", "tpot_s", -1.0), "prediction.tpot_s: Input should be greater than 0"),
         (("prediction", "usd_per_million_tokens", -5.0), "prediction.usd_per_million_tokens"),
-        (("microbatches", None, 1), "microbatches: Value error, given twice; keep one"),
+        (("microbatches", None, 1), "microbatches: given twice; keep one"),
         # deploy writes the name into shell scripts: a newline would end their comment
         (("model", "name", "x\ntouch /tmp/owned\n#"), "model.name: String should match"),
         (("model", "family", "bogus"), "'bogus' is not a supported family"),
         # simulate costed an unknown format as the checkpoint's own
-        (("model", "quant", "bogus"), "model.quant: Value error, 'bogus' is not a weight format"),
+        (("model", "quant", "bogus"), "model.quant: 'bogus' is not a weight format"),
         (("model", "quant", "fp8+bf16"), "join distinct formats in sorted order"),
         (("model", "config_sha256", "zz"), "model.config_sha256: String should match pattern"),
         # the precision alone edited: the fingerprint is the checkpoint's own
@@ -760,6 +765,11 @@ def test_simulate_says_why_a_plans_prediction_may_differ(tmp_path: Path) -> None
     usd = doc["prediction"]["usd_per_million_tokens"]
     said = f"iteration {planned:.3f} ms and ${10 * usd:.4g} per million tokens: the plan"
     assert said in err, err
+    # a recorded cost of 0 (the schema allows it) is compared, not divided by
+    doc["prediction"]["usd_per_million_tokens"] = 0.0
+    path.write_text(json.dumps(doc))
+    code, _, err, _ = invoke(["simulate", str(path)])
+    assert code == 0 and "and $0 per million tokens, this re-simulation" in err, err
 
 
 def test_a_missing_vocab_size_is_named_where_it_shows(write_config) -> None:

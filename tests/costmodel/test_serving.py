@@ -853,15 +853,21 @@ def test_weights_beyond_the_gpu_are_named_as_such(qwen32, h100) -> None:
 
 
 def test_a_vllm_token_budget_below_its_running_requests_is_refused(qwen32, h100) -> None:
-    """vLLM refuses max_num_batched_tokens below max_num_seqs at start-up (SchedulerConfig);
-    a budget of 1 was simulated (34 s at 8K prompts, with no word that vLLM would not start)."""
+    """vLLM refuses max_num_batched_tokens below a given max_num_seqs at start-up
+    (SchedulerConfig; a budget of 1 beside 1024 requests was simulated, 34 s at 8K prompts);
+    given the budget alone, EngineArgs lowers its default running limit to it."""
     w = Workload(
-        isl=Lengths.fixed(1024), osl=Lengths.fixed(64), concurrency=4, max_num_batched_tokens=1
+        isl=Lengths.fixed(1024),
+        osl=Lengths.fixed(64),
+        concurrency=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=1024,
     )
-    with pytest.raises(ConfigError, match="^max_num_batched_tokens 1 is below max_num_seqs 1024"):
+    with pytest.raises(ConfigError, match="^max_num_batched_tokens 16 is below max_num_seqs 1024"):
         estimate_serving(qwen32, h100, tp=1, workload=w)
-    fits = w.model_copy(update={"max_num_batched_tokens": 16, "max_num_seqs": 16})
-    assert estimate_serving(qwen32, h100, tp=1, workload=fits).ttft_s > 0
+    alone = w.model_copy(update={"max_num_seqs": None})
+    assert alone.batch_limits(h100) == (16, 16)
+    assert estimate_serving(qwen32, h100, tp=1, workload=alone).max_num_seqs == 16
     # SGLang has no such rule
     sglang = w.model_copy(update={"engine": "sglang", "max_num_batched_tokens": 512})
     assert estimate_serving(qwen32, h100, tp=1, workload=sglang).ttft_s > 0

@@ -69,7 +69,6 @@ __all__ = [
     "finite",
     "human_bytes",
     "load_spec",
-    "missing_file",
     "output_file",
     "parse_list",
     "parse_size",
@@ -119,17 +118,6 @@ def catalog(hardware: Path | None):  # -> HardwareCatalog
 
 
 PLOT_SUFFIXES = (".png", ".pdf", ".svg")
-
-
-def missing_file(path: Path) -> str:
-    """Why ``path`` is not a file to read: absent, or a folder, device or pipe."""
-    if path.is_dir():
-        return "is a folder; give the file itself"
-    if path.exists():
-        return "is not a regular file"
-    if path.is_symlink():
-        return "is a symbolic link to nothing (dangling, or a loop); give the file itself"
-    return "does not exist"
 
 
 def output_file(path: Path | None, flag: str, suffixes: tuple[str, ...] = ()) -> Path | None:

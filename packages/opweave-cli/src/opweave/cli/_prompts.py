@@ -8,8 +8,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ._common import missing_file
-
 
 def tokenizer(model_path: Path) -> Any:
     """The model folder's tokenizer.json, loaded; None without one."""
@@ -69,7 +67,9 @@ def read_prompts(
         return [(encode(p, f"--prompt {p!r}"), None) for p in prompts]
     assert path is not None
     if not path.is_file():
-        raise ConfigError(f"prompts file {path} {missing_file(path)}")
+        from opweave.costmodel.errors import not_a_file
+
+        raise ConfigError(f"prompts file {path} {not_a_file(path)}")
     try:
         text = path.read_text()
     except OSError as exc:

@@ -181,6 +181,7 @@ def _plan(flags: RunFlags, model: Any, plan_file: Path | None) -> Any:
     from pydantic import ValidationError
 
     from opweave.costmodel import PrefillPool, canonical_plan
+    from opweave.costmodel.errors import validation_message
 
     ep = flags.ep
     dp = ep // flags.tp if ep > 1 else 1  # attention replicas of --tp GPUs over the --ep GPUs
@@ -215,7 +216,7 @@ def _plan(flags: RunFlags, model: Any, plan_file: Path | None) -> Any:
             plan = plan.model_copy(update={"prefill": pool})
         return plan
     except ValidationError as exc:  # a bound of the Plan schema (replicas x tp, batches)
-        raise typer.BadParameter(f"no such plan: {exc.errors()[0]['msg']}") from None
+        raise typer.BadParameter(f"no such plan: {validation_message(exc.errors()[0])}") from None
 
 
 def _check_ep(model: Any, ep: int) -> None:

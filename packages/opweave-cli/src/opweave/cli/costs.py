@@ -456,7 +456,12 @@ def _check_parallelism(
     dense_dp: bool = False,
 ) -> None:
     """That the model's operators split as ``(tp, ep, dp)`` asks on ``hw`` (one-line errors)."""
-    from opweave.costmodel import ConfigError, Parallelism, parallelism_problem
+    from opweave.costmodel import (
+        ConfigError,
+        Parallelism,
+        max_expert_load_imbalance,
+        parallelism_problem,
+    )
 
     if dense_dp and dp == 1:
         raise ConfigError("--dense-dp applies to data-parallel attention; give --dp above 1")
@@ -472,8 +477,7 @@ def _check_parallelism(
         )
     moe = spec.arch.moe
     if imbalance is not None and moe is not None:
-        # the busiest GPU's load is at most every token's copies its experts can take
-        most = min(moe.top_k, moe.num_experts // ep) * ep / moe.top_k
+        most = max_expert_load_imbalance(moe, ep)
         if imbalance > most:
             raise ConfigError(
                 f"--expert-imbalance {imbalance:g} is more than a busiest expert GPU can carry "

@@ -79,14 +79,22 @@ def _check_it_runs(plan: Any, path: Path, hardware: Path | None, profiles: Any) 
 
     from .planning import _planned_model, planned_config
 
+    unchecked = (
+        "so its memory and cuts were not re-checked here; the nodes check them when they load "
+        "the checkpoint"
+    )
     if plan.model.name not in BUILTIN_MODELS:
+        typer.echo(
+            f"note: plan {path} is of model {plan.model.name!r}, whose config only the nodes "
+            f"hold, {unchecked}",
+            err=True,
+        )
         return
     spec = _planned_model(plan.model.name, plan, path)
     if not planned_config(plan.model.name, spec, plan, path):
         typer.echo(
             f"note: plan {path} was made for a {plan.model.name} config other than the built-in "
-            "one (its fingerprint differs), so its memory and cuts were not re-checked here; "
-            "the nodes check them when they load the checkpoint",
+            f"one (its fingerprint differs), {unchecked}",
             err=True,
         )
         return

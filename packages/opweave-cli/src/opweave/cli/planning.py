@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Annotated, Any
@@ -14,7 +15,6 @@ from ._common import (
     check_context,
     emit_json,
     load_spec,
-    missing_file,
     output_file,
     parse_list,
     parse_size,
@@ -62,11 +62,12 @@ def load_profiles(paths: list[Path] | None) -> list[Any]:
     from pydantic import ValidationError
 
     from opweave.costmodel import ConfigError, Profile
+    from opweave.costmodel.errors import not_a_file, validation_message
 
     profiles = []
     for path in paths or []:
         if not path.is_file():
-            raise ConfigError(f"profile file {path} {missing_file(path)}")
+            raise ConfigError(f"profile file {path} {not_a_file(path)}")
         try:
             profiles.append(Profile.from_json(path.read_bytes()))
         except OSError as exc:
@@ -80,7 +81,7 @@ def load_profiles(paths: list[Path] | None) -> list[Any]:
             where = ".".join(str(p) for p in first["loc"]) or "file"
             raise ConfigError(
                 f"profile file {path} is not a valid profile ({where}: "
-                f"{str(first['msg']).removeprefix('Value error, ')}); re-run opweave profile"
+                f"{validation_message(first)}); re-run opweave profile"
             ) from None
     return profiles
 
@@ -89,9 +90,10 @@ def load_plan_file(path: Path):  # -> Plan
     from pydantic import ValidationError
 
     from opweave.costmodel import ConfigError, Plan
+    from opweave.costmodel.errors import not_a_file, validation_message
 
     if not path.is_file():
-        raise ConfigError(f"plan file {path} {missing_file(path)}")
+        raise ConfigError(f"plan file {path} {not_a_file(path)}")
     try:
         return Plan.from_json(path.read_bytes())
     except OSError as exc:
@@ -102,7 +104,7 @@ def load_plan_file(path: Path):  # -> Plan
         )
         where = ".".join(str(p) for p in first["loc"]) or "file"
         raise ConfigError(
-            f"plan file {path} is not a valid plan ({where}: {first['msg']}); "
+            f"plan file {path} is not a valid plan ({where}: {validation_message(first)}); "
             "write one with opweave plan -o"
         ) from None
 
@@ -350,6 +352,7 @@ def _write_plans(results: list[Any], output: Path | None) -> list[tuple[Path, An
         path = output
         if len(results) > 1:
             path = output.with_name(f"{output.stem}-{r.tpot_slo_s * 1e3:g}ms{output.suffix}")
+            output_file(path, "-o")  # the file written in -o's place
         path.write_text(r.best.model_dump_json(indent=2) + "\n")
         written.append((path, r))
     return written
@@ -477,12 +480,12 @@ def _planned_model(model: str, plan: Any, path: Path):  # -> ModelSpec
 
 def _differs(planned: Any, sim: Any) -> bool:
     """Whether a re-simulation's TPOT or cost differs from the plan file's prediction."""
-    if abs(sim.tpot_s / planned.tpot_s - 1) > 1e-3:
+    if not math.isclose(sim.tpot_s, planned.tpot_s, rel_tol=1e-3):
         return True
     usd, again = planned.usd_per_million_tokens, sim.usd_per_million_tokens
     if usd is None or again is None:
         return (usd is None) != (again is None)
-    return abs(again / usd - 1) > 1e-3
+    return not math.isclose(again, usd, rel_tol=1e-3)
 
 
 def planned_config(name: str, spec: Any, plan: Any, path: Path) -> bool:

@@ -40,6 +40,7 @@ from ._private.expert_comm import (
     dispatch_bytes_per_token,
     expert_load_imbalance,
     gather_scatter_s,
+    max_expert_load_imbalance,
 )
 from ._private.families import model_spec_from_config
 from ._private.fit import (
@@ -331,6 +332,7 @@ __all__ = [
     "dispatch_bytes_per_token",
     "dp_batch",
     "expert_load_imbalance",
+    "max_expert_load_imbalance",
     "gather_scatter_s",
     "is_group_op",
     "max_replica_batch",

@@ -6,6 +6,10 @@ names the problem and what to do about it, so the CLI can print it as is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
 __all__ = [
     "ConfigError",
     "InfeasibleError",
@@ -14,6 +18,8 @@ __all__ = [
     "UnknownModelError",
     "UnsupportedModelError",
     "UnsupportedPrecisionError",
+    "not_a_file",
+    "validation_message",
 ]
 
 
@@ -43,3 +49,21 @@ class InfeasibleError(OpWeaveError):
 
 class UnsupportedPrecisionError(OpWeaveError):
     """A weight format or KV-cache dtype that a GPU (or the runtime) cannot run."""
+
+
+def validation_message(error: Mapping[str, Any]) -> str:
+    """The words of one pydantic validation error, without the ``Value error,`` that pydantic
+    puts before a validator's own message."""
+    return str(error["msg"]).removeprefix("Value error, ")
+
+
+def not_a_file(path: Path) -> str:
+    """Why ``path`` is not a file to read, to follow its name in a message: a folder, a device
+    or pipe, a symbolic link to nothing, or absent."""
+    if path.is_dir():
+        return "is a folder; give the file itself"
+    if path.exists():
+        return "is not a regular file"
+    if path.is_symlink():
+        return "is a symbolic link to nothing (dangling, or a loop); give the file itself"
+    return "does not exist"

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ..errors import ConfigError
+from ..errors import ConfigError, validation_message
 from .base import Frozen
 from .config_fields import MAX_CONTEXT, defaulted_sizes, parse_config, show
 from .registry import Family, resolve_family
@@ -501,7 +501,7 @@ def _rope(family: Family, cfg: Any, layer_types: set[str], head_dim: int) -> dic
             section = "rope_parameters" if params else "rope_scaling"
             where = key if key in ("rope_theta", "rope_local_base_freq") else f"{section}.{key}"
             where = where.rstrip(".") if key else section
-            message = first["msg"].removeprefix("Value error, ")
+            message = validation_message(first)
             raise ConfigError(f"{where} ({kind} layers): {message}") from None
     return out
 
@@ -532,20 +532,9 @@ def _experts(family: Family, cfg: Any, n: int) -> tuple[ExpertsSpec | None, tupl
     elif flags.moe == "sparse_step":
         step = cfg.decoder_sparse_step
         dense = set(cfg.mlp_only_layers)
-        beyond = sorted(i for i in dense if i >= n)
-        if beyond:
-            raise ConfigError(
-                f"mlp_only_layers: layer {beyond[0]} is beyond the model's {n} layers "
-                f"(0-{n - 1}); list layers of this model"
-            )
         layers = tuple(i for i in range(n) if i not in dense and (i + 1) % step == 0)
     else:  # first_k_dense: vLLM deepseek_v2.py's is_moe_layer
         first, freq = cfg.first_k_dense_replace, cfg.moe_layer_freq
-        if first > n:
-            raise ConfigError(
-                f"first_k_dense_replace: {first} dense layers is more than the model's {n} "
-                "layers; give at most num_hidden_layers"
-            )
         layers = tuple(i for i in range(n) if i >= first and i % freq == 0)
         mlp_types = getattr(cfg, "mlp_layer_types", None)  # transformers' list, where read
         if mlp_types is not None:

@@ -9,7 +9,7 @@ from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from ..errors import ConfigError
+from ..errors import ConfigError, not_a_file
 
 
 def schema_version_problem(value: Any, expected: int, *, toml: bool = False) -> str | None:
@@ -130,14 +130,7 @@ def read_data_file(path: Path, what: str) -> Any:
     """The data of a user's TOML (``.toml``) or JSON file; every way it can fail to be read is
     a one-line :class:`ConfigError` naming ``what`` the file is and ``path``."""
     if not path.is_file():
-        state = (
-            "is a folder; give the file itself"
-            if path.is_dir()
-            else "is not a regular file"
-            if path.exists()
-            else "does not exist"
-        )
-        raise ConfigError(f"{what} {path} {state}")
+        raise ConfigError(f"{what} {path} {not_a_file(path)}")
     try:
         text = path.read_text()
         return tomllib.loads(text) if path.suffix == ".toml" else loads_json(text)

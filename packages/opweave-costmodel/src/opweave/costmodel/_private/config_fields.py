@@ -18,7 +18,7 @@ from typing import Annotated, Any, TypeVar
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
-from ..errors import ConfigError
+from ..errors import ConfigError, validation_message
 
 # Bounds far beyond any released model; past them a config is a typo or an attack, and a
 # 10^12-expert model would only exhaust memory further down.
@@ -278,5 +278,6 @@ def parse_config(schema: type[S], raw: Mapping[str, Any]) -> S:
     except ValidationError as exc:
         first = exc.errors()[0]
         key = ".".join(str(part) for part in first["loc"])
-        message = "missing; add it to config.json" if first["type"] == "missing" else first["msg"]
+        missing = first["type"] == "missing"
+        message = "missing; add it to config.json" if missing else validation_message(first)
         raise ConfigError(f"{key}: {message}") from None

@@ -47,6 +47,7 @@ Sources:
 from __future__ import annotations
 
 from statistics import NormalDist
+from typing import Protocol
 
 from .fixed_costs import SMALL_COLLECTIVE_MAX_BYTES
 from .hardware import HardwareSpec
@@ -76,6 +77,26 @@ def off_gpu_fraction(ep: int) -> float:
     return (ep - 1) / ep
 
 
+class _Routing(Protocol):
+    """What routing a model does: its experts and how many each token uses."""
+
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def top_k(self) -> int: ...
+
+
+def max_expert_load_imbalance(moe: _Routing, ep: int) -> float:
+    """The most the busiest of ``ep`` expert GPUs can receive over the mean: every token's
+    copies its experts can take, ``min(top_k, experts per GPU)`` of each token's ``top_k``.
+
+    >>> from opweave.costmodel import MoESpec
+    >>> max_expert_load_imbalance(MoESpec(num_experts=128, top_k=8, expert_weight_bytes=1), 2)
+    2.0
+    """
+    return min(moe.top_k, moe.num_experts // ep) * ep / moe.top_k
+
+
 def expert_load_imbalance(moe: MoESpec, tokens: float, ep: int, skew: float = 1.0) -> float:
     """Copies the busiest of ``ep`` expert GPUs receives over the mean, for ``tokens`` tokens.
 
@@ -97,8 +118,7 @@ def expert_load_imbalance(moe: MoESpec, tokens: float, ep: int, skew: float = 1.
     mean = picks / ep
     sigma = (picks * (1.0 / ep) * (1.0 - 1.0 / ep)) ** 0.5
     z = NormalDist().inv_cdf((ep - 0.375) / (ep + 0.25))
-    most = tokens * min(moe.top_k, moe.num_experts // ep)
-    return max(1.0, min((mean + z * sigma) * skew, most) / mean)
+    return max(1.0, min((mean + z * sigma) * skew / mean, max_expert_load_imbalance(moe, ep)))
 
 
 def alltoall_bytes_per_gpu(

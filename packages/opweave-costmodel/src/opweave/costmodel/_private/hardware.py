@@ -44,7 +44,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, ValidationError, model_validator
 
-from ..errors import ConfigError, UnknownGPUError
+from ..errors import ConfigError, UnknownGPUError, validation_message
 from .base import FileSchema, read_data_file, schema_version_problem
 
 HARDWARE_SCHEMA_VERSION = 1
@@ -363,10 +363,10 @@ class HardwareCatalog:
                 err = exc.errors()[0]
                 where = ".".join(str(p) for p in err["loc"])
                 if not where:  # a rule across fields: its message names them
-                    msg = str(err["msg"]).removeprefix("Value error, ")
+                    msg = validation_message(err)
                     raise ConfigError(f"{source}: GPU {entry['id']!r}: {msg}") from None
                 raise ConfigError(
-                    f"{source}: GPU {entry['id']!r} field {where!r}: {err['msg']}"
+                    f"{source}: GPU {entry['id']!r} field {where!r}: {validation_message(err)}"
                 ) from None
         return out
 

@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, UnknownModelError
+from ..errors import ConfigError, UnknownModelError, not_a_file
 from .base import DuplicateKeyError, loads_json
 from .families import model_spec_from_config
 from .model import ModelSpec
@@ -80,6 +80,8 @@ def read_config(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
+    if path.is_symlink() and not path.exists():  # a cache snapshot whose blob is missing
+        raise ConfigError(f"{path} {not_a_file(path)}")
     if not path.is_file():
         raise UnknownModelError(
             f"no config.json at {path}; give a built-in model name "
@@ -162,10 +164,7 @@ def _load_model(
         return model_spec_from_config(builtin_config(model), name=model, dtype=dtype, **precision)
     path = Path(model)
     if not path.exists() and path.is_symlink():
-        raise ConfigError(
-            f"model path {model} is a symbolic link to nothing (dangling, or a loop); give the "
-            "config.json or model folder itself"
-        )
+        raise ConfigError(f"model path {model} {not_a_file(path)}")
     if not path.exists():
         raise UnknownModelError(
             f"unknown model {model!r}; use a built-in ({', '.join(BUILTIN_MODELS)}) "

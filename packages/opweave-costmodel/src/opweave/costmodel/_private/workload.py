@@ -51,7 +51,7 @@ from typing import Any, Literal, TypeGuard
 import numpy as np
 from pydantic import Field, ValidationError, field_validator, model_validator
 
-from ..errors import ConfigError, InfeasibleError
+from ..errors import ConfigError, InfeasibleError, validation_message
 from .base import Frozen, read_data_file, schema_version_problem
 from .hardware import HardwareSpec
 
@@ -495,6 +495,9 @@ class Workload(Frozen):
         data-parallel attention ranks ([SGL-DP]), vLLM's DP ranks each have their own."""
         tokens, seqs = default_batch_limits(hardware, self.engine)
         tokens = self.max_num_batched_tokens or tokens
+        if self.engine == "vllm" and self.max_num_seqs is None:
+            # EngineArgs lowers its default running limit to a smaller token budget
+            seqs = min(seqs, tokens)
         seqs = self.max_num_seqs or seqs
         if self.engine == "vllm" and tokens < seqs:
             # SchedulerConfig._verify_args (vllm/config/scheduler.py): every running request
@@ -640,7 +643,7 @@ def load_workload_file(path: str | Path, **overrides: Any) -> Workload:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "file"
         raise ConfigError(
-            f"workload file {path}: {where}: {str(err['msg']).removeprefix('Value error, ')} "
+            f"workload file {path}: {where}: {validation_message(err)} "
             "(fields: isl, osl, rate_per_s or "
             "concurrency, engine, max_num_batched_tokens, max_num_seqs, scheduling, "
             "scheduler_recv_interval, memory_fraction, cuda_graph_max_bs, seed)"

@@ -33,7 +33,7 @@ from opweave.costmodel import (
     fit_efficiency_report,
     weight_bytes_per_rank,
 )
-from opweave.costmodel.errors import ConfigError
+from opweave.costmodel.errors import ConfigError, not_a_file, validation_message
 from opweave.runtime import (
     BatchMeta,
     DecodeStep,
@@ -694,7 +694,7 @@ def load_profile(path: str | Path) -> Profile:
     """Read a profile file, with one-line errors for a missing, corrupt or foreign file."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"profile file {path} does not exist")
+        raise ConfigError(f"profile file {path} {not_a_file(path)}")
     try:
         return Profile.from_json(path.read_bytes())
     except ValidationError as exc:
@@ -702,6 +702,6 @@ def load_profile(path: str | Path) -> Profile:
         where = ".".join(str(p) for p in err["loc"]) or "file"
         raise ConfigError(
             f"profile file {path} is not a valid profile ({where}: "
-            f"{str(err['msg']).removeprefix('Value error, ')}); "
+            f"{validation_message(err)}); "
             "re-run opweave profile"
         ) from None

@@ -20,6 +20,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from opweave.costmodel.errors import validation_message
+
 from ..errors import OpWeaveRuntimeError
 
 
@@ -214,7 +216,7 @@ def options_error(exc: Exception, names: dict[str, str]) -> str:
     choices = _CHOICES.get(field)
     if choices is not None:
         return f"{name} must be one of {', '.join(choices)}, not {err.get('input')!r}"
-    return f"{name}: {str(err['msg']).removeprefix('Value error, ')}"
+    return f"{name}: {validation_message(err)}"
 
 
 _CHOICES = {"decode_step": DecodeStep, "kernels": Kernels, "wait": Wait}
