@@ -396,11 +396,9 @@ def _unsupported(config: Mapping[str, Any], archs: list[str]) -> UnsupportedMode
 
 
 # Architectures of a family's model type that have no language-model head: transformers' bare
-# ``...Model`` (embedding checkpoints such as google/embeddinggemma-300m: Gemma3TextModel) and
-# its classification and reward heads.
-_HEADLESS = re.compile(
-    r"(Model|For(Sequence|Token)Classification|ForQuestionAnswering|ForRewardModel|Embedding)$"
-)
+# ``...Model`` (embedding checkpoints such as google/embeddinggemma-300m: Gemma3TextModel; reward
+# heads, ``...ForRewardModel``, end the same way) and its classification heads.
+_HEADLESS = re.compile(r"(Model|For(Sequence|Token)Classification|ForQuestionAnswering|Embedding)$")
 
 
 def resolve_family(config: Mapping[str, Any]) -> tuple[Family, dict[str, Any]]:
